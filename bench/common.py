@@ -1,0 +1,70 @@
+"""Shared benchmark helpers: median timing with CUDA events (triton's do_bench),
+the device-to-device copy baseline measured in the same run, and table output."""
+
+import datetime
+import os
+from typing import Callable, List, Optional, Sequence
+
+import torch
+
+
+def bench_us(fn: Callable[[], object], warmup_ms: int = 30, rep_ms: int = 200) -> float:
+    """Median time of fn() in microseconds."""
+    from triton.testing import do_bench
+
+    return 1000.0 * do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")
+
+
+_copy_cache = {}
+
+
+def copy_us(total_bytes: int) -> float:
+    """Time of a device-to-device copy that reads and writes total_bytes in all
+    (total_bytes / 2 each way), the bandwidth roofline for the same traffic."""
+    n = max(total_bytes // 2, 1)
+    if n not in _copy_cache:
+        src = torch.empty(n, dtype=torch.uint8, device="cuda").random_()
+        dst = torch.empty_like(src)
+        _copy_cache[n] = bench_us(lambda: dst.copy_(src))
+        del src, dst
+    return _copy_cache[n]
+
+
+def try_peer(make: Callable[[], Callable[[], object]]) -> Optional[Callable[[], object]]:
+    """A peer's callable, or None when it cannot run here (not installed, refuses
+    the shape); the reason is printed once."""
+    try:
+        fn = make()
+        fn()
+        torch.cuda.synchronize()
+        return fn
+    except Exception as e:  # a missing or failing peer must not stop our numbers
+        print(f"  (peer unavailable: {type(e).__name__}: {str(e).splitlines()[0][:120]})")
+        return None
+
+
+def fmt(v: Optional[float], spec: str = "{:.1f}") -> str:
+    return "n/a" if v is None else spec.format(v)
+
+
+def print_table(title: str, header: Sequence[str], rows: List[Sequence[str]], out_name: str) -> str:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
+    line = lambda cells: "| " + " | ".join(c.rjust(w) for c, w in zip(cells, widths)) + " |"
+    dev = torch.cuda.get_device_name()
+    text = "\n".join(
+        [
+            f"### {title}",
+            f"{dev}, torch {torch.__version__}, {datetime.date.today().isoformat()}",
+            "",
+            line(header),
+            "|" + "|".join("-" * (w + 2) for w in widths) + "|",
+            *[line(r) for r in rows],
+            "",
+        ]
+    )
+    print(text)
+    out = os.environ.get("OUT")
+    if out:
+        with open(os.path.join(out, out_name), "a") as f:
+            f.write(text + "\n")
+    return text

@@ -1,0 +1,72 @@
+// All op schemas of torch.ops.moe_fp8, one section per kernel family, each def next
+// to its CPU and CUDA impls; and the pybind11 module that reports build info.
+#include <pybind11/pybind11.h>
+#include <torch/library.h>
+#include <torch/version.h>
+
+#include "rowwise/rowwise_ops.h"
+
+#ifdef MOE_FP8_WITH_CUDA
+#include <cuda_runtime_api.h>
+#endif
+
+#ifndef MOE_FP8_CUDA_ARCHS_STR
+#define MOE_FP8_CUDA_ARCHS_STR ""
+#endif
+
+// Registers fn for every backend this build has kernels for.
+#ifdef MOE_FP8_WITH_CUDA
+#define MOE_FP8_IMPL(m, name, fn) \
+  m.impl(name, c10::DispatchKey::CPU, TORCH_FN(fn)); \
+  m.impl(name, c10::DispatchKey::CUDA, TORCH_FN(fn))
+#else
+#define MOE_FP8_IMPL(m, name, fn) m.impl(name, c10::DispatchKey::CPU, TORCH_FN(fn))
+#endif
+
+TORCH_LIBRARY(moe_fp8, m) {
+  // ---- FP8 rowwise family (DESIGN §5): decode scales, pow2 by default -------------
+  m.def("quantize_rowwise(Tensor x, ScalarType fp8_dtype, bool pow2_scale=True) -> (Tensor, Tensor)");
+  MOE_FP8_IMPL(m, "quantize_rowwise", moe_fp8::quantize_rowwise);
+
+  m.def("quantize_experts_fwd(Tensor b_t, ScalarType fp8_dtype, bool pow2_scale=True) -> (Tensor, Tensor)");
+  MOE_FP8_IMPL(m, "quantize_experts_fwd", moe_fp8::quantize_experts_fwd);
+
+  m.def("quantize_experts_bwd(Tensor b_t, ScalarType fp8_dtype, bool pow2_scale=True) -> (Tensor, Tensor)");
+  MOE_FP8_IMPL(m, "quantize_experts_bwd", moe_fp8::quantize_experts_bwd);
+
+  m.def(
+      "quantize_jagged_colwise(Tensor x, Tensor offs, ScalarType fp8_dtype, bool pow2_scale=True)"
+      " -> (Tensor, Tensor)");
+  MOE_FP8_IMPL(m, "quantize_jagged_colwise", moe_fp8::quantize_jagged_colwise);
+
+  m.def(
+      "quantize_jagged_colwise_dual(Tensor x1, Tensor x2, Tensor offs, ScalarType fp8_dtype,"
+      " bool pow2_scale=True) -> (Tensor, Tensor, Tensor, Tensor)");
+  MOE_FP8_IMPL(m, "quantize_jagged_colwise_dual", moe_fp8::quantize_jagged_colwise_dual);
+}
+
+namespace {
+
+pybind11::dict build_info() {
+  pybind11::dict info;
+  info["torch_version"] = TORCH_VERSION;
+#ifdef MOE_FP8_WITH_CUDA
+  info["cuda"] = true;
+  info["cuda_version"] = std::to_string(CUDART_VERSION / 1000) + "." + std::to_string(CUDART_VERSION % 1000 / 10);
+  info["cuda_archs"] = std::string(MOE_FP8_CUDA_ARCHS_STR);
+#else
+  info["cuda"] = false;
+  info["cuda_version"] = pybind11::none();
+  info["cuda_archs"] = std::string();
+#endif
+  info["hip"] = false;
+  info["hip_version"] = pybind11::none();
+  return info;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "moe_fp8_ext compiled kernels; the ops live in torch.ops.moe_fp8";
+  m.def("build_info", &build_info, "Build configuration: torch version, CUDA/HIP version, compiled archs");
+}

@@ -1,0 +1,167 @@
+// Scalar numerics shared bit-for-bit by the CPU and GPU kernels (DESIGN §4, §5):
+// fp8 encoders (round-to-nearest-even, saturating, bit-exact with PyTorch's casts
+// for every finite input after the clamp), the NaN-propagating amax, and the
+// scale rule with exact power-of-two rounding from the exponent bits.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+#include "portability.h"
+
+namespace moe_fp8 {
+
+enum class Fp8Format : int { kE4M3FN = 0, kE4M3FNUZ = 1, kE5M2 = 2 };
+
+// High-precision input element types the quantizers accept.
+enum class InputKind : int { kBF16 = 0, kFP16 = 1, kFP32 = 2 };
+
+template <Fp8Format F>
+struct Fp8Spec;
+
+template <>
+struct Fp8Spec<Fp8Format::kE4M3FN> {
+  static constexpr int kManBits = 3;
+  static constexpr int kBias = 7;
+  static constexpr uint32_t kMaxCode = 0x7E;     // 448
+  static constexpr uint32_t kMaxBits = 0x43E00000u;  // 448.0f
+  static constexpr uint32_t kNaN = 0x7F;
+  static constexpr bool kSigned = true;          // has -0 and a signed NaN
+  static constexpr float kMax = 448.0f;
+};
+
+template <>
+struct Fp8Spec<Fp8Format::kE4M3FNUZ> {
+  static constexpr int kManBits = 3;
+  static constexpr int kBias = 8;
+  static constexpr uint32_t kMaxCode = 0x7F;     // 240
+  static constexpr uint32_t kMaxBits = 0x43700000u;  // 240.0f
+  static constexpr uint32_t kNaN = 0x80;         // the only NaN; there is no -0
+  static constexpr bool kSigned = false;
+  static constexpr float kMax = 240.0f;
+};
+
+template <>
+struct Fp8Spec<Fp8Format::kE5M2> {
+  static constexpr int kManBits = 2;
+  static constexpr int kBias = 15;
+  static constexpr uint32_t kMaxCode = 0x7B;     // 57344
+  static constexpr uint32_t kMaxBits = 0x47600000u;  // 57344.0f
+  static constexpr uint32_t kNaN = 0x7F;
+  static constexpr bool kSigned = true;
+  static constexpr float kMax = 57344.0f;
+};
+
+MOE_FP8_HD uint32_t float_bits(float f) {
+  uint32_t u;
+  memcpy(&u, &f, sizeof(u));
+  return u;
+}
+
+MOE_FP8_HD float bits_float(uint32_t u) {
+  float f;
+  memcpy(&f, &u, sizeof(f));
+  return f;
+}
+
+MOE_FP8_HD int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+MOE_FP8_HD int64_t round_up(int64_t a, int64_t b) { return ceil_div(a, b) * b; }
+
+// |x| as bits. For non-negative floats the integer order is the float order and
+// every NaN compares above +inf, so an integer max of these is a NaN-propagating
+// amax that needs no float compare.
+MOE_FP8_HD uint32_t abs_bits(float x) { return float_bits(x) & 0x7FFFFFFFu; }
+
+// Round-to-nearest-even right shift of a positive integer by `shift` (1..31).
+MOE_FP8_HD uint32_t rne_shift(uint32_t v, int shift) {
+  return (v + ((1u << (shift - 1)) - 1u) + ((v >> shift) & 1u)) >> shift;
+}
+
+// Software encoder: integer-only so that host and device give identical bits.
+template <Fp8Format F>
+MOE_FP8_HD uint8_t encode_fp8_sw(float x) {
+  using S = Fp8Spec<F>;
+  const uint32_t bits = float_bits(x);
+  const uint32_t sign = bits >> 31;
+  const uint32_t a = bits & 0x7FFFFFFFu;
+  if (a > 0x7F800000u) {
+    return static_cast<uint8_t>(S::kSigned ? (S::kNaN | (sign << 7)) : S::kNaN);
+  }
+  constexpr int kShift = 23 - S::kManBits;
+  constexpr uint32_t kMinNormalBits = static_cast<uint32_t>(127 - S::kBias + 1) << 23;
+  uint32_t code;
+  if (a >= S::kMaxBits) {
+    code = S::kMaxCode;  // saturate (values in (max, max + ulp/2) round to max too)
+  } else if (a >= kMinNormalBits) {
+    // Re-bias the exponent in place, then drop the extra mantissa bits (RNE); a
+    // mantissa carry correctly bumps the exponent.
+    code = rne_shift(a - (static_cast<uint32_t>(127 - S::kBias) << 23), kShift);
+  } else {
+    // fp8 subnormal: the value in units of the smallest subnormal 2^(1-bias-man).
+    const int e = static_cast<int>(a >> 23);
+    const int shift = 150 - e - (S::kBias - 1 + S::kManBits);
+    code = (e == 0 || shift > 31) ? 0u : rne_shift((a & 0x7FFFFFu) | 0x800000u, shift);
+  }
+  if (S::kSigned) return static_cast<uint8_t>(code | (sign << 7));
+  return static_cast<uint8_t>(code == 0 ? 0u : (code | (sign << 7)));
+}
+
+// Two values at once, low byte first; hardware conversion where it is bit-exact.
+template <Fp8Format F>
+MOE_FP8_HD uint16_t encode_fp8x2(float lo, float hi) {
+#if MOE_FP8_HW_E4M3FN && defined(__CUDA_ARCH__)
+  if constexpr (F == Fp8Format::kE4M3FN) {
+    return hw_cvt_e4m3fn_x2(lo, hi);
+  } else if constexpr (F == Fp8Format::kE4M3FNUZ) {
+    // fnuz(x) == e4m3fn(2x) for |x| <= 232 (bias 8 vs 7, same mantissa); above 232
+    // fnuz rounds to its max code 0x7F, which is NaN in e4m3fn. No -0, one NaN.
+    const uint16_t fn = hw_cvt_e4m3fn_x2(2.0f * lo, 2.0f * hi);
+    uint32_t out = 0;
+    const float v[2] = {lo, hi};
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const uint32_t b = (fn >> (8 * i)) & 0xFFu;
+      const uint32_t a = abs_bits(v[i]);
+      uint32_t c;
+      if (a > 0x7F800000u) c = 0x80u;
+      else if (a > 0x43680000u) c = 0x7Fu | (b & 0x80u);  // |x| > 232
+      else c = (b & 0x7Fu) == 0 ? 0u : b;
+      out |= c << (8 * i);
+    }
+    return static_cast<uint16_t>(out);
+  }
+#endif
+  return static_cast<uint16_t>(encode_fp8_sw<F>(lo) | (encode_fp8_sw<F>(hi) << 8));
+}
+
+template <Fp8Format F>
+MOE_FP8_HD uint8_t encode_fp8(float x) {
+  return static_cast<uint8_t>(encode_fp8x2<F>(x, 0.0f) & 0xFFu);
+}
+
+// Encode scale s and decode scale 1/s from amax (DESIGN §5). NaN amax gives NaN
+// scales, so the whole reduction set becomes NaN rather than silently finite.
+struct QuantScale {
+  float encode;
+  float decode;
+};
+
+MOE_FP8_HD QuantScale scale_from_amax(float amax, float fp8_max, bool pow2) {
+  const float clamped = (amax != amax) ? amax : (amax > 1e-12f ? amax : 1e-12f);
+  float s = fp8_max / clamped;
+  if (pow2 && s == s) s = bits_float(float_bits(s) & 0x7F800000u);  // 2^floor(log2 s)
+  return {s, 1.0f / s};
+}
+
+MOE_FP8_HD QuantScale scale_from_amax_bits(uint32_t amax_bits, float fp8_max, bool pow2) {
+  return scale_from_amax(bits_float(amax_bits), fp8_max, pow2);
+}
+
+// x * s clamped to +-fp8_max. Compares (not fminf) so that NaN stays NaN.
+MOE_FP8_HD float scale_clamp(float x, float s, float fp8_max) {
+  float v = x * s;
+  v = v < -fp8_max ? -fp8_max : v;
+  return v > fp8_max ? fp8_max : v;
+}
+
+}  // namespace moe_fp8

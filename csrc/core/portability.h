@@ -1,0 +1,215 @@
+// Everything that differs between CUDA and HIP lives here, and only here:
+// host/device qualifiers, warp size and shuffles, half-precision bit conversion,
+// hardware fp8 conversion availability, and thread-block clusters (sm90+ only).
+// Kernel headers include this file and stay free of #ifdef USE_ROCM.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+#include <utility>
+
+#if defined(__CUDACC__) || defined(__HIPCC__)
+#define MOE_FP8_HD __host__ __device__ __forceinline__
+#define MOE_FP8_DEVICE __device__ __forceinline__
+#else
+#define MOE_FP8_HD inline
+#define MOE_FP8_DEVICE inline
+#endif
+
+#if defined(__CUDACC__) || defined(__HIPCC__)
+
+#if defined(USE_ROCM)
+#include <hip/hip_runtime.h>
+#include <hip/hip_fp16.h>
+#else
+#include <cuda_runtime.h>
+#include <cuda_fp16.h>
+#include <cooperative_groups.h>
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+#include <cuda_fp8.h>
+#endif
+#endif
+
+namespace moe_fp8 {
+
+#if defined(USE_ROCM)
+// Wave64 on CDNA (MI300/MI350); kernels size their reductions from this.
+constexpr int kWarpSize = 64;
+using gpuStream_t = hipStream_t;
+#else
+constexpr int kWarpSize = 32;
+using gpuStream_t = cudaStream_t;
+#endif
+
+MOE_FP8_DEVICE uint32_t warp_shfl_xor(uint32_t v, int lane_mask) {
+#if defined(USE_ROCM)
+  return __shfl_xor(v, lane_mask, kWarpSize);
+#else
+  return __shfl_xor_sync(0xffffffffu, v, lane_mask, kWarpSize);
+#endif
+}
+
+MOE_FP8_DEVICE float half_bits_to_float(uint16_t bits) {
+  return __half2float(__ushort_as_half(bits));
+}
+
+// Hardware float -> fp8 e4m3fn (OCP) conversion of two values: RNE, saturating
+// finite values to +-448, NaN -> NaN. Available on sm89+; elsewhere callers use the
+// bit-exact software encoder of numerics.h.
+#if !defined(USE_ROCM) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+#define MOE_FP8_HW_E4M3FN 1
+MOE_FP8_DEVICE uint16_t hw_cvt_e4m3fn_x2(float lo, float hi) {
+  return static_cast<uint16_t>(
+      __nv_cvt_float2_to_fp8x2(make_float2(lo, hi), __NV_SATFINITE, __NV_E4M3));
+}
+#else
+#define MOE_FP8_HW_E4M3FN 0
+#endif
+
+// 16-byte global -> shared copy that bypasses registers (cp.async, sm80+ CUDA), so a
+// block can have its whole tile in flight; a plain copy elsewhere. Completed for the
+// calling thread by async_copy_wait_all(); other threads need a barrier after it.
+MOE_FP8_DEVICE void async_copy_16(void* smem_dst, const void* gmem_src) {
+#if !defined(USE_ROCM) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem_dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(gmem_src) : "memory");
+#else
+  *static_cast<uint4*>(smem_dst) = *static_cast<const uint4*>(gmem_src);
+#endif
+}
+
+MOE_FP8_DEVICE void async_copy_wait_all() {
+#if !defined(USE_ROCM) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.wait_all;\n" ::: "memory");
+#endif
+}
+
+// Close the current group of async copies; wait until at most `kPending` of this
+// thread's groups are still in flight.
+MOE_FP8_DEVICE void async_copy_commit() {
+#if !defined(USE_ROCM) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+#endif
+}
+
+template <int kPending>
+MOE_FP8_DEVICE void async_copy_wait() {
+#if !defined(USE_ROCM) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
+#endif
+}
+
+// Thread-block clusters with distributed shared memory (sm90+ CUDA). Kernels use
+// them to split one long reduction across several SMs while keeping every input
+// byte on chip between the two passes.
+#if !defined(USE_ROCM) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define MOE_FP8_HAS_CLUSTERS 1
+MOE_FP8_DEVICE void cluster_sync() { cooperative_groups::this_cluster().sync(); }
+template <typename T>
+MOE_FP8_DEVICE T* cluster_map_shared(T* smem_ptr, unsigned rank) {
+  return cooperative_groups::this_cluster().map_shared_rank(smem_ptr, rank);
+}
+#else
+#define MOE_FP8_HAS_CLUSTERS 0
+MOE_FP8_DEVICE void cluster_sync() {}
+template <typename T>
+MOE_FP8_DEVICE T* cluster_map_shared(T* smem_ptr, unsigned) { return smem_ptr; }
+#endif
+
+// Host side: launch a kernel with an optional cluster shape along y and a
+// dynamic shared-memory size above the 48 KB default. Returns the launch error.
+template <typename... KArgs, typename... Args>
+inline int launch_kernel(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem_bytes,
+                         gpuStream_t stream, int cluster_y, Args&&... args) {
+#if defined(USE_ROCM)
+  (void)cluster_y;  // callers pass 1 on ROCm (no clusters); see supports_clusters()
+  if (smem_bytes > 0) {
+    hipFuncSetAttribute(reinterpret_cast<const void*>(kernel),
+                        hipFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem_bytes));
+  }
+  hipLaunchKernelGGL(kernel, grid, block, smem_bytes, stream, std::forward<Args>(args)...);
+  return static_cast<int>(hipGetLastError());
+#else
+  // Static shared memory counts against the default 48 KB too: opt in for any dynamic size.
+  if (smem_bytes > 0) {
+    cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         static_cast<int>(smem_bytes));
+    if (e != cudaSuccess) return static_cast<int>(e);
+  }
+  if (cluster_y <= 1) {
+    kernel<<<grid, block, smem_bytes, stream>>>(std::forward<Args>(args)...);
+    return static_cast<int>(cudaGetLastError());
+  }
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem_bytes;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = 1;
+  attr[0].val.clusterDim.y = static_cast<unsigned>(cluster_y);
+  attr[0].val.clusterDim.z = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  return static_cast<int>(cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...));
+#endif
+}
+
+inline const char* gpu_error_string(int err) {
+#if defined(USE_ROCM)
+  return hipGetErrorString(static_cast<hipError_t>(err));
+#else
+  return cudaGetErrorString(static_cast<cudaError_t>(err));
+#endif
+}
+
+// How many blocks of `kernel` fit on one multiprocessor, and how many there are.
+template <typename... KArgs>
+inline int resident_blocks(void (*kernel)(KArgs...), int threads, size_t smem_bytes) {
+  int n = 1;
+#if defined(USE_ROCM)
+  hipOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, threads, smem_bytes);
+#else
+  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, threads, smem_bytes);
+#endif
+  return n > 0 ? n : 1;
+}
+
+inline int multiprocessor_count() {
+  int device = 0, n = 1;
+#if defined(USE_ROCM)
+  hipGetDevice(&device);
+  hipDeviceGetAttribute(&n, hipDeviceAttributeMultiprocessorCount, device);
+#else
+  cudaGetDevice(&device);
+  cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device);
+#endif
+  return n;
+}
+
+// Whether the current device can run cluster launches (CUDA sm90+).
+inline bool supports_clusters(int device) {
+#if defined(USE_ROCM)
+  (void)device;
+  return false;
+#else
+  int major = 0;
+  cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
+  return major >= 9;
+#endif
+}
+
+inline int max_dynamic_smem_per_block(int device) {
+  int bytes = 48 * 1024;
+#if defined(USE_ROCM)
+  hipDeviceGetAttribute(&bytes, hipDeviceAttributeSharedMemPerBlockOptin, device);
+#else
+  cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+#endif
+  return bytes;
+}
+
+}  // namespace moe_fp8
+
+#endif  // __CUDACC__ || __HIPCC__

@@ -1,0 +1,89 @@
+// Device-side storage types and vector access: input elements are handled as raw
+// bits (bf16/fp16) or floats and converted to fp32 here, so kernels need no
+// bf16/half C++ types; Array<T, N> gives 16-byte (or narrower) loads and stores.
+#pragma once
+
+#include <cstdint>
+
+#include "numerics.h"
+#include "portability.h"
+
+namespace moe_fp8 {
+
+template <typename T, int N>
+struct alignas(sizeof(T) * N) Array {
+  T v[N];
+};
+
+template <InputKind K>
+struct DeviceInput;
+
+template <>
+struct DeviceInput<InputKind::kBF16> {
+  using storage = uint16_t;
+  static MOE_FP8_DEVICE float to_float(uint16_t b) { return bits_float(static_cast<uint32_t>(b) << 16); }
+};
+
+template <>
+struct DeviceInput<InputKind::kFP16> {
+  using storage = uint16_t;
+  static MOE_FP8_DEVICE float to_float(uint16_t b) { return half_bits_to_float(b); }
+};
+
+template <>
+struct DeviceInput<InputKind::kFP32> {
+  using storage = float;
+  static MOE_FP8_DEVICE float to_float(float f) { return f; }
+};
+
+// N consecutive elements (one 16-byte access when N * sizeof(T) == 16); N == 1 reads
+// one element at an arbitrary stride.
+template <typename T, int N>
+MOE_FP8_DEVICE Array<T, N> load_elems(const T* p, int64_t stride) {
+  if constexpr (N == 1) {
+    Array<T, 1> a;
+    a.v[0] = *p;
+    (void)stride;
+    return a;
+  } else {
+    (void)stride;
+    return *reinterpret_cast<const Array<T, N>*>(p);
+  }
+}
+
+template <typename T, int N>
+MOE_FP8_DEVICE void store_elems(T* p, const Array<T, N>& a) {
+  *reinterpret_cast<Array<T, N>*>(p) = a;
+}
+
+// Scale, clamp and encode N values into N fp8 bytes (pairs go through the
+// two-value encoder so that hardware conversion can be used).
+template <Fp8Format F, class In, typename T, int N>
+MOE_FP8_DEVICE Array<uint8_t, N> quantize_elems(const Array<T, N>& a, float s) {
+  constexpr float kMax = Fp8Spec<F>::kMax;
+  Array<uint8_t, N> out;
+  if constexpr (N == 1) {
+    out.v[0] = encode_fp8<F>(scale_clamp(In::to_float(a.v[0]), s, kMax));
+  } else {
+#pragma unroll
+    for (int i = 0; i < N; i += 2) {
+      const uint16_t two = encode_fp8x2<F>(scale_clamp(In::to_float(a.v[i]), s, kMax),
+                                           scale_clamp(In::to_float(a.v[i + 1]), s, kMax));
+      out.v[i] = static_cast<uint8_t>(two & 0xFF);
+      out.v[i + 1] = static_cast<uint8_t>(two >> 8);
+    }
+  }
+  return out;
+}
+
+template <class In, typename T, int N>
+MOE_FP8_DEVICE uint32_t amax_bits_of(const Array<T, N>& a, uint32_t m) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) {
+    const uint32_t b = abs_bits(In::to_float(a.v[i]));
+    m = b > m ? b : m;
+  }
+  return m;
+}
+
+}  // namespace moe_fp8

@@ -1,0 +1,277 @@
+// Torch glue of the FP8 rowwise family, shared by the CPU and CUDA registrations:
+// input checks ("<op>: expected X, got Y"), output allocation in the layouts of
+// DESIGN §5, and the mapping of every op onto the "rows" or "cols" kernel shape.
+#include <ATen/ATen.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <tuple>
+
+#include "rowwise.h"
+#include "rowwise_ops.h"
+
+namespace moe_fp8 {
+namespace {
+
+InputKind input_kind(const at::Tensor& x, const char* op, const char* name) {
+  switch (x.scalar_type()) {
+    case at::kBFloat16: return InputKind::kBF16;
+    case at::kHalf: return InputKind::kFP16;
+    case at::kFloat: return InputKind::kFP32;
+    default:
+      TORCH_CHECK(false, op, ": expected ", name, " of dtype bfloat16, float16 or float32, got ", x.scalar_type());
+  }
+}
+
+Fp8Format fp8_format(at::ScalarType t, const char* op) {
+  switch (t) {
+    case at::kFloat8_e4m3fn: return Fp8Format::kE4M3FN;
+    case at::kFloat8_e4m3fnuz: return Fp8Format::kE4M3FNUZ;
+    case at::kFloat8_e5m2: return Fp8Format::kE5M2;
+    default:
+      TORCH_CHECK(false, op, ": expected fp8_dtype float8_e4m3fn, float8_e4m3fnuz or float8_e5m2, got ", t);
+  }
+}
+
+void check_rank(const at::Tensor& x, int64_t rank, const char* op, const char* name) {
+  TORCH_CHECK(x.dim() == rank, op, ": expected ", name, " to be a ", rank, "-D tensor, got ", x.dim(), "-D");
+}
+
+// MOE_FP8_DEBUG=1 turns on the offs content check for GPU inputs (it syncs).
+bool debug_checks() {
+  static const bool on = [] {
+    const char* v = std::getenv("MOE_FP8_DEBUG");
+    return v != nullptr && std::strcmp(v, "1") == 0;
+  }();
+  return on;
+}
+
+void check_offs(const at::Tensor& offs, const at::Tensor& x, int64_t rows, const char* op) {
+  TORCH_CHECK(offs.scalar_type() == at::kInt, op, ": expected offs of dtype int32, got ", offs.scalar_type());
+  check_rank(offs, 1, op, "offs");
+  TORCH_CHECK(offs.device() == x.device(), op, ": expected offs on ", x.device(), " (the device of x), got ",
+              offs.device());
+  if (!offs.is_cpu() && !debug_checks()) return;  // kernels clamp; content is checked on CPU
+  const at::Tensor host = offs.is_cpu() ? offs.contiguous() : offs.cpu();
+  const int32_t* o = host.data_ptr<int32_t>();
+  for (int64_t g = 0; g < host.numel(); ++g) {
+    TORCH_CHECK(o[g] >= 0 && o[g] <= rows, op, ": expected offs[", g, "] in [0, ", rows, "], got ", o[g]);
+    TORCH_CHECK(g == 0 || o[g] >= o[g - 1], op, ": expected non-decreasing offs, got offs[", g, "] = ", o[g],
+                " < offs[", g - 1, "] = ", o[g - 1]);
+  }
+}
+
+void run_rows(const at::Tensor& x, at::ScalarType fp8_dtype, const at::Tensor& q, const at::Tensor& scale,
+              const RowsArgs& a, const char* op) {
+  const InputKind in = input_kind(x, op, "x");
+  const Fp8Format fmt = fp8_format(fp8_dtype, op);
+  auto* qp = static_cast<uint8_t*>(q.data_ptr());
+  if (x.is_cpu()) {
+    run_rows_cpu(in, fmt, x.data_ptr(), qp, scale.data_ptr<float>(), a);
+    return;
+  }
+#ifdef MOE_FP8_WITH_CUDA
+  run_rows_cuda(in, fmt, x.data_ptr(), qp, scale.data_ptr<float>(), a, x.device().index());
+#else
+  TORCH_CHECK(false, op, ": expected a CPU tensor (this build has no GPU support), got ", x.device());
+#endif
+}
+
+void run_cols(const at::Tensor& x, at::ScalarType fp8_dtype, const ColsArgs& a, int64_t expected_segment_rows,
+              const char* op) {
+  const InputKind in = input_kind(x, op, "x");
+  const Fp8Format fmt = fp8_format(fp8_dtype, op);
+  if (x.is_cpu()) {
+    run_cols_cpu(in, fmt, a);
+    return;
+  }
+#ifdef MOE_FP8_WITH_CUDA
+  run_cols_cuda(in, fmt, a, expected_segment_rows, x.device().index());
+#else
+  (void)expected_segment_rows;
+  TORCH_CHECK(false, op, ": expected a CPU tensor (this build has no GPU support), got ", x.device());
+#endif
+}
+
+ColsOperand cols_operand(const at::Tensor& x, int64_t sb, int64_t sr, int64_t sc, int64_t cols, const at::Tensor& q,
+                         int64_t q_sb, int64_t q_sc, const at::Tensor& scale, int64_t scale_ss) {
+  ColsOperand o;
+  o.x = x.data_ptr();
+  o.sb = sb;
+  o.sr = sr;
+  o.sc = sc;
+  o.cols = cols;
+  o.q = static_cast<uint8_t*>(q.data_ptr());
+  o.q_sb = q_sb;
+  o.q_sc = q_sc;
+  o.scale = scale.data_ptr<float>();
+  o.scale_ss = scale_ss;
+  return o;
+}
+
+// Per-expert reduction of b (E, R, C) over R for every (e, c), with q written so that
+// each (e, c) run of R codes is contiguous: q memory [e][c][r], scale [e][c]. The
+// "rows" shape applies when R is the contiguous dimension of b, "cols" otherwise.
+void quantize_per_expert(const at::Tensor& b, int64_t R, int64_t C, int64_t s_r, int64_t s_c,
+                         at::ScalarType fp8_dtype, bool pow2, const at::Tensor& q, const at::Tensor& scale,
+                         const char* op) {
+  const int64_t E = b.size(0);
+  if (E == 0 || C == 0) return;
+  if (s_r == 1 && R > 1) {
+    RowsArgs a;
+    a.rows = E * C;
+    a.cols = R;
+    a.rows_inner = C;
+    a.stride_outer = b.stride(0);
+    a.stride_inner = s_c;
+    a.stride_col = 1;
+    a.pow2 = pow2;
+    run_rows(b, fp8_dtype, q, scale, a, op);
+    return;
+  }
+  ColsArgs a;
+  a.op[0] = cols_operand(b, b.stride(0), s_r, s_c, C, q, R * C, R, scale, C);
+  a.rows = R;
+  a.num_segments = static_cast<int>(E);
+  a.pow2 = pow2;
+  TORCH_CHECK(E <= 65535, op, ": expected at most 65535 experts, got ", E);
+  run_cols(b, fp8_dtype, a, R, op);
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> quantize_rowwise(const at::Tensor& x, at::ScalarType fp8_dtype, bool pow2_scale) {
+  constexpr const char* op = "quantize_rowwise";
+  check_rank(x, 2, op, "x");
+  input_kind(x, op, "x");
+  fp8_format(fp8_dtype, op);
+  const int64_t M = x.size(0), K = x.size(1);
+  at::Tensor q = at::empty({M, K}, x.options().dtype(fp8_dtype));
+  at::Tensor scale = at::empty({M, 1}, x.options().dtype(at::kFloat));
+  if (M == 0) return {q, scale};
+  if (x.stride(0) == 1 && x.stride(1) != 1 && K > 1 && M > 1) {
+    // Column-major input: reduce along the strided dim and write q transposed.
+    ColsArgs a;
+    a.op[0] = cols_operand(x, 0, x.stride(1), 1, M, q, 0, K, scale, 0);
+    a.rows = K;
+    a.num_segments = 1;
+    a.pow2 = pow2_scale;
+    run_cols(x, fp8_dtype, a, K, op);
+    return {q, scale};
+  }
+  RowsArgs a;
+  a.rows = M;
+  a.cols = K;
+  a.rows_inner = M;
+  a.stride_outer = 0;
+  a.stride_inner = x.stride(0);
+  a.stride_col = x.stride(1);
+  a.pow2 = pow2_scale;
+  run_rows(x, fp8_dtype, q, scale, a, op);
+  return {q, scale};
+}
+
+std::tuple<at::Tensor, at::Tensor> quantize_experts_fwd(const at::Tensor& b_t, at::ScalarType fp8_dtype,
+                                                        bool pow2_scale) {
+  constexpr const char* op = "quantize_experts_fwd";
+  check_rank(b_t, 3, op, "b_t");
+  input_kind(b_t, op, "b_t");
+  fp8_format(fp8_dtype, op);
+  const int64_t E = b_t.size(0), K = b_t.size(1), N = b_t.size(2);
+  at::Tensor q = at::empty_strided({E, K, N}, {K * N, 1, K}, b_t.options().dtype(fp8_dtype));
+  at::Tensor scale = at::empty({E, 1, N}, b_t.options().dtype(at::kFloat));
+  quantize_per_expert(b_t, K, N, b_t.stride(1), b_t.stride(2), fp8_dtype, pow2_scale, q, scale, op);
+  return {q, scale};
+}
+
+std::tuple<at::Tensor, at::Tensor> quantize_experts_bwd(const at::Tensor& b_t, at::ScalarType fp8_dtype,
+                                                        bool pow2_scale) {
+  constexpr const char* op = "quantize_experts_bwd";
+  check_rank(b_t, 3, op, "b_t");
+  input_kind(b_t, op, "b_t");
+  fp8_format(fp8_dtype, op);
+  const int64_t E = b_t.size(0), K = b_t.size(1), N = b_t.size(2);
+  at::Tensor q = at::empty_strided({E, N, K}, {N * K, 1, N}, b_t.options().dtype(fp8_dtype));
+  at::Tensor scale = at::empty({E, 1, K}, b_t.options().dtype(at::kFloat));
+  quantize_per_expert(b_t, N, K, b_t.stride(2), b_t.stride(1), fp8_dtype, pow2_scale, q, scale, op);
+  return {q, scale};
+}
+
+namespace {
+
+void check_jagged_input(const at::Tensor& x, const char* op, const char* name) {
+  check_rank(x, 2, op, name);
+  input_kind(x, op, name);
+}
+
+// q (M, D) column-major, scale (G, D): one "cols" operand over the token groups.
+std::tuple<at::Tensor, at::Tensor, ColsOperand> jagged_operand(const at::Tensor& x, at::ScalarType fp8_dtype,
+                                                               int64_t G) {
+  const int64_t M = x.size(0), D = x.size(1);
+  at::Tensor q = at::empty_strided({M, D}, {1, M}, x.options().dtype(fp8_dtype));
+  at::Tensor scale = at::empty({G, D}, x.options().dtype(at::kFloat));
+  return {q, scale, cols_operand(x, 0, x.stride(0), x.stride(1), D, q, 0, M, scale, D)};
+}
+
+void run_jagged(const at::Tensor& x, const at::Tensor& offs, at::ScalarType fp8_dtype, bool pow2, ColsArgs& a,
+                const char* op) {
+  const int64_t M = x.size(0), G = offs.numel();
+  TORCH_CHECK(G <= 65534, op, ": expected at most 65534 groups, got ", G);
+  a.rows = M;
+  a.jagged = true;
+  a.offs = offs.data_ptr<int32_t>();
+  a.num_segments = static_cast<int>(G);
+  a.pow2 = pow2;
+  // The cluster/cache plan sizes for a group a quarter above the mean; larger
+  // groups stay correct and re-read what does not fit.
+  const int64_t expected = G > 0 ? ceil_div(M, G) + ceil_div(M, 4 * G) : M;
+  run_cols(x, fp8_dtype, a, expected, op);
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> quantize_jagged_colwise(const at::Tensor& x, const at::Tensor& offs,
+                                                           at::ScalarType fp8_dtype, bool pow2_scale) {
+  constexpr const char* op = "quantize_jagged_colwise";
+  check_jagged_input(x, op, "x");
+  fp8_format(fp8_dtype, op);
+  check_offs(offs, x, x.size(0), op);
+  const at::Tensor offs_c = offs.contiguous();
+  auto [q, scale, operand] = jagged_operand(x, fp8_dtype, offs.numel());
+  ColsArgs a;
+  a.op[0] = operand;
+  if (x.size(1) > 0) run_jagged(x, offs_c, fp8_dtype, pow2_scale, a, op);
+  return {q, scale};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_jagged_colwise_dual(
+    const at::Tensor& x1, const at::Tensor& x2, const at::Tensor& offs, at::ScalarType fp8_dtype, bool pow2_scale) {
+  constexpr const char* op = "quantize_jagged_colwise_dual";
+  check_jagged_input(x1, op, "x1");
+  check_jagged_input(x2, op, "x2");
+  fp8_format(fp8_dtype, op);
+  TORCH_CHECK(x1.scalar_type() == x2.scalar_type(), op, ": expected x1 and x2 of one dtype, got ",
+              x1.scalar_type(), " and ", x2.scalar_type());
+  TORCH_CHECK(x1.size(0) == x2.size(0), op, ": expected x1 and x2 with the same number of rows, got ", x1.size(0),
+              " and ", x2.size(0));
+  TORCH_CHECK(x1.device() == x2.device(), op, ": expected x1 and x2 on one device, got ", x1.device(), " and ",
+              x2.device());
+  check_offs(offs, x1, x1.size(0), op);
+  const at::Tensor offs_c = offs.contiguous();
+  auto [q1, s1, op1] = jagged_operand(x1, fp8_dtype, offs.numel());
+  auto [q2, s2, op2] = jagged_operand(x2, fp8_dtype, offs.numel());
+  ColsArgs a;
+  a.op[0] = op1;
+  a.op[1] = op2;
+  a.num_ops = 2;
+  if (x1.size(1) == 0) {  // an operand with no columns drops out of the launch
+    a.op[0] = op2;
+    a.num_ops = 1;
+  } else if (x2.size(1) == 0) {
+    a.num_ops = 1;
+  }
+  if (a.op[0].cols > 0) run_jagged(x1, offs_c, fp8_dtype, pow2_scale, a, op);
+  return {q1, s1, q2, s2};
+}
+
+}  // namespace moe_fp8

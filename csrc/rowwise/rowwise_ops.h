@@ -1,0 +1,20 @@
+// The torch-facing ops of the FP8 rowwise family (schemas in csrc/bindings.cpp).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <tuple>
+
+namespace moe_fp8 {
+
+std::tuple<at::Tensor, at::Tensor> quantize_rowwise(const at::Tensor& x, at::ScalarType fp8_dtype, bool pow2_scale);
+std::tuple<at::Tensor, at::Tensor> quantize_experts_fwd(const at::Tensor& b_t, at::ScalarType fp8_dtype,
+                                                        bool pow2_scale);
+std::tuple<at::Tensor, at::Tensor> quantize_experts_bwd(const at::Tensor& b_t, at::ScalarType fp8_dtype,
+                                                        bool pow2_scale);
+std::tuple<at::Tensor, at::Tensor> quantize_jagged_colwise(const at::Tensor& x, const at::Tensor& offs,
+                                                           at::ScalarType fp8_dtype, bool pow2_scale);
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_jagged_colwise_dual(
+    const at::Tensor& x1, const at::Tensor& x2, const at::Tensor& offs, at::ScalarType fp8_dtype, bool pow2_scale);
+
+}  // namespace moe_fp8

@@ -1,0 +1,27 @@
+"""moe_fp8_ext: FP8 Mixture-of-Experts training kernels for PyTorch.
+
+Importing the package loads the compiled extension, which registers the ops under
+``torch.ops.moe_fp8``; the functions here are thin, documented wrappers.
+"""
+
+import torch
+
+from . import _C  # noqa: F401  (registers torch.ops.moe_fp8.*)
+from .ops import (
+    quantize_experts_bwd,
+    quantize_experts_fwd,
+    quantize_jagged_colwise,
+    quantize_jagged_colwise_dual,
+    quantize_rowwise,
+)
+from .platform import build_info, default_fp8_dtype
+
+__all__ = [
+    "build_info",
+    "default_fp8_dtype",
+    "quantize_experts_bwd",
+    "quantize_experts_fwd",
+    "quantize_jagged_colwise",
+    "quantize_jagged_colwise_dual",
+    "quantize_rowwise",
+]

@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# The GPU half of CI, for any machine with a CUDA GPU (the device tool here, or a
+# self-hosted runner): build for the local GPU, run the whole test suite, run the
+# sanitizer pass over garbage offs, run the benchmarks. Non-zero exit on any failure.
+#
+#   scripts/gpu_ci.sh [--no-bench] [--quick-bench]
+# Tables and logs go to $OUT (default ./.out). Peer wheels (torchao) in ./.whl are
+# installed into a private folder first when present.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+OUT=${OUT:-$PWD/.out}
+export OUT PYTHONUNBUFFERED=1
+mkdir -p "$OUT"
+bench=full
+for a in "$@"; do
+  case "$a" in
+    --no-bench) bench=none ;;
+    --quick-bench) bench=quick ;;
+    *) echo "gpu_ci.sh: unknown option $a" >&2; exit 2 ;;
+  esac
+done
+
+if [ -z "${MOE_FP8_CUDA_ARCHS:-}" ]; then
+  MOE_FP8_CUDA_ARCHS=$($PY -c "import torch; M, m = torch.cuda.get_device_capability(); print(f'{M}{m}' + ('a' if M >= 9 else ''))")
+  export MOE_FP8_CUDA_ARCHS
+fi
+if ls .whl/*.whl >/dev/null 2>&1; then
+  $PY -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/moe_fp8_peers .whl/*.whl
+  export PYTHONPATH=/tmp/moe_fp8_peers${PYTHONPATH:+:$PYTHONPATH}
+fi
+
+echo "== build (archs $MOE_FP8_CUDA_ARCHS; CXX=${CXX:-unset}, g++ on PATH: $(command -v g++))"
+start=$(date +%s)
+MAX_JOBS=${MAX_JOBS:-$(nproc)} $PY -m pip install --no-build-isolation --no-deps -e . >"$OUT/build.log" 2>&1 || { tail -50 "$OUT/build.log"; exit 1; }
+echo "built in $(( $(date +%s) - start )) s"
+$PY -c "import moe_fp8_ext, torch; print(moe_fp8_ext.build_info(), torch.cuda.get_device_name())"
+
+bash scripts/diag_toolchain.sh
+echo "== tests"
+$PY -m pytest tests -q -rs --maxfail=20 2>&1 | tee "$OUT/tests.log" | tail -25
+test ${PIPESTATUS[0]} -eq 0
+
+echo "== compute-sanitizer (garbage offs, odd shapes)"
+if command -v compute-sanitizer >/dev/null; then
+  compute-sanitizer --tool memcheck --error-exitcode 1 $PY scripts/sanitize_offs.py 2>&1 | tee "$OUT/sanitizer.log" | tail -5
+  test ${PIPESTATUS[0]} -eq 0
+else
+  echo "compute-sanitizer not found; skipped"
+fi
+
+echo "== main job"
+$PY -m moe_fp8_ext
+
+case "$bench" in
+  full) $PY bench/calibrate.py && $PY bench/bench_rowwise.py ;;
+  quick) $PY bench/bench_rowwise.py --quick ;;
+esac

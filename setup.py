@@ -1,0 +1,86 @@
+"""Thin driver: configures and builds the extension with CMake + ninja against the
+torch installed in this Python (use `pip install --no-build-isolation .`).
+
+Environment:
+  MOE_FP8_CUDA_ARCHS   CUDA architectures to build, default "90a;100a"
+  MOE_FP8_FORCE_CPU=1  build the CPU kernels only, even with a CUDA torch and nvcc
+  MOE_FP8_CXX          host C++ compiler (default: the g++ on PATH, which is also the
+                       one nvcc uses; a compiler whose libstdc++ is newer than the one
+                       loaded at run time makes a module that crashes on throw)
+  MAX_JOBS             parallel compile jobs
+"""
+
+import os
+import shutil
+import subprocess
+import sys
+
+from setuptools import Extension, find_packages, setup
+from setuptools.command.build_ext import build_ext
+
+
+class CMakeExtension(Extension):
+    def __init__(self, name: str) -> None:
+        super().__init__(name, sources=[])
+        self.sourcedir = os.path.dirname(os.path.abspath(__file__))
+
+
+def _backend() -> str:
+    import torch
+
+    if os.environ.get("MOE_FP8_FORCE_CPU") == "1":
+        return "cpu"
+    if torch.version.hip:
+        return "hip"
+    if torch.version.cuda:
+        from torch.utils.cpp_extension import CUDA_HOME
+
+        if shutil.which("nvcc") or (CUDA_HOME and os.path.exists(os.path.join(CUDA_HOME, "bin", "nvcc"))):
+            return "cuda"
+        print("moe_fp8_ext: CUDA torch but no nvcc found; building the CPU kernels only", file=sys.stderr)
+    return "cpu"
+
+
+class CMakeBuild(build_ext):
+    def build_extension(self, ext: CMakeExtension) -> None:
+        backend = _backend()
+        out_dir = os.path.dirname(os.path.abspath(self.get_ext_fullpath(ext.name)))
+        # A stable build folder per backend: incremental rebuilds, inspectable logs.
+        build_dir = os.path.join(ext.sourcedir, "build", f"cmake-{backend}")
+        os.makedirs(build_dir, exist_ok=True)
+        args = [
+            f"-DPython_EXECUTABLE={sys.executable}",
+            f"-DMOE_FP8_OUTPUT_DIR={out_dir}",
+            "-DCMAKE_BUILD_TYPE=Release",
+            f"-DMOE_FP8_WITH_CUDA={'ON' if backend == 'cuda' else 'OFF'}",
+            f"-DMOE_FP8_WITH_HIP={'ON' if backend == 'hip' else 'OFF'}",
+            f"-DMOE_FP8_CUDA_ARCHS={os.environ.get('MOE_FP8_CUDA_ARCHS', '90a;100a')}",
+        ]
+        # One host compiler for the C++ files, nvcc's host side and the link, so that
+        # the module uses the libstdc++ that is loaded at run time.
+        # CMake's CUDA detection asks nvcc for its host compiler's link folders, which
+        # come from $CXX / $CUDAHOSTCXX: set them for the configure step too.
+        env = dict(os.environ)
+        cxx = os.environ.get("MOE_FP8_CXX") or shutil.which("g++")
+        if cxx:
+            args.append(f"-DCMAKE_CXX_COMPILER={cxx}")
+            env["CXX"] = env["CUDAHOSTCXX"] = cxx
+            if backend == "cuda":
+                args.append(f"-DCMAKE_CUDA_HOST_COMPILER={cxx}")
+        if backend == "cuda":
+            from torch.utils.cpp_extension import CUDA_HOME
+
+            nvcc = shutil.which("nvcc") or os.path.join(CUDA_HOME, "bin", "nvcc")
+            args.append(f"-DCMAKE_CUDA_COMPILER={nvcc}")
+        if shutil.which("ninja"):
+            args += ["-G", "Ninja"]
+        jobs = os.environ.get("MAX_JOBS", str(os.cpu_count() or 1))
+        subprocess.check_call(["cmake", ext.sourcedir, *args], cwd=build_dir, env=env)
+        subprocess.check_call(["cmake", "--build", ".", "-j", jobs], cwd=build_dir, env=env)
+
+
+setup(
+    packages=find_packages(include=["moe_fp8_ext", "moe_fp8_ext.*"]),
+    ext_modules=[CMakeExtension("moe_fp8_ext._C")],
+    cmdclass={"build_ext": CMakeBuild},
+)

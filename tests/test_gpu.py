@@ -1,0 +1,101 @@
+"""GPU-only cases: large shapes, GPU output bit-exact with the CPU op, and the
+kernel paths that small shapes do not reach (cluster-split reductions, slices
+longer than the shared-memory cache, unaligned group starts, garbage offs)."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import moe_fp8_ext
+from conftest import FP8_DTYPES, assert_fp8_equal, assert_scale_equal, poison, randn, requires_cuda
+
+pytestmark = [requires_cuda, pytest.mark.gpu]
+
+
+def same_as_cpu(op, *args):
+    poison("cuda")
+    gpu = op(*[a.cuda() if isinstance(a, torch.Tensor) else a for a in args])
+    cpu = op(*[a.cpu() if isinstance(a, torch.Tensor) else a for a in args])
+    for g, c in zip(gpu, cpu):
+        assert g.stride() == c.stride()
+        if g.dtype == torch.float32:
+            assert_scale_equal(g, c)
+        else:
+            assert_fp8_equal(g, c)
+
+
+@pytest.mark.parametrize("fp8_dtype", FP8_DTYPES)
+@pytest.mark.parametrize("shape", [(16384, 7168), (4096, 40000), (65536, 2048)])
+def test_rowwise_large(fp8_dtype, shape):
+    same_as_cpu(moe_fp8_ext.quantize_rowwise, randn(shape, torch.bfloat16, "cuda"), fp8_dtype)
+
+
+@pytest.mark.parametrize("fp8_dtype", FP8_DTYPES)
+@pytest.mark.parametrize("shape", [(8, 7168, 2048), (16, 5120, 1536), (64, 2048, 1408)])
+@pytest.mark.parametrize("transposed", [False, True])
+def test_experts_large(fp8_dtype, shape, transposed):
+    e, k, n = shape
+    w = randn((e, n, k), torch.bfloat16, "cuda").transpose(1, 2) if transposed else randn(shape, torch.bfloat16, "cuda")
+    same_as_cpu(moe_fp8_ext.quantize_experts_fwd, w, fp8_dtype)
+    same_as_cpu(moe_fp8_ext.quantize_experts_bwd, w, fp8_dtype)
+
+
+@pytest.mark.parametrize("fp8_dtype", FP8_DTYPES)
+@pytest.mark.parametrize("m, d1, d2, g", [(16384, 7168, 2048, 8), (65536, 2048, 1408, 64), (20000, 136, 72, 1024)])
+def test_jagged_dual_large(fp8_dtype, m, d1, d2, g):
+    cuts = torch.sort(torch.randint(0, m + 1, (g,))).values.to(torch.int32)
+    cuts[-1] = m
+    same_as_cpu(moe_fp8_ext.quantize_jagged_colwise_dual, randn((m, d1), torch.bfloat16, "cuda"),
+                randn((m, d2), torch.bfloat16, "cuda"), cuts, fp8_dtype)
+
+
+def test_jagged_skewed_groups_reread_path():
+    # One group holds almost every row: far larger than the planned cache, so its
+    # slices re-read rows from memory in pass 2; a 16-unaligned start too.
+    m = 60000
+    offs = torch.tensor([3, 3, 59993, 60000], dtype=torch.int32)
+    same_as_cpu(moe_fp8_ext.quantize_jagged_colwise, randn((m, 256), torch.bfloat16, "cuda"), offs, torch.float8_e4m3fn)
+    same_as_cpu(moe_fp8_ext.quantize_jagged_colwise, randn((m, 100), torch.float32, "cuda"), offs, torch.float8_e4m3fnuz)
+
+
+def test_jagged_unaligned_groups_and_odd_width():
+    m = 5000
+    offs = torch.tensor([1, 17, 18, 1000, 1001, 4999], dtype=torch.int32)  # tail row 4999
+    x = randn((m, 2 * 769), torch.float16, "cuda")[:, ::2]  # strided: scalar path
+    same_as_cpu(moe_fp8_ext.quantize_jagged_colwise, x, offs, torch.float8_e4m3fn)
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+def test_rowwise_column_major_input_long_k(transposed):
+    x = randn((3000, 20000), torch.bfloat16, "cuda")
+    same_as_cpu(moe_fp8_ext.quantize_rowwise, x.t() if transposed else x, torch.float8_e4m3fn)
+
+
+def test_garbage_offs_is_memory_safe():
+    # Decreasing, negative and past-the-end offsets: results are unspecified on GPU
+    # without MOE_FP8_DEBUG=1, but nothing outside q and scale may be touched.
+    x = randn((512, 64), torch.bfloat16, "cuda")
+    offs = torch.tensor([700, -5, 100, 2**31 - 1, 30, -2**31], dtype=torch.int32, device="cuda")
+    guard = torch.full((1 << 20,), 7, dtype=torch.uint8, device="cuda")
+    q, s = moe_fp8_ext.quantize_jagged_colwise(x, offs, torch.float8_e4m3fn)
+    torch.cuda.synchronize()
+    assert q.shape == (512, 64) and s.shape == (6, 64)
+    assert torch.all(guard == 7)
+
+
+def test_debug_env_checks_offs_on_gpu():
+    code = (
+        "import torch, moe_fp8_ext\n"
+        "x = torch.randn(8, 16, device='cuda', dtype=torch.bfloat16)\n"
+        "offs = torch.tensor([6, 4], dtype=torch.int32, device='cuda')\n"
+        "try:\n"
+        "    moe_fp8_ext.quantize_jagged_colwise(x, offs, torch.float8_e4m3fn)\n"
+        "except RuntimeError as e:\n"
+        "    print('RAISED', e)\n"
+    )
+    env = dict(os.environ, MOE_FP8_DEBUG="1")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert "RAISED" in out.stdout and "expected non-decreasing offs" in out.stdout, out.stdout + out.stderr
