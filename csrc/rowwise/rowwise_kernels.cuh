@@ -102,8 +102,11 @@ __global__ void __launch_bounds__(1024) quantize_rows_kernel(
 // The vector path for rows that fit in shared memory: persistent blocks stream rows
 // through a ring of kRowsStages row buffers with async copies, so that the next
 // kRowsStages - 1 rows are always in flight while one row is reduced and encoded,
-// and no registers are spent holding data.
-constexpr int kRowsStages = 3;
+// and no registers are spent holding data. Two stages and about eight 16-byte
+// vectors per thread measured best on H200 (sweep of 2/3/4/6 stages x 2/4/8 vectors:
+// small blocks, many per SM, beat deeper rings; bench/RESULTS.md).
+constexpr int kRowsStages = 2;
+constexpr int kRowsVecsPerThread = 8;
 constexpr int64_t kRowsMaxStageBytes = 32 * 1024;
 
 template <InputKind K, Fp8Format F>
@@ -171,8 +174,8 @@ int launch_quantize_rows(const void* x, uint8_t* q, float* scale, const RowsArgs
   const T* xt = static_cast<const T*>(x);
   const int64_t stage_bytes = a.cols * static_cast<int64_t>(sizeof(T));
   if (vec && stage_bytes <= kRowsMaxStageBytes) {
-    // A quarter of a row per thread at most: short rows get small blocks, many per SM.
-    const int64_t pthreads = std::min<int64_t>(std::max<int64_t>(round_up(ceil_div(nvec, 4), kWarpSize), 2 * kWarpSize), 256);
+    const int64_t pthreads =
+        std::min<int64_t>(std::max<int64_t>(round_up(ceil_div(nvec, kRowsVecsPerThread), kWarpSize), 2 * kWarpSize), 256);
     const size_t smem = static_cast<size_t>(kRowsStages * stage_bytes);
     auto kernel = quantize_rows_pipelined_kernel<K, F>;
     const int64_t resident =
