@@ -3,6 +3,7 @@ torch installed in this Python (use `pip install --no-build-isolation .`).
 
 Environment:
   MOE_FP8_CUDA_ARCHS   CUDA architectures to build, default "90a;100a"
+  PYTORCH_ROCM_ARCH    AMD architectures for a ROCm torch, default "gfx942;gfx950"
   MOE_FP8_FORCE_CPU=1  build the CPU kernels only, even with a CUDA torch and nvcc
   MOE_FP8_CXX          host C++ compiler (default: the g++ on PATH, which is also the
                        one nvcc uses; a compiler whose libstdc++ is newer than the one
@@ -67,6 +68,17 @@ class CMakeBuild(build_ext):
             env["CXX"] = env["CUDAHOSTCXX"] = cxx
             if backend == "cuda":
                 args.append(f"-DCMAKE_CUDA_HOST_COMPILER={cxx}")
+        if backend == "hip":
+            # The kernels are written once in CUDA; ROCm builds compile a hipified copy.
+            sys.path.insert(0, os.path.join(ext.sourcedir, "scripts"))
+            from hipify_tree import hipify_tree
+
+            hip_root = os.path.join(build_dir, "hipified")
+            hipify_tree(os.path.join(ext.sourcedir, "csrc"), hip_root)
+            args += [
+                f"-DMOE_FP8_SOURCE_DIR={hip_root}",
+                f"-DMOE_FP8_HIP_ARCHS={os.environ.get('PYTORCH_ROCM_ARCH', 'gfx942;gfx950')}",
+            ]
         if backend == "cuda":
             from torch.utils.cpp_extension import CUDA_HOME
 

@@ -6,12 +6,12 @@
 
 #include "rowwise/rowwise_ops.h"
 
-#ifdef MOE_FP8_WITH_CUDA
-#include <cuda_runtime_api.h>
-#endif
-
-#ifndef MOE_FP8_CUDA_ARCHS_STR
-#define MOE_FP8_CUDA_ARCHS_STR ""
+// Set by CMakeLists.txt: the GPU backend ("cuda", "hip" or "" for CPU only), its
+// compiler version and the architectures built.
+#ifndef MOE_FP8_GPU_BACKEND
+#define MOE_FP8_GPU_BACKEND ""
+#define MOE_FP8_GPU_VERSION_STR ""
+#define MOE_FP8_GPU_ARCHS_STR ""
 #endif
 
 // Registers fn for every backend this build has kernels for.
@@ -48,19 +48,16 @@ TORCH_LIBRARY(moe_fp8, m) {
 namespace {
 
 pybind11::dict build_info() {
+  const std::string backend = MOE_FP8_GPU_BACKEND;
   pybind11::dict info;
   info["torch_version"] = TORCH_VERSION;
-#ifdef MOE_FP8_WITH_CUDA
-  info["cuda"] = true;
-  info["cuda_version"] = std::to_string(CUDART_VERSION / 1000) + "." + std::to_string(CUDART_VERSION % 1000 / 10);
-  info["cuda_archs"] = std::string(MOE_FP8_CUDA_ARCHS_STR);
-#else
-  info["cuda"] = false;
-  info["cuda_version"] = pybind11::none();
-  info["cuda_archs"] = std::string();
-#endif
-  info["hip"] = false;
-  info["hip_version"] = pybind11::none();
+  for (const char* gpu : {"cuda", "hip"}) {
+    const bool built = backend == gpu;
+    const std::string name = gpu;
+    info[name.c_str()] = built;
+    info[(name + "_version").c_str()] = built ? pybind11::object(pybind11::str(MOE_FP8_GPU_VERSION_STR)) : pybind11::none();
+    info[(name + "_archs").c_str()] = built ? std::string(MOE_FP8_GPU_ARCHS_STR) : std::string();
+  }
   return info;
 }
 
@@ -68,5 +65,5 @@ pybind11::dict build_info() {
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "moe_fp8_ext compiled kernels; the ops live in torch.ops.moe_fp8";
-  m.def("build_info", &build_info, "Build configuration: torch version, CUDA/HIP version, compiled archs");
+  m.def("build_info", &build_info, "Build configuration: torch version, GPU backend version and compiled archs");
 }

@@ -47,12 +47,17 @@ def quantize_experts_fwd(b_t: Tensor, fp8_dtype: Optional[torch.dtype] = None, p
     return _ops.quantize_experts_fwd(b_t, _dtype(fp8_dtype, b_t), pow2_scale)
 
 
+def _experts_fake(b_t, fp8_dtype, rdim, op):
+    """q (E, R, C) column-major per expert and scale (E, 1, C), R = b_t.shape[rdim]."""
+    torch._check(b_t.dim() == 3, lambda: f"{op}: expected b_t to be a 3-D tensor, got {b_t.dim()}-D")
+    e, r, c = b_t.shape[0], b_t.shape[rdim], b_t.shape[3 - rdim]
+    q = b_t.new_empty_strided((e, r, c), (r * c, 1, r), dtype=fp8_dtype)
+    return q, b_t.new_empty((e, 1, c), dtype=torch.float32)
+
+
 @torch.library.register_fake("moe_fp8::quantize_experts_fwd")
 def _(b_t, fp8_dtype, pow2_scale=True):
-    torch._check(b_t.dim() == 3, lambda: f"quantize_experts_fwd: expected b_t to be a 3-D tensor, got {b_t.dim()}-D")
-    e, k, n = b_t.shape
-    q = b_t.new_empty_strided((e, k, n), (k * n, 1, k), dtype=fp8_dtype)
-    return q, b_t.new_empty((e, 1, n), dtype=torch.float32)
+    return _experts_fake(b_t, fp8_dtype, 1, "quantize_experts_fwd")
 
 
 def quantize_experts_bwd(b_t: Tensor, fp8_dtype: Optional[torch.dtype] = None, pow2_scale: bool = True) -> Tuple[Tensor, Tensor]:
@@ -67,10 +72,7 @@ def quantize_experts_bwd(b_t: Tensor, fp8_dtype: Optional[torch.dtype] = None, p
 
 @torch.library.register_fake("moe_fp8::quantize_experts_bwd")
 def _(b_t, fp8_dtype, pow2_scale=True):
-    torch._check(b_t.dim() == 3, lambda: f"quantize_experts_bwd: expected b_t to be a 3-D tensor, got {b_t.dim()}-D")
-    e, k, n = b_t.shape
-    q = b_t.new_empty_strided((e, n, k), (n * k, 1, n), dtype=fp8_dtype)
-    return q, b_t.new_empty((e, 1, k), dtype=torch.float32)
+    return _experts_fake(b_t, fp8_dtype, 2, "quantize_experts_bwd")
 
 
 def quantize_jagged_colwise(x: Tensor, offs: Tensor, fp8_dtype: Optional[torch.dtype] = None, pow2_scale: bool = True) -> Tuple[Tensor, Tensor]:

@@ -106,15 +106,31 @@ MOE_FP8_HD uint8_t encode_fp8_sw(float x) {
   return static_cast<uint8_t>(code == 0 ? 0u : (code | (sign << 7)));
 }
 
-// Two values at once, low byte first; hardware conversion where it is bit-exact.
+// fnuz has one zero and one NaN (0x80): a hardware "-0" or a negative value that
+// rounds to zero must come out as 0x00, and only a NaN input as 0x80.
+MOE_FP8_HD uint32_t fnuz_fix_byte(uint32_t b, float x) {
+  if (abs_bits(x) > 0x7F800000u) return 0x80u;
+  return (b & 0x7Fu) == 0 ? 0u : b;
+}
+
+// Two values at once, low byte first; hardware conversion where it is bit-exact
+// (see portability.h for which instruction gives which encoding).
 template <Fp8Format F>
 MOE_FP8_HD uint16_t encode_fp8x2(float lo, float hi) {
-#if MOE_FP8_HW_E4M3FN && defined(__CUDA_ARCH__)
+#if MOE_FP8_HW_E4M3FNUZ
+  if constexpr (F == Fp8Format::kE4M3FNUZ) {
+    const uint16_t hw = hw_cvt_e4m3fnuz_x2(lo, hi);
+    return static_cast<uint16_t>(fnuz_fix_byte(hw & 0xFFu, lo) | (fnuz_fix_byte(hw >> 8, hi) << 8));
+  }
+#endif
+#if MOE_FP8_HW_E4M3FN
   if constexpr (F == Fp8Format::kE4M3FN) {
     return hw_cvt_e4m3fn_x2(lo, hi);
-  } else if constexpr (F == Fp8Format::kE4M3FNUZ) {
+  }
+#if !MOE_FP8_HW_E4M3FNUZ
+  if constexpr (F == Fp8Format::kE4M3FNUZ) {
     // fnuz(x) == e4m3fn(2x) for |x| <= 232 (bias 8 vs 7, same mantissa); above 232
-    // fnuz rounds to its max code 0x7F, which is NaN in e4m3fn. No -0, one NaN.
+    // fnuz rounds to its max code 0x7F, which is NaN in e4m3fn.
     const uint16_t fn = hw_cvt_e4m3fn_x2(2.0f * lo, 2.0f * hi);
     uint32_t out = 0;
     const float v[2] = {lo, hi};
@@ -122,14 +138,12 @@ MOE_FP8_HD uint16_t encode_fp8x2(float lo, float hi) {
     for (int i = 0; i < 2; ++i) {
       const uint32_t b = (fn >> (8 * i)) & 0xFFu;
       const uint32_t a = abs_bits(v[i]);
-      uint32_t c;
-      if (a > 0x7F800000u) c = 0x80u;
-      else if (a > 0x43680000u) c = 0x7Fu | (b & 0x80u);  // |x| > 232
-      else c = (b & 0x7Fu) == 0 ? 0u : b;
+      const uint32_t c = (a > 0x43680000u && a <= 0x7F800000u) ? (0x7Fu | (b & 0x80u)) : fnuz_fix_byte(b, v[i]);
       out |= c << (8 * i);
     }
     return static_cast<uint16_t>(out);
   }
+#endif
 #endif
   return static_cast<uint16_t>(encode_fp8_sw<F>(lo) | (encode_fp8_sw<F>(hi) << 8));
 }

@@ -53,17 +53,32 @@ MOE_FP8_DEVICE float half_bits_to_float(uint16_t bits) {
   return __half2float(__ushort_as_half(bits));
 }
 
-// Hardware float -> fp8 e4m3fn (OCP) conversion of two values: RNE, saturating
-// finite values to +-448, NaN -> NaN. Available on sm89+; elsewhere callers use the
-// bit-exact software encoder of numerics.h.
+// Hardware float -> fp8 conversion of two values (low byte first), round to nearest
+// even; callers clamp to +-max first, so saturation never matters. Where no
+// instruction exists the bit-exact software encoder of numerics.h is used.
+//  * CUDA sm89+: cvt.rn.satfinite.e4m3x2.f32 gives OCP e4m3fn.
+//  * gfx940/941/942 (MI300): v_cvt_pk_fp8_f32 gives e4m3fnuz (bias 8).
+//  * gfx950 (MI350): the same instruction gives OCP e4m3fn.
 #if !defined(USE_ROCM) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
 #define MOE_FP8_HW_E4M3FN 1
 MOE_FP8_DEVICE uint16_t hw_cvt_e4m3fn_x2(float lo, float hi) {
   return static_cast<uint16_t>(
       __nv_cvt_float2_to_fp8x2(make_float2(lo, hi), __NV_SATFINITE, __NV_E4M3));
 }
-#else
-#define MOE_FP8_HW_E4M3FN 0
+#elif defined(USE_ROCM) && defined(__HIP_DEVICE_COMPILE__) && defined(__has_builtin)
+#if __has_builtin(__builtin_amdgcn_cvt_pk_fp8_f32)
+#if defined(__gfx940__) || defined(__gfx941__) || defined(__gfx942__)
+#define MOE_FP8_HW_E4M3FNUZ 1
+MOE_FP8_DEVICE uint16_t hw_cvt_e4m3fnuz_x2(float lo, float hi) {
+  return static_cast<uint16_t>(__builtin_amdgcn_cvt_pk_fp8_f32(lo, hi, 0, false) & 0xFFFF);
+}
+#elif defined(__gfx950__)
+#define MOE_FP8_HW_E4M3FN 1
+MOE_FP8_DEVICE uint16_t hw_cvt_e4m3fn_x2(float lo, float hi) {
+  return static_cast<uint16_t>(__builtin_amdgcn_cvt_pk_fp8_f32(lo, hi, 0, false) & 0xFFFF);
+}
+#endif
+#endif
 #endif
 
 // 16-byte global -> shared copy that bypasses registers (cp.async, sm80+ CUDA), so a
@@ -124,8 +139,9 @@ inline int launch_kernel(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t
 #if defined(USE_ROCM)
   (void)cluster_y;  // callers pass 1 on ROCm (no clusters); see supports_clusters()
   if (smem_bytes > 0) {
-    hipFuncSetAttribute(reinterpret_cast<const void*>(kernel),
-                        hipFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem_bytes));
+    const hipError_t e = hipFuncSetAttribute(reinterpret_cast<const void*>(kernel),
+                                             hipFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem_bytes));
+    if (e != hipSuccess) return static_cast<int>(e);
   }
   hipLaunchKernelGGL(kernel, grid, block, smem_bytes, stream, std::forward<Args>(args)...);
   return static_cast<int>(hipGetLastError());
@@ -169,23 +185,23 @@ template <typename... KArgs>
 inline int resident_blocks(void (*kernel)(KArgs...), int threads, size_t smem_bytes) {
   int n = 1;
 #if defined(USE_ROCM)
-  hipOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, threads, smem_bytes);
+  const bool ok = hipOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, threads, smem_bytes) == hipSuccess;
 #else
-  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, threads, smem_bytes);
+  const bool ok = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, threads, smem_bytes) == cudaSuccess;
 #endif
-  return n > 0 ? n : 1;
+  return ok && n > 0 ? n : 1;
 }
 
 inline int multiprocessor_count() {
   int device = 0, n = 1;
 #if defined(USE_ROCM)
-  hipGetDevice(&device);
-  hipDeviceGetAttribute(&n, hipDeviceAttributeMultiprocessorCount, device);
+  const bool ok = hipGetDevice(&device) == hipSuccess &&
+                  hipDeviceGetAttribute(&n, hipDeviceAttributeMultiprocessorCount, device) == hipSuccess;
 #else
-  cudaGetDevice(&device);
-  cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device);
+  const bool ok = cudaGetDevice(&device) == cudaSuccess &&
+                  cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device) == cudaSuccess;
 #endif
-  return n;
+  return ok && n > 0 ? n : 1;
 }
 
 // Whether the current device can run cluster launches (CUDA sm90+).
@@ -195,21 +211,28 @@ inline bool supports_clusters(int device) {
   return false;
 #else
   int major = 0;
-  cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
-  return major >= 9;
+  return cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess && major >= 9;
 #endif
 }
 
 inline int max_dynamic_smem_per_block(int device) {
-  int bytes = 48 * 1024;
+  int bytes = 0;
 #if defined(USE_ROCM)
-  hipDeviceGetAttribute(&bytes, hipDeviceAttributeSharedMemPerBlockOptin, device);
+  const bool ok = hipDeviceGetAttribute(&bytes, hipDeviceAttributeSharedMemPerBlockOptin, device) == hipSuccess;
 #else
-  cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+  const bool ok = cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) == cudaSuccess;
 #endif
-  return bytes;
+  return ok && bytes > 0 ? bytes : 48 * 1024;
 }
 
 }  // namespace moe_fp8
 
 #endif  // __CUDACC__ || __HIPCC__
+
+// Host code, and devices without the instructions: the software encoder only.
+#ifndef MOE_FP8_HW_E4M3FN
+#define MOE_FP8_HW_E4M3FN 0
+#endif
+#ifndef MOE_FP8_HW_E4M3FNUZ
+#define MOE_FP8_HW_E4M3FNUZ 0
+#endif

@@ -109,14 +109,21 @@ ColsOperand cols_operand(const at::Tensor& x, int64_t sb, int64_t sr, int64_t sc
   return o;
 }
 
-// Per-expert reduction of b (E, R, C) over R for every (e, c), with q written so that
-// each (e, c) run of R codes is contiguous: q memory [e][c][r], scale [e][c]. The
+// Expert weights b (E, ., .) reduced over dim `rdim` (1 or 2) for every (e, c) of the
+// other dim: q (E, R, C) with strides (R*C, 1, R), i.e. memory [e][c][r] so that each
+// reduction run is contiguous (column-major per expert), and scale (E, 1, C). The
 // "rows" shape applies when R is the contiguous dimension of b, "cols" otherwise.
-void quantize_per_expert(const at::Tensor& b, int64_t R, int64_t C, int64_t s_r, int64_t s_c,
-                         at::ScalarType fp8_dtype, bool pow2, const at::Tensor& q, const at::Tensor& scale,
-                         const char* op) {
-  const int64_t E = b.size(0);
-  if (E == 0 || C == 0) return;
+std::tuple<at::Tensor, at::Tensor> quantize_per_expert(const at::Tensor& b, int rdim, at::ScalarType fp8_dtype,
+                                                       bool pow2, const char* op) {
+  check_rank(b, 3, op, "b_t");
+  input_kind(b, op, "b_t");
+  fp8_format(fp8_dtype, op);
+  const int cdim = 3 - rdim;
+  const int64_t E = b.size(0), R = b.size(rdim), C = b.size(cdim);
+  const int64_t s_r = b.stride(rdim), s_c = b.stride(cdim);
+  at::Tensor q = at::empty_strided({E, R, C}, {R * C, 1, R}, b.options().dtype(fp8_dtype));
+  at::Tensor scale = at::empty({E, 1, C}, b.options().dtype(at::kFloat));
+  if (E == 0 || C == 0) return {q, scale};
   if (s_r == 1 && R > 1) {
     RowsArgs a;
     a.rows = E * C;
@@ -127,15 +134,16 @@ void quantize_per_expert(const at::Tensor& b, int64_t R, int64_t C, int64_t s_r,
     a.stride_col = 1;
     a.pow2 = pow2;
     run_rows(b, fp8_dtype, q, scale, a, op);
-    return;
+    return {q, scale};
   }
+  TORCH_CHECK(E <= 65535, op, ": expected at most 65535 experts, got ", E);
   ColsArgs a;
   a.op[0] = cols_operand(b, b.stride(0), s_r, s_c, C, q, R * C, R, scale, C);
   a.rows = R;
   a.num_segments = static_cast<int>(E);
   a.pow2 = pow2;
-  TORCH_CHECK(E <= 65535, op, ": expected at most 65535 experts, got ", E);
   run_cols(b, fp8_dtype, a, R, op);
+  return {q, scale};
 }
 
 }  // namespace
@@ -173,28 +181,12 @@ std::tuple<at::Tensor, at::Tensor> quantize_rowwise(const at::Tensor& x, at::Sca
 
 std::tuple<at::Tensor, at::Tensor> quantize_experts_fwd(const at::Tensor& b_t, at::ScalarType fp8_dtype,
                                                         bool pow2_scale) {
-  constexpr const char* op = "quantize_experts_fwd";
-  check_rank(b_t, 3, op, "b_t");
-  input_kind(b_t, op, "b_t");
-  fp8_format(fp8_dtype, op);
-  const int64_t E = b_t.size(0), K = b_t.size(1), N = b_t.size(2);
-  at::Tensor q = at::empty_strided({E, K, N}, {K * N, 1, K}, b_t.options().dtype(fp8_dtype));
-  at::Tensor scale = at::empty({E, 1, N}, b_t.options().dtype(at::kFloat));
-  quantize_per_expert(b_t, K, N, b_t.stride(1), b_t.stride(2), fp8_dtype, pow2_scale, q, scale, op);
-  return {q, scale};
+  return quantize_per_expert(b_t, /*rdim=K*/ 1, fp8_dtype, pow2_scale, "quantize_experts_fwd");
 }
 
 std::tuple<at::Tensor, at::Tensor> quantize_experts_bwd(const at::Tensor& b_t, at::ScalarType fp8_dtype,
                                                         bool pow2_scale) {
-  constexpr const char* op = "quantize_experts_bwd";
-  check_rank(b_t, 3, op, "b_t");
-  input_kind(b_t, op, "b_t");
-  fp8_format(fp8_dtype, op);
-  const int64_t E = b_t.size(0), K = b_t.size(1), N = b_t.size(2);
-  at::Tensor q = at::empty_strided({E, N, K}, {N * K, 1, N}, b_t.options().dtype(fp8_dtype));
-  at::Tensor scale = at::empty({E, 1, K}, b_t.options().dtype(at::kFloat));
-  quantize_per_expert(b_t, N, K, b_t.stride(2), b_t.stride(1), fp8_dtype, pow2_scale, q, scale, op);
-  return {q, scale};
+  return quantize_per_expert(b_t, /*rdim=N*/ 2, fp8_dtype, pow2_scale, "quantize_experts_bwd");
 }
 
 namespace {
