@@ -7,6 +7,7 @@ Importing the package loads the compiled extension, which registers the ops unde
 import torch
 
 from . import _C  # noqa: F401  (registers torch.ops.moe_fp8.*)
+from .grouped_mm import grouped_mm, grouped_mm_backend
 from .ops import (
     quantize_experts_bwd,
     quantize_experts_fwd,
@@ -19,6 +20,8 @@ from .platform import build_info, default_fp8_dtype
 __all__ = [
     "build_info",
     "default_fp8_dtype",
+    "grouped_mm",
+    "grouped_mm_backend",
     "quantize_experts_bwd",
     "quantize_experts_fwd",
     "quantize_jagged_colwise",

@@ -55,8 +55,9 @@ fi
 
 echo "== main job"
 $PY -m moe_fp8_ext
+$PY -m moe_fp8_ext --check
 
 case "$bench" in
-  full) $PY bench/calibrate.py && $PY bench/bench_rowwise.py ;;
-  quick) $PY bench/bench_rowwise.py --quick ;;
+  full) $PY bench/calibrate.py && $PY bench/bench_rowwise.py && $PY bench/bench_grouped_mm.py ;;
+  quick) $PY bench/bench_rowwise.py --quick && $PY bench/bench_grouped_mm.py --quick ;;
 esac

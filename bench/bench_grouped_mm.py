@@ -1,0 +1,104 @@
+"""grouped_mm forward + backward: bf16 (torch._grouped_mm) vs ours (fp8_rowwise) vs
+torchao 0.18's FP8 grouped GEMM, one grouped linear and the full SwiGLU expert FFN.
+
+Correctness first: the fp8 output is checked against the bf16 one (SQNR) before
+timing. Run: python bench/bench_grouped_mm.py [--quick]
+"""
+
+import argparse
+import sys
+
+import torch
+
+import moe_fp8_ext
+from moe_fp8_ext.moe import MoEExperts, balanced_offs
+
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+from common import bench_us, fmt, print_table, try_peer  # noqa: E402
+
+
+def torchao_gmm():
+    from torchao.prototype.moe_training.fp8_grouped_mm import _to_fp8_rowwise_then_scaled_grouped_mm
+
+    return lambda a, b_t, offs: _to_fp8_rowwise_then_scaled_grouped_mm(a, b_t, offs, torch.bfloat16, torch.float8_e4m3fn, False)
+
+
+def sqnr(ref, x):
+    return (20 * torch.log10(ref.float().norm() / (ref.float() - x.float()).norm())).item()
+
+
+def peak_mib(fn):
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2**20
+
+
+def bench_linear(shapes):
+    rows = []
+    for m, k, n, e in shapes:
+        a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        w = (torch.randn(e, n, k, device="cuda", dtype=torch.bfloat16) * 0.02).requires_grad_()
+        offs = balanced_offs(m, e, device="cuda")
+        grad = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+        impls = {
+            "bf16": lambda a, b_t, offs: moe_fp8_ext.grouped_mm(a, b_t, offs, recipe="bf16"),
+            "ours": lambda a, b_t, offs: moe_fp8_ext.grouped_mm(a, b_t, offs),
+        }
+        ao = try_peer(lambda: (lambda: torchao_gmm()(a, w.transpose(1, 2), offs)))
+        if ao:
+            impls["torchao"] = torchao_gmm()
+        with torch.no_grad():
+            ref = impls["bf16"](a, w.transpose(1, 2), offs)
+            q = sqnr(ref, impls["ours"](a, w.transpose(1, 2), offs))
+        assert q > 25, f"fp8 output SQNR {q:.1f} dB against bf16"
+        t, tf, mem = {}, {}, {}
+        for name, f in impls.items():
+            step = lambda f=f: f(a, w.transpose(1, 2), offs).backward(grad)
+            t[name] = bench_us(step, warmup_ms=50, rep_ms=300) / 1000
+            with torch.no_grad():
+                tf[name] = bench_us(lambda f=f: f(a, w.transpose(1, 2), offs)) / 1000
+            mem[name] = peak_mib(step)
+            a.grad = w.grad = None
+        rows.append([
+            f"({m}, {k}, {n}, {e})", f"{t['bf16']:.3f}", f"{t['ours']:.3f}", f"{t['bf16'] / t['ours']:.2f}x",
+            fmt(t.get("torchao"), "{:.3f}"), fmt(t.get("torchao") and t["bf16"] / t["torchao"], "{:.2f}x"),
+            f"{tf['bf16']:.3f}", f"{tf['ours']:.3f}", fmt(tf.get("torchao"), "{:.3f}"),
+            f"{mem['bf16']:.0f}", f"{mem['ours']:.0f}", f"{q:.1f}",
+        ])
+        del a, w, grad
+    header = ["(M, K, N, E)", "bf16 ms", "ours ms", "speedup", "torchao ms", "torchao speedup",
+              "fwd bf16", "fwd ours", "fwd torchao", "peak MiB bf16", "peak MiB ours", "SQNR dB"]
+    return print_table("grouped linear, forward + backward (ms)", header, rows, "bench_grouped_mm.md")
+
+
+def bench_ffn(shapes):
+    rows = []
+    for m, k, n, e in shapes:
+        offs = balanced_offs(m, e, device="cuda")
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        grad = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        t = {}
+        for recipe in ("bf16", "fp8_rowwise"):
+            model = MoEExperts(e, k, n, recipe, torch.bfloat16, "cuda")
+            t[recipe] = bench_us(lambda: model(x, offs).backward(grad), warmup_ms=50, rep_ms=300) / 1000
+            del model
+        rows.append([f"({m}, {k}, {n}, {e})", f"{t['bf16']:.3f}", f"{t['fp8_rowwise']:.3f}", f"{t['bf16'] / t['fp8_rowwise']:.2f}x"])
+    return print_table("SwiGLU expert FFN (w1, w3, w2), forward + backward (ms)", ["(M, dim, hidden, E)", "bf16 ms", "fp8 ms", "speedup"], rows, "bench_grouped_mm.md")
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--quick", action="store_true", help="first shape only")
+    args = p.parse_args()
+    shapes = [(16384, 7168, 2048, 8), (32768, 5120, 1536, 16), (65536, 2048, 1408, 64), (131072, 7168, 2048, 8)]
+    if args.quick:
+        shapes = shapes[:1]
+    bench_linear(shapes)
+    bench_ffn(shapes[:2])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,177 @@
+"""grouped_mm: numerics against fp32 (SQNR), autograd wiring, torch.compile, a short
+MoE FFN training run, and errors. On the CPU (and GPUs without an FP8 grouped GEMM)
+this runs the emulated path; on sm90+ the FP8 GEMM."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import moe_fp8_ext
+from moe_fp8_ext import reference as ref
+from moe_fp8_ext.moe import MoEExperts
+from conftest import DEVICES, randn
+
+F8 = torch.float8_e4m3fn
+
+
+def sqnr(ref_t, x):
+    ref_t, x = ref_t.float(), x.float()
+    return (20 * torch.log10(ref_t.norm() / (ref_t - x).norm())).item()
+
+
+def make_offs(sizes, device):
+    return torch.cumsum(torch.tensor(sizes), 0).to(torch.int32).to(device)
+
+
+CASES = {  # (M, K, N, group sizes: multiples of 16, empty groups included)
+    "e4": (256, 128, 64, [64, 0, 128, 64]),
+    "e1": (128, 64, 96, [128]),
+    "e8_empty": (512, 256, 128, [0, 96, 32, 0, 160, 64, 160, 0]),
+    "tail_rows": (192, 64, 48, [48, 96]),  # rows past offs[-1] are not computed
+}
+
+
+def fp32_reference(a, b_t, offs):
+    a32 = a.detach().float().requires_grad_()
+    b32 = b_t.detach().float().requires_grad_()
+    out = torch._grouped_mm(a32, b32, offs=offs)
+    return a32, b32, out
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", list(CASES))
+def test_sqnr_against_fp32(device, case):
+    m, k, n, sizes = CASES[case]
+    offs = make_offs(sizes, device)
+    a = randn((m, k), torch.bfloat16, device).requires_grad_()
+    b_t = (randn((len(sizes), n, k), torch.bfloat16, device, outliers=False) * 0.02).transpose(1, 2).detach().requires_grad_()
+    out = moe_fp8_ext.grouped_mm(a, b_t, offs)
+    grad = randn((m, n), torch.bfloat16, device, outliers=False)
+    out.backward(grad)
+    a32, b32, out32 = fp32_reference(a, b_t, offs)
+    out32.backward(grad.float())
+    used = int(offs[-1])
+    # Thresholds from the issue: fp8 e4m3 with rowwise pow2 scales on N(0,1)+outliers
+    # activations and N(0, 0.02) weights.
+    assert out.dtype == torch.bfloat16 and out.shape == (m, n)
+    assert sqnr(out32[:used], out[:used]) >= 27
+    assert sqnr(a32.grad[:used], a.grad[:used]) >= 25
+    assert sqnr(b32.grad, b_t.grad) >= 22 or b32.grad.abs().max() == 0
+    assert b_t.grad.shape == b_t.shape and a.grad.shape == a.shape
+
+
+def test_backward_is_the_quantized_math():
+    # The output and gradients are the products of the quantized operands (emulated
+    # path): checks the autograd wiring, operand layouts and scale placement. Both
+    # sides accumulate in fp32 in a different order, then round to bf16: allow one
+    # bf16 ulp (2^-8 relative) where a sum lands on a rounding boundary.
+    m, k, n, sizes = CASES["e4"]
+    offs = make_offs(sizes, "cpu")
+    a = randn((m, k), torch.bfloat16).requires_grad_()
+    b_t = (randn((4, k, n), torch.bfloat16, outliers=False) * 0.02).requires_grad_()
+    grad = randn((m, n), torch.bfloat16)
+    out = moe_fp8_ext.grouped_mm(a, b_t, offs)
+    out.backward(grad)
+
+    qa, sa = ref.quantize_rowwise(a.detach(), F8)
+    qb, sb = ref.quantize_experts_fwd(b_t.detach(), F8)
+    want_out = torch._grouped_mm(qa.float() * sa, qb.float() * sb, offs=offs).to(torch.bfloat16)
+    qg, sg = ref.quantize_rowwise(grad, F8)
+    qw, sw = ref.quantize_experts_bwd(b_t.detach(), F8)
+    want_ga = torch._grouped_mm(qg.float() * sg, qw.float() * sw, offs=offs).to(torch.bfloat16)
+    qgc, sgc, qac, sac = ref.quantize_jagged_colwise_dual(grad, a.detach(), offs, F8)
+    gid = torch.repeat_interleave(torch.arange(4), torch.tensor(sizes))
+    want_gb = torch._grouped_mm((qgc.float() * sgc[gid]).t(), qac.float() * sac[gid], offs=offs).to(torch.bfloat16)
+    for got, want in ((out, want_out), (a.grad, want_ga), (b_t.grad, want_gb.transpose(1, 2))):
+        torch.testing.assert_close(got.float(), want.float(), rtol=2**-8, atol=1e-6)
+
+
+def test_needs_only_weight_grad():
+    offs = make_offs([32, 32], "cpu")
+    a = randn((64, 32), torch.bfloat16)
+    b_t = (randn((2, 32, 16), torch.bfloat16) * 0.02).requires_grad_()
+    moe_fp8_ext.grouped_mm(a, b_t, offs).float().sum().backward()
+    assert a.grad is None and b_t.grad is not None and torch.isfinite(b_t.grad.float()).all()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_compile_fullgraph_forward_backward(device):
+    m, k, n, sizes = CASES["e4"]
+    offs = make_offs(sizes, device)
+    a = randn((m, k), torch.bfloat16, device)
+    b_t = (randn((4, n, k), torch.bfloat16, device, outliers=False) * 0.02).transpose(1, 2)
+
+    def step(a, b_t, offs):
+        return moe_fp8_ext.grouped_mm(a, b_t, offs).float().square().sum()
+
+    torch._dynamo.reset()
+    compiled = torch.compile(step, fullgraph=True)
+    results = []
+    for fn in (step, compiled):
+        aa, bb = a.clone().requires_grad_(), b_t.detach().clone().requires_grad_()
+        loss = fn(aa, bb, offs)
+        loss.backward()
+        results.append((loss.detach(), aa.grad, bb.grad))
+    for eager, comp in zip(*results):
+        torch.testing.assert_close(comp, eager, rtol=1e-2, atol=1e-2)  # same quantized math; fusion may reorder fp32 sums
+
+
+def train(recipe, dtype, steps=50, device="cpu"):
+    torch.manual_seed(0)
+    experts, dim, hidden, tokens = 4, 64, 128, 256
+    model = MoEExperts(experts, dim, hidden, recipe, dtype, device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(1)
+    teacher = torch.randn(dim, dim, generator=g) / dim**0.5
+    offs = make_offs([64, 48, 96, 48], device)
+    losses = []
+    for _ in range(steps):
+        x = torch.randn(tokens, dim, generator=g)
+        y = torch.tanh(x @ teacher)
+        out = model(x.to(dtype).to(device), offs)
+        loss = F.mse_loss(out.float(), y.to(device))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def test_fp8_training_tracks_high_precision():
+    # CPU: the baseline runs in fp32 (this CPU has no bf16 grouped GEMM); the fp8 run
+    # feeds the same fp32 activations through fp8 quantization.
+    base = train("bf16", torch.float32)
+    fp8 = train("fp8_rowwise", torch.float32)
+    assert base[-1] < 0.8 * base[0], "the model must actually learn"
+    # fp8 noise moves individual steps a little; the curve must stay within 5%.
+    rel = [abs(f - b) / b for f, b in zip(fp8, base)]
+    assert max(rel) < 0.05, max(rel)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(recipe="fp4"), "expected recipe in"),
+        (dict(A=torch.randn(4, 8, 2)), "expected A 2-D and B_t 3-D"),
+        (dict(B_t=torch.randn(2, 16, 8)), "with the same K"),
+        (dict(offs=torch.tensor([16, 32])), "expected offs int32"),
+    ],
+)
+def test_errors(kwargs, message):
+    args = dict(A=torch.randn(32, 8), B_t=torch.randn(2, 8, 4), offs=torch.tensor([16, 32], dtype=torch.int32))
+    recipe = kwargs.pop("recipe", "fp8_rowwise")
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=message):
+        moe_fp8_ext.grouped_mm(args["A"], args["B_t"], args["offs"], recipe=recipe)
+
+
+def test_debug_checks_group_alignment(monkeypatch):
+    monkeypatch.setenv("MOE_FP8_DEBUG", "1")
+    with pytest.raises(ValueError, match="multiples of 16 for the fp8 GEMM, got 8 for group 1"):
+        moe_fp8_ext.grouped_mm(torch.randn(32, 16), torch.randn(2, 16, 8), torch.tensor([16, 24], dtype=torch.int32))
+
+
+def test_backend_report():
+    assert moe_fp8_ext.grouped_mm_backend("cpu") == "emulated"
+    if torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9:
+        assert moe_fp8_ext.grouped_mm_backend("cuda") == "fp8_gemm"
