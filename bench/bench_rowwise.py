@@ -12,6 +12,7 @@ import torch
 
 import moe_fp8_ext
 from moe_fp8_ext import reference as ref
+from moe_fp8_ext.moe import balanced_offs
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from common import bench_us, copy_us, fmt, print_table, try_peer  # noqa: E402
@@ -86,20 +87,12 @@ def bench_experts(shapes):
     return print_table("quantize_experts_fwd / _bwd (B_t = W^T, W (E, N, K) contiguous)", HEADER, rows, "bench_rowwise.md")
 
 
-def balanced_offs(m, g):
-    # Router-like group sizes: random around M/G, multiples of 16, summing to M.
-    w = torch.rand(g) + 0.5
-    sizes = (w / w.sum() * m / 16).floor().int() * 16
-    sizes[-1] += m - int(sizes.sum())
-    return torch.cumsum(sizes, 0).to(torch.int32).cuda()
-
-
 def bench_jagged(shapes):
     rows = []
     for m, k, n, g in shapes:
         a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         go = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
-        offs = balanced_offs(m, g)
+        offs = balanced_offs(m, g, device="cuda")
         check(moe_fp8_ext.quantize_jagged_colwise_dual(go, a, offs, F8), ref.quantize_jagged_colwise_dual(go, a, offs, F8))
         nbytes = m * (k + n) * 3 + g * (k + n) * 4
         ao = lambda: (lambda: torchao_kernels()[1].triton_fp8_per_group_colwise_scales_dual(go, a, offs, F8, round_scales_to_power_of_2=True))

@@ -15,6 +15,7 @@ import torch
 
 import moe_fp8_ext
 from moe_fp8_ext import reference as ref
+from moe_fp8_ext.moe import balanced_offs
 
 
 def _time_ms(fn, device, iters):
@@ -85,7 +86,7 @@ def train_demo(args):
     print(f"moe_fp8_ext: training an MoE expert FFN on {where}")
     print(f"tokens={tokens} dim={dim} hidden={hidden} experts={experts} steps={steps}; "
           f"fp8 GEMM path: {moe_fp8_ext.grouped_mm_backend(device)}\n")
-    offs = __import__("moe_fp8_ext.moe", fromlist=["balanced_offs"]).balanced_offs(tokens, experts, device=device)
+    offs = balanced_offs(tokens, experts, device=device)
     base_name = "bf16" if gpu else "fp32"
     m_base, t_base, l_base = _train("bf16", device, dtype, tokens, dim, hidden, experts, steps, offs, base_name)
     m_fp8, t_fp8, l_fp8 = _train("fp8_rowwise", device, dtype, tokens, dim, hidden, experts, steps, offs, "fp8_rowwise")
