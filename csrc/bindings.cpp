@@ -4,6 +4,7 @@
 #include <torch/library.h>
 #include <torch/version.h>
 
+#include "grouping/grouping_ops.h"
 #include "rowwise/rowwise_ops.h"
 
 // Set by CMakeLists.txt: the GPU backend ("cuda", "hip" or "" for CPU only), its
@@ -35,14 +36,38 @@ TORCH_LIBRARY(moe_fp8, m) {
   MOE_FP8_IMPL(m, "quantize_experts_bwd", moe_fp8::quantize_experts_bwd);
 
   m.def(
-      "quantize_jagged_colwise(Tensor x, Tensor offs, ScalarType fp8_dtype, bool pow2_scale=True)"
-      " -> (Tensor, Tensor)");
+      "quantize_jagged_colwise(Tensor x, Tensor offs, ScalarType fp8_dtype, bool pow2_scale=True,"
+      " Tensor? padded_starts=None, int alignment=16) -> (Tensor, Tensor)");
   MOE_FP8_IMPL(m, "quantize_jagged_colwise", moe_fp8::quantize_jagged_colwise);
 
   m.def(
       "quantize_jagged_colwise_dual(Tensor x1, Tensor x2, Tensor offs, ScalarType fp8_dtype,"
-      " bool pow2_scale=True) -> (Tensor, Tensor, Tensor, Tensor)");
+      " bool pow2_scale=True, Tensor? padded_starts=None, int alignment=16) -> (Tensor, Tensor, Tensor, Tensor)");
   MOE_FP8_IMPL(m, "quantize_jagged_colwise_dual", moe_fp8::quantize_jagged_colwise_dual);
+
+  // ---- token groups (DESIGN §8): sync-free padding and expert-parallel permutation -
+  m.def("pad_token_groups(Tensor x, Tensor offs, int alignment) -> (Tensor, Tensor, Tensor)");
+  MOE_FP8_IMPL(m, "pad_token_groups", moe_fp8::pad_token_groups);
+
+  m.def("pad_token_groups_at(Tensor x, Tensor offs, Tensor padded_starts, SymInt num_padded_rows) -> Tensor");
+  MOE_FP8_IMPL(m, "pad_token_groups_at", moe_fp8::pad_token_groups_at);
+
+  m.def("unpad_token_groups(Tensor x_padded, Tensor offs, Tensor padded_starts, SymInt num_tokens) -> Tensor");
+  MOE_FP8_IMPL(m, "unpad_token_groups", moe_fp8::unpad_token_groups);
+
+  m.def("padded_group_offsets(Tensor offs, SymInt num_tokens, int alignment) -> (Tensor, Tensor)");
+  MOE_FP8_IMPL(m, "padded_group_offsets", moe_fp8::padded_group_offsets);
+
+  m.def(
+      "permute_indices(Tensor tokens_per_expert_group, int experts_per_rank, int num_ranks, int alignment,"
+      " SymInt max_len) -> (Tensor, Tensor, Tensor)");
+  MOE_FP8_IMPL(m, "permute_indices", moe_fp8::permute_indices);
+
+  m.def("gather_rows(Tensor x, Tensor indices) -> Tensor");
+  MOE_FP8_IMPL(m, "gather_rows", moe_fp8::gather_rows);
+
+  m.def("scatter_rows(Tensor y, Tensor indices, SymInt num_rows) -> Tensor");
+  MOE_FP8_IMPL(m, "scatter_rows", moe_fp8::scatter_rows);
 }
 
 namespace {

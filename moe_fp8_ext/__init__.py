@@ -9,22 +9,36 @@ import torch
 from . import _C  # noqa: F401  (registers torch.ops.moe_fp8.*)
 from .grouped_mm import grouped_mm, grouped_mm_backend
 from .ops import (
+    gather_rows,
+    padded_group_offsets,
+    permute_indices,
     quantize_experts_bwd,
     quantize_experts_fwd,
     quantize_jagged_colwise,
     quantize_jagged_colwise_dual,
     quantize_rowwise,
+    scatter_rows,
 )
 from .platform import build_info, default_fp8_dtype
+from .token_groups import pad_token_groups, padded_rows, permute_and_pad, unpad_token_groups, unpermute
 
 __all__ = [
     "build_info",
     "default_fp8_dtype",
+    "gather_rows",
     "grouped_mm",
     "grouped_mm_backend",
+    "pad_token_groups",
+    "padded_group_offsets",
+    "padded_rows",
+    "permute_and_pad",
+    "permute_indices",
     "quantize_experts_bwd",
     "quantize_experts_fwd",
     "quantize_jagged_colwise",
     "quantize_jagged_colwise_dual",
     "quantize_rowwise",
+    "scatter_rows",
+    "unpad_token_groups",
+    "unpermute",
 ]

@@ -16,9 +16,19 @@ quantized operands are dequantized and multiplied in fp32 ("emulated"), so resul
 gradients are the same math; :func:`grouped_mm_backend` says which path runs. The fp8
 recipe never silently falls back to bf16 math.
 
-Group sizes must be multiples of 16 for the FP8 GEMM (its alignment); set
-``MOE_FP8_DEBUG=1`` to check them (that syncs). No op here syncs with the host
-otherwise, and the whole function works under ``torch.compile(fullgraph=True)``.
+Token groups of any size work without a host sync (``pad_groups=True``, the default;
+DESIGN §8). The only FP8 GEMM that needs aligned groups is the weight gradient, whose
+contraction runs over the tokens of a group (16-byte aligned pieces of K); its
+operands are quantized straight into the padded layout (group starts rounded up to
+16 rows, zero rows between), so no padded copy is ever written. The forward and the
+input gradient group the M rows of a 2-D x 3-D GEMM, which PyTorch's CUDA grouped
+GEMMs take at any size (their per-group pointers only need 16-byte aligned rows, i.e.
+K % 16 == 0: see aten/src/ATen/native/cuda/GroupMMCommon.cuh), so they run
+unpadded. On ROCm, where that is not established, the input is padded and the output
+unpadded around the aligned path instead. With ``pad_groups=False`` every group
+size must be a multiple of 16; set ``MOE_FP8_DEBUG=1`` to check them (that syncs).
+No op here syncs with the host otherwise, and the whole function works under
+``torch.compile(fullgraph=True)``.
 """
 
 import os
@@ -28,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from . import ops
+from . import ops, token_groups
 from .platform import default_fp8_dtype
 
 RECIPES = ("fp8_rowwise", "bf16")
@@ -104,28 +114,39 @@ def _mm_2d2d(qa_t, sa, qb, sb, offs, out_dtype, emulated: bool) -> Tensor:
 
 class _Fp8RowwiseGroupedMM(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, A, B_t, offs, out_dtype, fp8_dtype, emulated):
+    def forward(ctx, A, B_t, offs, out_dtype, fp8_dtype, emulated, pad_wgrad):
         qa, sa = ops.quantize_rowwise(A, fp8_dtype)
         qb, sb = ops.quantize_experts_fwd(B_t, fp8_dtype)
         ctx.save_for_backward(A, B_t, offs)
         ctx.fp8_dtype = fp8_dtype
         ctx.emulated = emulated
+        ctx.pad_wgrad = pad_wgrad
         return _mm_2d3d(qa, sa.squeeze(-1), qb, sb.squeeze(1), offs, out_dtype, emulated)
 
     @staticmethod
     def backward(ctx, grad_out):
         A, B_t, offs = ctx.saved_tensors
         f8, emulated = ctx.fp8_dtype, ctx.emulated
+        grad_out = grad_out.contiguous()
         grad_A = grad_B_t = None
         if ctx.needs_input_grad[0]:
             qg, sg = ops.quantize_rowwise(grad_out, f8)
             qw, sw = ops.quantize_experts_bwd(B_t, f8)  # (E, N, K) column-major
             grad_A = _mm_2d3d(qg, sg.squeeze(-1), qw, sw.squeeze(1), offs, A.dtype, emulated)
         if ctx.needs_input_grad[1]:
-            qg_c, sg_c, qa_c, sa_c = ops.quantize_jagged_colwise_dual(grad_out, A, offs, f8)
-            grad_B = _mm_2d2d(qg_c.t(), sg_c, qa_c, sa_c, offs, B_t.dtype, emulated)  # (E, N, K)
+            # Any group sizes: both operands go straight into the padded layout.
+            starts, wgrad_offs = None, offs
+            if ctx.pad_wgrad:
+                starts, wgrad_offs = ops.padded_group_offsets(offs, A.shape[0], GROUP_ALIGNMENT)
+            layout = dict(padded_starts=starts, alignment=GROUP_ALIGNMENT)
+            if grad_out.dtype == A.dtype:
+                qg_c, sg_c, qa_c, sa_c = ops.quantize_jagged_colwise_dual(grad_out, A, offs, f8, **layout)
+            else:
+                qg_c, sg_c = ops.quantize_jagged_colwise(grad_out, offs, f8, **layout)
+                qa_c, sa_c = ops.quantize_jagged_colwise(A, offs, f8, **layout)
+            grad_B = _mm_2d2d(qg_c.t(), sg_c, qa_c, sa_c, wgrad_offs, B_t.dtype, emulated)  # (E, N, K)
             grad_B_t = grad_B.transpose(-2, -1)
-        return grad_A, grad_B_t, None, None, None, None
+        return grad_A, grad_B_t, None, None, None, None, None
 
 
 def _check_debug_alignment(offs: Tensor) -> None:
@@ -146,14 +167,20 @@ def grouped_mm(
     recipe: str = "fp8_rowwise",
     out_dtype: torch.dtype = torch.bfloat16,
     fp8_dtype: Optional[torch.dtype] = None,
+    pad_groups: bool = True,
 ) -> Tensor:
     """Grouped ``A @ B_t[e]`` over the token groups of ``offs``, differentiable in A and B_t.
 
     A (M, K) row-major (bf16 or fp32), B_t (E, K, N) in any per-expert layout (the
     transpose of an (E, N, K) weight is the common case), ``offs`` int32 (E,) with the
     cumulative end row of each group (DESIGN §3). Returns (M, N) in ``out_dtype``.
-    Rows past ``offs[-1]`` are not computed. With the fp8 recipe every group size must
-    be a multiple of 16.
+    Rows past ``offs[-1]`` are not computed.
+
+    ``pad_groups`` (fp8 recipe): groups of any size, no host sync (see the module
+    docstring for how, and bench/RESULTS.md for the cost: within noise of aligned
+    groups on H200). With ``pad_groups=False`` every group size must be a multiple of
+    16. The bf16 recipe is ``torch._grouped_mm`` as is, whose backward needs groups
+    that are multiples of 8.
     """
     if recipe not in RECIPES:
         raise ValueError(f"grouped_mm: expected recipe in {RECIPES}, got {recipe!r}")
@@ -165,8 +192,13 @@ def grouped_mm(
         raise ValueError(f"grouped_mm: expected A (M, K) and B_t (E, K, N) with the same K, got {tuple(A.shape)} and {tuple(B_t.shape)}")
     if offs.dtype != torch.int32 or offs.dim() != 1 or offs.shape[0] != B_t.shape[0]:
         raise ValueError(f"grouped_mm: expected offs int32 of shape ({B_t.shape[0]},), got {offs.dtype} {tuple(offs.shape)}")
-    if os.environ.get("MOE_FP8_DEBUG") == "1":
+    if not pad_groups and os.environ.get("MOE_FP8_DEBUG") == "1":
         _check_debug_alignment(offs)
     emulated = grouped_mm_backend(A.device) == "emulated"
     f8 = fp8_dtype if fp8_dtype is not None else default_fp8_dtype(A.device if A.is_cuda else None)
-    return _Fp8RowwiseGroupedMM.apply(A, B_t, offs, out_dtype, f8, emulated)
+    if pad_groups and not emulated and torch.version.hip:
+        # Pad the input, run the aligned path, unpad the output (all differentiable).
+        A_p, starts, ends = token_groups.pad_token_groups(A, offs, GROUP_ALIGNMENT)
+        out_p = _Fp8RowwiseGroupedMM.apply(A_p, B_t, ends, out_dtype, f8, emulated, False)
+        return token_groups.unpad_token_groups(out_p, offs, starts, A.shape[0])
+    return _Fp8RowwiseGroupedMM.apply(A, B_t, offs, out_dtype, f8, emulated, pad_groups)

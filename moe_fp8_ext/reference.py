@@ -79,3 +79,67 @@ def quantize_jagged_colwise(x: Tensor, offs: Tensor, fp8_dtype: torch.dtype, pow
 
 def quantize_jagged_colwise_dual(x1: Tensor, x2: Tensor, offs: Tensor, fp8_dtype: torch.dtype, pow2_scale: bool = True):
     return (*quantize_jagged_colwise(x1, offs, fp8_dtype, pow2_scale), *quantize_jagged_colwise(x2, offs, fp8_dtype, pow2_scale))
+
+
+def quantize_jagged_colwise_padded(x: Tensor, offs: Tensor, alignment: int, fp8_dtype: torch.dtype, pow2_scale: bool = True):
+    """The padded layout of the jagged quantization: quantize the padded copy."""
+    xp, _starts, ends = pad_token_groups(x, offs, alignment)
+    return quantize_jagged_colwise(xp, ends, fp8_dtype, pow2_scale)
+
+
+# ---- token groups (DESIGN §8) ------------------------------------------------------------
+
+
+def padded_group_offsets(offs: Tensor, alignment: int) -> Tuple[Tensor, Tensor]:
+    sizes = torch.diff(offs.long(), prepend=offs.new_zeros(1).long())
+    padded = (sizes + alignment - 1) // alignment * alignment
+    ends = torch.cumsum(padded, 0)
+    return (ends - padded).to(torch.int32), ends.to(torch.int32)
+
+
+def pad_token_groups(x: Tensor, offs: Tensor, alignment: int) -> Tuple[Tensor, Tensor, Tensor]:
+    m, g = x.shape[0], offs.numel()
+    rows = -(-(m + g * alignment) // alignment) * alignment
+    starts, ends = padded_group_offsets(offs, alignment)
+    xp = torch.zeros((rows, x.shape[1]), dtype=x.dtype, device=x.device)
+    lo = 0
+    for p, hi in zip(starts.tolist(), offs.tolist()):
+        xp[p : p + hi - lo] = x[lo:hi]
+        lo = hi
+    return xp, starts, ends
+
+
+def unpad_token_groups(xp: Tensor, offs: Tensor, starts: Tensor, num_tokens: int) -> Tensor:
+    x = torch.zeros((num_tokens, xp.shape[1]), dtype=xp.dtype, device=xp.device)
+    lo = 0
+    for p, hi in zip(starts.tolist(), offs.tolist()):
+        x[lo:hi] = xp[p : p + hi - lo]
+        lo = hi
+    return x
+
+
+def permute_indices(counts: Tensor, experts_per_rank: int, num_ranks: int, alignment: int, max_len: int):
+    c = counts.view(num_ranks, experts_per_rank).long()
+    start = (torch.cumsum(c.flatten(), 0) - c.flatten()).view(num_ranks, experts_per_rank)
+    total = c.sum(0)
+    sizes = torch.clamp((total + alignment - 1) // alignment * alignment, min=alignment)
+    ends = torch.cumsum(sizes, 0)
+    idx = torch.full((max_len,), -1, dtype=torch.int32)
+    for e in range(experts_per_rank):
+        slot = int(ends[e] - sizes[e])
+        for r in range(num_ranks):
+            n = int(c[r, e])
+            idx[slot : slot + n] = torch.arange(int(start[r, e]), int(start[r, e]) + n, dtype=torch.int32)[: max(0, max_len - slot)]
+            slot += n
+    return idx.to(counts.device), sizes.to(torch.int32).to(counts.device), ends.to(torch.int32).to(counts.device)
+
+
+def gather_rows(x: Tensor, indices: Tensor) -> Tensor:
+    xz = torch.cat([x, x.new_zeros((1, x.shape[1]))])
+    return xz[indices.long().masked_fill(indices < 0, x.shape[0])]
+
+
+def scatter_rows(y: Tensor, indices: Tensor, num_rows: int) -> Tensor:
+    x = y.new_zeros((num_rows + 1, y.shape[1]))
+    x[indices.long().masked_fill(indices < 0, num_rows)] = y
+    return x[:num_rows]

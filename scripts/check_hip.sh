@@ -38,6 +38,7 @@ cat >"$work/instantiate.hip" <<'CPP'
 // Every launcher of every kernel family, for every input dtype and fp8 format.
 #include "core/dispatch_hip.h"
 #include "rowwise/rowwise_kernels_hip.cuh"
+#include "grouping/GROUPING_KERNELS"
 
 #if defined(__HIP_DEVICE_COMPILE__) && defined(__gfx940__) && !MOE_FP8_HW_E4M3FNUZ
 #error "gfx940 must encode fnuz with the hardware conversion"
@@ -56,8 +57,17 @@ int instantiate_all(InputKind in, Fp8Format fmt, const void* x, uint8_t* q, floa
   });
   return err;
 }
+int instantiate_grouping(const RowCopy& c, const RowMapArgs& m, const PermuteArgs& p, gpuStream_t stream) {
+  return launch_copy_rows(c, m, stream) | launch_permute_indices(p, stream) |
+         launch_invert_indices(p.counts, 4, p.indices, 4, stream) |
+         launch_padded_offsets(p.counts, 4, 8, 16, p.indices, p.padded_ends, stream);
+}
 }  // namespace moe_fp8
 CPP
+# hipify renames a header only when it changed something in it.
+grouping=grouping_kernels.cuh
+[ -e "$src/grouping/grouping_kernels_hip.cuh" ] && grouping=grouping_kernels_hip.cuh
+sed -i "s/GROUPING_KERNELS/$grouping/" "$work/instantiate.hip"
 status=0
 for arch in gfx940 gfx90a; do
   if hipcc --offload-arch="$arch" -std=c++17 -O2 -Werror -DUSE_ROCM -I"$src" -c "$work/instantiate.hip" -o "$work/instantiate.$arch.o"; then

@@ -3,7 +3,11 @@
 # self-hosted runner): build for the local GPU, run the whole test suite, run the
 # sanitizer pass over garbage offs, run the benchmarks. Non-zero exit on any failure.
 #
-#   scripts/gpu_ci.sh [--no-bench] [--quick-bench]
+#   scripts/gpu_ci.sh [--no-bench] [--quick-bench] [--bench-only] [--ep]
+# --bench-only: build (a no-op when built), then only the benchmarks; $BENCHES picks
+# them (default: all), e.g. BENCHES="bench_token_groups bench_grouped_mm".
+# --ep (a machine with two or more GPUs): build, then only the expert-parallel example
+# under torchrun on two GPUs and its test.
 # Tables and logs go to $OUT (default ./.out). Peer wheels (torchao) in ./.whl are
 # installed into a private folder first when present.
 set -euo pipefail
@@ -13,10 +17,14 @@ OUT=${OUT:-$PWD/.out}
 export OUT PYTHONUNBUFFERED=1
 mkdir -p "$OUT"
 bench=full
+ep=0
+tests=1
 for a in "$@"; do
   case "$a" in
     --no-bench) bench=none ;;
     --quick-bench) bench=quick ;;
+    --ep) ep=1 ;;
+    --bench-only) tests=0 ;;
     *) echo "gpu_ci.sh: unknown option $a" >&2; exit 2 ;;
   esac
 done
@@ -41,6 +49,15 @@ echo "built in $(( $(date +%s) - start )) s"
 $PY -c "import moe_fp8_ext, torch; print(moe_fp8_ext.build_info(), torch.cuda.get_device_name())"
 
 bash scripts/diag_toolchain.sh
+if [ "$ep" = 1 ]; then
+  echo "== expert parallel on $($PY -c 'import torch; print(torch.cuda.device_count())') GPUs"
+  $PY -m torch.distributed.run --standalone --nproc-per-node=2 examples/expert_parallel.py 2>&1 | tee "$OUT/expert_parallel.log"
+  test ${PIPESTATUS[0]} -eq 0
+  $PY -m pytest tests/test_expert_parallel.py -q -rs 2>&1 | tee -a "$OUT/expert_parallel.log" | tail -5
+  test ${PIPESTATUS[0]} -eq 0
+  exit 0
+fi
+if [ "$tests" = 1 ]; then
 echo "== tests"
 $PY -m pytest tests -q -rs --maxfail=20 2>&1 | tee "$OUT/tests.log" | tail -25
 test ${PIPESTATUS[0]} -eq 0
@@ -56,8 +73,15 @@ fi
 echo "== main job"
 $PY -m moe_fp8_ext
 $PY -m moe_fp8_ext --check
+fi
 
+if [ -n "${BENCHES:-}" ]; then
+  for b in $BENCHES; do $PY "bench/$b.py" $([ "$bench" = quick ] && echo --quick); done
+  exit 0
+fi
 case "$bench" in
-  full) $PY bench/calibrate.py && $PY bench/bench_rowwise.py && $PY bench/bench_grouped_mm.py ;;
-  quick) $PY bench/bench_rowwise.py --quick && $PY bench/bench_grouped_mm.py --quick ;;
+  full) $PY bench/calibrate.py && $PY bench/bench_rowwise.py && $PY bench/bench_grouped_mm.py &&
+        $PY bench/bench_token_groups.py ;;
+  quick) $PY bench/bench_rowwise.py --quick && $PY bench/bench_grouped_mm.py --quick &&
+         $PY bench/bench_token_groups.py --quick ;;
 esac

@@ -99,3 +99,56 @@ def test_debug_env_checks_offs_on_gpu():
     env = dict(os.environ, MOE_FP8_DEBUG="1")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert "RAISED" in out.stdout and "expected non-decreasing offs" in out.stdout, out.stdout + out.stderr
+
+
+# ---- token groups -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("tokens, d, g", [(16384, 7168, 8), (16384, 2048, 64), (32768, 5120, 300), (20000, 72, 9000)])
+def test_pad_unpad_large_same_as_cpu(tokens, d, g):
+    # g = 9000: more groups than fit the per-block tables (read from global memory).
+    x = randn((tokens, d), torch.bfloat16, "cuda")
+    cuts = torch.sort(torch.randint(0, tokens + 1, (g,))).values.to(torch.int32)
+    poison("cuda")
+    gpu = moe_fp8_ext.pad_token_groups(x, cuts.cuda(), 16)
+    cpu = moe_fp8_ext.pad_token_groups(x.cpu(), cuts, 16)
+    for a, b in zip(gpu, cpu):
+        assert torch.equal(a.cpu(), b)
+    poison("cuda")
+    back = moe_fp8_ext.unpad_token_groups(gpu[0], cuts.cuda(), gpu[1], tokens)
+    assert torch.equal(back.cpu(), moe_fp8_ext.unpad_token_groups(cpu[0], cuts, cpu[1], tokens))
+
+
+@pytest.mark.parametrize("fp8_dtype", FP8_DTYPES)
+def test_jagged_dual_padded_large(fp8_dtype):
+    m, g = 16384, 8
+    cuts = torch.sort(torch.randint(0, m + 1, (g,))).values.to(torch.int32)
+    cuts[-1] = m - 7
+    starts, _ = moe_fp8_ext.padded_group_offsets(cuts, m, 16)
+    same_as_cpu(lambda a, b, o, f, s: moe_fp8_ext.quantize_jagged_colwise_dual(a, b, o, f, padded_starts=s),
+                randn((m, 7168), torch.bfloat16, "cuda"), randn((m, 2048), torch.bfloat16, "cuda"), cuts, fp8_dtype, starts)
+
+
+def test_token_group_ops_garbage_is_memory_safe():
+    x = randn((512, 64), torch.bfloat16, "cuda")
+    guard = torch.full((1 << 20,), 7, dtype=torch.uint8, device="cuda")
+    bad = torch.tensor([700, -5, 100, 2**31 - 1, 30, -2**31], dtype=torch.int32, device="cuda")
+    xp, starts, _ = moe_fp8_ext.pad_token_groups(x, bad, 16)
+    moe_fp8_ext.unpad_token_groups(xp, bad, bad, 512)
+    torch.ops.moe_fp8.pad_token_groups_at(x, bad, bad, 100)
+    moe_fp8_ext.quantize_jagged_colwise(x, bad, torch.float8_e4m3fn, padded_starts=bad)
+    moe_fp8_ext.gather_rows(x, bad)
+    moe_fp8_ext.scatter_rows(x[:6], bad, 50)
+    moe_fp8_ext.permute_indices(torch.tensor([5, -3, 2**30, 7], dtype=torch.int32, device="cuda"), 2, 2, 16, 100)
+    torch.cuda.synchronize()
+    assert torch.all(guard == 7)
+
+
+def test_permute_indices_large():
+    counts = torch.randint(0, 600, (8 * 32,), dtype=torch.int32)
+    m = int(counts.sum())
+    max_len = moe_fp8_ext.padded_rows(m, 32, 128)
+    gpu = moe_fp8_ext.permute_indices(counts.cuda(), 32, 8, 128, max_len)
+    cpu = moe_fp8_ext.permute_indices(counts, 32, 8, 128, max_len)
+    for a, b in zip(gpu, cpu):
+        assert torch.equal(a.cpu(), b)

@@ -28,6 +28,10 @@ CASES = {  # (M, K, N, group sizes: multiples of 16, empty groups included)
     "e1": (128, 64, 96, [128]),
     "e8_empty": (512, 256, 128, [0, 96, 32, 0, 160, 64, 160, 0]),
     "tail_rows": (192, 64, 48, [48, 96]),  # rows past offs[-1] are not computed
+    # Any group sizes (pad_groups=True, the default): odd, empty, one expert.
+    "unaligned_e5": (301, 128, 64, [13, 0, 77, 150, 61]),
+    "unaligned_e1": (77, 64, 32, [77]),
+    "unaligned_e9_tail": (500, 64, 48, [1, 33, 0, 0, 100, 7, 250, 50, 2]),
 }
 
 
@@ -86,6 +90,31 @@ def test_backward_is_the_quantized_math():
         torch.testing.assert_close(got.float(), want.float(), rtol=2**-8, atol=1e-6)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_unaligned_groups_match_explicit_padding(device):
+    # pad_groups runs the forward and input gradient unpadded and quantizes the weight
+    # gradient's operands straight into the padded layout. Padding the input by hand,
+    # running the aligned path and unpadding must give the same numbers.
+    m, k, n, sizes = CASES["unaligned_e9_tail"]
+    offs = make_offs(sizes, device)
+    a = randn((m, k), torch.bfloat16, device)
+    b_t = (randn((len(sizes), n, k), torch.bfloat16, device, outliers=False) * 0.02).transpose(1, 2)
+    grad = randn((m, n), torch.bfloat16, device, outliers=False)
+    got = []
+    for explicit in (False, True):
+        aa, bb = a.clone().requires_grad_(), b_t.detach().clone().requires_grad_()
+        if explicit:
+            ap, starts, ends = moe_fp8_ext.pad_token_groups(aa, offs, 16)
+            out = moe_fp8_ext.unpad_token_groups(moe_fp8_ext.grouped_mm(ap, bb, ends, pad_groups=False), offs, starts, m)
+        else:
+            out = moe_fp8_ext.grouped_mm(aa, bb, offs)
+        out.backward(grad)
+        used = int(offs[-1])
+        got.append((out[:used].float(), aa.grad[:used].float(), bb.grad.float()))
+    for fused, explicit in zip(*got):
+        torch.testing.assert_close(fused, explicit, rtol=2**-8, atol=1e-5)
+
+
 def test_needs_only_weight_grad():
     offs = make_offs([32, 32], "cpu")
     a = randn((64, 32), torch.bfloat16)
@@ -95,11 +124,12 @@ def test_needs_only_weight_grad():
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_compile_fullgraph_forward_backward(device):
-    m, k, n, sizes = CASES["e4"]
+@pytest.mark.parametrize("case", ["e4", "unaligned_e5"])
+def test_compile_fullgraph_forward_backward(device, case):
+    m, k, n, sizes = CASES[case]
     offs = make_offs(sizes, device)
     a = randn((m, k), torch.bfloat16, device)
-    b_t = (randn((4, n, k), torch.bfloat16, device, outliers=False) * 0.02).transpose(1, 2)
+    b_t = (randn((len(sizes), n, k), torch.bfloat16, device, outliers=False) * 0.02).transpose(1, 2)
 
     def step(a, b_t, offs):
         return moe_fp8_ext.grouped_mm(a, b_t, offs).float().square().sum()
@@ -168,7 +198,7 @@ def test_errors(kwargs, message):
 def test_debug_checks_group_alignment(monkeypatch):
     monkeypatch.setenv("MOE_FP8_DEBUG", "1")
     with pytest.raises(ValueError, match="multiples of 16 for the fp8 GEMM, got 8 for group 1"):
-        moe_fp8_ext.grouped_mm(torch.randn(32, 16), torch.randn(2, 16, 8), torch.tensor([16, 24], dtype=torch.int32))
+        moe_fp8_ext.grouped_mm(torch.randn(32, 16), torch.randn(2, 16, 8), torch.tensor([16, 24], dtype=torch.int32), pad_groups=False)
 
 
 def test_backend_report():

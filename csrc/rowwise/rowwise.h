@@ -45,8 +45,13 @@ struct ColsOperand {
 // Segments: unless `jagged`, segment s is batch s, rows [0, rows). When jagged
 // (int32, cumulative group ends), segment g is rows [offs[g-1], offs[g]) of batch 0,
 // clamped into [0, rows) so that no offs content can index out of bounds, and a
-// tail segment num_segments covers rows [offs[G-1], rows): its q is zero-filled and
-// it has no scale.
+// tail segment num_segments covers the q rows past the last group: its q is
+// zero-filled and it has no scale.
+//
+// Padded (jagged only, `padded_starts` set): q has `q_rows` rows and group g is
+// written at q rows [padded_starts[g], padded_starts[g] + round_up(n_g, alignment)),
+// its rows past n_g zero: the layout of pad_token_groups (DESIGN §8), produced from
+// the unpadded input. Otherwise q rows are the input rows (q_rows == rows).
 struct ColsArgs {
   ColsOperand op[2];
   int num_ops = 1;
@@ -55,12 +60,19 @@ struct ColsArgs {
   const int32_t* offs = nullptr;  // may be null when num_segments == 0
   int num_segments = 0;
   bool pow2 = true;
+  const int32_t* padded_starts = nullptr;
+  int64_t alignment = 1;
+  int64_t q_rows = 0;
 };
 
+// Input rows [start, end) of one batch, written to q rows [q_start, q_start + q_len);
+// q rows past the input rows (q_len > end - start) are zero.
 struct Segment {
   int64_t batch;
   int64_t start;
   int64_t end;
+  int64_t q_start;
+  int64_t q_len;
   bool zero_fill;
 };
 
@@ -71,12 +83,35 @@ MOE_FP8_HD int segments_with_tail(const ColsArgs& a) {
 }
 
 MOE_FP8_HD Segment resolve_segment(const ColsArgs& a, int seg) {
-  if (!a.jagged) return {seg, 0, a.rows, false};
-  const int64_t start = seg == 0 ? 0 : clamp_row(a.offs[seg - 1], a.rows);
+  if (!a.jagged) return {seg, 0, a.rows, 0, a.rows, false};
+  auto group = [&](int g, int64_t* start, int64_t* end) {
+    *start = g == 0 ? 0 : clamp_row(a.offs[g - 1], a.rows);
+    const int64_t e = clamp_row(a.offs[g], a.rows);
+    *end = e < *start ? *start : e;  // decreasing offs: an empty group, never a negative one
+  };
   const bool tail = seg == a.num_segments;
-  int64_t end = tail ? a.rows : clamp_row(a.offs[seg], a.rows);
-  end = end < start ? start : end;  // decreasing offs: an empty group, never a negative one
-  return {0, start, end, tail};
+  if (a.padded_starts == nullptr) {
+    int64_t start = 0, end = a.rows;
+    if (!tail) group(seg, &start, &end);
+    else if (seg > 0) start = clamp_row(a.offs[seg - 1], a.rows);
+    return {0, start, tail ? start : end, start, end - start, tail};
+  }
+  // Padded: q positions come from padded_starts, clamped into [0, q_rows).
+  if (tail) {
+    int64_t q_start = 0;
+    if (seg > 0) {
+      int64_t s, e;
+      group(seg - 1, &s, &e);
+      q_start = clamp_row(static_cast<int64_t>(a.padded_starts[seg - 1]) + round_up(e - s, a.alignment), a.q_rows);
+    }
+    return {0, 0, 0, q_start, a.q_rows - q_start, true};
+  }
+  int64_t start, end;
+  group(seg, &start, &end);
+  const int64_t q_start = clamp_row(a.padded_starts[seg], a.q_rows);
+  const int64_t q_len = round_up(end - start, a.alignment);
+  const int64_t q_fit = q_len < a.q_rows - q_start ? q_len : a.q_rows - q_start;
+  return {0, start, start + (end - start < q_fit ? end - start : q_fit), q_start, q_fit, false};
 }
 
 void run_rows_cpu(InputKind in, Fp8Format fmt, const void* x, uint8_t* q, float* scale,

@@ -60,11 +60,10 @@ void cols_cpu(const ColsArgs& a) {
         const int64_t c = task % op.cols;
         const Segment seg = resolve_segment(a, seg_id);
         const T* xc = static_cast<const T*>(op.x) + seg.batch * op.sb + c * op.sc;
-        uint8_t* qc = op.q + seg.batch * op.q_sb + c * op.q_sc;
-        if (seg.zero_fill) {
-          for (int64_t r = seg.start; r < seg.end; ++r) qc[r] = 0;
-          continue;
-        }
+        // q rows of this segment: its input rows first, then zeros (padding or the tail).
+        uint8_t* qc = op.q + seg.batch * op.q_sb + c * op.q_sc + seg.q_start;
+        for (int64_t r = seg.end - seg.start; r < seg.q_len; ++r) qc[r] = 0;
+        if (seg.zero_fill) continue;
         uint32_t amax = 0;
         for (int64_t r = seg.start; r < seg.end; ++r) {
           const uint32_t b = abs_bits(static_cast<float>(xc[r * op.sr]));
@@ -73,7 +72,7 @@ void cols_cpu(const ColsArgs& a) {
         const QuantScale sc = scale_from_amax_bits(amax, kMax, a.pow2);
         op.scale[seg_id * op.scale_ss + c] = sc.decode;
         for (int64_t r = seg.start; r < seg.end; ++r) {
-          qc[r] = encode_fp8<F>(scale_clamp(static_cast<float>(xc[r * op.sr]), sc.encode, kMax));
+          qc[r - seg.start] = encode_fp8<F>(scale_clamp(static_cast<float>(xc[r * op.sr]), sc.encode, kMax));
         }
       }
     });

@@ -265,14 +265,16 @@ __global__ void __launch_bounds__(kColsThreads, kColsMinBlocks) quantize_cols_ke
   const ColsOperand op = second ? a.op[1] : a.op[0];
   const int64_t c0 = (static_cast<int64_t>(blockIdx.x) - (second ? tiles0 : 0)) * kTileCols;
 
-  // Which segment, and this block's slice of it.
+  // Which segment, and this block's slice of its q rows (and of the input rows that
+  // land there: a padded segment has q rows past its input, which encode to zero).
   const int seg_id = blockIdx.y / cluster;
   const int rank = blockIdx.y % cluster;
   const Segment seg = resolve_segment(a, seg_id);
-  const int64_t len = seg.end - seg.start;
-  const int64_t chunk = round_up(ceil_div(len, cluster), kColsRunRows);
-  const int64_t my_start = seg.start + std::min<int64_t>(len, rank * chunk);
-  const int64_t my_len = std::min<int64_t>(seg.end, my_start + chunk) - my_start;
+  const int64_t chunk = round_up(ceil_div(seg.q_len, cluster), kColsRunRows);
+  const int64_t my_off = std::min<int64_t>(seg.q_len, rank * chunk);
+  const int64_t my_qlen = std::min<int64_t>(seg.q_len, my_off + chunk) - my_off;
+  const int64_t my_start = seg.start + my_off;
+  const int64_t my_len = std::max<int64_t>(0, std::min<int64_t>(seg.end - seg.start - my_off, my_qlen));
 
   const int tid = threadIdx.x;
   const int tx = tid % G::kThreadsPerRow;  // staging layout: a tile row per kThreadsPerRow threads
@@ -322,39 +324,43 @@ __global__ void __launch_bounds__(kColsThreads, kColsMinBlocks) quantize_cols_ke
   __syncthreads();
 
   // Pass 2: encode from the tile, 32 rows of one column per thread and store. The
-  // last chunk is in the tile already; earlier chunks are staged again.
-  uint8_t* qcol = op.q + seg.batch * op.q_sb + col * op.q_sc + my_start;
+  // last input chunk is in the tile already; earlier chunks are staged again, and
+  // chunks past the input (padding) encode zeros.
+  uint8_t* qcol = op.q + seg.batch * op.q_sb + col * op.q_sc + seg.q_start + my_off;
   const float s = s_enc[wc];
   constexpr float kMax = Fp8Spec<F>::kMax;
-  for (int64_t i = 0; i < nchunks; ++i) {
-    const int64_t ch = (nchunks - 1 + i) % nchunks;  // last chunk first
+  const int64_t qchunks = ceil_div(my_qlen, cache_rows);
+  const int64_t first = nchunks > 0 ? nchunks - 1 : 0;
+  for (int64_t i = 0; i < qchunks; ++i) {
+    const int64_t ch = (first + i) % qchunks;
     const int64_t base = ch * cache_rows;
-    const int64_t n = std::min<int64_t>(cache_rows, my_len - base);
-    if (i > 0) {
+    const int64_t nq = std::min<int64_t>(cache_rows, my_qlen - base);
+    const int64_t n = std::max<int64_t>(0, std::min<int64_t>(nq, my_len - base));
+    if (i > 0 && n > 0) {
       __syncthreads();
       if (load_ok) stage_rows<T, kVecN, kTileCols, G::kRowsPerStep>(xcol, op.sr, op.sc, my_start + base, n, ty, tx, tile);
       __syncthreads();
     }
     if (!col_ok) continue;
-    for (int64_t rb = static_cast<int64_t>(wg) * kColsRunRows; rb < n; rb += G::kWriterGroups * kColsRunRows) {
+    for (int64_t rb = static_cast<int64_t>(wg) * kColsRunRows; rb < nq; rb += G::kWriterGroups * kColsRunRows) {
       uint32_t w[kColsRunRows / 4];
 #pragma unroll
       for (int p = 0; p < kColsRunRows / 2; ++p) {
         const int64_t r0 = rb + 2 * p;
-        const float x0 = (!seg.zero_fill && r0 < n) ? In::to_float(tile[r0 * kTileCols + wc]) : 0.0f;
-        const float x1 = (!seg.zero_fill && r0 + 1 < n) ? In::to_float(tile[(r0 + 1) * kTileCols + wc]) : 0.0f;
+        const float x0 = r0 < n ? In::to_float(tile[r0 * kTileCols + wc]) : 0.0f;
+        const float x1 = r0 + 1 < n ? In::to_float(tile[(r0 + 1) * kTileCols + wc]) : 0.0f;
         const uint32_t two = encode_fp8x2<F>(scale_clamp(x0, s, kMax), scale_clamp(x1, s, kMax));
         if (p % 2 == 0) w[p / 2] = two;
         else w[p / 2] |= two << 16;
       }
       uint8_t* dst = qcol + base + rb;
-      if (rb + kColsRunRows <= n && reinterpret_cast<uintptr_t>(dst) % 16 == 0) {
+      if (rb + kColsRunRows <= nq && reinterpret_cast<uintptr_t>(dst) % 16 == 0) {
 #pragma unroll
         for (int v = 0; v < kColsRunRows / 16; ++v) {
           reinterpret_cast<uint4*>(dst)[v] = make_uint4(w[4 * v], w[4 * v + 1], w[4 * v + 2], w[4 * v + 3]);
         }
       } else {
-        for (int k = 0; k < kColsRunRows && rb + k < n; ++k) dst[k] = static_cast<uint8_t>(w[k / 4] >> (8 * (k % 4)));
+        for (int k = 0; k < kColsRunRows && rb + k < nq; ++k) dst[k] = static_cast<uint8_t>(w[k / 4] >> (8 * (k % 4)));
       }
     }
   }

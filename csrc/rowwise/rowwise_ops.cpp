@@ -3,10 +3,11 @@
 // DESIGN §5, and the mapping of every op onto the "rows" or "cols" kernel shape.
 #include <ATen/ATen.h>
 
-#include <cstdlib>
-#include <cstring>
 #include <tuple>
 
+#include "../core/op_checks.h"
+#include "../grouping/grouping.h"
+#include "../grouping/grouping_ops.h"
 #include "rowwise.h"
 #include "rowwise_ops.h"
 
@@ -30,34 +31,6 @@ Fp8Format fp8_format(at::ScalarType t, const char* op) {
     case at::kFloat8_e5m2: return Fp8Format::kE5M2;
     default:
       TORCH_CHECK(false, op, ": expected fp8_dtype float8_e4m3fn, float8_e4m3fnuz or float8_e5m2, got ", t);
-  }
-}
-
-void check_rank(const at::Tensor& x, int64_t rank, const char* op, const char* name) {
-  TORCH_CHECK(x.dim() == rank, op, ": expected ", name, " to be a ", rank, "-D tensor, got ", x.dim(), "-D");
-}
-
-// MOE_FP8_DEBUG=1 turns on the offs content check for GPU inputs (it syncs).
-bool debug_checks() {
-  static const bool on = [] {
-    const char* v = std::getenv("MOE_FP8_DEBUG");
-    return v != nullptr && std::strcmp(v, "1") == 0;
-  }();
-  return on;
-}
-
-void check_offs(const at::Tensor& offs, const at::Tensor& x, int64_t rows, const char* op) {
-  TORCH_CHECK(offs.scalar_type() == at::kInt, op, ": expected offs of dtype int32, got ", offs.scalar_type());
-  check_rank(offs, 1, op, "offs");
-  TORCH_CHECK(offs.device() == x.device(), op, ": expected offs on ", x.device(), " (the device of x), got ",
-              offs.device());
-  if (!offs.is_cpu() && !debug_checks()) return;  // kernels clamp; content is checked on CPU
-  const at::Tensor host = offs.is_cpu() ? offs.contiguous() : offs.cpu();
-  const int32_t* o = host.data_ptr<int32_t>();
-  for (int64_t g = 0; g < host.numel(); ++g) {
-    TORCH_CHECK(o[g] >= 0 && o[g] <= rows, op, ": expected offs[", g, "] in [0, ", rows, "], got ", o[g]);
-    TORCH_CHECK(g == 0 || o[g] >= o[g - 1], op, ": expected non-decreasing offs, got offs[", g, "] = ", o[g],
-                " < offs[", g - 1, "] = ", o[g - 1]);
   }
 }
 
@@ -196,17 +169,35 @@ void check_jagged_input(const at::Tensor& x, const char* op, const char* name) {
   input_kind(x, op, name);
 }
 
-// q (M, D) column-major, scale (G, D): one "cols" operand over the token groups.
+// q (q_rows, D) column-major, scale (G, D): one "cols" operand over the token groups.
 std::tuple<at::Tensor, at::Tensor, ColsOperand> jagged_operand(const at::Tensor& x, at::ScalarType fp8_dtype,
-                                                               int64_t G) {
-  const int64_t M = x.size(0), D = x.size(1);
-  at::Tensor q = at::empty_strided({M, D}, {1, M}, x.options().dtype(fp8_dtype));
+                                                               int64_t G, int64_t q_rows) {
+  const int64_t D = x.size(1);
+  at::Tensor q = at::empty_strided({q_rows, D}, {1, q_rows}, x.options().dtype(fp8_dtype));
   at::Tensor scale = at::empty({G, D}, x.options().dtype(at::kFloat));
-  return {q, scale, cols_operand(x, 0, x.stride(0), x.stride(1), D, q, 0, M, scale, D)};
+  return {q, scale, cols_operand(x, 0, x.stride(0), x.stride(1), D, q, 0, q_rows, scale, D)};
 }
 
-void run_jagged(const at::Tensor& x, const at::Tensor& offs, at::ScalarType fp8_dtype, bool pow2, ColsArgs& a,
-                const char* op) {
+// The optional padded layout of the jagged ops: q rows, and the padded starts checked
+// against offs (DESIGN §8).
+struct JaggedLayout {
+  int64_t q_rows;
+  at::Tensor padded_starts;  // undefined: unpadded
+  int64_t alignment;
+};
+
+JaggedLayout jagged_layout(const at::Tensor& x, const at::Tensor& offs, const std::optional<at::Tensor>& padded_starts,
+                           int64_t alignment, const char* op) {
+  const int64_t M = x.size(0);
+  if (!padded_starts.has_value()) return {M, at::Tensor(), 1};
+  check_alignment(alignment, op);
+  const int64_t R = padded_rows_bound(M, offs.numel(), alignment);
+  check_padded_starts(*padded_starts, offs, M, R, x, op);
+  return {R, padded_starts->contiguous(), alignment};
+}
+
+void run_jagged(const at::Tensor& x, const at::Tensor& offs, const JaggedLayout& l, at::ScalarType fp8_dtype,
+                bool pow2, ColsArgs& a, const char* op) {
   const int64_t M = x.size(0), G = offs.numel();
   TORCH_CHECK(G <= 65534, op, ": expected at most 65534 groups, got ", G);
   a.rows = M;
@@ -214,6 +205,11 @@ void run_jagged(const at::Tensor& x, const at::Tensor& offs, at::ScalarType fp8_
   a.offs = offs.data_ptr<int32_t>();
   a.num_segments = static_cast<int>(G);
   a.pow2 = pow2;
+  a.q_rows = l.q_rows;
+  if (l.padded_starts.defined()) {
+    a.padded_starts = l.padded_starts.data_ptr<int32_t>();
+    a.alignment = l.alignment;
+  }
   // The cluster/cache plan sizes for a group a quarter above the mean; larger
   // groups stay correct and re-read what does not fit.
   const int64_t expected = G > 0 ? ceil_div(M, G) + ceil_div(M, 4 * G) : M;
@@ -223,21 +219,25 @@ void run_jagged(const at::Tensor& x, const at::Tensor& offs, at::ScalarType fp8_
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor> quantize_jagged_colwise(const at::Tensor& x, const at::Tensor& offs,
-                                                           at::ScalarType fp8_dtype, bool pow2_scale) {
+                                                           at::ScalarType fp8_dtype, bool pow2_scale,
+                                                           const std::optional<at::Tensor>& padded_starts,
+                                                           int64_t alignment) {
   constexpr const char* op = "quantize_jagged_colwise";
   check_jagged_input(x, op, "x");
   fp8_format(fp8_dtype, op);
   check_offs(offs, x, x.size(0), op);
+  const JaggedLayout l = jagged_layout(x, offs, padded_starts, alignment, op);
   const at::Tensor offs_c = offs.contiguous();
-  auto [q, scale, operand] = jagged_operand(x, fp8_dtype, offs.numel());
+  auto [q, scale, operand] = jagged_operand(x, fp8_dtype, offs.numel(), l.q_rows);
   ColsArgs a;
   a.op[0] = operand;
-  if (x.size(1) > 0) run_jagged(x, offs_c, fp8_dtype, pow2_scale, a, op);
+  if (x.size(1) > 0) run_jagged(x, offs_c, l, fp8_dtype, pow2_scale, a, op);
   return {q, scale};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_jagged_colwise_dual(
-    const at::Tensor& x1, const at::Tensor& x2, const at::Tensor& offs, at::ScalarType fp8_dtype, bool pow2_scale) {
+    const at::Tensor& x1, const at::Tensor& x2, const at::Tensor& offs, at::ScalarType fp8_dtype, bool pow2_scale,
+    const std::optional<at::Tensor>& padded_starts, int64_t alignment) {
   constexpr const char* op = "quantize_jagged_colwise_dual";
   check_jagged_input(x1, op, "x1");
   check_jagged_input(x2, op, "x2");
@@ -249,9 +249,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_jagged_colwi
   TORCH_CHECK(x1.device() == x2.device(), op, ": expected x1 and x2 on one device, got ", x1.device(), " and ",
               x2.device());
   check_offs(offs, x1, x1.size(0), op);
+  const JaggedLayout l = jagged_layout(x1, offs, padded_starts, alignment, op);
   const at::Tensor offs_c = offs.contiguous();
-  auto [q1, s1, op1] = jagged_operand(x1, fp8_dtype, offs.numel());
-  auto [q2, s2, op2] = jagged_operand(x2, fp8_dtype, offs.numel());
+  auto [q1, s1, op1] = jagged_operand(x1, fp8_dtype, offs.numel(), l.q_rows);
+  auto [q2, s2, op2] = jagged_operand(x2, fp8_dtype, offs.numel(), l.q_rows);
   ColsArgs a;
   a.op[0] = op1;
   a.op[1] = op2;
@@ -262,7 +263,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_jagged_colwi
   } else if (x2.size(1) == 0) {
     a.num_ops = 1;
   }
-  if (a.op[0].cols > 0) run_jagged(x1, offs_c, fp8_dtype, pow2_scale, a, op);
+  if (a.op[0].cols > 0) run_jagged(x1, offs_c, l, fp8_dtype, pow2_scale, a, op);
   return {q1, s1, q2, s2};
 }
 

@@ -1,0 +1,148 @@
+// Token-group family (DESIGN §8): padding token groups to an alignment, the inverse,
+// and the expert-parallel permutation. Plain data and the index math shared by the
+// CPU loops and the GPU kernels, plus the runners' declarations. No torch, no CUDA
+// headers.
+//
+// Every data-moving op here is one shape: "destination row r of a [dst_rows, width]
+// tensor is source row src(r), or zeros when src(r) < 0". Only the map differs:
+//   pad     r -> the group g whose padded range holds r; src = start_g + (r - pstart_g)
+//           while inside the group's rows, padding otherwise
+//   unpad   i -> the group g holding token i; src = pstart_g + (i - start_g)
+//   gather  r -> indices[r] (negative: a padding slot)
+// Offsets are clamped into [0, rows] before use, so no content of offs, padded
+// starts or indices can address memory out of bounds.
+#pragma once
+
+#include <cstdint>
+
+#include "../core/numerics.h"
+
+namespace moe_fp8 {
+
+// Rows of the padded layout: a static bound that holds every group padded up
+// (DESIGN §8), whatever the group sizes are.
+MOE_FP8_HD int64_t padded_rows_bound(int64_t rows, int64_t groups, int64_t alignment) {
+  return round_up(rows + groups * alignment, alignment);
+}
+
+MOE_FP8_HD int64_t clamp_offset(int64_t v, int64_t rows) { return v < 0 ? 0 : (v > rows ? rows : v); }
+
+// Token group g of `offs` (cumulative ends) clamped into [0, rows]: [start, end).
+// A decreasing offs gives an empty group, never a negative one.
+MOE_FP8_HD void group_range(const int32_t* offs, int g, int64_t rows, int64_t* start, int64_t* end) {
+  const int64_t s = g == 0 ? 0 : clamp_offset(offs[g - 1], rows);
+  const int64_t e = clamp_offset(offs[g], rows);
+  *start = s;
+  *end = e < s ? s : e;
+}
+
+// Last index g in [0, n) with table[g] <= v (tables are non-decreasing in valid use;
+// any content gives an index in range); -1 when none.
+MOE_FP8_HD int last_at_most(const int32_t* table, int n, int64_t v) {
+  int lo = 0, hi = n;  // first index with table[idx] > v
+  while (lo < hi) {
+    const int mid = (lo + hi) / 2;
+    if (table[mid] <= v) lo = mid + 1;
+    else hi = mid;
+  }
+  return lo - 1;
+}
+
+// The groups of a padded layout: `offs` (G cumulative ends into `rows` tokens) and
+// `pstart` (G start rows in the padded tensor of `padded_rows` rows).
+struct GroupLayout {
+  const int32_t* offs = nullptr;
+  const int32_t* pstart = nullptr;
+  int groups = 0;
+  int64_t rows = 0;
+  int64_t padded_rows = 0;
+};
+
+// pad: source token of padded row r, or -1 (padding, or past the last group).
+MOE_FP8_HD int64_t pad_source_row(const GroupLayout& l, int64_t r) {
+  const int g = last_at_most(l.pstart, l.groups, r);
+  if (g < 0) return -1;
+  int64_t start, end;
+  group_range(l.offs, g, l.rows, &start, &end);
+  const int64_t j = r - l.pstart[g];
+  return j < end - start ? start + j : -1;
+}
+
+// unpad: padded row of token i, or -1 (a token past offs[G-1]).
+MOE_FP8_HD int64_t unpad_source_row(const GroupLayout& l, int64_t i) {
+  // The group holding i: the first g with clamp(offs[g]) > i.
+  int lo = 0, hi = l.groups;
+  while (lo < hi) {
+    const int mid = (lo + hi) / 2;
+    if (clamp_offset(l.offs[mid], l.rows) <= i) lo = mid + 1;
+    else hi = mid;
+  }
+  if (lo >= l.groups) return -1;
+  int64_t start, end;
+  group_range(l.offs, lo, l.rows, &start, &end);
+  if (i < start || i >= end) return -1;
+  const int64_t src = static_cast<int64_t>(l.pstart[lo]) + (i - start);
+  return src >= 0 && src < l.padded_rows ? src : -1;
+}
+
+// permute_indices: the padded size of an expert with `tokens` tokens. An expert
+// with none still gets `alignment` rows: the grouped GEMMs need non-empty groups.
+MOE_FP8_HD int64_t expert_padded_size(int64_t tokens, int64_t alignment) {
+  const int64_t p = round_up(tokens, alignment);
+  return p < alignment ? alignment : p;
+}
+
+// Row copies: dst[r, :] = src[map(r), :] or zeros, rows of `row_bytes` bytes at
+// byte strides src_stride / dst_stride.
+struct RowCopy {
+  const uint8_t* src = nullptr;
+  int64_t src_rows = 0;
+  int64_t src_stride = 0;
+  uint8_t* dst = nullptr;
+  int64_t dst_rows = 0;
+  int64_t dst_stride = 0;
+  int64_t row_bytes = 0;
+};
+
+enum class RowMapKind : int { kPad = 0, kUnpad = 1, kGather = 2 };
+
+// What a row map needs: the group layout (pad, unpad) or the indices (gather).
+// `compute_pstart` (pad only): the padded starts are computed from offs and
+// `alignment` and written to `pstart_out` / `pend_out` on the way.
+struct RowMapArgs {
+  RowMapKind kind = RowMapKind::kGather;
+  GroupLayout layout;
+  const int32_t* indices = nullptr;
+  bool compute_pstart = false;
+  int64_t alignment = 1;
+  int32_t* pstart_out = nullptr;
+  int32_t* pend_out = nullptr;
+};
+
+// permute_indices inputs and outputs (DESIGN §8).
+struct PermuteArgs {
+  const int32_t* counts = nullptr;  // [num_ranks * experts] rank-major
+  int experts = 0;
+  int ranks = 0;
+  int64_t alignment = 1;
+  int64_t max_len = 0;
+  int32_t* indices = nullptr;       // [max_len]
+  int32_t* padded_sizes = nullptr;  // [experts]
+  int32_t* padded_ends = nullptr;   // [experts]
+};
+
+void padded_offsets_cpu(const int32_t* offs, int groups, int64_t rows, int64_t alignment, int32_t* pstart,
+                        int32_t* pend);
+void copy_rows_cpu(const RowCopy& c, const RowMapArgs& m);
+void permute_indices_cpu(const PermuteArgs& p);
+
+#ifdef MOE_FP8_WITH_CUDA
+void padded_offsets_cuda(const int32_t* offs, int groups, int64_t rows, int64_t alignment, int32_t* pstart,
+                         int32_t* pend, int device);
+void copy_rows_cuda(const RowCopy& c, const RowMapArgs& m, int device);
+void permute_indices_cuda(const PermuteArgs& p, int device);
+// inverse[indices[j]] = j for every j with 0 <= indices[j] < inverse_len, -1 elsewhere.
+void invert_indices_cuda(const int32_t* indices, int64_t n, int32_t* inverse, int64_t inverse_len, int device);
+#endif
+
+}  // namespace moe_fp8

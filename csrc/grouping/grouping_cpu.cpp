@@ -1,0 +1,78 @@
+// CPU implementation of the token-group family: the same index math as the GPU
+// kernels (grouping.h), in plain loops.
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+#include "grouping.h"
+
+namespace moe_fp8 {
+
+void padded_offsets_cpu(const int32_t* offs, int groups, int64_t rows, int64_t alignment, int32_t* pstart,
+                        int32_t* pend) {
+  int64_t run = 0;
+  for (int g = 0; g < groups; ++g) {
+    int64_t s, e;
+    group_range(offs, g, rows, &s, &e);
+    pstart[g] = static_cast<int32_t>(std::min<int64_t>(run, INT32_MAX));
+    run += round_up(e - s, alignment);
+    pend[g] = static_cast<int32_t>(std::min<int64_t>(run, INT32_MAX));
+  }
+}
+
+void copy_rows_cpu(const RowCopy& c, const RowMapArgs& m) {
+  GroupLayout l = m.layout;
+  std::vector<int32_t> pstart, pend;
+  if (m.kind == RowMapKind::kPad && m.compute_pstart) {
+    padded_offsets_cpu(l.offs, l.groups, l.rows, m.alignment, m.pstart_out, m.pend_out);
+    l.pstart = m.pstart_out;
+  }
+  at::parallel_for(0, c.dst_rows, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      int64_t s;
+      switch (m.kind) {
+        case RowMapKind::kPad: s = pad_source_row(l, r); break;
+        case RowMapKind::kUnpad: s = unpad_source_row(l, r); break;
+        default: s = m.indices[r]; break;
+      }
+      uint8_t* d = c.dst + r * c.dst_stride;
+      if (s < 0 || s >= c.src_rows) {
+        std::memset(d, 0, static_cast<size_t>(c.row_bytes));
+      } else {
+        std::memcpy(d, c.src + s * c.src_stride, static_cast<size_t>(c.row_bytes));
+      }
+    }
+  });
+}
+
+void permute_indices_cpu(const PermuteArgs& p) {
+  const int E = p.experts, R = p.ranks;
+  std::vector<int64_t> start(static_cast<size_t>(E) * R), total(E, 0);
+  int64_t run = 0;
+  for (int i = 0; i < E * R; ++i) {
+    start[i] = run;
+    run += std::max(p.counts[i], 0);
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int e = 0; e < E; ++e) total[e] += std::max(p.counts[r * E + e], 0);
+  }
+  std::fill(p.indices, p.indices + p.max_len, -1);
+  int64_t slot = 0;
+  for (int e = 0; e < E; ++e) {
+    const int64_t size = expert_padded_size(total[e], p.alignment);
+    p.padded_sizes[e] = static_cast<int32_t>(std::min<int64_t>(size, INT32_MAX));
+    int64_t k = slot;
+    for (int r = 0; r < R; ++r) {  // this expert's tokens, rank by rank
+      const int64_t n = std::max(p.counts[r * E + e], 0);
+      for (int64_t j = 0; j < n; ++j, ++k) {
+        if (k < p.max_len) p.indices[k] = static_cast<int32_t>(start[r * E + e] + j);
+      }
+    }
+    slot += size;
+    p.padded_ends[e] = static_cast<int32_t>(std::min<int64_t>(slot, INT32_MAX));
+  }
+}
+
+}  // namespace moe_fp8

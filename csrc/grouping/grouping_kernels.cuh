@@ -1,0 +1,236 @@
+// Device code of the token-group family (grouping.h): padded offsets, the row-copy
+// kernel behind pad / unpad / gather, the expert-parallel permutation indices and
+// an index inversion. Raw pointers, sizes and a stream only (no torch headers).
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+
+#include "../core/numerics.h"
+#include "../core/portability.h"
+#include "../core/scan.cuh"
+#include "grouping.h"
+
+namespace moe_fp8 {
+
+constexpr int kGroupingThreads = 256;
+// Group tables up to this size are copied (or computed) into each block's shared
+// memory; larger ones are read from global memory (still correct, more L2 traffic).
+constexpr int kTableSmemGroups = 4096;
+constexpr int kRowUnroll = 4;  // vectors in flight per lane before the stores
+
+// Padded starts and ends of every group (one block): the padded size of group g is
+// its clamped size rounded up to the alignment.
+MOE_FP8_DEVICE void block_padded_offsets(const int32_t* offs, int groups, int64_t rows, int64_t alignment,
+                                         int32_t* pstart, int32_t* pend, int64_t* s_tmp) {
+  auto padded = [&](int g) {
+    int64_t s, e;
+    group_range(offs, g, rows, &s, &e);
+    return round_up(e - s, alignment);
+  };
+  block_exclusive_scan(padded, groups, pstart, s_tmp);
+  for (int g = threadIdx.x; g < groups; g += blockDim.x) {
+    const int64_t end = static_cast<int64_t>(pstart[g]) + padded(g);
+    pend[g] = static_cast<int32_t>(end < INT32_MAX ? end : INT32_MAX);
+  }
+  __syncthreads();
+}
+
+__global__ void __launch_bounds__(1024) padded_offsets_kernel(const int32_t* __restrict__ offs, int groups,
+                                                              int64_t rows, int64_t alignment, int32_t* pstart,
+                                                              int32_t* pend) {
+  __shared__ int64_t s_tmp[1024];
+  block_padded_offsets(offs, groups, rows, alignment, pstart, pend, s_tmp);
+}
+
+// dst row r <- src row map(r) or zeros; a warp per row, persistent over rows. V is
+// the widest access that divides the row, both strides and both bases.
+template <typename V, RowMapKind kKind>
+__global__ void __launch_bounds__(kGroupingThreads) copy_rows_kernel(RowCopy c, RowMapArgs m, bool tables_in_smem) {
+  extern __shared__ int32_t s_tables[];  // [groups] offs, [groups] padded starts (tables_in_smem)
+  __shared__ int64_t s_tmp[kGroupingThreads];
+  GroupLayout l = m.layout;
+  if (kKind != RowMapKind::kGather && tables_in_smem) {
+    int32_t* s_offs = s_tables;
+    int32_t* s_pstart = s_tables + l.groups;
+    for (int g = threadIdx.x; g < l.groups; g += blockDim.x) s_offs[g] = l.offs[g];
+    if (!m.compute_pstart) {
+      for (int g = threadIdx.x; g < l.groups; g += blockDim.x) s_pstart[g] = l.pstart[g];
+    }
+    __syncthreads();
+    if (m.compute_pstart) {
+      auto padded = [&](int g) {
+        int64_t s, e;
+        group_range(s_offs, g, l.rows, &s, &e);
+        return round_up(e - s, m.alignment);
+      };
+      block_exclusive_scan(padded, l.groups, s_pstart, s_tmp);
+      if (blockIdx.x == 0) {  // the op's padded offsets outputs
+        for (int g = threadIdx.x; g < l.groups; g += blockDim.x) {
+          const int64_t end = static_cast<int64_t>(s_pstart[g]) + padded(g);
+          m.pstart_out[g] = s_pstart[g];
+          m.pend_out[g] = static_cast<int32_t>(end < INT32_MAX ? end : INT32_MAX);
+        }
+      }
+    }
+    l.offs = s_offs;
+    l.pstart = s_pstart;
+  }
+  const int lane = threadIdx.x % kWarpSize;
+  const int warps = blockDim.x / kWarpSize;
+  const int64_t nv = c.row_bytes / static_cast<int64_t>(sizeof(V));
+  for (int64_t r = static_cast<int64_t>(blockIdx.x) * warps + threadIdx.x / kWarpSize; r < c.dst_rows;
+       r += static_cast<int64_t>(gridDim.x) * warps) {
+    int64_t s;
+    if constexpr (kKind == RowMapKind::kPad) s = pad_source_row(l, r);
+    else if constexpr (kKind == RowMapKind::kUnpad) s = unpad_source_row(l, r);
+    else s = m.indices[r];
+    V* d = reinterpret_cast<V*>(c.dst + r * c.dst_stride);
+    if (s < 0 || s >= c.src_rows) {
+      const V zero{};
+      for (int64_t v = lane; v < nv; v += kWarpSize) d[v] = zero;
+      continue;
+    }
+    const V* sp = reinterpret_cast<const V*>(c.src + s * c.src_stride);
+    int64_t v = lane;
+    for (; v + (kRowUnroll - 1) * kWarpSize < nv; v += kRowUnroll * kWarpSize) {
+      V buf[kRowUnroll];
+#pragma unroll
+      for (int u = 0; u < kRowUnroll; ++u) buf[u] = sp[v + u * kWarpSize];
+#pragma unroll
+      for (int u = 0; u < kRowUnroll; ++u) d[v + u * kWarpSize] = buf[u];
+    }
+    for (; v < nv; v += kWarpSize) d[v] = sp[v];
+  }
+}
+
+// The padded expert-major layout of tokens that arrive rank-major (DESIGN §8). Every
+// block rebuilds the small tables in shared memory, block 0 writes the padded sizes
+// and ends, and all blocks fill the index slots.
+__global__ void __launch_bounds__(1024) permute_indices_kernel(PermuteArgs p) {
+  extern __shared__ int32_t s_perm[];
+  __shared__ int64_t s_tmp[1024];
+  const int E = p.experts, R = p.ranks, n = E * R;
+  int32_t* s_cnt = s_perm;          // [n] rank-major counts, negatives as 0
+  int32_t* s_start = s_cnt + n;     // [n] first source row of (rank, expert)
+  int32_t* s_cum = s_start + n;     // [n] expert-major exclusive sums, index e * R + r
+  int32_t* s_pstart = s_cum + n;    // [E] padded start of each expert
+  int32_t* s_total = s_pstart + E;  // [E] tokens of each expert
+  for (int i = threadIdx.x; i < n; i += blockDim.x) s_cnt[i] = max(p.counts[i], 0);
+  __syncthreads();
+  block_exclusive_scan([&](int i) { return static_cast<int64_t>(s_cnt[i]); }, n, s_start, s_tmp);
+  const int64_t all = block_exclusive_scan(
+      [&](int j) { return static_cast<int64_t>(s_cnt[(j % R) * E + j / R]); }, n, s_cum, s_tmp);
+  for (int e = threadIdx.x; e < E; e += blockDim.x) {
+    const int64_t next = e + 1 < E ? static_cast<int64_t>(s_cum[(e + 1) * R]) : all;
+    s_total[e] = static_cast<int32_t>(std::min<int64_t>(next - s_cum[e * R], INT32_MAX));
+  }
+  __syncthreads();
+  auto padded = [&](int e) { return expert_padded_size(s_total[e], p.alignment); };
+  block_exclusive_scan(padded, E, s_pstart, s_tmp);
+  if (blockIdx.x == 0) {
+    for (int e = threadIdx.x; e < E; e += blockDim.x) {
+      const int64_t size = padded(e);
+      const int64_t end = static_cast<int64_t>(s_pstart[e]) + size;
+      p.padded_sizes[e] = static_cast<int32_t>(std::min<int64_t>(size, INT32_MAX));
+      p.padded_ends[e] = static_cast<int32_t>(std::min<int64_t>(end, INT32_MAX));
+    }
+  }
+  for (int64_t slot = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; slot < p.max_len;
+       slot += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    int32_t src = -1;
+    const int e = last_at_most(s_pstart, E, slot);
+    if (e >= 0) {
+      const int64_t pos = slot - s_pstart[e];
+      if (pos < s_total[e]) {
+        const int32_t* cum = s_cum + static_cast<int64_t>(e) * R;
+        const int r = last_at_most(cum, R, cum[0] + pos);
+        src = static_cast<int32_t>(s_start[r * E + e] + (cum[0] + pos - cum[r]));
+      }
+    }
+    p.indices[slot] = src;
+  }
+}
+
+__global__ void invert_indices_kernel(const int32_t* __restrict__ indices, int64_t n, int32_t* inverse,
+                                      int64_t inverse_len) {
+  for (int64_t j = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; j < n;
+       j += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int32_t i = indices[j];
+    if (i >= 0 && i < inverse_len) inverse[i] = static_cast<int32_t>(j);
+  }
+}
+
+// ---- launchers ---------------------------------------------------------------------
+
+inline int launch_padded_offsets(const int32_t* offs, int groups, int64_t rows, int64_t alignment, int32_t* pstart,
+                                 int32_t* pend, gpuStream_t stream) {
+  if (groups == 0) return 0;
+  return launch_kernel(padded_offsets_kernel, dim3(1), dim3(1024), 0, stream, 1, offs, groups, rows, alignment,
+                       pstart, pend);
+}
+
+template <typename V, RowMapKind kKind>
+int launch_copy_rows_as(const RowCopy& c, const RowMapArgs& m, gpuStream_t stream) {
+  const bool smem_tables = kKind != RowMapKind::kGather && m.layout.groups <= kTableSmemGroups;
+  const size_t smem = smem_tables ? static_cast<size_t>(2 * m.layout.groups) * sizeof(int32_t) : 0;
+  auto kernel = copy_rows_kernel<V, kKind>;
+  const int64_t warps = kGroupingThreads / kWarpSize;
+  const int64_t resident = static_cast<int64_t>(resident_blocks(kernel, kGroupingThreads, smem)) * multiprocessor_count();
+  const int64_t blocks = std::max<int64_t>(1, std::min<int64_t>(ceil_div(c.dst_rows, warps), resident));
+  return launch_kernel(kernel, dim3(static_cast<unsigned>(blocks)), dim3(kGroupingThreads), smem, stream, 1, c, m,
+                       smem_tables);
+}
+
+template <RowMapKind kKind>
+int launch_copy_rows_kind(const RowCopy& c, const RowMapArgs& m, gpuStream_t stream) {
+  auto fits = [&](int64_t w) {
+    return c.row_bytes % w == 0 && c.src_stride % w == 0 && c.dst_stride % w == 0 &&
+           reinterpret_cast<uintptr_t>(c.src) % w == 0 && reinterpret_cast<uintptr_t>(c.dst) % w == 0;
+  };
+  if (fits(16)) return launch_copy_rows_as<uint4, kKind>(c, m, stream);
+  if (fits(8)) return launch_copy_rows_as<uint2, kKind>(c, m, stream);
+  if (fits(4)) return launch_copy_rows_as<uint32_t, kKind>(c, m, stream);
+  if (fits(2)) return launch_copy_rows_as<uint16_t, kKind>(c, m, stream);
+  return launch_copy_rows_as<uint8_t, kKind>(c, m, stream);
+}
+
+inline int launch_copy_rows(const RowCopy& c, const RowMapArgs& m, gpuStream_t stream) {
+  if (c.dst_rows == 0) return 0;
+  RowMapArgs mm = m;
+  if (m.kind == RowMapKind::kPad && m.compute_pstart && m.layout.groups > kTableSmemGroups) {
+    // Too many groups for the per-block tables: one block computes the padded offsets
+    // into the outputs first, and the copy reads them from there.
+    const int err = launch_padded_offsets(m.layout.offs, m.layout.groups, m.layout.rows, m.alignment, m.pstart_out,
+                                          m.pend_out, stream);
+    if (err != 0) return err;
+    mm.compute_pstart = false;
+    mm.layout.pstart = m.pstart_out;
+  }
+  switch (mm.kind) {
+    case RowMapKind::kPad: return launch_copy_rows_kind<RowMapKind::kPad>(c, mm, stream);
+    case RowMapKind::kUnpad: return launch_copy_rows_kind<RowMapKind::kUnpad>(c, mm, stream);
+    case RowMapKind::kGather: return launch_copy_rows_kind<RowMapKind::kGather>(c, mm, stream);
+  }
+  return 0;
+}
+
+inline size_t permute_smem_bytes(const PermuteArgs& p) {
+  return (3 * static_cast<size_t>(p.experts) * p.ranks + 2 * static_cast<size_t>(p.experts)) * sizeof(int32_t);
+}
+
+inline int launch_permute_indices(const PermuteArgs& p, gpuStream_t stream) {
+  const size_t smem = permute_smem_bytes(p);
+  const int64_t blocks = std::max<int64_t>(1, std::min<int64_t>(ceil_div(p.max_len, 4096), 2 * multiprocessor_count()));
+  return launch_kernel(permute_indices_kernel, dim3(static_cast<unsigned>(blocks)), dim3(1024), smem, stream, 1, p);
+}
+
+inline int launch_invert_indices(const int32_t* indices, int64_t n, int32_t* inverse, int64_t inverse_len,
+                                 gpuStream_t stream) {
+  if (n == 0) return 0;
+  const int64_t blocks = std::max<int64_t>(1, std::min<int64_t>(ceil_div(n, 256), 4 * multiprocessor_count()));
+  return launch_kernel(invert_indices_kernel, dim3(static_cast<unsigned>(blocks)), dim3(256), 0, stream, 1, indices, n,
+                       inverse, inverse_len);
+}
+
+}  // namespace moe_fp8

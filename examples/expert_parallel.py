@@ -1,0 +1,177 @@
+"""Expert parallelism on moe_fp8_ext: an MoE layer whose experts are split over the
+ranks, trained in FP8.
+
+    torchrun --nproc-per-node=2 examples/expert_parallel.py            # GPUs (NCCL)
+    torchrun --nproc-per-node=2 examples/expert_parallel.py --device cpu   # gloo
+
+Per step: route every token to its top-k experts, send each (token, expert) row to
+the rank that owns the expert (torch.distributed all-to-all), reorder the rows that
+arrive rank-major into padded expert-major groups (``permute_and_pad``), run the
+experts' SwiGLU FFN with the fp8 ``grouped_mm``, undo the reordering
+(``unpermute``), send the rows back and combine them with the routing weights.
+
+The run then checks itself: every rank rebuilds the same layer in one process (all
+experts, all ranks' tokens, from the same seed) and compares its outputs and the
+gradients of its input, its experts and the router with that single-process run.
+Exit status 1 on a mismatch.
+
+The only host syncs are the all-to-all split sizes (torch.distributed needs them as
+Python ints); the permutation and the FP8 experts never sync.
+"""
+
+import argparse
+import os
+import sys
+import warnings
+
+import torch
+import torch.distributed as dist
+import torch.distributed.nn.functional as dist_fn
+import torch.nn.functional as F
+
+import moe_fp8_ext
+
+ALIGN = 16
+# The differentiable all-to-all is public here; torch points to a private successor.
+warnings.filterwarnings("ignore", message=".*all_to_all_single is deprecated", category=FutureWarning)
+
+
+def make_layer(args, device, dtype):
+    """Router and all experts' weights, identical on every rank (one seed)."""
+    g = torch.Generator().manual_seed(args.seed)
+    experts = args.experts_per_rank * args.world
+
+    def init(*shape):
+        return (torch.randn(*shape, generator=g) * shape[-1] ** -0.5).to(dtype).to(device)
+
+    return {
+        "gate": init(experts, args.dim).float(),
+        "w1": init(experts, args.hidden, args.dim),
+        "w3": init(experts, args.hidden, args.dim),
+        "w2": init(experts, args.dim, args.hidden),
+    }
+
+
+def route(x, gate, topk):
+    """Top-k experts and their weights for every token; the (token, expert) pairs in
+    token-major order, stably sorted by expert."""
+    scores = torch.softmax(x.float() @ gate.t(), dim=-1)
+    weights, experts = torch.topk(scores, topk, dim=-1)
+    flat = experts.flatten()
+    order = torch.sort(flat, stable=True).indices
+    counts = torch.zeros(gate.shape[0], dtype=torch.int32, device=x.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+    return weights, order, counts
+
+
+def swiglu(x, offs, w1, w3, w2):
+    def mm(a, w):
+        return moe_fp8_ext.grouped_mm(a, w.transpose(1, 2), offs, out_dtype=a.dtype)
+
+    return mm(F.silu(mm(x, w1)) * mm(x, w3), w2)
+
+
+def combine(y_sorted, order, weights, tokens, topk):
+    y = torch.empty_like(y_sorted).index_copy(0, order, y_sorted)  # back to token-major pairs
+    return (y.view(tokens, topk, -1).float() * weights.unsqueeze(-1)).sum(1).to(y_sorted.dtype)
+
+
+def moe_expert_parallel(x, layer, local, args):
+    """The EP forward on this rank: x (T, D) its tokens, local its experts' weights."""
+    world, epr, topk = args.world, args.experts_per_rank, args.topk
+    weights, order, counts = route(x, layer["gate"], topk)
+    rows = x.repeat_interleave(topk, dim=0)[order]  # (T·k, D), sorted by global expert
+    # counts is destination-rank-major (expert e lives on rank e // epr): exchange it.
+    recv_counts = torch.empty_like(counts)
+    dist.all_to_all_single(recv_counts, counts)
+    send_splits = counts.view(world, epr).sum(1).tolist()  # host-sync-ok: all-to-all split sizes
+    recv_splits = recv_counts.view(world, epr).sum(1).tolist()  # host-sync-ok: all-to-all split sizes
+    recv = dist_fn.all_to_all_single(
+        rows.new_empty((sum(recv_splits), rows.shape[1])), rows, recv_splits, send_splits
+    )
+    # Rows arrive rank-major: (rank 0: e0, e1, ...), (rank 1: e0, e1, ...).
+    xp, ends, idx = moe_fp8_ext.permute_and_pad(recv, recv_counts, epr, world, ALIGN)
+    yp = swiglu(xp, ends, local["w1"], local["w3"], local["w2"])
+    y_recv = moe_fp8_ext.unpermute(yp, idx, recv.shape[0])
+    y_rows = dist_fn.all_to_all_single(y_recv.new_empty(rows.shape), y_recv, send_splits, recv_splits)
+    return combine(y_rows, order, weights, x.shape[0], topk)
+
+
+def moe_single_process(x, layer, args):
+    """The same layer in one process: all experts, all tokens."""
+    weights, order, counts = route(x, layer["gate"], args.topk)
+    rows = x.repeat_interleave(args.topk, dim=0)[order]
+    offs = torch.cumsum(counts, 0, dtype=torch.int32)
+    y = swiglu(rows, offs, layer["w1"], layer["w3"], layer["w2"])
+    return combine(y, order, weights, x.shape[0], args.topk)
+
+
+def rel_err(got, want):
+    got, want = got.float(), want.float()
+    return ((got - want).norm() / want.norm().clamp(min=1e-30)).item()
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--tokens", type=int, default=None, help="tokens per rank (default 4096 on GPU, 64 on CPU)")
+    p.add_argument("--dim", type=int, default=None)
+    p.add_argument("--hidden", type=int, default=None)
+    p.add_argument("--experts-per-rank", type=int, default=4)
+    p.add_argument("--topk", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tol", type=float, default=1e-2, help="max relative error (norm) against one process")
+    args = p.parse_args()
+    gpu = args.device == "cuda"
+    args.tokens = args.tokens or (4096 if gpu else 64)
+    args.dim = args.dim or (1024 if gpu else 64)
+    args.hidden = args.hidden or (2048 if gpu else 128)
+
+    dist.init_process_group("nccl" if gpu else "gloo")
+    rank, args.world = dist.get_rank(), dist.get_world_size()
+    if gpu:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+    device = torch.device("cuda" if gpu else "cpu")
+    dtype = torch.bfloat16 if gpu else torch.float32  # gloo: fp32 rows; the fp8 math is the same
+
+    layer = make_layer(args, device, dtype)
+    g = torch.Generator().manual_seed(args.seed + 1)
+    x_all = torch.randn(args.world * args.tokens, args.dim, generator=g).to(dtype).to(device)
+    grad_all = torch.randn(args.world * args.tokens, args.dim, generator=g).to(dtype).to(device)
+    mine = slice(rank * args.tokens, (rank + 1) * args.tokens)
+    local_experts = slice(rank * args.experts_per_rank, (rank + 1) * args.experts_per_rank)
+
+    # Expert parallel: this rank's tokens and experts.
+    x = x_all[mine].clone().requires_grad_()
+    gate = layer["gate"].clone().requires_grad_()
+    local = {k: layer[k][local_experts].clone().requires_grad_() for k in ("w1", "w3", "w2")}
+    out = moe_expert_parallel(x, {"gate": gate}, local, args)
+    out.backward(grad_all[mine])
+    dist.all_reduce(gate.grad)  # the router is replicated: sum its gradient over ranks
+
+    # One process: every expert, every rank's tokens.
+    xr = x_all.clone().requires_grad_()
+    full = {k: v.clone().requires_grad_() for k, v in layer.items()}
+    out_ref = moe_single_process(xr, full, args)
+    out_ref.backward(grad_all)
+
+    checks = {
+        "output": rel_err(out, out_ref[mine]),
+        "grad x": rel_err(x.grad, xr.grad[mine]),
+        "grad router": rel_err(gate.grad, full["gate"].grad),
+        **{f"grad {k}": rel_err(local[k].grad, full[k].grad[local_experts]) for k in ("w1", "w3", "w2")},
+    }
+    worst = torch.tensor(max(checks.values()), device=device)
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    line = ", ".join(f"{k} {v:.2e}" for k, v in checks.items())
+    print(f"rank {rank}/{args.world} ({moe_fp8_ext.grouped_mm_backend(device)}, {args.tokens} tokens, "
+          f"{args.experts_per_rank} experts/rank, top-{args.topk}): relative error vs one process: {line}", flush=True)
+    ok = worst.item() <= args.tol
+    if rank == 0:
+        print(f"expert_parallel: {'OK' if ok else 'MISMATCH'} (worst {worst.item():.2e}, tolerance {args.tol:.0e})", flush=True)
+    dist.destroy_process_group()
+    sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,252 @@
+"""Token groups (DESIGN §8): pad / unpad, the padded jagged quantization, the
+expert-parallel permutation indices, row gather / scatter, their autograd, and
+torch.compile. Every op is compared with moe_fp8_ext.reference, bit for bit."""
+
+import pytest
+import torch
+
+import moe_fp8_ext
+from moe_fp8_ext import reference as ref
+from conftest import DEVICES, FP8_DTYPES, assert_fp8_equal, assert_scale_equal, poison, randn
+
+MOVE_DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn, torch.float8_e4m3fnuz, torch.int32]
+
+
+def random_offs(m, g, gen, empty_frac=0.2, device="cpu"):
+    """G cumulative group ends summing to at most m, some groups empty."""
+    w = torch.rand(g, generator=gen) * (torch.rand(g, generator=gen) > empty_frac)
+    sizes = (w / max(w.sum().item(), 1e-9) * m).floor().long()
+    return torch.cumsum(sizes, 0).clamp(max=m).to(torch.int32).to(device)
+
+
+def rows_of(dtype, shape, device, gen):
+    x = torch.randn(shape, generator=gen)
+    if dtype == torch.int32:
+        return torch.randint(-1000, 1000, shape, generator=gen, dtype=torch.int32).to(device)
+    return x.to(dtype).to(device)
+
+
+def assert_bytes_equal(a, b):
+    assert a.shape == b.shape and a.dtype == b.dtype, (a.shape, b.shape, a.dtype, b.dtype)
+    assert torch.equal(a.cpu().contiguous().view(torch.uint8), b.cpu().contiguous().view(torch.uint8))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("groups, alignment", [(1, 16), (8, 1), (8, 32), (64, 16), (300, 128), (1024, 2), (5000, 16)])
+def test_pad_unpad_match_reference(device, groups, alignment):
+    gen = torch.Generator().manual_seed(groups * 131 + alignment)
+    m, d = 4099, 40  # 80-byte bf16 rows: the 16-byte path
+    x = rows_of(torch.bfloat16, (m, d), device, gen)
+    offs = random_offs(m - 3, groups, gen, device=device)  # a few tail rows past offs[-1]
+    poison(device)
+    xp, starts, ends = moe_fp8_ext.pad_token_groups(x, offs, alignment)
+    rxp, rstarts, rends = ref.pad_token_groups(x.cpu(), offs.cpu(), alignment)
+    assert xp.shape[0] == moe_fp8_ext.padded_rows(m, groups, alignment)
+    assert torch.equal(starts.cpu(), rstarts) and torch.equal(ends.cpu(), rends)
+    assert_bytes_equal(xp, rxp)
+    assert int(ends[-1]) % alignment == 0 and bool((starts.cpu() % alignment == 0).all())
+    poison(device)
+    back = moe_fp8_ext.unpad_token_groups(xp, offs, starts, m)
+    want = x.cpu().clone()
+    want[int(offs[-1]):] = 0  # tokens past the last group are not part of any group
+    assert_bytes_equal(back, want)
+    s2, e2 = moe_fp8_ext.padded_group_offsets(offs, m, alignment)
+    assert torch.equal(s2, starts) and torch.equal(e2, ends)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", MOVE_DTYPES)
+@pytest.mark.parametrize("width", [1, 7, 64, 129])  # odd byte widths take the narrower copy paths
+def test_pad_any_dtype_and_width(device, dtype, width):
+    gen = torch.Generator().manual_seed(width)
+    x = rows_of(dtype, (300, width), device, gen)
+    offs = torch.tensor([0, 17, 17, 160, 299], dtype=torch.int32, device=device)
+    xp, starts, ends = moe_fp8_ext.pad_token_groups(x, offs, 32)
+    rxp, rs, re = ref.pad_token_groups(x.cpu(), offs.cpu(), 32)
+    assert_bytes_equal(xp, rxp)
+    assert_bytes_equal(moe_fp8_ext.unpad_token_groups(xp, offs, starts, 300), ref.unpad_token_groups(rxp, offs.cpu(), rs, 300))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_pad_non_contiguous_inputs(device):
+    gen = torch.Generator().manual_seed(3)
+    base = rows_of(torch.bfloat16, (200, 96), device, gen)
+    offs = torch.tensor([50, 50, 130, 200], dtype=torch.int32, device=device)
+    for x in (base[:, 8:72], base.t().contiguous().t(), base[::1, ::2]):
+        xp, s, e = moe_fp8_ext.pad_token_groups(x, offs, 16)
+        assert_bytes_equal(xp, ref.pad_token_groups(x.cpu().contiguous(), offs.cpu(), 16)[0])
+        assert_bytes_equal(moe_fp8_ext.unpad_token_groups(xp[:, :], offs, s, 200), x.cpu().contiguous())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_pad_edge_sizes(device):
+    x = torch.randn(0, 8, device=device)
+    xp, s, e = moe_fp8_ext.pad_token_groups(x, torch.zeros(3, dtype=torch.int32, device=device), 16)
+    assert xp.shape == (48, 8) and bool((xp == 0).all()) and s.tolist() == [0, 0, 0] and e.tolist() == [0, 0, 0]
+    xp, s, e = moe_fp8_ext.pad_token_groups(torch.ones(5, 4, device=device), torch.zeros(0, dtype=torch.int32, device=device), 8)
+    assert xp.shape == (8, 4) and bool((xp == 0).all()) and s.numel() == 0
+    x = torch.randn(33, 0, device=device)
+    xp, s, e = moe_fp8_ext.pad_token_groups(x, torch.tensor([3, 33], dtype=torch.int32, device=device), 16)
+    assert xp.shape == (80, 0) and s.tolist() == [0, 16] and e.tolist() == [16, 48]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fp8_dtype", FP8_DTYPES)
+@pytest.mark.parametrize("alignment", [1, 16, 32, 128])
+def test_jagged_colwise_padded_layout(device, fp8_dtype, alignment):
+    gen = torch.Generator().manual_seed(alignment)
+    m = 1000
+    x1 = randn((m, 160), torch.bfloat16, device)
+    x2 = randn((m, 48), torch.bfloat16, device)
+    offs = random_offs(m - 5, 9, gen, device=device)
+    starts, ends = moe_fp8_ext.padded_group_offsets(offs, m, alignment)
+    poison(device)
+    q1, s1, q2, s2 = moe_fp8_ext.quantize_jagged_colwise_dual(x1, x2, offs, fp8_dtype, padded_starts=starts, alignment=alignment)
+    for q, s, x in ((q1, s1, x1), (q2, s2, x2)):
+        rq, rs = ref.quantize_jagged_colwise_padded(x.cpu(), offs.cpu(), alignment, fp8_dtype)
+        assert q.stride() == (1, q.shape[0])
+        assert_fp8_equal(q, rq)
+        assert_scale_equal(s, rs)
+    q, s = moe_fp8_ext.quantize_jagged_colwise(x2, offs, fp8_dtype, padded_starts=starts, alignment=alignment)
+    assert_fp8_equal(q, q2)
+    assert_scale_equal(s, s2)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("ranks, experts", [(1, 1), (2, 3), (8, 8), (8, 32), (64, 4)])
+def test_permute_indices_match_reference(device, ranks, experts):
+    gen = torch.Generator().manual_seed(ranks * 100 + experts)
+    counts = torch.randint(0, 40, (ranks * experts,), generator=gen, dtype=torch.int32)
+    counts[torch.rand(counts.shape, generator=gen) < 0.25] = 0
+    counts[:experts] = 0 if ranks > 1 else counts[:experts]  # rank 0 sends nothing
+    counts = counts.to(device)
+    m = int(counts.sum())
+    for alignment in (1, 16, 128):
+        max_len = moe_fp8_ext.padded_rows(m, experts, alignment)
+        poison(device)
+        idx, sizes, ends = moe_fp8_ext.permute_indices(counts, experts, ranks, alignment, max_len)
+        ridx, rsizes, rends = ref.permute_indices(counts.cpu(), experts, ranks, alignment, max_len)
+        assert torch.equal(idx.cpu(), ridx) and torch.equal(sizes.cpu(), rsizes) and torch.equal(ends.cpu(), rends)
+        assert bool((sizes >= alignment).all())
+        valid = idx[idx >= 0].cpu()
+        assert torch.equal(valid.sort().values, torch.arange(m, dtype=torch.int32))  # a permutation of the tokens
+
+
+def test_permute_indices_max_len_too_small_raises():
+    counts = torch.tensor([5, 7, 0, 1], dtype=torch.int32)
+    with pytest.raises(RuntimeError, match=r"permute_indices: expected max_len >= 32"):
+        moe_fp8_ext.permute_indices(counts, 2, 2, 16, 20)
+    with pytest.raises(RuntimeError, match="expected non-negative token counts"):
+        moe_fp8_ext.permute_indices(torch.tensor([1, -1], dtype=torch.int32), 2, 1, 16, 64)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn, torch.float32])
+def test_gather_scatter_rows(device, dtype):
+    gen = torch.Generator().manual_seed(5)
+    x = rows_of(dtype, (77, 33), device, gen)
+    counts = torch.tensor([3, 9, 0, 20, 11, 0, 30, 4], dtype=torch.int32, device=device)
+    idx, _, _ = moe_fp8_ext.permute_indices(counts, 4, 2, 16, moe_fp8_ext.padded_rows(77, 4, 16))
+    poison(device)
+    y = moe_fp8_ext.gather_rows(x, idx)
+    assert_bytes_equal(y, ref.gather_rows(x.cpu(), idx.cpu()))
+    poison(device)
+    assert_bytes_equal(moe_fp8_ext.scatter_rows(y, idx, 77), x)
+    # Rows no slot points to come back as zeros.
+    z = moe_fp8_ext.scatter_rows(y, idx, 80)
+    assert_bytes_equal(z, ref.scatter_rows(y.cpu(), idx.cpu(), 80))
+
+
+def test_gather_scatter_reject_bad_indices():
+    x = torch.randn(4, 3)
+    with pytest.raises(RuntimeError, match=r"gather_rows: expected indices in \[-1, 4\), got 4 at 1"):
+        moe_fp8_ext.gather_rows(x, torch.tensor([0, 4], dtype=torch.int32))
+    with pytest.raises(RuntimeError, match="scatter_rows: expected every row at most once in indices, got row 1 twice"):
+        moe_fp8_ext.scatter_rows(x[:2], torch.tensor([1, 1], dtype=torch.int32), 4)
+    with pytest.raises(RuntimeError, match=r"scatter_rows: expected indices of shape \(2,\)"):
+        moe_fp8_ext.scatter_rows(x[:2], torch.tensor([1], dtype=torch.int32), 4)
+
+
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (lambda: moe_fp8_ext.pad_token_groups(torch.randn(8, 2), torch.tensor([8], dtype=torch.int32), 12),
+         r"pad_token_groups: expected alignment to be a power of two in \[1, 1024\], got 12"),
+        (lambda: moe_fp8_ext.pad_token_groups(torch.randn(8, 2), torch.tensor([9], dtype=torch.int32), 16),
+         r"pad_token_groups: expected offs\[0\] in \[0, 8\], got 9"),
+        (lambda: moe_fp8_ext.pad_token_groups(torch.randn(8, 2), torch.tensor([8], dtype=torch.int64), 16),
+         "pad_token_groups: expected offs of dtype int32, got Long"),
+        (lambda: moe_fp8_ext.pad_token_groups(torch.randn(8), torch.tensor([8], dtype=torch.int32), 16),
+         "pad_token_groups: expected x to be a 2-D tensor, got 1-D"),
+        (lambda: moe_fp8_ext.unpad_token_groups(torch.randn(32, 2), torch.tensor([8, 16], dtype=torch.int32),
+                                                torch.tensor([0, 4], dtype=torch.int32), 16),
+         r"unpad_token_groups: expected padded_starts\[1\] to place group 1"),
+        (lambda: moe_fp8_ext.unpad_token_groups(torch.randn(32, 2), torch.tensor([8, 16], dtype=torch.int32),
+                                                torch.tensor([0], dtype=torch.int32), 16),
+         r"unpad_token_groups: expected padded_starts of shape \(2,\) like offs, got \(1,\)"),
+        (lambda: moe_fp8_ext.permute_indices(torch.zeros(6, dtype=torch.int32), 4, 2, 16, 64),
+         r"permute_indices: expected tokens_per_expert_group of shape \(8,\)"),
+        (lambda: moe_fp8_ext.quantize_jagged_colwise(torch.randn(32, 4), torch.tensor([8, 32], dtype=torch.int32),
+                                                     padded_starts=torch.tensor([0, 4], dtype=torch.int32)),
+         r"quantize_jagged_colwise: expected padded_starts\[1\] to place group 1"),
+    ],
+)
+def test_errors(call, message):
+    with pytest.raises(RuntimeError, match=message):
+        call()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_autograd_pad_unpad_permute(device):
+    # The ops move bytes, so float64 gradcheck applies directly.
+    x = torch.randn(40, 3, dtype=torch.float64, device=device, requires_grad=True)
+    offs = torch.tensor([5, 5, 23, 38], dtype=torch.int32, device=device)
+    assert torch.autograd.gradcheck(lambda t: moe_fp8_ext.pad_token_groups(t, offs, 8)[0], (x,))
+    _, starts, _ = moe_fp8_ext.pad_token_groups(x.detach(), offs, 8)
+    xp = torch.randn(moe_fp8_ext.padded_rows(40, 4, 8), 3, dtype=torch.float64, device=device, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda t: moe_fp8_ext.unpad_token_groups(t, offs, starts, 40), (xp,))
+    counts = torch.tensor([4, 0, 9, 7, 2, 3], dtype=torch.int32, device=device)
+    xr = x[:25].detach().clone().requires_grad_()
+    assert torch.autograd.gradcheck(lambda t: moe_fp8_ext.permute_and_pad(t, counts, 3, 2, 8)[0], (xr,))
+    y, _, idx = moe_fp8_ext.permute_and_pad(xr.detach(), counts, 3, 2, 8)
+    yr = torch.randn_like(y).requires_grad_()
+    assert torch.autograd.gradcheck(lambda t: moe_fp8_ext.unpermute(t, idx, 25), (yr,))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(
+    "op, args",
+    [
+        ("pad_token_groups", lambda d: (torch.randn(50, 8, device=d), torch.tensor([10, 10, 49], dtype=torch.int32, device=d), 16)),
+        ("pad_token_groups_at", lambda d: (torch.randn(50, 8, device=d), torch.tensor([10, 10, 49], dtype=torch.int32, device=d),
+                                           torch.tensor([0, 16, 16], dtype=torch.int32, device=d), 96)),
+        ("unpad_token_groups", lambda d: (torch.randn(96, 8, device=d), torch.tensor([10, 10, 49], dtype=torch.int32, device=d),
+                                          torch.tensor([0, 16, 16], dtype=torch.int32, device=d), 50)),
+        ("padded_group_offsets", lambda d: (torch.tensor([10, 10, 49], dtype=torch.int32, device=d), 50, 16)),
+        ("permute_indices", lambda d: (torch.tensor([3, 0, 5, 1, 2, 2], dtype=torch.int32, device=d), 3, 2, 16, 64)),
+        ("gather_rows", lambda d: (torch.randn(6, 5, device=d), torch.tensor([2, -1, 0, 5], dtype=torch.int32, device=d))),
+        ("scatter_rows", lambda d: (torch.randn(4, 5, device=d), torch.tensor([2, -1, 0, 5], dtype=torch.int32, device=d), 7)),
+        ("quantize_jagged_colwise", lambda d: (torch.randn(50, 8, device=d), torch.tensor([10, 10, 49], dtype=torch.int32, device=d),
+                                               torch.float8_e4m3fn, True, torch.tensor([0, 16, 16], dtype=torch.int32, device=d), 16)),
+    ],
+)
+def test_opcheck(device, op, args):
+    torch.library.opcheck(getattr(torch.ops.moe_fp8, op).default, args(device))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_compile_fullgraph(device):
+    def step(x, offs, counts):
+        xp, starts, ends = moe_fp8_ext.pad_token_groups(x, offs, 16)
+        q, s = moe_fp8_ext.quantize_jagged_colwise(x, offs, torch.float8_e4m3fn, padded_starts=starts, alignment=16)
+        back = moe_fp8_ext.unpad_token_groups(xp * 2, offs, starts, x.shape[0])
+        y, pends, idx = moe_fp8_ext.permute_and_pad(x, counts, 2, 2, 16)
+        return back, q.float() * 1, s, ends, moe_fp8_ext.unpermute(y + 1, idx, x.shape[0]), pends
+
+    x = randn((70, 24), torch.float32, device)
+    offs = torch.tensor([7, 7, 40, 66], dtype=torch.int32, device=device)
+    counts = torch.tensor([5, 30, 0, 35], dtype=torch.int32, device=device)
+    torch._dynamo.reset()
+    compiled = torch.compile(step, fullgraph=True)
+    for got, want in zip(compiled(x, offs, counts), step(x, offs, counts)):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
