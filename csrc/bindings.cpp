@@ -63,6 +63,9 @@ TORCH_LIBRARY(moe_fp8, m) {
       " SymInt max_len) -> (Tensor, Tensor, Tensor)");
   MOE_FP8_IMPL(m, "permute_indices", moe_fp8::permute_indices);
 
+  m.def("zero_rows_past_groups_(Tensor(a!) x, Tensor offs) -> ()");
+  MOE_FP8_IMPL(m, "zero_rows_past_groups_", moe_fp8::zero_rows_past_groups_);
+
   m.def("gather_rows(Tensor x, Tensor indices) -> Tensor");
   MOE_FP8_IMPL(m, "gather_rows", moe_fp8::gather_rows);
 

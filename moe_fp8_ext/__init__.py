@@ -18,6 +18,7 @@ from .ops import (
     quantize_jagged_colwise_dual,
     quantize_rowwise,
     scatter_rows,
+    zero_rows_past_groups_,
 )
 from .platform import build_info, default_fp8_dtype
 from .token_groups import pad_token_groups, padded_rows, permute_and_pad, unpad_token_groups, unpermute
@@ -41,4 +42,5 @@ __all__ = [
     "scatter_rows",
     "unpad_token_groups",
     "unpermute",
+    "zero_rows_past_groups_",
 ]

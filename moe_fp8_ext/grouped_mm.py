@@ -98,10 +98,13 @@ def _emulated_2d2d(a_t: Tensor, b: Tensor, offs: Tensor) -> Tensor:
 
 
 def _mm_2d3d(qa, sa, qb, sb, offs, out_dtype, emulated: bool) -> Tensor:
-    """(M, K) x (E, K, N) -> (M, N); sa (M,), sb (E, N)."""
+    """(M, K) x (E, K, N) -> (M, N); sa (M,), sb (E, N). Rows past offs[-1] are zero
+    (the grouped GEMMs leave them unwritten; zeroing only touches those rows)."""
     if not emulated:
-        return _scaled_grouped_mm(qa, qb, sa, sb, offs, out_dtype)
-    return _emulated_2d3d(qa.float() * sa[:, None], qb.float() * sb[:, None, :], offs).to(out_dtype)
+        out = _scaled_grouped_mm(qa, qb, sa, sb, offs, out_dtype)
+    else:
+        out = _emulated_2d3d(qa.float() * sa[:, None], qb.float() * sb[:, None, :], offs).to(out_dtype)
+    return ops.zero_rows_past_groups_(out, offs)
 
 
 def _mm_2d2d(qa_t, sa, qb, sb, offs, out_dtype, emulated: bool) -> Tensor:
@@ -174,7 +177,7 @@ def grouped_mm(
     A (M, K) row-major (bf16 or fp32), B_t (E, K, N) in any per-expert layout (the
     transpose of an (E, N, K) weight is the common case), ``offs`` int32 (E,) with the
     cumulative end row of each group (DESIGN §3). Returns (M, N) in ``out_dtype``.
-    Rows past ``offs[-1]`` are not computed.
+    Rows past ``offs[-1]`` belong to no group: their output and gradient are zero.
 
     ``pad_groups`` (fp8 recipe): groups of any size, no host sync (see the module
     docstring for how, and bench/RESULTS.md for the cost: within noise of aligned

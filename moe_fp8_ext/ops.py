@@ -195,6 +195,18 @@ def _(counts, experts_per_rank, num_ranks, alignment, max_len):
     return counts.new_empty((max_len,)), counts.new_empty((experts_per_rank,)), counts.new_empty((experts_per_rank,))
 
 
+def zero_rows_past_groups_(x: Tensor, offs: Tensor) -> Tensor:
+    """In place: rows of ``x`` (M, D) at or past ``offs[-1]`` (no group holds them)
+    become zeros; only those rows are touched. Returns ``x``."""
+    _ops.zero_rows_past_groups_(x, offs)
+    return x
+
+
+@torch.library.register_fake("moe_fp8::zero_rows_past_groups_")
+def _(x, offs):
+    return None
+
+
 def gather_rows(x: Tensor, indices: Tensor) -> Tensor:
     """``y[j] = x[indices[j]]``, a zero row where ``indices[j] == -1``. Any dtype."""
     return _ops.gather_rows(x, indices)

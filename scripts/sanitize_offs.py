@@ -29,6 +29,8 @@ for offs in ([700, -5, 100, 2**31 - 1, 30, -2**31], [4099 * 3] * 3, [5000, 4098,
         moe_fp8_ext.scatter_rows(t[: o.numel()], o, 4099)
     moe_fp8_ext.quantize_jagged_colwise_dual(x, y, o, F8, padded_starts=o, alignment=16)
     moe_fp8_ext.quantize_jagged_colwise(x, o, F8, padded_starts=o.flip(0), alignment=128)
+    moe_fp8_ext.zero_rows_past_groups_(x, o)
+    moe_fp8_ext.zero_rows_past_groups_(x.view(torch.uint8)[:, 1:78], o)
 big = torch.sort(torch.randint(0, 4100, (6000,), dtype=torch.int32)).values.cuda()  # global-table path
 moe_fp8_ext.pad_token_groups(x, big, 32)
 moe_fp8_ext.permute_indices(torch.tensor([5, -3, 2**30, 7, 0, 9], dtype=torch.int32, device="cuda"), 3, 2, 16, 100)

@@ -91,6 +91,20 @@ def test_pad_edge_sizes(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn, torch.float32])
+def test_zero_rows_past_groups(device, dtype):
+    gen = torch.Generator().manual_seed(9)
+    base = rows_of(dtype, (50, 14), device, gen)
+    for x, offs in ((base.clone(), [10, 30, 41]), (base.clone()[:, 3:10], [50]), (base.clone(), []), (base.clone()[::2], [0, 2])):
+        before = x.clone()
+        o = torch.tensor(offs, dtype=torch.int32, device=device)
+        assert moe_fp8_ext.zero_rows_past_groups_(x, o) is x
+        end = offs[-1] if offs else 0
+        assert_bytes_equal(x[:end], before[:end])
+        assert not x[end:].view(torch.uint8).any()
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("fp8_dtype", FP8_DTYPES)
 @pytest.mark.parametrize("alignment", [1, 16, 32, 128])
 def test_jagged_colwise_padded_layout(device, fp8_dtype, alignment):
@@ -224,6 +238,7 @@ def test_autograd_pad_unpad_permute(device):
                                           torch.tensor([0, 16, 16], dtype=torch.int32, device=d), 50)),
         ("padded_group_offsets", lambda d: (torch.tensor([10, 10, 49], dtype=torch.int32, device=d), 50, 16)),
         ("permute_indices", lambda d: (torch.tensor([3, 0, 5, 1, 2, 2], dtype=torch.int32, device=d), 3, 2, 16, 64)),
+        ("zero_rows_past_groups_", lambda d: (torch.randn(20, 5, device=d), torch.tensor([3, 11], dtype=torch.int32, device=d))),
         ("gather_rows", lambda d: (torch.randn(6, 5, device=d), torch.tensor([2, -1, 0, 5], dtype=torch.int32, device=d))),
         ("scatter_rows", lambda d: (torch.randn(4, 5, device=d), torch.tensor([2, -1, 0, 5], dtype=torch.int32, device=d), 7)),
         ("quantize_jagged_colwise", lambda d: (torch.randn(50, 8, device=d), torch.tensor([10, 10, 49], dtype=torch.int32, device=d),

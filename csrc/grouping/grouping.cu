@@ -42,6 +42,13 @@ void permute_indices_cuda(const PermuteArgs& p, int device) {
   check_launch(launch_permute_indices(p, current_stream(device)), "permute_indices");
 }
 
+void zero_rows_past_groups_cuda(uint8_t* x, int64_t rows, int64_t stride, int64_t row_bytes, const int32_t* offs,
+                                int groups, int device) {
+  const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
+  check_launch(launch_zero_rows_past_groups(x, rows, stride, row_bytes, offs, groups, current_stream(device)),
+               "zero rows");
+}
+
 void invert_indices_cuda(const int32_t* indices, int64_t n, int32_t* inverse, int64_t inverse_len, int device) {
   const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
   const cudaStream_t stream = current_stream(device);

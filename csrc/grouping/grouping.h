@@ -135,6 +135,8 @@ void padded_offsets_cpu(const int32_t* offs, int groups, int64_t rows, int64_t a
                         int32_t* pend);
 void copy_rows_cpu(const RowCopy& c, const RowMapArgs& m);
 void permute_indices_cpu(const PermuteArgs& p);
+void zero_rows_past_groups_cpu(uint8_t* x, int64_t rows, int64_t stride, int64_t row_bytes, const int32_t* offs,
+                               int groups);
 
 #ifdef MOE_FP8_WITH_CUDA
 void padded_offsets_cuda(const int32_t* offs, int groups, int64_t rows, int64_t alignment, int32_t* pstart,
@@ -142,6 +144,8 @@ void padded_offsets_cuda(const int32_t* offs, int groups, int64_t rows, int64_t 
 void copy_rows_cuda(const RowCopy& c, const RowMapArgs& m, int device);
 void permute_indices_cuda(const PermuteArgs& p, int device);
 // inverse[indices[j]] = j for every j with 0 <= indices[j] < inverse_len, -1 elsewhere.
+void zero_rows_past_groups_cuda(uint8_t* x, int64_t rows, int64_t stride, int64_t row_bytes, const int32_t* offs,
+                                int groups, int device);
 void invert_indices_cuda(const int32_t* indices, int64_t n, int32_t* inverse, int64_t inverse_len, int device);
 #endif
 

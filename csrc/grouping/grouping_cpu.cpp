@@ -75,4 +75,10 @@ void permute_indices_cpu(const PermuteArgs& p) {
   }
 }
 
+void zero_rows_past_groups_cpu(uint8_t* x, int64_t rows, int64_t stride, int64_t row_bytes, const int32_t* offs,
+                               int groups) {
+  const int64_t end = groups > 0 ? clamp_offset(offs[groups - 1], rows) : 0;
+  for (int64_t r = end; r < rows; ++r) std::memset(x + r * stride, 0, static_cast<size_t>(row_bytes));
+}
+
 }  // namespace moe_fp8

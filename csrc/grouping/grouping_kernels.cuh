@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <initializer_list>
 
 #include "../core/numerics.h"
 #include "../core/portability.h"
@@ -161,6 +162,26 @@ __global__ void invert_indices_kernel(const int32_t* __restrict__ indices, int64
   }
 }
 
+// Rows of x at or past the last group end (clamp(offs[G-1])) become zeros; the rows
+// before it are not touched. Warps start at the first such row, so the work is the
+// tail's size whatever M is.
+template <typename V>
+__global__ void __launch_bounds__(kGroupingThreads) zero_rows_past_groups_kernel(uint8_t* x, int64_t rows,
+                                                                                  int64_t stride, int64_t row_bytes,
+                                                                                  const int32_t* __restrict__ offs,
+                                                                                  int groups) {
+  const int64_t end = groups > 0 ? clamp_offset(offs[groups - 1], rows) : 0;
+  const int lane = threadIdx.x % kWarpSize;
+  const int warps = blockDim.x / kWarpSize;
+  const int64_t nv = row_bytes / static_cast<int64_t>(sizeof(V));
+  const V zero{};
+  for (int64_t r = end + static_cast<int64_t>(blockIdx.x) * warps + threadIdx.x / kWarpSize; r < rows;
+       r += static_cast<int64_t>(gridDim.x) * warps) {
+    V* d = reinterpret_cast<V*>(x + r * stride);
+    for (int64_t v = lane; v < nv; v += kWarpSize) d[v] = zero;
+  }
+}
+
 // ---- launchers ---------------------------------------------------------------------
 
 inline int launch_padded_offsets(const int32_t* offs, int groups, int64_t rows, int64_t alignment, int32_t* pstart,
@@ -182,17 +203,29 @@ int launch_copy_rows_as(const RowCopy& c, const RowMapArgs& m, gpuStream_t strea
                        smem_tables);
 }
 
+// Calls fn(V{}) with the widest access type V that divides the row length, every
+// stride and every base address (all in bytes).
+template <typename Fn>
+int with_row_vector(int64_t row_bytes, std::initializer_list<int64_t> strides,
+                    std::initializer_list<const void*> bases, Fn&& fn) {
+  auto fits = [&](int64_t w) {
+    bool ok = row_bytes % w == 0;
+    for (int64_t s : strides) ok = ok && s % w == 0;
+    for (const void* b : bases) ok = ok && reinterpret_cast<uintptr_t>(b) % w == 0;
+    return ok;
+  };
+  if (fits(16)) return fn(uint4{});
+  if (fits(8)) return fn(uint2{});
+  if (fits(4)) return fn(uint32_t{});
+  if (fits(2)) return fn(uint16_t{});
+  return fn(uint8_t{});
+}
+
 template <RowMapKind kKind>
 int launch_copy_rows_kind(const RowCopy& c, const RowMapArgs& m, gpuStream_t stream) {
-  auto fits = [&](int64_t w) {
-    return c.row_bytes % w == 0 && c.src_stride % w == 0 && c.dst_stride % w == 0 &&
-           reinterpret_cast<uintptr_t>(c.src) % w == 0 && reinterpret_cast<uintptr_t>(c.dst) % w == 0;
-  };
-  if (fits(16)) return launch_copy_rows_as<uint4, kKind>(c, m, stream);
-  if (fits(8)) return launch_copy_rows_as<uint2, kKind>(c, m, stream);
-  if (fits(4)) return launch_copy_rows_as<uint32_t, kKind>(c, m, stream);
-  if (fits(2)) return launch_copy_rows_as<uint16_t, kKind>(c, m, stream);
-  return launch_copy_rows_as<uint8_t, kKind>(c, m, stream);
+  return with_row_vector(c.row_bytes, {c.src_stride, c.dst_stride}, {c.src, c.dst}, [&](auto v) {
+    return launch_copy_rows_as<decltype(v), kKind>(c, m, stream);
+  });
 }
 
 inline int launch_copy_rows(const RowCopy& c, const RowMapArgs& m, gpuStream_t stream) {
@@ -231,6 +264,19 @@ inline int launch_invert_indices(const int32_t* indices, int64_t n, int32_t* inv
   const int64_t blocks = std::max<int64_t>(1, std::min<int64_t>(ceil_div(n, 256), 4 * multiprocessor_count()));
   return launch_kernel(invert_indices_kernel, dim3(static_cast<unsigned>(blocks)), dim3(256), 0, stream, 1, indices, n,
                        inverse, inverse_len);
+}
+
+inline int launch_zero_rows_past_groups(uint8_t* x, int64_t rows, int64_t stride, int64_t row_bytes,
+                                        const int32_t* offs, int groups, gpuStream_t stream) {
+  if (rows == 0 || row_bytes == 0) return 0;
+  return with_row_vector(row_bytes, {stride}, {x}, [&](auto v) {
+    auto kernel = zero_rows_past_groups_kernel<decltype(v)>;
+    // Usually the tail is empty and every block exits at once: keep the grid small.
+    const int64_t warps = kGroupingThreads / kWarpSize;
+    const int64_t blocks = std::max<int64_t>(1, std::min<int64_t>(ceil_div(rows, warps), 2 * multiprocessor_count()));
+    return launch_kernel(kernel, dim3(static_cast<unsigned>(blocks)), dim3(kGroupingThreads), 0, stream, 1, x, rows,
+                         stride, row_bytes, offs, groups);
+  });
 }
 
 }  // namespace moe_fp8

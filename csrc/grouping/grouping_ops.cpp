@@ -211,6 +211,30 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> permute_indices(const at::Tensor&
   return {indices, sizes, ends};
 }
 
+void zero_rows_past_groups_(const at::Tensor& x, const at::Tensor& offs) {
+  constexpr const char* op = "zero_rows_past_groups_";
+  check_rank(x, 2, op, "x");
+  TORCH_CHECK(x.size(1) <= 1 || x.stride(1) == 1, op, ": expected x with a unit stride along dim 1, got strides ",
+              x.strides());
+  check_offs(offs, x, x.size(0), op);
+  check_groups(offs, op);
+  if (x.numel() == 0) return;
+  const at::Tensor offs_c = offs.contiguous();
+  const int64_t es = x.element_size();
+  auto* base = static_cast<uint8_t*>(x.data_ptr());
+  if (x.is_cpu()) {
+    zero_rows_past_groups_cpu(base, x.size(0), x.stride(0) * es, x.size(1) * es, offs_c.data_ptr<int32_t>(),
+                              static_cast<int>(offs.numel()));
+    return;
+  }
+#ifdef MOE_FP8_WITH_CUDA
+  zero_rows_past_groups_cuda(base, x.size(0), x.stride(0) * es, x.size(1) * es, offs_c.data_ptr<int32_t>(),
+                             static_cast<int>(offs.numel()), x.device().index());
+#else
+  TORCH_CHECK(false, op, ": expected a CPU tensor (this build has no GPU support), got ", x.device());
+#endif
+}
+
 namespace {
 
 // indices: int32 (n,), entries -1 (a padding slot) or in [0, rows); checked on the

@@ -24,6 +24,7 @@ std::tuple<at::Tensor, at::Tensor> padded_group_offsets(const at::Tensor& offs, 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> permute_indices(const at::Tensor& tokens_per_expert_group,
                                                                int64_t experts_per_rank, int64_t num_ranks,
                                                                int64_t alignment, int64_t max_len);
+void zero_rows_past_groups_(const at::Tensor& x, const at::Tensor& offs);
 at::Tensor gather_rows(const at::Tensor& x, const at::Tensor& indices);
 at::Tensor scatter_rows(const at::Tensor& y, const at::Tensor& indices, int64_t num_rows);
 
