@@ -24,7 +24,6 @@ void padded_offsets_cpu(const int32_t* offs, int groups, int64_t rows, int64_t a
 
 void copy_rows_cpu(const RowCopy& c, const RowMapArgs& m) {
   GroupLayout l = m.layout;
-  std::vector<int32_t> pstart, pend;
   if (m.kind == RowMapKind::kPad && m.compute_pstart) {
     padded_offsets_cpu(l.offs, l.groups, l.rows, m.alignment, m.pstart_out, m.pend_out);
     l.pstart = m.pstart_out;
