@@ -11,6 +11,7 @@ from .grouped_mm import grouped_mm, grouped_mm_backend
 from .ops import (
     gather_rows,
     padded_group_offsets,
+    padded_rows,
     permute_indices,
     quantize_experts_bwd,
     quantize_experts_fwd,
@@ -21,7 +22,7 @@ from .ops import (
     zero_rows_past_groups_,
 )
 from .platform import build_info, default_fp8_dtype
-from .token_groups import pad_token_groups, padded_rows, permute_and_pad, unpad_token_groups, unpermute
+from .token_groups import pad_token_groups, permute_and_pad, unpad_token_groups, unpermute
 
 __all__ = [
     "build_info",

@@ -83,10 +83,11 @@ def _row_groups(offs: Tensor, m: int):
 def _emulated_2d3d(a: Tensor, b: Tensor, offs: Tensor) -> Tensor:
     if a.is_cuda:
         return torch._grouped_mm(a.bfloat16(), b.bfloat16(), offs=offs).float()
-    g, inside = _row_groups(offs, a.shape[0])
+    # Rows past offs[-1] come out as the last group's product here; _mm_2d3d zeroes
+    # them on every path.
+    g, _ = _row_groups(offs, a.shape[0])
     full = torch.einsum("mk,ekn->emn", a, b)
-    out = full.gather(0, g.long()[None, :, None].expand(1, a.shape[0], b.shape[2])).squeeze(0)
-    return out * inside[:, None]
+    return full.gather(0, g.long()[None, :, None].expand(1, a.shape[0], b.shape[2])).squeeze(0)
 
 
 def _emulated_2d2d(a_t: Tensor, b: Tensor, offs: Tensor) -> Tensor:

@@ -100,15 +100,16 @@ def quantize_jagged_colwise(
     return _ops.quantize_jagged_colwise(x, offs, _dtype(fp8_dtype, x), pow2_scale, padded_starts, alignment)
 
 
-def _padded_rows(m, g, alignment):
-    return -(-(m + g * alignment) // alignment) * alignment
+def padded_rows(num_tokens: int, groups: int, alignment: int) -> int:
+    """Rows of the padded layout: ``ceil((num_tokens + groups·alignment)/alignment)·alignment``."""
+    return -(-(num_tokens + groups * alignment) // alignment) * alignment
 
 
 def _jagged_fake(x, offs, fp8_dtype, op, padded_starts=None, alignment=16):
     torch._check(x.dim() == 2, lambda: f"{op}: expected x to be a 2-D tensor, got {x.dim()}-D")
     torch._check(offs.dim() == 1, lambda: f"{op}: expected offs to be a 1-D tensor, got {offs.dim()}-D")
     m, d = x.shape
-    rows = m if padded_starts is None else _padded_rows(m, offs.shape[0], alignment)
+    rows = m if padded_starts is None else padded_rows(m, offs.shape[0], alignment)
     q = x.new_empty_strided((rows, d), (1, rows), dtype=fp8_dtype)
     return q, x.new_empty((offs.shape[0], d), dtype=torch.float32)
 
@@ -148,7 +149,7 @@ def _(x1, x2, offs, fp8_dtype, pow2_scale=True, padded_starts=None, alignment=16
 def _(x, offs, alignment):
     torch._check(x.dim() == 2, lambda: f"pad_token_groups: expected x to be a 2-D tensor, got {x.dim()}-D")
     g = offs.shape[0]
-    return x.new_empty((_padded_rows(x.shape[0], g, alignment), x.shape[1])), offs.new_empty((g,)), offs.new_empty((g,))
+    return x.new_empty((padded_rows(x.shape[0], g, alignment), x.shape[1])), offs.new_empty((g,)), offs.new_empty((g,))
 
 
 @torch.library.register_fake("moe_fp8::pad_token_groups_at")

@@ -19,12 +19,9 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
+from .ops import padded_rows
+
 _ops = torch.ops.moe_fp8
-
-
-def padded_rows(num_tokens: int, groups: int, alignment: int) -> int:
-    """Rows of the padded layout: ``ceil((num_tokens + groups·alignment)/alignment)·alignment``."""
-    return -(-(num_tokens + groups * alignment) // alignment) * alignment
 
 
 class _Pad(torch.autograd.Function):

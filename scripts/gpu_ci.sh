@@ -58,21 +58,21 @@ if [ "$ep" = 1 ]; then
   exit 0
 fi
 if [ "$tests" = 1 ]; then
-echo "== tests"
-$PY -m pytest tests -q -rs --maxfail=20 2>&1 | tee "$OUT/tests.log" | tail -25
-test ${PIPESTATUS[0]} -eq 0
-
-echo "== compute-sanitizer (garbage offs, odd shapes)"
-if command -v compute-sanitizer >/dev/null && [ -z "${PYTORCH_ROCM_ARCH:-}" ]; then
-  compute-sanitizer --tool memcheck --error-exitcode 1 $PY scripts/sanitize_offs.py 2>&1 | tee "$OUT/sanitizer.log" | tail -5
+  echo "== tests"
+  $PY -m pytest tests -q -rs --maxfail=20 2>&1 | tee "$OUT/tests.log" | tail -25
   test ${PIPESTATUS[0]} -eq 0
-else
-  echo "compute-sanitizer not found; skipped"
-fi
 
-echo "== main job"
-$PY -m moe_fp8_ext
-$PY -m moe_fp8_ext --check
+  echo "== compute-sanitizer (garbage offs, odd shapes)"
+  if command -v compute-sanitizer >/dev/null && [ -z "${PYTORCH_ROCM_ARCH:-}" ]; then
+    compute-sanitizer --tool memcheck --error-exitcode 1 $PY scripts/sanitize_offs.py 2>&1 | tee "$OUT/sanitizer.log" | tail -5
+    test ${PIPESTATUS[0]} -eq 0
+  else
+    echo "compute-sanitizer not found; skipped"
+  fi
+
+  echo "== main job"
+  $PY -m moe_fp8_ext
+  $PY -m moe_fp8_ext --check
 fi
 
 if [ -n "${BENCHES:-}" ]; then

@@ -20,8 +20,8 @@ constexpr int kGroupingThreads = 256;
 constexpr int kTableSmemGroups = 4096;
 constexpr int kRowUnroll = 4;  // vectors in flight per lane before the stores
 
-// Padded starts and ends of every group (one block): the padded size of group g is
-// its clamped size rounded up to the alignment.
+// Padded starts (and ends, unless pend is null) of every group, by one block: the
+// padded size of group g is its clamped size rounded up to the alignment.
 MOE_FP8_DEVICE void block_padded_offsets(const int32_t* offs, int groups, int64_t rows, int64_t alignment,
                                          int32_t* pstart, int32_t* pend, int64_t* s_tmp) {
   auto padded = [&](int g) {
@@ -30,6 +30,7 @@ MOE_FP8_DEVICE void block_padded_offsets(const int32_t* offs, int groups, int64_
     return round_up(e - s, alignment);
   };
   block_exclusive_scan(padded, groups, pstart, s_tmp);
+  if (pend == nullptr) return;
   for (int g = threadIdx.x; g < groups; g += blockDim.x) {
     const int64_t end = static_cast<int64_t>(pstart[g]) + padded(g);
     pend[g] = static_cast<int32_t>(end < INT32_MAX ? end : INT32_MAX);
@@ -60,18 +61,11 @@ __global__ void __launch_bounds__(kGroupingThreads) copy_rows_kernel(RowCopy c, 
     }
     __syncthreads();
     if (m.compute_pstart) {
-      auto padded = [&](int g) {
-        int64_t s, e;
-        group_range(s_offs, g, l.rows, &s, &e);
-        return round_up(e - s, m.alignment);
-      };
-      block_exclusive_scan(padded, l.groups, s_pstart, s_tmp);
-      if (blockIdx.x == 0) {  // the op's padded offsets outputs
-        for (int g = threadIdx.x; g < l.groups; g += blockDim.x) {
-          const int64_t end = static_cast<int64_t>(s_pstart[g]) + padded(g);
-          m.pstart_out[g] = s_pstart[g];
-          m.pend_out[g] = static_cast<int32_t>(end < INT32_MAX ? end : INT32_MAX);
-        }
+      // Block 0 also writes the op's padded ends (and starts, below).
+      block_padded_offsets(s_offs, l.groups, l.rows, m.alignment, s_pstart, blockIdx.x == 0 ? m.pend_out : nullptr,
+                           s_tmp);
+      if (blockIdx.x == 0) {
+        for (int g = threadIdx.x; g < l.groups; g += blockDim.x) m.pstart_out[g] = s_pstart[g];
       }
     }
     l.offs = s_offs;

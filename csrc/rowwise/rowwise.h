@@ -11,6 +11,7 @@
 
 #include <cstdint>
 
+#include "../core/groups.h"
 #include "../core/numerics.h"
 
 namespace moe_fp8 {
@@ -76,24 +77,17 @@ struct Segment {
   bool zero_fill;
 };
 
-MOE_FP8_HD int64_t clamp_row(int64_t v, int64_t rows) { return v < 0 ? 0 : (v > rows ? rows : v); }
-
 MOE_FP8_HD int segments_with_tail(const ColsArgs& a) {
   return a.num_segments + (a.jagged ? 1 : 0);
 }
 
 MOE_FP8_HD Segment resolve_segment(const ColsArgs& a, int seg) {
   if (!a.jagged) return {seg, 0, a.rows, 0, a.rows, false};
-  auto group = [&](int g, int64_t* start, int64_t* end) {
-    *start = g == 0 ? 0 : clamp_row(a.offs[g - 1], a.rows);
-    const int64_t e = clamp_row(a.offs[g], a.rows);
-    *end = e < *start ? *start : e;  // decreasing offs: an empty group, never a negative one
-  };
   const bool tail = seg == a.num_segments;
   if (a.padded_starts == nullptr) {
     int64_t start = 0, end = a.rows;
-    if (!tail) group(seg, &start, &end);
-    else if (seg > 0) start = clamp_row(a.offs[seg - 1], a.rows);
+    if (!tail) group_range(a.offs, seg, a.rows, &start, &end);
+    else if (seg > 0) start = clamp_offset(a.offs[seg - 1], a.rows);
     return {0, start, tail ? start : end, start, end - start, tail};
   }
   // Padded: q positions come from padded_starts, clamped into [0, q_rows).
@@ -101,14 +95,14 @@ MOE_FP8_HD Segment resolve_segment(const ColsArgs& a, int seg) {
     int64_t q_start = 0;
     if (seg > 0) {
       int64_t s, e;
-      group(seg - 1, &s, &e);
-      q_start = clamp_row(static_cast<int64_t>(a.padded_starts[seg - 1]) + round_up(e - s, a.alignment), a.q_rows);
+      group_range(a.offs, seg - 1, a.rows, &s, &e);
+      q_start = clamp_offset(static_cast<int64_t>(a.padded_starts[seg - 1]) + round_up(e - s, a.alignment), a.q_rows);
     }
     return {0, 0, 0, q_start, a.q_rows - q_start, true};
   }
   int64_t start, end;
-  group(seg, &start, &end);
-  const int64_t q_start = clamp_row(a.padded_starts[seg], a.q_rows);
+  group_range(a.offs, seg, a.rows, &start, &end);
+  const int64_t q_start = clamp_offset(a.padded_starts[seg], a.q_rows);
   const int64_t q_len = round_up(end - start, a.alignment);
   const int64_t q_fit = q_len < a.q_rows - q_start ? q_len : a.q_rows - q_start;
   return {0, start, start + (end - start < q_fit ? end - start : q_fit), q_start, q_fit, false};

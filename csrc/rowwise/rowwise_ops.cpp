@@ -6,7 +6,7 @@
 #include <tuple>
 
 #include "../core/op_checks.h"
-#include "../grouping/grouping.h"
+#include "../core/groups.h"
 #include "../grouping/grouping_ops.h"
 #include "rowwise.h"
 #include "rowwise_ops.h"
