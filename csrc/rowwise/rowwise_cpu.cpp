@@ -60,10 +60,14 @@ void cols_cpu(const ColsArgs& a) {
         const int64_t c = task % op.cols;
         const Segment seg = resolve_segment(a, seg_id);
         const T* xc = static_cast<const T*>(op.x) + seg.batch * op.sb + c * op.sc;
-        // q rows of this segment: its input rows first, then zeros (padding or the tail).
+        // q rows of this segment: its input rows first, then padding (a zero row
+        // encoded with the group's scale, so NaN in a NaN column, as quantizing the
+        // padded copy gives and the GPU kernel does) or the tail (zeros).
         uint8_t* qc = op.q + seg.batch * op.q_sb + c * op.q_sc + seg.q_start;
-        for (int64_t r = seg.end - seg.start; r < seg.q_len; ++r) qc[r] = 0;
-        if (seg.zero_fill) continue;
+        if (seg.zero_fill) {
+          for (int64_t r = 0; r < seg.q_len; ++r) qc[r] = 0;
+          continue;
+        }
         uint32_t amax = 0;
         for (int64_t r = seg.start; r < seg.end; ++r) {
           const uint32_t b = abs_bits(static_cast<float>(xc[r * op.sr]));
@@ -74,6 +78,8 @@ void cols_cpu(const ColsArgs& a) {
         for (int64_t r = seg.start; r < seg.end; ++r) {
           qc[r - seg.start] = encode_fp8<F>(scale_clamp(static_cast<float>(xc[r * op.sr]), sc.encode, kMax));
         }
+        const uint8_t pad = encode_fp8<F>(scale_clamp(0.0f, sc.encode, kMax));
+        for (int64_t r = seg.end - seg.start; r < seg.q_len; ++r) qc[r] = pad;
       }
     });
   }

@@ -210,7 +210,7 @@ constexpr int kColsTileBytes = 128;  // of each input row per block (measured: 6
 constexpr int kColsRunRows = 32;  // q bytes a thread writes per column run: one full 32-byte sector
 constexpr int kColsUnroll = 4;    // loads in flight per thread on the scalar (strided) path
 constexpr int kColsMaxCluster = 8;
-constexpr int kColsMinBlocks = 6;  // register cap (40) so that six blocks (1536 threads) fit an SM
+constexpr int kColsMinBlocks = 5;  // register cap (48, no spills) so that five blocks (1280 threads) fit an SM
 
 template <InputKind K, int kVecN>
 struct ColsGeometry {
@@ -342,25 +342,29 @@ __global__ void __launch_bounds__(kColsThreads, kColsMinBlocks) quantize_cols_ke
       __syncthreads();
     }
     if (!col_ok) continue;
+    auto code = [&](int64_t r) {  // tile row r of this thread's column, scaled and clamped
+      return scale_clamp(r < n ? In::to_float(tile[r * kTileCols + wc]) : 0.0f, s, kMax);
+    };
     for (int64_t rb = static_cast<int64_t>(wg) * kColsRunRows; rb < nq; rb += G::kWriterGroups * kColsRunRows) {
-      uint32_t w[kColsRunRows / 4];
-#pragma unroll
-      for (int p = 0; p < kColsRunRows / 2; ++p) {
-        const int64_t r0 = rb + 2 * p;
-        const float x0 = r0 < n ? In::to_float(tile[r0 * kTileCols + wc]) : 0.0f;
-        const float x1 = r0 + 1 < n ? In::to_float(tile[(r0 + 1) * kTileCols + wc]) : 0.0f;
-        const uint32_t two = encode_fp8x2<F>(scale_clamp(x0, s, kMax), scale_clamp(x1, s, kMax));
-        if (p % 2 == 0) w[p / 2] = two;
-        else w[p / 2] |= two << 16;
-      }
       uint8_t* dst = qcol + base + rb;
       if (rb + kColsRunRows <= nq && reinterpret_cast<uintptr_t>(dst) % 16 == 0) {
+        // A whole aligned run: packed in registers, 16-byte stores.
 #pragma unroll
         for (int v = 0; v < kColsRunRows / 16; ++v) {
-          reinterpret_cast<uint4*>(dst)[v] = make_uint4(w[4 * v], w[4 * v + 1], w[4 * v + 2], w[4 * v + 3]);
+          uint32_t w[4];
+#pragma unroll
+          for (int p = 0; p < 4; ++p) {
+            const int64_t r0 = rb + 16 * v + 4 * p;
+            w[p] = encode_fp8x2<F>(code(r0), code(r0 + 1)) |
+                   (static_cast<uint32_t>(encode_fp8x2<F>(code(r0 + 2), code(r0 + 3))) << 16);
+          }
+          reinterpret_cast<uint4*>(dst)[v] = make_uint4(w[0], w[1], w[2], w[3]);
         }
       } else {
-        for (int k = 0; k < kColsRunRows && rb + k < nq; ++k) dst[k] = static_cast<uint8_t>(w[k / 4] >> (8 * (k % 4)));
+        // A partial or unaligned run, byte by byte. No run buffer: indexed at run
+        // time it would live in local memory for every thread, and ncu showed that
+        // spill traffic keeping the kernel L2-bound (bench/RESULTS.md).
+        for (int64_t k = 0; k < kColsRunRows && rb + k < nq; ++k) dst[k] = encode_fp8<F>(code(rb + k));
       }
     }
   }
