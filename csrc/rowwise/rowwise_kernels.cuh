@@ -210,7 +210,7 @@ constexpr int kColsTileBytes = 128;  // of each input row per block (measured: 6
 constexpr int kColsRunRows = 32;  // q bytes a thread writes per column run: one full 32-byte sector
 constexpr int kColsUnroll = 4;    // loads in flight per thread on the scalar (strided) path
 constexpr int kColsMaxCluster = 8;
-constexpr int kColsMinBlocks = 5;  // register cap (48, no spills) so that five blocks (1280 threads) fit an SM
+constexpr int kColsMinBlocks = 5;  // register cap (48; ptxas spills at most 8 bytes) so that five blocks fit an SM
 
 template <InputKind K, int kVecN>
 struct ColsGeometry {
