@@ -51,7 +51,8 @@ struct ColsOperand {
 //
 // Padded (jagged only, `padded_starts` set): q has `q_rows` rows and group g is
 // written at q rows [padded_starts[g], padded_starts[g] + round_up(n_g, alignment)),
-// its rows past n_g zero: the layout of pad_token_groups (DESIGN §8), produced from
+// its rows past n_g zero rows encoded with the group's scales (0, or NaN in a NaN
+// column): pad_token_groups's layout (DESIGN §8) quantized, produced from
 // the unpadded input. Otherwise q rows are the input rows (q_rows == rows).
 struct ColsArgs {
   ColsOperand op[2];

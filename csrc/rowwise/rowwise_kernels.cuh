@@ -325,7 +325,7 @@ __global__ void __launch_bounds__(kColsThreads, kColsMinBlocks) quantize_cols_ke
 
   // Pass 2: encode from the tile, 32 rows of one column per thread and store. The
   // last input chunk is in the tile already; earlier chunks are staged again, and
-  // chunks past the input (padding) encode zeros.
+  // chunks past the input (padding) encode zero rows with the column's scale.
   uint8_t* qcol = op.q + seg.batch * op.q_sb + col * op.q_sc + seg.q_start + my_off;
   const float s = s_enc[wc];
   constexpr float kMax = Fp8Spec<F>::kMax;
