@@ -152,3 +152,30 @@ def test_permute_indices_large():
     cpu = moe_fp8_ext.permute_indices(counts, 32, 8, 128, max_len)
     for a, b in zip(gpu, cpu):
         assert torch.equal(a.cpu(), b)
+
+
+@pytest.mark.parametrize("plan", ["1,8", "1,40", "2,64", "4,512", "8,16", "8,256"])
+def test_cols_plan_override_same_bits(monkeypatch, plan):
+    # Any launch plan of the transposing kernel gives the CPU op's bits: caches far
+    # shorter than a slice (the re-read path), one-fragment caches, single blocks and
+    # 8-block clusters, with unaligned groups, a padded layout and the strided path.
+    monkeypatch.setenv("MOE_FP8_COLS_PLAN", plan)
+    m = 3001
+    offs = torch.tensor([0, 5, 1500, 1517, 2999], dtype=torch.int32)  # empty group, tail rows
+    starts, _ = moe_fp8_ext.padded_group_offsets(offs, m, 16)
+    x1, x2 = randn((m, 264), torch.bfloat16, "cuda"), randn((m, 96), torch.bfloat16, "cuda")
+    same_as_cpu(lambda a, b, o, f: moe_fp8_ext.quantize_jagged_colwise_dual(a, b, o, f), x1, x2, offs, torch.float8_e4m3fn)
+    same_as_cpu(lambda a, b, o, f, s: moe_fp8_ext.quantize_jagged_colwise_dual(a, b, o, f, padded_starts=s),
+                x1, x2, offs, torch.float8_e4m3fn, starts)
+    same_as_cpu(moe_fp8_ext.quantize_jagged_colwise, randn((m, 2 * 77), torch.float32, "cuda")[:, ::2], offs,
+                torch.float8_e4m3fnuz)
+    w_t = randn((3, 1000, 136), torch.bfloat16, "cuda").transpose(1, 2)
+    same_as_cpu(moe_fp8_ext.quantize_experts_bwd, w_t, torch.float8_e4m3fn)
+
+
+@pytest.mark.parametrize("plan", ["3,64", "2,12", "0,64", "2", "2,64x", "1,100000"])
+def test_cols_plan_override_rejects_bad_values(monkeypatch, plan):
+    monkeypatch.setenv("MOE_FP8_COLS_PLAN", plan)
+    with pytest.raises(RuntimeError, match="MOE_FP8_COLS_PLAN"):
+        # W^T: the reduction dimension is strided, so this is the transposing kernel
+        moe_fp8_ext.quantize_experts_bwd(randn((2, 32, 64), torch.bfloat16, "cuda").transpose(1, 2), torch.float8_e4m3fn)

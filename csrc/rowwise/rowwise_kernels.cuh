@@ -193,12 +193,22 @@ int launch_quantize_rows(const void* x, uint8_t* q, float* scale, const RowsArgs
 }
 
 // ---------------------------------------------------------------------------------
-// "cols": a block owns a tile of kTileCols columns (64 bytes of each input row) and
+// "cols": a block owns a tile of 128 bytes of each input row (64 bf16 columns) and
 // one slice of one segment. The slice is copied into shared memory in chunks of
 // `cache_rows` rows (16-byte async copies on the vector path: no registers held, so
-// the whole chunk is in flight at once), the column amax is reduced from shared
-// memory, and the encode pass writes each column's rows as contiguous 32-byte runs
-// of q (the transpose). A slice longer than the cache is read twice.
+// the whole chunk is in flight at once). From there each thread takes a fragment of
+// kColsFragRows rows x 8 bytes (four bf16 columns): it reduces the fragment's column
+// amax, and after the exchange encodes the fragment into one 8-byte run of q per
+// column (the transpose). Of a slice longer than the cache, the rows past the first
+// cache-full are read twice.
+//
+// Thread layout: thread t owns column group t / kColsRowBlocks (8 bytes of the tile
+// row) and rows [8 * rb, 8 * rb + 8) of each 128-row pass, rb = t % kColsRowBlocks.
+// The sixteen threads of one column group are adjacent lanes, so a column's amax is a
+// 4-step butterfly, and one warp store writes a whole 128-byte line of each of two
+// columns. The tile is swizzled (16-byte chunk j of row r sits at chunk
+// j ^ ((r / 8) % 8)) so that the fragment reads and the row-wise staging writes both
+// run at the full shared-memory width.
 //
 // Why clusters: a reduction over a long segment (K = 7168 rows of one expert) does
 // not fit one SM's shared memory, so `cluster` blocks (one cluster, sm90+) split the
@@ -206,63 +216,170 @@ int launch_quantize_rows(const void* x, uint8_t* q, float* scale, const RowsArgs
 // distributed shared memory: every input byte is still read once.
 // ---------------------------------------------------------------------------------
 constexpr int kColsThreads = 256;
-constexpr int kColsTileBytes = 128;  // of each input row per block (measured: 64/128/256 within 5%)
-constexpr int kColsRunRows = 32;  // q bytes a thread writes per column run: one full 32-byte sector
-constexpr int kColsUnroll = 4;    // loads in flight per thread on the scalar (strided) path
+constexpr int kColsTileBytes = 128;  // of each input row per block
+constexpr int kColsGroupBytes = 8;   // of each tile row per thread fragment
+constexpr int kColsFragRows = 8;     // rows per fragment: one 8-byte q run per column
+constexpr int kColsColGroups = kColsTileBytes / kColsGroupBytes;
+constexpr int kColsRowBlocks = kColsThreads / kColsColGroups;
+constexpr int kColsPassRows = kColsRowBlocks * kColsFragRows;  // rows one pass of the block covers
+constexpr int kColsUnroll = 4;  // loads in flight per thread on the scalar (strided) path
 constexpr int kColsMaxCluster = 8;
-constexpr int kColsMinBlocks = 5;  // register cap (48; ptxas spills at most 8 bytes) so that five blocks fit an SM
+constexpr int kColsMinBlocks = 4;  // 64 registers: no spills for bf16/fp16 -> e4m3fn (ptxas -v)
+static_assert(kColsThreads % kColsColGroups == 0 && kColsRowBlocks <= 16, "row blocks are lanes of one warp");
 
-template <InputKind K, int kVecN>
+template <InputKind K>
 struct ColsGeometry {
   using T = typename DeviceInput<K>::storage;
   static constexpr int kTileCols = kColsTileBytes / static_cast<int>(sizeof(T));
-  static constexpr int kThreadsPerRow = kTileCols / kVecN;
-  static constexpr int kRowsPerStep = kColsThreads / kThreadsPerRow;
-  static constexpr int kWriterGroups = kColsThreads / kTileCols;
-  static_assert(kColsThreads % kTileCols == 0, "every thread owns one column in the encode pass");
+  static constexpr int kColsPer = kColsGroupBytes / static_cast<int>(sizeof(T));  // columns per fragment
 };
 
-// Copies rows [lo, lo + n) of the block's slice into tile rows [0, n) and waits.
-template <typename T, int kVecN, int kTileCols, int kRowsPerStep>
-MOE_FP8_DEVICE void stage_rows(const T* xcol, int64_t sr, int64_t sc, int64_t lo, int64_t n, int ty, int tx,
-                               T* tile) {
-  if constexpr (kVecN * sizeof(T) == 16) {
+// Byte offset of (row r, byte b of the row) in the swizzled tile.
+MOE_FP8_DEVICE int tile_offset(int r, int b) {
+  return r * kColsTileBytes + ((((b >> 4) ^ ((r / kColsFragRows) & 7)) << 4) | (b & 15));
+}
+
+MOE_FP8_DEVICE uint32_t ceil_div_u32(uint32_t a, uint32_t b) { return (a + b - 1) / b; }
+MOE_FP8_DEVICE uint32_t round_up_u32(uint32_t a, uint32_t b) { return ceil_div_u32(a, b) * b; }
+
+// Copies rows [lo, lo + n) of the block's slice (columns from the block's first) into
+// tile rows [0, n) and waits. The vector path moves 16 bytes per thread and row
+// (8 threads a row); the scalar path one element of any stride.
+template <typename T, bool kVec>
+MOE_FP8_DEVICE void stage_rows(const T* xblk, int64_t sr, int64_t sc, int64_t lo, int n, int64_t valid_cols,
+                               uint8_t* tile) {
+  constexpr int kTileCols = kColsTileBytes / static_cast<int>(sizeof(T));
+  if constexpr (kVec) {
+    constexpr int kPerRow = kColsTileBytes / 16;
+    constexpr int kElems = 16 / static_cast<int>(sizeof(T));
+    const int tx = threadIdx.x % kPerRow;
+    if (tx * kElems >= valid_cols) return;  // the block's columns past the operand (vector path: whole chunks)
     (void)sc;
-    for (int64_t i = ty; i < n; i += kRowsPerStep) async_copy_16(tile + i * kTileCols + tx * kVecN, xcol + (lo + i) * sr);
+    for (int i = threadIdx.x / kPerRow; i < n; i += kColsThreads / kPerRow) {
+      async_copy_16(tile + tile_offset(i, tx * 16), xblk + (lo + i) * sr + tx * kElems);
+    }
     async_copy_wait_all();
   } else {
-    for (int64_t i0 = 0; i0 < n; i0 += kRowsPerStep * kColsUnroll) {
-      Array<T, kVecN> v[kColsUnroll];
+    constexpr int kRowsPerStep = kColsThreads / kTileCols;
+    const int tx = threadIdx.x % kTileCols;
+    const int ty = threadIdx.x / kTileCols;
+    if (tx >= valid_cols) return;
+    const T* xc = xblk + tx * sc;
+    for (int i0 = 0; i0 < n; i0 += kRowsPerStep * kColsUnroll) {
+      T v[kColsUnroll];
 #pragma unroll
       for (int u = 0; u < kColsUnroll; ++u) {
-        const int64_t i = i0 + ty + u * kRowsPerStep;
-        if (i < n) v[u] = load_elems<T, kVecN>(xcol + (lo + i) * sr, sc);
+        const int i = i0 + ty + u * kRowsPerStep;
+        if (i < n) v[u] = xc[(lo + i) * sr];
       }
 #pragma unroll
       for (int u = 0; u < kColsUnroll; ++u) {
-        const int64_t i = i0 + ty + u * kRowsPerStep;
-        if (i < n) store_elems<T, kVecN>(tile + i * kTileCols + tx * kVecN, v[u]);
+        const int i = i0 + ty + u * kRowsPerStep;
+        if (i < n) *reinterpret_cast<T*>(tile + tile_offset(i, tx * static_cast<int>(sizeof(T)))) = v[u];
       }
     }
   }
 }
 
-template <InputKind K, Fp8Format F, int kVecN>
+// A thread's fragment: kColsFragRows rows x 8 bytes of the tile, two 32-bit words a
+// row; rows at or past `n` (past the staged input: padding rows, or past the slice)
+// read as zero. `first` is a multiple of kColsFragRows, so the whole fragment shares
+// one swizzle and each row is one load at a constant offset.
+struct ColsFragment {
+  uint2 row[kColsFragRows];
+};
+static_assert(kColsGroupBytes == 8, "a fragment row is one 8-byte word pair");
+
+MOE_FP8_DEVICE void load_fragment(const uint8_t* tile, int first, int n, int cg, ColsFragment& f) {
+  const int b = cg * kColsGroupBytes;
+  const uint8_t* p = tile + first * kColsTileBytes + ((((b >> 4) ^ ((first / kColsFragRows) & 7)) << 4) | (b & 15));
+  if (first + kColsFragRows <= n) {
+#pragma unroll
+    for (int i = 0; i < kColsFragRows; ++i) f.row[i] = *reinterpret_cast<const uint2*>(p + i * kColsTileBytes);
+  } else {
+#pragma unroll
+    for (int i = 0; i < kColsFragRows; ++i) {
+      f.row[i] = first + i < n ? *reinterpret_cast<const uint2*>(p + i * kColsTileBytes) : make_uint2(0u, 0u);
+    }
+  }
+}
+
+// Element c of fragment row i as a float.
+template <InputKind K>
+MOE_FP8_DEVICE float fragment_value(const ColsFragment& f, int i, int c) {
+  using T = typename DeviceInput<K>::storage;
+  const uint32_t w = (c * sizeof(T)) < 4 ? f.row[i].x : f.row[i].y;
+  if constexpr (sizeof(T) == 4) {
+    return bits_float(w);
+  } else {
+    const uint32_t h = (c % 2) ? (w >> 16) : (w & 0xFFFFu);
+    if constexpr (K == InputKind::kBF16) return bits_float((c % 2) ? (w & 0xFFFF0000u) : (w << 16));
+    else return DeviceInput<K>::to_float(static_cast<uint16_t>(h));
+  }
+}
+
+// Running column amax of fragments, kept packed: per 32-bit word, the max of the
+// sign-cleared elements (two 16-bit lanes, or one float). Clearing the sign makes the
+// integer order the |x| order with NaN above inf (abs_bits), for bf16/fp16 as for fp32.
+template <InputKind K>
+struct ColsAmax {
+  static constexpr bool kPacked = sizeof(typename DeviceInput<K>::storage) == 2;
+  uint32_t w[2] = {0u, 0u};
+  MOE_FP8_DEVICE static uint32_t max_word(uint32_t a, uint32_t b) { return kPacked ? umax_u16x2(a, b) : umax(a, b); }
+  MOE_FP8_DEVICE void add(const ColsFragment& f) {
+    constexpr uint32_t kMask = kPacked ? 0x7FFF7FFFu : 0x7FFFFFFFu;
+#pragma unroll
+    for (int i = 0; i < kColsFragRows; ++i) {
+      w[0] = max_word(w[0], f.row[i].x & kMask);
+      w[1] = max_word(w[1], f.row[i].y & kMask);
+    }
+  }
+  // Max over the lanes whose index differs in bits below `lanes` (a power of two).
+  MOE_FP8_DEVICE void reduce_lanes(int lanes) {
+    for (int m = 1; m < lanes; m <<= 1) {
+      w[0] = max_word(w[0], warp_shfl_xor(w[0], m));
+      w[1] = max_word(w[1], warp_shfl_xor(w[1], m));
+    }
+  }
+  // The amax of column c as float abs bits.
+  MOE_FP8_DEVICE uint32_t column_bits(int c) const {
+    if constexpr (!kPacked) {
+      return w[c];
+    } else {
+      const uint32_t word = w[c / 2];
+      const uint32_t h = (c % 2) ? (word >> 16) : (word & 0xFFFFu);
+      return abs_bits(DeviceInput<K>::to_float(static_cast<uint16_t>(h)));
+    }
+  }
+};
+
+// x * s as fp8: CUDA's e4m3fn conversion saturates to +-448 and keeps NaN itself
+// (cvt.rn.satfinite), exactly what scale_clamp does; other encoders clamp first.
+template <Fp8Format F>
+MOE_FP8_DEVICE uint16_t scaled_fp8x2(float lo, float hi, float s) {
+#if MOE_FP8_HW_E4M3FN && !defined(USE_ROCM)
+  if constexpr (F == Fp8Format::kE4M3FN) return hw_cvt_e4m3fn_x2(lo * s, hi * s);
+#endif
+  constexpr float kMax = Fp8Spec<F>::kMax;
+  return encode_fp8x2<F>(scale_clamp(lo, s, kMax), scale_clamp(hi, s, kMax));
+}
+
+template <InputKind K, Fp8Format F, bool kVec>
 __global__ void __launch_bounds__(kColsThreads, kColsMinBlocks) quantize_cols_kernel(ColsArgs a, int cluster, int cache_rows) {
   using In = DeviceInput<K>;
   using T = typename In::storage;
-  using G = ColsGeometry<K, kVecN>;
+  using G = ColsGeometry<K>;
   constexpr int kTileCols = G::kTileCols;
+  constexpr int kC = G::kColsPer;
   extern __shared__ uint4 smem_dyn[];
-  T* tile = reinterpret_cast<T*>(smem_dyn);  // [cache_rows][kTileCols]
-  __shared__ uint32_t s_part[G::kWriterGroups][kTileCols];
+  uint8_t* tile = reinterpret_cast<uint8_t*>(smem_dyn);  // [cache_rows][kColsTileBytes], swizzled
   __shared__ uint32_t s_amax[kTileCols];
   __shared__ float s_enc[kTileCols];
 
   // Which operand and column tile (a dual launch puts operand 1's tiles after 0's).
   const int tiles0 = static_cast<int>(ceil_div(a.op[0].cols, kTileCols));
   const bool second = static_cast<int>(blockIdx.x) >= tiles0;
-  const ColsOperand op = second ? a.op[1] : a.op[0];
+  const ColsOperand& op = a.op[second ? 1 : 0];  // read from parameter space as needed
   const int64_t c0 = (static_cast<int64_t>(blockIdx.x) - (second ? tiles0 : 0)) * kTileCols;
 
   // Which segment, and this block's slice of its q rows (and of the input rows that
@@ -270,42 +387,43 @@ __global__ void __launch_bounds__(kColsThreads, kColsMinBlocks) quantize_cols_ke
   const int seg_id = blockIdx.y / cluster;
   const int rank = blockIdx.y % cluster;
   const Segment seg = resolve_segment(a, seg_id);
-  const int64_t chunk = round_up(ceil_div(seg.q_len, cluster), kColsRunRows);
-  const int64_t my_off = std::min<int64_t>(seg.q_len, rank * chunk);
-  const int64_t my_qlen = std::min<int64_t>(seg.q_len, my_off + chunk) - my_off;
+  // Row counts below are 32-bit (the launcher checks rows < 2^31): 64-bit division is a
+  // long software sequence, and this setup runs once per block.
+  const int q_len = static_cast<int>(seg.q_len);
+  const int chunk = static_cast<int>(round_up_u32(ceil_div_u32(q_len, cluster), kColsFragRows));
+  const int my_off = std::min(q_len, rank * chunk);
+  const int my_qlen = std::min(q_len, my_off + chunk) - my_off;
   const int64_t my_start = seg.start + my_off;
-  const int64_t my_len = std::max<int64_t>(0, std::min<int64_t>(seg.end - seg.start - my_off, my_qlen));
+  const int my_len = std::max(0, std::min(static_cast<int>(seg.end - seg.start) - my_off, my_qlen));
+  const int64_t valid_cols = seg.zero_fill ? 0 : op.cols - c0;
+  const T* xblk = static_cast<const T*>(op.x) + seg.batch * op.sb + c0 * op.sc;
 
   const int tid = threadIdx.x;
-  const int tx = tid % G::kThreadsPerRow;  // staging layout: a tile row per kThreadsPerRow threads
-  const int ty = tid / G::kThreadsPerRow;
-  const bool load_ok = !seg.zero_fill && c0 + tx * kVecN < op.cols;
-  const T* xcol = static_cast<const T*>(op.x) + seg.batch * op.sb + (c0 + tx * kVecN) * op.sc;
-  const int wc = tid % kTileCols;  // encode layout: one column per thread
-  const int wg = tid / kTileCols;
-  const int64_t col = c0 + wc;
-  const bool col_ok = col < op.cols;
+  const int rb = tid % kColsRowBlocks;
+  const int cg = tid / kColsRowBlocks;
 
-  // Pass 1: stage chunk by chunk, reducing each column's amax from shared memory.
-  // The last chunk stays in the tile for pass 2.
-  uint32_t amax = 0;
-  const int64_t nchunks = ceil_div(my_len, cache_rows);
-  for (int64_t ch = 0; ch < nchunks; ++ch) {
-    const int64_t n = std::min<int64_t>(cache_rows, my_len - ch * cache_rows);
-    if (ch > 0) __syncthreads();  // the previous chunk's readers are done
-    if (load_ok) stage_rows<T, kVecN, kTileCols, G::kRowsPerStep>(xcol, op.sr, op.sc, my_start + ch * cache_rows, n, ty, tx, tile);
+  // Pass 1: stage chunk by chunk; each thread reduces its fragments' column amax.
+  // Chunk 0 (a full one) goes last and stays in the tile for pass 2, so a slice longer
+  // than the cache re-reads only the rows past it.
+  ColsAmax<K> amax;
+  const int nchunks = static_cast<int>(ceil_div_u32(my_len, cache_rows));
+  for (int i = 0; i < nchunks; ++i) {
+    const int ch = (i + 1) % nchunks;
+    const int n = std::min(cache_rows, my_len - ch * cache_rows);
+    if (i > 0) __syncthreads();  // the previous chunk's readers are done
+    stage_rows<T, kVec>(xblk, op.sr, op.sc, my_start + ch * cache_rows, n, valid_cols, tile);
     __syncthreads();
-    if (col_ok && !seg.zero_fill) {
-      for (int64_t r = wg; r < n; r += G::kWriterGroups) amax = umax(amax, abs_bits(In::to_float(tile[r * kTileCols + wc])));
+    for (int p = 0; p < n; p += kColsPassRows) {
+      ColsFragment f;
+      load_fragment(tile, p + rb * kColsFragRows, n, cg, f);
+      amax.add(f);
     }
   }
-  s_part[wg][wc] = amax;
-  __syncthreads();
-  if (tid < kTileCols) {
-    uint32_t m = 0;
+  // Columns past the operand hold stale tile bytes: their amax is never used.
+  amax.reduce_lanes(kColsRowBlocks);
+  if (rb == 0) {
 #pragma unroll
-    for (int w = 0; w < G::kWriterGroups; ++w) m = umax(m, s_part[w][tid]);
-    s_amax[tid] = m;
+    for (int c = 0; c < kC; ++c) s_amax[cg * kC + c] = amax.column_bits(c);
   }
   if (cluster > 1) {  // uniform over the cluster: every block reaches both syncs
     cluster_sync();
@@ -316,6 +434,7 @@ __global__ void __launch_bounds__(kColsThreads, kColsMinBlocks) quantize_cols_ke
     cluster_sync();  // no block may overwrite or release s_amax while others read it
     if (tid < kTileCols) s_amax[tid] = m;
   }
+  __syncthreads();
   if (tid < kTileCols) {
     const QuantScale sc = scale_from_amax_bits(s_amax[tid], Fp8Spec<F>::kMax, a.pow2);
     s_enc[tid] = seg.zero_fill ? 0.0f : sc.encode;
@@ -323,48 +442,52 @@ __global__ void __launch_bounds__(kColsThreads, kColsMinBlocks) quantize_cols_ke
   }
   __syncthreads();
 
-  // Pass 2: encode from the tile, 32 rows of one column per thread and store. The
-  // last input chunk is in the tile already; earlier chunks are staged again, and
-  // chunks past the input (padding) encode zero rows with the column's scale.
-  uint8_t* qcol = op.q + seg.batch * op.q_sb + col * op.q_sc + seg.q_start + my_off;
-  const float s = s_enc[wc];
-  constexpr float kMax = Fp8Spec<F>::kMax;
-  const int64_t qchunks = ceil_div(my_qlen, cache_rows);
-  const int64_t first = nchunks > 0 ? nchunks - 1 : 0;
-  for (int64_t i = 0; i < qchunks; ++i) {
-    const int64_t ch = (first + i) % qchunks;
-    const int64_t base = ch * cache_rows;
-    const int64_t nq = std::min<int64_t>(cache_rows, my_qlen - base);
-    const int64_t n = std::max<int64_t>(0, std::min<int64_t>(nq, my_len - base));
-    if (i > 0 && n > 0) {
+  // Pass 2: encode fragment by fragment into 8-byte runs of each column. Chunk 0 is
+  // in the tile already; later chunks are staged again, and rows past the input
+  // (padding) encode zero rows with the column's scale.
+  float s[kC];
+  bool col_ok[kC];
+#pragma unroll
+  for (int c = 0; c < kC; ++c) {
+    s[c] = s_enc[cg * kC + c];
+    col_ok[c] = c0 + cg * kC + c < op.cols;
+  }
+  uint8_t* qblk = op.q + seg.batch * op.q_sb + (c0 + cg * kC) * op.q_sc + seg.q_start + my_off;
+  const int qchunks = static_cast<int>(ceil_div_u32(my_qlen, cache_rows));
+  for (int ch = 0; ch < qchunks; ++ch) {
+    const int base = ch * cache_rows;
+    const int nq = std::min(cache_rows, my_qlen - base);
+    const int n = std::max(0, std::min(nq, my_len - base));
+    if (ch > 0 && n > 0) {
       __syncthreads();
-      if (load_ok) stage_rows<T, kVecN, kTileCols, G::kRowsPerStep>(xcol, op.sr, op.sc, my_start + base, n, ty, tx, tile);
+      stage_rows<T, kVec>(xblk, op.sr, op.sc, my_start + base, n, valid_cols, tile);
       __syncthreads();
     }
-    if (!col_ok) continue;
-    auto code = [&](int64_t r) {  // tile row r of this thread's column, scaled and clamped
-      return scale_clamp(r < n ? In::to_float(tile[r * kTileCols + wc]) : 0.0f, s, kMax);
-    };
-    for (int64_t rb = static_cast<int64_t>(wg) * kColsRunRows; rb < nq; rb += G::kWriterGroups * kColsRunRows) {
-      uint8_t* dst = qcol + base + rb;
-      if (rb + kColsRunRows <= nq && reinterpret_cast<uintptr_t>(dst) % 16 == 0) {
-        // A whole aligned run: packed in registers, 16-byte stores.
+    for (int p = 0; p < nq; p += kColsPassRows) {
+      const int r0 = p + rb * kColsFragRows;  // this thread's first row in the chunk
+      if (r0 >= nq) continue;
+      ColsFragment f;
+      load_fragment(tile, r0, n, cg, f);
 #pragma unroll
-        for (int v = 0; v < kColsRunRows / 16; ++v) {
-          uint32_t w[4];
+      for (int c = 0; c < kC; ++c) {
+        if (!col_ok[c]) continue;
+        uint32_t w[kColsFragRows / 4];
 #pragma unroll
-          for (int p = 0; p < 4; ++p) {
-            const int64_t r0 = rb + 16 * v + 4 * p;
-            w[p] = encode_fp8x2<F>(code(r0), code(r0 + 1)) |
-                   (static_cast<uint32_t>(encode_fp8x2<F>(code(r0 + 2), code(r0 + 3))) << 16);
-          }
-          reinterpret_cast<uint4*>(dst)[v] = make_uint4(w[0], w[1], w[2], w[3]);
+        for (int j = 0; j < kColsFragRows / 4; ++j) {
+          const uint16_t lo = scaled_fp8x2<F>(fragment_value<K>(f, 4 * j, c), fragment_value<K>(f, 4 * j + 1, c), s[c]);
+          const uint16_t hi = scaled_fp8x2<F>(fragment_value<K>(f, 4 * j + 2, c), fragment_value<K>(f, 4 * j + 3, c), s[c]);
+          w[j] = static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16);
         }
-      } else {
-        // A partial or unaligned run, byte by byte. No run buffer: indexed at run
-        // time it would live in local memory for every thread, and ncu showed that
-        // spill traffic keeping the kernel L2-bound (bench/RESULTS.md).
-        for (int64_t k = 0; k < kColsRunRows && rb + k < nq; ++k) dst[k] = encode_fp8<F>(code(rb + k));
+        uint8_t* dst = qblk + c * op.q_sc + base + r0;
+        static_assert(kColsFragRows == 8, "one 8-byte store per run");
+        if (r0 + kColsFragRows <= nq && reinterpret_cast<uintptr_t>(dst) % 8 == 0) {
+          *reinterpret_cast<uint2*>(dst) = make_uint2(w[0], w[1]);
+        } else {  // a partial or unaligned run, byte by byte (w indexed by constants only)
+#pragma unroll
+          for (int k = 0; k < kColsFragRows; ++k) {
+            if (r0 + k < nq) dst[k] = static_cast<uint8_t>(w[k / 4] >> (8 * (k % 4)));
+          }
+        }
       }
     }
   }
@@ -383,31 +506,30 @@ struct ColsLaunchPlan {
 };
 
 // Choose the cluster size and the cached rows per block from the expected segment
-// length: split a segment over up to kColsMaxCluster blocks until a slice is at most
-// kColsTargetRows, and cap the cache at the shared-memory budget; the part of a
-// longer slice that does not fit is read twice. The constants are the best of a
-// sweep on H200 (tile 64/128/256 B, slices 128..1024 rows, clusters 1/4/8, 48/96 KB);
-// bench/RESULTS.md has the numbers.
-constexpr int64_t kColsTargetRows = 256;
-constexpr int64_t kColsSmemBudget = 96 * 1024;
+// length: the fewest blocks (a power of two, up to kColsMaxCluster) whose slices fit
+// the shared-memory budget; the part of a longer slice that does not fit is read
+// twice. Measured on H200 (bench/RESULTS.md, bench/sweep_cols.py): long slices in few
+// blocks beat short ones in many (a 2048-row segment: 4 x 512 rows 84% of a copy,
+// 8 x 256 rows 75%), as long as three blocks fit an SM (2 x 640 rows: 68%); the
+// 72 KB budget is the largest that keeps three.
+constexpr int64_t kColsSmemBudget = 72 * 1024;
 
 inline ColsLaunchPlan plan_cols_launch(int64_t expected_rows, int num_segments, int max_smem_bytes,
                                        bool clusters) {
   const int64_t budget = std::min<int64_t>(max_smem_bytes - 8192, kColsSmemBudget);
-  const int64_t max_rows = std::max<int64_t>(budget / kColsTileBytes / kColsRunRows * kColsRunRows, kColsRunRows);
+  const int64_t max_rows = std::max<int64_t>(budget / kColsTileBytes / kColsFragRows * kColsFragRows, kColsFragRows);
   int cluster = 1;
   if (clusters) {
-    while (cluster < kColsMaxCluster && ceil_div(expected_rows, cluster) > kColsTargetRows) cluster *= 2;
+    while (cluster < kColsMaxCluster && ceil_div(expected_rows, cluster) > max_rows) cluster *= 2;
     while (cluster > 1 && static_cast<int64_t>(num_segments) * cluster > 65535) cluster /= 2;
   }
-  const int64_t rows = std::min<int64_t>(round_up(std::max<int64_t>(ceil_div(expected_rows, cluster), 1), kColsRunRows), max_rows);
+  const int64_t rows = std::min<int64_t>(round_up(std::max<int64_t>(ceil_div(expected_rows, cluster), 1), kColsFragRows), max_rows);
   return {cluster, static_cast<int>(rows)};
 }
 
 template <InputKind K, Fp8Format F>
 int launch_quantize_cols(const ColsArgs& a, ColsLaunchPlan plan, gpuStream_t stream) {
   using T = typename DeviceInput<K>::storage;
-  constexpr int kVecN = 16 / sizeof(T);
   constexpr int kTileCols = kColsTileBytes / sizeof(T);
   int64_t tiles = ceil_div(a.op[0].cols, kTileCols);
   if (a.num_ops == 2) tiles += ceil_div(a.op[1].cols, kTileCols);
@@ -416,7 +538,7 @@ int launch_quantize_cols(const ColsArgs& a, ColsLaunchPlan plan, gpuStream_t str
   if (a.num_ops == 2) vec = vec && cols_vector_ok<T>(a.op[1]);
   const dim3 grid(static_cast<unsigned>(tiles), static_cast<unsigned>(segments_with_tail(a) * plan.cluster));
   const size_t smem = static_cast<size_t>(plan.cache_rows) * kColsTileBytes;
-  auto kernel = vec ? quantize_cols_kernel<K, F, kVecN> : quantize_cols_kernel<K, F, 1>;
+  auto kernel = vec ? quantize_cols_kernel<K, F, true> : quantize_cols_kernel<K, F, false>;
   return launch_kernel(kernel, grid, dim3(kColsThreads), smem, stream, plan.cluster, a, plan.cluster, plan.cache_rows);
 }
 

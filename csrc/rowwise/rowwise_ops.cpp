@@ -210,9 +210,9 @@ void run_jagged(const at::Tensor& x, const at::Tensor& offs, const JaggedLayout&
     a.padded_starts = l.padded_starts.data_ptr<int32_t>();
     a.alignment = l.alignment;
   }
-  // The cluster/cache plan sizes for a group a quarter above the mean; larger
+  // The cluster/cache plan sizes for a group an eighth above the mean; larger
   // groups stay correct and re-read what does not fit.
-  const int64_t expected = G > 0 ? ceil_div(M, G) + ceil_div(M, 4 * G) : M;
+  const int64_t expected = G > 0 ? ceil_div(M, G) + ceil_div(M, 8 * G) : M;
   run_cols(x, fp8_dtype, a, expected, op);
 }
 
