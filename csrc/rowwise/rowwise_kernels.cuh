@@ -509,9 +509,9 @@ struct ColsLaunchPlan {
 // length: the fewest blocks (a power of two, up to kColsMaxCluster) whose slices fit
 // the shared-memory budget; the part of a longer slice that does not fit is read
 // twice. Measured on H200 (bench/RESULTS.md, bench/sweep_cols.py): long slices in few
-// blocks beat short ones in many (a 2048-row segment: 4 x 512 rows 84% of a copy,
-// 8 x 256 rows 75%), as long as three blocks fit an SM (2 x 640 rows: 68%); the
-// 72 KB budget is the largest that keeps three.
+// blocks beat short ones in many (a 2048-row segment: 4 x 512 rows 82% of a copy,
+// 8 x 256 rows 75%), as long as three blocks fit an SM (the same 4 x 512 rows with a
+// 768-row cache, two blocks an SM: 73%); 72 KB is the largest budget that keeps three.
 constexpr int64_t kColsSmemBudget = 72 * 1024;
 
 inline ColsLaunchPlan plan_cols_launch(int64_t expected_rows, int num_segments, int max_smem_bytes,
