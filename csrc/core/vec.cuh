@@ -56,6 +56,17 @@ MOE_FP8_DEVICE void store_elems(T* p, const Array<T, N>& a) {
   *reinterpret_cast<Array<T, N>*>(p) = a;
 }
 
+// x * s as fp8: CUDA's e4m3fn conversion saturates to +-448 and keeps NaN itself
+// (cvt.rn.satfinite), exactly what scale_clamp does; other encoders clamp first.
+template <Fp8Format F>
+MOE_FP8_DEVICE uint16_t scaled_fp8x2(float lo, float hi, float s) {
+#if MOE_FP8_HW_E4M3FN && !defined(USE_ROCM)
+  if constexpr (F == Fp8Format::kE4M3FN) return hw_cvt_e4m3fn_x2(lo * s, hi * s);
+#endif
+  constexpr float kMax = Fp8Spec<F>::kMax;
+  return encode_fp8x2<F>(scale_clamp(lo, s, kMax), scale_clamp(hi, s, kMax));
+}
+
 // Scale, clamp and encode N values into N fp8 bytes (pairs go through the
 // two-value encoder so that hardware conversion can be used).
 template <Fp8Format F, class In, typename T, int N>
@@ -67,8 +78,7 @@ MOE_FP8_DEVICE Array<uint8_t, N> quantize_elems(const Array<T, N>& a, float s) {
   } else {
 #pragma unroll
     for (int i = 0; i < N; i += 2) {
-      const uint16_t two = encode_fp8x2<F>(scale_clamp(In::to_float(a.v[i]), s, kMax),
-                                           scale_clamp(In::to_float(a.v[i + 1]), s, kMax));
+      const uint16_t two = scaled_fp8x2<F>(In::to_float(a.v[i]), In::to_float(a.v[i + 1]), s);
       out.v[i] = static_cast<uint8_t>(two & 0xFF);
       out.v[i + 1] = static_cast<uint8_t>(two >> 8);
     }

@@ -22,6 +22,16 @@ namespace moe_fp8 {
 // ---------------------------------------------------------------------------------
 constexpr int kRowsRegVecs = 4;
 
+// Start of reduction row r (RowsArgs addressing). 32-bit division: the launcher checks
+// rows < 2^31, and a 64-bit division is a long software sequence, paid once per row.
+template <typename T>
+MOE_FP8_DEVICE const T* rows_row_ptr(const T* x, const RowsArgs& a, int64_t r) {
+  const uint32_t ri = static_cast<uint32_t>(r);
+  const uint32_t inner = static_cast<uint32_t>(a.rows_inner);
+  const uint32_t outer = ri / inner;
+  return x + static_cast<int64_t>(outer) * a.stride_outer + static_cast<int64_t>(ri - outer * inner) * a.stride_inner;
+}
+
 template <InputKind K, int kVec>
 MOE_FP8_DEVICE void load_row(const typename DeviceInput<K>::storage* xr, int64_t nvec, int64_t stride_col,
                              Array<typename DeviceInput<K>::storage, kVec> (&buf)[kRowsRegVecs]) {
@@ -78,9 +88,7 @@ __global__ void __launch_bounds__(1024) quantize_rows_kernel(
   static_assert(kVec == 1 || kVec * sizeof(T) == 16, "vector path moves 16 bytes per access");
   __shared__ uint32_t s_red[kMaxWarpsPerBlock + 1];
   const int64_t nvec = a.cols / kVec;
-  auto row_ptr = [&](int64_t r) {
-    return x + (r / a.rows_inner) * a.stride_outer + (r % a.rows_inner) * a.stride_inner;
-  };
+  auto row_ptr = [&](int64_t r) { return rows_row_ptr(x, a, r); };
   Array<T, kVec> buf0[kRowsRegVecs], buf1[kRowsRegVecs];
   int64_t r = blockIdx.x;
   if (r >= a.rows) return;
@@ -123,7 +131,7 @@ __global__ void __launch_bounds__(1024) quantize_rows_pipelined_kernel(
   const int64_t nvec = a.cols / kVec;
   auto issue = [&](int64_t r, int stage) {
     if (r < a.rows) {
-      const T* xr = x + (r / a.rows_inner) * a.stride_outer + (r % a.rows_inner) * a.stride_inner;
+      const T* xr = rows_row_ptr(x, a, r);
       for (int64_t v = threadIdx.x; v < nvec; v += blockDim.x) async_copy_16(ring + stage * nvec + v, xr + v * kVec);
     }
     async_copy_commit();  // every thread commits every time, so group counts agree
@@ -137,7 +145,20 @@ __global__ void __launch_bounds__(1024) quantize_rows_pipelined_kernel(
     __syncthreads();
     const Array<T, kVec>* row = reinterpret_cast<const Array<T, kVec>*>(ring + (i % kRowsStages) * nvec);
     uint32_t amax = 0;
-    for (int64_t v = threadIdx.x; v < nvec; v += blockDim.x) amax = amax_bits_of<In>(row[v], amax);
+    if constexpr (sizeof(T) == 2) {
+      // Packed: the max of the sign-cleared 16-bit lanes (integer order = |x| order,
+      // NaN above inf), two lanes a word, converted to float bits once at the end.
+      const uint4* words = ring + (i % kRowsStages) * nvec;
+      uint32_t m = 0;
+      for (int64_t v = threadIdx.x; v < nvec; v += blockDim.x) {
+        const uint4 w = words[v];
+        m = umax_u16x2(umax_u16x2(m, w.x & 0x7FFF7FFFu), umax_u16x2(w.y & 0x7FFF7FFFu, w.z & 0x7FFF7FFFu));
+        m = umax_u16x2(m, w.w & 0x7FFF7FFFu);
+      }
+      amax = abs_bits(In::to_float(static_cast<uint16_t>(umax(m & 0xFFFFu, m >> 16))));
+    } else {
+      for (int64_t v = threadIdx.x; v < nvec; v += blockDim.x) amax = amax_bits_of<In>(row[v], amax);
+    }
     amax = block_max(amax, s_red);
     const QuantScale sc = scale_from_amax_bits(amax, Fp8Spec<F>::kMax, a.pow2);
     if (threadIdx.x == 0) scale[r] = sc.decode;
@@ -224,7 +245,7 @@ constexpr int kColsRowBlocks = kColsThreads / kColsColGroups;
 constexpr int kColsPassRows = kColsRowBlocks * kColsFragRows;  // rows one pass of the block covers
 constexpr int kColsUnroll = 4;  // loads in flight per thread on the scalar (strided) path
 constexpr int kColsMaxCluster = 8;
-constexpr int kColsMinBlocks = 4;  // 64 registers: no spills for bf16/fp16 -> e4m3fn (ptxas -v)
+constexpr int kColsMinBlocks = 4;  // 64 registers: no spills in any instantiation (ptxas -v, sm_90a and sm_100a)
 static_assert(kColsThreads % kColsColGroups == 0 && kColsRowBlocks <= 16, "row blocks are lanes of one warp");
 
 template <InputKind K>
@@ -352,17 +373,6 @@ struct ColsAmax {
     }
   }
 };
-
-// x * s as fp8: CUDA's e4m3fn conversion saturates to +-448 and keeps NaN itself
-// (cvt.rn.satfinite), exactly what scale_clamp does; other encoders clamp first.
-template <Fp8Format F>
-MOE_FP8_DEVICE uint16_t scaled_fp8x2(float lo, float hi, float s) {
-#if MOE_FP8_HW_E4M3FN && !defined(USE_ROCM)
-  if constexpr (F == Fp8Format::kE4M3FN) return hw_cvt_e4m3fn_x2(lo * s, hi * s);
-#endif
-  constexpr float kMax = Fp8Spec<F>::kMax;
-  return encode_fp8x2<F>(scale_clamp(lo, s, kMax), scale_clamp(hi, s, kMax));
-}
 
 template <InputKind K, Fp8Format F, bool kVec>
 __global__ void __launch_bounds__(kColsThreads, kColsMinBlocks) quantize_cols_kernel(ColsArgs a, int cluster, int cache_rows) {
