@@ -22,6 +22,18 @@ namespace moe_fp8 {
 // ---------------------------------------------------------------------------------
 constexpr int kRowsRegVecs = 4;
 
+// Packed amax of 16-bit inputs (bf16/fp16), used by both kernel shapes: a running max
+// of the sign-cleared lanes, two a word. Clearing the sign makes the integer order the
+// |x| order with NaN above inf (as abs_bits does for floats), so the max lane
+// converted to float bits once at the end equals the per-element amax bits.
+MOE_FP8_DEVICE uint32_t amax16x2_add(uint32_t m, uint32_t w) { return umax_u16x2(m, w & 0x7FFF7FFFu); }
+
+// Float abs bits of lane `hi ? 1 : 0` of a packed amax word.
+template <class In>
+MOE_FP8_DEVICE uint32_t amax16x2_lane_bits(uint32_t m, bool hi) {
+  return abs_bits(In::to_float(static_cast<uint16_t>(hi ? (m >> 16) : (m & 0xFFFFu))));
+}
+
 // Start of reduction row r (RowsArgs addressing). 32-bit division: the launcher checks
 // rows < 2^31, and a 64-bit division is a long software sequence, paid once per row.
 template <typename T>
@@ -146,16 +158,13 @@ __global__ void __launch_bounds__(1024) quantize_rows_pipelined_kernel(
     const Array<T, kVec>* row = reinterpret_cast<const Array<T, kVec>*>(ring + (i % kRowsStages) * nvec);
     uint32_t amax = 0;
     if constexpr (sizeof(T) == 2) {
-      // Packed: the max of the sign-cleared 16-bit lanes (integer order = |x| order,
-      // NaN above inf), two lanes a word, converted to float bits once at the end.
       const uint4* words = ring + (i % kRowsStages) * nvec;
       uint32_t m = 0;
       for (int64_t v = threadIdx.x; v < nvec; v += blockDim.x) {
         const uint4 w = words[v];
-        m = umax_u16x2(umax_u16x2(m, w.x & 0x7FFF7FFFu), umax_u16x2(w.y & 0x7FFF7FFFu, w.z & 0x7FFF7FFFu));
-        m = umax_u16x2(m, w.w & 0x7FFF7FFFu);
+        m = amax16x2_add(amax16x2_add(amax16x2_add(amax16x2_add(m, w.x), w.y), w.z), w.w);
       }
-      amax = abs_bits(In::to_float(static_cast<uint16_t>(umax(m & 0xFFFFu, m >> 16))));
+      amax = umax(amax16x2_lane_bits<In>(m, false), amax16x2_lane_bits<In>(m, true));
     } else {
       for (int64_t v = threadIdx.x; v < nvec; v += blockDim.x) amax = amax_bits_of<In>(row[v], amax);
     }
@@ -332,27 +341,28 @@ MOE_FP8_DEVICE float fragment_value(const ColsFragment& f, int i, int c) {
   const uint32_t w = (c * sizeof(T)) < 4 ? f.row[i].x : f.row[i].y;
   if constexpr (sizeof(T) == 4) {
     return bits_float(w);
+  } else if constexpr (K == InputKind::kBF16) {
+    return bits_float((c % 2) ? (w & 0xFFFF0000u) : (w << 16));  // the bf16 bits in place
   } else {
-    const uint32_t h = (c % 2) ? (w >> 16) : (w & 0xFFFFu);
-    if constexpr (K == InputKind::kBF16) return bits_float((c % 2) ? (w & 0xFFFF0000u) : (w << 16));
-    else return DeviceInput<K>::to_float(static_cast<uint16_t>(h));
+    return DeviceInput<K>::to_float(static_cast<uint16_t>((c % 2) ? (w >> 16) : (w & 0xFFFFu)));
   }
 }
 
 // Running column amax of fragments, kept packed: per 32-bit word, the max of the
-// sign-cleared elements (two 16-bit lanes, or one float). Clearing the sign makes the
-// integer order the |x| order with NaN above inf (abs_bits), for bf16/fp16 as for fp32.
+// sign-cleared elements (two 16-bit lanes, see amax16x2_add, or one float's abs_bits).
 template <InputKind K>
 struct ColsAmax {
   static constexpr bool kPacked = sizeof(typename DeviceInput<K>::storage) == 2;
   uint32_t w[2] = {0u, 0u};
   MOE_FP8_DEVICE static uint32_t max_word(uint32_t a, uint32_t b) { return kPacked ? umax_u16x2(a, b) : umax(a, b); }
+  MOE_FP8_DEVICE static uint32_t add_word(uint32_t m, uint32_t x) {
+    return kPacked ? amax16x2_add(m, x) : umax(m, x & 0x7FFFFFFFu);
+  }
   MOE_FP8_DEVICE void add(const ColsFragment& f) {
-    constexpr uint32_t kMask = kPacked ? 0x7FFF7FFFu : 0x7FFFFFFFu;
 #pragma unroll
     for (int i = 0; i < kColsFragRows; ++i) {
-      w[0] = max_word(w[0], f.row[i].x & kMask);
-      w[1] = max_word(w[1], f.row[i].y & kMask);
+      w[0] = add_word(w[0], f.row[i].x);
+      w[1] = add_word(w[1], f.row[i].y);
     }
   }
   // Max over the lanes whose index differs in bits below `lanes` (a power of two).
@@ -364,13 +374,8 @@ struct ColsAmax {
   }
   // The amax of column c as float abs bits.
   MOE_FP8_DEVICE uint32_t column_bits(int c) const {
-    if constexpr (!kPacked) {
-      return w[c];
-    } else {
-      const uint32_t word = w[c / 2];
-      const uint32_t h = (c % 2) ? (word >> 16) : (word & 0xFFFFu);
-      return abs_bits(DeviceInput<K>::to_float(static_cast<uint16_t>(h)));
-    }
+    if constexpr (!kPacked) return w[c];
+    else return amax16x2_lane_bits<DeviceInput<K>>(w[c / 2], c % 2 != 0);
   }
 };
 
