@@ -1,8 +1,17 @@
-"""Where the time of one grouped_mm forward + backward goes: torch.profiler's
-GPU time per step and kernel for bf16 and fp8_rowwise on one shape.
+"""Where the time of one grouped_mm forward + backward goes, for bf16 and fp8_rowwise
+on one shape: torch.profiler's GPU time per step and kernel, then the same step's
+wall time three ways, so that time outside the kernels (launch gaps, host work) shows:
+
+  kernels   the sum of the kernel times (profiler), per step
+  eager     the benchmark's time (do_bench median of the step, as bench_grouped_mm)
+  graph     the step captured once in a CUDA graph and replayed (no host work)
+  host      host time to issue one step (no synchronization in between)
+
+The step is torch.autograd.grad of the output (the bench_grouped_mm timing).
 Run: python bench/profile_grouped_mm.py [M K N E]"""
 
 import sys
+import time
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -10,13 +19,37 @@ from torch.profiler import ProfilerActivity, profile
 import moe_fp8_ext
 from moe_fp8_ext.moe import balanced_offs
 
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+from common import bench_us  # noqa: E402
+
 m, k, n, e = (int(v) for v in sys.argv[1:5]) if len(sys.argv) == 5 else (16384, 7168, 2048, 8)
 a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
 w = (torch.randn(e, n, k, device="cuda", dtype=torch.bfloat16) * 0.02).requires_grad_()
 offs = balanced_offs(m, e, device="cuda")
 grad = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+
+
+def graph_us(step) -> float:
+    """do_bench median of a CUDA-graph replay of step (inf when it cannot be captured)."""
+    try:
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            for _ in range(3):
+                step()
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            step()
+        return bench_us(g.replay, warmup_ms=50, rep_ms=300)
+    except Exception as ex:  # noqa: BLE001 (report it, do not stop the profile)
+        print(f"  (graph capture failed: {type(ex).__name__}: {str(ex).splitlines()[0][:100]})")
+        return float("inf")
+
+
+summary = []
 for recipe in ("bf16", "fp8_rowwise"):
-    step = lambda: moe_fp8_ext.grouped_mm(a, w.transpose(1, 2), offs, recipe=recipe).backward(grad)
+    step = lambda: torch.autograd.grad(moe_fp8_ext.grouped_mm(a, w.transpose(1, 2), offs, recipe=recipe), (a, w), grad)
     for _ in range(5):
         step()
     torch.cuda.synchronize()
@@ -27,6 +60,22 @@ for recipe in ("bf16", "fp8_rowwise"):
     print(f"== {recipe} ({m}, {k}, {n}, {e}): GPU time per step, by kernel (10 steps profiled)")
     events = [(ev.device_time_total, ev.count, ev.key) for ev in prof.key_averages()]
     events = sorted((ev for ev in events if ev[0] > 0), reverse=True)
-    for total_us, count, name in events[:12]:
-        print(f"  {total_us / 10 / 1000:7.3f} ms  {count // 10:3d}x  {name[:100]}")
-    print(f"  {sum(ev[0] for ev in events) / 10 / 1000:7.3f} ms  total")
+    for total_us, count, name in events[:14]:
+        print(f"  {total_us / 10 / 1000:7.3f} ms  {count // 10:3d}x  {name[:110]}")
+    kernels = sum(ev[0] for ev in events) / 10
+    print(f"  {kernels / 1000:7.3f} ms  total")
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(20):
+        step()
+    host = (time.perf_counter() - t0) / 20 * 1e6
+    torch.cuda.synchronize()
+    eager = bench_us(step, warmup_ms=50, rep_ms=300)
+    summary.append((recipe, kernels, eager, graph_us(step), host))
+
+print(f"== per step, µs ({m}, {k}, {n}, {e})")
+print(f"  {'recipe':12s} {'kernels':>8s} {'eager':>8s} {'graph':>8s} {'host':>8s}")
+for recipe, kernels, eager, graph, host in summary:
+    print(f"  {recipe:12s} {kernels:8.1f} {eager:8.1f} {graph:8.1f} {host:8.1f}")
+(_, kb, eb, gb, _), (_, kf, ef, gf, _) = summary
+print(f"  speedup: kernels {kb / kf:.2f}x, eager {eb / ef:.2f}x, graph {gb / gf:.2f}x")
