@@ -5,7 +5,8 @@ wall time three ways, so that time outside the kernels (launch gaps, host work) 
   kernels   the sum of the kernel times (profiler), per step
   eager     the benchmark's time (do_bench median of the step, as bench_grouped_mm)
   graph     the step captured once in a CUDA graph and replayed (no host work)
-  host      host time to issue one step (no synchronization in between)
+  host      host time to issue one step (no synchronization in between), and
+            the host time by op (torch.profiler, CPU)
 
 The step is torch.autograd.grad of the output (the bench_grouped_mm timing).
 Run: python bench/profile_grouped_mm.py [M K N E]"""
@@ -64,6 +65,14 @@ for recipe in ("bf16", "fp8_rowwise"):
         print(f"  {total_us / 10 / 1000:7.3f} ms  {count // 10:3d}x  {name[:110]}")
     kernels = sum(ev[0] for ev in events) / 10
     print(f"  {kernels / 1000:7.3f} ms  total")
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(10):
+            step()
+        torch.cuda.synchronize()
+    print(f"== {recipe}: host time per step, by op (self time, 10 steps profiled)")
+    ops = sorted(prof.key_averages(), key=lambda ev: ev.self_cpu_time_total, reverse=True)
+    for ev in ops[:12]:
+        print(f"  {ev.self_cpu_time_total / 10:7.1f} µs  {ev.count // 10:3d}x  {ev.key[:100]}")
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     for _ in range(20):

@@ -81,7 +81,7 @@ if [ -n "${BENCHES:-}" ]; then
 fi
 case "$bench" in
   full) $PY bench/calibrate.py && $PY bench/bench_rowwise.py && $PY bench/bench_grouped_mm.py &&
-        $PY bench/bench_token_groups.py ;;
+        $PY bench/bench_gemms.py && $PY bench/bench_host.py && $PY bench/bench_token_groups.py ;;
   quick) $PY bench/bench_rowwise.py --quick && $PY bench/bench_grouped_mm.py --quick &&
-         $PY bench/bench_token_groups.py --quick ;;
+         $PY bench/bench_gemms.py --quick && $PY bench/bench_token_groups.py --quick ;;
 esac
