@@ -183,7 +183,7 @@ def grouped_mm(
     ``pad_groups`` (fp8 recipe): groups of any size, no host sync (see the module
     docstring for how, and bench/RESULTS.md for the cost: within noise of aligned
     groups on H200). With ``pad_groups=False`` every group size must be a multiple of
-    16. The bf16 recipe is ``torch._grouped_mm`` as is, whose backward needs groups
+    16 (M need not be). The bf16 recipe is ``torch._grouped_mm`` as is, whose backward needs groups
     that are multiples of 8.
     """
     if recipe not in RECIPES:
@@ -205,4 +205,8 @@ def grouped_mm(
         A_p, starts, ends = token_groups.pad_token_groups(A, offs, GROUP_ALIGNMENT)
         out_p = _Fp8RowwiseGroupedMM.apply(A_p, B_t, ends, out_dtype, f8, emulated, False)
         return token_groups.unpad_token_groups(out_p, offs, starts, A.shape[0])
-    return _Fp8RowwiseGroupedMM.apply(A, B_t, offs, out_dtype, f8, emulated, pad_groups)
+    # The weight-gradient GEMM reads its operands column-major, with the token count as
+    # the row stride, which must be a multiple of 16 bytes: an M that is not (rows past
+    # offs[-1]) takes the padded layout even with aligned groups. M is static: no sync.
+    pad_wgrad = pad_groups or A.shape[0] % GROUP_ALIGNMENT != 0
+    return _Fp8RowwiseGroupedMM.apply(A, B_t, offs, out_dtype, f8, emulated, pad_wgrad)

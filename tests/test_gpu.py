@@ -179,3 +179,62 @@ def test_cols_plan_override_rejects_bad_values(monkeypatch, plan):
     with pytest.raises(RuntimeError, match="MOE_FP8_COLS_PLAN"):
         # W^T: the reduction dimension is strided, so this is the transposing kernel
         moe_fp8_ext.quantize_experts_bwd(randn((2, 32, 64), torch.bfloat16, "cuda").transpose(1, 2), torch.float8_e4m3fn)
+
+
+def _graph_matches_eager(step):
+    """Run step() eagerly under torch's sync-debug mode "error" (a torch-level host
+    sync raises), then capture it in a CUDA graph (any host sync, ours in C++ included,
+    fails the capture), poison the graph's outputs, replay, and compare bit for bit."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with torch.cuda.stream(s):
+            eager = [t.clone() for t in step()]
+            step()  # warm-up before capture, on the side stream as capture requires
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = step()
+    for t in outs:
+        t.view(torch.uint8).fill_(0xFF)
+    graph.replay()
+    torch.cuda.synchronize()
+    for t, ref in zip(outs, eager):
+        assert torch.equal(t.view(torch.uint8), ref.view(torch.uint8)), "graph replay differs from the eager step"
+
+
+@pytest.mark.parametrize("pad_groups", [True, False])
+def test_grouped_mm_step_has_no_host_sync(pad_groups):
+    m, k, n = 1000, 256, 384
+    # Unaligned groups (and an empty one) need pad_groups; without it, aligned ones
+    # (and M = 1000, not a multiple of 16, with rows past the last group).
+    ends = [96, 96, 400, 720, 992] if not pad_groups else [90, 90, 401, 733, 990]
+    offs = torch.tensor(ends, dtype=torch.int32, device="cuda")
+    a = randn((m, k), torch.bfloat16, "cuda").requires_grad_()
+    w = (randn((len(ends), n, k), torch.bfloat16, "cuda") * 0.02).requires_grad_()
+    g = randn((m, n), torch.bfloat16, "cuda")
+
+    def step():
+        out = moe_fp8_ext.grouped_mm(a, w.transpose(1, 2), offs, pad_groups=pad_groups)
+        return (out, *torch.autograd.grad(out, (a, w), g))
+
+    _graph_matches_eager(step)
+
+
+def test_token_group_ops_have_no_host_sync():
+    x = randn((3000, 200), torch.bfloat16, "cuda").requires_grad_()
+    offs = torch.tensor([0, 700, 701, 2500, 2990], dtype=torch.int32, device="cuda")
+    counts = torch.tensor([5, 0, 900, 17, 1200, 33, 400, 1], dtype=torch.int32, device="cuda")  # 2 ranks x 4 experts
+    gy = randn((3000, 200), torch.bfloat16, "cuda")
+
+    def step():
+        xp, starts, _ends = moe_fp8_ext.pad_token_groups(x, offs, 16)
+        y = moe_fp8_ext.unpad_token_groups(xp * 2, offs, starts, x.shape[0])
+        xe, pends, idx = moe_fp8_ext.permute_and_pad(y, counts, 4, 2, 16)
+        back = moe_fp8_ext.unpermute(xe, idx, x.shape[0])
+        return (xp, y, xe, pends, back, *torch.autograd.grad(back, (x,), gy))
+
+    _graph_matches_eager(step)

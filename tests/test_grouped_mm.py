@@ -31,6 +31,7 @@ CASES = {  # (M, K, N, group sizes)
     "e1": (512, 256, 96, [512]),
     "e8_empty": (512, 256, 128, [0, 96, 32, 0, 160, 64, 160, 0]),
     "tail_rows": (640, 256, 48, [192, 384]),  # rows past offs[-1] belong to no group
+    "tail_rows_odd_m": (600, 256, 48, [192, 0, 384]),  # and M not a multiple of 16
     # Any group sizes (pad_groups=True, the default): odd, empty, one expert.
     "unaligned_e5": (601, 256, 64, [13, 0, 177, 250, 161]),
     "unaligned_e1": (517, 256, 32, [517]),
@@ -45,12 +46,12 @@ def fp32_reference(a, b_t, offs):
     return a32, b32, out
 
 
-def check_sqnr_against_fp32(m, k, n, offs, device):
+def check_sqnr_against_fp32(m, k, n, offs, device, pad_groups=True):
     """fp8 grouped_mm forward and backward on fresh realistic data against fp32."""
     experts = offs.numel()
     a = randn((m, k), torch.bfloat16, device).requires_grad_()
     b_t = (randn((experts, n, k), torch.bfloat16, device, outliers=False) * 0.02).transpose(1, 2).detach().requires_grad_()
-    out = moe_fp8_ext.grouped_mm(a, b_t, offs)
+    out = moe_fp8_ext.grouped_mm(a, b_t, offs, pad_groups=pad_groups)
     grad = randn((m, n), torch.bfloat16, device, outliers=False)
     out.backward(grad)
     a32, b32, out32 = fp32_reference(a, b_t, offs)
@@ -73,6 +74,15 @@ def check_sqnr_against_fp32(m, k, n, offs, device):
 def test_sqnr_against_fp32(device, case):
     m, k, n, sizes = CASES[case]
     check_sqnr_against_fp32(m, k, n, make_offs(sizes, device), device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", ["e4", "e1", "e8_empty", "tail_rows", "tail_rows_odd_m"])
+def test_sqnr_aligned_groups_without_padding(device, case):
+    # pad_groups=False: groups of multiples of 16, any M (with rows past offs[-1], an M
+    # that is not a multiple of 16 still needs the padded weight-gradient layout).
+    m, k, n, sizes = CASES[case]
+    check_sqnr_against_fp32(m, k, n, make_offs(sizes, device), device, pad_groups=False)
 
 
 @pytest.mark.parametrize("device", DEVICES)
