@@ -48,16 +48,22 @@ def graph_us(step) -> float:
         return float("inf")
 
 
+def profiled(step, activity, steps):
+    """torch.profiler over `steps` calls of step(), from an idle GPU to an idle GPU."""
+    torch.cuda.synchronize()
+    with profile(activities=[activity]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    return prof
+
+
 summary = []
 for recipe in ("bf16", "fp8_rowwise"):
     step = lambda: torch.autograd.grad(moe_fp8_ext.grouped_mm(a, w.transpose(1, 2), offs, recipe=recipe), (a, w), grad)
     for _ in range(5):
         step()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(10):
-            step()
-        torch.cuda.synchronize()
+    prof = profiled(step, ProfilerActivity.CUDA, 10)
     print(f"== {recipe} ({m}, {k}, {n}, {e}): GPU time per step, by kernel (10 steps profiled)")
     events = [(ev.device_time_total, ev.count, ev.key) for ev in prof.key_averages()]
     events = sorted((ev for ev in events if ev[0] > 0), reverse=True)
@@ -67,14 +73,10 @@ for recipe in ("bf16", "fp8_rowwise"):
     print(f"  {kernels / 1000:7.3f} ms  total")
     # Host times over few steps, so that the launch queue never fills (a full queue
     # makes the host wait for the GPU, and the host time approach the GPU time).
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        for _ in range(3):
-            step()
-    torch.cuda.synchronize()
+    prof = profiled(step, ProfilerActivity.CPU, 3)
     print(f"== {recipe}: host time per step, by op (self time, 3 steps profiled)")
     ops = sorted(prof.key_averages(), key=lambda ev: ev.self_cpu_time_total, reverse=True)
-    for ev in ops[:12]:
+    for ev in [ev for ev in ops if ev.key != "cudaDeviceSynchronize"][:12]:
         print(f"  {ev.self_cpu_time_total / 3:7.1f} µs  {ev.count // 3:3d}x  {ev.key[:100]}")
     torch.cuda.synchronize()
     t0 = time.perf_counter()
