@@ -183,8 +183,8 @@ def grouped_mm(
     ``pad_groups`` (fp8 recipe): groups of any size, no host sync (see the module
     docstring for how, and bench/RESULTS.md for the cost: within noise of aligned
     groups on H200). With ``pad_groups=False`` every group size must be a multiple of
-    16 (M need not be). The bf16 recipe is ``torch._grouped_mm`` as is, whose backward needs groups
-    that are multiples of 8.
+    16 (M need not be). The bf16 recipe is ``torch._grouped_mm`` as is, whose
+    backward needs groups that are multiples of 8.
     """
     if recipe not in RECIPES:
         raise ValueError(f"grouped_mm: expected recipe in {RECIPES}, got {recipe!r}")
