@@ -18,22 +18,19 @@ import sys
 import torch
 
 import moe_fp8_ext
-from moe_fp8_ext.moe import balanced_offs
 
 gmm = importlib.import_module("moe_fp8_ext.grouped_mm")  # the module (the package exports the function)
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from common import bench_us, print_table  # noqa: E402
+from common import GROUPED_MM_SHAPES, bench_us, linear_problem, print_table, sqnr  # noqa: E402
 
 F8 = torch.float8_e4m3fn
 
 
 def gemms(m, k, n, e):
     """{name: (bf16 fn, fp8 fn)} for one shape; the fp8 operands are made once."""
-    a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-    w = torch.randn(e, n, k, device="cuda", dtype=torch.bfloat16) * 0.02
-    g = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
-    offs = balanced_offs(m, e, device="cuda")
+    a, w, offs, g = linear_problem(m, k, n, e)
+    a, w = a.detach(), w.detach()
     b_t = w.transpose(1, 2)
     qa, sa = moe_fp8_ext.quantize_rowwise(a, F8)
     qb, sb = moe_fp8_ext.quantize_experts_fwd(b_t, F8)
@@ -59,14 +56,12 @@ def main():
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--quick", action="store_true", help="first shape only")
     args = p.parse_args()
-    shapes = [(16384, 7168, 2048, 8), (32768, 5120, 1536, 16), (65536, 2048, 1408, 64), (131072, 7168, 2048, 8)]
     rows = []
-    for m, k, n, e in shapes[:1] if args.quick else shapes:
+    for m, k, n, e in GROUPED_MM_SHAPES[:1] if args.quick else GROUPED_MM_SHAPES:
         flop = 2.0 * m * k * n
         totals = [0.0, 0.0]
         for name, (f_bf16, f_fp8) in gemms(m, k, n, e).items():
-            ref, out = f_bf16().float(), f_fp8().float()
-            q = (20 * torch.log10(ref.norm() / (ref - out).norm())).item()
+            q = sqnr(f_bf16(), f_fp8())
             assert q > 20, f"{name}: fp8 GEMM SQNR {q:.1f} dB against bf16 (operands wired wrong?)"
             t = [bench_us(f_bf16) / 1000, bench_us(f_fp8) / 1000]
             if name != "wgrad^T":

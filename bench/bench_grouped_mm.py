@@ -18,17 +18,13 @@ import moe_fp8_ext
 from moe_fp8_ext.moe import MoEExperts, balanced_offs
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from common import bench_us, fmt, print_table, try_peer  # noqa: E402
+from common import GROUPED_MM_SHAPES, bench_us, fmt, linear_problem, print_table, sqnr, try_peer  # noqa: E402
 
 
 def torchao_gmm():
     from torchao.prototype.moe_training.fp8_grouped_mm import _to_fp8_rowwise_then_scaled_grouped_mm
 
     return lambda a, b_t, offs: _to_fp8_rowwise_then_scaled_grouped_mm(a, b_t, offs, torch.bfloat16, torch.float8_e4m3fn, False)
-
-
-def sqnr(ref, x):
-    return (20 * torch.log10(ref.float().norm() / (ref.float() - x.float()).norm())).item()
 
 
 def peak_mib(fn):
@@ -43,10 +39,7 @@ def peak_mib(fn):
 def bench_linear(shapes):
     rows = []
     for m, k, n, e in shapes:
-        a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-        w = (torch.randn(e, n, k, device="cuda", dtype=torch.bfloat16) * 0.02).requires_grad_()
-        offs = balanced_offs(m, e, device="cuda")
-        grad = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+        a, w, offs, grad = linear_problem(m, k, n, e)
         impls = {
             "bf16": lambda a, b_t, offs: moe_fp8_ext.grouped_mm(a, b_t, offs, recipe="bf16"),
             "ours": lambda a, b_t, offs: moe_fp8_ext.grouped_mm(a, b_t, offs),
@@ -105,9 +98,7 @@ def main():
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--quick", action="store_true", help="first shape only")
     args = p.parse_args()
-    shapes = [(16384, 7168, 2048, 8), (32768, 5120, 1536, 16), (65536, 2048, 1408, 64), (131072, 7168, 2048, 8)]
-    if args.quick:
-        shapes = shapes[:1]
+    shapes = GROUPED_MM_SHAPES[:1] if args.quick else GROUPED_MM_SHAPES
     bench_linear(shapes)
     bench_ffn(shapes[:2])
 

@@ -10,10 +10,9 @@ import time
 import torch
 
 import moe_fp8_ext
-from moe_fp8_ext.moe import balanced_offs
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from common import print_table  # noqa: E402
+from common import linear_problem, print_table  # noqa: E402
 
 gmm = importlib.import_module("moe_fp8_ext.grouped_mm")
 F8 = torch.float8_e4m3fn
@@ -33,10 +32,7 @@ def host_us(fn, n=300):
 
 def main():
     m, k, n, e = 1024, 2048, 1408, 8
-    a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    w = (torch.randn(e, n, k, device="cuda", dtype=torch.bfloat16) * 0.02).requires_grad_()
-    g = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
-    offs = balanced_offs(m, e, device="cuda")
+    a, w, offs, g = linear_problem(m, k, n, e)
     b_t = w.detach().transpose(1, 2)
     ad = a.detach()
     starts, poffs = moe_fp8_ext.padded_group_offsets(offs, m, 16)

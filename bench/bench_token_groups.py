@@ -13,10 +13,9 @@ import torch
 
 import moe_fp8_ext
 from moe_fp8_ext import reference as ref
-from moe_fp8_ext.moe import balanced_offs
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from common import bench_us, copy_us, fmt, print_table, try_peer  # noqa: E402
+from common import bench_us, copy_us, fmt, linear_problem, print_table, try_peer  # noqa: E402
 
 ALIGN = 16
 
@@ -113,10 +112,7 @@ def bench_unaligned_gmm(shapes):
     rows = []
     gen = torch.Generator().manual_seed(2)
     for m, k, n, e in shapes:
-        a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-        w = (torch.randn(e, n, k, device="cuda", dtype=torch.bfloat16) * 0.02).requires_grad_()
-        grad = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
-        aligned = balanced_offs(m, e, device="cuda")
+        a, w, aligned, grad = linear_problem(m, k, n, e)
         unaligned = router_offs(m, e, gen)
 
         def explicit(a, b_t, offs):

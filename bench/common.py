@@ -47,6 +47,29 @@ def fmt(v: Optional[float], spec: str = "{:.1f}") -> str:
     return "n/a" if v is None else spec.format(v)
 
 
+# The grouped_mm issue's (M, K, N, E) shapes: the benchmark's single grouped linear.
+GROUPED_MM_SHAPES = [(16384, 7168, 2048, 8), (32768, 5120, 1536, 16), (65536, 2048, 1408, 64), (131072, 7168, 2048, 8)]
+
+
+def linear_problem(m: int, k: int, n: int, e: int):
+    """One grouped linear on the GPU, as every grouped_mm benchmark draws it: A (m, k)
+    and W (e, n, k) bf16 leaves that require grad (W ~ N(0, 0.02); B_t = W^T),
+    router-like group ends (multiples of 16) and an output gradient (m, n)."""
+    from moe_fp8_ext.moe import balanced_offs
+
+    a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = (torch.randn(e, n, k, device="cuda", dtype=torch.bfloat16) * 0.02).requires_grad_()
+    offs = balanced_offs(m, e, device="cuda")
+    grad = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+    return a, w, offs, grad
+
+
+def sqnr(ref: torch.Tensor, x: torch.Tensor) -> float:
+    """20·log10(‖ref‖ / ‖ref − x‖) in dB, in fp32."""
+    ref, x = ref.float(), x.float()
+    return (20 * torch.log10(ref.norm() / (ref - x).norm())).item()
+
+
 def print_table(title: str, header: Sequence[str], rows: List[Sequence[str]], out_name: str) -> str:
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
     line = lambda cells: "| " + " | ".join(c.rjust(w) for c, w in zip(cells, widths)) + " |"

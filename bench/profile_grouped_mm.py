@@ -18,16 +18,12 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import moe_fp8_ext
-from moe_fp8_ext.moe import balanced_offs
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from common import bench_us  # noqa: E402
+from common import bench_us, linear_problem  # noqa: E402
 
 m, k, n, e = (int(v) for v in sys.argv[1:5]) if len(sys.argv) == 5 else (16384, 7168, 2048, 8)
-a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-w = (torch.randn(e, n, k, device="cuda", dtype=torch.bfloat16) * 0.02).requires_grad_()
-offs = balanced_offs(m, e, device="cuda")
-grad = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+a, w, offs, grad = linear_problem(m, k, n, e)
 
 
 def graph_us(step) -> float:
