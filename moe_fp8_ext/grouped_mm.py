@@ -138,7 +138,8 @@ class _Fp8RowwiseGroupedMM(torch.autograd.Function):
             qw, sw = ops.quantize_experts_bwd(B_t, f8)  # (E, N, K) column-major
             grad_A = _mm_2d3d(qg, sg.squeeze(-1), qw, sw.squeeze(1), offs, A.dtype, emulated)
         if ctx.needs_input_grad[1]:
-            # Any group sizes: both operands go straight into the padded layout.
+            # Unaligned groups (pad_groups) or an M that is not a multiple of 16: both
+            # operands go straight into the padded layout.
             starts, wgrad_offs = None, offs
             if ctx.pad_wgrad:
                 starts, wgrad_offs = ops.padded_group_offsets(offs, A.shape[0], GROUP_ALIGNMENT)
