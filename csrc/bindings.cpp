@@ -5,7 +5,6 @@
 #include <torch/version.h>
 
 #include "grouping/grouping_ops.h"
-#include "rowwise/rowwise_ops.h"
 
 // Set by CMakeLists.txt: the GPU backend ("cuda", "hip" or "" for CPU only), its
 // compiler version and the architectures built.
@@ -25,25 +24,29 @@
 #endif
 
 TORCH_LIBRARY(moe_fp8, m) {
-  // ---- FP8 rowwise family (DESIGN §5): decode scales, pow2 by default -------------
+  // ---- FP8 rowwise recipe (DESIGN §5): decode scales, pow2 by default -------------
+  // Implementations: rowwise/rowwise_cpu.cpp (CPU) and rowwise/rowwise.cu (CUDA).
   m.def("quantize_rowwise(Tensor x, ScalarType fp8_dtype, bool pow2_scale=True) -> (Tensor, Tensor)");
-  MOE_FP8_IMPL(m, "quantize_rowwise", moe_fp8::quantize_rowwise);
 
   m.def("quantize_experts_fwd(Tensor b_t, ScalarType fp8_dtype, bool pow2_scale=True) -> (Tensor, Tensor)");
-  MOE_FP8_IMPL(m, "quantize_experts_fwd", moe_fp8::quantize_experts_fwd);
 
   m.def("quantize_experts_bwd(Tensor b_t, ScalarType fp8_dtype, bool pow2_scale=True) -> (Tensor, Tensor)");
-  MOE_FP8_IMPL(m, "quantize_experts_bwd", moe_fp8::quantize_experts_bwd);
 
   m.def(
       "quantize_jagged_colwise(Tensor x, Tensor offs, ScalarType fp8_dtype, bool pow2_scale=True,"
       " Tensor? padded_starts=None, int alignment=16) -> (Tensor, Tensor)");
-  MOE_FP8_IMPL(m, "quantize_jagged_colwise", moe_fp8::quantize_jagged_colwise);
 
   m.def(
       "quantize_jagged_colwise_dual(Tensor x1, Tensor x2, Tensor offs, ScalarType fp8_dtype,"
       " bool pow2_scale=True, Tensor? padded_starts=None, int alignment=16) -> (Tensor, Tensor, Tensor, Tensor)");
-  MOE_FP8_IMPL(m, "quantize_jagged_colwise_dual", moe_fp8::quantize_jagged_colwise_dual);
+
+  // ---- MXFP8 recipe (DESIGN §7): e4m3fn data, E8M0 scales per 32 elements ---------
+  // Implementations: mxfp8/mxfp8_cpu.cpp (CPU) and mxfp8/mxfp8.cu (CUDA).
+  m.def("quantize_mxfp8_rowwise(Tensor x, str rounding=\"rceil\", bool blocked=False, Tensor? offs=None) -> (Tensor, Tensor)");
+  m.def(
+      "quantize_mxfp8_colwise(Tensor x, str rounding=\"rceil\", bool blocked=False, Tensor? offs=None,"
+      " Tensor? padded_starts=None, int? alignment=None) -> (Tensor, Tensor)");
+  m.def("quantize_mxfp8_experts(Tensor b, str rounding=\"rceil\", bool blocked=False) -> (Tensor, Tensor)");
 
   // ---- token groups (DESIGN §8): sync-free padding and expert-parallel permutation -
   m.def("pad_token_groups(Tensor x, Tensor offs, int alignment) -> (Tensor, Tensor, Tensor)");

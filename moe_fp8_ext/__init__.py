@@ -8,6 +8,7 @@ import torch
 
 from . import _C  # noqa: F401  (registers torch.ops.moe_fp8.*)
 from .grouped_mm import grouped_mm, grouped_mm_backend
+from .mxfp8 import quantize_mxfp8_colwise, quantize_mxfp8_experts, quantize_mxfp8_rowwise
 from .ops import (
     gather_rows,
     padded_group_offsets,
@@ -39,6 +40,9 @@ __all__ = [
     "quantize_experts_fwd",
     "quantize_jagged_colwise",
     "quantize_jagged_colwise_dual",
+    "quantize_mxfp8_colwise",
+    "quantize_mxfp8_experts",
+    "quantize_mxfp8_rowwise",
     "quantize_rowwise",
     "scatter_rows",
     "unpad_token_groups",

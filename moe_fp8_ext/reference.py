@@ -143,3 +143,156 @@ def scatter_rows(y: Tensor, indices: Tensor, num_rows: int) -> Tensor:
     x = y.new_zeros((num_rows + 1, y.shape[1]))
     x[indices.long().masked_fill(indices < 0, num_rows)] = y
     return x[:num_rows]
+
+
+# ---- MXFP8 (DESIGN §7): E8M0 scales over blocks of 32, the blocked scale layout ----------
+
+MX_BLOCK = 32
+E8M0_NAN = 255
+
+
+def e8m0_from_amax(a: Tensor, rounding: str) -> Tensor:
+    """Biased E8M0 exponent (int32) of each block amax (fp32), FLOOR or RCEIL, from the bits."""
+    bits = a.float().contiguous().view(torch.int32) & 0x7FFFFFFF
+    nan = bits > 0x7F800000
+    if rounding == "floor":
+        b = torch.clamp(((bits >> 23) & 0xFF) - 127 - 8, -127, 128) + 127
+    elif rounding == "rceil":
+        d = (a.float().abs() / torch.full_like(a.float(), 448.0)).contiguous().view(torch.int32)
+        e = (d >> 23) & 0xFF
+        man = d & 0x7FFFFF
+        # subnormal d = man * 2^-149: ceil(log2(man)) - 149 from the highest set bit
+        hi = torch.floor(torch.log2(man.clamp(min=1).double())).to(torch.int32)
+        sub = hi + ((man & ((1 << hi) - 1)) != 0).to(torch.int32) - 149
+        normal = e - 127 + (man != 0).to(torch.int32)
+        log2c = torch.where(e == 0, sub, normal)
+        b = torch.clamp(log2c, -127, 127) + 127
+        b = torch.where((e == 0) & (man == 0), torch.zeros_like(b), b)
+    else:
+        raise ValueError(f"expected rounding 'floor' or 'rceil', got {rounding!r}")
+    return torch.where(nan, torch.full_like(b, E8M0_NAN), b)
+
+
+def e8m0_multiplier(b: Tensor, rounding: str) -> Tensor:
+    """The encode multiplier of each biased exponent (float32): the data is quantized as
+    e4m3fn(clamp(x * m, +-448))."""
+    b = b.to(torch.int32)
+    if rounding == "floor":
+        # torchao divides by max(2^(b-127), 2^-126), and by +Inf for a NaN block
+        m = ((254 - b.clamp(min=1)).clamp(min=0) << 23).view(torch.float32)
+        return torch.where(b == E8M0_NAN, torch.zeros_like(m), m)
+    m = ((254 - b).clamp(min=0) << 23).view(torch.float32)
+    m = torch.where(b == 254, torch.full_like(m, 2.0**-127), m)
+    m = torch.where(b == 0, torch.ones_like(m), m)
+    return torch.where(b == E8M0_NAN, torch.full_like(m, float("nan")), m)
+
+
+def _mx_blocks(xb: Tensor, rounding: str) -> Tuple[Tensor, Tensor]:
+    """xb (..., nblocks, 32) -> q (same shape, e4m3fn) and biased exponents (..., nblocks)."""
+    a = torch.amax(xb.float().abs(), dim=-1) if xb.shape[-1] else torch.zeros(xb.shape[:-1])
+    b = e8m0_from_amax(a, rounding)
+    m = e8m0_multiplier(b, rounding)
+    q = torch.clamp(xb.float() * m[..., None], min=-448.0, max=448.0).to(torch.float8_e4m3fn)
+    return q, b.to(torch.uint8)
+
+
+def to_blocked(s: Tensor) -> Tensor:
+    """The blocked (swizzled) layout of a scale matrix (R, C) (any 1-byte dtype): padded
+    to (ceil128(R), ceil4(C)) with zeros, scale (r, c) at the DESIGN §7 index; returned
+    as a (ceil128(R), ceil4(C)) tensor whose memory is in blocked order."""
+    r, c = s.shape
+    rp, cp = -(-r // 128) * 128, -(-c // 4) * 4
+    out = torch.zeros(rp * cp, dtype=torch.uint8)
+    if r and c:
+        ri = torch.arange(r)[:, None]
+        ci = torch.arange(c)[None, :]
+        idx = ((ri // 128) * (cp // 4) + ci // 4) * 512 + (ri % 32) * 16 + ((ri % 128) // 32) * 4 + ci % 4
+        out[idx.flatten()] = s.contiguous().view(torch.uint8).cpu().flatten()
+    return out.view(rp, cp).view(s.dtype).to(s.device)
+
+
+def _group_sizes(offs: Tensor, rows: int):
+    ends = [min(max(int(o), 0), rows) for o in offs.tolist()]
+    starts = [0] + ends[:-1]
+    return [(s, max(e, s)) for s, e in zip(starts, ends)]
+
+
+def to_blocked_m_groups(s: Tensor, offs: Tensor) -> Tensor:
+    """Token groups along the rows of s (M, C): group g's rows blocked from row
+    sum_{j<g} ceil128(n_j); (M + 128 G, ceil4(C)), zeros elsewhere."""
+    m, c = s.shape
+    cp = -(-c // 4) * 4
+    out = torch.zeros((m + 128 * offs.numel()) * cp, dtype=torch.uint8)
+    row = 0
+    for lo, hi in _group_sizes(offs, m):
+        blk = to_blocked(s[lo:hi]).view(torch.uint8).flatten().cpu()
+        out[row * cp : row * cp + blk.numel()] = blk
+        row += -(-(hi - lo) // 128) * 128
+    return out.view(m + 128 * offs.numel(), cp).view(s.dtype).to(s.device)
+
+
+def to_blocked_k_groups(s: Tensor, offs: Tensor, block: int = MX_BLOCK) -> Tensor:
+    """Token groups along the columns of s (R, M/32) (offs in tokens): group g's block
+    columns blocked from column sum_{j<g} ceil4(n_j / 32); (ceil128(R), ceil4(M/32) + 4 G)."""
+    r, c = s.shape
+    rp = -(-r // 128) * 128
+    width = -(-c // 4) * 4 + 4 * offs.numel()
+    col = 0
+    placed = []
+    for lo, hi in _group_sizes(offs, c * block):
+        n = -(-(hi - lo) // block)
+        placed.append((col, lo // block, n))
+        col += -(-n // 4) * 4
+    # Blocked order over the whole width: tiles of 128 rows x 4 columns.
+    out = torch.zeros(rp * width, dtype=torch.uint8)
+    sv = s.contiguous().view(torch.uint8).cpu()
+    for c0, src, n in placed:
+        if n == 0 or r == 0:
+            continue
+        ri = torch.arange(r)[:, None]
+        ci = torch.arange(n)[None, :] + c0
+        idx = ((ri // 128) * (width // 4) + ci // 4) * 512 + (ri % 32) * 16 + ((ri % 128) // 32) * 4 + ci % 4
+        out[idx.flatten()] = sv[:, src : src + n].flatten()
+    return out.view(rp, width).view(s.dtype).to(s.device)
+
+
+def quantize_mxfp8_rowwise(x: Tensor, rounding: str = "rceil", blocked: bool = False, offs=None):
+    m, k = x.shape
+    q, b = _mx_blocks(x.reshape(m, k // MX_BLOCK, MX_BLOCK), rounding)
+    scale = b.view(torch.float8_e8m0fnu)
+    if blocked:
+        scale = to_blocked(scale) if offs is None else to_blocked_m_groups(scale, offs)
+    return q.reshape(m, k), scale
+
+
+def quantize_mxfp8_colwise(x: Tensor, rounding: str = "rceil", blocked: bool = False, offs=None):
+    """Blocks of 32 consecutive rows of each column: q (M, K) column-major, scale (K, M/32).
+    With token groups (offs, sizes multiples of 32) the rows past the last group belong
+    to no group: their q and scales are zero."""
+    m, k = x.shape
+    if offs is not None and offs.numel():
+        x = x.clone()
+        x[min(max(int(offs[-1]), 0), m) :] = 0
+    q, b = _mx_blocks(x.t().reshape(k, m // MX_BLOCK, MX_BLOCK), rounding)
+    scale = b.view(torch.float8_e8m0fnu)
+    if blocked:
+        scale = to_blocked(scale) if offs is None else to_blocked_k_groups(scale, offs)
+    return column_major(q.reshape(k, m).t()), scale
+
+
+def quantize_mxfp8_colwise_padded(x: Tensor, offs: Tensor, alignment: int, rounding: str = "rceil", blocked: bool = False):
+    """The padded layout of the per-group colwise quantization: quantize the padded copy."""
+    xp, _starts, ends = pad_token_groups(x, offs, alignment)
+    return quantize_mxfp8_colwise(xp, rounding, blocked, ends)
+
+
+def quantize_mxfp8_experts(b_t: Tensor, rounding: str = "rceil", blocked: bool = False):
+    """b_t (E, K, N), blocks of 32 along K: q (E, K, N) column-major per expert, scale
+    (E, N, K/32) or blocked per expert (E, ceil128(N) * ceil4(K/32))."""
+    e, k, n = b_t.shape
+    w = b_t.transpose(-2, -1)  # (E, N, K)
+    q, b = _mx_blocks(w.reshape(e, n, k // MX_BLOCK, MX_BLOCK), rounding)
+    scale = b.view(torch.float8_e8m0fnu)
+    if blocked:
+        scale = torch.stack([to_blocked(scale[i]).flatten() for i in range(e)]) if e else scale.new_empty((0, 0))
+    return column_major(q.reshape(e, n, k).transpose(-2, -1)), scale

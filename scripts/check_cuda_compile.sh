@@ -14,7 +14,7 @@ trap 'rm -rf "$out"' EXIT
 status=0
 for src in $(find csrc -name '*.cu' | sort); do
   for arch in "${archs[@]}"; do
-    if nvcc -std=c++17 -O3 --expt-relaxed-constexpr -Werror all-warnings \
+    if nvcc -std=c++20 -O3 --expt-relaxed-constexpr -Werror all-warnings \
         "-gencode=arch=compute_${arch},code=sm_${arch}" \
         -DMOE_FP8_WITH_CUDA -D_GLIBCXX_USE_CXX11_ABI="$abi" \
         -D__CUDA_NO_HALF_OPERATORS__ -D__CUDA_NO_HALF_CONVERSIONS__ \

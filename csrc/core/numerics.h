@@ -171,6 +171,58 @@ MOE_FP8_HD QuantScale scale_from_amax_bits(uint32_t amax_bits, float fp8_max, bo
   return scale_from_amax(bits_float(amax_bits), fp8_max, pow2);
 }
 
+// E8M0 scale bytes (OCP microscaling, DESIGN §7): value 2^(b - 127), b = 255 is NaN.
+// `amax_bits` are the abs bits of the block amax (NaN above 0x7F800000). Both rules
+// return the biased exponent b; e8m0_*_multiplier gives the encode multiplier m that
+// the data is scaled by before the fp8 cast (bit-identical to torchao's to_mx, which
+// divides by the scale: multiplying by an exact power of two rounds the same).
+constexpr uint32_t kE8m0NaN = 255;
+
+// FLOOR: b = clamp(E(amax) - 127 - 8, -127, 128) + 127, E the fp32 exponent field
+// (8 = floor(log2 448), the e4m3fn max exponent).
+MOE_FP8_HD uint32_t e8m0_floor_from_amax_bits(uint32_t amax_bits) {
+  if (amax_bits > 0x7F800000u) return kE8m0NaN;
+  const int unbiased = static_cast<int>(amax_bits >> 23) - 127 - 8;
+  return static_cast<uint32_t>((unbiased < -127 ? -127 : (unbiased > 128 ? 128 : unbiased)) + 127);
+}
+
+// torchao divides by max(2^(b-127), 2^-126), and by +Inf for a NaN block (b = 255):
+// finite values go to 0, NaN stays NaN. Multiplying by 0 does the same.
+MOE_FP8_HD float e8m0_floor_multiplier(uint32_t b) {
+  if (b == kE8m0NaN) return 0.0f;
+  return bits_float(static_cast<uint32_t>(254 - (b < 1 ? 1 : b)) << 23);  // 2^(127 - max(b, 1))
+}
+
+// RCEIL: d = amax / 448 (an fp32 division, as to_mx), b = clamp(ceil(log2 d), -127,
+// 127) + 127 from the bits of d: E(d) - 127 + (mantissa != 0) for normal d, the same
+// on the exact value of a subnormal d. NaN gives 255, +Inf 254.
+MOE_FP8_HD uint32_t e8m0_rceil_from_amax_bits(uint32_t amax_bits) {
+  if (amax_bits > 0x7F800000u) return kE8m0NaN;
+  const uint32_t d = float_bits(bits_float(amax_bits) / 448.0f);
+  const int e = static_cast<int>(d >> 23);
+  const uint32_t man = d & 0x7FFFFFu;
+  int log2_ceil;
+  if (e == 0) {
+    if (man == 0) return 0;  // d == 0: log2 is -inf, clamped to -127
+    // d = man * 2^-149: ceil(log2 man) - 149, with log2 man from its highest bit.
+    int hi = 31;
+    while (((man >> hi) & 1u) == 0) --hi;
+    log2_ceil = hi + ((man & ((1u << hi) - 1u)) != 0 ? 1 : 0) - 149;
+  } else {
+    log2_ceil = e - 127 + (man != 0 ? 1 : 0);
+  }
+  return static_cast<uint32_t>((log2_ceil < -127 ? -127 : (log2_ceil > 127 ? 127 : log2_ceil)) + 127);
+}
+
+// m = 2^(127 - b); 1 for b = 0 (as torchao and TransformerEngine); the subnormal
+// 2^-127 for b = 254; NaN for a NaN block.
+MOE_FP8_HD float e8m0_rceil_multiplier(uint32_t b) {
+  if (b == kE8m0NaN) return bits_float(0x7FC00000u);
+  if (b == 0) return 1.0f;
+  if (b == 254) return bits_float(0x00400000u);
+  return bits_float((254 - b) << 23);
+}
+
 // x * s clamped to +-fp8_max. Compares (not fminf) so that NaN stays NaN.
 MOE_FP8_HD float scale_clamp(float x, float s, float fp8_max) {
   float v = x * s;

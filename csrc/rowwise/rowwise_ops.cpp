@@ -1,69 +1,46 @@
-// Torch glue of the FP8 rowwise family, shared by the CPU and CUDA registrations:
+// Torch glue of the FP8 rowwise recipe, shared by the CPU and CUDA registrations:
 // input checks ("<op>: expected X, got Y"), output allocation in the layouts of
-// DESIGN §5, and the mapping of every op onto the "rows" or "cols" kernel shape.
+// DESIGN §5, and the mapping of every op onto the engine's "rows" or "cols" shape
+// with the recipe's policies (fp32 scales, pow2 or exact, whole sets, linear).
 #include <ATen/ATen.h>
 
 #include <tuple>
 
-#include "../core/op_checks.h"
 #include "../core/groups.h"
-#include "../grouping/grouping_ops.h"
-#include "rowwise.h"
+#include "../core/op_checks.h"
+#include "../quant/quant_glue.h"
 #include "rowwise_ops.h"
 
 namespace moe_fp8 {
 namespace {
 
-InputKind input_kind(const at::Tensor& x, const char* op, const char* name) {
-  switch (x.scalar_type()) {
-    case at::kBFloat16: return InputKind::kBF16;
-    case at::kHalf: return InputKind::kFP16;
-    case at::kFloat: return InputKind::kFP32;
-    default:
-      TORCH_CHECK(false, op, ": expected ", name, " of dtype bfloat16, float16 or float32, got ", x.scalar_type());
-  }
+QuantSpec rowwise_spec(bool pow2) {
+  QuantSpec spec;
+  spec.rule = pow2 ? ScaleRuleKind::kFp32Pow2 : ScaleRuleKind::kFp32Exact;
+  return spec;
 }
 
-Fp8Format fp8_format(at::ScalarType t, const char* op) {
-  switch (t) {
-    case at::kFloat8_e4m3fn: return Fp8Format::kE4M3FN;
-    case at::kFloat8_e4m3fnuz: return Fp8Format::kE4M3FNUZ;
-    case at::kFloat8_e5m2: return Fp8Format::kE5M2;
-    default:
-      TORCH_CHECK(false, op, ": expected fp8_dtype float8_e4m3fn, float8_e4m3fnuz or float8_e5m2, got ", t);
-  }
+// Linear fp32 scales: (segment, set) at seg * seg_stride + set.
+ScaleOut linear_scales(const at::Tensor& scale, int64_t seg_stride) {
+  ScaleOut s;
+  s.ptr = scale.data_ptr<float>();
+  s.numel = scale.numel();
+  s.seg_stride = seg_stride;
+  s.set_stride = 1;
+  return s;
 }
 
-void run_rows(const at::Tensor& x, at::ScalarType fp8_dtype, const at::Tensor& q, const at::Tensor& scale,
-              const RowsArgs& a, const char* op) {
-  const InputKind in = input_kind(x, op, "x");
-  const Fp8Format fmt = fp8_format(fp8_dtype, op);
-  auto* qp = static_cast<uint8_t*>(q.data_ptr());
-  if (x.is_cpu()) {
-    run_rows_cpu(in, fmt, x.data_ptr(), qp, scale.data_ptr<float>(), a);
-    return;
-  }
-#ifdef MOE_FP8_WITH_CUDA
-  run_rows_cuda(in, fmt, x.data_ptr(), qp, scale.data_ptr<float>(), a, x.device().index());
-#else
-  TORCH_CHECK(false, op, ": expected a CPU tensor (this build has no GPU support), got ", x.device());
-#endif
+void run_rows(const QuantKernels& k, const at::Tensor& x, at::ScalarType fp8_dtype, bool pow2, RowsArgs& a,
+              const at::Tensor& q, const char* op) {
+  a.x = x.data_ptr();
+  a.q = static_cast<uint8_t*>(q.data_ptr());
+  k.rows(input_kind(x, op, "x"), fp8_format(fp8_dtype, op), rowwise_spec(pow2), a, x.device().index());
 }
 
-void run_cols(const at::Tensor& x, at::ScalarType fp8_dtype, const ColsArgs& a, int64_t expected_segment_rows,
-              const char* op) {
-  const InputKind in = input_kind(x, op, "x");
-  const Fp8Format fmt = fp8_format(fp8_dtype, op);
-  if (x.is_cpu()) {
-    run_cols_cpu(in, fmt, a);
-    return;
-  }
-#ifdef MOE_FP8_WITH_CUDA
-  run_cols_cuda(in, fmt, a, expected_segment_rows, x.device().index());
-#else
-  (void)expected_segment_rows;
-  TORCH_CHECK(false, op, ": expected a CPU tensor (this build has no GPU support), got ", x.device());
-#endif
+void run_cols(const QuantKernels& k, const at::Tensor& x, at::ScalarType fp8_dtype, bool pow2, const ColsArgs& a,
+              int64_t expected_segment_rows, const char* op) {
+  k.cols(input_kind(x, op, "x"), fp8_format(fp8_dtype, op), rowwise_spec(pow2), a, expected_segment_rows,
+         x.device().index());
 }
 
 ColsOperand cols_operand(const at::Tensor& x, int64_t sb, int64_t sr, int64_t sc, int64_t cols, const at::Tensor& q,
@@ -77,8 +54,7 @@ ColsOperand cols_operand(const at::Tensor& x, int64_t sb, int64_t sr, int64_t sc
   o.q = static_cast<uint8_t*>(q.data_ptr());
   o.q_sb = q_sb;
   o.q_sc = q_sc;
-  o.scale = scale.data_ptr<float>();
-  o.scale_ss = scale_ss;
+  o.scale = linear_scales(scale, scale_ss);
   return o;
 }
 
@@ -86,8 +62,8 @@ ColsOperand cols_operand(const at::Tensor& x, int64_t sb, int64_t sr, int64_t sc
 // other dim: q (E, R, C) with strides (R*C, 1, R), i.e. memory [e][c][r] so that each
 // reduction run is contiguous (column-major per expert), and scale (E, 1, C). The
 // "rows" shape applies when R is the contiguous dimension of b, "cols" otherwise.
-std::tuple<at::Tensor, at::Tensor> quantize_per_expert(const at::Tensor& b, int rdim, at::ScalarType fp8_dtype,
-                                                       bool pow2, const char* op) {
+std::tuple<at::Tensor, at::Tensor> quantize_per_expert(const QuantKernels& k, const at::Tensor& b, int rdim,
+                                                       at::ScalarType fp8_dtype, bool pow2, const char* op) {
   check_rank(b, 3, op, "b_t");
   input_kind(b, op, "b_t");
   fp8_format(fp8_dtype, op);
@@ -105,8 +81,8 @@ std::tuple<at::Tensor, at::Tensor> quantize_per_expert(const at::Tensor& b, int 
     a.stride_outer = b.stride(0);
     a.stride_inner = s_c;
     a.stride_col = 1;
-    a.pow2 = pow2;
-    run_rows(b, fp8_dtype, q, scale, a, op);
+    a.scale = linear_scales(scale, C);
+    run_rows(k, b, fp8_dtype, pow2, a, q, op);
     return {q, scale};
   }
   TORCH_CHECK(E <= 65535, op, ": expected at most 65535 experts, got ", E);
@@ -114,14 +90,14 @@ std::tuple<at::Tensor, at::Tensor> quantize_per_expert(const at::Tensor& b, int 
   a.op[0] = cols_operand(b, b.stride(0), s_r, s_c, C, q, R * C, R, scale, C);
   a.rows = R;
   a.num_segments = static_cast<int>(E);
-  a.pow2 = pow2;
-  run_cols(b, fp8_dtype, a, R, op);
+  run_cols(k, b, fp8_dtype, pow2, a, R, op);
   return {q, scale};
 }
 
 }  // namespace
 
-std::tuple<at::Tensor, at::Tensor> quantize_rowwise(const at::Tensor& x, at::ScalarType fp8_dtype, bool pow2_scale) {
+std::tuple<at::Tensor, at::Tensor> quantize_rowwise(const QuantKernels& k, const at::Tensor& x,
+                                                    at::ScalarType fp8_dtype, bool pow2_scale) {
   constexpr const char* op = "quantize_rowwise";
   check_rank(x, 2, op, "x");
   input_kind(x, op, "x");
@@ -136,8 +112,7 @@ std::tuple<at::Tensor, at::Tensor> quantize_rowwise(const at::Tensor& x, at::Sca
     a.op[0] = cols_operand(x, 0, x.stride(1), 1, M, q, 0, K, scale, 0);
     a.rows = K;
     a.num_segments = 1;
-    a.pow2 = pow2_scale;
-    run_cols(x, fp8_dtype, a, K, op);
+    run_cols(k, x, fp8_dtype, pow2_scale, a, K, op);
     return {q, scale};
   }
   RowsArgs a;
@@ -147,19 +122,19 @@ std::tuple<at::Tensor, at::Tensor> quantize_rowwise(const at::Tensor& x, at::Sca
   a.stride_outer = 0;
   a.stride_inner = x.stride(0);
   a.stride_col = x.stride(1);
-  a.pow2 = pow2_scale;
-  run_rows(x, fp8_dtype, q, scale, a, op);
+  a.scale = linear_scales(scale, 0);
+  run_rows(k, x, fp8_dtype, pow2_scale, a, q, op);
   return {q, scale};
 }
 
-std::tuple<at::Tensor, at::Tensor> quantize_experts_fwd(const at::Tensor& b_t, at::ScalarType fp8_dtype,
-                                                        bool pow2_scale) {
-  return quantize_per_expert(b_t, /*rdim=K*/ 1, fp8_dtype, pow2_scale, "quantize_experts_fwd");
+std::tuple<at::Tensor, at::Tensor> quantize_experts_fwd(const QuantKernels& k, const at::Tensor& b_t,
+                                                        at::ScalarType fp8_dtype, bool pow2_scale) {
+  return quantize_per_expert(k, b_t, /*rdim=K*/ 1, fp8_dtype, pow2_scale, "quantize_experts_fwd");
 }
 
-std::tuple<at::Tensor, at::Tensor> quantize_experts_bwd(const at::Tensor& b_t, at::ScalarType fp8_dtype,
-                                                        bool pow2_scale) {
-  return quantize_per_expert(b_t, /*rdim=N*/ 2, fp8_dtype, pow2_scale, "quantize_experts_bwd");
+std::tuple<at::Tensor, at::Tensor> quantize_experts_bwd(const QuantKernels& k, const at::Tensor& b_t,
+                                                        at::ScalarType fp8_dtype, bool pow2_scale) {
+  return quantize_per_expert(k, b_t, /*rdim=N*/ 2, fp8_dtype, pow2_scale, "quantize_experts_bwd");
 }
 
 namespace {
@@ -178,48 +153,32 @@ std::tuple<at::Tensor, at::Tensor, ColsOperand> jagged_operand(const at::Tensor&
   return {q, scale, cols_operand(x, 0, x.stride(0), x.stride(1), D, q, 0, q_rows, scale, D)};
 }
 
-// The optional padded layout of the jagged ops: q rows, and the padded starts checked
-// against offs (DESIGN §8).
-struct JaggedLayout {
-  int64_t q_rows;
-  at::Tensor padded_starts;  // undefined: unpadded
-  int64_t alignment;
-};
-
-JaggedLayout jagged_layout(const at::Tensor& x, const at::Tensor& offs, const std::optional<at::Tensor>& padded_starts,
-                           int64_t alignment, const char* op) {
-  const int64_t M = x.size(0);
-  if (!padded_starts.has_value()) return {M, at::Tensor(), 1};
-  check_alignment(alignment, op);
-  const int64_t R = padded_rows_bound(M, offs.numel(), alignment);
-  check_padded_starts(*padded_starts, offs, M, R, x, op);
-  return {R, padded_starts->contiguous(), alignment};
-}
-
-void run_jagged(const at::Tensor& x, const at::Tensor& offs, const JaggedLayout& l, at::ScalarType fp8_dtype,
-                bool pow2, ColsArgs& a, const char* op) {
+void run_jagged(const QuantKernels& k, const at::Tensor& x, const at::Tensor& offs, const JaggedLayout& l,
+                at::ScalarType fp8_dtype, bool pow2, ColsArgs& a, const char* op) {
   const int64_t M = x.size(0), G = offs.numel();
   TORCH_CHECK(G <= 65534, op, ": expected at most 65534 groups, got ", G);
   a.rows = M;
   a.jagged = true;
   a.offs = offs.data_ptr<int32_t>();
   a.num_segments = static_cast<int>(G);
-  a.pow2 = pow2;
   a.q_rows = l.q_rows;
+  // Padded is a flag of its own: an empty padded_starts (G = 0) has no data pointer.
   if (l.padded_starts.defined()) {
+    a.padded = true;
     a.padded_starts = l.padded_starts.data_ptr<int32_t>();
     a.alignment = l.alignment;
   }
   // The cluster/cache plan sizes for a group an eighth above the mean; larger
   // groups stay correct and re-read what does not fit.
   const int64_t expected = G > 0 ? ceil_div(M, G) + ceil_div(M, 8 * G) : M;
-  run_cols(x, fp8_dtype, a, expected, op);
+  run_cols(k, x, fp8_dtype, pow2, a, expected, op);
 }
 
 }  // namespace
 
-std::tuple<at::Tensor, at::Tensor> quantize_jagged_colwise(const at::Tensor& x, const at::Tensor& offs,
-                                                           at::ScalarType fp8_dtype, bool pow2_scale,
+std::tuple<at::Tensor, at::Tensor> quantize_jagged_colwise(const QuantKernels& k, const at::Tensor& x,
+                                                           const at::Tensor& offs, at::ScalarType fp8_dtype,
+                                                           bool pow2_scale,
                                                            const std::optional<at::Tensor>& padded_starts,
                                                            int64_t alignment) {
   constexpr const char* op = "quantize_jagged_colwise";
@@ -231,13 +190,13 @@ std::tuple<at::Tensor, at::Tensor> quantize_jagged_colwise(const at::Tensor& x, 
   auto [q, scale, operand] = jagged_operand(x, fp8_dtype, offs.numel(), l.q_rows);
   ColsArgs a;
   a.op[0] = operand;
-  if (x.size(1) > 0) run_jagged(x, offs_c, l, fp8_dtype, pow2_scale, a, op);
+  if (x.size(1) > 0) run_jagged(k, x, offs_c, l, fp8_dtype, pow2_scale, a, op);
   return {q, scale};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_jagged_colwise_dual(
-    const at::Tensor& x1, const at::Tensor& x2, const at::Tensor& offs, at::ScalarType fp8_dtype, bool pow2_scale,
-    const std::optional<at::Tensor>& padded_starts, int64_t alignment) {
+    const QuantKernels& k, const at::Tensor& x1, const at::Tensor& x2, const at::Tensor& offs,
+    at::ScalarType fp8_dtype, bool pow2_scale, const std::optional<at::Tensor>& padded_starts, int64_t alignment) {
   constexpr const char* op = "quantize_jagged_colwise_dual";
   check_jagged_input(x1, op, "x1");
   check_jagged_input(x2, op, "x2");
@@ -263,7 +222,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_jagged_colwi
   } else if (x2.size(1) == 0) {
     a.num_ops = 1;
   }
-  if (a.op[0].cols > 0) run_jagged(x1, offs_c, l, fp8_dtype, pow2_scale, a, op);
+  if (a.op[0].cols > 0) run_jagged(k, x1, offs_c, l, fp8_dtype, pow2_scale, a, op);
   return {q1, s1, q2, s2};
 }
 

@@ -1,26 +1,71 @@
-// The torch-facing ops of the FP8 rowwise family (schemas in csrc/bindings.cpp).
+// The torch-facing ops of the FP8 rowwise recipe (DESIGN §5; schemas in
+// csrc/bindings.cpp). Each op takes the engine runners of the device it is registered
+// for: rowwise_cpu.cpp registers them with the CPU runners, rowwise.cu with the GPU
+// ones (RowwiseOn<...>::register_impls), so no op branches on the device.
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <torch/library.h>
 
 #include <optional>
 #include <tuple>
 
+#include "../quant/engine.h"
+
 namespace moe_fp8 {
 
-std::tuple<at::Tensor, at::Tensor> quantize_rowwise(const at::Tensor& x, at::ScalarType fp8_dtype, bool pow2_scale);
-std::tuple<at::Tensor, at::Tensor> quantize_experts_fwd(const at::Tensor& b_t, at::ScalarType fp8_dtype,
-                                                        bool pow2_scale);
-std::tuple<at::Tensor, at::Tensor> quantize_experts_bwd(const at::Tensor& b_t, at::ScalarType fp8_dtype,
-                                                        bool pow2_scale);
+// The rowwise recipe's instantiations: fp32 decode scales, pow2 or exact, whole
+// reduction sets, linear scales.
+using RowwiseRules = RuleList<Fp32Pow2, Fp32Exact>;
+using RowwiseBlocks = BlockList<kWholeSet>;
+using RowwiseLayouts = LayoutList<LinearScales>;
+
+std::tuple<at::Tensor, at::Tensor> quantize_rowwise(const QuantKernels& k, const at::Tensor& x,
+                                                    at::ScalarType fp8_dtype, bool pow2_scale);
+std::tuple<at::Tensor, at::Tensor> quantize_experts_fwd(const QuantKernels& k, const at::Tensor& b_t,
+                                                        at::ScalarType fp8_dtype, bool pow2_scale);
+std::tuple<at::Tensor, at::Tensor> quantize_experts_bwd(const QuantKernels& k, const at::Tensor& b_t,
+                                                        at::ScalarType fp8_dtype, bool pow2_scale);
 // padded_starts (with alignment): write q in the padded layout of pad_token_groups
 // (DESIGN §8) straight from the unpadded x.
-std::tuple<at::Tensor, at::Tensor> quantize_jagged_colwise(const at::Tensor& x, const at::Tensor& offs,
-                                                           at::ScalarType fp8_dtype, bool pow2_scale,
+std::tuple<at::Tensor, at::Tensor> quantize_jagged_colwise(const QuantKernels& k, const at::Tensor& x,
+                                                           const at::Tensor& offs, at::ScalarType fp8_dtype,
+                                                           bool pow2_scale,
                                                            const std::optional<at::Tensor>& padded_starts,
                                                            int64_t alignment);
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_jagged_colwise_dual(
-    const at::Tensor& x1, const at::Tensor& x2, const at::Tensor& offs, at::ScalarType fp8_dtype, bool pow2_scale,
-    const std::optional<at::Tensor>& padded_starts, int64_t alignment);
+    const QuantKernels& k, const at::Tensor& x1, const at::Tensor& x2, const at::Tensor& offs,
+    at::ScalarType fp8_dtype, bool pow2_scale, const std::optional<at::Tensor>& padded_starts, int64_t alignment);
+
+// Binds one device's runners to the ops and registers them for that device's
+// dispatch key.
+template <const QuantKernels& K>
+struct RowwiseOn {
+  static std::tuple<at::Tensor, at::Tensor> rowwise(const at::Tensor& x, at::ScalarType t, bool pow2) {
+    return quantize_rowwise(K, x, t, pow2);
+  }
+  static std::tuple<at::Tensor, at::Tensor> experts_fwd(const at::Tensor& b, at::ScalarType t, bool pow2) {
+    return quantize_experts_fwd(K, b, t, pow2);
+  }
+  static std::tuple<at::Tensor, at::Tensor> experts_bwd(const at::Tensor& b, at::ScalarType t, bool pow2) {
+    return quantize_experts_bwd(K, b, t, pow2);
+  }
+  static std::tuple<at::Tensor, at::Tensor> jagged(const at::Tensor& x, const at::Tensor& offs, at::ScalarType t,
+                                                   bool pow2, const std::optional<at::Tensor>& starts, int64_t align) {
+    return quantize_jagged_colwise(K, x, offs, t, pow2, starts, align);
+  }
+  static std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> jagged_dual(
+      const at::Tensor& x1, const at::Tensor& x2, const at::Tensor& offs, at::ScalarType t, bool pow2,
+      const std::optional<at::Tensor>& starts, int64_t align) {
+    return quantize_jagged_colwise_dual(K, x1, x2, offs, t, pow2, starts, align);
+  }
+  static void register_impls(torch::Library& m) {
+    m.impl("quantize_rowwise", TORCH_FN(rowwise));
+    m.impl("quantize_experts_fwd", TORCH_FN(experts_fwd));
+    m.impl("quantize_experts_bwd", TORCH_FN(experts_bwd));
+    m.impl("quantize_jagged_colwise", TORCH_FN(jagged));
+    m.impl("quantize_jagged_colwise_dual", TORCH_FN(jagged_dual));
+  }
+};
 
 }  // namespace moe_fp8

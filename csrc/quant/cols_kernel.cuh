@@ -1,6 +1,8 @@
-// Device code of the FP8 rowwise family: the two kernel shapes of rowwise.h and
-// their launchers. Raw pointers, sizes and a stream only (no torch headers), so the
-// file can be compile-checked for any target and hipified as is.
+// The engine's "cols" shape on the GPU (reduce along a strided dimension segment by
+// segment, writing q transposed so every reduction set is contiguous), templated over
+// the policies of policies.h, and its launch plan. Raw pointers, sizes and a stream
+// only (no torch headers), so the file can be compile-checked for any target and
+// hipified as is.
 #pragma once
 
 #include <algorithm>
@@ -10,217 +12,10 @@
 #include "../core/portability.h"
 #include "../core/reduce.cuh"
 #include "../core/vec.cuh"
-#include "rowwise.h"
+#include "engine.h"
+#include "rows_kernel.cuh"
 
 namespace moe_fp8 {
-
-// ---------------------------------------------------------------------------------
-// "rows": a thread block per reduction row at a time. The first kRowsRegVecs vectors
-// of each thread stay in registers between the amax pass and the encode pass, so a row
-// of up to kRowsRegVecs * 1024 vectors (32K bf16) is read from memory exactly once;
-// longer rows re-read the remainder (an L2 hit in practice).
-// ---------------------------------------------------------------------------------
-constexpr int kRowsRegVecs = 4;
-
-// Packed amax of 16-bit inputs (bf16/fp16), used by both kernel shapes: a running max
-// of the sign-cleared lanes, two a word. Clearing the sign makes the integer order the
-// |x| order with NaN above inf (as abs_bits does for floats), so the max lane
-// converted to float bits once at the end equals the per-element amax bits.
-MOE_FP8_DEVICE uint32_t amax16x2_add(uint32_t m, uint32_t w) { return umax_u16x2(m, w & 0x7FFF7FFFu); }
-
-// Float abs bits of lane `hi ? 1 : 0` of a packed amax word.
-template <class In>
-MOE_FP8_DEVICE uint32_t amax16x2_lane_bits(uint32_t m, bool hi) {
-  return abs_bits(In::to_float(static_cast<uint16_t>(hi ? (m >> 16) : (m & 0xFFFFu))));
-}
-
-// Start of reduction row r (RowsArgs addressing). 32-bit division: the launcher checks
-// rows < 2^31, and a 64-bit division is a long software sequence, paid once per row.
-template <typename T>
-MOE_FP8_DEVICE const T* rows_row_ptr(const T* x, const RowsArgs& a, int64_t r) {
-  const uint32_t ri = static_cast<uint32_t>(r);
-  const uint32_t inner = static_cast<uint32_t>(a.rows_inner);
-  const uint32_t outer = ri / inner;
-  return x + static_cast<int64_t>(outer) * a.stride_outer + static_cast<int64_t>(ri - outer * inner) * a.stride_inner;
-}
-
-template <InputKind K, int kVec>
-MOE_FP8_DEVICE void load_row(const typename DeviceInput<K>::storage* xr, int64_t nvec, int64_t stride_col,
-                             Array<typename DeviceInput<K>::storage, kVec> (&buf)[kRowsRegVecs]) {
-#pragma unroll
-  for (int j = 0; j < kRowsRegVecs; ++j) {
-    const int64_t v = threadIdx.x + static_cast<int64_t>(j) * blockDim.x;
-    if (v < nvec) buf[j] = load_elems<typename DeviceInput<K>::storage, kVec>(xr + v * stride_col * kVec, stride_col);
-  }
-}
-
-// Reduce and encode one row whose head is already in `buf` (the tail past the
-// register cache is re-read).
-template <InputKind K, Fp8Format F, int kVec>
-MOE_FP8_DEVICE void encode_row(const typename DeviceInput<K>::storage* xr, uint8_t* qr, float* scale_r,
-                               int64_t nvec, int64_t stride_col, bool pow2,
-                               const Array<typename DeviceInput<K>::storage, kVec> (&buf)[kRowsRegVecs],
-                               uint32_t* s_red) {
-  using In = DeviceInput<K>;
-  using T = typename In::storage;
-  const int64_t step = stride_col * kVec;  // the vector path has stride_col == 1
-  uint32_t amax = 0;
-#pragma unroll
-  for (int j = 0; j < kRowsRegVecs; ++j) {
-    const int64_t v = threadIdx.x + static_cast<int64_t>(j) * blockDim.x;
-    if (v < nvec) amax = amax_bits_of<In>(buf[j], amax);
-  }
-  const int64_t spill = threadIdx.x + static_cast<int64_t>(kRowsRegVecs) * blockDim.x;
-  for (int64_t v = spill; v < nvec; v += blockDim.x) {
-    amax = amax_bits_of<In>(load_elems<T, kVec>(xr + v * step, stride_col), amax);
-  }
-  amax = block_max(amax, s_red);
-  const QuantScale sc = scale_from_amax_bits(amax, Fp8Spec<F>::kMax, pow2);
-  if (threadIdx.x == 0) *scale_r = sc.decode;
-#pragma unroll
-  for (int j = 0; j < kRowsRegVecs; ++j) {
-    const int64_t v = threadIdx.x + static_cast<int64_t>(j) * blockDim.x;
-    if (v < nvec) store_elems<uint8_t, kVec>(qr + v * kVec, quantize_elems<F, In>(buf[j], sc.encode));
-  }
-  for (int64_t v = spill; v < nvec; v += blockDim.x) {
-    const Array<T, kVec> e = load_elems<T, kVec>(xr + v * step, stride_col);
-    store_elems<uint8_t, kVec>(qr + v * kVec, quantize_elems<F, In>(e, sc.encode));
-  }
-}
-
-// Persistent over rows with the next row's loads in flight while the current row is
-// reduced and written: a block never waits on memory with nothing requested.
-template <InputKind K, Fp8Format F, int kVec>
-__global__ void __launch_bounds__(1024) quantize_rows_kernel(
-    const typename DeviceInput<K>::storage* __restrict__ x,  // rows addressed as in RowsArgs
-    uint8_t* __restrict__ q,                                 // [rows, cols] row-major
-    float* __restrict__ scale,                               // [rows]
-    RowsArgs a) {
-  using T = typename DeviceInput<K>::storage;
-  static_assert(kVec == 1 || kVec * sizeof(T) == 16, "vector path moves 16 bytes per access");
-  __shared__ uint32_t s_red[kMaxWarpsPerBlock + 1];
-  const int64_t nvec = a.cols / kVec;
-  auto row_ptr = [&](int64_t r) { return rows_row_ptr(x, a, r); };
-  Array<T, kVec> buf0[kRowsRegVecs], buf1[kRowsRegVecs];
-  int64_t r = blockIdx.x;
-  if (r >= a.rows) return;
-  load_row<K, kVec>(row_ptr(r), nvec, a.stride_col, buf0);
-  while (true) {
-    int64_t next = r + gridDim.x;
-    if (next < a.rows) load_row<K, kVec>(row_ptr(next), nvec, a.stride_col, buf1);
-    encode_row<K, F, kVec>(row_ptr(r), q + r * a.cols, scale + r, nvec, a.stride_col, a.pow2, buf0, s_red);
-    if (next >= a.rows) break;
-    r = next;
-    next = r + gridDim.x;
-    if (next < a.rows) load_row<K, kVec>(row_ptr(next), nvec, a.stride_col, buf0);
-    encode_row<K, F, kVec>(row_ptr(r), q + r * a.cols, scale + r, nvec, a.stride_col, a.pow2, buf1, s_red);
-    if (next >= a.rows) break;
-    r = next;
-  }
-}
-
-// The vector path for rows that fit in shared memory: persistent blocks stream rows
-// through a ring of kRowsStages row buffers with async copies, so that the next
-// kRowsStages - 1 rows are always in flight while one row is reduced and encoded,
-// and no registers are spent holding data. Two stages and about eight 16-byte
-// vectors per thread measured best on H200 (sweep of 2/3/4/6 stages x 2/4/8 vectors:
-// small blocks, many per SM, beat deeper rings; bench/RESULTS.md).
-constexpr int kRowsStages = 2;
-constexpr int kRowsVecsPerThread = 8;
-constexpr int64_t kRowsMaxStageBytes = 32 * 1024;
-
-template <InputKind K, Fp8Format F>
-__global__ void __launch_bounds__(1024) quantize_rows_pipelined_kernel(
-    const typename DeviceInput<K>::storage* __restrict__ x,  // rows addressed as in RowsArgs, stride_col == 1
-    uint8_t* __restrict__ q,                                 // [rows, cols] row-major
-    float* __restrict__ scale,                               // [rows]
-    RowsArgs a) {
-  using In = DeviceInput<K>;
-  using T = typename In::storage;
-  constexpr int kVec = 16 / sizeof(T);
-  extern __shared__ uint4 ring[];  // [kRowsStages][nvec]
-  __shared__ uint32_t s_red[kMaxWarpsPerBlock + 1];
-  const int64_t nvec = a.cols / kVec;
-  auto issue = [&](int64_t r, int stage) {
-    if (r < a.rows) {
-      const T* xr = rows_row_ptr(x, a, r);
-      for (int64_t v = threadIdx.x; v < nvec; v += blockDim.x) async_copy_16(ring + stage * nvec + v, xr + v * kVec);
-    }
-    async_copy_commit();  // every thread commits every time, so group counts agree
-  };
-  int64_t r = blockIdx.x;
-#pragma unroll
-  for (int s = 0; s < kRowsStages - 1; ++s) issue(r + static_cast<int64_t>(s) * gridDim.x, s);
-  for (int64_t i = 0; r < a.rows; ++i, r += gridDim.x) {
-    issue(r + static_cast<int64_t>(kRowsStages - 1) * gridDim.x, static_cast<int>((i + kRowsStages - 1) % kRowsStages));
-    async_copy_wait<kRowsStages - 1>();
-    __syncthreads();
-    const Array<T, kVec>* row = reinterpret_cast<const Array<T, kVec>*>(ring + (i % kRowsStages) * nvec);
-    uint32_t amax = 0;
-    if constexpr (sizeof(T) == 2) {
-      const uint4* words = ring + (i % kRowsStages) * nvec;
-      uint32_t m = 0;
-      for (int64_t v = threadIdx.x; v < nvec; v += blockDim.x) {
-        const uint4 w = words[v];
-        m = amax16x2_add(amax16x2_add(amax16x2_add(amax16x2_add(m, w.x), w.y), w.z), w.w);
-      }
-      amax = umax(amax16x2_lane_bits<In>(m, false), amax16x2_lane_bits<In>(m, true));
-    } else {
-      for (int64_t v = threadIdx.x; v < nvec; v += blockDim.x) amax = amax_bits_of<In>(row[v], amax);
-    }
-    amax = block_max(amax, s_red);
-    const QuantScale sc = scale_from_amax_bits(amax, Fp8Spec<F>::kMax, a.pow2);
-    if (threadIdx.x == 0) scale[r] = sc.decode;
-    uint8_t* qr = q + r * a.cols;
-    for (int64_t v = threadIdx.x; v < nvec; v += blockDim.x) {
-      store_elems<uint8_t, kVec>(qr + v * kVec, quantize_elems<F, In>(row[v], sc.encode));
-    }
-    __syncthreads();  // this stage is refilled next iteration
-  }
-  async_copy_wait_all();
-}
-
-// Whether the 16-byte path applies: unit column stride, every row start and the row
-// length a multiple of the vector, and a 16-byte aligned base.
-template <typename T>
-inline bool rows_vector_ok(const void* x, const RowsArgs& a) {
-  constexpr int64_t n = 16 / sizeof(T);
-  return a.stride_col == 1 && a.cols % n == 0 && a.stride_inner % n == 0 &&
-         a.stride_outer % n == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0;
-}
-
-template <InputKind K, Fp8Format F>
-int launch_quantize_rows(const void* x, uint8_t* q, float* scale, const RowsArgs& a,
-                         gpuStream_t stream) {
-  using T = typename DeviceInput<K>::storage;
-  constexpr int kVecN = 16 / sizeof(T);
-  if (a.rows == 0) return 0;
-  const bool vec = rows_vector_ok<T>(x, a);
-  const int64_t nvec = vec ? a.cols / kVecN : a.cols;
-  // Just enough threads that the register cache covers the row: small rows get small
-  // blocks (many per SM), long rows up to 1024 threads.
-  const int64_t threads =
-      std::min<int64_t>(round_up(std::max<int64_t>(ceil_div(nvec, kRowsRegVecs), 1), kWarpSize), 1024);
-  const T* xt = static_cast<const T*>(x);
-  const int64_t stage_bytes = a.cols * static_cast<int64_t>(sizeof(T));
-  if (vec && stage_bytes <= kRowsMaxStageBytes) {
-    const int64_t pthreads =
-        std::min<int64_t>(std::max<int64_t>(round_up(ceil_div(nvec, kRowsVecsPerThread), kWarpSize), 2 * kWarpSize), 256);
-    const size_t smem = static_cast<size_t>(kRowsStages * stage_bytes);
-    auto kernel = quantize_rows_pipelined_kernel<K, F>;
-    const int64_t resident =
-        static_cast<int64_t>(resident_blocks(kernel, static_cast<int>(pthreads), smem)) * multiprocessor_count();
-    const dim3 grid(static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>(a.rows, resident))));
-    return launch_kernel(kernel, grid, dim3(static_cast<unsigned>(pthreads)), smem, stream, 1, xt, q, scale, a);
-  }
-  const dim3 block(static_cast<unsigned>(threads));
-  auto kernel = vec ? quantize_rows_kernel<K, F, kVecN> : quantize_rows_kernel<K, F, 1>;
-  // Persistent grid: as many blocks as can be resident, each looping over rows.
-  const int64_t resident = static_cast<int64_t>(resident_blocks(kernel, static_cast<int>(threads), 0)) *
-                           multiprocessor_count();
-  const dim3 grid(static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>(a.rows, resident))));
-  return launch_kernel(kernel, grid, block, 0, stream, 1, xt, q, scale, a);
-}
 
 // ---------------------------------------------------------------------------------
 // "cols": a block owns a tile of 128 bytes of each input row (64 bf16 columns) and
@@ -348,6 +143,28 @@ MOE_FP8_DEVICE float fragment_value(const ColsFragment& f, int i, int c) {
   }
 }
 
+// Encodes column c of a fragment with encode multiplier s into the q run at dst, of
+// which `room` bytes belong to the chunk: one 8-byte store when whole and aligned.
+template <InputKind K, Fp8Format F>
+MOE_FP8_DEVICE void store_fragment_run(const ColsFragment& f, int c, float s, uint8_t* dst, int room) {
+  uint32_t w[kColsFragRows / 4];
+#pragma unroll
+  for (int j = 0; j < kColsFragRows / 4; ++j) {
+    const uint16_t lo = scaled_fp8x2<F>(fragment_value<K>(f, 4 * j, c), fragment_value<K>(f, 4 * j + 1, c), s);
+    const uint16_t hi = scaled_fp8x2<F>(fragment_value<K>(f, 4 * j + 2, c), fragment_value<K>(f, 4 * j + 3, c), s);
+    w[j] = static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16);
+  }
+  static_assert(kColsFragRows == 8, "one 8-byte store per run");
+  if (room >= kColsFragRows && reinterpret_cast<uintptr_t>(dst) % 8 == 0) {
+    *reinterpret_cast<uint2*>(dst) = make_uint2(w[0], w[1]);
+  } else {  // a partial or unaligned run, byte by byte (w indexed by constants only)
+#pragma unroll
+    for (int k = 0; k < kColsFragRows; ++k) {
+      if (k < room) dst[k] = static_cast<uint8_t>(w[k / 4] >> (8 * (k % 4)));
+    }
+  }
+}
+
 // Running column amax of fragments, kept packed: per 32-bit word, the max of the
 // sign-cleared elements (two 16-bit lanes, see amax16x2_add, or one float's abs_bits).
 template <InputKind K>
@@ -379,7 +196,7 @@ struct ColsAmax {
   }
 };
 
-template <InputKind K, Fp8Format F, bool kVec>
+template <InputKind K, Fp8Format F, class Rule, int kBlock, class Layout, bool kVec>
 __global__ void __launch_bounds__(kColsThreads, kColsMinBlocks) quantize_cols_kernel(ColsArgs a, int cluster, int cache_rows) {
   using In = DeviceInput<K>;
   using T = typename In::storage;
@@ -417,6 +234,48 @@ __global__ void __launch_bounds__(kColsThreads, kColsMinBlocks) quantize_cols_ke
   const int rb = tid % kColsRowBlocks;
   const int cg = tid / kColsRowBlocks;
 
+  if constexpr (kBlock != kWholeSet) {
+    // Blocks of kBlock rows (a divisor of one 128-row pass) from the segment's first
+    // q row: one pass, each staged row read once. A block's column amax is a butterfly
+    // over the kBlock / kColsFragRows adjacent row-block lanes that hold its fragments.
+    static_assert(kColsPassRows % kBlock == 0 && kBlock % kColsFragRows == 0, "blocks tile a pass");
+    constexpr int kLanes = kBlock / kColsFragRows;
+    bool col_ok[kC];
+#pragma unroll
+    for (int c = 0; c < kC; ++c) col_ok[c] = c0 + cg * kC + c < op.cols;
+    const int64_t col_base = cols_scale_col_base<Layout>(a, op.scale, seg_id, seg, kBlock);
+    uint8_t* qblk = op.q + seg.batch * op.q_sb + (c0 + cg * kC) * op.q_sc + seg.q_start;
+    const int qchunks = static_cast<int>(ceil_div_u32(q_len, cache_rows));
+    for (int ch = 0; ch < qchunks; ++ch) {
+      const int base = ch * cache_rows;
+      const int nq = std::min(cache_rows, q_len - base);
+      const int n = std::max(0, std::min(nq, my_len - base));
+      if (ch > 0) __syncthreads();  // the previous chunk's readers are done
+      if (n > 0) stage_rows<T, kVec>(xblk, op.sr, op.sc, my_start + base, n, valid_cols, tile);
+      __syncthreads();
+      for (int p = 0; p < nq; p += kColsPassRows) {  // uniform over the block: lanes shuffle
+        const int r0 = p + rb * kColsFragRows;
+        ColsFragment f;
+        load_fragment(tile, r0, n, cg, f);
+        ColsAmax<K> amax;
+        amax.add(f);
+        amax.reduce_lanes(kLanes);
+        if (r0 >= nq) continue;
+        const int64_t blk = (base + r0) / kBlock;
+#pragma unroll
+        for (int c = 0; c < kC; ++c) {
+          if (!col_ok[c]) continue;
+          const auto sc = Rule::template from_amax_bits<F>(amax.column_bits(c));
+          if (rb % kLanes == 0 && !seg.zero_fill) {  // the tail past the groups has no scales
+            store_scale<Rule>(op.scale, Layout::index(op.scale, seg_id, c0 + cg * kC + c, blk, 0, col_base), sc.stored);
+          }
+          store_fragment_run<K, F>(f, c, seg.zero_fill ? 0.0f : sc.encode, qblk + c * op.q_sc + base + r0, nq - r0);
+        }
+      }
+    }
+    return;
+  }
+
   // Pass 1: stage chunk by chunk; each thread reduces its fragments' column amax.
   // Chunk 0 (a full one) goes last and stays in the tile for pass 2, so a slice longer
   // than the cache re-reads only the rows past it.
@@ -451,9 +310,11 @@ __global__ void __launch_bounds__(kColsThreads, kColsMinBlocks) quantize_cols_ke
   }
   __syncthreads();
   if (tid < kTileCols) {
-    const QuantScale sc = scale_from_amax_bits(s_amax[tid], Fp8Spec<F>::kMax, a.pow2);
+    const auto sc = Rule::template from_amax_bits<F>(s_amax[tid]);
     s_enc[tid] = seg.zero_fill ? 0.0f : sc.encode;
-    if (rank == 0 && !seg.zero_fill && c0 + tid < op.cols) op.scale[seg_id * op.scale_ss + c0 + tid] = sc.decode;
+    if (rank == 0 && !seg.zero_fill && c0 + tid < op.cols) {
+      store_scale<Rule>(op.scale, Layout::index(op.scale, seg_id, c0 + tid, 0, 0, 0), sc.stored);
+    }
   }
   __syncthreads();
 
@@ -485,24 +346,7 @@ __global__ void __launch_bounds__(kColsThreads, kColsMinBlocks) quantize_cols_ke
       load_fragment(tile, r0, n, cg, f);
 #pragma unroll
       for (int c = 0; c < kC; ++c) {
-        if (!col_ok[c]) continue;
-        uint32_t w[kColsFragRows / 4];
-#pragma unroll
-        for (int j = 0; j < kColsFragRows / 4; ++j) {
-          const uint16_t lo = scaled_fp8x2<F>(fragment_value<K>(f, 4 * j, c), fragment_value<K>(f, 4 * j + 1, c), s[c]);
-          const uint16_t hi = scaled_fp8x2<F>(fragment_value<K>(f, 4 * j + 2, c), fragment_value<K>(f, 4 * j + 3, c), s[c]);
-          w[j] = static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16);
-        }
-        uint8_t* dst = qblk + c * op.q_sc + base + r0;
-        static_assert(kColsFragRows == 8, "one 8-byte store per run");
-        if (r0 + kColsFragRows <= nq && reinterpret_cast<uintptr_t>(dst) % 8 == 0) {
-          *reinterpret_cast<uint2*>(dst) = make_uint2(w[0], w[1]);
-        } else {  // a partial or unaligned run, byte by byte (w indexed by constants only)
-#pragma unroll
-          for (int k = 0; k < kColsFragRows; ++k) {
-            if (r0 + k < nq) dst[k] = static_cast<uint8_t>(w[k / 4] >> (8 * (k % 4)));
-          }
-        }
+        if (col_ok[c]) store_fragment_run<K, F>(f, c, s[c], qblk + c * op.q_sc + base + r0, nq - r0);
       }
     }
   }
@@ -529,10 +373,16 @@ struct ColsLaunchPlan {
 // 768-row cache, two blocks an SM: 73%); 72 KB is the largest budget that keeps three.
 constexpr int64_t kColsSmemBudget = 72 * 1024;
 
+// Block mode (blocks of 32 or 128 rows) needs no cross-block exchange: one block a
+// segment slice, chunks of whole 128-row passes.
 inline ColsLaunchPlan plan_cols_launch(int64_t expected_rows, int num_segments, int max_smem_bytes,
-                                       bool clusters) {
+                                       bool clusters, int block = kWholeSet) {
   const int64_t budget = std::min<int64_t>(max_smem_bytes - 8192, kColsSmemBudget);
   const int64_t max_rows = std::max<int64_t>(budget / kColsTileBytes / kColsFragRows * kColsFragRows, kColsFragRows);
+  if (block != kWholeSet) {
+    const int64_t pass_rows = std::max<int64_t>(max_rows / kColsPassRows * kColsPassRows, kColsPassRows);
+    return {1, static_cast<int>(std::min<int64_t>(round_up(std::max<int64_t>(expected_rows, 1), kColsPassRows), pass_rows))};
+  }
   int cluster = 1;
   if (clusters) {
     while (cluster < kColsMaxCluster && ceil_div(expected_rows, cluster) > max_rows) cluster *= 2;
@@ -542,7 +392,7 @@ inline ColsLaunchPlan plan_cols_launch(int64_t expected_rows, int num_segments, 
   return {cluster, static_cast<int>(rows)};
 }
 
-template <InputKind K, Fp8Format F>
+template <InputKind K, Fp8Format F, class Rule, int kBlock, class Layout>
 int launch_quantize_cols(const ColsArgs& a, ColsLaunchPlan plan, gpuStream_t stream) {
   using T = typename DeviceInput<K>::storage;
   constexpr int kTileCols = kColsTileBytes / sizeof(T);
@@ -553,7 +403,8 @@ int launch_quantize_cols(const ColsArgs& a, ColsLaunchPlan plan, gpuStream_t str
   if (a.num_ops == 2) vec = vec && cols_vector_ok<T>(a.op[1]);
   const dim3 grid(static_cast<unsigned>(tiles), static_cast<unsigned>(segments_with_tail(a) * plan.cluster));
   const size_t smem = static_cast<size_t>(plan.cache_rows) * kColsTileBytes;
-  auto kernel = vec ? quantize_cols_kernel<K, F, true> : quantize_cols_kernel<K, F, false>;
+  auto kernel = vec ? quantize_cols_kernel<K, F, Rule, kBlock, Layout, true>
+                   : quantize_cols_kernel<K, F, Rule, kBlock, Layout, false>;
   return launch_kernel(kernel, grid, dim3(kColsThreads), smem, stream, plan.cluster, a, plan.cluster, plan.cache_rows);
 }
 

@@ -1,0 +1,261 @@
+// Torch glue of the MXFP8 recipe, shared by the CPU and CUDA registrations: checks,
+// allocation in the layouts of DESIGN §7, and the mapping of each op onto the engine
+// (E8M0 FLOOR/RCEIL, blocks of 32 along the contraction, linear or blocked scales).
+//
+// Blocked scales are allocated zeroed: the layout's padding (rows past R, columns past
+// C, the gaps between token groups, the static tail) must read as zero scales, and
+// the kernels write only the scales of real blocks.
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+
+#include <tuple>
+
+#include "../core/groups.h"
+#include "../core/op_checks.h"
+#include "../quant/quant_glue.h"
+#include "mxfp8_ops.h"
+
+namespace moe_fp8 {
+namespace {
+
+QuantSpec mx_spec(c10::string_view rounding, bool blocked, const char* op) {
+  QuantSpec spec;
+  if (rounding == "rceil") {
+    spec.rule = ScaleRuleKind::kE8m0Rceil;
+  } else if (rounding == "floor") {
+    spec.rule = ScaleRuleKind::kE8m0Floor;
+  } else {
+    TORCH_CHECK(false, op, ": expected rounding \"rceil\" or \"floor\", got \"", std::string(rounding), "\"");
+  }
+  spec.block = kMxBlock;
+  spec.layout = blocked ? ScaleLayoutKind::kBlocked : ScaleLayoutKind::kLinear;
+  return spec;
+}
+
+void check_multiple_of_block(int64_t n, const char* op, const char* what) {
+  TORCH_CHECK(n % kMxBlock == 0, op, ": expected ", what, " to be a multiple of ", kMxBlock, ", got ", n);
+}
+
+// E8M0 scales (stored as bytes): zeroed when blocked or when some columns may have no
+// block (token-group tails), uninitialized otherwise (every element is written).
+at::Tensor e8m0_scales(at::IntArrayRef shape, const at::Tensor& like, bool zeroed) {
+  const auto opts = like.options().dtype(at::kByte);
+  at::Tensor s = zeroed ? at::zeros(shape, opts) : at::empty(shape, opts);
+  return s.view(at::kFloat8_e8m0fnu);
+}
+
+ScaleOut linear_scales(const at::Tensor& s, int64_t seg_stride, int64_t set_stride) {
+  ScaleOut o;
+  o.ptr = s.data_ptr();
+  o.numel = s.numel();
+  o.seg_stride = seg_stride;
+  o.set_stride = set_stride;
+  o.blk_stride = 1;
+  return o;
+}
+
+ScaleOut blocked_scales(const at::Tensor& s, int64_t seg_stride, int64_t padded_cols, BlockedGroups groups) {
+  ScaleOut o;
+  o.ptr = s.data_ptr();
+  o.numel = s.numel();
+  o.seg_stride = seg_stride;
+  o.padded_cols = padded_cols;
+  o.groups = groups;
+  o.block = kMxBlock;
+  return o;
+}
+
+// Each token group's start in a grouped blocked layout, in rows of `alignment`: the
+// padded starts of the token-group family (through the dispatcher: no family includes
+// another's headers), computed on the device of offs without a sync.
+at::Tensor group_starts(const at::Tensor& offs, int64_t rows, int64_t alignment) {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("moe_fp8::padded_group_offsets", "")
+                             .typed<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, c10::SymInt, int64_t)>();
+  return std::get<0>(op.call(offs, c10::SymInt(rows), alignment));
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> quantize_mxfp8_rowwise(const QuantKernels& k, const at::Tensor& x,
+                                                          c10::string_view rounding, bool blocked,
+                                                          const std::optional<at::Tensor>& offs) {
+  constexpr const char* op = "quantize_mxfp8_rowwise";
+  check_rank(x, 2, op, "x");
+  const InputKind in = input_kind(x, op, "x");
+  const QuantSpec spec = mx_spec(rounding, blocked, op);
+  const int64_t M = x.size(0), K = x.size(1);
+  check_multiple_of_block(K, op, "K (x.size(1))");
+  TORCH_CHECK(!offs.has_value() || blocked, op,
+              ": expected offs only with blocked=True (plain scales do not depend on the token groups), got offs "
+              "with blocked=False");
+  at::Tensor q = at::empty({M, K}, x.options().dtype(at::kFloat8_e4m3fn));
+  const int64_t C = K / kMxBlock, Cp = round_up(C, 4);
+  RowsArgs a;
+  a.rows = M;
+  a.cols = K;
+  a.rows_inner = std::max<int64_t>(M, 1);
+  a.stride_inner = x.stride(0);
+  a.stride_col = x.stride(1);
+  at::Tensor scale, starts;
+  if (!blocked) {
+    scale = e8m0_scales({M, C}, x, false);
+    a.scale = linear_scales(scale, 0, C);
+  } else if (!offs.has_value()) {
+    scale = e8m0_scales({round_up(M, 128), Cp}, x, true);
+    a.scale = blocked_scales(scale, 0, Cp, BlockedGroups::kNone);
+  } else {
+    check_offs(*offs, x, M, op);
+    const int64_t G = offs->numel();
+    scale = e8m0_scales({M + 128 * G, Cp}, x, true);
+    a.scale = blocked_scales(scale, 0, Cp, BlockedGroups::kMGroups);
+    starts = group_starts(*offs, M, 128);
+    a.offs = offs->data_ptr<int32_t>();
+    a.group_starts = starts.data_ptr<int32_t>();
+    a.groups = static_cast<int>(G);
+  }
+  if (M == 0 || K == 0) return {q, scale};
+  a.x = x.data_ptr();
+  a.q = static_cast<uint8_t*>(q.data_ptr());
+  k.rows(in, Fp8Format::kE4M3FN, spec, a, x.device().index());
+  return {q, scale};
+}
+
+std::tuple<at::Tensor, at::Tensor> quantize_mxfp8_colwise(const QuantKernels& k, const at::Tensor& x,
+                                                          c10::string_view rounding, bool blocked,
+                                                          const std::optional<at::Tensor>& offs,
+                                                          const std::optional<at::Tensor>& padded_starts,
+                                                          std::optional<int64_t> alignment) {
+  constexpr const char* op = "quantize_mxfp8_colwise";
+  check_rank(x, 2, op, "x");
+  const InputKind in = input_kind(x, op, "x");
+  const QuantSpec spec = mx_spec(rounding, blocked, op);
+  const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK(offs.has_value() || !padded_starts.has_value(), op, ": expected padded_starts only with offs");
+  TORCH_CHECK(padded_starts.has_value() == alignment.has_value(), op,
+              ": expected padded_starts and alignment together, got only ",
+              padded_starts.has_value() ? "padded_starts" : "alignment");
+  ColsArgs a;
+  a.rows = M;
+  int64_t q_rows = M;
+  at::Tensor offs_c, starts_c, gstarts;
+  if (offs.has_value()) {
+    check_offs(*offs, x, M, op);
+    const int64_t G = offs->numel();
+    TORCH_CHECK(G <= 65534, op, ": expected at most 65534 groups, got ", G);
+    offs_c = offs->contiguous();
+    a.jagged = true;
+    a.offs = offs_c.data_ptr<int32_t>();
+    a.num_segments = static_cast<int>(G);
+    if (padded_starts.has_value()) {
+      TORCH_CHECK(*alignment >= kMxBlock && *alignment % kMxBlock == 0, op,
+                  ": expected alignment to be a multiple of ", kMxBlock, ", got ", *alignment);
+      const JaggedLayout l = jagged_layout(x, *offs, padded_starts, *alignment, op);
+      starts_c = l.padded_starts;
+      q_rows = l.q_rows;
+      a.padded = true;
+      a.padded_starts = starts_c.data_ptr<int32_t>();
+      a.alignment = l.alignment;
+    } else {
+      check_multiple_of_block(M, op, "M (x.size(0))");
+      if (check_content(*offs)) {
+        const at::Tensor host = offs->cpu();  // host-sync-ok: CPU or MOE_FP8_DEBUG only
+        const int32_t* o = host.data_ptr<int32_t>();
+        for (int64_t g = 0; g < G; ++g) {
+          const int64_t n = o[g] - (g == 0 ? 0 : o[g - 1]);
+          TORCH_CHECK(n % kMxBlock == 0, op, ": expected token groups whose sizes are multiples of ", kMxBlock,
+                      " (or padded_starts and alignment), got ", n, " rows in group ", g);
+        }
+      }
+    }
+  } else {
+    check_multiple_of_block(M, op, "M (x.size(0))");
+  }
+  a.q_rows = q_rows;
+  at::Tensor q = at::empty_strided({q_rows, K}, {1, std::max<int64_t>(q_rows, 1)}, x.options().dtype(at::kFloat8_e4m3fn));
+  const int64_t C = q_rows / kMxBlock;
+  at::Tensor scale;
+  ScaleOut s;
+  if (!blocked) {
+    scale = e8m0_scales({K, C}, x, a.jagged);
+    s = linear_scales(scale, 0, C);
+  } else if (!a.jagged) {
+    scale = e8m0_scales({round_up(K, 128), round_up(C, 4)}, x, true);
+    s = blocked_scales(scale, 0, round_up(C, 4), BlockedGroups::kNone);
+  } else {
+    const int64_t width = round_up(C, 4) + 4 * a.num_segments;
+    scale = e8m0_scales({round_up(K, 128), width}, x, true);
+    s = blocked_scales(scale, 0, width, BlockedGroups::kKGroups);
+    gstarts = at::floor_divide(group_starts(*offs, M, std::max<int64_t>(a.alignment, 128)), kMxBlock);
+    a.group_starts = gstarts.data_ptr<int32_t>();
+  }
+  ColsOperand& o = a.op[0];
+  o.x = x.data_ptr();
+  o.sr = x.stride(0);
+  o.sc = x.stride(1);
+  o.cols = K;
+  o.q = static_cast<uint8_t*>(q.data_ptr());
+  o.q_sc = q_rows;
+  o.scale = s;
+  if (!a.jagged) a.num_segments = 1;
+  if (K == 0 || (q_rows == 0 && !a.jagged)) return {q, scale};
+  const int64_t G = std::max<int64_t>(a.num_segments, 1);
+  k.cols(in, Fp8Format::kE4M3FN, spec, a, ceil_div(M, G), x.device().index());
+  return {q, scale};
+}
+
+std::tuple<at::Tensor, at::Tensor> quantize_mxfp8_experts(const QuantKernels& k, const at::Tensor& b,
+                                                          c10::string_view rounding, bool blocked) {
+  constexpr const char* op = "quantize_mxfp8_experts";
+  check_rank(b, 3, op, "b");
+  const InputKind in = input_kind(b, op, "b");
+  const QuantSpec spec = mx_spec(rounding, blocked, op);
+  const int64_t E = b.size(0), K = b.size(1), N = b.size(2);
+  check_multiple_of_block(K, op, "K (b.size(1))");
+  TORCH_CHECK(E <= 65535, op, ": expected at most 65535 experts, got ", E);
+  at::Tensor q = at::empty_strided({E, K, N}, {K * N, 1, std::max<int64_t>(K, 1)}, b.options().dtype(at::kFloat8_e4m3fn));
+  const int64_t C = K / kMxBlock, Cp = round_up(C, 4), per_expert = round_up(N, 128) * Cp;
+  at::Tensor scale;
+  ScaleOut s;
+  if (!blocked) {
+    scale = e8m0_scales({E, N, C}, b, false);
+    s = linear_scales(scale, N * C, C);
+  } else {
+    scale = e8m0_scales({E, per_expert}, b, true);
+    s = blocked_scales(scale, per_expert, Cp, BlockedGroups::kNone);
+  }
+  if (E == 0 || K == 0 || N == 0) return {q, scale};
+  if (b.stride(1) == 1 && K > 1) {
+    // K contiguous (B_t = W^T of a row-major W): reduce along rows of the memory.
+    RowsArgs a;
+    a.x = b.data_ptr();
+    a.q = static_cast<uint8_t*>(q.data_ptr());
+    a.rows = E * N;
+    a.cols = K;
+    a.rows_inner = N;
+    a.stride_outer = b.stride(0);
+    a.stride_inner = b.stride(2);
+    a.stride_col = 1;
+    a.scale = s;
+    k.rows(in, Fp8Format::kE4M3FN, spec, a, b.device().index());
+    return {q, scale};
+  }
+  ColsArgs a;
+  ColsOperand& o = a.op[0];
+  o.x = b.data_ptr();
+  o.sb = b.stride(0);
+  o.sr = b.stride(1);
+  o.sc = b.stride(2);
+  o.cols = N;
+  o.q = static_cast<uint8_t*>(q.data_ptr());
+  o.q_sb = K * N;
+  o.q_sc = K;
+  o.scale = s;
+  a.rows = K;
+  a.q_rows = K;
+  a.num_segments = static_cast<int>(E);
+  k.cols(in, Fp8Format::kE4M3FN, spec, a, K, b.device().index());
+  return {q, scale};
+}
+
+}  // namespace moe_fp8

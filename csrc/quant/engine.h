@@ -1,0 +1,227 @@
+// The quantization engine's plain-data interface (DESIGN §2), shared by the CPU twin,
+// the GPU kernels and every recipe's torch glue. No torch, no CUDA headers.
+//
+// Every quantization op of every recipe is one of two kernel shapes:
+//  * "rows": reduce along a dimension that is contiguous in memory (or any strides,
+//    on the scalar path); q keeps the row-major layout of the reduction.
+//  * "cols": reduce along a strided dimension, segment by segment (a whole batch, or
+//    the token groups of `offs`), and write q transposed so that each reduction set
+//    is contiguous in q (the column-major layouts the scaled GEMMs want).
+// and each is instantiated over the policies of policies.h: a scale rule, a block
+// size along the reduced dimension, and a scale layout.
+#pragma once
+
+#include <cstdint>
+#include <type_traits>
+#include <utility>
+
+#include "../core/groups.h"
+#include "../core/numerics.h"
+#include "policies.h"
+
+namespace moe_fp8 {
+
+// Row r of the reduction reads x + (r / rows_inner) * stride_outer
+// + (r % rows_inner) * stride_inner + k * stride_col for k < cols; q is [rows, cols]
+// row-major. The scale of (row r, block j) goes to `scale` at segment r / rows_inner,
+// set r % rows_inner, block j (whole-set: j = 0). With M-group blocked scales, `offs`
+// (the token groups of the rows) and `group_starts` (each group's first row in the
+// blocked matrix) place every row's scales.
+struct RowsArgs {
+  const void* x = nullptr;
+  uint8_t* q = nullptr;
+  int64_t rows = 0;
+  int64_t cols = 0;
+  int64_t rows_inner = 1;
+  int64_t stride_outer = 0;
+  int64_t stride_inner = 0;
+  int64_t stride_col = 1;
+  ScaleOut scale;
+  const int32_t* offs = nullptr;
+  const int32_t* group_starts = nullptr;
+  int groups = 0;
+};
+
+// One operand of a "cols" launch. Element (b, r, c) of x is at
+// x + b*sb + r*sr + c*sc (elements); its fp8 code goes to q + b*q_sb + c*q_sc + r
+// (bytes, so every reduction set is contiguous in q); the scale of (segment s,
+// column c, block j) goes to `scale` at segment s, set c, block j.
+struct ColsOperand {
+  const void* x = nullptr;
+  int64_t sb = 0, sr = 0, sc = 1;
+  int64_t cols = 0;
+  uint8_t* q = nullptr;
+  int64_t q_sb = 0, q_sc = 0;
+  ScaleOut scale;
+};
+
+// Segments: unless `jagged`, segment s is batch s, rows [0, rows). When jagged
+// (int32, cumulative group ends), segment g is rows [offs[g-1], offs[g]) of batch 0,
+// clamped into [0, rows) so that no offs content can index out of bounds, and a
+// tail segment num_segments covers the q rows past the last group: its q is
+// zero-filled and it has no scale.
+//
+// Padded (jagged only, `padded`): q has `q_rows` rows and group g is written at q rows
+// [padded_starts[g], padded_starts[g] + round_up(n_g, alignment)), its rows past n_g
+// zero rows encoded with the group's scales (0, or NaN in a NaN column):
+// pad_token_groups's layout (DESIGN §8) quantized, produced from the unpadded input.
+// Otherwise q rows are the input rows (q_rows == rows).
+//
+// Blocks (block > 0) start at each segment's first q row. K-group blocked scales place
+// group g's block columns at `group_starts[g]` when given, else at the sum of the
+// groups before it (blocked_group_start).
+struct ColsArgs {
+  ColsOperand op[2];
+  int num_ops = 1;
+  int64_t rows = 0;
+  bool jagged = false;
+  const int32_t* offs = nullptr;  // may be null when num_segments == 0
+  int num_segments = 0;
+  bool padded = false;
+  const int32_t* padded_starts = nullptr;  // may be null when num_segments == 0
+  int64_t alignment = 1;
+  int64_t q_rows = 0;
+  const int32_t* group_starts = nullptr;
+};
+
+// Input rows [start, end) of one batch, written to q rows [q_start, q_start + q_len);
+// q rows past the input rows (q_len > end - start) are zero.
+struct Segment {
+  int64_t batch;
+  int64_t start;
+  int64_t end;
+  int64_t q_start;
+  int64_t q_len;
+  bool zero_fill;
+};
+
+MOE_FP8_HD int segments_with_tail(const ColsArgs& a) {
+  return a.num_segments + (a.jagged ? 1 : 0);
+}
+
+MOE_FP8_HD Segment resolve_segment(const ColsArgs& a, int seg) {
+  if (!a.jagged) return {seg, 0, a.rows, 0, a.rows, false};
+  const bool tail = seg == a.num_segments;
+  if (!a.padded) {
+    int64_t start = 0, end = a.rows;
+    if (!tail) group_range(a.offs, seg, a.rows, &start, &end);
+    else if (seg > 0) start = clamp_offset(a.offs[seg - 1], a.rows);
+    return {0, start, tail ? start : end, start, end - start, tail};
+  }
+  // Padded: q positions come from padded_starts, clamped into [0, q_rows).
+  if (tail) {
+    int64_t q_start = 0;
+    if (seg > 0) {
+      int64_t s, e;
+      group_range(a.offs, seg - 1, a.rows, &s, &e);
+      q_start = clamp_offset(static_cast<int64_t>(a.padded_starts[seg - 1]) + round_up(e - s, a.alignment), a.q_rows);
+    }
+    return {0, 0, 0, q_start, a.q_rows - q_start, true};
+  }
+  int64_t start, end;
+  group_range(a.offs, seg, a.rows, &start, &end);
+  const int64_t q_start = clamp_offset(a.padded_starts[seg], a.q_rows);
+  const int64_t q_len = round_up(end - start, a.alignment);
+  const int64_t q_fit = q_len < a.q_rows - q_start ? q_len : a.q_rows - q_start;
+  return {0, start, start + (end - start < q_fit ? end - start : q_fit), q_start, q_fit, false};
+}
+
+// The block-column (K groups) or row (M groups) start of segment g's blocked scales.
+MOE_FP8_HD int64_t cols_group_base(const ColsArgs& a, const ScaleOut& s, int g) {
+  if (s.groups == BlockedGroups::kNone) return 0;
+  if (a.group_starts != nullptr) return a.group_starts[g];
+  return blocked_group_start(s, a.offs, g, a.rows);
+}
+
+// First group g whose end offs[g] is past row r (clamped offs), or `groups` if none.
+MOE_FP8_HD int group_of_row(const int32_t* offs, int groups, int64_t rows, int64_t r) {
+  int lo = 0, hi = groups;
+  while (lo < hi) {
+    const int mid = (lo + hi) / 2;
+    if (clamp_offset(offs[mid], rows) <= r) lo = mid + 1;
+    else hi = mid;
+  }
+  return lo;
+}
+
+// Index of the scale of block j of the row at (segment seg, set `set` = row within the
+// segment) of a "rows" launch in a.scale, or -1 when the row has no place in the
+// layout (M-group blocked scales: rows past the groups).
+template <class Layout>
+MOE_FP8_HD int64_t rows_scale_index(const RowsArgs& a, int64_t seg, int64_t set, int64_t j) {
+  int64_t row_base = 0;
+  if (Layout::kBlocked && a.scale.groups == BlockedGroups::kMGroups) {
+    const int g = group_of_row(a.offs, a.groups, a.rows_inner, set);
+    if (g >= a.groups) return -1;
+    const int64_t start = g == 0 ? 0 : clamp_offset(a.offs[g - 1], a.rows_inner);
+    row_base = (a.group_starts != nullptr ? static_cast<int64_t>(a.group_starts[g])
+                                          : blocked_group_start(a.scale, a.offs, g, a.rows_inner)) - start;
+  }
+  return Layout::index(a.scale, seg, set, j, row_base, 0);
+}
+
+// The block-column base of a segment of a "cols" launch: the group's start in a
+// K-group blocked layout; in a linear layout with blocks over token groups, the
+// group's first q row in blocks (groups start block-aligned).
+template <class Layout>
+MOE_FP8_HD int64_t cols_scale_col_base(const ColsArgs& a, const ScaleOut& s, int seg_id, const Segment& seg,
+                                       int block) {
+  if (Layout::kBlocked) return cols_group_base(a, s, seg_id);
+  return (a.jagged && block > 0) ? seg.q_start / block : 0;
+}
+
+// Which policies a launch uses, as runtime values; each recipe's .cu and CPU file map
+// the combinations it instantiates (dispatch_quant below) and reject the rest.
+struct QuantSpec {
+  ScaleRuleKind rule = ScaleRuleKind::kFp32Pow2;
+  int block = kWholeSet;
+  ScaleLayoutKind layout = ScaleLayoutKind::kLinear;
+};
+
+// One device's runners of the engine for one recipe (a table per recipe and device:
+// the CPU file and the .cu each define theirs; the torch glue calls through it, so no
+// op branches on the device). `device` is the GPU index (unused on the CPU).
+struct QuantKernels {
+  void (*rows)(InputKind in, Fp8Format fmt, const QuantSpec& spec, const RowsArgs& a, int device);
+  void (*cols)(InputKind in, Fp8Format fmt, const QuantSpec& spec, const ColsArgs& a, int64_t expected_segment_rows,
+               int device);
+};
+
+// ---- compile-time policy lists and their dispatch ------------------------------------
+
+template <class... Rules>
+struct RuleList {};
+template <int... Blocks>
+struct BlockList {};
+template <class... Layouts>
+struct LayoutList {};
+
+template <class Rule>
+constexpr ScaleRuleKind rule_kind() {
+  if constexpr (std::is_same_v<Rule, Fp32Pow2>) return ScaleRuleKind::kFp32Pow2;
+  else if constexpr (std::is_same_v<Rule, Fp32Exact>) return ScaleRuleKind::kFp32Exact;
+  else if constexpr (std::is_same_v<Rule, E8m0Floor>) return ScaleRuleKind::kE8m0Floor;
+  else return ScaleRuleKind::kE8m0Rceil;
+}
+
+template <class Layout>
+constexpr ScaleLayoutKind layout_kind() {
+  return Layout::kBlocked ? ScaleLayoutKind::kBlocked : ScaleLayoutKind::kLinear;
+}
+
+// Calls fn(Rule{}, std::integral_constant<int, Block>{}, Layout{}) for the combination
+// `spec` names, if the lists hold it; returns whether one did.
+template <class... Rules, int... Blocks, class... Layouts, class Fn>
+bool dispatch_quant(RuleList<Rules...>, BlockList<Blocks...>, LayoutList<Layouts...>, const QuantSpec& spec, Fn&& fn) {
+  bool done = false;
+  auto with_layout = [&](auto rule, auto block) {
+    ((!done && layout_kind<Layouts>() == spec.layout ? (fn(rule, block, Layouts{}), done = true) : false), ...);
+  };
+  auto with_block = [&](auto rule) {
+    ((!done && Blocks == spec.block ? (with_layout(rule, std::integral_constant<int, Blocks>{}), true) : false), ...);
+  };
+  ((!done && rule_kind<Rules>() == spec.rule ? (with_block(Rules{}), true) : false), ...);
+  return done;
+}
+
+}  // namespace moe_fp8

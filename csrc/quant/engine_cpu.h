@@ -1,0 +1,151 @@
+// The CPU twin of the quantization engine: the same two shapes and the same policies
+// as the GPU kernels, as plain loops over core/numerics.h, so CI (no GPU) checks the
+// exact rounding, scale rules and scale layouts the GPU uses. Each recipe's CPU file
+// instantiates it through cpu_quant_kernels<...>().
+#pragma once
+
+#include <ATen/Parallel.h>
+#include <c10/util/Exception.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <cstring>
+
+#include "../core/dispatch.h"
+#include "engine.h"
+
+namespace moe_fp8 {
+namespace engine_cpu {
+
+template <InputKind K>
+struct CpuInput;
+template <>
+struct CpuInput<InputKind::kBF16> {
+  using type = c10::BFloat16;
+};
+template <>
+struct CpuInput<InputKind::kFP16> {
+  using type = c10::Half;
+};
+template <>
+struct CpuInput<InputKind::kFP32> {
+  using type = float;
+};
+
+template <class Rule>
+void store_scale(const ScaleOut& s, int64_t index, typename Rule::stored_t v) {
+  if (index >= 0 && index < s.numel) static_cast<typename Rule::stored_t*>(s.ptr)[index] = v;
+}
+
+template <typename T, Fp8Format F, class Rule, int kBlock, class Layout>
+void rows(const RowsArgs& a) {
+  constexpr float kMax = Fp8Spec<F>::kMax;
+  const T* x = static_cast<const T*>(a.x);
+  const int64_t block = kBlock == kWholeSet ? a.cols : kBlock;
+  const int64_t nblocks = kBlock == kWholeSet ? 1 : ceil_div(a.cols, kBlock);
+  at::parallel_for(0, a.rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* xr = x + (r / a.rows_inner) * a.stride_outer + (r % a.rows_inner) * a.stride_inner;
+      uint8_t* qr = a.q + r * a.cols;
+      for (int64_t j = 0; j < nblocks; ++j) {
+        const int64_t k0 = j * block, k1 = std::min(a.cols, k0 + block);
+        uint32_t amax = 0;
+        for (int64_t k = k0; k < k1; ++k) amax = std::max(amax, abs_bits(static_cast<float>(xr[k * a.stride_col])));
+        const auto sc = Rule::template from_amax_bits<F>(amax);
+        const int64_t si = rows_scale_index<Layout>(a, r / a.rows_inner, r % a.rows_inner, j);
+        if (si >= 0) store_scale<Rule>(a.scale, si, sc.stored);
+        for (int64_t k = k0; k < k1; ++k) {
+          qr[k] = encode_fp8<F>(scale_clamp(static_cast<float>(xr[k * a.stride_col]), sc.encode, kMax));
+        }
+      }
+    }
+  });
+}
+
+template <typename T, Fp8Format F, class Rule, int kBlock, class Layout>
+void cols(const ColsArgs& a) {
+  constexpr float kMax = Fp8Spec<F>::kMax;
+  const int segments = segments_with_tail(a);
+  for (int o = 0; o < a.num_ops; ++o) {
+    const ColsOperand& op = a.op[o];
+    // One task per (segment, column): each owns its reduction sets and its q run.
+    at::parallel_for(0, static_cast<int64_t>(segments) * op.cols, 64, [&](int64_t begin, int64_t end) {
+      for (int64_t task = begin; task < end; ++task) {
+        const int seg_id = static_cast<int>(task / op.cols);
+        const int64_t c = task % op.cols;
+        const Segment seg = resolve_segment(a, seg_id);
+        const T* xc = static_cast<const T*>(op.x) + seg.batch * op.sb + c * op.sc;
+        // q rows of this segment: its input rows first, then padding (a zero row
+        // encoded with the block's scale, so NaN in a NaN block, as quantizing the
+        // padded copy gives and the GPU kernel does) or the tail (zeros).
+        uint8_t* qc = op.q + seg.batch * op.q_sb + c * op.q_sc + seg.q_start;
+        if (seg.zero_fill) {
+          std::memset(qc, 0, static_cast<size_t>(seg.q_len));
+          continue;
+        }
+        const int64_t n = seg.end - seg.start;
+        const int64_t block = kBlock == kWholeSet ? std::max<int64_t>(seg.q_len, 1) : kBlock;
+        const int64_t nblocks = kBlock == kWholeSet ? 1 : ceil_div(seg.q_len, kBlock);
+        const int64_t col_base = cols_scale_col_base<Layout>(a, op.scale, seg_id, seg, kBlock);
+        for (int64_t j = 0; j < nblocks; ++j) {
+          const int64_t r0 = j * block, r1 = std::min(seg.q_len, r0 + block);
+          uint32_t amax = 0;
+          for (int64_t r = r0; r < std::min(r1, n); ++r) {
+            amax = std::max(amax, abs_bits(static_cast<float>(xc[(seg.start + r) * op.sr])));
+          }
+          const auto sc = Rule::template from_amax_bits<F>(amax);
+          store_scale<Rule>(op.scale, Layout::index(op.scale, seg_id, c, j, 0, col_base), sc.stored);
+          for (int64_t r = r0; r < std::min(r1, n); ++r) {
+            qc[r] = encode_fp8<F>(scale_clamp(static_cast<float>(xc[(seg.start + r) * op.sr]), sc.encode, kMax));
+          }
+          const uint8_t pad = encode_fp8<F>(scale_clamp(0.0f, sc.encode, kMax));
+          for (int64_t r = std::max(r0, n); r < r1; ++r) qc[r] = pad;
+        }
+      }
+    });
+  }
+}
+
+// The runners of one recipe's instantiations: policy lists -> a QuantKernels entry.
+template <class Rules, class Blocks, class Layouts>
+void run_rows(InputKind in, Fp8Format fmt, const QuantSpec& spec, const RowsArgs& a, int /*device*/) {
+  bool ran = false;
+  dispatch_input_fp8(in, fmt, [&](auto kin, auto kfmt) {
+    using T = typename CpuInput<decltype(kin)::value>::type;
+    constexpr Fp8Format F = decltype(kfmt)::value;
+    dispatch_quant(Rules{}, Blocks{}, Layouts{}, spec, [&](auto rule, auto block, auto layout) {
+      if constexpr (decltype(rule)::supports(F)) {
+        rows<T, F, decltype(rule), decltype(block)::value, decltype(layout)>(a);
+        ran = true;
+      }
+    });
+  });
+  TORCH_CHECK(ran, "moe_fp8: internal error: no CPU rows instantiation for this scale rule, block and layout");
+}
+
+template <class Rules, class Blocks, class Layouts>
+void run_cols(InputKind in, Fp8Format fmt, const QuantSpec& spec, const ColsArgs& a, int64_t /*expected*/,
+              int /*device*/) {
+  bool ran = false;
+  dispatch_input_fp8(in, fmt, [&](auto kin, auto kfmt) {
+    using T = typename CpuInput<decltype(kin)::value>::type;
+    constexpr Fp8Format F = decltype(kfmt)::value;
+    dispatch_quant(Rules{}, Blocks{}, Layouts{}, spec, [&](auto rule, auto block, auto layout) {
+      if constexpr (decltype(rule)::supports(F)) {
+        cols<T, F, decltype(rule), decltype(block)::value, decltype(layout)>(a);
+        ran = true;
+      }
+    });
+  });
+  TORCH_CHECK(ran, "moe_fp8: internal error: no CPU cols instantiation for this scale rule, block and layout");
+}
+
+}  // namespace engine_cpu
+
+template <class Rules, class Blocks, class Layouts>
+constexpr QuantKernels cpu_quant_kernels() {
+  return {&engine_cpu::run_rows<Rules, Blocks, Layouts>, &engine_cpu::run_cols<Rules, Blocks, Layouts>};
+}
+
+}  // namespace moe_fp8

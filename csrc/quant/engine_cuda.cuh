@@ -1,0 +1,99 @@
+// The GPU runners of the quantization engine for one recipe's policy lists: device
+// guard, current stream, the launch plan of the transposing kernel, dispatch from the
+// runtime (input dtype, fp8 format, QuantSpec) to the instantiated kernels, and the
+// launch check. A recipe's .cu instantiates them through cuda_quant_kernels<...>().
+#pragma once
+
+#include <c10/util/Exception.h>
+
+#include <cstdio>
+#include <cstdlib>
+
+#include "../core/dispatch.h"
+#include "../core/launch.h"
+#include "cols_kernel.cuh"
+#include "rows_kernel.cuh"
+
+namespace moe_fp8 {
+namespace engine_cuda {
+
+// MOE_FP8_COLS_PLAN="cluster,rows" replaces the launch plan of the whole-set
+// transposing kernel, for tuning sweeps (bench/sweep_cols.py); results are the same
+// for any valid plan, only the speed changes.
+inline ColsLaunchPlan cols_plan_override(const char* v, int device) {
+  int cluster = 0, rows = 0;
+  char tail = 0;
+  const bool parsed = std::sscanf(v, "%d,%d%c", &cluster, &rows, &tail) == 2;
+  const int max_cluster = supports_clusters(device) ? kColsMaxCluster : 1;
+  TORCH_CHECK(parsed && cluster >= 1 && cluster <= max_cluster && (cluster & (cluster - 1)) == 0 && rows > 0 &&
+                  rows % kColsFragRows == 0 &&
+                  static_cast<int64_t>(rows) * kColsTileBytes <= max_dynamic_smem_per_block(device) - 8192,
+              "moe_fp8: expected MOE_FP8_COLS_PLAN=\"cluster,rows\" with cluster a power of two up to ", max_cluster,
+              " and rows a positive multiple of ", kColsFragRows, " that fits shared memory, got \"", v, "\"");
+  return {cluster, rows};
+}
+
+template <class Rules, class Blocks, class Layouts>
+void run_rows(InputKind in, Fp8Format fmt, const QuantSpec& spec, const RowsArgs& a, int device) {
+  TORCH_CHECK(a.rows <= INT32_MAX, "moe_fp8: expected at most 2^31-1 reduction rows, got ", a.rows);
+  TORCH_CHECK(spec.block == kWholeSet || a.rows * round_up(a.cols, 128) < (int64_t{1} << 32) - (int64_t{1} << 26),
+              "moe_fp8: expected fewer than 2^32 elements for a block quantization, got ", a.rows, " x ", a.cols);
+  const GpuLaunch gpu(device);
+  bool ran = false;
+  int err = 0;
+  dispatch_input_fp8(in, fmt, [&](auto kin, auto kfmt) {
+    constexpr InputKind K = decltype(kin)::value;
+    constexpr Fp8Format F = decltype(kfmt)::value;
+    dispatch_quant(Rules{}, Blocks{}, Layouts{}, spec, [&](auto rule, auto block, auto layout) {
+      if constexpr (decltype(rule)::supports(F)) {
+        err = launch_quantize_rows<K, F, decltype(rule), decltype(block)::value, decltype(layout)>(
+            a, gpu.stream());
+        ran = true;
+      }
+    });
+  });
+  TORCH_CHECK(ran, "moe_fp8: internal error: no GPU rows instantiation for this scale rule, block and layout");
+  gpu.check(err, "rows quantization");
+}
+
+template <class Rules, class Blocks, class Layouts>
+void run_cols(InputKind in, Fp8Format fmt, const QuantSpec& spec, const ColsArgs& a, int64_t expected_segment_rows,
+              int device) {
+  const GpuLaunch gpu(device);
+  TORCH_CHECK(a.rows <= INT32_MAX && a.q_rows <= INT32_MAX, "moe_fp8: expected at most 2^31-1 rows, got ",
+              std::max(a.rows, a.q_rows));
+  const int segments = segments_with_tail(a);
+  TORCH_CHECK(segments <= 65535, "moe_fp8: expected at most 65534 groups, got ", a.num_segments);
+  ColsLaunchPlan plan = plan_cols_launch(expected_segment_rows, segments, max_dynamic_smem_per_block(device),
+                                         supports_clusters(device), spec.block);
+  const char* override_plan = std::getenv("MOE_FP8_COLS_PLAN");
+  if (override_plan != nullptr && spec.block == kWholeSet) {
+    plan = cols_plan_override(override_plan, device);
+    TORCH_CHECK(static_cast<int64_t>(segments) * plan.cluster <= 65535, "moe_fp8: MOE_FP8_COLS_PLAN cluster ",
+                plan.cluster, " is too large for ", segments, " segments");
+  }
+  bool ran = false;
+  int err = 0;
+  dispatch_input_fp8(in, fmt, [&](auto kin, auto kfmt) {
+    constexpr InputKind K = decltype(kin)::value;
+    constexpr Fp8Format F = decltype(kfmt)::value;
+    dispatch_quant(Rules{}, Blocks{}, Layouts{}, spec, [&](auto rule, auto block, auto layout) {
+      if constexpr (decltype(rule)::supports(F)) {
+        err = launch_quantize_cols<K, F, decltype(rule), decltype(block)::value, decltype(layout)>(
+            a, plan, gpu.stream());
+        ran = true;
+      }
+    });
+  });
+  TORCH_CHECK(ran, "moe_fp8: internal error: no GPU cols instantiation for this scale rule, block and layout");
+  gpu.check(err, "cols quantization");
+}
+
+}  // namespace engine_cuda
+
+template <class Rules, class Blocks, class Layouts>
+constexpr QuantKernels cuda_quant_kernels() {
+  return {&engine_cuda::run_rows<Rules, Blocks, Layouts>, &engine_cuda::run_cols<Rules, Blocks, Layouts>};
+}
+
+}  // namespace moe_fp8

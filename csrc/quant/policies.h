@@ -1,0 +1,153 @@
+// The policies of the quantization engine (DESIGN §2, §5–§7), torch-free and usable
+// on host and device, so the CPU twin and the GPU kernels instantiate the same ones:
+//
+//  * scale rule: how a block's amax becomes the multiplier the data is scaled by
+//    before the fp8 cast, and the scale that is stored (fp32 decode scale, or an E8M0
+//    byte);
+//  * block: how many consecutive elements of the reduced dimension share a scale
+//    (kWholeSet: the whole reduction set, a row or a token group's column);
+//  * scale layout: where the scale of (segment, set, block) is stored — linear
+//    strides, or the swizzled "blocked" layout of DESIGN §7 with plain, M-group,
+//    K-group or per-expert starts.
+#pragma once
+
+#include <cstdint>
+
+#include "../core/groups.h"
+#include "../core/numerics.h"
+
+namespace moe_fp8 {
+
+// ---- scale rules --------------------------------------------------------------------
+
+template <typename Stored>
+struct ScaleCode {
+  float encode;   // the data is quantized as fp8(clamp(x * encode, +-max))
+  Stored stored;  // what goes to the scale tensor
+};
+
+// FP8 rowwise (DESIGN §5): s = max / max(amax, 1e-12) rounded down to a power of two,
+// stored as the fp32 decode scale 1/s.
+struct Fp32Pow2 {
+  using stored_t = float;
+  static constexpr bool supports(Fp8Format) { return true; }
+  template <Fp8Format F>
+  static MOE_FP8_HD ScaleCode<float> from_amax_bits(uint32_t amax_bits) {
+    const QuantScale s = scale_from_amax_bits(amax_bits, Fp8Spec<F>::kMax, true);
+    return {s.encode, s.decode};
+  }
+};
+
+// FP8 rowwise without pow2 rounding, and FP8 blockwise (DESIGN §6): the exact ratio.
+struct Fp32Exact {
+  using stored_t = float;
+  static constexpr bool supports(Fp8Format) { return true; }
+  template <Fp8Format F>
+  static MOE_FP8_HD ScaleCode<float> from_amax_bits(uint32_t amax_bits) {
+    const QuantScale s = scale_from_amax_bits(amax_bits, Fp8Spec<F>::kMax, false);
+    return {s.encode, s.decode};
+  }
+};
+
+// MXFP8 (DESIGN §7): E8M0 bytes, e4m3fn data only.
+struct E8m0Floor {
+  using stored_t = uint8_t;
+  static constexpr bool supports(Fp8Format f) { return f == Fp8Format::kE4M3FN; }
+  template <Fp8Format F>
+  static MOE_FP8_HD ScaleCode<uint8_t> from_amax_bits(uint32_t amax_bits) {
+    static_assert(F == Fp8Format::kE4M3FN, "MXFP8 data is float8_e4m3fn");
+    const uint32_t b = e8m0_floor_from_amax_bits(amax_bits);
+    return {e8m0_floor_multiplier(b), static_cast<uint8_t>(b)};
+  }
+};
+
+struct E8m0Rceil {
+  using stored_t = uint8_t;
+  static constexpr bool supports(Fp8Format f) { return f == Fp8Format::kE4M3FN; }
+  template <Fp8Format F>
+  static MOE_FP8_HD ScaleCode<uint8_t> from_amax_bits(uint32_t amax_bits) {
+    static_assert(F == Fp8Format::kE4M3FN, "MXFP8 data is float8_e4m3fn");
+    const uint32_t b = e8m0_rceil_from_amax_bits(amax_bits);
+    return {e8m0_rceil_multiplier(b), static_cast<uint8_t>(b)};
+  }
+};
+
+enum class ScaleRuleKind : int { kFp32Pow2 = 0, kFp32Exact = 1, kE8m0Floor = 2, kE8m0Rceil = 3 };
+
+// ---- blocks ---------------------------------------------------------------------------
+
+// Elements of the reduced dimension per scale; kWholeSet reduces the whole set (a row,
+// an expert's column, a token group's column) to one scale.
+constexpr int kWholeSet = 0;
+
+// ---- scale layouts ----------------------------------------------------------------------
+
+// The swizzled index of scale (r, c) in a blocked matrix whose padded width is
+// `padded_cols` (a multiple of 4): 128x4 tiles of 512 bytes, row-major over tiles;
+// inside a tile (r % 32) * 16 + ((r % 128) / 32) * 4 + c % 4 (torchao's to_blocked,
+// the layout tcgen05 and cuBLAS read).
+MOE_FP8_HD int64_t blocked_scale_index(int64_t r, int64_t c, int64_t padded_cols) {
+  return ((r / 128) * (padded_cols / 4) + c / 4) * 512 + (r % 32) * 16 + ((r % 128) / 32) * 4 + (c % 4);
+}
+
+// How the segments of a launch place their part of a blocked scale matrix.
+enum class BlockedGroups : int {
+  kNone = 0,     // plain (one matrix), or per expert: segment s at s * seg_stride
+  kMGroups = 1,  // token groups along the rows: group g starts at row sum_{j<g} ceil128(n_j)
+  kKGroups = 2,  // token groups along the contraction: group g starts at block column
+                 // sum_{j<g} ceil4(ceil(n_j / block))
+};
+
+// Where a scale goes. `set` is the index of the reduction set within its segment
+// (a row of A, a column of a token group), `blk` the block index along the reduced
+// dimension within the segment, `seg` the segment (batch / expert / token group).
+//  Linear:  ptr[seg * seg_stride + (set + row_base) * set_stride + (blk + col_base) * blk_stride]
+//  Blocked: ptr[seg * seg_stride + blocked_scale_index(row, col, padded_cols)] with
+//           (row, col) = (set, blk) shifted by the group start of `groups` mode; the
+//           matrix padding is zero (the launcher zero-fills the buffer first).
+struct ScaleOut {
+  void* ptr = nullptr;
+  int64_t numel = 0;  // writes outside [0, numel) are dropped: no offs content reaches past it
+  int64_t seg_stride = 0;
+  int64_t set_stride = 0;
+  int64_t blk_stride = 0;
+  // blocked only
+  int64_t padded_cols = 0;
+  BlockedGroups groups = BlockedGroups::kNone;
+  int block = 32;                  // kKGroups: elements per block (columns per group from n_j)
+};
+
+struct LinearScales {
+  static constexpr bool kBlocked = false;
+  static MOE_FP8_HD int64_t index(const ScaleOut& s, int64_t seg, int64_t set, int64_t blk, int64_t row_base,
+                                  int64_t col_base) {
+    return seg * s.seg_stride + (set + row_base) * s.set_stride + (blk + col_base) * s.blk_stride;
+  }
+};
+
+struct BlockedScales {
+  static constexpr bool kBlocked = true;
+  // row_base / col_base: the group's start row (M groups) or block column (K groups),
+  // 0 otherwise; the caller resolves them once per segment.
+  static MOE_FP8_HD int64_t index(const ScaleOut& s, int64_t seg, int64_t set, int64_t blk, int64_t row_base,
+                                  int64_t col_base) {
+    return seg * s.seg_stride + blocked_scale_index(set + row_base, blk + col_base, s.padded_cols);
+  }
+};
+
+enum class ScaleLayoutKind : int { kLinear = 0, kBlocked = 1 };
+
+// The blocked start of token group g (rows for M groups, block columns for K groups):
+// the sum of the padded extents of the groups before it, from the clamped offs.
+MOE_FP8_HD int64_t blocked_group_start(const ScaleOut& s, const int32_t* offs, int g, int64_t rows) {
+  if (s.groups == BlockedGroups::kNone || g <= 0) return 0;
+  int64_t start = 0;
+  for (int j = 0; j < g; ++j) {
+    int64_t a, b;
+    group_range(offs, j, rows, &a, &b);
+    start += s.groups == BlockedGroups::kMGroups ? round_up(b - a, 128) : round_up(ceil_div(b - a, s.block), 4);
+  }
+  return start;
+}
+
+}  // namespace moe_fp8

@@ -1,0 +1,55 @@
+// Torch glue shared by every recipe's ops (host side, torch headers): the mapping of
+// torch dtypes onto the engine's input kinds and fp8 formats, and the padded token-group
+// layout of the jagged (per-group colwise) ops, with their checks.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <optional>
+
+#include "../core/groups.h"
+#include "../core/numerics.h"
+#include "../core/op_checks.h"
+#include "../grouping/grouping_ops.h"
+
+namespace moe_fp8 {
+
+inline InputKind input_kind(const at::Tensor& x, const char* op, const char* name) {
+  switch (x.scalar_type()) {
+    case at::kBFloat16: return InputKind::kBF16;
+    case at::kHalf: return InputKind::kFP16;
+    case at::kFloat: return InputKind::kFP32;
+    default:
+      TORCH_CHECK(false, op, ": expected ", name, " of dtype bfloat16, float16 or float32, got ", x.scalar_type());
+  }
+}
+
+inline Fp8Format fp8_format(at::ScalarType t, const char* op) {
+  switch (t) {
+    case at::kFloat8_e4m3fn: return Fp8Format::kE4M3FN;
+    case at::kFloat8_e4m3fnuz: return Fp8Format::kE4M3FNUZ;
+    case at::kFloat8_e5m2: return Fp8Format::kE5M2;
+    default:
+      TORCH_CHECK(false, op, ": expected fp8_dtype float8_e4m3fn, float8_e4m3fnuz or float8_e5m2, got ", t);
+  }
+}
+
+// The optional padded layout of the jagged ops: q rows, and the padded starts checked
+// against offs (DESIGN §8).
+struct JaggedLayout {
+  int64_t q_rows;
+  at::Tensor padded_starts;  // undefined: unpadded
+  int64_t alignment;
+};
+
+inline JaggedLayout jagged_layout(const at::Tensor& x, const at::Tensor& offs, const std::optional<at::Tensor>& padded_starts,
+                           int64_t alignment, const char* op) {
+  const int64_t M = x.size(0);
+  if (!padded_starts.has_value()) return {M, at::Tensor(), 1};
+  check_alignment(alignment, op);
+  const int64_t R = padded_rows_bound(M, offs.numel(), alignment);
+  check_padded_starts(*padded_starts, offs, M, R, x, op);
+  return {R, padded_starts->contiguous(), alignment};
+}
+
+}  // namespace moe_fp8
