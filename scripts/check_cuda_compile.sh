@@ -1,31 +1,62 @@
 #!/usr/bin/env bash
-# Compile-check every CUDA source for each architecture (object files only), against
-# the headers of the installed torch; works with the CPU torch wheel (plus the one
-# generated c10/cuda header it lacks, from .ci/cuda_shim). A failure fails CI.
+# Compile-check every GPU source of csrc/sources.cmake (object files only) for the
+# requested architectures its table entry allows, against the headers of the installed
+# torch; works with the CPU torch wheel (plus the one generated c10/cuda header it
+# lacks, from .ci/cuda_shim). A failure fails CI.
 #   scripts/check_cuda_compile.sh [ARCH ...]     default: 90a 100a
+# Entries marked `cutlass` get the CUTLASS headers: $MOE_FP8_CUTLASS_INCLUDE, else the
+# pip package nvidia-cutlass (cutlass_library/source/include) if it is installed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 archs=("$@")
 [ ${#archs[@]} -gt 0 ] || archs=(90a 100a)
 torch_inc=$(python3 -c "import os, torch; print(os.path.join(os.path.dirname(torch.__file__), 'include'))")
 abi=$(python3 -c "import torch; print(int(torch._C._GLIBCXX_USE_CXX11_ABI))")
+cutlass_inc=${MOE_FP8_CUTLASS_INCLUDE:-$(python3 -c "import importlib.util as u, os; s = u.find_spec('cutlass_library'); print(os.path.join(os.path.dirname(s.origin), 'source', 'include') if s else '')")}
 out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
 status=0
-for src in $(find csrc -name '*.cu' | sort); do
+checked=0
+# One quoted entry per line: "<path> <kind> [<archs>] [<needs>]" (see csrc/sources.cmake).
+while read -r path kind file_archs needs; do
+  [ "$kind" = GPU ] || continue
+  file_archs=${file_archs:-cuda,hip}
+  todo=()
   for arch in "${archs[@]}"; do
+    case ",$file_archs," in *,cuda,*|*,"$arch",*) todo+=("$arch") ;; esac
+  done
+  if [ ${#todo[@]} -eq 0 ]; then
+    echo "skip csrc/$path (archs $file_archs)"
+    continue
+  fi
+  extra=()
+  if [[ " $needs " == *" cutlass "* ]]; then
+    if [ -z "$cutlass_inc" ] || [ ! -e "$cutlass_inc/cutlass/cutlass.h" ]; then
+      echo "FAIL csrc/$path needs the CUTLASS headers: pip install nvidia-cutlass, or set MOE_FP8_CUTLASS_INCLUDE"
+      status=1
+      continue
+    fi
+    extra+=(-I"$cutlass_inc")
+  fi
+  for arch in "${todo[@]}"; do
     if nvcc -std=c++20 -O3 --expt-relaxed-constexpr -Werror all-warnings \
         "-gencode=arch=compute_${arch},code=sm_${arch}" \
         -DMOE_FP8_WITH_CUDA -D_GLIBCXX_USE_CXX11_ABI="$abi" \
         -D__CUDA_NO_HALF_OPERATORS__ -D__CUDA_NO_HALF_CONVERSIONS__ \
         -D__CUDA_NO_BFLOAT16_CONVERSIONS__ -D__CUDA_NO_HALF2_OPERATORS__ \
-        -I"$torch_inc" -I"$torch_inc/torch/csrc/api/include" -I.ci/cuda_shim -Icsrc \
-        -c "$src" -o "$out/$(basename "$src").$arch.o"; then
-      echo "ok   sm_$arch $src"
+        -I"$torch_inc" -I"$torch_inc/torch/csrc/api/include" -I.ci/cuda_shim -Icsrc "${extra[@]}" \
+        -c "csrc/$path" -o "$out/$(basename "$path").$arch.o" </dev/null; then
+      echo "ok   sm_$arch csrc/$path"
     else
-      echo "FAIL sm_$arch $src"
+      echo "FAIL sm_$arch csrc/$path"
       status=1
     fi
+    checked=$((checked + 1))
   done
+done < <(sed -n 's/^[[:space:]]*"\([^"]*\)".*/\1/p' csrc/sources.cmake)
+# Every .cu must be in the table (a file left out would silently never compile).
+for f in $(cd csrc && find . -name '*.cu' | sed 's|^\./||' | sort); do
+  grep -qE "^[[:space:]]*\"$f[[:space:]]" csrc/sources.cmake || { echo "FAIL csrc/$f is not in csrc/sources.cmake"; status=1; }
 done
+[ $checked -gt 0 ] || { echo "FAIL no GPU source checked"; status=1; }
 exit $status

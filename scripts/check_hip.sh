@@ -1,26 +1,48 @@
 #!/usr/bin/env bash
-# ROCm checks that need no AMD GPU (run by .ci/run):
-#  1. hipify csrc/ into a scratch folder with PyTorch's hipify;
-#  2. fail if anything CUDA-only survives in the hipified sources outside
-#     core/portability.h (which keeps its CUDA branches behind !USE_ROCM);
-#  3. compile the hipified torch-free kernels, every op's launchers for every input
-#     dtype and fp8 format, with hipcc for gfx940 (MI300: hardware fnuz conversion)
-#     and gfx90a (MI200: no fp8 instructions, the software encoder), -Werror.
-# Needs hipcc (Debian: apt-get install -y --no-install-recommends hipcc).
+# ROCm checks that need no AMD GPU (run by .ci/run); each one runs, any failure fails:
+#  1. no CUDA/HIP platform test (USE_ROCM, __HIP*__, __gfx*__) in csrc/ outside
+#     core/portability.h (STYLE 7), checked on the original sources;
+#  2. hipify csrc/ into a scratch folder with PyTorch's hipify, and fail if anything
+#     CUDA-only survives in the hipified sources outside core/portability.h (which
+#     keeps its CUDA branches behind !USE_ROCM);
+#  3. compile the torch-free launchers of every kernel family, hipified, -Werror:
+#       gfx940, gfx90a  Debian's hipcc 5.2 (clang 15)
+#       gfx942          Debian's clang-19 with the same ROCm 5.2 headers and device
+#                       libraries (hipcc 5.2 does not know gfx942)
+#     gfx940/gfx942 (MI300) must use the hardware fnuz conversion, gfx90a (MI200) the
+#     software encoder. gfx950 (MI350) needs LLVM 20, which Debian 12 does not have.
+#
+# Each family contributes its launchers through csrc/<family>/<family>_instantiate.cuh:
+# torch-free, non-inline functions in namespace moe_fp8::instantiate that call every
+# launcher of the family for every input dtype and fp8 format. This script includes
+# every csrc/*/*_instantiate.cuh it finds; a family with a HIP-built GPU file in
+# csrc/sources.cmake must have one.
+#
+# Needs (Debian 12): apt-get install -y --no-install-recommends hipcc clang-19 lld-19
 set -euo pipefail
 cd "$(dirname "$0")/.."
-command -v hipcc >/dev/null || { echo "check_hip: hipcc not found" >&2; exit 1; }
 export HIP_PLATFORM=amd  # the CUDA toolkit on the machine would otherwise take over hipcc
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
+status=0
+fail() { echo "FAIL $*" >&2; status=1; }
 
+# 1. Platform tests only in core/portability.h.
+if found=$(grep -rnE '\bUSE_ROCM\b|__HIP[A-Z_]*__|__gfx[0-9a-z]+__' csrc | grep -v '^csrc/core/portability\.h:'); then
+  fail "CUDA/HIP platform tests outside csrc/core/portability.h (move them there, STYLE 7):"
+  echo "$found" >&2
+else
+  echo "ok   no USE_ROCM / __HIP*__ / __gfx*__ outside core/portability.h"
+fi
+
+# 2. Hipify; nothing CUDA-only may survive.
 python3 scripts/hipify_tree.py csrc "$work" >/dev/null
 src="$work/csrc"
 echo "hipified: $(cd "$src" && find . -name '*_hip.*' -o -name '*.hip' | sort | tr '\n' ' ')"
 
 # Only the files a ROCm build compiles or includes: the hipified ones, and the
 # originals hipify had no reason to change.
-files=$(cd "$src" && for f in $(find . -type f | sort); do
+files=$(cd "$src" && for f in $(find . -type f ! -name '*.cmake' | sort); do
   case "$f" in *_hip.*|*.hip) echo "$f" ;; *)
     base="${f%.*}"; ext="${f##*.}"
     [ -e "${base}_hip.${ext}" ] || [ "$ext" = cu ] || echo "$f" ;;
@@ -28,53 +50,81 @@ files=$(cd "$src" && for f in $(find . -type f | sort); do
 done | grep -v 'core/portability')
 pattern='__shfl(_[a-z]+)?_sync|cuda_fp8\.h|\b__nv_[a-z0-9_]+|\bcuda[A-Z][A-Za-z]*|cooperative_groups|cp\.async|<<<'
 if leaks=$(cd "$src" && grep -nE "$pattern" $files); then
-  echo "check_hip: CUDA-only code survives hipify outside core/portability.h:" >&2
+  fail "CUDA-only code survives hipify outside core/portability.h:"
   echo "$leaks" >&2
-  exit 1
+else
+  echo "ok   no CUDA-only code outside core/portability.h"
 fi
-echo "ok   no CUDA-only code outside core/portability.h"
 
-cat >"$work/instantiate.hip" <<'CPP'
+# 3. The families' instantiation snippets, hipified (hipify renames a header only
+# when it changed something in it).
+snippets=""
+for f in $(cd csrc && ls */*_instantiate.cuh 2>/dev/null | sort); do
+  h="${f%.cuh}_hip.cuh"
+  [ -e "$src/$h" ] || h="$f"
+  snippets+="#include \"$h\""$'\n'
+done
+# Every family that builds a GPU file for ROCm brings its snippet.
+while read -r path kind archs _; do
+  [ "$kind" = GPU ] || continue
+  case ",${archs:-cuda,hip}," in *,hip,*|*,gfx*) ;; *) continue ;; esac
+  family="${path%%/*}"
+  [ -e "csrc/$family/${family}_instantiate.cuh" ] ||
+    fail "csrc/$path is built for ROCm but csrc/$family/${family}_instantiate.cuh is missing"
+done < <(sed -n 's/^[[:space:]]*"\([^"]*\)".*/\1/p' csrc/sources.cmake)
+[ -n "$snippets" ] || fail "no csrc/*/*_instantiate.cuh found"
+echo "instantiating: $(echo "$snippets" | sed 's/#include //' | tr -d '"' | tr '\n' ' ')"
+
+cat >"$work/instantiate.hip" <<CPP
 // Every launcher of every kernel family, for every input dtype and fp8 format.
-#include "core/dispatch_hip.h"
-#include "rowwise/rowwise_kernels_hip.cuh"
-#include "grouping/GROUPING_KERNELS"
-
-#if defined(__HIP_DEVICE_COMPILE__) && defined(__gfx940__) && !MOE_FP8_HW_E4M3FNUZ
-#error "gfx940 must encode fnuz with the hardware conversion"
+$snippets
+#if defined(__HIP_DEVICE_COMPILE__) && (defined(__gfx940__) || defined(__gfx942__)) && !MOE_FP8_HW_E4M3FNUZ
+#error "gfx940/gfx942 must encode fnuz with the hardware conversion"
+#endif
+#if defined(__HIP_DEVICE_COMPILE__) && defined(__gfx950__) && !MOE_FP8_HW_E4M3FN
+#error "gfx950 must encode OCP e4m3fn with the hardware conversion"
 #endif
 #if defined(__HIP_DEVICE_COMPILE__) && defined(__gfx90a__) && (MOE_FP8_HW_E4M3FNUZ || MOE_FP8_HW_E4M3FN)
 #error "gfx90a has no fp8 conversion instructions: the software encoder must be used"
 #endif
-
-namespace moe_fp8 {
-int instantiate_all(InputKind in, Fp8Format fmt, const void* x, uint8_t* q, float* s, const RowsArgs& r,
-                    const ColsArgs& c, gpuStream_t stream) {
-  int err = 0;
-  dispatch_input_fp8(in, fmt, [&](auto k, auto f) {
-    err |= launch_quantize_rows<decltype(k)::value, decltype(f)::value>(x, q, s, r, stream);
-    err |= launch_quantize_cols<decltype(k)::value, decltype(f)::value>(c, plan_cols_launch(1024, 1, 65536, false), stream);
-  });
-  return err;
-}
-int instantiate_grouping(const RowCopy& c, const RowMapArgs& m, const PermuteArgs& p, gpuStream_t stream) {
-  return launch_copy_rows(c, m, stream) | launch_permute_indices(p, stream) |
-         launch_invert_indices(p.counts, 4, p.indices, 4, stream) |
-         launch_padded_offsets(p.counts, 4, 8, 16, p.indices, p.padded_ends, stream);
-}
-}  // namespace moe_fp8
 CPP
-# hipify renames a header only when it changed something in it.
-grouping=grouping_kernels.cuh
-[ -e "$src/grouping/grouping_kernels_hip.cuh" ] && grouping=grouping_kernels_hip.cuh
-sed -i "s/GROUPING_KERNELS/$grouping/" "$work/instantiate.hip"
-status=0
+flags=(-std=c++17 -O2 -Werror -DUSE_ROCM -I"$src")
+
 for arch in gfx940 gfx90a; do
-  if hipcc --offload-arch="$arch" -std=c++17 -O2 -Werror -DUSE_ROCM -I"$src" -c "$work/instantiate.hip" -o "$work/instantiate.$arch.o"; then
+  if ! command -v hipcc >/dev/null; then
+    fail "hipcc $arch: hipcc not found (apt-get install -y --no-install-recommends hipcc)"
+  elif hipcc --offload-arch="$arch" "${flags[@]}" -c "$work/instantiate.hip" -o "$work/instantiate.$arch.o"; then
     echo "ok   hipcc $arch: hipified kernels compile"
   else
-    echo "FAIL hipcc $arch" >&2
-    status=1
+    fail "hipcc $arch"
   fi
 done
+
+# gfx942 with clang-19 against the ROCm 5.2 headers (/usr/include/hip) and device
+# libraries. Those libraries predate gfx942: they lack its oclc_isa_version_942.bc
+# (one constant, the ISA version, read by ockl), so we build that file and point
+# clang at a copy of the library folder holding it. Device and host sides are
+# compiled separately: bundling them into one object needs clang-offload-bundler,
+# which is in the larger clang-tools-19 package.
+arch=gfx942
+devlibs=/usr/lib/x86_64-linux-gnu/amdgcn/bitcode
+if ! command -v clang++-19 >/dev/null || ! command -v ld.lld-19 >/dev/null; then
+  fail "clang-19 $arch: clang++-19 or ld.lld-19 not found (apt-get install -y --no-install-recommends clang-19 lld-19)"
+elif [ ! -e "$devlibs/ocml.bc" ] || [ ! -e /usr/include/hip/hip_runtime.h ]; then
+  fail "clang-19 $arch: ROCm headers or device libraries missing (apt-get install -y --no-install-recommends hipcc)"
+else
+  mkdir "$work/devlibs"
+  ln -s "$devlibs"/*.bc "$work/devlibs/"
+  echo '__attribute__((visibility("protected"))) __constant int __oclc_ISA_version = 9402;' >"$work/isa942.cl"
+  clang=(clang++-19 -x hip --offload-arch="$arch" --rocm-path=/usr --rocm-device-lib-path="$work/devlibs"
+         "${flags[@]}")
+  if clang-19 -x cl -cl-std=CL2.0 --target=amdgcn-amd-amdhsa -mcpu="$arch" -nogpulib -emit-llvm \
+        -c "$work/isa942.cl" -o "$work/devlibs/oclc_isa_version_942.bc" &&
+     "${clang[@]}" --offload-device-only --no-gpu-bundle-output -c "$work/instantiate.hip" -o "$work/instantiate.$arch.dev.o" &&
+     "${clang[@]}" --offload-host-only -c "$work/instantiate.hip" -o "$work/instantiate.$arch.host.o"; then
+    echo "ok   clang-19 $arch: hipified kernels compile and link against the device libraries"
+  else
+    fail "clang-19 $arch"
+  fi
+fi
 exit $status

@@ -61,6 +61,9 @@ MOE_FP8_DEVICE float half_bits_to_float(uint16_t bits) {
 //  * gfx950 (MI350): the same instruction gives OCP e4m3fn.
 #if !defined(USE_ROCM) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
 #define MOE_FP8_HW_E4M3FN 1
+// cvt.rn.satfinite saturates finite values to +-448 and keeps NaN, exactly what the
+// clamp before the software encoder does, so callers may skip the clamp.
+#define MOE_FP8_HW_E4M3FN_SATFINITE 1
 MOE_FP8_DEVICE uint16_t hw_cvt_e4m3fn_x2(float lo, float hi) {
   return static_cast<uint16_t>(
       __nv_cvt_float2_to_fp8x2(make_float2(lo, hi), __NV_SATFINITE, __NV_E4M3));
@@ -80,6 +83,16 @@ MOE_FP8_DEVICE uint16_t hw_cvt_e4m3fn_x2(float lo, float hi) {
 #endif
 #endif
 #endif
+
+// Lane-wise unsigned max of two 16-bit lanes (one instruction on CUDA sm90).
+MOE_FP8_DEVICE uint32_t umax_u16x2(uint32_t a, uint32_t b) {
+#if !defined(USE_ROCM) && defined(__CUDA_ARCH__)
+  return __vmaxu2(a, b);
+#else
+  const uint32_t alo = a & 0xFFFFu, blo = b & 0xFFFFu, ahi = a >> 16, bhi = b >> 16;
+  return (alo > blo ? alo : blo) | ((ahi > bhi ? ahi : bhi) << 16);
+#endif
+}
 
 // 16-byte global -> shared copy that bypasses registers (cp.async, sm80+ CUDA), so a
 // block can have its whole tile in flight; a plain copy elsewhere. Completed for the
@@ -235,4 +248,7 @@ inline int max_dynamic_smem_per_block(int device) {
 #endif
 #ifndef MOE_FP8_HW_E4M3FNUZ
 #define MOE_FP8_HW_E4M3FNUZ 0
+#endif
+#ifndef MOE_FP8_HW_E4M3FN_SATFINITE
+#define MOE_FP8_HW_E4M3FN_SATFINITE 0
 #endif

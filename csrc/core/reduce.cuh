@@ -12,17 +12,6 @@ constexpr int kMaxWarpsPerBlock = 1024 / kWarpSize;
 
 MOE_FP8_DEVICE uint32_t umax(uint32_t a, uint32_t b) { return a > b ? a : b; }
 
-// Lane-wise unsigned max of two 16-bit lanes (one instruction on sm90).
-MOE_FP8_DEVICE uint32_t umax_u16x2(uint32_t a, uint32_t b) {
-#if !defined(USE_ROCM) && defined(__CUDA_ARCH__)
-  return __vmaxu2(a, b);
-#else
-  const uint32_t lo = umax(a & 0xFFFFu, b & 0xFFFFu);
-  const uint32_t hi = umax(a >> 16, b >> 16);
-  return lo | (hi << 16);
-#endif
-}
-
 // Max over lanes whose index differs only in bits >= first_mask (xor butterfly).
 MOE_FP8_DEVICE uint32_t warp_max_from(uint32_t v, int first_mask) {
 #pragma unroll

@@ -60,7 +60,7 @@ MOE_FP8_DEVICE void store_elems(T* p, const Array<T, N>& a) {
 // (cvt.rn.satfinite), exactly what scale_clamp does; other encoders clamp first.
 template <Fp8Format F>
 MOE_FP8_DEVICE uint16_t scaled_fp8x2(float lo, float hi, float s) {
-#if MOE_FP8_HW_E4M3FN && !defined(USE_ROCM)
+#if MOE_FP8_HW_E4M3FN_SATFINITE
   if constexpr (F == Fp8Format::kE4M3FN) return hw_cvt_e4m3fn_x2(lo * s, hi * s);
 #endif
   constexpr float kMax = Fp8Spec<F>::kMax;

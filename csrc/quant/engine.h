@@ -215,12 +215,12 @@ template <class... Rules, int... Blocks, class... Layouts, class Fn>
 bool dispatch_quant(RuleList<Rules...>, BlockList<Blocks...>, LayoutList<Layouts...>, const QuantSpec& spec, Fn&& fn) {
   bool done = false;
   auto with_layout = [&](auto rule, auto block) {
-    ((!done && layout_kind<Layouts>() == spec.layout ? (fn(rule, block, Layouts{}), done = true) : false), ...);
+    ((void)(!done && layout_kind<Layouts>() == spec.layout && (fn(rule, block, Layouts{}), done = true)), ...);
   };
   auto with_block = [&](auto rule) {
-    ((!done && Blocks == spec.block ? (with_layout(rule, std::integral_constant<int, Blocks>{}), true) : false), ...);
+    ((void)(!done && Blocks == spec.block && (with_layout(rule, std::integral_constant<int, Blocks>{}), true)), ...);
   };
-  ((!done && rule_kind<Rules>() == spec.rule ? (with_block(Rules{}), true) : false), ...);
+  ((void)(!done && rule_kind<Rules>() == spec.rule && (with_block(Rules{}), true)), ...);
   return done;
 }
 

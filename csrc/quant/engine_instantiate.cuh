@@ -1,0 +1,35 @@
+// Torch-free instantiation of the engine's launchers for a recipe's policy lists, for
+// every input dtype and fp8 format the rules support: what each recipe's
+// <family>_instantiate.cuh calls, so scripts/check_hip.sh compiles every kernel a
+// recipe registers without a ROCm torch.
+#pragma once
+
+#include "../core/dispatch.h"
+#include "cols_kernel.cuh"
+#include "rows_kernel.cuh"
+
+namespace moe_fp8 {
+
+template <class Rules, class Blocks, class Layouts>
+int instantiate_engine(const QuantSpec& spec, const RowsArgs& r, const ColsArgs& c, gpuStream_t stream) {
+  int err = 0;
+  for (int in = 0; in < 3; ++in) {
+    for (int fmt = 0; fmt < 3; ++fmt) {
+      dispatch_input_fp8(static_cast<InputKind>(in), static_cast<Fp8Format>(fmt), [&](auto kin, auto kfmt) {
+        constexpr InputKind K = decltype(kin)::value;
+        constexpr Fp8Format F = decltype(kfmt)::value;
+        dispatch_quant(Rules{}, Blocks{}, Layouts{}, spec, [&](auto rule, auto block, auto layout) {
+          if constexpr (decltype(rule)::supports(F)) {
+            constexpr int B = decltype(block)::value;
+            err |= launch_quantize_rows<K, F, decltype(rule), B, decltype(layout)>(r, stream);
+            err |= launch_quantize_cols<K, F, decltype(rule), B, decltype(layout)>(
+                c, plan_cols_launch(1024, 1, 65536, false, B), stream);
+          }
+        });
+      });
+    }
+  }
+  return err;
+}
+
+}  // namespace moe_fp8
