@@ -1,5 +1,7 @@
-"""Shared test helpers: devices, realistic random data, output poisoning and
-bit-exact comparison of fp8 codes and scales."""
+"""Shared test helpers: devices, realistic random data (values and token-group
+`offs`), output poisoning, bit-exact comparison of fp8 codes and scales, SQNR, and
+the GPU checks that several families share (GPU output = CPU output; a step captured
+in a CUDA graph replays bit-equal to eager, so it never syncs with the host)."""
 
 import pytest
 import torch
@@ -22,6 +24,40 @@ def randn(shape, dtype, device="cpu", outliers=True, seed=None):
         idx = torch.randint(0, x.numel(), (max(1, x.numel() // 500),), generator=g)
         x.view(-1)[idx] *= 50.0
     return x.to(dtype).to(device)
+
+
+def random_offs(num_tokens, num_groups, *, alignment=1, empty_frac=0.2, skew=1.0, tail=0, generator=None, device="cpu"):
+    """Random token-group ends as a router makes them (DESIGN §3 `offs`): int32 of shape
+    (num_groups,), cumulative, no leading zero. Group sizes are skewed (log-normal
+    weights, `skew` = sigma of their log, 0 = balanced), about `empty_frac` of the
+    groups are empty (never all of them while there are rows to place), every size is a
+    multiple of `alignment`, and the last end is num_tokens - tail rounded down to
+    `alignment`: the rows past it belong to no group. A fresh draw unless a generator
+    is given."""
+    if num_groups == 0:
+        return torch.zeros(0, dtype=torch.int32, device=device)
+    units = max(num_tokens - tail, 0) // alignment
+    weights = torch.exp(skew * torch.randn(num_groups, generator=generator, dtype=torch.float64))
+    empty = torch.rand(num_groups, generator=generator) < empty_frac
+    if bool(empty.all()):
+        empty[torch.randint(num_groups, (1,), generator=generator)] = False
+    weights[empty] = 0
+    sizes = torch.zeros(num_groups, dtype=torch.int64)
+    if units > 0:
+        picks = torch.multinomial(weights, units, replacement=True, generator=generator)
+        sizes = torch.bincount(picks, minlength=num_groups)
+    return torch.cumsum(sizes * alignment, 0).to(torch.int32).to(device)
+
+
+def offs_from_sizes(sizes, device="cpu"):
+    """The int32 group ends of explicit group sizes."""
+    return torch.cumsum(torch.tensor(sizes, dtype=torch.int64), 0).to(torch.int32).to(device)
+
+
+def sqnr(ref, x):
+    """Signal-to-quantization-noise ratio in dB, 20 log10(|ref| / |ref - x|), in fp32."""
+    ref, x = ref.float(), x.float()
+    return (20 * torch.log10(ref.norm() / (ref - x).norm())).item()
 
 
 def poison(device):
@@ -51,3 +87,42 @@ def assert_fp8_equal(q, ref):
 def assert_scale_equal(s, ref):
     assert s.shape == ref.shape, (s.shape, ref.shape)
     torch.testing.assert_close(s.cpu(), ref.cpu(), rtol=0, atol=0, equal_nan=True)
+
+
+def same_as_cpu(op, *args):
+    """op on the GPU gives the CPU op's strides and bits (fp32 outputs are scales,
+    compared exactly; the others are fp8 codes), into poisoned memory."""
+    poison("cuda")
+    gpu = op(*[a.cuda() if isinstance(a, torch.Tensor) else a for a in args])
+    cpu = op(*[a.cpu() if isinstance(a, torch.Tensor) else a for a in args])
+    for g, c in zip(gpu, cpu):
+        assert g.stride() == c.stride()
+        if g.dtype == torch.float32:
+            assert_scale_equal(g, c)
+        else:
+            assert_fp8_equal(g, c)
+
+
+def graph_matches_eager(step):
+    """Run step() eagerly under torch's sync-debug mode "error" (a torch-level host
+    sync raises), then capture it in a CUDA graph (any host sync, ours in C++ included,
+    fails the capture), poison the graph's outputs, replay, and compare bit for bit."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with torch.cuda.stream(s):
+            eager = [t.clone() for t in step()]
+            step()  # warm-up before capture, on the side stream as capture requires
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = step()
+    for t in outs:
+        t.view(torch.uint8).fill_(0xFF)
+    graph.replay()
+    torch.cuda.synchronize()
+    for t, ref in zip(outs, eager):
+        assert torch.equal(t.view(torch.uint8), ref.view(torch.uint8)), "graph replay differs from the eager step"

@@ -237,3 +237,32 @@ def test_backend_report():
     assert moe_fp8_ext.grouped_mm_backend("cpu") == "emulated"
     if torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9:
         assert moe_fp8_ext.grouped_mm_backend("cuda") == "fp8_gemm"
+
+
+# ======================================================================================
+# GPU only (moved here from the former tests/test_gpu.py): the whole grouped_mm step,
+# forward and backward, never syncs with the host; captured in a CUDA graph it
+# replays bit-equal to eager. Skipped without a CUDA GPU and build.
+# ======================================================================================
+
+from conftest import graph_matches_eager, requires_cuda  # noqa: E402
+
+
+@requires_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("pad_groups", [True, False])
+def test_grouped_mm_step_has_no_host_sync(pad_groups):
+    m, k, n = 1000, 256, 384
+    # Unaligned groups (and an empty one) need pad_groups; without it, aligned ones
+    # (and M = 1000, not a multiple of 16, with rows past the last group).
+    ends = [96, 96, 400, 720, 992] if not pad_groups else [90, 90, 401, 733, 990]
+    offs = torch.tensor(ends, dtype=torch.int32, device="cuda")
+    a = randn((m, k), torch.bfloat16, "cuda").requires_grad_()
+    w = (randn((len(ends), n, k), torch.bfloat16, "cuda") * 0.02).requires_grad_()
+    g = randn((m, n), torch.bfloat16, "cuda")
+
+    def step():
+        out = moe_fp8_ext.grouped_mm(a, w.transpose(1, 2), offs, pad_groups=pad_groups)
+        return (out, *torch.autograd.grad(out, (a, w), g))
+
+    graph_matches_eager(step)

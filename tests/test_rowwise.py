@@ -1,13 +1,40 @@
-"""Every FP8 rowwise op against moe_fp8_ext.reference, bit for bit, on CPU and (when
-present) GPU: input dtypes, both e4m3 encodings, pow2 and exact scales, odd and
-edge shapes, non-contiguous inputs, empty and many token groups."""
+"""The FP8 rowwise quantization family (DESIGN §5): quantize_rowwise, the expert
+weights (fwd / bwd), and the jagged column-wise ops (single and dual).
+
+- numerics: every op against moe_fp8_ext.reference, bit for bit, on CPU and (when
+  present) GPU: input dtypes, both e4m3 encodings, pow2 and exact scales, odd and
+  edge shapes, non-contiguous inputs, empty and many token groups;
+- errors: bad inputs give the stated "<op>: expected X, got Y";
+- opcheck on every op of the family (OPCHECK_CASES; test_op_coverage.py checks that
+  every registered op has a case) and torch.compile(fullgraph=True);
+- GPU only: large shapes bit-exact with the CPU op, and the kernel paths that small
+  shapes do not reach (cluster-split reductions, slices longer than the shared-memory
+  cache, unaligned group starts, launch-plan overrides, garbage offs, MOE_FP8_DEBUG).
+"""
+
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
 
 import moe_fp8_ext
 from moe_fp8_ext import reference as ref
-from conftest import DEVICES, FP8_DTYPES, IN_DTYPES, assert_fp8_equal, assert_scale_equal, poison, randn
+from conftest import (
+    DEVICES,
+    FP8_DTYPES,
+    IN_DTYPES,
+    assert_fp8_equal,
+    assert_scale_equal,
+    poison,
+    randn,
+    random_offs,
+    requires_cuda,
+    same_as_cpu,
+)
+
+F8 = torch.float8_e4m3fn
 
 
 def check(out, expected):
@@ -66,18 +93,6 @@ def test_quantize_experts(device, in_dtype, fp8_dtype, pow2, shape, which):
 
 # ---- jagged column-wise ---------------------------------------------------------------
 
-def random_offs(m, g, empty_frac=0.25, tail=0, gen=None):
-    """Sorted cumulative ends of g groups over m - tail rows, about empty_frac of them empty."""
-    cuts = torch.sort(torch.randint(0, m - tail + 1, (g,), generator=gen)).values
-    if g > 1:
-        empty = torch.rand(g, generator=gen) < empty_frac
-        cuts[1:][empty[1:]] = cuts[:-1][empty[1:]]
-        cuts = torch.cummax(cuts, 0).values
-    if g > 0 and tail == 0:
-        cuts[-1] = m
-    return cuts.to(torch.int32)
-
-
 JAGGED_CASES = [  # (M, D, G, tail rows past offs[-1])
     (0, 16, 3, 0),
     (64, 1, 1, 0),
@@ -95,7 +110,7 @@ JAGGED_CASES = [  # (M, D, G, tail rows past offs[-1])
 @pytest.mark.parametrize("case", JAGGED_CASES)
 def test_quantize_jagged_colwise(device, in_dtype, fp8_dtype, pow2, case):
     m, d, g, tail = case
-    offs = random_offs(m, g, tail=tail)
+    offs = random_offs(m, g, empty_frac=0.25, tail=tail)
     for x in layouts_2d(m, d, in_dtype, device):
         poison(device)
         out = moe_fp8_ext.quantize_jagged_colwise(x, offs.to(device), fp8_dtype, pow2)
@@ -107,7 +122,7 @@ def test_quantize_jagged_colwise(device, in_dtype, fp8_dtype, pow2, case):
 @pytest.mark.parametrize("case", [(300, 72, 24, 8), (1000, 40, 1, 300), (64, 0, 16, 2), (96, 16, 0, 4)])
 def test_quantize_jagged_colwise_dual(device, fp8_dtype, case):
     m, d1, d2, g = case
-    offs = random_offs(m, g)
+    offs = random_offs(m, g, empty_frac=0.25)
     x1 = randn((m, d1), torch.bfloat16, device)
     x2 = randn((d2, m), torch.bfloat16, device).t()
     poison(device)
@@ -119,3 +134,210 @@ def test_default_fp8_dtype_is_used():
     x = randn((4, 32), torch.bfloat16)
     q, _ = moe_fp8_ext.quantize_rowwise(x)
     assert q.dtype == moe_fp8_ext.default_fp8_dtype()
+
+
+# ---- errors ---------------------------------------------------------------------------
+
+x2d = torch.randn(8, 16, dtype=torch.bfloat16)
+offs2 = torch.tensor([4, 8], dtype=torch.int32)
+
+
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (lambda: moe_fp8_ext.quantize_rowwise(torch.randn(2, 3, 4), F8), "quantize_rowwise: expected x to be a 2-D tensor, got 3-D"),
+        (lambda: moe_fp8_ext.quantize_rowwise(torch.ones(4, 4, dtype=torch.int32), F8), "quantize_rowwise: expected x of dtype bfloat16, float16 or float32, got Int"),
+        (lambda: moe_fp8_ext.quantize_rowwise(x2d, torch.bfloat16), "quantize_rowwise: expected fp8_dtype float8_e4m3fn, float8_e4m3fnuz or float8_e5m2, got BFloat16"),
+        (lambda: moe_fp8_ext.quantize_experts_fwd(x2d, F8), "quantize_experts_fwd: expected b_t to be a 3-D tensor, got 2-D"),
+        (lambda: moe_fp8_ext.quantize_experts_bwd(torch.randn(2, 2, 2, dtype=torch.float64), F8), "quantize_experts_bwd: expected b_t of dtype bfloat16, float16 or float32, got Double"),
+        (lambda: moe_fp8_ext.quantize_jagged_colwise(x2d, offs2.long(), F8), "quantize_jagged_colwise: expected offs of dtype int32, got Long"),
+        (lambda: moe_fp8_ext.quantize_jagged_colwise(x2d, offs2.view(2, 1), F8), "quantize_jagged_colwise: expected offs to be a 1-D tensor, got 2-D"),
+        (lambda: moe_fp8_ext.quantize_jagged_colwise(x2d, torch.tensor([6, 4], dtype=torch.int32), F8), "quantize_jagged_colwise: expected non-decreasing offs, got offs[1] = 4 < offs[0] = 6"),
+        (lambda: moe_fp8_ext.quantize_jagged_colwise(x2d, torch.tensor([4, 9], dtype=torch.int32), F8), "quantize_jagged_colwise: expected offs[1] in [0, 8], got 9"),
+        (lambda: moe_fp8_ext.quantize_jagged_colwise(x2d, torch.tensor([-1, 8], dtype=torch.int32), F8), "quantize_jagged_colwise: expected offs[0] in [0, 8], got -1"),
+        (lambda: moe_fp8_ext.quantize_jagged_colwise_dual(x2d, torch.randn(8, 4), offs2, F8), "quantize_jagged_colwise_dual: expected x1 and x2 of one dtype, got BFloat16 and Float"),
+        (lambda: moe_fp8_ext.quantize_jagged_colwise_dual(x2d, x2d[:4], offs2, F8), "quantize_jagged_colwise_dual: expected x1 and x2 with the same number of rows, got 8 and 4"),
+    ],
+)
+def test_bad_inputs(call, message):
+    with pytest.raises(RuntimeError) as e:
+        call()
+    assert message in str(e.value)
+
+
+@requires_cuda
+@pytest.mark.gpu
+def test_offs_on_other_device():
+    with pytest.raises(RuntimeError, match="quantize_jagged_colwise: expected offs on cuda:0 \\(the device of x\\), got cpu"):
+        moe_fp8_ext.quantize_jagged_colwise(x2d.cuda(), offs2, F8)
+
+
+# ---- opcheck and torch.compile --------------------------------------------------------
+
+def _x(d):
+    return randn((64, 48), torch.bfloat16, d)
+
+
+def _w(d):
+    return randn((3, 32, 48), torch.bfloat16, d)
+
+
+def _offs(d):
+    return torch.tensor([16, 16, 40, 64], dtype=torch.int32, device=d)
+
+
+# (op name in torch.ops.moe_fp8, device -> args): schema, fake tensor and AOT dispatch
+# of every op of the family. test_op_coverage.py reads the names.
+OPCHECK_CASES = [
+    ("quantize_rowwise", lambda d: (_x(d), F8, True)),
+    ("quantize_rowwise", lambda d: (_x(d).t(), torch.float8_e4m3fnuz, False)),
+    ("quantize_experts_fwd", lambda d: (_w(d), F8, True)),
+    ("quantize_experts_bwd", lambda d: (_w(d).transpose(1, 2), F8, True)),
+    ("quantize_jagged_colwise", lambda d: (_x(d), _offs(d), F8, True)),
+    ("quantize_jagged_colwise_dual", lambda d: (_x(d), _x(d)[:, :16], _offs(d), F8, True)),
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("op, args", OPCHECK_CASES, ids=[f"{op}-{i}" for i, (op, _) in enumerate(OPCHECK_CASES)])
+def test_opcheck(device, op, args):
+    torch.library.opcheck(getattr(torch.ops.moe_fp8, op).default, args(device))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_compile_fullgraph(device):
+    def step(a, w, offs):
+        qa, sa = moe_fp8_ext.quantize_rowwise(a, F8)
+        qw, sw = moe_fp8_ext.quantize_experts_fwd(w, F8)
+        qg, sg, qx, sx = moe_fp8_ext.quantize_jagged_colwise_dual(a, a * 2, offs, F8)
+        # Some surrounding math so that the ops sit inside a real graph.
+        return qa.float() * sa, qw.float() * sw, sg + sx, qg.float().sum() + qx.float().sum()
+
+    a = randn((64, 48), torch.bfloat16, device)
+    w = randn((3, 32, 48), torch.bfloat16, device)
+    offs = torch.tensor([16, 16, 40, 64], dtype=torch.int32, device=device)
+    torch._dynamo.reset()
+    compiled = torch.compile(step, fullgraph=True)
+    for got, want in zip(compiled(a, w, offs), step(a, w, offs)):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+# ---- GPU only: large shapes and the kernel paths small shapes do not reach ------------
+
+@requires_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8_dtype", FP8_DTYPES)
+@pytest.mark.parametrize("shape", [(16384, 7168), (4096, 40000), (65536, 2048)])
+def test_rowwise_large(fp8_dtype, shape):
+    same_as_cpu(moe_fp8_ext.quantize_rowwise, randn(shape, torch.bfloat16, "cuda"), fp8_dtype)
+
+
+@requires_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8_dtype", FP8_DTYPES)
+@pytest.mark.parametrize("shape", [(8, 7168, 2048), (16, 5120, 1536), (64, 2048, 1408)])
+@pytest.mark.parametrize("transposed", [False, True])
+def test_experts_large(fp8_dtype, shape, transposed):
+    e, k, n = shape
+    w = randn((e, n, k), torch.bfloat16, "cuda").transpose(1, 2) if transposed else randn(shape, torch.bfloat16, "cuda")
+    same_as_cpu(moe_fp8_ext.quantize_experts_fwd, w, fp8_dtype)
+    same_as_cpu(moe_fp8_ext.quantize_experts_bwd, w, fp8_dtype)
+
+
+@requires_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8_dtype", FP8_DTYPES)
+@pytest.mark.parametrize("m, d1, d2, g", [(16384, 7168, 2048, 8), (65536, 2048, 1408, 64), (20000, 136, 72, 1024)])
+def test_jagged_dual_large(fp8_dtype, m, d1, d2, g):
+    same_as_cpu(moe_fp8_ext.quantize_jagged_colwise_dual, randn((m, d1), torch.bfloat16, "cuda"),
+                randn((m, d2), torch.bfloat16, "cuda"), random_offs(m, g), fp8_dtype)
+
+
+@requires_cuda
+@pytest.mark.gpu
+def test_jagged_skewed_groups_reread_path():
+    # One group holds almost every row: far larger than the planned cache, so its
+    # slices re-read rows from memory in pass 2; a 16-unaligned start too.
+    m = 60000
+    offs = torch.tensor([3, 3, 59993, 60000], dtype=torch.int32)
+    same_as_cpu(moe_fp8_ext.quantize_jagged_colwise, randn((m, 256), torch.bfloat16, "cuda"), offs, torch.float8_e4m3fn)
+    same_as_cpu(moe_fp8_ext.quantize_jagged_colwise, randn((m, 100), torch.float32, "cuda"), offs, torch.float8_e4m3fnuz)
+
+
+@requires_cuda
+@pytest.mark.gpu
+def test_jagged_unaligned_groups_and_odd_width():
+    m = 5000
+    offs = torch.tensor([1, 17, 18, 1000, 1001, 4999], dtype=torch.int32)  # tail row 4999
+    x = randn((m, 2 * 769), torch.float16, "cuda")[:, ::2]  # strided: scalar path
+    same_as_cpu(moe_fp8_ext.quantize_jagged_colwise, x, offs, torch.float8_e4m3fn)
+
+
+@requires_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("transposed", [False, True])
+def test_rowwise_column_major_input_long_k(transposed):
+    x = randn((3000, 20000), torch.bfloat16, "cuda")
+    same_as_cpu(moe_fp8_ext.quantize_rowwise, x.t() if transposed else x, torch.float8_e4m3fn)
+
+
+@requires_cuda
+@pytest.mark.gpu
+def test_garbage_offs_is_memory_safe():
+    # Decreasing, negative and past-the-end offsets: results are unspecified on GPU
+    # without MOE_FP8_DEBUG=1, but nothing outside q and scale may be touched.
+    x = randn((512, 64), torch.bfloat16, "cuda")
+    offs = torch.tensor([700, -5, 100, 2**31 - 1, 30, -2**31], dtype=torch.int32, device="cuda")
+    guard = torch.full((1 << 20,), 7, dtype=torch.uint8, device="cuda")
+    q, s = moe_fp8_ext.quantize_jagged_colwise(x, offs, torch.float8_e4m3fn)
+    torch.cuda.synchronize()
+    assert q.shape == (512, 64) and s.shape == (6, 64)
+    assert torch.all(guard == 7)
+
+
+@requires_cuda
+@pytest.mark.gpu
+def test_debug_env_checks_offs_on_gpu():
+    code = (
+        "import torch, moe_fp8_ext\n"
+        "x = torch.randn(8, 16, device='cuda', dtype=torch.bfloat16)\n"
+        "offs = torch.tensor([6, 4], dtype=torch.int32, device='cuda')\n"
+        "try:\n"
+        "    moe_fp8_ext.quantize_jagged_colwise(x, offs, torch.float8_e4m3fn)\n"
+        "except RuntimeError as e:\n"
+        "    print('RAISED', e)\n"
+    )
+    env = dict(os.environ, MOE_FP8_DEBUG="1")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert "RAISED" in out.stdout and "expected non-decreasing offs" in out.stdout, out.stdout + out.stderr
+
+
+@requires_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("plan", ["1,8", "1,40", "2,64", "4,512", "8,16", "8,256"])
+def test_cols_plan_override_same_bits(monkeypatch, plan):
+    # Any launch plan of the transposing kernel gives the CPU op's bits: caches far
+    # shorter than a slice (the re-read path), one-fragment caches, single blocks and
+    # 8-block clusters, with unaligned groups, a padded layout and the strided path.
+    monkeypatch.setenv("MOE_FP8_COLS_PLAN", plan)
+    m = 3001
+    offs = torch.tensor([0, 5, 1500, 1517, 2999], dtype=torch.int32)  # empty group, tail rows
+    starts, _ = moe_fp8_ext.padded_group_offsets(offs, m, 16)
+    x1, x2 = randn((m, 264), torch.bfloat16, "cuda"), randn((m, 96), torch.bfloat16, "cuda")
+    same_as_cpu(lambda a, b, o, f: moe_fp8_ext.quantize_jagged_colwise_dual(a, b, o, f), x1, x2, offs, torch.float8_e4m3fn)
+    same_as_cpu(lambda a, b, o, f, s: moe_fp8_ext.quantize_jagged_colwise_dual(a, b, o, f, padded_starts=s),
+                x1, x2, offs, torch.float8_e4m3fn, starts)
+    same_as_cpu(moe_fp8_ext.quantize_jagged_colwise, randn((m, 2 * 77), torch.float32, "cuda")[:, ::2], offs,
+                torch.float8_e4m3fnuz)
+    w_t = randn((3, 1000, 136), torch.bfloat16, "cuda").transpose(1, 2)
+    same_as_cpu(moe_fp8_ext.quantize_experts_bwd, w_t, torch.float8_e4m3fn)
+
+
+@requires_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("plan", ["3,64", "2,12", "0,64", "2", "2,64x", "1,100000"])
+def test_cols_plan_override_rejects_bad_values(monkeypatch, plan):
+    monkeypatch.setenv("MOE_FP8_COLS_PLAN", plan)
+    with pytest.raises(RuntimeError, match="MOE_FP8_COLS_PLAN"):
+        # W^T: the reduction dimension is strided, so this is the transposing kernel
+        moe_fp8_ext.quantize_experts_bwd(randn((2, 32, 64), torch.bfloat16, "cuda").transpose(1, 2), torch.float8_e4m3fn)

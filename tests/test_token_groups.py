@@ -1,22 +1,30 @@
 """Token groups (DESIGN §8): pad / unpad, the padded jagged quantization, the
-expert-parallel permutation indices, row gather / scatter, their autograd, and
-torch.compile. Every op is compared with moe_fp8_ext.reference, bit for bit."""
+expert-parallel permutation indices, row gather / scatter, zero_rows_past_groups_,
+padded_group_offsets, their autograd, and torch.compile. Every op is compared with
+moe_fp8_ext.reference, bit for bit, on CPU and (when present) GPU; errors; opcheck
+on every op of the family (OPCHECK_CASES; test_op_coverage.py checks that every
+registered op has a case); GPU only: large shapes bit-exact with the CPU op, garbage
+offs, and the ops captured in a CUDA graph (no host sync)."""
 
 import pytest
 import torch
 
 import moe_fp8_ext
 from moe_fp8_ext import reference as ref
-from conftest import DEVICES, FP8_DTYPES, assert_fp8_equal, assert_scale_equal, poison, randn
+from conftest import (
+    DEVICES,
+    FP8_DTYPES,
+    assert_fp8_equal,
+    assert_scale_equal,
+    graph_matches_eager,
+    poison,
+    randn,
+    random_offs,
+    requires_cuda,
+    same_as_cpu,
+)
 
 MOVE_DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn, torch.float8_e4m3fnuz, torch.int32]
-
-
-def random_offs(m, g, gen, empty_frac=0.2, device="cpu"):
-    """G cumulative group ends summing to at most m, some groups empty."""
-    w = torch.rand(g, generator=gen) * (torch.rand(g, generator=gen) > empty_frac)
-    sizes = (w / max(w.sum().item(), 1e-9) * m).floor().long()
-    return torch.cumsum(sizes, 0).clamp(max=m).to(torch.int32).to(device)
 
 
 def rows_of(dtype, shape, device, gen):
@@ -37,7 +45,7 @@ def test_pad_unpad_match_reference(device, groups, alignment):
     gen = torch.Generator().manual_seed(groups * 131 + alignment)
     m, d = 4099, 40  # 80-byte bf16 rows: the 16-byte path
     x = rows_of(torch.bfloat16, (m, d), device, gen)
-    offs = random_offs(m - 3, groups, gen, device=device)  # a few tail rows past offs[-1]
+    offs = random_offs(m, groups, tail=3, generator=gen, device=device)  # a few tail rows past offs[-1]
     poison(device)
     xp, starts, ends = moe_fp8_ext.pad_token_groups(x, offs, alignment)
     rxp, rstarts, rends = ref.pad_token_groups(x.cpu(), offs.cpu(), alignment)
@@ -113,7 +121,7 @@ def test_jagged_colwise_padded_layout(device, fp8_dtype, alignment):
     x1 = randn((m, 160), torch.bfloat16, device)
     x1[m // 2, 7] = float("nan")  # a NaN column: its padding rows are NaN too (0 x NaN scale)
     x2 = randn((m, 48), torch.bfloat16, device)
-    offs = random_offs(m - 5, 9, gen, device=device)
+    offs = random_offs(m, 9, tail=5, generator=gen, device=device)
     starts, ends = moe_fp8_ext.padded_group_offsets(offs, m, alignment)
     poison(device)
     q1, s1, q2, s2 = moe_fp8_ext.quantize_jagged_colwise_dual(x1, x2, offs, fp8_dtype, padded_starts=starts, alignment=alignment)
@@ -228,24 +236,43 @@ def test_autograd_pad_unpad_permute(device):
     assert torch.autograd.gradcheck(lambda t: moe_fp8_ext.unpermute(t, idx, 25), (yr,))
 
 
+def _i32(values, d):
+    return torch.tensor(values, dtype=torch.int32, device=d)
+
+
+# (op name in torch.ops.moe_fp8, device -> args): schema, fake tensor and AOT dispatch
+# of every op of the family, plus edge cases: no groups, alignment 1, bf16 / fp16 /
+# int32 rows, a strided in-place target, the padded dual quantization. (No fp8 rows:
+# opcheck's own checks do arithmetic that PyTorch lacks for fp8 on the CPU.)
+# test_op_coverage.py reads the names.
+OPCHECK_CASES = [
+    ("pad_token_groups", lambda d: (torch.randn(50, 8, device=d), _i32([10, 10, 49], d), 16)),
+    ("pad_token_groups_at", lambda d: (torch.randn(50, 8, device=d), _i32([10, 10, 49], d), _i32([0, 16, 16], d), 96)),
+    ("unpad_token_groups", lambda d: (torch.randn(96, 8, device=d), _i32([10, 10, 49], d), _i32([0, 16, 16], d), 50)),
+    ("padded_group_offsets", lambda d: (_i32([10, 10, 49], d), 50, 16)),
+    ("permute_indices", lambda d: (_i32([3, 0, 5, 1, 2, 2], d), 3, 2, 16, 64)),
+    ("zero_rows_past_groups_", lambda d: (torch.randn(20, 5, device=d), _i32([3, 11], d))),
+    ("gather_rows", lambda d: (torch.randn(6, 5, device=d), _i32([2, -1, 0, 5], d))),
+    ("scatter_rows", lambda d: (torch.randn(4, 5, device=d), _i32([2, -1, 0, 5], d), 7)),
+    ("quantize_jagged_colwise", lambda d: (torch.randn(50, 8, device=d), _i32([10, 10, 49], d),
+                                           torch.float8_e4m3fn, True, _i32([0, 16, 16], d), 16)),
+    # Added: edge cases and the padded dual quantization.
+    ("quantize_jagged_colwise_dual", lambda d: (randn((50, 24), torch.bfloat16, d), randn((50, 8), torch.bfloat16, d),
+                                                _i32([10, 10, 49], d), torch.float8_e4m3fn, True, _i32([0, 16, 16], d), 16)),
+    ("pad_token_groups", lambda d: (randn((37, 8), torch.bfloat16, d), _i32([], d), 8)),
+    ("pad_token_groups", lambda d: (randn((37, 8), torch.bfloat16, d), _i32([0, 5, 5, 30], d), 1)),
+    ("padded_group_offsets", lambda d: (_i32([], d), 50, 128)),
+    ("unpad_token_groups", lambda d: (randn((96, 8), torch.float16, d), _i32([10, 10, 49], d),
+                                      _i32([0, 16, 16], d), 50)),
+    ("permute_indices", lambda d: (_i32([3, 0, 5, 1, 2, 2, 0, 0], d), 2, 4, 1, 13)),
+    ("zero_rows_past_groups_", lambda d: (randn((20, 9), torch.bfloat16, d)[:, 2:7], _i32([0, 4], d))),
+    ("gather_rows", lambda d: (torch.randint(-9, 9, (6, 5), dtype=torch.int32, device=d), _i32([5, 5, -1], d))),
+    ("scatter_rows", lambda d: (randn((3, 5), torch.bfloat16, d), _i32([4, -1, 0], d), 5)),
+]
+
+
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize(
-    "op, args",
-    [
-        ("pad_token_groups", lambda d: (torch.randn(50, 8, device=d), torch.tensor([10, 10, 49], dtype=torch.int32, device=d), 16)),
-        ("pad_token_groups_at", lambda d: (torch.randn(50, 8, device=d), torch.tensor([10, 10, 49], dtype=torch.int32, device=d),
-                                           torch.tensor([0, 16, 16], dtype=torch.int32, device=d), 96)),
-        ("unpad_token_groups", lambda d: (torch.randn(96, 8, device=d), torch.tensor([10, 10, 49], dtype=torch.int32, device=d),
-                                          torch.tensor([0, 16, 16], dtype=torch.int32, device=d), 50)),
-        ("padded_group_offsets", lambda d: (torch.tensor([10, 10, 49], dtype=torch.int32, device=d), 50, 16)),
-        ("permute_indices", lambda d: (torch.tensor([3, 0, 5, 1, 2, 2], dtype=torch.int32, device=d), 3, 2, 16, 64)),
-        ("zero_rows_past_groups_", lambda d: (torch.randn(20, 5, device=d), torch.tensor([3, 11], dtype=torch.int32, device=d))),
-        ("gather_rows", lambda d: (torch.randn(6, 5, device=d), torch.tensor([2, -1, 0, 5], dtype=torch.int32, device=d))),
-        ("scatter_rows", lambda d: (torch.randn(4, 5, device=d), torch.tensor([2, -1, 0, 5], dtype=torch.int32, device=d), 7)),
-        ("quantize_jagged_colwise", lambda d: (torch.randn(50, 8, device=d), torch.tensor([10, 10, 49], dtype=torch.int32, device=d),
-                                               torch.float8_e4m3fn, True, torch.tensor([0, 16, 16], dtype=torch.int32, device=d), 16)),
-    ],
-)
+@pytest.mark.parametrize("op, args", OPCHECK_CASES, ids=[f"{op}-{i}" for i, (op, _) in enumerate(OPCHECK_CASES)])
 def test_opcheck(device, op, args):
     torch.library.opcheck(getattr(torch.ops.moe_fp8, op).default, args(device))
 
@@ -266,3 +293,80 @@ def test_compile_fullgraph(device):
     compiled = torch.compile(step, fullgraph=True)
     for got, want in zip(compiled(x, offs, counts), step(x, offs, counts)):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+# ---- GPU only: large shapes, garbage offs, no host sync ------------------------------
+
+@requires_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens, d, g", [(16384, 7168, 8), (16384, 2048, 64), (32768, 5120, 300), (20000, 72, 9000)])
+def test_pad_unpad_large_same_as_cpu(tokens, d, g):
+    # g = 9000: more groups than fit the per-block tables (read from global memory).
+    x = randn((tokens, d), torch.bfloat16, "cuda")
+    cuts = random_offs(tokens, g, tail=tokens // (g + 1))  # rows past offs[-1] as well
+    poison("cuda")
+    gpu = moe_fp8_ext.pad_token_groups(x, cuts.cuda(), 16)
+    cpu = moe_fp8_ext.pad_token_groups(x.cpu(), cuts, 16)
+    for a, b in zip(gpu, cpu):
+        assert torch.equal(a.cpu(), b)
+    poison("cuda")
+    back = moe_fp8_ext.unpad_token_groups(gpu[0], cuts.cuda(), gpu[1], tokens)
+    assert torch.equal(back.cpu(), moe_fp8_ext.unpad_token_groups(cpu[0], cuts, cpu[1], tokens))
+
+
+@requires_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8_dtype", FP8_DTYPES)
+def test_jagged_dual_padded_large(fp8_dtype):
+    m, g = 16384, 8
+    cuts = random_offs(m, g, tail=7)
+    starts, _ = moe_fp8_ext.padded_group_offsets(cuts, m, 16)
+    same_as_cpu(lambda a, b, o, f, s: moe_fp8_ext.quantize_jagged_colwise_dual(a, b, o, f, padded_starts=s),
+                randn((m, 7168), torch.bfloat16, "cuda"), randn((m, 2048), torch.bfloat16, "cuda"), cuts, fp8_dtype, starts)
+
+
+@requires_cuda
+@pytest.mark.gpu
+def test_token_group_ops_garbage_is_memory_safe():
+    x = randn((512, 64), torch.bfloat16, "cuda")
+    guard = torch.full((1 << 20,), 7, dtype=torch.uint8, device="cuda")
+    bad = torch.tensor([700, -5, 100, 2**31 - 1, 30, -2**31], dtype=torch.int32, device="cuda")
+    xp, starts, _ = moe_fp8_ext.pad_token_groups(x, bad, 16)
+    moe_fp8_ext.unpad_token_groups(xp, bad, bad, 512)
+    torch.ops.moe_fp8.pad_token_groups_at(x, bad, bad, 100)
+    moe_fp8_ext.quantize_jagged_colwise(x, bad, torch.float8_e4m3fn, padded_starts=bad)
+    moe_fp8_ext.gather_rows(x, bad)
+    moe_fp8_ext.scatter_rows(x[:6], bad, 50)
+    moe_fp8_ext.permute_indices(torch.tensor([5, -3, 2**30, 7], dtype=torch.int32, device="cuda"), 2, 2, 16, 100)
+    torch.cuda.synchronize()
+    assert torch.all(guard == 7)
+
+
+@requires_cuda
+@pytest.mark.gpu
+def test_permute_indices_large():
+    counts = torch.randint(0, 600, (8 * 32,), dtype=torch.int32)
+    m = int(counts.sum())
+    max_len = moe_fp8_ext.padded_rows(m, 32, 128)
+    gpu = moe_fp8_ext.permute_indices(counts.cuda(), 32, 8, 128, max_len)
+    cpu = moe_fp8_ext.permute_indices(counts, 32, 8, 128, max_len)
+    for a, b in zip(gpu, cpu):
+        assert torch.equal(a.cpu(), b)
+
+
+@requires_cuda
+@pytest.mark.gpu
+def test_token_group_ops_have_no_host_sync():
+    x = randn((3000, 200), torch.bfloat16, "cuda").requires_grad_()
+    offs = torch.tensor([0, 700, 701, 2500, 2990], dtype=torch.int32, device="cuda")
+    counts = torch.tensor([5, 0, 900, 17, 1200, 33, 400, 1], dtype=torch.int32, device="cuda")  # 2 ranks x 4 experts
+    gy = randn((3000, 200), torch.bfloat16, "cuda")
+
+    def step():
+        xp, starts, _ends = moe_fp8_ext.pad_token_groups(x, offs, 16)
+        y = moe_fp8_ext.unpad_token_groups(xp * 2, offs, starts, x.shape[0])
+        xe, pends, idx = moe_fp8_ext.permute_and_pad(y, counts, 4, 2, 16)
+        back = moe_fp8_ext.unpermute(xe, idx, x.shape[0])
+        return (xp, y, xe, pends, back, *torch.autograd.grad(back, (x,), gy))
+
+    graph_matches_eager(step)
