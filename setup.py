@@ -89,6 +89,29 @@ class CMakeBuild(build_ext):
         jobs = os.environ.get("MAX_JOBS", str(os.cpu_count() or 1))
         subprocess.check_call(["cmake", ext.sourcedir, *args], cwd=build_dir, env=env)
         subprocess.check_call(["cmake", "--build", ".", "-j", jobs], cwd=build_dir, env=env)
+        _copy_to_source_tree(self.get_ext_fullpath(ext.name), ext)
+
+
+def _copy_to_source_tree(built: str, ext: CMakeExtension) -> None:
+    """Also put the built module next to the Python sources, as an in-place build does.
+
+    Run from the repository root, `python -m moe_fp8_ext` and `python -m pytest tests`
+    import the package from the source tree (the current directory comes first on
+    sys.path), not the installed copy; with the module there, the source tree is a
+    complete package and both work after a plain `pip install --no-build-isolation .`.
+    The copy replaces the old file by a rename, so a process that has the old module
+    loaded keeps a valid mapping.
+    """
+    dest_dir = os.path.join(ext.sourcedir, *ext.name.split(".")[:-1])
+    dest = os.path.join(dest_dir, os.path.basename(built))
+    if not os.path.isdir(dest_dir) or os.path.abspath(dest) == os.path.abspath(built):
+        return  # an in-place or editable build wrote it there already
+    try:
+        tmp = dest + ".tmp"
+        shutil.copy2(built, tmp)
+        os.replace(tmp, dest)
+    except OSError as e:  # a read-only checkout: the installed package still works
+        print(f"moe_fp8_ext: could not copy the built module into {dest_dir}: {e}", file=sys.stderr)
 
 
 setup(

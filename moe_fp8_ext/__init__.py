@@ -4,9 +4,18 @@ Importing the package loads the compiled extension, which registers the ops unde
 ``torch.ops.moe_fp8``; the functions here are thin, documented wrappers.
 """
 
+import importlib.util
+import os
+
 import torch
 
-from . import _C  # noqa: F401  (registers torch.ops.moe_fp8.*)
+if importlib.util.find_spec(__name__ + "._C") is None:
+    raise ImportError(
+        f"moe_fp8_ext: the compiled extension moe_fp8_ext._C is missing from {os.path.dirname(__file__)}: "
+        "build it with `pip install --no-build-isolation .` from the repository root "
+        "(or `python setup.py build_ext --inplace` for a build in place)"
+    )
+from . import _C  # noqa: F401,E402  (registers torch.ops.moe_fp8.*)
 from .grouped_mm import grouped_mm, grouped_mm_backend
 from .mxfp8 import quantize_mxfp8_colwise, quantize_mxfp8_experts, quantize_mxfp8_rowwise
 from .ops import (
