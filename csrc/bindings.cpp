@@ -1,10 +1,11 @@
-// All op schemas of torch.ops.moe_fp8, one section per kernel family, each def next
-// to its CPU and CUDA impls; and the pybind11 module that reports build info.
+// All op schemas of torch.ops.moe_fp8, one section per kernel family; and the
+// pybind11 module that reports build info. Families registered per device keep their
+// impls where the code lives (TORCH_LIBRARY_IMPL in the CPU file and the .cu file);
+// the rest still register here through MOE_FP8_IMPL.
 #include <pybind11/pybind11.h>
 #include <torch/library.h>
 #include <torch/version.h>
 
-#include "grouping/grouping_ops.h"
 #include "rowwise/rowwise_ops.h"
 
 // Set by CMakeLists.txt: the GPU backend ("cuda", "hip" or "" for CPU only), its
@@ -46,31 +47,17 @@ TORCH_LIBRARY(moe_fp8, m) {
   MOE_FP8_IMPL(m, "quantize_jagged_colwise_dual", moe_fp8::quantize_jagged_colwise_dual);
 
   // ---- token groups (DESIGN §8): sync-free padding and expert-parallel permutation -
+  // impls: grouping/grouping_cpu.cpp (CPU) and grouping/grouping.cu (CUDA).
   m.def("pad_token_groups(Tensor x, Tensor offs, int alignment) -> (Tensor, Tensor, Tensor)");
-  MOE_FP8_IMPL(m, "pad_token_groups", moe_fp8::pad_token_groups);
-
   m.def("pad_token_groups_at(Tensor x, Tensor offs, Tensor padded_starts, SymInt num_padded_rows) -> Tensor");
-  MOE_FP8_IMPL(m, "pad_token_groups_at", moe_fp8::pad_token_groups_at);
-
   m.def("unpad_token_groups(Tensor x_padded, Tensor offs, Tensor padded_starts, SymInt num_tokens) -> Tensor");
-  MOE_FP8_IMPL(m, "unpad_token_groups", moe_fp8::unpad_token_groups);
-
   m.def("padded_group_offsets(Tensor offs, SymInt num_tokens, int alignment) -> (Tensor, Tensor)");
-  MOE_FP8_IMPL(m, "padded_group_offsets", moe_fp8::padded_group_offsets);
-
   m.def(
       "permute_indices(Tensor tokens_per_expert_group, int experts_per_rank, int num_ranks, int alignment,"
       " SymInt max_len) -> (Tensor, Tensor, Tensor)");
-  MOE_FP8_IMPL(m, "permute_indices", moe_fp8::permute_indices);
-
   m.def("zero_rows_past_groups_(Tensor(a!) x, Tensor offs) -> ()");
-  MOE_FP8_IMPL(m, "zero_rows_past_groups_", moe_fp8::zero_rows_past_groups_);
-
   m.def("gather_rows(Tensor x, Tensor indices) -> Tensor");
-  MOE_FP8_IMPL(m, "gather_rows", moe_fp8::gather_rows);
-
   m.def("scatter_rows(Tensor y, Tensor indices, SymInt num_rows) -> Tensor");
-  MOE_FP8_IMPL(m, "scatter_rows", moe_fp8::scatter_rows);
 }
 
 namespace {
