@@ -1,10 +1,9 @@
-// All op schemas of torch.ops.moe_fp8, one section per kernel family, each def next
-// to its CPU and CUDA impls; and the pybind11 module that reports build info.
+// All op schemas of torch.ops.moe_fp8, one section per kernel family; and the
+// pybind11 module that reports build info. Implementations are registered per device
+// where the code lives (TORCH_LIBRARY_IMPL in each family's CPU file and .cu file).
 #include <pybind11/pybind11.h>
 #include <torch/library.h>
 #include <torch/version.h>
-
-#include "grouping/grouping_ops.h"
 
 // Set by CMakeLists.txt: the GPU backend ("cuda", "hip" or "" for CPU only), its
 // compiler version and the architectures built.
@@ -12,15 +11,6 @@
 #define MOE_FP8_GPU_BACKEND ""
 #define MOE_FP8_GPU_VERSION_STR ""
 #define MOE_FP8_GPU_ARCHS_STR ""
-#endif
-
-// Registers fn for every backend this build has kernels for.
-#ifdef MOE_FP8_WITH_CUDA
-#define MOE_FP8_IMPL(m, name, fn) \
-  m.impl(name, c10::DispatchKey::CPU, TORCH_FN(fn)); \
-  m.impl(name, c10::DispatchKey::CUDA, TORCH_FN(fn))
-#else
-#define MOE_FP8_IMPL(m, name, fn) m.impl(name, c10::DispatchKey::CPU, TORCH_FN(fn))
 #endif
 
 TORCH_LIBRARY(moe_fp8, m) {
@@ -49,31 +39,17 @@ TORCH_LIBRARY(moe_fp8, m) {
   m.def("quantize_mxfp8_experts(Tensor b, str rounding=\"rceil\", bool blocked=False) -> (Tensor, Tensor)");
 
   // ---- token groups (DESIGN §8): sync-free padding and expert-parallel permutation -
+  // impls: grouping/grouping_cpu.cpp (CPU) and grouping/grouping.cu (CUDA).
   m.def("pad_token_groups(Tensor x, Tensor offs, int alignment) -> (Tensor, Tensor, Tensor)");
-  MOE_FP8_IMPL(m, "pad_token_groups", moe_fp8::pad_token_groups);
-
   m.def("pad_token_groups_at(Tensor x, Tensor offs, Tensor padded_starts, SymInt num_padded_rows) -> Tensor");
-  MOE_FP8_IMPL(m, "pad_token_groups_at", moe_fp8::pad_token_groups_at);
-
   m.def("unpad_token_groups(Tensor x_padded, Tensor offs, Tensor padded_starts, SymInt num_tokens) -> Tensor");
-  MOE_FP8_IMPL(m, "unpad_token_groups", moe_fp8::unpad_token_groups);
-
   m.def("padded_group_offsets(Tensor offs, SymInt num_tokens, int alignment) -> (Tensor, Tensor)");
-  MOE_FP8_IMPL(m, "padded_group_offsets", moe_fp8::padded_group_offsets);
-
   m.def(
       "permute_indices(Tensor tokens_per_expert_group, int experts_per_rank, int num_ranks, int alignment,"
       " SymInt max_len) -> (Tensor, Tensor, Tensor)");
-  MOE_FP8_IMPL(m, "permute_indices", moe_fp8::permute_indices);
-
   m.def("zero_rows_past_groups_(Tensor(a!) x, Tensor offs) -> ()");
-  MOE_FP8_IMPL(m, "zero_rows_past_groups_", moe_fp8::zero_rows_past_groups_);
-
   m.def("gather_rows(Tensor x, Tensor indices) -> Tensor");
-  MOE_FP8_IMPL(m, "gather_rows", moe_fp8::gather_rows);
-
   m.def("scatter_rows(Tensor y, Tensor indices, SymInt num_rows) -> Tensor");
-  MOE_FP8_IMPL(m, "scatter_rows", moe_fp8::scatter_rows);
 }
 
 namespace {

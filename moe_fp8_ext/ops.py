@@ -15,6 +15,95 @@ from .platform import default_fp8_dtype
 
 _ops = torch.ops.moe_fp8
 
+# ---- argument checks shared by the wrappers and the fakes ------------------------------
+# The same rules and messages as csrc/core/op_checks.h ("<op>: expected X, got Y"), so
+# that a wrapper fails before it reads a shape and a fake kernel (torch.compile, meta
+# tensors) refuses what the real kernel refuses. Content checks of index tensors stay
+# in the kernels (a fake cannot read data).
+
+INT32_MAX = 2**31 - 1
+INT64_MAX = 2**63 - 1
+
+
+# c10's names of the dtypes, as the C++ checks print them ("got Long").
+_C10_NAMES = {
+    torch.int64: "Long", torch.int32: "Int", torch.int16: "Short", torch.int8: "Char", torch.uint8: "Byte",
+    torch.bool: "Bool", torch.float64: "Double", torch.float32: "Float", torch.float16: "Half",
+    torch.bfloat16: "BFloat16",
+}
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return _C10_NAMES.get(dtype, str(dtype).replace("torch.", ""))
+
+
+def _require(cond, message) -> None:
+    """RuntimeError(message()) unless cond. A plain branch (not torch._check), so
+    that dynamo traces it into the compiled graph's guards (torch._check's message
+    closure may only hold constants)."""
+    if not cond:
+        raise RuntimeError(message())
+
+
+def check_tensor(op: str, name: str, t, dim: Optional[int] = None, dtype: Optional[torch.dtype] = None) -> None:
+    """``t`` is a Tensor (TypeError otherwise) of rank ``dim`` and dtype ``dtype``."""
+    if not isinstance(t, Tensor):
+        raise TypeError(f"{op}: expected {name} to be a Tensor, got {type(t).__name__}")
+    if dim is not None and t.dim() != dim:
+        raise RuntimeError(f"{op}: expected {name} to be a {dim}-D tensor, got {t.dim()}-D")
+    if dtype is not None and t.dtype != dtype:
+        raise RuntimeError(f"{op}: expected {name} of dtype {str(dtype).replace('torch.', '')}, got {_dtype_name(t.dtype)}")
+
+
+def check_index(op: str, name: str, t) -> None:
+    """An int32 1-D index tensor (offs, padded_starts, indices, counts)."""
+    check_tensor(op, name, t, dim=1, dtype=torch.int32)
+
+
+def check_same_device(op: str, ref_name: str, ref: Tensor, **others: Optional[Tensor]) -> None:
+    """Every tensor of one call on the device of ``ref`` (None skipped): a meta offs
+    with CPU data must not fall through to the fake kernel."""
+    for name, t in others.items():
+        if t is not None and t.device != ref.device:
+            raise RuntimeError(f"{op}: expected {name} on {ref.device} (the device of {ref_name}), got {t.device}")
+
+
+def check_int(op: str, name: str, v, lo: int = 0, hi: int = INT64_MAX) -> None:
+    """An integer argument (int or SymInt) in [lo, hi]."""
+    if isinstance(v, bool) or not isinstance(v, (int, torch.SymInt)):
+        raise TypeError(f"{op}: expected {name} to be an int, got {type(v).__name__}")
+    _require(v >= lo, lambda: f"{op}: expected {name} in [{lo}, {hi}], got {v}")
+    _require(v <= hi, lambda: f"{op}: expected {name} in [{lo}, {hi}], got {v}")
+
+
+def check_alignment(op: str, alignment) -> None:
+    if isinstance(alignment, bool) or not isinstance(alignment, int):
+        raise TypeError(f"{op}: expected alignment to be an int, got {type(alignment).__name__}")
+    if not (1 <= alignment <= 1024 and alignment & (alignment - 1) == 0):
+        raise RuntimeError(f"{op}: expected alignment to be a power of two in [1, 1024], got {alignment}")
+
+
+def check_rows_alloc(op: str, what: str, rows, like: Tensor) -> None:
+    """An output of ``rows`` rows shaped like ``like``'s rows fits in int64 bytes."""
+    nbytes = rows * like.shape[1] * like.element_size()
+    if isinstance(nbytes, int) and nbytes > INT64_MAX:  # symbolic sizes: the real kernel checks
+        raise RuntimeError(f"{op}: expected {what} ({rows} rows) to fit in int64 bytes, got {nbytes}")
+
+
+def checked_padded_rows(op: str, rows, groups, alignment: int):
+    """:func:`padded_rows`, checked to fit in int32 (padded offsets are int32; a static
+    bound, whatever offs holds)."""
+    total = rows + groups * alignment
+    _require(
+        total <= INT32_MAX,
+        lambda: f"{op}: expected the padded layout of {rows} rows in {groups} groups aligned to {alignment} to fit "
+        f"in int32 (rows + groups * alignment <= 2^31-1, padded offsets are int32), got {total}",
+    )
+    r = padded_rows(rows, groups, alignment)
+    _require(r <= INT32_MAX, lambda: f"{op}: expected the padded rows to fit in int32 (at most 2^31-1), got {r}")
+    return r
+
+
 
 def _dtype(fp8_dtype: Optional[torch.dtype], ref: Tensor) -> torch.dtype:
     return fp8_dtype if fp8_dtype is not None else default_fp8_dtype(ref.device if ref.is_cuda else None)
@@ -142,36 +231,103 @@ def _(x1, x2, offs, fp8_dtype, pow2_scale=True, padded_starts=None, alignment=16
 
 
 # ---- token groups (DESIGN §8) ----------------------------------------------------------
-# Raw ops; the differentiable versions are in moe_fp8_ext.token_groups.
+# Raw ops; the differentiable versions are in moe_fp8_ext.token_groups. Each op's
+# argument checks are one function, run by its wrapper (before any shape is read) and
+# by its fake.
+
+
+def check_pad_token_groups(x, offs, alignment, op="pad_token_groups"):
+    check_tensor(op, "x", x, dim=2)
+    check_index(op, "offs", offs)
+    check_same_device(op, "x", x, offs=offs)
+    check_alignment(op, alignment)
+    r = checked_padded_rows(op, x.shape[0], offs.shape[0], alignment)
+    check_rows_alloc(op, "the padded output", r, x)
+    return r
 
 
 @torch.library.register_fake("moe_fp8::pad_token_groups")
 def _(x, offs, alignment):
-    torch._check(x.dim() == 2, lambda: f"pad_token_groups: expected x to be a 2-D tensor, got {x.dim()}-D")
+    r = check_pad_token_groups(x, offs, alignment)
     g = offs.shape[0]
-    return x.new_empty((padded_rows(x.shape[0], g, alignment), x.shape[1])), offs.new_empty((g,)), offs.new_empty((g,))
+    return x.new_empty((r, x.shape[1])), offs.new_empty((g,)), offs.new_empty((g,))
+
+
+def _check_padded_starts(op, offs, padded_starts):
+    check_index(op, "padded_starts", padded_starts)
+    _require(
+        padded_starts.shape[0] == offs.shape[0],
+        lambda: f"{op}: expected padded_starts of shape ({offs.shape[0]},) like offs, got ({padded_starts.shape[0]},)",
+    )
+
+
+def check_pad_token_groups_at(x, offs, padded_starts, num_padded_rows, op="pad_token_groups_at"):
+    check_tensor(op, "x", x, dim=2)
+    check_index(op, "offs", offs)
+    check_index(op, "padded_starts", padded_starts)
+    check_same_device(op, "x", x, offs=offs, padded_starts=padded_starts)
+    check_int(op, "num_padded_rows", num_padded_rows)
+    check_rows_alloc(op, "the padded output", num_padded_rows, x)
+    _check_padded_starts(op, offs, padded_starts)
 
 
 @torch.library.register_fake("moe_fp8::pad_token_groups_at")
 def _(x, offs, padded_starts, num_padded_rows):
+    check_pad_token_groups_at(x, offs, padded_starts, num_padded_rows)
     return x.new_empty((num_padded_rows, x.shape[1]))
+
+
+def check_unpad_token_groups(x_padded, offs, padded_starts, num_tokens, op="unpad_token_groups"):
+    check_tensor(op, "x_padded", x_padded, dim=2)
+    check_index(op, "offs", offs)
+    check_index(op, "padded_starts", padded_starts)
+    check_same_device(op, "x_padded", x_padded, offs=offs, padded_starts=padded_starts)
+    check_int(op, "num_tokens", num_tokens)
+    check_rows_alloc(op, "the output", num_tokens, x_padded)
+    _check_padded_starts(op, offs, padded_starts)
 
 
 @torch.library.register_fake("moe_fp8::unpad_token_groups")
 def _(x_padded, offs, padded_starts, num_tokens):
+    check_unpad_token_groups(x_padded, offs, padded_starts, num_tokens)
     return x_padded.new_empty((num_tokens, x_padded.shape[1]))
+
+
+def check_padded_group_offsets(offs, num_tokens, alignment, op="padded_group_offsets"):
+    check_index(op, "offs", offs)
+    check_alignment(op, alignment)
+    check_int(op, "num_tokens", num_tokens)
+    checked_padded_rows(op, num_tokens, offs.shape[0], alignment)
 
 
 def padded_group_offsets(offs: Tensor, num_tokens: int, alignment: int = 16) -> Tuple[Tensor, Tensor]:
     """``(padded_starts, padded_ends)`` of the layout :func:`pad_token_groups` builds for
     ``num_tokens`` tokens grouped by ``offs``: each group's size rounded up to
     ``alignment``, cumulated. One small kernel, no sync."""
+    check_padded_group_offsets(offs, num_tokens, alignment)
     return _ops.padded_group_offsets(offs, num_tokens, alignment)
 
 
 @torch.library.register_fake("moe_fp8::padded_group_offsets")
 def _(offs, num_tokens, alignment):
+    check_padded_group_offsets(offs, num_tokens, alignment)
     return offs.new_empty(offs.shape), offs.new_empty(offs.shape)
+
+
+def check_permute_indices(counts, experts_per_rank, num_ranks, alignment, max_len, op="permute_indices"):
+    check_index(op, "tokens_per_expert_group", counts)
+    check_int(op, "experts_per_rank", experts_per_rank, lo=1)
+    check_int(op, "num_ranks", num_ranks, lo=1)
+    groups = experts_per_rank * num_ranks
+    if groups > 2**20:
+        raise RuntimeError(f"{op}: expected num_ranks * experts_per_rank <= 2^20, got {groups}")
+    check_alignment(op, alignment)
+    check_int(op, "max_len", max_len, hi=INT32_MAX)
+    _require(
+        counts.shape[0] == groups,
+        lambda: f"{op}: expected tokens_per_expert_group of shape ({groups},) = num_ranks * experts_per_rank, "
+        f"got ({counts.shape[0]},)",
+    )
 
 
 def permute_indices(
@@ -186,45 +342,94 @@ def permute_indices(
     and ``padded_ends`` int32 (experts_per_rank,): each expert's tokens rounded up to
     ``alignment``, and at least ``alignment`` (an expert with no tokens still gets a
     group). ``max_len = num_tokens + experts_per_rank·alignment`` always holds every
-    slot; slots past ``max_len`` are dropped, which is checked on the CPU and with
-    ``MOE_FP8_DEBUG=1``."""
+    slot; a ``max_len`` too small for the padded slots is an error on the CPU and with
+    ``MOE_FP8_DEBUG=1`` (on a GPU otherwise, slots past ``max_len`` are dropped)."""
+    check_permute_indices(tokens_per_expert_group, experts_per_rank, num_ranks, alignment, max_len)
     return _ops.permute_indices(tokens_per_expert_group, experts_per_rank, num_ranks, alignment, max_len)
 
 
 @torch.library.register_fake("moe_fp8::permute_indices")
 def _(counts, experts_per_rank, num_ranks, alignment, max_len):
+    check_permute_indices(counts, experts_per_rank, num_ranks, alignment, max_len)
     return counts.new_empty((max_len,)), counts.new_empty((experts_per_rank,)), counts.new_empty((experts_per_rank,))
+
+
+def check_zero_rows_past_groups_(x, offs, op="zero_rows_past_groups_"):
+    check_tensor(op, "x", x, dim=2)
+    check_index(op, "offs", offs)
+    check_same_device(op, "x", x, offs=offs)
+    if x.shape[1] > 1 and x.stride(1) != 1:
+        raise RuntimeError(f"{op}: expected x with a unit stride along dim 1, got strides {x.stride()}")
+    # at::has_internal_overlap's "Yes" (a dim of size > 1 with stride 0: an expanded
+    # view); the cases it calls too hard to tell are let through, as torch's in-place
+    # ops do. Written out so that dynamo traces it.
+    if any(n > 1 and s == 0 for n, s in zip(x.shape, x.stride())):
+        raise RuntimeError(
+            f"{op}: expected x without internal overlap (each element its own memory, as torch's in-place ops "
+            f"require), got sizes {tuple(x.shape)} and strides {x.stride()}"
+        )
+    if torch.is_grad_enabled() and x.requires_grad and x.is_leaf:
+        raise RuntimeError(
+            f"{op}: expected x that is not a leaf requiring grad (an in-place write would bypass autograd), got a "
+            "leaf with requires_grad=True"
+        )
 
 
 def zero_rows_past_groups_(x: Tensor, offs: Tensor) -> Tensor:
     """In place: rows of ``x`` (M, D) at or past ``offs[-1]`` (no group holds them)
-    become zeros; only those rows are touched. Returns ``x``."""
+    become zeros; only those rows are touched. Returns ``x``. Like torch's in-place
+    ops, refuses an ``x`` whose elements share memory (an expanded view) and a leaf
+    that requires grad."""
+    check_zero_rows_past_groups_(x, offs)
     _ops.zero_rows_past_groups_(x, offs)
     return x
 
 
 @torch.library.register_fake("moe_fp8::zero_rows_past_groups_")
 def _(x, offs):
+    check_zero_rows_past_groups_(x, offs)
     return None
+
+
+def check_gather_rows(x, indices, op="gather_rows"):
+    check_tensor(op, "x", x, dim=2)
+    check_index(op, "indices", indices)
+    check_same_device(op, "x", x, indices=indices)
 
 
 def gather_rows(x: Tensor, indices: Tensor) -> Tensor:
     """``y[j] = x[indices[j]]``, a zero row where ``indices[j] == -1``. Any dtype."""
+    check_gather_rows(x, indices)
     return _ops.gather_rows(x, indices)
 
 
 @torch.library.register_fake("moe_fp8::gather_rows")
 def _(x, indices):
+    check_gather_rows(x, indices)
     return x.new_empty((indices.shape[0], x.shape[1]))
+
+
+def check_scatter_rows(y, indices, num_rows, op="scatter_rows"):
+    check_tensor(op, "y", y, dim=2)
+    check_index(op, "indices", indices)
+    check_same_device(op, "y", y, indices=indices)
+    check_int(op, "num_rows", num_rows, hi=INT32_MAX)
+    _require(
+        indices.shape[0] == y.shape[0],
+        lambda: f"{op}: expected indices of shape ({y.shape[0]},) (a row of y each), got {tuple(indices.shape)}",
+    )
+    check_rows_alloc(op, "the output", num_rows, y)
 
 
 def scatter_rows(y: Tensor, indices: Tensor, num_rows: int) -> Tensor:
     """The inverse of :func:`gather_rows`: ``x[indices[j]] = y[j]`` for every
     ``indices[j] != -1`` (each row at most once), zero rows elsewhere; x has
     ``num_rows`` rows. Any dtype."""
+    check_scatter_rows(y, indices, num_rows)
     return _ops.scatter_rows(y, indices, num_rows)
 
 
 @torch.library.register_fake("moe_fp8::scatter_rows")
 def _(y, indices, num_rows):
+    check_scatter_rows(y, indices, num_rows)
     return y.new_empty((num_rows, y.shape[1]))

@@ -19,7 +19,17 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from .ops import padded_rows
+from .ops import (
+    check_alignment,
+    check_index,
+    check_int,
+    check_pad_token_groups,
+    check_same_device,
+    check_scatter_rows,
+    check_tensor,
+    check_unpad_token_groups,
+    padded_rows,
+)
 
 _ops = torch.ops.moe_fp8
 
@@ -42,9 +52,10 @@ class _Pad(torch.autograd.Function):
 class _Unpad(torch.autograd.Function):
     @staticmethod
     def forward(ctx, xp, offs, padded_starts, num_tokens):
+        x = _ops.unpad_token_groups(xp, offs, padded_starts, num_tokens)
         ctx.save_for_backward(offs, padded_starts)
         ctx.padded_rows = xp.shape[0]
-        return _ops.unpad_token_groups(xp, offs, padded_starts, num_tokens)
+        return x
 
     @staticmethod
     def backward(ctx, grad_x):
@@ -62,12 +73,14 @@ def pad_token_groups(x: Tensor, offs: Tensor, alignment: int = 16) -> Tuple[Tens
     padded size is its size rounded up to ``alignment`` (an empty group stays empty),
     and ``padded_ends`` is the ``offs`` to give the grouped GEMM. Differentiable in x.
     """
+    check_pad_token_groups(x, offs, alignment)
     return _Pad.apply(x, offs, alignment)
 
 
 def unpad_token_groups(x_padded: Tensor, offs: Tensor, padded_starts: Tensor, num_tokens: int) -> Tensor:
     """The inverse of :func:`pad_token_groups`: the (num_tokens, D) rows of every group
     back from their padded places (rows past ``offs[-1]`` are zero). Differentiable."""
+    check_unpad_token_groups(x_padded, offs, padded_starts, num_tokens)
     return _Unpad.apply(x_padded, offs, padded_starts, num_tokens)
 
 
@@ -115,6 +128,12 @@ def permute_and_pad(
     ``padded_ends`` is the grouped GEMM's ``offs``; ``indices`` feed :func:`unpermute`.
     Every expert gets at least ``alignment`` rows. Differentiable in x.
     """
+    op = "permute_and_pad"
+    check_tensor(op, "x", x, dim=2)
+    check_index(op, "tokens_per_expert_group", tokens_per_expert_group)
+    check_same_device(op, "x", x, tokens_per_expert_group=tokens_per_expert_group)
+    check_int(op, "experts_per_rank", experts_per_rank, lo=1)
+    check_alignment(op, alignment)
     if max_len is None:
         max_len = padded_rows(x.shape[0], experts_per_rank, alignment)
     indices, _sizes, ends = _ops.permute_indices(tokens_per_expert_group, experts_per_rank, num_ranks, alignment, max_len)
@@ -124,4 +143,5 @@ def permute_and_pad(
 def unpermute(y: Tensor, indices: Tensor, num_tokens: int) -> Tensor:
     """The inverse of :func:`permute_and_pad`: rows of ``y`` (expert-major, padded) back
     to the rank-major order, (num_tokens, D); padding rows are dropped. Differentiable."""
+    check_scatter_rows(y, indices, num_tokens, op="unpermute")
     return _Scatter.apply(y, indices, num_tokens)

@@ -1,5 +1,11 @@
 """Run under compute-sanitizer: every op with garbage offs and odd shapes, so that
-memcheck sees any out-of-bounds access (scripts/gpu_ci.sh runs it)."""
+memcheck sees any out-of-bounds access (scripts/gpu_ci.sh runs it); then the GPU rows
+of the input-contract table (tests/test_input_contract.py): every bad-input class,
+device mixes included."""
+
+import collections
+import os
+import sys
 
 import torch
 
@@ -34,5 +40,30 @@ for offs in ([700, -5, 100, 2**31 - 1, 30, -2**31], [4099 * 3] * 3, [5000, 4098,
 big = torch.sort(torch.randint(0, 4100, (6000,), dtype=torch.int32)).values.cuda()  # global-table path
 moe_fp8_ext.pad_token_groups(x, big, 32)
 moe_fp8_ext.permute_indices(torch.tensor([5, -3, 2**30, 7, 0, 9], dtype=torch.int32, device="cuda"), 3, 2, 16, 100)
+# G = 0 (an empty offs: a null data pointer, a layout with no groups) and padded
+# starts that overlap or run past the rows (clamped on the GPU).
+e = torch.zeros(0, dtype=torch.int32, device="cuda")
+xp, s0, _ = moe_fp8_ext.pad_token_groups(x, e, 16)
+moe_fp8_ext.unpad_token_groups(xp, e, s0, 4099)
+moe_fp8_ext.padded_group_offsets(e, 4099, 16)
+moe_fp8_ext.zero_rows_past_groups_(x.clone(), e)
+o = torch.tensor([100, 200, 300], dtype=torch.int32, device="cuda")
+for ps in ([0, 3, 2**31 - 1], [-16, 5000, 0], [16, 0, 4]):
+    p = torch.tensor(ps, dtype=torch.int32, device="cuda")
+    moe_fp8_ext.unpad_token_groups(xp, o, p, 4099)
+    torch.ops.moe_fp8.pad_token_groups_at(x, o, p, 333)
 torch.cuda.synchronize()
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+import test_input_contract as contract  # noqa: E402
+
+counts = collections.Counter()
+for param in contract._params("cuda"):
+    case, mut, device = param.values
+    outcome, detail = contract.classify(case, mut, device)
+    counts[outcome] += 1
+    if outcome not in ("clear", "correct", "clamped"):
+        print(f"sanitize_offs: {outcome} {case.id}: {mut.label}: {detail}")
+torch.cuda.synchronize()
+print("sanitize_offs: contract table on cuda:", dict(counts))
 print("sanitize_offs: done")

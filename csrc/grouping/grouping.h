@@ -1,7 +1,6 @@
 // Token-group family (DESIGN §8): padding token groups to an alignment, the inverse,
 // and the expert-parallel permutation. Plain data and the index math shared by the
-// CPU loops and the GPU kernels, plus the runners' declarations. No torch, no CUDA
-// headers.
+// CPU loops and the GPU kernels. No torch, no CUDA headers.
 //
 // Every data-moving op here is one shape: "destination row r of a [dst_rows, width]
 // tensor is source row src(r), or zeros when src(r) < 0". Only the map differs:
@@ -115,22 +114,8 @@ struct PermuteArgs {
   int32_t* padded_ends = nullptr;   // [experts]
 };
 
-void padded_offsets_cpu(const int32_t* offs, int groups, int64_t rows, int64_t alignment, int32_t* pstart,
-                        int32_t* pend);
-void copy_rows_cpu(const RowCopy& c, const RowMapArgs& m);
-void permute_indices_cpu(const PermuteArgs& p);
-void zero_rows_past_groups_cpu(uint8_t* x, int64_t rows, int64_t stride, int64_t row_bytes, const int32_t* offs,
-                               int groups);
-
-#ifdef MOE_FP8_WITH_CUDA
-void padded_offsets_cuda(const int32_t* offs, int groups, int64_t rows, int64_t alignment, int32_t* pstart,
-                         int32_t* pend, int device);
-void copy_rows_cuda(const RowCopy& c, const RowMapArgs& m, int device);
-void permute_indices_cuda(const PermuteArgs& p, int device);
-// inverse[indices[j]] = j for every j with 0 <= indices[j] < inverse_len, -1 elsewhere.
-void zero_rows_past_groups_cuda(uint8_t* x, int64_t rows, int64_t stride, int64_t row_bytes, const int32_t* offs,
-                                int groups, int device);
-void invert_indices_cuda(const int32_t* indices, int64_t n, int32_t* inverse, int64_t inverse_len, int device);
-#endif
+// The runners of one device (CPU loops in grouping_cpu.cpp, kernels in grouping.cu)
+// are gathered in a GroupingKernels table (grouping_ops.h); each takes the device
+// index of its tensors (ignored on the CPU).
 
 }  // namespace moe_fp8

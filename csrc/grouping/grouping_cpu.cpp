@@ -1,17 +1,20 @@
 // CPU implementation of the token-group family: the same index math as the GPU
-// kernels (grouping.h), in plain loops.
+// kernels (grouping.h), in plain loops, and the family's CPU registration.
 #include <ATen/Parallel.h>
+#include <torch/library.h>
 
 #include <algorithm>
 #include <cstring>
 #include <vector>
 
 #include "grouping.h"
+#include "grouping_ops.h"
 
 namespace moe_fp8 {
+namespace {
 
 void padded_offsets_cpu(const int32_t* offs, int groups, int64_t rows, int64_t alignment, int32_t* pstart,
-                        int32_t* pend) {
+                        int32_t* pend, int /*device*/ = -1) {
   int64_t run = 0;
   for (int g = 0; g < groups; ++g) {
     int64_t s, e;
@@ -22,7 +25,7 @@ void padded_offsets_cpu(const int32_t* offs, int groups, int64_t rows, int64_t a
   }
 }
 
-void copy_rows_cpu(const RowCopy& c, const RowMapArgs& m) {
+void copy_rows_cpu(const RowCopy& c, const RowMapArgs& m, int /*device*/) {
   GroupLayout l = m.layout;
   if (m.kind == RowMapKind::kPad && m.compute_pstart) {
     padded_offsets_cpu(l.offs, l.groups, l.rows, m.alignment, m.pstart_out, m.pend_out);
@@ -46,7 +49,7 @@ void copy_rows_cpu(const RowCopy& c, const RowMapArgs& m) {
   });
 }
 
-void permute_indices_cpu(const PermuteArgs& p) {
+void permute_indices_cpu(const PermuteArgs& p, int /*device*/) {
   const int E = p.experts, R = p.ranks;
   std::vector<int64_t> start(static_cast<size_t>(E) * R), total(E, 0);
   int64_t run = 0;
@@ -75,9 +78,24 @@ void permute_indices_cpu(const PermuteArgs& p) {
 }
 
 void zero_rows_past_groups_cpu(uint8_t* x, int64_t rows, int64_t stride, int64_t row_bytes, const int32_t* offs,
-                               int groups) {
+                               int groups, int /*device*/) {
   const int64_t end = groups > 0 ? clamp_offset(offs[groups - 1], rows) : 0;
   for (int64_t r = end; r < rows; ++r) std::memset(x + r * stride, 0, static_cast<size_t>(row_bytes));
 }
 
+void invert_indices_cpu(const int32_t* indices, int64_t n, int32_t* inverse, int64_t inverse_len, int /*device*/) {
+  std::fill(inverse, inverse + inverse_len, -1);
+  for (int64_t j = 0; j < n; ++j) {
+    if (indices[j] >= 0 && indices[j] < inverse_len) inverse[indices[j]] = static_cast<int32_t>(j);
+  }
+}
+
+}  // namespace
+
+extern const GroupingKernels kGroupingCpu = {
+    padded_offsets_cpu, copy_rows_cpu, permute_indices_cpu, zero_rows_past_groups_cpu, invert_indices_cpu,
+};
+
 }  // namespace moe_fp8
+
+TORCH_LIBRARY_IMPL(moe_fp8, CPU, m) { moe_fp8::GroupingOn<moe_fp8::kGroupingCpu>::register_impls(m); }

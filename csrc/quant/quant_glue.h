@@ -10,7 +10,6 @@
 #include "../core/groups.h"
 #include "../core/numerics.h"
 #include "../core/op_checks.h"
-#include "../grouping/grouping_ops.h"
 
 namespace moe_fp8 {
 
@@ -42,13 +41,13 @@ struct JaggedLayout {
   int64_t alignment;
 };
 
-inline JaggedLayout jagged_layout(const at::Tensor& x, const at::Tensor& offs, const std::optional<at::Tensor>& padded_starts,
-                           int64_t alignment, const char* op) {
+inline JaggedLayout jagged_layout(const at::Tensor& x, const at::Tensor& offs,
+                                  const std::optional<at::Tensor>& padded_starts, int64_t alignment, const char* op) {
   const int64_t M = x.size(0);
   if (!padded_starts.has_value()) return {M, at::Tensor(), 1};
   check_alignment(alignment, op);
-  const int64_t R = padded_rows_bound(M, offs.numel(), alignment);
-  check_padded_starts(*padded_starts, offs, M, R, x, op);
+  const int64_t R = checked_padded_rows(M, offs.numel(), alignment, op);
+  check_padded_starts(*padded_starts, offs, M, R, x, op, alignment);
   return {R, padded_starts->contiguous(), alignment};
 }
 

@@ -1,0 +1,627 @@
+"""The input contract (DESIGN §3, issue 16), table-driven: every public op of a family
+× every class of bad input gives either a clear error ("<op>: expected ...") or a
+result equal to moe_fp8_ext.reference, element for element — never garbage.
+
+A row of the table is an OpCase: the callable, a builder of valid arguments, the
+reference, and the mutators that turn valid arguments into one case of a class. The
+generic classes come from the roles of the arguments (`data_mutators`,
+`index_mutators`, `size_mutators`); op-specific ones are listed next to the op. New
+families join by appending OpCases to CASES.
+
+Outputs are poisoned: CPU allocations are filled with 0x5a by glibc (mallopt
+M_PERTURB, the in-process MALLOC_PERTURB_), GPU ones with 0xff (conftest.poison), so an
+element an op forgets to write differs from the reference. The outcome counts
+(clear / correct / vague / wrong / refused / clamped) are printed at the end of the
+session (`pytest -s` or the terminal summary); a crash takes the process down, so a
+completed run means 0 crashes.
+"""
+
+import collections
+import ctypes
+import dataclasses
+import os
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import pytest
+import torch
+
+import moe_fp8_ext as M
+from moe_fp8_ext import reference as ref
+
+from conftest import HAS_CUDA, poison
+
+I32 = torch.int32
+DEBUG = os.environ.get("MOE_FP8_DEBUG") == "1"
+
+# Outcome of every (case, mutator, device), for the session summary.
+OUTCOMES: "collections.Counter[str]" = collections.Counter()
+BY_CLASS: Dict[Tuple[str, str], "collections.Counter[str]"] = collections.defaultdict(collections.Counter)
+BAD: List[str] = []
+
+
+def _perturb_cpu_allocations() -> None:
+    """glibc fills every later malloc with 0x5a (165 ^ 0xff), as MALLOC_PERTURB_=165."""
+    try:
+        ctypes.CDLL("libc.so.6").mallopt(-6, 165)  # M_PERTURB
+    except (OSError, AttributeError):
+        pass
+
+
+_perturb_cpu_allocations()
+
+
+def i32(*v, device="cpu"):
+    return torch.tensor(v, dtype=I32, device=device)
+
+
+def data(rows, cols, dtype=torch.bfloat16, device="cpu", seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(rows, cols, generator=g).to(dtype).to(device)
+
+
+# ---- the table ------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Mut:
+    cls: str  # the bad-input class: dtype, rank, none, device, meta, strides, int32, empty, content, args, inplace
+    label: str
+    apply: Callable[[Dict[str, Any], str], Dict[str, Any]]  # (valid args, device) -> args of this case
+    valid: bool = False  # a valid input: the result must equal the reference
+    content: bool = False  # invalid only through index content: a GPU clamps it (checked with MOE_FP8_DEBUG=1)
+    expect: Optional[Callable[[Dict[str, Any]], Any]] = None  # the expected result where the reference can't run
+    devices: Tuple[str, ...] = ("cpu", "cuda")
+
+
+@dataclasses.dataclass
+class OpCase:
+    name: str  # the op name every error message must carry
+    fn: Callable[..., Any]  # called with the argument values in order
+    build: Callable[[str], Dict[str, Any]]  # device -> valid arguments (ordered)
+    reference: Callable[[Dict[str, Any]], Any]  # CPU arguments -> expected outputs
+    mutators: List[Mut]
+    also_named: Tuple[str, ...] = ()  # ops a Python-level function is built on: their messages count as clear
+    label: str = ""
+
+    @property
+    def id(self):
+        return self.name + (f"[{self.label}]" if self.label else "")
+
+
+def setarg(name, value):
+    """A mutator body: argument `name` replaced by value(args, device) (or a constant)."""
+
+    def apply(args, device):
+        out = dict(args)
+        out[name] = value(args, device) if callable(value) else value
+        return out
+
+    return apply
+
+
+def other_devices(device):
+    return [d for d in ("cpu", "cuda") if d != device and (d == "cpu" or HAS_CUDA)]
+
+
+def device_mutators(names):
+    """Each tensor on meta, and on the other real device, while the rest stay put; and
+    every tensor on meta at once (a valid call of the fake: shapes must match)."""
+    muts = []
+    for n in names if len(names) > 1 else ():
+        muts.append(Mut("meta", f"{n} on meta", setarg(n, lambda a, d, n=n: a[n].to("meta"))))
+        for other in ("cpu", "cuda"):
+            muts.append(
+                Mut("device", f"{n} on {other}", setarg(n, lambda a, d, n=n, o=other: a[n].to(o)),
+                    devices=tuple(x for x in ("cpu", "cuda") if x != other))
+            )
+
+    def all_meta(args, device):
+        return {k: v.to("meta") if isinstance(v, torch.Tensor) else v for k, v in args.items()}
+
+    muts.append(Mut("meta", "all on meta (the fake)", all_meta, valid=True))
+    return muts
+
+
+def data_mutators(n):
+    """A 2-D data tensor of any dtype: wrong ranks, None; valid other dtypes and strides."""
+    return [
+        Mut("rank", f"{n} 0-D", setarg(n, lambda a, d: torch.tensor(1.5, device=d))),
+        Mut("rank", f"{n} 1-D", setarg(n, lambda a, d, n=n: a[n][0])),
+        Mut("rank", f"{n} 3-D", setarg(n, lambda a, d, n=n: a[n].unsqueeze(0))),
+        Mut("none", f"{n} None", setarg(n, None)),
+        Mut("dtype", f"{n} float32", setarg(n, lambda a, d, n=n: a[n].float()), valid=True),
+        Mut("dtype", f"{n} int8", setarg(n, lambda a, d, n=n: (a[n].float() * 10).to(torch.int8)), valid=True),
+        Mut("dtype", f"{n} float8_e4m3fn", setarg(n, lambda a, d, n=n: a[n].to(torch.float8_e4m3fn)), valid=True),
+        Mut("dtype", f"{n} complex64", setarg(n, lambda a, d, n=n: a[n].to(torch.complex64)), valid=True),
+        Mut("strides", f"{n} column-major", setarg(n, lambda a, d, n=n: a[n].t().contiguous().t()), valid=True),
+        Mut("strides", f"{n} every other column", setarg(n, lambda a, d, n=n: a[n].repeat(1, 2)[:, ::2]), valid=True),
+        Mut("empty", f"{n} with 0 columns", setarg(n, lambda a, d, n=n: a[n][:, :0]), valid=True),
+    ]
+
+
+def index_mutators(n):
+    """An int32 1-D index tensor: other dtypes and ranks, None."""
+    return [
+        Mut("dtype", f"{n} int64", setarg(n, lambda a, d, n=n: a[n].long())),
+        Mut("dtype", f"{n} float32", setarg(n, lambda a, d, n=n: a[n].float())),
+        Mut("rank", f"{n} 2-D", setarg(n, lambda a, d, n=n: a[n].unsqueeze(0))),
+        Mut("rank", f"{n} 0-D", setarg(n, lambda a, d: torch.tensor(3, dtype=I32, device=d))),
+        Mut("none", f"{n} None", setarg(n, None)),
+    ]
+
+
+def size_mutators(n, huge_ok=False):
+    """A size argument: negative, None, and (unless huge_ok) sizes whose products
+    overflow or do not fit the index type."""
+    muts = [
+        Mut("args", f"{n} = -1", setarg(n, -1)),
+        Mut("none", f"{n} None", setarg(n, None)),
+    ]
+    if not huge_ok:
+        muts += [
+            Mut("args", f"{n} = 2**62+1", setarg(n, 2**62 + 1)),
+            Mut("int32", f"{n} = 2**63-1", setarg(n, 2**63 - 1)),
+        ]
+    return muts
+
+
+def alignment_mutators(n="alignment"):
+    return [
+        Mut("args", f"{n} = 0", setarg(n, 0)),
+        Mut("args", f"{n} = 3", setarg(n, 3)),
+        Mut("args", f"{n} = 2048", setarg(n, 2048)),
+        Mut("args", f"{n} = -16", setarg(n, -16)),
+        Mut("none", f"{n} None", setarg(n, None)),
+        Mut("args", f"{n} = 1", setarg(n, 1), valid=True),
+        Mut("args", f"{n} = 1024", setarg(n, 1024), valid=True),
+    ]
+
+
+def offs_content_mutators(n="offs", rows_of="x"):
+    """Bad content of offs (cumulative group ends in [0, M], non-decreasing)."""
+    return [
+        Mut("content", f"{n} decreasing", setarg(n, lambda a, d: i32(20, 10, 30, 40, device=d)), content=True),
+        Mut("content", f"{n} negative", setarg(n, lambda a, d: i32(-5, 10, 30, 40, device=d)), content=True),
+        Mut("content", f"{n} past M", setarg(n, lambda a, d: i32(5, 10, 30, 41, device=d)), content=True),
+        Mut("content", f"{n} int32 extremes", setarg(n, lambda a, d: i32(-(2**31), 2**31 - 1, 30, 40, device=d)),
+            content=True),
+    ]
+
+
+# ---- references of the token-group family -------------------------------------------------
+
+OFFS = (5, 5, 23, 40)  # an empty group, an empty tail: M = 40
+M_ROWS, D_COLS, ALIGN = 40, 24, 16
+
+
+def _ref_pad_at(x, offs, starts, rows):
+    out = torch.zeros((rows, x.shape[1]), dtype=x.dtype)
+    lo = 0
+    for p, hi in zip(starts.tolist(), offs.tolist()):
+        out[p : p + hi - lo] = x[lo:hi]
+        lo = hi
+    return out
+
+
+def _ref_zero_rows(x, offs):
+    y = x.clone()
+    y[(offs[-1].item() if offs.numel() else 0) :] = 0
+    return y
+
+
+def _valid_layout(device, dtype=torch.bfloat16):
+    x = data(M_ROWS, D_COLS, dtype)
+    offs = i32(*OFFS)
+    xp, starts, _ends = ref.pad_token_groups(x, offs, ALIGN)
+    return x.to(device), offs.to(device), xp.to(device), starts.to(device)
+
+
+def _big_rows(device, rows):
+    """A (rows, 1) uint8 tensor past int32 rows, without the memory: an expanded view."""
+    return torch.full((1, 1), 7, dtype=torch.uint8, device=device).expand(rows, 1)
+
+
+def _empty_groups(names):
+    """G = 0: every index tensor of `names` empty (a valid layout with no groups)."""
+
+    def apply(args, device):
+        out = dict(args)
+        for n in names:
+            out[n] = torch.zeros(0, dtype=I32, device=device)
+        return out
+
+    return apply
+
+
+def _pad_case(fn, label):
+    def build(device):
+        x, offs, _, _ = _valid_layout(device)
+        return {"x": x, "offs": offs, "alignment": ALIGN}
+
+    muts = (
+        data_mutators("x") + index_mutators("offs") + device_mutators(["x", "offs"]) + alignment_mutators()
+        + offs_content_mutators()
+        + [
+            Mut("empty", "G = 0", _empty_groups(["offs"]), valid=True),
+            Mut("empty", "M = 0", lambda a, d: {**a, "x": a["x"][:0], "offs": i32(0, 0, device=d)}, valid=True),
+            Mut("content", "offs ends before M", setarg("offs", lambda a, d: i32(3, 9, device=d)), valid=True),
+            Mut("int32", "x rows 2^31-8 (padded rows past int32)",
+                lambda a, d: {**a, "x": _big_rows(d, 2**31 - 8), "offs": i32(2**31 - 8, device=d)}),
+        ]
+    )
+    return OpCase("pad_token_groups", fn, build, lambda a: ref.pad_token_groups(a["x"], a["offs"], a["alignment"]),
+                  muts, label=label)
+
+
+def _unpad_case(fn, label):
+    def build(device):
+        _, offs, xp, starts = _valid_layout(device)
+        return {"x_padded": xp, "offs": offs, "padded_starts": starts, "num_tokens": M_ROWS}
+
+    def big_expect(a):
+        small = a["x_padded"][:256].contiguous()
+        return ref.unpad_token_groups(small, a["offs"], a["padded_starts"], a["num_tokens"])
+
+    muts = (
+        data_mutators("x_padded") + index_mutators("offs") + index_mutators("padded_starts")
+        + device_mutators(["x_padded", "offs", "padded_starts"]) + size_mutators("num_tokens")
+        + offs_content_mutators()
+        + [
+            Mut("empty", "G = 0", _empty_groups(["offs", "padded_starts"]), valid=True),
+            Mut("args", "num_tokens past offs[-1]", setarg("num_tokens", 50), valid=True),
+            Mut("args", "num_tokens before offs[-1]", setarg("num_tokens", 30), content=True),
+            Mut("args", "padded_starts shorter than offs", setarg("padded_starts", lambda a, d: a["padded_starts"][:2])),
+            Mut("content", "padded_starts overlapping", setarg("padded_starts", lambda a, d: i32(0, 5, 5, 16, device=d)),
+                content=True),
+            Mut("content", "padded_starts negative", setarg("padded_starts", lambda a, d: i32(-16, 0, 16, 32, device=d)),
+                content=True),
+            Mut("content", "padded_starts past the rows",
+                setarg("padded_starts", lambda a, d: i32(0, 16, 16, 2**31 - 1, device=d)), content=True),
+            Mut("int32", "x_padded rows 2^31+16 (valid: offs are int32)",
+                lambda a, d: {**a, "x_padded": _big_rows(d, 2**31 + 16)}, valid=True, expect=big_expect),
+        ]
+    )
+    return OpCase(
+        "unpad_token_groups", fn, build,
+        lambda a: ref.unpad_token_groups(a["x_padded"], a["offs"], a["padded_starts"], a["num_tokens"]), muts,
+        label=label,
+    )
+
+
+def _pad_at_case():
+    def build(device):
+        x, offs, xp, starts = _valid_layout(device)
+        return {"x": x, "offs": offs, "padded_starts": starts, "num_padded_rows": xp.shape[0]}
+
+    muts = (
+        data_mutators("x") + index_mutators("offs") + index_mutators("padded_starts")
+        + device_mutators(["x", "offs", "padded_starts"]) + size_mutators("num_padded_rows")
+        + offs_content_mutators()
+        + [
+            Mut("empty", "G = 0", _empty_groups(["offs", "padded_starts"]), valid=True),
+            Mut("args", "num_padded_rows larger", setarg("num_padded_rows", 200), valid=True),
+            Mut("args", "num_padded_rows too small", setarg("num_padded_rows", 40), content=True),
+            Mut("args", "padded_starts shorter than offs", setarg("padded_starts", lambda a, d: a["padded_starts"][:2])),
+            Mut("content", "padded_starts overlapping", setarg("padded_starts", lambda a, d: i32(0, 3, 3, 16, device=d)),
+                content=True),
+            Mut("content", "padded_starts decreasing", setarg("padded_starts", lambda a, d: i32(32, 16, 16, 0, device=d)),
+                content=True),
+        ]
+    )
+    return OpCase(
+        "pad_token_groups_at", torch.ops.moe_fp8.pad_token_groups_at, build,
+        lambda a: _ref_pad_at(a["x"], a["offs"], a["padded_starts"], a["num_padded_rows"]), muts, label="op",
+    )
+
+
+def _padded_offsets_case(fn, label):
+    def build(device):
+        return {"offs": i32(*OFFS, device=device), "num_tokens": M_ROWS, "alignment": ALIGN}
+
+    muts = (
+        index_mutators("offs") + device_mutators(["offs"]) + alignment_mutators() + size_mutators("num_tokens")
+        + offs_content_mutators()
+        + [
+            Mut("empty", "G = 0", _empty_groups(["offs"]), valid=True),
+            Mut("int32", "offs [2^31-1], 2^31 tokens (padded end 2^31)",
+                lambda a, d: {**a, "offs": i32(2**31 - 1, device=d), "num_tokens": 2**31}),
+            Mut("int32", "2^31-1 tokens in 4 groups", lambda a, d: {**a, "num_tokens": 2**31 - 1}),
+        ]
+    )
+    return OpCase("padded_group_offsets", fn, build, lambda a: ref.padded_group_offsets(a["offs"], a["alignment"]),
+                  muts, label=label)
+
+
+COUNTS = (3, 0, 2, 5, 1, 4, 0, 2)  # 2 ranks x 4 experts, rank-major
+
+
+def _permute_case(fn, label):
+    def build(device):
+        return {"counts": i32(*COUNTS, device=device), "experts_per_rank": 4, "num_ranks": 2, "alignment": ALIGN,
+                "max_len": M.padded_rows(sum(COUNTS), 4, ALIGN)}
+
+    muts = (
+        index_mutators("counts") + device_mutators(["counts"]) + alignment_mutators()
+        + size_mutators("max_len", huge_ok=True)
+        + [
+            Mut("args", "alignment = 1024, max_len to match",
+                lambda a, d: {**a, "alignment": 1024, "max_len": M.padded_rows(sum(COUNTS), 4, 1024)}, valid=True),
+            Mut("args", "max_len = 2^31", setarg("max_len", 2**31)),
+            Mut("args", "max_len larger", setarg("max_len", 500), valid=True),
+            Mut("content", "max_len too small", setarg("max_len", 40), content=True),
+            Mut("args", "experts_per_rank = 0", setarg("experts_per_rank", 0)),
+            Mut("args", "num_ranks = -1", setarg("num_ranks", -1)),
+            Mut("args", "num_ranks = 2**62+1 (product wraps)", lambda a, d: {**a, "num_ranks": 2**62 + 1}),
+            Mut("args", "ranks * experts > 2^20", lambda a, d: {**a, "experts_per_rank": 2**11, "num_ranks": 2**10}),
+            Mut("args", "counts shorter than ranks * experts", setarg("counts", lambda a, d: a["counts"][:6])),
+            Mut("none", "experts_per_rank None", setarg("experts_per_rank", None)),
+            Mut("content", "counts negative", setarg("counts", lambda a, d: i32(3, 0, -2, 5, 1, 4, 0, 2, device=d)),
+                content=True),
+            Mut("int32", "counts near 2^31", setarg("counts", lambda a, d: i32(2**31 - 1, 0, 2, 5, 1, 4, 0, 2, device=d)),
+                content=True),
+            Mut("empty", "no tokens", setarg("counts", lambda a, d: i32(0, 0, 0, 0, 0, 0, 0, 0, device=d)), valid=True),
+        ]
+    )
+    muts = [m for m in muts if m.label != "alignment = 1024"]
+    return OpCase(
+        "permute_indices", fn, build,
+        lambda a: ref.permute_indices(a["counts"], a["experts_per_rank"], a["num_ranks"], a["alignment"], a["max_len"]),
+        muts, label=label,
+    )
+
+
+IDX = (3, -1, 0, 39, 7, -1, 12)
+
+
+def _gather_case(fn, label):
+    def build(device):
+        return {"x": data(M_ROWS, D_COLS, device=device), "indices": i32(*IDX, device=device)}
+
+    def big_expect(a):
+        return ref.gather_rows(a["x"][:1].contiguous(), a["indices"].clamp(max=0))
+
+    muts = (
+        data_mutators("x") + index_mutators("indices") + device_mutators(["x", "indices"])
+        + [
+            Mut("empty", "no indices", setarg("indices", lambda a, d: i32(device=d)), valid=True),
+            Mut("empty", "x with 0 rows, all padding", lambda a, d: {**a, "x": a["x"][:0], "indices": i32(-1, -1, device=d)},
+                valid=True),
+            Mut("content", "index past the rows", setarg("indices", lambda a, d: i32(3, 40, device=d)), content=True),
+            Mut("content", "index < -1", setarg("indices", lambda a, d: i32(3, -2, device=d)), content=True),
+            Mut("int32", "x rows 2^31+16 (expanded)",
+                lambda a, d: {"x": _big_rows(d, 2**31 + 16), "indices": i32(0, -1, 2**31 - 1, device=d)}, valid=True,
+                expect=big_expect),
+        ]
+    )
+    return OpCase("gather_rows", fn, build, lambda a: ref.gather_rows(a["x"], a["indices"]), muts, label=label)
+
+
+def _scatter_case(fn, label, name="scatter_rows", num="num_rows", also=()):
+    def build(device):
+        return {"y": data(len(IDX), D_COLS, device=device), "indices": i32(*IDX, device=device), num: M_ROWS}
+
+    muts = (
+        data_mutators("y") + index_mutators("indices") + device_mutators(["y", "indices"]) + size_mutators(num)
+        + [
+            Mut("int32", f"{num} = 2^31", setarg(num, 2**31)),
+            Mut("args", "indices longer than y", setarg("indices", lambda a, d: i32(*IDX, 1, device=d))),
+            Mut("empty", "no rows", lambda a, d: {**a, "y": a["y"][:0], "indices": i32(device=d)}, valid=True),
+            Mut("empty", f"{num} = 0, all padding",
+                lambda a, d: {**a, "indices": torch.full((len(IDX),), -1, dtype=I32, device=d), num: 0}, valid=True),
+            Mut("content", "duplicate index", setarg("indices", lambda a, d: i32(3, -1, 0, 39, 3, -1, 12, device=d)),
+                content=True),
+            Mut("content", "index past num_rows", setarg(num, 20), content=True),
+        ]
+    )
+    return OpCase(name, fn, build, lambda a: ref.scatter_rows(a["y"], a["indices"], a[num]), muts, also_named=also,
+                  label=label)
+
+
+def _zero_rows_case(fn, label):
+    def build(device):
+        return {"x": data(M_ROWS, D_COLS, device=device), "offs": i32(5, 23, 30, device=device)}
+
+    muts = (
+        [m for m in data_mutators("x") if m.label not in ("x column-major", "x every other column")]
+        + index_mutators("offs") + device_mutators(["x", "offs"]) + offs_content_mutators()
+        + [
+            Mut("strides", "x column-major", setarg("x", lambda a, d: a["x"].t().contiguous().t())),
+            Mut("empty", "G = 0 (every row zeroed)", _empty_groups(["offs"]), valid=True),
+            Mut("inplace", "x expanded (self-overlapping)", setarg("x", lambda a, d: a["x"][:1].expand(M_ROWS, D_COLS))),
+            Mut("inplace", "x a leaf requiring grad", setarg("x", lambda a, d: a["x"].float().requires_grad_())),
+            Mut("inplace", "x rows 2^31+16 (expanded)", lambda a, d: {**a, "x": _big_rows(d, 2**31 + 16)}),
+        ]
+    )
+    return OpCase("zero_rows_past_groups_", fn, build, lambda a: _ref_zero_rows(a["x"], a["offs"]), muts, label=label)
+
+
+def _zero_rows_op(x, offs):
+    torch.ops.moe_fp8.zero_rows_past_groups_(x, offs)
+    return x
+
+
+def _permute_and_pad_case():
+    def build(device):
+        return {"x": data(sum(COUNTS), D_COLS, device=device), "counts": i32(*COUNTS, device=device),
+                "experts_per_rank": 4, "num_ranks": 2, "alignment": ALIGN}
+
+    def reference(a):
+        max_len = M.padded_rows(a["x"].shape[0], a["experts_per_rank"], a["alignment"])
+        idx, _sizes, ends = ref.permute_indices(a["counts"], a["experts_per_rank"], a["num_ranks"], a["alignment"], max_len)
+        return ref.gather_rows(a["x"], idx), ends, idx
+
+    muts = (
+        data_mutators("x") + index_mutators("counts") + device_mutators(["x", "counts"]) + alignment_mutators()
+        + [
+            Mut("args", "num_ranks = 2**62+1", setarg("num_ranks", 2**62 + 1)),
+            Mut("args", "experts_per_rank = 0", setarg("experts_per_rank", 0)),
+            Mut("content", "counts negative", setarg("counts", lambda a, d: i32(3, 0, -2, 5, 1, 4, 0, 2, device=d)),
+                content=True),
+            Mut("content", "counts past the rows of x", setarg("counts", lambda a, d: i32(3, 0, 2, 5, 1, 4, 0, 9, device=d)),
+                content=True),
+        ]
+    )
+    return OpCase("permute_and_pad", M.permute_and_pad, build, reference, muts,
+                  also_named=("permute_indices", "gather_rows"))
+
+
+def raw(case: OpCase) -> OpCase:
+    """The same row for the torch.ops entry point: a None tensor never reaches it (the
+    dispatcher itself answers "tensor does not have a device", before any kernel or
+    fake), so that class is left to the public functions."""
+    case.mutators = [m for m in case.mutators if not (m.cls == "none" and "alignment" not in m.label
+                                                      and not any(k in m.label for k in ("num_", "max_len", "experts")))]
+    return case
+
+
+_ops = torch.ops.moe_fp8
+CASES: List[OpCase] = [
+    _pad_case(M.pad_token_groups, "public"),
+    raw(_pad_case(_ops.pad_token_groups, "op")),
+    _unpad_case(M.unpad_token_groups, "public"),
+    raw(_unpad_case(_ops.unpad_token_groups, "op")),
+    raw(_pad_at_case()),
+    _padded_offsets_case(M.padded_group_offsets, "public"),
+    raw(_padded_offsets_case(_ops.padded_group_offsets, "op")),
+    _permute_case(M.permute_indices, "public"),
+    raw(_permute_case(_ops.permute_indices, "op")),
+    _gather_case(M.gather_rows, "public"),
+    raw(_gather_case(_ops.gather_rows, "op")),
+    _scatter_case(M.scatter_rows, "public"),
+    raw(_scatter_case(_ops.scatter_rows, "op")),
+    _zero_rows_case(M.zero_rows_past_groups_, "public"),
+    raw(_zero_rows_case(_zero_rows_op, "op")),
+    _permute_and_pad_case(),
+    _scatter_case(M.unpermute, "", name="unpermute", num="num_tokens", also=("scatter_rows", "gather_rows")),
+]
+
+
+# ---- running one case -------------------------------------------------------------------
+
+
+def _to_cpu(v):
+    if isinstance(v, torch.Tensor) and v.device.type != "meta":
+        if v.dim() == 2 and v.stride(0) == 0:  # an expanded view: copy one row, not 2^31
+            return v[:1].detach().cpu().expand(v.shape)
+        return v.detach().cpu()
+    return v
+
+
+def _flatten(out):
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, (tuple, list)):
+        return [t for o in out for t in _flatten(o)]
+    return [out]
+
+
+def _same(got, want, shapes_only):
+    """Every element equal (bytes, so NaN codes and -0 count), or on meta the shapes,
+    dtypes and strides' contiguity."""
+    g, w = _flatten(got), _flatten(want)
+    if len(g) != len(w):
+        return False
+    for a, b in zip(g, w):
+        if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
+            if a != b:
+                return False
+            continue
+        if a.shape != b.shape or a.dtype != b.dtype:
+            return False
+        if shapes_only:
+            continue
+        a, b = a.detach().cpu().contiguous(), b.detach().cpu().contiguous()
+        if a.numel() and not torch.equal(a.view(-1).view(torch.uint8), b.view(-1).view(torch.uint8)):
+            return False
+    return True
+
+
+def _clear(case, err):
+    msg = str(err)
+    names = (case.name,) + case.also_named
+    return isinstance(err, (RuntimeError, ValueError, TypeError)) and any(n in msg for n in names) and (
+        "expected" in msg.lower()
+    )
+
+
+def classify(case: OpCase, mut: Mut, device: str) -> Tuple[str, str]:
+    """(outcome, detail): clear (a bad input refused with a clear message), correct (a
+    valid input, equal to the reference), vague (refused, unclear message), wrong
+    (a bad input accepted, or a result that differs), refused (a valid input
+    refused), clamped (bad index content on a GPU without MOE_FP8_DEBUG=1: the
+    kernels clamp, DESIGN §3)."""
+    args = mut.apply(case.build(device), device)
+    poison(device)
+    try:
+        out = case.fn(*args.values())
+        if device == "cuda":
+            torch.cuda.synchronize()
+    except Exception as e:  # noqa: BLE001  (the classification is the point)
+        detail = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+        if mut.valid:
+            return "refused", detail
+        return ("clear" if _clear(case, e) else "vague"), detail
+    if not mut.valid:
+        if mut.content and device != "cpu" and not DEBUG:
+            return "clamped", "returned (GPU, no MOE_FP8_DEBUG)"
+        return "wrong", "returned a result for a bad input"
+    cpu_args = {k: _to_cpu(v) for k, v in args.items()}
+    shapes_only = any(isinstance(v, torch.Tensor) and v.device.type == "meta" for v in cpu_args.values())
+    if shapes_only:  # the fake's shapes against the reference of the same valid call on CPU
+        cpu_args = case.build("cpu")
+    expected = mut.expect(cpu_args) if mut.expect else case.reference(cpu_args)
+    return ("correct", "") if _same(out, expected, shapes_only) else ("wrong", "differs from the reference")
+
+
+def _params(device):
+    out = []
+    for case in CASES:
+        for mut in case.mutators:
+            if device not in mut.devices:
+                continue
+            if mut.cls == "device" and not HAS_CUDA:
+                continue
+            marks = [pytest.mark.gpu] if device == "cuda" else []
+            out.append(pytest.param(case, mut, device, id=f"{device}-{case.id}-{mut.cls}-{mut.label}", marks=marks))
+    return out
+
+
+PARAMS = _params("cpu") + (_params("cuda") if HAS_CUDA else [])
+
+
+@pytest.mark.parametrize("case, mut, device", PARAMS)
+def test_input_contract(case, mut, device):
+    outcome, detail = classify(case, mut, device)
+    OUTCOMES[outcome] += 1
+    BY_CLASS[(device, mut.cls)][outcome] += 1
+    if outcome not in ("clear", "correct", "clamped"):
+        BAD.append(f"{outcome:8s} {device} {case.id}: {mut.label}: {detail}")
+    assert outcome in ("clear", "correct", "clamped"), f"{outcome}: {detail}"
+
+
+def summary_lines():
+    lines = ["input contract outcomes: " + ", ".join(f"{k}={OUTCOMES[k]}" for k in
+                                                     ("clear", "correct", "vague", "wrong", "refused", "clamped"))]
+    for (device, cls), c in sorted(BY_CLASS.items()):
+        lines.append(f"  {device:4s} {cls:8s} " + " ".join(f"{k}={v}" for k, v in sorted(c.items())))
+    lines += ["  " + b for b in BAD]
+    return lines
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _contract_summary(request):
+    """Prints the outcome counts after the module's tests (through the terminal
+    reporter, so they show without -s); also to $MOE_FP8_CONTRACT_SUMMARY if set."""
+    yield
+    if not sum(OUTCOMES.values()):
+        return
+    text = "\n".join(summary_lines())
+    reporter = request.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:
+        reporter.write_line("\n" + text)
+    else:
+        print(text)
+    path = os.environ.get("MOE_FP8_CONTRACT_SUMMARY")
+    if path:
+        with open(path, "w") as f:
+            f.write(text + "\n")
