@@ -1,0 +1,104 @@
+"""MXFP8 quantization (DESIGN §7): ours vs torchao 0.18's `to_mx` under torch.compile,
+with % of a device-to-device copy of the same bytes, and the cost of writing the
+scales in the blocked (swizzled) layout instead of plain.
+
+Correctness first: every shape is checked bit-exact against moe_fp8_ext.reference
+before it is timed. Run: python bench/bench_mxfp8.py [--quick]
+"""
+
+import argparse
+import sys
+
+import torch
+
+import moe_fp8_ext
+from moe_fp8_ext import reference as ref
+from moe_fp8_ext.moe import balanced_offs
+
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+from common import bench_us, copy_us, fmt, print_table, try_peer  # noqa: E402
+
+
+def check(ours, spec):
+    q, s = ours
+    rq, rs = spec
+    assert q.stride() == rq.stride(), (q.stride(), rq.stride())
+    nan = torch.isnan(rq.float())
+    assert torch.equal(torch.isnan(q.float()), nan), "NaN positions differ from the reference"
+    assert torch.equal(q.view(torch.uint8)[~nan], rq.view(torch.uint8)[~nan]), "fp8 codes differ from the reference"
+    assert torch.equal(s.view(torch.uint8).cpu(), rs.view(torch.uint8).cpu()), "scales differ from the reference"
+
+
+def torchao_to_mx(rounding):
+    from torchao.prototype.mx_formats.mx_tensor import ScaleCalculationMode, to_mx
+
+    mode = ScaleCalculationMode.RCEIL if rounding == "rceil" else ScaleCalculationMode.FLOOR
+    return torch.compile(lambda x, swz=False: to_mx(x, torch.float8_e4m3fn, 32, mode, swz))
+
+
+HEADER = ["op", "shape", "plain µs", "GB/s", "% of copy", "blocked µs", "% of copy", "blocked cost", "torchao µs", "vs torchao"]
+
+
+def row(name, shape, nbytes, plain_fn, blocked_fn, peer_make):
+    t = bench_us(plain_fn)
+    tb = bench_us(blocked_fn)
+    c = copy_us(nbytes)
+    peer = try_peer(peer_make) if peer_make else None
+    tp = bench_us(peer) if peer else None
+    return [name, shape, fmt(t), fmt(nbytes / t / 1e3, "{:.0f}"), fmt(100 * c / t, "{:.0f}%"), fmt(tb),
+            fmt(100 * c / tb, "{:.0f}%"), fmt(100 * (tb - t) / t, "{:+.1f}%"), fmt(tp), fmt(tp and tp / t, "{:.2f}x")]
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--quick", action="store_true", help="first shape of each table only")
+    p.add_argument("--rounding", default="rceil", choices=["rceil", "floor"])
+    args = p.parse_args()
+    r = args.rounding
+    rows_shapes = [(16384, 7168), (16384, 2048), (65536, 7168), (131072, 2048)]
+    expert_shapes = [(8, 7168, 2048), (16, 5120, 1536), (64, 2048, 1408)]
+    col_shapes = [(16384, 7168, 8), (32768, 5120, 16), (65536, 2048, 64)]
+    if args.quick:
+        rows_shapes, expert_shapes, col_shapes = rows_shapes[:1], expert_shapes[:1], col_shapes[:1]
+    out = []
+    for m, k in rows_shapes:
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        if m * k <= 16384 * 7168:
+            check(moe_fp8_ext.quantize_mxfp8_rowwise(x, r, True), ref.quantize_mxfp8_rowwise(x, r, True))
+        nbytes = m * k * 3 + m * k // 32
+        out.append(row("rowwise", f"({m}, {k})", nbytes, lambda: moe_fp8_ext.quantize_mxfp8_rowwise(x, r),
+                       lambda: moe_fp8_ext.quantize_mxfp8_rowwise(x, r, True),
+                       lambda: (lambda f=torchao_to_mx(r): f(x))))
+        offs = balanced_offs(m, 8, device="cuda")
+        out.append(row("rowwise M-groups (G=8)", f"({m}, {k})", nbytes, lambda: moe_fp8_ext.quantize_mxfp8_rowwise(x, r),
+                       lambda: moe_fp8_ext.quantize_mxfp8_rowwise(x, r, True, offs), None))
+        del x
+    for m, k, g in col_shapes:
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        offs = (balanced_offs(m, g, device="cuda") // 32 * 32).to(torch.int32)
+        offs[-1] = m
+        if m * k <= 16384 * 7168:
+            check(moe_fp8_ext.quantize_mxfp8_colwise(x, r, True, offs), ref.quantize_mxfp8_colwise(x, r, True, offs))
+        nbytes = m * k * 3 + m * k // 32
+        out.append(row("colwise K-groups", f"({m}, {k}, G={g})", nbytes, lambda: moe_fp8_ext.quantize_mxfp8_colwise(x, r, False, offs),
+                       lambda: moe_fp8_ext.quantize_mxfp8_colwise(x, r, True, offs),
+                       lambda: (lambda f=torchao_to_mx(r): f(x.t().contiguous()))))
+        del x
+    for e, k, n in expert_shapes:
+        w = torch.randn(e, n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+        b_t = w.transpose(1, 2)  # (E, K, N), K contiguous: the forward operand
+        check(moe_fp8_ext.quantize_mxfp8_experts(b_t, r, True), ref.quantize_mxfp8_experts(b_t, r, True))
+        nbytes = e * k * n * 3 + e * k * n // 32
+        out.append(row("experts fwd", f"({e}, {k}, {n})", nbytes, lambda: moe_fp8_ext.quantize_mxfp8_experts(b_t, r),
+                       lambda: moe_fp8_ext.quantize_mxfp8_experts(b_t, r, True),
+                       lambda: (lambda f=torchao_to_mx(r): f(w))))
+        out.append(row("experts bwd (transposing)", f"({e}, {n}, {k})", nbytes,
+                       lambda: moe_fp8_ext.quantize_mxfp8_experts(w, r),
+                       lambda: moe_fp8_ext.quantize_mxfp8_experts(w, r, True),
+                       lambda: (lambda f=torchao_to_mx(r): f(w.transpose(1, 2).contiguous()))))
+        del w, b_t
+    print_table(f"MXFP8 quantization (bf16 -> e4m3fn + e8m0, {r})", HEADER, out, "bench_mxfp8.md")
+
+
+if __name__ == "__main__":
+    main()
