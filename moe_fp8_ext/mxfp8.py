@@ -14,25 +14,98 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
+from .ops import (
+    _check_padded_starts,
+    _require,
+    check_alignment,
+    check_index,
+    check_quant_input,
+    check_same_device,
+    checked_padded_rows,
+)
+
 _ops = torch.ops.moe_fp8
 MX_BLOCK = 32
 ROUNDINGS = ("rceil", "floor")
+MAX_GROUPS = 65534
+
+
+# ---- argument checks shared by each wrapper and its fake (the rules and order of
+# csrc/mxfp8/mxfp8_ops.cpp; "<op>: expected X, got Y"): a wrapper fails before it
+# reads a shape, and a fake (torch.compile, a meta tensor among CPU/CUDA ones) refuses
+# what the real kernel refuses. The content of offs and padded_starts is the kernel's.
+
+
+def _check_rounding(op, rounding):
+    if not isinstance(rounding, str):
+        raise TypeError(f"{op}: expected rounding to be a str, got {type(rounding).__name__}")
+    if rounding not in ROUNDINGS:
+        raise RuntimeError(f"{op}: expected rounding \"rceil\" or \"floor\", got \"{rounding}\"")
+
+
+def _check_multiple_of_block(op, n, what):
+    _require(n % MX_BLOCK == 0, lambda: f"{op}: expected {what} to be a multiple of {MX_BLOCK}, got {n}")
+
+
+def check_quantize_mxfp8_rowwise(x, rounding, blocked, offs, op="quantize_mxfp8_rowwise"):
+    check_quant_input(op, "x", x, 2)
+    _check_rounding(op, rounding)
+    _check_multiple_of_block(op, x.shape[1], "K (x.size(1))")
+    if offs is None:
+        return
+    if not blocked:
+        raise RuntimeError(f"{op}: expected offs only with blocked=True (plain scales do not depend on the token "
+                           "groups), got offs with blocked=False")
+    check_index(op, "offs", offs)
+    check_same_device(op, "x", x, offs=offs)
+    # the groups' scale rows start at the padded offsets of 128 (int32)
+    checked_padded_rows(op, x.shape[0], offs.shape[0], 128)
+
+
+def check_quantize_mxfp8_colwise(x, rounding, blocked, offs, padded_starts, alignment, op="quantize_mxfp8_colwise"):
+    """Returns the rows of q: M, or the padded rows."""
+    check_quant_input(op, "x", x, 2)
+    _check_rounding(op, rounding)
+    if offs is None and padded_starts is not None:
+        raise RuntimeError(f"{op}: expected padded_starts only with offs")
+    if (padded_starts is None) != (alignment is None):
+        raise RuntimeError(f"{op}: expected padded_starts and alignment together, got only "
+                           f"{'padded_starts' if padded_starts is not None else 'alignment'}")
+    m = x.shape[0]
+    if offs is None:
+        _check_multiple_of_block(op, m, "M (x.size(0))")
+        return m
+    check_index(op, "offs", offs)
+    check_same_device(op, "x", x, offs=offs)
+    g = offs.shape[0]
+    _require(g <= MAX_GROUPS, lambda: f"{op}: expected at most {MAX_GROUPS} groups, got {g}")
+    q_rows, group_alignment = m, 128
+    if padded_starts is not None:
+        if isinstance(alignment, bool) or not isinstance(alignment, (int, torch.SymInt)):
+            raise TypeError(f"{op}: expected alignment to be an int, got {type(alignment).__name__}")
+        _require(alignment >= MX_BLOCK and alignment % MX_BLOCK == 0,
+                 lambda: f"{op}: expected alignment to be a multiple of {MX_BLOCK}, got {alignment}")
+        check_alignment(op, alignment)
+        q_rows = checked_padded_rows(op, m, g, alignment)
+        _check_padded_starts(op, offs, padded_starts)
+        check_same_device(op, "x", x, padded_starts=padded_starts)
+        group_alignment = max(alignment, 128)
+    else:
+        _check_multiple_of_block(op, m, "M (x.size(0))")
+    if blocked:  # the groups' scale columns start at padded offsets (int32)
+        checked_padded_rows(op, m, g, group_alignment)
+    return q_rows
+
+
+def check_quantize_mxfp8_experts(b, rounding, blocked, op="quantize_mxfp8_experts"):
+    check_quant_input(op, "b", b, 3)
+    _check_rounding(op, rounding)
+    _check_multiple_of_block(op, b.shape[1], "K (b.size(1))")
+    _require(b.shape[0] <= 65535, lambda: f"{op}: expected at most 65535 experts, got {b.shape[0]}")
 
 
 def _ceil(a, b):
     return -(-a // b) * b
-
-
-def _check(cond, msg):
-    torch._check(cond, lambda: msg)
-
-
-def _common(op, x, rank, rounding, kdim_size, kname):
-    _check(x.dim() == rank, f"{op}: expected {'x' if rank == 2 else 'b'} to be a {rank}-D tensor, got {x.dim()}-D")
-    _check(x.dtype in (torch.bfloat16, torch.float16, torch.float32),
-           f"{op}: expected x of dtype bfloat16, float16 or float32, got {x.dtype}")
-    _check(rounding in ROUNDINGS, f"{op}: expected rounding \"rceil\" or \"floor\", got \"{rounding}\"")
-    _check(kdim_size % MX_BLOCK == 0, f"{op}: expected {kname} to be a multiple of {MX_BLOCK}, got {kdim_size}")
 
 
 def quantize_mxfp8_rowwise(x: Tensor, rounding: str = "rceil", blocked: bool = False,
@@ -42,14 +115,13 @@ def quantize_mxfp8_rowwise(x: Tensor, rounding: str = "rceil", blocked: bool = F
     (ceil128(M), ceil4(K/32)) tensor; with ``offs`` (token groups of the rows, blocked
     only) the M-group layout of the grouped GEMM: group g's scale rows start at row
     sum_{j<g} ceil128(n_j), (M + 128 G, ceil4(K/32)) in all, no host sync."""
+    check_quantize_mxfp8_rowwise(x, rounding, blocked, offs)
     return _ops.quantize_mxfp8_rowwise(x, rounding, blocked, offs)
 
 
 @torch.library.register_fake("moe_fp8::quantize_mxfp8_rowwise")
 def _(x, rounding="rceil", blocked=False, offs=None):
-    op = "quantize_mxfp8_rowwise"
-    _common(op, x, 2, rounding, x.shape[-1] if x.dim() == 2 else 0, "K (x.size(1))")
-    _check(offs is None or blocked, f"{op}: expected offs only with blocked=True")
+    check_quantize_mxfp8_rowwise(x, rounding, blocked, offs)
     m, k = x.shape
     q = x.new_empty((m, k), dtype=torch.float8_e4m3fn)
     c = k // MX_BLOCK
@@ -72,25 +144,14 @@ def quantize_mxfp8_colwise(x: Tensor, rounding: str = "rceil", blocked: bool = F
     sum_{j<g} ceil4(n_j/32), (ceil128(K), ceil4(M/32) + 4 G) in all. ``padded_starts``
     and ``alignment`` (a multiple of 32) write q in the padded layout of
     :func:`moe_fp8_ext.pad_token_groups` from the unpadded x, for any group sizes."""
+    check_quantize_mxfp8_colwise(x, rounding, blocked, offs, padded_starts, alignment)
     return _ops.quantize_mxfp8_colwise(x, rounding, blocked, offs, padded_starts, alignment)
 
 
 @torch.library.register_fake("moe_fp8::quantize_mxfp8_colwise")
 def _(x, rounding="rceil", blocked=False, offs=None, padded_starts=None, alignment=None):
-    op = "quantize_mxfp8_colwise"
-    _check(x.dim() == 2, f"{op}: expected x to be a 2-D tensor, got {x.dim()}-D")
+    q_rows = check_quantize_mxfp8_colwise(x, rounding, blocked, offs, padded_starts, alignment)
     m, k = x.shape
-    _check((padded_starts is None) == (alignment is None), f"{op}: expected padded_starts and alignment together")
-    _check(offs is not None or padded_starts is None, f"{op}: expected padded_starts only with offs")
-    if padded_starts is not None:
-        _check(alignment >= MX_BLOCK and alignment % MX_BLOCK == 0,
-               f"{op}: expected alignment to be a multiple of {MX_BLOCK}, got {alignment}")
-        g = offs.shape[0]
-        q_rows = _ceil(m + g * alignment, alignment)
-        _common(op, x, 2, rounding, 0, "M")
-    else:
-        q_rows = m
-        _common(op, x, 2, rounding, m, "M (x.size(0))")
     q = x.new_empty_strided((q_rows, k), (1, max(q_rows, 1)), dtype=torch.float8_e4m3fn)
     c = q_rows // MX_BLOCK
     if not blocked:
@@ -108,13 +169,13 @@ def quantize_mxfp8_experts(b: Tensor, rounding: str = "rceil", blocked: bool = F
     or blocked per expert as (E, ceil128(N) * ceil4(K/32)), the shape
     ``scaled_grouped_mm`` takes. Call it on ``B_t`` for the forward and on
     ``B_t.transpose(-2, -1)`` for the input gradient."""
+    check_quantize_mxfp8_experts(b, rounding, blocked)
     return _ops.quantize_mxfp8_experts(b, rounding, blocked)
 
 
 @torch.library.register_fake("moe_fp8::quantize_mxfp8_experts")
 def _(b, rounding="rceil", blocked=False):
-    op = "quantize_mxfp8_experts"
-    _common(op, b, 3, rounding, b.shape[1] if b.dim() == 3 else 0, "K (b.size(1))")
+    check_quantize_mxfp8_experts(b, rounding, blocked)
     e, k, n = b.shape
     q = b.new_empty_strided((e, k, n), (k * n, 1, max(k, 1)), dtype=torch.float8_e4m3fn)
     c = k // MX_BLOCK

@@ -105,8 +105,43 @@ def checked_padded_rows(op: str, rows, groups, alignment: int):
 
 
 
+# ---- the FP8 rowwise recipe (DESIGN §5) -------------------------------------------------
+# Each op's argument checks are one function (the rules and order of
+# csrc/rowwise/rowwise_ops.cpp), run by its wrapper before any shape is read and by its
+# fake, so a meta tensor among CPU/CUDA ones or a bad argument under torch.compile
+# fails as the real kernel does.
+
+QUANT_IN_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz, torch.float8_e5m2)
+
+
+def check_quant_input(op: str, name: str, t, dim: int) -> None:
+    """A floating input of a quantization op: a ``dim``-D bf16/fp16/fp32 tensor."""
+    check_tensor(op, name, t, dim=dim)
+    if t.dtype not in QUANT_IN_DTYPES:
+        raise RuntimeError(f"{op}: expected {name} of dtype bfloat16, float16 or float32, got {_dtype_name(t.dtype)}")
+
+
+def check_fp8_dtype(op: str, fp8_dtype) -> None:
+    """The dtype of q: one of the three fp8 encodings (None: the default, resolved by
+    the wrapper)."""
+    if fp8_dtype is None:
+        return
+    if not isinstance(fp8_dtype, torch.dtype):
+        raise TypeError(f"{op}: expected fp8_dtype to be a torch.dtype, got {type(fp8_dtype).__name__}")
+    if fp8_dtype not in FP8_DTYPES:
+        raise RuntimeError(
+            f"{op}: expected fp8_dtype float8_e4m3fn, float8_e4m3fnuz or float8_e5m2, got {_dtype_name(fp8_dtype)}"
+        )
+
+
 def _dtype(fp8_dtype: Optional[torch.dtype], ref: Tensor) -> torch.dtype:
     return fp8_dtype if fp8_dtype is not None else default_fp8_dtype(ref.device if ref.is_cuda else None)
+
+
+def check_quantize_rowwise(x, fp8_dtype, op="quantize_rowwise"):
+    check_quant_input(op, "x", x, 2)
+    check_fp8_dtype(op, fp8_dtype)
 
 
 def quantize_rowwise(x: Tensor, fp8_dtype: Optional[torch.dtype] = None, pow2_scale: bool = True) -> Tuple[Tensor, Tensor]:
@@ -115,14 +150,29 @@ def quantize_rowwise(x: Tensor, fp8_dtype: Optional[torch.dtype] = None, pow2_sc
     Returns ``q`` (M, K) row-major in ``fp8_dtype`` and ``scale`` (M, 1) float32,
     the amax of each row mapped to the fp8 max.
     """
+    check_quantize_rowwise(x, fp8_dtype)
     return _ops.quantize_rowwise(x, _dtype(fp8_dtype, x), pow2_scale)
 
 
 @torch.library.register_fake("moe_fp8::quantize_rowwise")
 def _(x, fp8_dtype, pow2_scale=True):
-    torch._check(x.dim() == 2, lambda: f"quantize_rowwise: expected x to be a 2-D tensor, got {x.dim()}-D")
+    check_quantize_rowwise(x, fp8_dtype)
     m, k = x.shape
     return x.new_empty((m, k), dtype=fp8_dtype), x.new_empty((m, 1), dtype=torch.float32)
+
+
+MAX_EXPERTS_COLS = 65535  # experts of the "cols" shape: one grid dimension
+
+
+def check_quantize_experts(b_t, fp8_dtype, rdim, op):
+    """b_t (E, K, N) reduced over dim rdim; E <= 65535 where the kernel takes the
+    "cols" shape (rdim not the contiguous dimension), as rowwise_ops.cpp decides."""
+    check_quant_input(op, "b_t", b_t, 3)
+    check_fp8_dtype(op, fp8_dtype)
+    e, r, c = b_t.shape[0], b_t.shape[rdim], b_t.shape[3 - rdim]
+    if e == 0 or c == 0 or (b_t.stride(rdim) == 1 and r > 1):
+        return
+    _require(e <= MAX_EXPERTS_COLS, lambda: f"{op}: expected at most {MAX_EXPERTS_COLS} experts, got {e}")
 
 
 def quantize_experts_fwd(b_t: Tensor, fp8_dtype: Optional[torch.dtype] = None, pow2_scale: bool = True) -> Tuple[Tensor, Tensor]:
@@ -133,12 +183,13 @@ def quantize_experts_fwd(b_t: Tensor, fp8_dtype: Optional[torch.dtype] = None, p
     ``scale`` (E, 1, N) float32. Any input layout; the fast paths are B_t
     column-major (the transpose of an (E, N, K) weight) and row-major.
     """
+    check_quantize_experts(b_t, fp8_dtype, 1, "quantize_experts_fwd")
     return _ops.quantize_experts_fwd(b_t, _dtype(fp8_dtype, b_t), pow2_scale)
 
 
 def _experts_fake(b_t, fp8_dtype, rdim, op):
     """q (E, R, C) column-major per expert and scale (E, 1, C), R = b_t.shape[rdim]."""
-    torch._check(b_t.dim() == 3, lambda: f"{op}: expected b_t to be a 3-D tensor, got {b_t.dim()}-D")
+    check_quantize_experts(b_t, fp8_dtype, rdim, op)
     e, r, c = b_t.shape[0], b_t.shape[rdim], b_t.shape[3 - rdim]
     q = b_t.new_empty_strided((e, r, c), (r * c, 1, r), dtype=fp8_dtype)
     return q, b_t.new_empty((e, 1, c), dtype=torch.float32)
@@ -156,12 +207,41 @@ def quantize_experts_bwd(b_t: Tensor, fp8_dtype: Optional[torch.dtype] = None, p
     Returns ``q`` (E, N, K) column-major per expert (strides (N·K, 1, N)) and
     ``scale`` (E, 1, K) float32.
     """
+    check_quantize_experts(b_t, fp8_dtype, 2, "quantize_experts_bwd")
     return _ops.quantize_experts_bwd(b_t, _dtype(fp8_dtype, b_t), pow2_scale)
 
 
 @torch.library.register_fake("moe_fp8::quantize_experts_bwd")
 def _(b_t, fp8_dtype, pow2_scale=True):
     return _experts_fake(b_t, fp8_dtype, 2, "quantize_experts_bwd")
+
+
+MAX_JAGGED_GROUPS = 65534
+
+
+def check_jagged_layout(x, offs, padded_starts, alignment, op, xname="x", **more):
+    """offs (and padded_starts with alignment) of a jagged quantization of x (and the
+    other operands in ``more``, on x's device): returns the rows of q, M or the padded
+    rows (checked to fit in int32). As quant_glue.h's check_offs + jagged_layout; the
+    content of offs and padded_starts is the kernel's to check."""
+    check_index(op, "offs", offs)
+    check_same_device(op, xname, x, **more, offs=offs)
+    if x.shape[1] > 0 or any(t.shape[1] > 0 for t in more.values()):
+        _require(offs.shape[0] <= MAX_JAGGED_GROUPS,
+                 lambda: f"{op}: expected at most {MAX_JAGGED_GROUPS} groups, got {offs.shape[0]}")
+    if padded_starts is None:
+        return x.shape[0]
+    check_alignment(op, alignment)
+    rows = checked_padded_rows(op, x.shape[0], offs.shape[0], alignment)
+    _check_padded_starts(op, offs, padded_starts)
+    check_same_device(op, xname, x, padded_starts=padded_starts)
+    return rows
+
+
+def check_quantize_jagged_colwise(x, offs, fp8_dtype, padded_starts, alignment, op="quantize_jagged_colwise"):
+    check_quant_input(op, "x", x, 2)
+    check_fp8_dtype(op, fp8_dtype)
+    return check_jagged_layout(x, offs, padded_starts, alignment, op)
 
 
 def quantize_jagged_colwise(
@@ -186,6 +266,7 @@ def quantize_jagged_colwise(
     and zeros everywhere else: bit for bit ``quantize_jagged_colwise(pad_token_groups(x,
     offs, alignment)[0], padded_ends)``, without writing the padded bf16 copy.
     """
+    check_quantize_jagged_colwise(x, offs, fp8_dtype, padded_starts, alignment)
     return _ops.quantize_jagged_colwise(x, offs, _dtype(fp8_dtype, x), pow2_scale, padded_starts, alignment)
 
 
@@ -194,18 +275,29 @@ def padded_rows(num_tokens: int, groups: int, alignment: int) -> int:
     return -(-(num_tokens + groups * alignment) // alignment) * alignment
 
 
-def _jagged_fake(x, offs, fp8_dtype, op, padded_starts=None, alignment=16):
-    torch._check(x.dim() == 2, lambda: f"{op}: expected x to be a 2-D tensor, got {x.dim()}-D")
-    torch._check(offs.dim() == 1, lambda: f"{op}: expected offs to be a 1-D tensor, got {offs.dim()}-D")
-    m, d = x.shape
-    rows = m if padded_starts is None else padded_rows(m, offs.shape[0], alignment)
+def _jagged_outputs(x, offs, fp8_dtype, rows):
+    d = x.shape[1]
     q = x.new_empty_strided((rows, d), (1, rows), dtype=fp8_dtype)
     return q, x.new_empty((offs.shape[0], d), dtype=torch.float32)
 
 
 @torch.library.register_fake("moe_fp8::quantize_jagged_colwise")
 def _(x, offs, fp8_dtype, pow2_scale=True, padded_starts=None, alignment=16):
-    return _jagged_fake(x, offs, fp8_dtype, "quantize_jagged_colwise", padded_starts, alignment)
+    rows = check_quantize_jagged_colwise(x, offs, fp8_dtype, padded_starts, alignment)
+    return _jagged_outputs(x, offs, fp8_dtype, rows)
+
+
+def check_quantize_jagged_colwise_dual(x1, x2, offs, fp8_dtype, padded_starts, alignment,
+                                       op="quantize_jagged_colwise_dual"):
+    check_quant_input(op, "x1", x1, 2)
+    check_quant_input(op, "x2", x2, 2)
+    check_fp8_dtype(op, fp8_dtype)
+    if x1.dtype != x2.dtype:
+        raise RuntimeError(f"{op}: expected x1 and x2 of one dtype, got {_dtype_name(x1.dtype)} and "
+                           f"{_dtype_name(x2.dtype)}")
+    _require(x1.shape[0] == x2.shape[0],
+             lambda: f"{op}: expected x1 and x2 with the same number of rows, got {x1.shape[0]} and {x2.shape[0]}")
+    return check_jagged_layout(x1, offs, padded_starts, alignment, op, xname="x1", x2=x2)
 
 
 def quantize_jagged_colwise_dual(
@@ -220,13 +312,15 @@ def quantize_jagged_colwise_dual(
     """:func:`quantize_jagged_colwise` of ``x1`` (M, D1) and ``x2`` (M, D2) (one dtype,
     one ``offs``, one layout) in a single launch: both operands of the weight-gradient
     GEMM ``grad_B[g] = grad_out[g]^T @ A[g]``. Returns ``(q1, scale1, q2, scale2)``."""
+    check_quantize_jagged_colwise_dual(x1, x2, offs, fp8_dtype, padded_starts, alignment)
     return _ops.quantize_jagged_colwise_dual(x1, x2, offs, _dtype(fp8_dtype, x1), pow2_scale, padded_starts, alignment)
 
 
 @torch.library.register_fake("moe_fp8::quantize_jagged_colwise_dual")
 def _(x1, x2, offs, fp8_dtype, pow2_scale=True, padded_starts=None, alignment=16):
-    q1, s1 = _jagged_fake(x1, offs, fp8_dtype, "quantize_jagged_colwise_dual", padded_starts, alignment)
-    q2, s2 = _jagged_fake(x2, offs, fp8_dtype, "quantize_jagged_colwise_dual", padded_starts, alignment)
+    rows = check_quantize_jagged_colwise_dual(x1, x2, offs, fp8_dtype, padded_starts, alignment)
+    q1, s1 = _jagged_outputs(x1, offs, fp8_dtype, rows)
+    q2, s2 = _jagged_outputs(x2, offs, fp8_dtype, rows)
     return q1, s1, q2, s2
 
 

@@ -465,6 +465,392 @@ def _permute_and_pad_case():
                   also_named=("permute_indices", "gather_rows"))
 
 
+# ---- the quantization ops: the rowwise recipe and MXFP8 ---------------------------------
+
+F8 = torch.float8_e4m3fn
+
+
+def quant_data_mutators(n, rank=2):
+    """A floating input of a quantization op (bf16, fp16, fp32; any strides): wrong
+    ranks, None, dtypes the kernels do not read; valid other dtypes and layouts."""
+    def wrong_rank(a, d, n=n):
+        t = a[n]
+        return t.unsqueeze(0) if rank == 2 else t[0]
+
+    return [
+        Mut("rank", f"{n} 0-D", setarg(n, lambda a, d: torch.tensor(1.5, device=d))),
+        Mut("rank", f"{n} 1-D", setarg(n, lambda a, d, n=n: a[n].flatten())),
+        Mut("rank", f"{n} {rank + 1 if rank == 2 else rank - 1}-D", setarg(n, wrong_rank)),
+        Mut("none", f"{n} None", setarg(n, None)),
+        Mut("dtype", f"{n} float32", setarg(n, lambda a, d, n=n: a[n].float()), valid=True),
+        Mut("dtype", f"{n} float16", setarg(n, lambda a, d, n=n: a[n].half()), valid=True),
+        Mut("dtype", f"{n} float64", setarg(n, lambda a, d, n=n: a[n].double())),
+        Mut("dtype", f"{n} int8", setarg(n, lambda a, d, n=n: (a[n].float() * 10).to(torch.int8))),
+        Mut("dtype", f"{n} float8_e4m3fn", setarg(n, lambda a, d, n=n: a[n].to(torch.float8_e4m3fn))),
+        Mut("dtype", f"{n} complex64", setarg(n, lambda a, d, n=n: a[n].to(torch.complex64))),
+        Mut("strides", f"{n} transposed layout",
+            setarg(n, lambda a, d, n=n: a[n].transpose(-2, -1).contiguous().transpose(-2, -1)), valid=True),
+        Mut("strides", f"{n} every other column", setarg(n, lambda a, d, n=n: a[n].repeat_interleave(2, -1)[..., ::2]),
+            valid=True),
+    ]
+
+
+def fp8_dtype_mutators(public):
+    """fp8_dtype, the dtype of the output: the three fp8 encodings, nothing else."""
+    muts = [
+        Mut("args", "fp8_dtype float8_e5m2", setarg("fp8_dtype", torch.float8_e5m2), valid=True),
+        Mut("args", "fp8_dtype float8_e4m3fnuz", setarg("fp8_dtype", torch.float8_e4m3fnuz), valid=True),
+        Mut("args", "fp8_dtype int8", setarg("fp8_dtype", torch.int8)),
+        Mut("args", "fp8_dtype bfloat16", setarg("fp8_dtype", torch.bfloat16)),
+        Mut("args", "fp8_dtype float8_e8m0fnu", setarg("fp8_dtype", torch.float8_e8m0fnu)),
+        Mut("args", "fp8_dtype 'e4m3'", setarg("fp8_dtype", "e4m3")),
+        Mut("args", "pow2_scale False", setarg("pow2_scale", False), valid=True),
+        Mut("args", "pow2_scale 'yes'", setarg("pow2_scale", "yes")),
+    ]
+    if public:
+        muts.append(Mut("args", "fp8_dtype None (the default)", setarg("fp8_dtype", None), valid=True))
+    else:
+        muts.append(Mut("args", "fp8_dtype None", setarg("fp8_dtype", None)))
+    return muts
+
+
+def _fp8(a):
+    return a["fp8_dtype"] if a["fp8_dtype"] is not None else M.default_fp8_dtype()
+
+
+def _meta_expect(*shapes_dtypes):
+    """The expected outputs of a fake where no reference can run: shapes and dtypes."""
+    return lambda a: tuple(torch.empty(s, dtype=t, device="meta") for s, t in shapes_dtypes)
+
+
+def _rowwise_case(fn, label, public):
+    def build(device):
+        return {"x": data(M_ROWS, D_COLS, device=device), "fp8_dtype": F8, "pow2_scale": True}
+
+    muts = (
+        quant_data_mutators("x") + fp8_dtype_mutators(public) + device_mutators(["x"])
+        + [
+            Mut("empty", "x with 0 rows", setarg("x", lambda a, d: a["x"][:0]), valid=True),
+            Mut("empty", "x with 0 columns", setarg("x", lambda a, d: a["x"][:, :0]), valid=True),
+            Mut("int32", "x rows 2^31+16 on meta (the fake's shapes)",
+                setarg("x", lambda a, d: torch.empty(2**31 + 16, 4, dtype=torch.bfloat16, device="meta")), valid=True,
+                expect=_meta_expect(((2**31 + 16, 4), F8), ((2**31 + 16, 1), torch.float32))),
+        ]
+    )
+    return OpCase("quantize_rowwise", fn, build,
+                  lambda a: ref.quantize_rowwise(a["x"], _fp8(a), a["pow2_scale"]), muts, label=label)
+
+
+E_EXPERTS, K_IN, N_OUT = 3, 24, 16
+
+
+def _experts_case(fn, label, public, name):
+    rdim = 1 if name == "quantize_experts_fwd" else 2
+
+    def build(device):
+        return {"b_t": data(E_EXPERTS * K_IN, N_OUT, device=device).view(E_EXPERTS, K_IN, N_OUT), "fp8_dtype": F8,
+                "pow2_scale": True}
+
+    def many_experts(a, d):
+        # E > 65535 through an expanded view, in the layout that takes the "cols" shape
+        b = data(2 * 3, 1, device=d).view(1, 2, 3)
+        return b.transpose(1, 2).contiguous().transpose(1, 2).expand(70000, 2, 3) if rdim == 2 else b.expand(70000, 2, 3)
+
+    def many_experts_rows(a, d):
+        # the same E in the layout of the "rows" shape: no limit there
+        b = data(2 * 3, 1, device=d).view(1, 2, 3)
+        return b.expand(70000, 2, 3) if rdim == 2 else b.transpose(1, 2).contiguous().transpose(1, 2).expand(70000, 2, 3)
+
+    muts = (
+        quant_data_mutators("b_t", rank=3) + fp8_dtype_mutators(public) + device_mutators(["b_t"])
+        + [
+            Mut("strides", "b_t permuted (K, E, N)", setarg("b_t", lambda a, d: a["b_t"].permute(1, 0, 2).contiguous()
+                                                           .permute(1, 0, 2)), valid=True),
+            Mut("empty", "E = 0", setarg("b_t", lambda a, d: a["b_t"][:0]), valid=True),
+            Mut("empty", "K = 0", setarg("b_t", lambda a, d: a["b_t"][:, :0]), valid=True),
+            Mut("empty", "N = 0", setarg("b_t", lambda a, d: a["b_t"][:, :, :0]), valid=True),
+            Mut("int32", "E = 70000 (cols shape: at most 65535)", setarg("b_t", many_experts)),
+            Mut("int32", "E = 70000 (rows shape)", setarg("b_t", many_experts_rows), valid=True),
+        ]
+    )
+    refn = ref.quantize_experts_fwd if rdim == 1 else ref.quantize_experts_bwd
+    return OpCase(name, fn, build, lambda a: refn(a["b_t"], _fp8(a), a["pow2_scale"]), muts, label=label)
+
+
+def _padded_starts(offs, alignment, device):
+    return ref.padded_group_offsets(offs.cpu(), alignment)[0].to(device)
+
+
+def _jagged_ref(a, xs):
+    fd, pow2 = _fp8(a), a["pow2_scale"]
+    out = []
+    for n in xs:
+        if a.get("padded_starts") is None:
+            out += ref.quantize_jagged_colwise(a[n], a["offs"], fd, pow2)
+        else:
+            out += ref.quantize_jagged_colwise_padded(a[n], a["offs"], a["alignment"], fd, pow2)
+    return tuple(out)
+
+
+def _with_alignment(al):
+    """alignment = al with padded_starts of that layout (a valid padded call)."""
+    def apply(a, d):
+        return {**a, "alignment": al, "padded_starts": _padded_starts(a["offs"], al, d)}
+
+    return apply
+
+
+def _jagged_case(fn, label, public, padded, dual=False):
+    name = "quantize_jagged_colwise_dual" if dual else "quantize_jagged_colwise"
+    xs = ["x1", "x2"] if dual else ["x"]
+
+    def build(device):
+        out = {}
+        for i, n in enumerate(xs):
+            out[n] = data(M_ROWS, D_COLS if i == 0 else 8, device=device, seed=i)
+        offs = i32(*OFFS, device=device)
+        out.update({"offs": offs, "fp8_dtype": F8, "pow2_scale": True,
+                    "padded_starts": _padded_starts(offs, ALIGN, device) if padded else None, "alignment": ALIGN})
+        return out
+
+    muts = []
+    for n in xs:
+        muts += [m for m in quant_data_mutators(n) if not (dual and m.cls == "dtype" and m.valid)]
+        muts.append(Mut("empty", f"{n} with 0 columns", setarg(n, lambda a, d, n=n: a[n][:, :0]), valid=True))
+    if dual:  # one dtype for both: the valid dtypes change both operands
+        for t in (torch.float32, torch.float16):
+            muts.append(Mut("dtype", f"x1 and x2 {str(t).replace('torch.', '')}",
+                            lambda a, d, t=t: {**a, "x1": a["x1"].to(t), "x2": a["x2"].to(t)}, valid=True))
+    tensors = xs + ["offs"] + (["padded_starts"] if padded else [])
+    muts += fp8_dtype_mutators(public) + index_mutators("offs") + device_mutators(tensors) + offs_content_mutators()
+    rows0 = {n: (lambda a, d, n=n: a[n][:0]) for n in xs}
+    muts += [
+        Mut("empty", "G = 0", _empty_groups(["offs"] + (["padded_starts"] if padded else [])), valid=True),
+        Mut("empty", "M = 0", lambda a, d: {**a, **{n: f(a, d) for n, f in rows0.items()}, "offs": i32(0, 0, device=d),
+                                            **({"padded_starts": i32(0, 0, device=d)} if padded else {})}, valid=True),
+        Mut("content", "offs ends before M", lambda a, d: {**a, "offs": i32(3, 9, device=d), **(
+            {"padded_starts": i32(0, 16, device=d)} if padded else {})}, valid=True),
+    ]
+    if dual:
+        muts += [
+            Mut("dtype", "x1 and x2 of two dtypes", setarg("x2", lambda a, d: a["x2"].float())),
+            Mut("args", "x2 with other rows", setarg("x2", lambda a, d: a["x2"][:30])),
+            Mut("args", "x1 with 0 columns, x2 too", lambda a, d: {**a, "x1": a["x1"][:, :0], "x2": a["x2"][:, :0]},
+                valid=True),
+        ]
+    if padded:
+        muts += [m for m in index_mutators("padded_starts") if m.cls != "none"] + [
+            Mut("none", "padded_starts None (the unpadded layout)", setarg("padded_starts", None), valid=True),
+            Mut("args", "alignment = 0", setarg("alignment", 0)),
+            Mut("args", "alignment = 3", setarg("alignment", 3)),
+            Mut("args", "alignment = 2048", setarg("alignment", 2048)),
+            Mut("args", "alignment = -16", setarg("alignment", -16)),
+            Mut("none", "alignment None", setarg("alignment", None)),
+            Mut("args", "alignment = 1 (its layout)", _with_alignment(1), valid=True),
+            Mut("args", "alignment = 1024 (its layout)", _with_alignment(1024), valid=True),
+            Mut("args", "padded_starts shorter than offs", setarg("padded_starts", lambda a, d: a["padded_starts"][:2])),
+            Mut("content", "padded_starts overlapping (0, 3, ..)", setarg("padded_starts", lambda a, d: i32(
+                0, 3, 3, 32, device=d)), content=True),
+            Mut("content", "padded_starts of alignment 8", setarg("padded_starts", lambda a, d: _padded_starts(
+                a["offs"], 8, d)), content=True),
+            Mut("content", "padded_starts decreasing", setarg("padded_starts", lambda a, d: i32(32, 16, 16, 0, device=d)),
+                content=True),
+            Mut("content", "padded_starts past the rows", setarg("padded_starts", lambda a, d: i32(
+                0, 16, 16, 2**31 - 1, device=d)), content=True),
+            Mut("int32", "x rows 2^31-8 (padded rows past int32)",
+                lambda a, d: {**a, **{n: torch.ones(1, 1, dtype=torch.bfloat16, device=d).expand(2**31 - 8, 1) for n in xs},
+                              "offs": i32(2**31 - 8, device=d), "padded_starts": i32(0, device=d)}),
+            Mut("int32", "alignment 1024, 2^21 groups on meta (padded rows past int32)",
+                lambda a, d: {**a, **{n: a[n].to("meta") for n in xs},
+                              "offs": torch.empty(2**21, dtype=I32, device="meta"),
+                              "padded_starts": torch.empty(2**21, dtype=I32, device="meta"), "alignment": 1024}),
+        ]
+    else:
+        muts += [
+            Mut("none", "padded_starts None, alignment 0 (unused)", setarg("alignment", 0), valid=True),
+        ]
+    return OpCase(name, fn, build, lambda a: _jagged_ref(a, xs), muts, label=label)
+
+
+# MXFP8: blocks of 32 along the contraction dimension.
+MX_ROWS, MX_K = 40, 64
+MX_OFFS = (32, 32, 96)  # group sizes multiples of 32, an empty group, a tail: M = 128
+
+
+def optional_index_mutators(n):
+    """An optional int32 index tensor (the token groups of MXFP8): None is the
+    ungrouped call, a valid input."""
+    return [m for m in index_mutators(n) if m.cls != "none"] + [
+        Mut("none", f"{n} None (ungrouped)", setarg(n, None), valid=True)]
+
+
+def rounding_mutators():
+    return [
+        Mut("args", "rounding 'floor'", setarg("rounding", "floor"), valid=True),
+        Mut("args", "rounding 'nearest'", setarg("rounding", "nearest")),
+        Mut("args", "rounding 'RCEIL'", setarg("rounding", "RCEIL")),
+        Mut("args", "rounding None", setarg("rounding", None)),
+        Mut("args", "rounding 1", setarg("rounding", 1)),
+    ]
+
+
+def _mx_rowwise_case(fn, label, blocked, grouped):
+    def build(device):
+        out = {"x": data(MX_ROWS, MX_K, device=device), "rounding": "rceil", "blocked": blocked}
+        out["offs"] = i32(*OFFS, device=device) if grouped else None
+        return out
+
+    def reference(a):
+        return ref.quantize_mxfp8_rowwise(a["x"], a["rounding"], a["blocked"], a["offs"])
+
+    muts = (
+        [m for m in quant_data_mutators("x") if m.label != "x every other column"] + rounding_mutators()
+        + device_mutators(["x", "offs"] if grouped else ["x"])
+        + [
+            Mut("strides", "x every other column", setarg("x", lambda a, d: a["x"].repeat(1, 2)[:, ::2]), valid=True),
+            Mut("args", "K = 48 (not a multiple of 32)", setarg("x", lambda a, d: a["x"][:, :48])),
+            Mut("empty", "x with 0 rows", lambda a, d: {**a, "x": a["x"][:0], **(
+                {"offs": i32(0, 0, device=d)} if grouped else {})}, valid=True),
+            Mut("empty", "x with 0 columns", setarg("x", lambda a, d: a["x"][:, :0]), valid=True),
+        ]
+    )
+    if grouped:
+        muts += optional_index_mutators("offs") + offs_content_mutators() + [
+            Mut("empty", "G = 0", _empty_groups(["offs"]), valid=True),
+            Mut("args", "offs with blocked=False", setarg("blocked", False)),
+            Mut("int32", "x rows 2^31-64 (grouped scale rows past int32)",
+                lambda a, d: {**a, "x": torch.ones(1, 32, dtype=torch.bfloat16, device=d).expand(2**31 - 64, 32),
+                              "offs": i32(2**31 - 64, device=d)}),
+        ]
+    else:
+        muts.append(Mut("args", "blocked 'yes'", setarg("blocked", "yes")))
+    return OpCase("quantize_mxfp8_rowwise", fn, build, reference, muts, label=label)
+
+
+def _mx_colwise_case(fn, label, blocked, mode):
+    """mode: "plain" (M % 32 == 0), "grouped" (offs, sizes multiples of 32) or "padded"
+    (offs of any sizes, padded_starts and alignment: q in the padded layout)."""
+
+    def build(device):
+        if mode == "padded":
+            offs = i32(*OFFS, device=device)
+            return {"x": data(M_ROWS, D_COLS, device=device), "rounding": "rceil", "blocked": blocked, "offs": offs,
+                    "padded_starts": _padded_starts(offs, 32, device), "alignment": 32}
+        rows = 128 if mode == "grouped" else 96
+        return {"x": data(rows, D_COLS, device=device), "rounding": "rceil", "blocked": blocked,
+                "offs": i32(*MX_OFFS, device=device) if mode == "grouped" else None, "padded_starts": None,
+                "alignment": None}
+
+    def reference(a):
+        if a["padded_starts"] is not None:
+            return ref.quantize_mxfp8_colwise_padded(a["x"], a["offs"], a["alignment"], a["rounding"], a["blocked"])
+        return ref.quantize_mxfp8_colwise(a["x"], a["rounding"], a["blocked"], a["offs"])
+
+    tensors = ["x"] + (["offs"] if mode != "plain" else []) + (["padded_starts"] if mode == "padded" else [])
+    muts = quant_data_mutators("x") + rounding_mutators() + device_mutators(tensors) + [
+        Mut("empty", "x with 0 columns", setarg("x", lambda a, d: a["x"][:, :0]), valid=True),
+    ]
+    if mode == "plain":
+        muts += [
+            Mut("args", "M = 40 (not a multiple of 32)", setarg("x", lambda a, d: a["x"][:40])),
+            Mut("empty", "x with 0 rows", setarg("x", lambda a, d: a["x"][:0]), valid=True),
+            Mut("args", "padded_starts without offs", lambda a, d: {**a, "padded_starts": i32(0, device=d),
+                                                                     "alignment": 32}),
+            Mut("args", "alignment without padded_starts", setarg("alignment", 32)),
+        ]
+    if mode == "grouped":
+        muts += optional_index_mutators("offs") + offs_content_mutators() + [
+            # G = 0: every row is past the last group, so q and the scales are zero
+            # (reference.quantize_mxfp8_colwise quantizes all rows when offs is empty)
+            Mut("empty", "G = 0 (every row past the groups: zeros)", _empty_groups(["offs"]), valid=True,
+                expect=lambda a: ref.quantize_mxfp8_colwise(torch.zeros_like(a["x"]), a["rounding"], a["blocked"],
+                                                            a["offs"])),
+            Mut("content", "a group of 40 rows", setarg("offs", lambda a, d: i32(40, 96, device=d)), content=True),
+            Mut("args", "M = 120 (not a multiple of 32)", lambda a, d: {**a, "x": a["x"][:120],
+                                                                        "offs": i32(32, 96, device=d)}),
+            Mut("args", "alignment without padded_starts", setarg("alignment", 32)),
+            Mut("int32", "x rows 2^31-32 (blocked group starts past int32)" if blocked else "x rows 2^31-32 on meta",
+                lambda a, d: {**a, "x": torch.ones(1, 1, dtype=torch.bfloat16, device=d if blocked else "meta")
+                              .expand(2**31 - 32, 1), "offs": i32(2**31 - 32, device=d if blocked else "meta")},
+                valid=not blocked, expect=None if blocked else _meta_expect(
+                    ((2**31 - 32, 1), torch.float8_e4m3fn), ((1, (2**31 - 32) // 32), torch.float8_e8m0fnu))),
+        ]
+    if mode == "padded":
+        muts += index_mutators("offs") + index_mutators("padded_starts") + offs_content_mutators() + [
+            Mut("empty", "G = 0", _empty_groups(["offs", "padded_starts"]), valid=True),
+            Mut("args", "alignment = 0", setarg("alignment", 0)),
+            Mut("args", "alignment = 16", setarg("alignment", 16)),
+            Mut("args", "alignment = 96", setarg("alignment", 96)),
+            Mut("args", "alignment = 2048", setarg("alignment", 2048)),
+            Mut("args", "alignment = -32", setarg("alignment", -32)),
+            Mut("args", "alignment 'a'", setarg("alignment", "a")),
+            Mut("args", "alignment = 128 (its layout)", _with_alignment(128), valid=True),
+            Mut("args", "alignment None", setarg("alignment", None)),
+            Mut("args", "padded_starts shorter than offs", setarg("padded_starts", lambda a, d: a["padded_starts"][:2])),
+            Mut("content", "padded_starts overlapping (0, 3, ..)", setarg("padded_starts", lambda a, d: i32(
+                0, 3, 3, 64, device=d)), content=True),
+            Mut("content", "padded_starts of alignment 16", setarg("padded_starts", lambda a, d: _padded_starts(
+                a["offs"], 16, d)), content=True),
+            Mut("int32", "x rows 2^31-8 (padded rows past int32)",
+                lambda a, d: {**a, "x": torch.ones(1, 1, dtype=torch.bfloat16, device=d).expand(2**31 - 8, 1),
+                              "offs": i32(2**31 - 8, device=d), "padded_starts": i32(0, device=d)}),
+        ]
+    return OpCase("quantize_mxfp8_colwise", fn, build, reference, muts, label=label)
+
+
+def _mx_experts_case(fn, label, blocked):
+    def build(device):
+        return {"b": data(E_EXPERTS * MX_K, N_OUT, device=device).view(E_EXPERTS, MX_K, N_OUT), "rounding": "rceil",
+                "blocked": blocked}
+
+    muts = (
+        quant_data_mutators("b", rank=3) + rounding_mutators() + device_mutators(["b"])
+        + [
+            Mut("strides", "b the transpose of (E, N, K)", setarg("b", lambda a, d: a["b"].transpose(1, 2).contiguous()
+                                                                  .transpose(1, 2)), valid=True),
+            Mut("args", "K = 48 (not a multiple of 32)", setarg("b", lambda a, d: a["b"][:, :48])),
+            # blocked scales of E = 0 experts: (0, ceil128(N) * ceil4(K/32)) as for any E
+            # (reference.quantize_mxfp8_experts returns (0, 0))
+            Mut("empty", "E = 0", setarg("b", lambda a, d: a["b"][:0]), valid=True,
+                expect=(lambda a: (ref.quantize_mxfp8_experts(a["b"], a["rounding"])[0],
+                                   torch.empty(0, 128 * 4, dtype=torch.float8_e8m0fnu))) if blocked else None),
+            Mut("empty", "N = 0", setarg("b", lambda a, d: a["b"][:, :, :0]), valid=True),
+            Mut("empty", "K = 0", setarg("b", lambda a, d: a["b"][:, :0]), valid=True),
+            Mut("int32", "E = 70000 (at most 65535)",
+                setarg("b", lambda a, d: data(32, 3, device=d).view(1, 32, 3).expand(70000, 32, 3))),
+        ]
+    )
+    return OpCase("quantize_mxfp8_experts", fn, build,
+                  lambda a: ref.quantize_mxfp8_experts(a["b"], a["rounding"], a["blocked"]), muts, label=label)
+
+
+def _quant_cases():
+    out = []
+    for public in (True, False):
+        lab = "public" if public else "op"
+        wrap = (lambda c: c) if public else raw
+        out.append(wrap(_rowwise_case(M.quantize_rowwise if public else _ops.quantize_rowwise, lab, public)))
+        for name in ("quantize_experts_fwd", "quantize_experts_bwd"):
+            out.append(wrap(_experts_case(getattr(M if public else _ops, name), lab, public, name)))
+        for padded in (False, True):
+            for dual in (False, True):
+                name = "quantize_jagged_colwise_dual" if dual else "quantize_jagged_colwise"
+                out.append(wrap(_jagged_case(getattr(M if public else _ops, name),
+                                             lab + ("-padded" if padded else ""), public, padded, dual)))
+        fr = M.quantize_mxfp8_rowwise if public else _ops.quantize_mxfp8_rowwise
+        out.append(wrap(_mx_rowwise_case(fr, lab + "-linear", False, False)))
+        out.append(wrap(_mx_rowwise_case(fr, lab + "-blocked", True, False)))
+        out.append(wrap(_mx_rowwise_case(fr, lab + "-blocked-groups", True, True)))
+        fc = M.quantize_mxfp8_colwise if public else _ops.quantize_mxfp8_colwise
+        for mode in ("plain", "grouped", "padded"):
+            for blocked in (False, True):
+                out.append(wrap(_mx_colwise_case(fc, f"{lab}-{mode}" + ("-blocked" if blocked else ""), blocked, mode)))
+        fe = M.quantize_mxfp8_experts if public else _ops.quantize_mxfp8_experts
+        for blocked in (False, True):
+            out.append(wrap(_mx_experts_case(fe, lab + ("-blocked" if blocked else ""), blocked)))
+    return out
+
+
 def raw(case: OpCase) -> OpCase:
     """The same row for the torch.ops entry point: a None tensor never reaches it (the
     dispatcher itself answers "tensor does not have a device", before any kernel or
@@ -493,7 +879,7 @@ CASES: List[OpCase] = [
     raw(_zero_rows_case(_zero_rows_op, "op")),
     _permute_and_pad_case(),
     _scatter_case(M.unpermute, "", name="unpermute", num="num_tokens", also=("scatter_rows", "gather_rows")),
-]
+] + _quant_cases()
 
 
 # ---- running one case -------------------------------------------------------------------

@@ -89,6 +89,12 @@ std::tuple<at::Tensor, at::Tensor> quantize_mxfp8_rowwise(const QuantKernels& k,
   TORCH_CHECK(!offs.has_value() || blocked, op,
               ": expected offs only with blocked=True (plain scales do not depend on the token groups), got offs "
               "with blocked=False");
+  if (offs.has_value()) {
+    // Checked before any allocation: the groups' scale rows start at the padded
+    // offsets of 128 (int32, group_starts).
+    check_offs(*offs, x, M, op);
+    checked_padded_rows(M, offs->numel(), 128, op);
+  }
   at::Tensor q = at::empty({M, K}, x.options().dtype(at::kFloat8_e4m3fn));
   const int64_t C = K / kMxBlock, Cp = round_up(C, 4);
   RowsArgs a;
@@ -105,7 +111,6 @@ std::tuple<at::Tensor, at::Tensor> quantize_mxfp8_rowwise(const QuantKernels& k,
     scale = e8m0_scales({round_up(M, 128), Cp}, x, true);
     a.scale = blocked_scales(scale, 0, Cp, BlockedGroups::kNone);
   } else {
-    check_offs(*offs, x, M, op);
     const int64_t G = offs->numel();
     scale = e8m0_scales({M + 128 * G, Cp}, x, true);
     a.scale = blocked_scales(scale, 0, Cp, BlockedGroups::kMGroups);
@@ -171,6 +176,9 @@ std::tuple<at::Tensor, at::Tensor> quantize_mxfp8_colwise(const QuantKernels& k,
   } else {
     check_multiple_of_block(M, op, "M (x.size(0))");
   }
+  // Blocked K-groups: the groups' scale columns start at the padded offsets of
+  // max(alignment, 128) rows (int32, group_starts); checked before any allocation.
+  if (blocked && a.jagged) checked_padded_rows(M, a.num_segments, std::max<int64_t>(a.alignment, 128), op);
   a.q_rows = q_rows;
   at::Tensor q = at::empty_strided({q_rows, K}, {1, std::max<int64_t>(q_rows, 1)}, x.options().dtype(at::kFloat8_e4m3fn));
   const int64_t C = q_rows / kMxBlock;
