@@ -28,9 +28,10 @@ def _check(cond, msg):
 
 
 def _common(op, x, rank, rounding, kdim_size, kname):
-    _check(x.dim() == rank, f"{op}: expected {'x' if rank == 2 else 'b'} to be a {rank}-D tensor, got {x.dim()}-D")
+    name = "x" if rank == 2 else "b"  # the op's argument name, as the C++ checks say it
+    _check(x.dim() == rank, f"{op}: expected {name} to be a {rank}-D tensor, got {x.dim()}-D")
     _check(x.dtype in (torch.bfloat16, torch.float16, torch.float32),
-           f"{op}: expected x of dtype bfloat16, float16 or float32, got {x.dtype}")
+           f"{op}: expected {name} of dtype bfloat16, float16 or float32, got {x.dtype}")
     _check(rounding in ROUNDINGS, f"{op}: expected rounding \"rceil\" or \"floor\", got \"{rounding}\"")
     _check(kdim_size % MX_BLOCK == 0, f"{op}: expected {kname} to be a multiple of {MX_BLOCK}, got {kdim_size}")
 
