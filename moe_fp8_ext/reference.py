@@ -232,27 +232,23 @@ def to_blocked_m_groups(s: Tensor, offs: Tensor) -> Tensor:
 
 
 def to_blocked_k_groups(s: Tensor, offs: Tensor, block: int = MX_BLOCK) -> Tensor:
-    """Token groups along the columns of s (R, M/32) (offs in tokens): group g's block
-    columns blocked from column sum_{j<g} ceil4(n_j / 32); (ceil128(R), ceil4(M/32) + 4 G)."""
+    """Token groups along the columns of s (R, M/32) (offs in tokens): each group's block
+    columns blocked on their own (to_blocked of its (R, n_g) slice) and laid out
+    contiguously, group g's from flat offset ceil128(R) * sum_{j<g} ceil4(n_j / 32) (the
+    grouped GEMM reads group g's scales as one blocked matrix there, like torch's own
+    tests and torchao's torch_to_blocked_2d_K_groups lay them out); the buffer is
+    (ceil128(R), ceil4(M/32) + 4 G), zeros elsewhere."""
     r, c = s.shape
     rp = -(-r // 128) * 128
     width = -(-c // 4) * 4 + 4 * offs.numel()
+    out = torch.zeros(rp * width, dtype=torch.uint8)
     col = 0
-    placed = []
     for lo, hi in _group_sizes(offs, c * block):
         n = -(-(hi - lo) // block)
-        placed.append((col, lo // block, n))
+        if n:
+            blk = to_blocked(s[:, lo // block : lo // block + n]).view(torch.uint8).flatten().cpu()
+            out[col * rp : col * rp + blk.numel()] = blk
         col += -(-n // 4) * 4
-    # Blocked order over the whole width: tiles of 128 rows x 4 columns.
-    out = torch.zeros(rp * width, dtype=torch.uint8)
-    sv = s.contiguous().view(torch.uint8).cpu()
-    for c0, src, n in placed:
-        if n == 0 or r == 0:
-            continue
-        ri = torch.arange(r)[:, None]
-        ci = torch.arange(n)[None, :] + c0
-        idx = ((ri // 128) * (width // 4) + ci // 4) * 512 + (ri % 32) * 16 + ((ri % 128) // 32) * 4 + ci % 4
-        out[idx.flatten()] = sv[:, src : src + n].flatten()
     return out.view(rp, width).view(s.dtype).to(s.device)
 
 
@@ -262,7 +258,7 @@ def quantize_mxfp8_rowwise(x: Tensor, rounding: str = "rceil", blocked: bool = F
     scale = b.view(torch.float8_e8m0fnu)
     if blocked:
         scale = to_blocked(scale) if offs is None else to_blocked_m_groups(scale, offs)
-    return q.reshape(m, k), scale
+    return q.reshape(m, k).contiguous(), scale  # row-major whatever the strides of x
 
 
 def quantize_mxfp8_colwise(x: Tensor, rounding: str = "rceil", blocked: bool = False, offs=None):
@@ -270,9 +266,9 @@ def quantize_mxfp8_colwise(x: Tensor, rounding: str = "rceil", blocked: bool = F
     With token groups (offs, sizes multiples of 32) the rows past the last group belong
     to no group: their q and scales are zero."""
     m, k = x.shape
-    if offs is not None and offs.numel():
+    if offs is not None:  # no groups (G = 0): every row is past the last group
         x = x.clone()
-        x[min(max(int(offs[-1]), 0), m) :] = 0
+        x[min(max(int(offs[-1]), 0), m) if offs.numel() else 0 :] = 0
     q, b = _mx_blocks(x.t().reshape(k, m // MX_BLOCK, MX_BLOCK), rounding)
     scale = b.view(torch.float8_e8m0fnu)
     if blocked:
@@ -294,5 +290,6 @@ def quantize_mxfp8_experts(b_t: Tensor, rounding: str = "rceil", blocked: bool =
     q, b = _mx_blocks(w.reshape(e, n, k // MX_BLOCK, MX_BLOCK), rounding)
     scale = b.view(torch.float8_e8m0fnu)
     if blocked:
-        scale = torch.stack([to_blocked(scale[i]).flatten() for i in range(e)]) if e else scale.new_empty((0, 0))
+        per_expert = -(-n // 128) * 128 * (-(-(k // MX_BLOCK) // 4) * 4)
+        scale = torch.stack([to_blocked(scale[i]).flatten() for i in range(e)]) if e else scale.new_empty((0, per_expert))
     return column_major(q.reshape(e, n, k).transpose(-2, -1)), scale
