@@ -40,17 +40,6 @@ ROUNDINGS = ["rceil", "floor"]
 ALIGNMENTS = [32, 64, 128, 256]
 
 
-def xfail_k_groups_layout(request, blocked, k, offs):
-    """Known kernel bug (found by this file): with blocked=True and token groups, the
-    colwise kernel writes the K-group layout interleaved over the whole width (scale
-    (r, c) at blocked_scale_index(r, group start + c, width)) instead of each group's
-    blocked matrix contiguously at ceil128(K) * start (the reference, torchao's
-    torch_to_blocked_2d_K_groups, torch's grouped GEMM). The two agree only while
-    K <= 128. strict: the case fails the run once the kernel is fixed."""
-    if blocked and k > 128 and offs.numel() and int(offs[-1]) > 0:
-        request.applymarker(pytest.mark.xfail(strict=True, reason="colwise K-group blocked layout interleaved for K > 128"))
-
-
 def check(out, expected):
     """q: bit-exact codes (NaN matches NaN), float8_e4m3fn, the expected strides; scales:
     float8_e8m0fnu, byte-exact (blocked padding included), the expected shape."""
@@ -388,7 +377,6 @@ COL_GROUP_CASES = [  # (M, K, G, tail rows past offs[-1]); group sizes multiples
 def test_colwise_groups(request, device, dtype, rounding, blocked, case):
     m, k, g, tail = case
     offs = random_offs(m, g, alignment=32, empty_frac=0.3, tail=tail, generator=torch.Generator().manual_seed(m + g))
-    xfail_k_groups_layout(request, blocked, k, offs)
     for x in layouts_2d(m, k, dtype, device):
         poison(device)
         out = moe_fp8_ext.quantize_mxfp8_colwise(x, rounding, blocked, offs.to(device))
@@ -413,7 +401,6 @@ COL_PADDED_CASES = [  # (M, K, G, tail); any group sizes
 def test_colwise_padded(request, device, dtype, blocked, alignment, case):
     m, k, g, tail = case
     offs = random_offs(m, g, empty_frac=0.3, tail=tail, generator=torch.Generator().manual_seed(m + g + alignment))
-    xfail_k_groups_layout(request, blocked, k, offs)
     starts, _ = moe_fp8_ext.padded_group_offsets(offs, m, alignment)
     for i, x in enumerate(layouts_2d(m, k, dtype, device)):
         rounding = ROUNDINGS[i % 2]

@@ -194,6 +194,7 @@ std::tuple<at::Tensor, at::Tensor> quantize_mxfp8_colwise(const QuantKernels& k,
     const int64_t width = round_up(C, 4) + 4 * a.num_segments;
     scale = e8m0_scales({round_up(K, 128), width}, x, true);
     s = blocked_scales(scale, 0, width, BlockedGroups::kKGroups);
+    s.padded_rows = round_up(K, 128);
     gstarts = at::floor_divide(group_starts(*offs, M, std::max<int64_t>(a.alignment, 128)), kMxBlock);
     a.group_starts = gstarts.data_ptr<int32_t>();
   }

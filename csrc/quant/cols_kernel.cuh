@@ -244,6 +244,7 @@ __global__ void __launch_bounds__(kColsThreads, kColsMinBlocks) quantize_cols_ke
 #pragma unroll
     for (int c = 0; c < kC; ++c) col_ok[c] = c0 + cg * kC + c < op.cols;
     const int64_t col_base = cols_scale_col_base<Layout>(a, op.scale, seg_id, seg, kBlock);
+    const int64_t group_cols = round_up(ceil_div(seg.q_len, kBlock), 4);  // a K group's own blocked width
     uint8_t* qblk = op.q + seg.batch * op.q_sb + (c0 + cg * kC) * op.q_sc + seg.q_start;
     const int qchunks = static_cast<int>(ceil_div_u32(q_len, cache_rows));
     for (int ch = 0; ch < qchunks; ++ch) {
@@ -267,7 +268,8 @@ __global__ void __launch_bounds__(kColsThreads, kColsMinBlocks) quantize_cols_ke
           if (!col_ok[c]) continue;
           const auto sc = Rule::template from_amax_bits<F>(amax.column_bits(c));
           if (rb % kLanes == 0 && !seg.zero_fill) {  // the tail past the groups has no scales
-            store_scale<Rule>(op.scale, Layout::index(op.scale, seg_id, c0 + cg * kC + c, blk, 0, col_base), sc.stored);
+            store_scale<Rule>(op.scale, Layout::index(op.scale, seg_id, c0 + cg * kC + c, blk, 0, col_base, group_cols),
+                              sc.stored);
           }
           store_fragment_run<K, F>(f, c, seg.zero_fill ? 0.0f : sc.encode, qblk + c * op.q_sc + base + r0, nq - r0);
         }

@@ -88,6 +88,7 @@ void cols(const ColsArgs& a) {
         const int64_t block = kBlock == kWholeSet ? std::max<int64_t>(seg.q_len, 1) : kBlock;
         const int64_t nblocks = kBlock == kWholeSet ? 1 : ceil_div(seg.q_len, kBlock);
         const int64_t col_base = cols_scale_col_base<Layout>(a, op.scale, seg_id, seg, kBlock);
+        const int64_t group_cols = round_up(nblocks, 4);  // a K group's own blocked width
         for (int64_t j = 0; j < nblocks; ++j) {
           const int64_t r0 = j * block, r1 = std::min(seg.q_len, r0 + block);
           uint32_t amax = 0;
@@ -95,7 +96,7 @@ void cols(const ColsArgs& a) {
             amax = std::max(amax, abs_bits(static_cast<float>(xc[(seg.start + r) * op.sr])));
           }
           const auto sc = Rule::template from_amax_bits<F>(amax);
-          store_scale<Rule>(op.scale, Layout::index(op.scale, seg_id, c, j, 0, col_base), sc.stored);
+          store_scale<Rule>(op.scale, Layout::index(op.scale, seg_id, c, j, 0, col_base, group_cols), sc.stored);
           for (int64_t r = r0; r < std::min(r1, n); ++r) {
             qc[r] = encode_fp8<F>(scale_clamp(static_cast<float>(xc[(seg.start + r) * op.sr]), sc.encode, kMax));
           }

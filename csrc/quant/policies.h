@@ -94,8 +94,10 @@ MOE_FP8_HD int64_t blocked_scale_index(int64_t r, int64_t c, int64_t padded_cols
 enum class BlockedGroups : int {
   kNone = 0,     // plain (one matrix), or per expert: segment s at s * seg_stride
   kMGroups = 1,  // token groups along the rows: group g starts at row sum_{j<g} ceil128(n_j)
-  kKGroups = 2,  // token groups along the contraction: group g starts at block column
-                 // sum_{j<g} ceil4(ceil(n_j / block))
+  kKGroups = 2,  // token groups along the contraction: group g's scales are a blocked
+                 // matrix of their own (width ceil4(ceil(n_g / block))), laid out
+                 // contiguously from flat offset padded_rows * sum_{j<g} ceil4(...): how
+                 // the grouped GEMM reads the scales of a 2-D x 2-D product
 };
 
 // Where a scale goes. `set` is the index of the reduction set within its segment
@@ -103,8 +105,10 @@ enum class BlockedGroups : int {
 // dimension within the segment, `seg` the segment (batch / expert / token group).
 //  Linear:  ptr[seg * seg_stride + (set + row_base) * set_stride + (blk + col_base) * blk_stride]
 //  Blocked: ptr[seg * seg_stride + blocked_scale_index(row, col, padded_cols)] with
-//           (row, col) = (set, blk) shifted by the group start of `groups` mode; the
-//           matrix padding is zero (the launcher zero-fills the buffer first).
+//           (row, col) = (set, blk) shifted by the group start of `groups` mode (rows
+//           for M groups); K groups: ptr[padded_rows * col_base +
+//           blocked_scale_index(set, blk, group_cols)]. The matrix padding is zero (the
+//           op allocates the buffer zeroed).
 struct ScaleOut {
   void* ptr = nullptr;
   int64_t numel = 0;  // writes outside [0, numel) are dropped: no offs content reaches past it
@@ -113,6 +117,7 @@ struct ScaleOut {
   int64_t blk_stride = 0;
   // blocked only
   int64_t padded_cols = 0;
+  int64_t padded_rows = 0;         // kKGroups: ceil128(rows of the scale matrix)
   BlockedGroups groups = BlockedGroups::kNone;
   int block = 32;                  // kKGroups: elements per block (columns per group from n_j)
 };
@@ -120,7 +125,7 @@ struct ScaleOut {
 struct LinearScales {
   static constexpr bool kBlocked = false;
   static MOE_FP8_HD int64_t index(const ScaleOut& s, int64_t seg, int64_t set, int64_t blk, int64_t row_base,
-                                  int64_t col_base) {
+                                  int64_t col_base, int64_t /*group_cols*/ = 0) {
     return seg * s.seg_stride + (set + row_base) * s.set_stride + (blk + col_base) * s.blk_stride;
   }
 };
@@ -128,9 +133,11 @@ struct LinearScales {
 struct BlockedScales {
   static constexpr bool kBlocked = true;
   // row_base / col_base: the group's start row (M groups) or block column (K groups),
-  // 0 otherwise; the caller resolves them once per segment.
+  // 0 otherwise; group_cols: the K group's own padded width. The caller resolves them
+  // once per segment.
   static MOE_FP8_HD int64_t index(const ScaleOut& s, int64_t seg, int64_t set, int64_t blk, int64_t row_base,
-                                  int64_t col_base) {
+                                  int64_t col_base, int64_t group_cols = 0) {
+    if (s.groups == BlockedGroups::kKGroups) return s.padded_rows * col_base + blocked_scale_index(set, blk, group_cols);
     return seg * s.seg_stride + blocked_scale_index(set + row_base, blk + col_base, s.padded_cols);
   }
 };
