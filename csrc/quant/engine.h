@@ -15,6 +15,7 @@
 #include <type_traits>
 #include <utility>
 
+#include "../core/dispatch.h"
 #include "../core/groups.h"
 #include "../core/numerics.h"
 #include "policies.h"
@@ -222,6 +223,24 @@ bool dispatch_quant(RuleList<Rules...>, BlockList<Blocks...>, LayoutList<Layouts
   };
   ((void)(!done && rule_kind<Rules>() == spec.rule && (with_block(Rules{}), true)), ...);
   return done;
+}
+
+// The runtime (input dtype, fp8 format, QuantSpec) -> fn(InputConstant, Fp8Constant,
+// Rule, integral_constant<int, Block>, Layout), over the combinations the lists hold
+// and the rule supports (E8M0 rules: e4m3fn only); returns whether one ran.
+template <class Rules, class Blocks, class Layouts, class Fn>
+bool dispatch_engine(InputKind in, Fp8Format fmt, const QuantSpec& spec, Fn&& fn) {
+  bool ran = false;
+  dispatch_input_fp8(in, fmt, [&](auto kin, auto kfmt) {
+    constexpr Fp8Format F = decltype(kfmt)::value;  // a constant: nested lambdas see it uncaptured
+    dispatch_quant(Rules{}, Blocks{}, Layouts{}, spec, [&](auto rule, auto block, auto layout) {
+      if constexpr (decltype(rule)::supports(F)) {
+        fn(kin, kfmt, rule, block, layout);
+        ran = true;
+      }
+    });
+  });
+  return ran;
 }
 
 }  // namespace moe_fp8

@@ -111,16 +111,10 @@ void cols(const ColsArgs& a) {
 // The runners of one recipe's instantiations: policy lists -> a QuantKernels entry.
 template <class Rules, class Blocks, class Layouts>
 void run_rows(InputKind in, Fp8Format fmt, const QuantSpec& spec, const RowsArgs& a, int /*device*/) {
-  bool ran = false;
-  dispatch_input_fp8(in, fmt, [&](auto kin, auto kfmt) {
+  const bool ran = dispatch_engine<Rules, Blocks, Layouts>(in, fmt, spec, [&](auto kin, auto kfmt, auto rule, auto block,
+                                                                              auto layout) {
     using T = typename CpuInput<decltype(kin)::value>::type;
-    constexpr Fp8Format F = decltype(kfmt)::value;
-    dispatch_quant(Rules{}, Blocks{}, Layouts{}, spec, [&](auto rule, auto block, auto layout) {
-      if constexpr (decltype(rule)::supports(F)) {
-        rows<T, F, decltype(rule), decltype(block)::value, decltype(layout)>(a);
-        ran = true;
-      }
-    });
+    rows<T, decltype(kfmt)::value, decltype(rule), decltype(block)::value, decltype(layout)>(a);
   });
   TORCH_CHECK(ran, "moe_fp8: internal error: no CPU rows instantiation for this scale rule, block and layout");
 }
@@ -128,16 +122,10 @@ void run_rows(InputKind in, Fp8Format fmt, const QuantSpec& spec, const RowsArgs
 template <class Rules, class Blocks, class Layouts>
 void run_cols(InputKind in, Fp8Format fmt, const QuantSpec& spec, const ColsArgs& a, int64_t /*expected*/,
               int /*device*/) {
-  bool ran = false;
-  dispatch_input_fp8(in, fmt, [&](auto kin, auto kfmt) {
+  const bool ran = dispatch_engine<Rules, Blocks, Layouts>(in, fmt, spec, [&](auto kin, auto kfmt, auto rule, auto block,
+                                                                              auto layout) {
     using T = typename CpuInput<decltype(kin)::value>::type;
-    constexpr Fp8Format F = decltype(kfmt)::value;
-    dispatch_quant(Rules{}, Blocks{}, Layouts{}, spec, [&](auto rule, auto block, auto layout) {
-      if constexpr (decltype(rule)::supports(F)) {
-        cols<T, F, decltype(rule), decltype(block)::value, decltype(layout)>(a);
-        ran = true;
-      }
-    });
+    cols<T, decltype(kfmt)::value, decltype(rule), decltype(block)::value, decltype(layout)>(a);
   });
   TORCH_CHECK(ran, "moe_fp8: internal error: no CPU cols instantiation for this scale rule, block and layout");
 }

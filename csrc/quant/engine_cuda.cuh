@@ -39,18 +39,11 @@ void run_rows(InputKind in, Fp8Format fmt, const QuantSpec& spec, const RowsArgs
   TORCH_CHECK(spec.block == kWholeSet || a.rows * round_up(a.cols, 128) < (int64_t{1} << 32) - (int64_t{1} << 26),
               "moe_fp8: expected fewer than 2^32 elements for a block quantization, got ", a.rows, " x ", a.cols);
   const GpuLaunch gpu(device);
-  bool ran = false;
   int err = 0;
-  dispatch_input_fp8(in, fmt, [&](auto kin, auto kfmt) {
-    constexpr InputKind K = decltype(kin)::value;
-    constexpr Fp8Format F = decltype(kfmt)::value;
-    dispatch_quant(Rules{}, Blocks{}, Layouts{}, spec, [&](auto rule, auto block, auto layout) {
-      if constexpr (decltype(rule)::supports(F)) {
-        err = launch_quantize_rows<K, F, decltype(rule), decltype(block)::value, decltype(layout)>(
-            a, gpu.stream());
-        ran = true;
-      }
-    });
+  const bool ran = dispatch_engine<Rules, Blocks, Layouts>(in, fmt, spec, [&](auto kin, auto kfmt, auto rule, auto block,
+                                                                              auto layout) {
+    err = launch_quantize_rows<decltype(kin)::value, decltype(kfmt)::value, decltype(rule), decltype(block)::value,
+                               decltype(layout)>(a, gpu.stream());
   });
   TORCH_CHECK(ran, "moe_fp8: internal error: no GPU rows instantiation for this scale rule, block and layout");
   gpu.check(err, "rows quantization");
@@ -72,18 +65,11 @@ void run_cols(InputKind in, Fp8Format fmt, const QuantSpec& spec, const ColsArgs
     TORCH_CHECK(static_cast<int64_t>(segments) * plan.cluster <= 65535, "moe_fp8: MOE_FP8_COLS_PLAN cluster ",
                 plan.cluster, " is too large for ", segments, " segments");
   }
-  bool ran = false;
   int err = 0;
-  dispatch_input_fp8(in, fmt, [&](auto kin, auto kfmt) {
-    constexpr InputKind K = decltype(kin)::value;
-    constexpr Fp8Format F = decltype(kfmt)::value;
-    dispatch_quant(Rules{}, Blocks{}, Layouts{}, spec, [&](auto rule, auto block, auto layout) {
-      if constexpr (decltype(rule)::supports(F)) {
-        err = launch_quantize_cols<K, F, decltype(rule), decltype(block)::value, decltype(layout)>(
-            a, plan, gpu.stream());
-        ran = true;
-      }
-    });
+  const bool ran = dispatch_engine<Rules, Blocks, Layouts>(in, fmt, spec, [&](auto kin, auto kfmt, auto rule, auto block,
+                                                                              auto layout) {
+    err = launch_quantize_cols<decltype(kin)::value, decltype(kfmt)::value, decltype(rule), decltype(block)::value,
+                               decltype(layout)>(a, plan, gpu.stream());
   });
   TORCH_CHECK(ran, "moe_fp8: internal error: no GPU cols instantiation for this scale rule, block and layout");
   gpu.check(err, "cols quantization");

@@ -15,18 +15,16 @@ int instantiate_engine(const QuantSpec& spec, const RowsArgs& r, const ColsArgs&
   int err = 0;
   for (int in = 0; in < 3; ++in) {
     for (int fmt = 0; fmt < 3; ++fmt) {
-      dispatch_input_fp8(static_cast<InputKind>(in), static_cast<Fp8Format>(fmt), [&](auto kin, auto kfmt) {
-        constexpr InputKind K = decltype(kin)::value;
-        constexpr Fp8Format F = decltype(kfmt)::value;
-        dispatch_quant(Rules{}, Blocks{}, Layouts{}, spec, [&](auto rule, auto block, auto layout) {
-          if constexpr (decltype(rule)::supports(F)) {
+      dispatch_engine<Rules, Blocks, Layouts>(
+          static_cast<InputKind>(in), static_cast<Fp8Format>(fmt), spec,
+          [&](auto kin, auto kfmt, auto rule, auto block, auto layout) {
+            constexpr InputKind K = decltype(kin)::value;
+            constexpr Fp8Format F = decltype(kfmt)::value;
             constexpr int B = decltype(block)::value;
             err |= launch_quantize_rows<K, F, decltype(rule), B, decltype(layout)>(r, stream);
             err |= launch_quantize_cols<K, F, decltype(rule), B, decltype(layout)>(
                 c, plan_cols_launch(1024, 1, 65536, false, B), stream);
-          }
-        });
-      });
+          });
     }
   }
   return err;
