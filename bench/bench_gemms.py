@@ -12,14 +12,13 @@ Run: python bench/bench_gemms.py [--quick]
 """
 
 import argparse
-import importlib
 import sys
 
 import torch
 
 import moe_fp8_ext
+from moe_fp8_ext.recipes import get_recipe, scaled_grouped_mm_rowwise
 
-gmm = importlib.import_module("moe_fp8_ext.grouped_mm")  # the module (the package exports the function)
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from common import GROUPED_MM_SHAPES, bench_us, linear_problem, print_table, sqnr  # noqa: E402
@@ -36,9 +35,9 @@ def gemms(m, k, n, e):
     qb, sb = moe_fp8_ext.quantize_experts_fwd(b_t, F8)
     qg, sg = moe_fp8_ext.quantize_rowwise(g, F8)
     qw, sw = moe_fp8_ext.quantize_experts_bwd(b_t, F8)
-    starts, poffs = moe_fp8_ext.padded_group_offsets(offs, m, gmm.GROUP_ALIGNMENT)
-    qgc, sgc, qac, sac = moe_fp8_ext.quantize_jagged_colwise_dual(g, a, offs, F8, padded_starts=starts, alignment=gmm.GROUP_ALIGNMENT)
-    mm = gmm._scaled_grouped_mm
+    starts, poffs = moe_fp8_ext.padded_group_offsets(offs, m, get_recipe("fp8_rowwise").alignment)
+    qgc, sgc, qac, sac = moe_fp8_ext.quantize_jagged_colwise_dual(g, a, offs, F8, padded_starts=starts, alignment=get_recipe("fp8_rowwise").alignment)
+    mm = scaled_grouped_mm_rowwise
     bf = torch.bfloat16
     return {
         "fwd": (lambda: torch._grouped_mm(a, b_t, offs=offs),

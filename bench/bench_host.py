@@ -3,18 +3,17 @@ bottleneck: what an eager training step pays before any kernel runs. A plain tor
 op (x.abs()) and PyTorch's own grouped GEMMs are the yardsticks.
 Run: python bench/bench_host.py"""
 
-import importlib
 import sys
 import time
 
 import torch
 
 import moe_fp8_ext
+from moe_fp8_ext.recipes import scaled_grouped_mm_rowwise
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from common import linear_problem, print_table  # noqa: E402
 
-gmm = importlib.import_module("moe_fp8_ext.grouped_mm")
 F8 = torch.float8_e4m3fn
 
 
@@ -42,7 +41,7 @@ def main():
     cases = [
         ("x.abs()", lambda: ad.abs()),
         ("torch._grouped_mm (bf16)", lambda: torch._grouped_mm(ad, b_t, offs=offs)),
-        ("scaled grouped GEMM (fp8)", lambda: gmm._scaled_grouped_mm(qa, qb, sa.squeeze(-1), sb.squeeze(1), offs, torch.bfloat16)),
+        ("scaled grouped GEMM (fp8)", lambda: scaled_grouped_mm_rowwise(qa, qb, sa.squeeze(-1), sb.squeeze(1), offs, torch.bfloat16)),
         ("quantize_rowwise", lambda: moe_fp8_ext.quantize_rowwise(ad, F8)),
         ("torch.ops.moe_fp8.quantize_rowwise", lambda: torch.ops.moe_fp8.quantize_rowwise(ad, F8, True)),
         ("quantize_experts_fwd", lambda: moe_fp8_ext.quantize_experts_fwd(b_t, F8)),

@@ -4,6 +4,12 @@
     out = grouped_mm(A, B_t, offs)                      # recipe="fp8_rowwise"
     out = grouped_mm(A, B_t, offs, recipe="bf16")       # the torch._grouped_mm baseline
 
+ONE autograd Function, driven by a :class:`~moe_fp8_ext.recipes.Recipe` (see
+``recipes.py`` for the contract): the recipe quantizes each operand and runs the
+GEMMs, this file wires the three products, validates the arguments, zeroes the rows
+that belong to no group and lays the weight gradient out for the recipe's alignment.
+A new recipe is registered in ``recipes.py``; nothing here changes.
+
 fp8_rowwise: every operand is quantized with this package's kernels and multiplied by
 PyTorch's FP8 grouped GEMM::
 
@@ -20,148 +26,185 @@ Token groups of any size work without a host sync (``pad_groups=True``, the defa
 DESIGN §8). The only FP8 GEMM that needs aligned groups is the weight gradient, whose
 contraction runs over the tokens of a group (16-byte aligned pieces of K); its
 operands are quantized straight into the padded layout (group starts rounded up to
-16 rows, zero rows between), so no padded copy is ever written. The forward and the
-input gradient group the M rows of a 2-D x 3-D GEMM, which PyTorch's CUDA grouped
-GEMMs take at any size (their per-group pointers only need 16-byte aligned rows, i.e.
-K % 16 == 0: see aten/src/ATen/native/cuda/GroupMMCommon.cuh), so they run
-unpadded. On ROCm, where that is not established, the input is padded and the output
-unpadded around the aligned path instead. With ``pad_groups=False`` every group
-size must be a multiple of 16; set ``MOE_FP8_DEBUG=1`` to check them (that syncs).
-No op here syncs with the host otherwise, and the whole function works under
-``torch.compile(fullgraph=True)``.
+the recipe's alignment, 16 rows for fp8_rowwise, zero rows between), so no padded copy
+is ever written. The forward and the input gradient group the M rows of a 2-D x 3-D
+GEMM, which PyTorch's CUDA grouped GEMMs take at any size (their per-group pointers
+only need 16-byte aligned rows, i.e. K % 16 == 0: see
+aten/src/ATen/native/cuda/GroupMMCommon.cuh), so they run unpadded. On ROCm, where
+that is not established, the input is padded and the output unpadded around the
+aligned path instead (``Recipe.pads_token_groups``). With ``pad_groups=False`` every
+group size must be a multiple of the alignment; set ``MOE_FP8_DEBUG=1`` to check them
+(that syncs). No op here syncs with the host otherwise, and the whole function works
+under ``torch.compile(fullgraph=True)``.
 """
 
 import os
-from typing import Optional
+from typing import Optional, Union
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from . import ops, token_groups
-from .platform import default_fp8_dtype
-
-RECIPES = ("fp8_rowwise", "bf16")
-GROUP_ALIGNMENT = 16
+from .recipes import FLOAT_DTYPES, Recipe, get_recipe
 
 
-def grouped_mm_backend(device: torch.device) -> str:
-    """``"fp8_gemm"`` when the FP8 grouped GEMM runs on ``device`` (CUDA sm90+ or a
-    ROCm GPU with a torch that has it), else ``"emulated"`` (dequantize + fp32 GEMM)."""
-    device = torch.device(device)
-    if device.type != "cuda" or not torch.cuda.is_available():
-        return "emulated"
-    has_op = hasattr(torch, "_scaled_grouped_mm") or hasattr(F, "scaled_grouped_mm")
-    if torch.version.hip:
-        return "fp8_gemm" if has_op else "emulated"
-    major, _ = torch.cuda.get_device_capability(device)
-    return "fp8_gemm" if has_op and major >= 9 else "emulated"
+def grouped_mm_backend(device: torch.device, recipe: Union[str, Recipe] = "fp8_rowwise") -> str:
+    """Which GEMM path ``recipe`` runs on ``device``. fp8_rowwise: ``"fp8_gemm"`` when the
+    FP8 grouped GEMM runs there (CUDA sm90+ or a ROCm GPU with a torch that has it),
+    else ``"emulated"`` (dequantize + fp32 GEMM). bf16: ``"grouped_mm"``."""
+    return get_recipe(recipe, "grouped_mm_backend").backend(torch.device(device))
 
 
-def _scaled_grouped_mm(a: Tensor, b: Tensor, scale_a: Tensor, scale_b: Tensor, offs: Tensor, out_dtype) -> Tensor:
-    """PyTorch's FP8 grouped GEMM with decode scales (rowwise for 2-D x 3-D; flat
-    per-group scales for 2-D x 2-D), whichever entry point this torch has."""
-    if hasattr(torch, "_scaled_grouped_mm"):
-        return torch._scaled_grouped_mm(a, b, scale_a, scale_b, offs=offs, out_dtype=out_dtype, use_fast_accum=True)
-    rowwise = F.ScalingType.RowWise
-    return F.scaled_grouped_mm(a, b, scale_a, rowwise, scale_b, rowwise, offs=offs, output_dtype=out_dtype, use_fast_accum=True)
+def _debug() -> bool:
+    return os.environ.get("MOE_FP8_DEBUG") == "1"
 
 
-def _row_groups(offs: Tensor, m: int):
-    """Group index of each of the m rows and whether the row is inside a group (rows
-    past offs[-1] are not part of the product). No host sync."""
-    rows = torch.arange(m, device=offs.device, dtype=offs.dtype)
-    g = torch.searchsorted(offs, rows, right=True)
-    return g.clamp(max=max(offs.numel() - 1, 0)), g < offs.numel()
-
-
-# The emulated GEMMs multiply the dequantized fp8 operands with fp32 accumulation.
-# On CUDA they use torch._grouped_mm in bf16, which holds fp8 x power-of-two scale
-# exactly. On the CPU, a bf16 grouped GEMM is not available everywhere (and its fake
-# kernel rejects fp32), so the CPU computes every expert densely in fp32 and keeps
-# each row's own group: E times the flops, fine for an emulation, and traceable.
-def _emulated_2d3d(a: Tensor, b: Tensor, offs: Tensor) -> Tensor:
-    if a.is_cuda:
-        return torch._grouped_mm(a.bfloat16(), b.bfloat16(), offs=offs).float()
-    # Rows past offs[-1] come out as the last group's product here; _mm_2d3d zeroes
-    # them on every path.
-    g, _ = _row_groups(offs, a.shape[0])
-    full = torch.einsum("mk,ekn->emn", a, b)
-    return full.gather(0, g.long()[None, :, None].expand(1, a.shape[0], b.shape[2])).squeeze(0)
-
-
-def _emulated_2d2d(a_t: Tensor, b: Tensor, offs: Tensor) -> Tensor:
-    if a_t.is_cuda:
-        return torch._grouped_mm(a_t.bfloat16(), b.bfloat16(), offs=offs).float()
-    g, inside = _row_groups(offs, b.shape[0])
-    onehot = F.one_hot(g.long(), offs.numel()).to(a_t.dtype) * inside[:, None]  # (M, E)
-    return torch.einsum("nm,me,mk->enk", a_t, onehot, b)
-
-
-def _mm_2d3d(qa, sa, qb, sb, offs, out_dtype, emulated: bool) -> Tensor:
-    """(M, K) x (E, K, N) -> (M, N); sa (M,), sb (E, N). Rows past offs[-1] are zero
-    (the grouped GEMMs leave them unwritten; zeroing only touches those rows)."""
-    if not emulated:
-        out = _scaled_grouped_mm(qa, qb, sa, sb, offs, out_dtype)
-    else:
-        out = _emulated_2d3d(qa.float() * sa[:, None], qb.float() * sb[:, None, :], offs).to(out_dtype)
+def _zero_tail(out: Tensor, offs: Tensor) -> Tensor:
+    """Rows past offs[-1] are zero (the grouped GEMMs leave them unwritten; zeroing
+    only touches those rows). In place in eager mode. Under torch.compile the zeroing
+    goes on a copy: an in-place op on this Function's fp32 output dropped every
+    gradient with torch 2.11 (CPU and CUDA, aot_eager and inductor alike)."""
+    if torch.compiler.is_compiling():
+        out = out.clone()
     return ops.zero_rows_past_groups_(out, offs)
 
 
-def _mm_2d2d(qa_t, sa, qb, sb, offs, out_dtype, emulated: bool) -> Tensor:
-    """(N, M) x (M, K) grouped along M -> (G, N, K); sa (G, N), sb (G, K)."""
-    if not emulated:
-        return _scaled_grouped_mm(qa_t, qb, sa.reshape(-1), sb.reshape(-1), offs, out_dtype)
-    g, _ = _row_groups(offs, qb.shape[0])
-    return _emulated_2d2d(qa_t.float() * sa[g].t(), qb.float() * sb[g], offs).to(out_dtype)
+def _gemm_out_dtype(recipe: Recipe, backend: str, want: torch.dtype, in_dtype: torch.dtype) -> torch.dtype:
+    """``want`` if the recipe's GEMM writes it, else the first dtype it writes (a
+    gradient in a dtype the GEMM cannot write, e.g. the fp32 grad_A of fp32 master
+    activations on the fp8 GEMM, is that result cast)."""
+    supported = recipe.out_dtypes(backend, in_dtype)
+    return want if want in supported else supported[0]
 
 
-class _Fp8RowwiseGroupedMM(torch.autograd.Function):
+class _GroupedMM(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, A, B_t, offs, out_dtype, fp8_dtype, emulated, pad_wgrad):
-        qa, sa = ops.quantize_rowwise(A, fp8_dtype)
-        qb, sb = ops.quantize_experts_fwd(B_t, fp8_dtype)
-        ctx.save_for_backward(A, B_t, offs)
-        ctx.fp8_dtype = fp8_dtype
-        ctx.emulated = emulated
-        ctx.pad_wgrad = pad_wgrad
-        return _mm_2d3d(qa, sa.squeeze(-1), qb, sb.squeeze(1), offs, out_dtype, emulated)
+    def forward(ctx, A, B_t, offs, recipe, out_dtype, fp8_dtype, backend, pad_wgrad):
+        ctx.recipe, ctx.fp8_dtype, ctx.backend, ctx.pad_wgrad = recipe, fp8_dtype, backend, pad_wgrad
+        ctx.a_dtype, ctx.b_dtype, ctx.num_tokens = A.dtype, B_t.dtype, A.shape[0]
+        ctx.a_shape, ctx.b_shape = A.shape, B_t.shape
+        if offs.shape[0] == 0:  # no groups: every row is past offs[-1] (static: no sync)
+            ctx.save_for_backward(offs)
+            ctx.names, ctx.no_groups = (), True
+            return A.new_zeros((A.shape[0], B_t.shape[2]), dtype=out_dtype)
+        ctx.no_groups = False
+        lhs = recipe.lhs(A, fp8_dtype)
+        rhs = recipe.rhs_fwd(B_t, fp8_dtype)
+        saved = recipe.save_for_backward(A, B_t, lhs, rhs)
+        ctx.names = tuple(saved)
+        ctx.save_for_backward(offs, *saved.values())
+        return _zero_tail(recipe.mm_2d3d(lhs, rhs, offs, out_dtype, backend), offs)
 
     @staticmethod
     def backward(ctx, grad_out):
-        A, B_t, offs = ctx.saved_tensors
-        f8, emulated = ctx.fp8_dtype, ctx.emulated
+        offs, *values = ctx.saved_tensors
+        need_a, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        nones = (None,) * 6
+        if ctx.no_groups:  # the output is a constant zero: zero gradients
+            grad_A = grad_out.new_zeros(ctx.a_shape, dtype=ctx.a_dtype) if need_a else None
+            grad_B_t = grad_out.new_zeros(ctx.b_shape, dtype=ctx.b_dtype) if need_b else None
+            return (grad_A, grad_B_t) + nones
+        recipe, f8, backend = ctx.recipe, ctx.fp8_dtype, ctx.backend
+        saved = dict(zip(ctx.names, values))
         grad_out = grad_out.contiguous()
         grad_A = grad_B_t = None
-        if ctx.needs_input_grad[0]:
-            qg, sg = ops.quantize_rowwise(grad_out, f8)
-            qw, sw = ops.quantize_experts_bwd(B_t, f8)  # (E, N, K) column-major
-            grad_A = _mm_2d3d(qg, sg.squeeze(-1), qw, sw.squeeze(1), offs, A.dtype, emulated)
-        if ctx.needs_input_grad[1]:
-            # Unaligned groups (pad_groups) or an M that is not a multiple of 16: both
-            # operands go straight into the padded layout.
+        if need_a:
+            lhs = recipe.lhs(grad_out, f8)
+            rhs = recipe.rhs_bwd(saved, f8)
+            dtype = _gemm_out_dtype(recipe, backend, ctx.a_dtype, grad_out.dtype)
+            grad_A = _zero_tail(recipe.mm_2d3d(lhs, rhs, offs, dtype, backend), offs).to(ctx.a_dtype)
+        if need_b:
+            # Unaligned groups (pad_groups) or an M that is not a multiple of the
+            # alignment: both operands go straight into the padded layout.
             starts, wgrad_offs = None, offs
             if ctx.pad_wgrad:
-                starts, wgrad_offs = ops.padded_group_offsets(offs, A.shape[0], GROUP_ALIGNMENT)
-            layout = dict(padded_starts=starts, alignment=GROUP_ALIGNMENT)
-            if grad_out.dtype == A.dtype:
-                qg_c, sg_c, qa_c, sa_c = ops.quantize_jagged_colwise_dual(grad_out, A, offs, f8, **layout)
-            else:
-                qg_c, sg_c = ops.quantize_jagged_colwise(grad_out, offs, f8, **layout)
-                qa_c, sa_c = ops.quantize_jagged_colwise(A, offs, f8, **layout)
-            grad_B = _mm_2d2d(qg_c.t(), sg_c, qa_c, sa_c, wgrad_offs, B_t.dtype, emulated)  # (E, N, K)
+                starts, wgrad_offs = ops.padded_group_offsets(offs, ctx.num_tokens, recipe.alignment)
+            grad_t, a = recipe.wgrad_operands(grad_out, saved, offs, f8, starts)
+            dtype = _gemm_out_dtype(recipe, backend, ctx.b_dtype, grad_out.dtype)
+            grad_B = recipe.mm_2d2d(grad_t, a, wgrad_offs, dtype, backend).to(ctx.b_dtype)  # (E, N, K)
             grad_B_t = grad_B.transpose(-2, -1)
-        return grad_A, grad_B_t, None, None, None, None, None
+        return (grad_A, grad_B_t) + nones
 
 
-def _check_debug_alignment(offs: Tensor) -> None:
+def _type_name(x) -> str:
+    return type(x).__name__
+
+
+def _check_tensor(name: str, x) -> None:
+    if not isinstance(x, Tensor):
+        raise TypeError(f"grouped_mm: expected {name} to be a torch.Tensor, got {_type_name(x)}")
+
+
+def _check_offs_content(offs: Tensor, num_tokens: int) -> None:
+    """offs in [0, num_tokens], non-decreasing (DESIGN §3). Called on CPU tensors, and on
+    GPU ones with MOE_FP8_DEBUG=1 only (it syncs)."""
+    o = offs.cpu().tolist()  # host-sync-ok: a CPU tensor, or MOE_FP8_DEBUG only
+    for g, end in enumerate(o):
+        if not 0 <= end <= num_tokens:
+            raise ValueError(f"grouped_mm: expected offs[{g}] in [0, {num_tokens}] (A has {num_tokens} rows), got {end}")
+        if g and end < o[g - 1]:
+            raise ValueError(f"grouped_mm: expected non-decreasing offs, got offs[{g}] = {end} < offs[{g - 1}] = {o[g - 1]}")
+
+
+def _check_debug_alignment(offs: Tensor, recipe: Recipe) -> None:
+    alignment = recipe.alignment
     sizes = torch.diff(offs, prepend=offs.new_zeros(1)).cpu()  # host-sync-ok: MOE_FP8_DEBUG only
-    bad = (sizes % GROUP_ALIGNMENT != 0).nonzero().flatten().tolist()  # host-sync-ok: MOE_FP8_DEBUG only
+    bad = (sizes % alignment != 0).nonzero().flatten().tolist()  # host-sync-ok: MOE_FP8_DEBUG only
     if bad:
         raise ValueError(
-            f"grouped_mm: expected group sizes that are multiples of {GROUP_ALIGNMENT} for the fp8 GEMM, "
+            f"grouped_mm: expected group sizes that are multiples of {alignment} for the {recipe.gemm} GEMM, "
             f"got {sizes[bad[0]].item()} for group {bad[0]}"  # host-sync-ok: MOE_FP8_DEBUG only
         )
+
+
+def _check_args(A, B_t, offs, recipe: Recipe, backend: str, out_dtype, fp8_dtype, pad_groups):
+    """Every check of DESIGN §3, in the order a user fixes them; returns the resolved
+    (out_dtype, fp8_dtype)."""
+    for name, x in (("A", A), ("B_t", B_t), ("offs", offs)):
+        _check_tensor(name, x)
+    if not isinstance(pad_groups, bool):
+        raise TypeError(f"grouped_mm: expected pad_groups to be a bool, got {_type_name(pad_groups)}")
+    if A.dim() != 2 or B_t.dim() != 3:
+        raise ValueError(f"grouped_mm: expected A 2-D and B_t 3-D, got {A.dim()}-D and {B_t.dim()}-D")
+    if A.shape[1] != B_t.shape[1]:
+        raise ValueError(f"grouped_mm: expected A (M, K) and B_t (E, K, N) with the same K, got {tuple(A.shape)} and {tuple(B_t.shape)}")
+    if offs.dtype != torch.int32 or offs.dim() != 1 or offs.shape[0] != B_t.shape[0]:
+        raise ValueError(f"grouped_mm: expected offs int32 of shape ({B_t.shape[0]},), got {offs.dtype} {tuple(offs.shape)}")
+    for name, x in (("B_t", B_t), ("offs", offs)):
+        if x.device != A.device:
+            raise ValueError(f"grouped_mm: expected {name} on {A.device} (the device of A), got {x.device}")
+    for name, x in (("A", A), ("B_t", B_t)):
+        if x.dtype not in FLOAT_DTYPES:
+            raise ValueError(f"grouped_mm: expected {name} of dtype bfloat16, float16 or float32, got {x.dtype}")
+    recipe.check_inputs(A, B_t)
+
+    if out_dtype is None:
+        out_dtype = recipe.default_out_dtype(A.dtype)
+    if not isinstance(out_dtype, torch.dtype):
+        raise TypeError(f"grouped_mm: expected out_dtype to be a torch.dtype or None, got {out_dtype!r} ({_type_name(out_dtype)})")
+    supported = recipe.out_dtypes(backend, A.dtype)
+    if out_dtype not in supported:
+        raise ValueError(f"grouped_mm: expected out_dtype in {supported} for recipe {recipe.name!r} on {A.device} "
+                         f"(backend {backend!r}), got {out_dtype}")
+
+    fp8_dtypes = recipe.fp8_dtypes(backend, A.device)
+    if fp8_dtype is None:
+        fp8_dtype = recipe.default_fp8_dtype(A.device)
+    elif not isinstance(fp8_dtype, torch.dtype):
+        raise TypeError(f"grouped_mm: expected fp8_dtype to be a torch.dtype or None, got {fp8_dtype!r} ({_type_name(fp8_dtype)})")
+    elif not fp8_dtypes:
+        raise ValueError(f"grouped_mm: expected fp8_dtype None for recipe {recipe.name!r} (it does not quantize), got {fp8_dtype}")
+    elif fp8_dtype not in fp8_dtypes:
+        raise ValueError(f"grouped_mm: expected fp8_dtype in {fp8_dtypes} for recipe {recipe.name!r} on {A.device} "
+                         f"(backend {backend!r}), got {fp8_dtype}")
+
+    # offs content: on the CPU always (no sync), on a GPU only with MOE_FP8_DEBUG=1.
+    # Not while tracing (the values are not known then); the ops check it at run time.
+    if (offs.device.type == "cpu" or _debug()) and not torch.compiler.is_compiling():
+        _check_offs_content(offs, A.shape[0])
+    if not pad_groups and recipe.alignment > 1 and _debug():
+        _check_debug_alignment(offs, recipe)
+    return out_dtype, fp8_dtype
 
 
 def grouped_mm(
@@ -169,45 +212,54 @@ def grouped_mm(
     B_t: Tensor,
     offs: Tensor,
     *,
-    recipe: str = "fp8_rowwise",
-    out_dtype: torch.dtype = torch.bfloat16,
+    recipe: Union[str, Recipe] = "fp8_rowwise",
+    out_dtype: Optional[torch.dtype] = None,
     fp8_dtype: Optional[torch.dtype] = None,
     pad_groups: bool = True,
 ) -> Tensor:
     """Grouped ``A @ B_t[e]`` over the token groups of ``offs``, differentiable in A and B_t.
 
-    A (M, K) row-major (bf16 or fp32), B_t (E, K, N) in any per-expert layout (the
-    transpose of an (E, N, K) weight is the common case), ``offs`` int32 (E,) with the
-    cumulative end row of each group (DESIGN §3). Returns (M, N) in ``out_dtype``.
-    Rows past ``offs[-1]`` belong to no group: their output and gradient are zero.
+    A (M, K) (bf16, fp16 or fp32; row-major is the fast path), B_t (E, K, N) in any
+    per-expert layout (the transpose of an (E, N, K) weight is the common case),
+    ``offs`` int32 (E,) on A's device with the cumulative end row of each group
+    (DESIGN §3: non-decreasing, in [0, M]; checked for CPU tensors, and for GPU ones
+    with ``MOE_FP8_DEBUG=1``). Returns (M, N) in ``out_dtype``. Rows past ``offs[-1]``
+    belong to no group: their output and gradient are zero (so are all of them when
+    E = 0).
 
-    ``pad_groups`` (fp8 recipe): groups of any size, no host sync (see the module
-    docstring for how, and bench/RESULTS.md for the cost: within noise of aligned
-    groups on H200). With ``pad_groups=False`` every group size must be a multiple of
-    16 (M need not be). The bf16 recipe is ``torch._grouped_mm`` as is, whose
-    backward needs groups that are multiples of 8.
+    ``recipe``: a name in ``moe_fp8_ext.recipes.RECIPES`` or a
+    :class:`~moe_fp8_ext.recipes.Recipe`.
+
+    - ``"fp8_rowwise"`` (DESIGN §5): ``out_dtype`` None means bfloat16, the only dtype
+      PyTorch's FP8 grouped GEMM writes (``torch._scaled_grouped_mm`` on CUDA/ROCm:
+      float16/float32 are refused); the emulated path (CPU, GPUs before sm90) also
+      writes float16 and float32. Gradients come back in the dtypes of A and B_t (an
+      fp32 gradient on the FP8 GEMM is its bf16 result, cast). ``fp8_dtype`` None
+      picks :func:`moe_fp8_ext.default_fp8_dtype`; the FP8 GEMM takes only that one,
+      the emulation also the other fp8 formats.
+    - ``"bf16"``: ``torch._grouped_mm`` for each product in the inputs' dtype (A and
+      B_t of one dtype; K and N whole multiples of 16 bytes), with the same checks
+      and zeroed rows as the fp8 recipe and any group sizes. ``out_dtype`` must be
+      None or A's dtype (torch._grouped_mm writes nothing else) and ``fp8_dtype``
+      None: anything else raises rather than being ignored.
+
+    ``pad_groups`` (recipes with an alignment): groups of any size, no host sync (see
+    the module docstring for how, and bench/RESULTS.md for the cost: within noise of
+    aligned groups on H200). With ``pad_groups=False`` every group size must be a
+    multiple of the recipe's alignment (16 for fp8_rowwise; M need not be).
     """
-    if recipe not in RECIPES:
-        raise ValueError(f"grouped_mm: expected recipe in {RECIPES}, got {recipe!r}")
-    if recipe == "bf16":
-        return torch._grouped_mm(A, B_t, offs=offs)
-    if A.dim() != 2 or B_t.dim() != 3:
-        raise ValueError(f"grouped_mm: expected A 2-D and B_t 3-D, got {A.dim()}-D and {B_t.dim()}-D")
-    if A.shape[1] != B_t.shape[1]:
-        raise ValueError(f"grouped_mm: expected A (M, K) and B_t (E, K, N) with the same K, got {tuple(A.shape)} and {tuple(B_t.shape)}")
-    if offs.dtype != torch.int32 or offs.dim() != 1 or offs.shape[0] != B_t.shape[0]:
-        raise ValueError(f"grouped_mm: expected offs int32 of shape ({B_t.shape[0]},), got {offs.dtype} {tuple(offs.shape)}")
-    if not pad_groups and os.environ.get("MOE_FP8_DEBUG") == "1":
-        _check_debug_alignment(offs)
-    emulated = grouped_mm_backend(A.device) == "emulated"
-    f8 = fp8_dtype if fp8_dtype is not None else default_fp8_dtype(A.device if A.is_cuda else None)
-    if pad_groups and not emulated and torch.version.hip:
+    r = get_recipe(recipe, "grouped_mm")
+    for name, x in (("A", A), ("B_t", B_t), ("offs", offs)):
+        _check_tensor(name, x)
+    backend = r.backend(A.device)
+    out_dtype, f8 = _check_args(A, B_t, offs, r, backend, out_dtype, fp8_dtype, pad_groups)
+    if pad_groups and r.alignment > 1 and r.pads_token_groups(backend) and offs.shape[0] > 0:
         # Pad the input, run the aligned path, unpad the output (all differentiable).
-        A_p, starts, ends = token_groups.pad_token_groups(A, offs, GROUP_ALIGNMENT)
-        out_p = _Fp8RowwiseGroupedMM.apply(A_p, B_t, ends, out_dtype, f8, emulated, False)
+        A_p, starts, ends = token_groups.pad_token_groups(A, offs, r.alignment)
+        out_p = _GroupedMM.apply(A_p, B_t, ends, r, out_dtype, f8, backend, False)
         return token_groups.unpad_token_groups(out_p, offs, starts, A.shape[0])
     # The weight-gradient GEMM reads its operands column-major, with the token count as
     # the row stride, which must be a multiple of 16 bytes: an M that is not (rows past
     # offs[-1]) takes the padded layout even with aligned groups. M is static: no sync.
-    pad_wgrad = pad_groups or A.shape[0] % GROUP_ALIGNMENT != 0
-    return _Fp8RowwiseGroupedMM.apply(A, B_t, offs, out_dtype, f8, emulated, pad_wgrad)
+    pad_wgrad = r.alignment > 1 and (pad_groups or A.shape[0] % r.alignment != 0)
+    return _GroupedMM.apply(A, B_t, offs, r, out_dtype, f8, backend, pad_wgrad)

@@ -1,0 +1,380 @@
+"""Training recipes for :func:`moe_fp8_ext.grouped_mm`: one :class:`Recipe` per way of
+running the three grouped GEMMs of an MoE expert linear (DESIGN §5-§8).
+
+    from moe_fp8_ext.recipes import RECIPES, get_recipe, register_recipe
+    get_recipe("fp8_rowwise").alignment        # 16
+    register_recipe(MyRecipe(name="my_recipe", alignment=32))
+    grouped_mm(A, B_t, offs, recipe="my_recipe")
+
+``grouped_mm`` holds ONE autograd Function that knows nothing about scales or formats:
+it asks the recipe for each operand, hands the operands back to the recipe's GEMMs, and
+keeps what the recipe wants for backward. Adding a recipe (MXFP8, FP8 blockwise) is a
+new subclass registered here; ``grouped_mm.py`` does not change.
+
+Registered: ``"fp8_rowwise"`` (:class:`Fp8Rowwise`, DESIGN §5) and ``"bf16"``
+(:class:`Bf16`, ``torch._grouped_mm`` in the inputs' dtype, the baseline).
+"""
+
+import dataclasses
+from typing import Any, Dict, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from . import ops
+from .platform import default_fp8_dtype
+
+_ops = torch.ops.moe_fp8
+
+#: Opaque to grouped_mm: whatever a recipe's quantizer returns and its GEMM consumes
+#: (a tensor, or a tuple of data and scales in the recipe's own layout).
+Operand = Any
+
+FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz, torch.float8_e5m2)
+
+
+@dataclasses.dataclass(frozen=True)
+class Recipe:
+    """How ``grouped_mm(A, B_t, offs)`` computes its three products. Base class: a recipe
+    is a frozen dataclass (hashable, so ``torch.compile`` treats it as a constant)
+    overriding the methods below; the defaults are the high-precision ones.
+
+    The products, with A (M, K), B_t (E, K, N), grad_out (M, N) and token groups
+    ``offs`` along M::
+
+        forward  out    = mm_2d3d(lhs(A),        rhs_fwd(B_t),   offs)   (M, N)
+        dgrad    grad_A = mm_2d3d(lhs(grad_out), rhs_bwd(saved), offs)   (M, K)
+        wgrad    grad_B = mm_2d2d(*wgrad_operands(grad_out, saved, offs)) (E, N, K)
+
+    Contract (what grouped_mm relies on, and nothing more):
+
+    - **Operands are opaque.** ``lhs``/``rhs_fwd``/``rhs_bwd``/``wgrad_operands`` return
+      whatever this recipe's ``mm_2d3d``/``mm_2d2d`` consume: rowwise returns
+      ``(q, scale (M,))``; MXFP8 would return ``(q, e8m0 scales in the blocked layout)``;
+      blockwise ``(q, scale (M, K/128))``. Scale shapes never reach grouped_mm.
+    - **Roles.** ``lhs(x)``: a 2-D (rows, D) operand grouped along its rows (A in the
+      forward, grad_out in dgrad), contracted over D. ``rhs_fwd(B_t)``: the weights
+      (E, K, N) contracted over K. ``rhs_bwd(saved)``: the same weights in backward
+      orientation (E, N, K), contracted over N. ``wgrad_operands(grad_out, saved, offs,
+      ..., padded_starts)``: the pair (grad_out^T, A) contracted over the tokens of each
+      group. With ``padded_starts`` (from ``ops.padded_group_offsets(offs, M,
+      alignment)``) both are laid out in the padded layout of DESIGN §8
+      (``ops.padded_rows(M, E, alignment)`` rows, group starts multiples of
+      ``alignment``, zeros in between), and ``mm_2d2d`` gets the padded ends as offs.
+    - **Saved state.** ``save_for_backward(A, B_t, lhs_op, rhs_op)`` returns a dict of
+      tensors (None allowed); grouped_mm saves them with ``ctx.save_for_backward`` and
+      hands the dict back, by name, to ``rhs_bwd`` and ``wgrad_operands``. The default
+      keeps the high-precision ``A`` and ``B_t`` (requantized in backward); a recipe
+      may keep fp8 operands instead, under its own names.
+    - **GEMMs.** ``mm_2d3d(lhs, rhs, offs, out_dtype, backend)`` -> (M, N) and
+      ``mm_2d2d(grad_t, a, offs, out_dtype, backend)`` -> (E, N, K); rows past
+      ``offs[-1]`` may hold anything (grouped_mm zeroes them), ``out_dtype`` is one
+      of ``out_dtypes(backend, ...)``. ``backend`` is what :meth:`backend` said for the
+      device: the real GEMM or ``"emulated"`` (dequantize, then an fp32 grouped GEMM,
+      :func:`emulated_grouped_mm_2d3d` / :func:`emulated_grouped_mm_2d2d`). A recipe
+      never falls back to bf16 math silently.
+    - **Alignment.** ``alignment``: the group-size multiple the recipe's GEMMs need
+      where groups are the contraction (wgrad), or the M groups too when
+      :meth:`pads_token_groups` says so (then grouped_mm pads A, runs the aligned
+      path, and unpads the output). 1 = any group size, no padded layout.
+    - No method syncs with the host or reads tensor values in Python; each must trace
+      under ``torch.compile(fullgraph=True)``.
+    """
+
+    name: str
+    alignment: int = 1
+    #: what the GEMM computes in, for messages ("fp8", "bf16")
+    gemm: str = "fp8"
+
+    # ---- where and how it runs -----------------------------------------------------
+    def backend(self, device: torch.device) -> str:
+        """The name of the GEMM path that runs on ``device``; ``"emulated"`` is the
+        dequantize + fp32 grouped GEMM every recipe supports everywhere."""
+        return "emulated"
+
+    def out_dtypes(self, backend: str, in_dtype: torch.dtype) -> Tuple[torch.dtype, ...]:
+        """The dtypes the GEMM of ``backend`` can write, for inputs of ``in_dtype``."""
+        return FLOAT_DTYPES
+
+    def default_out_dtype(self, in_dtype: torch.dtype) -> torch.dtype:
+        return torch.bfloat16
+
+    def fp8_dtypes(self, backend: str, device: torch.device) -> Tuple[torch.dtype, ...]:
+        """The fp8 dtypes accepted for ``fp8_dtype``; empty: the recipe does not
+        quantize, and ``fp8_dtype`` must be None."""
+        return ()
+
+    def default_fp8_dtype(self, device: torch.device) -> Optional[torch.dtype]:
+        return default_fp8_dtype(device if device.type == "cuda" else None) if self.fp8_dtypes("emulated", device) else None
+
+    def check_inputs(self, A: Tensor, B_t: Tensor) -> None:
+        """Recipe-specific checks on top of grouped_mm's (ranks, K, offs, devices,
+        A and B_t floating point): raise ``ValueError("grouped_mm: expected ...")``."""
+
+    def pads_token_groups(self, backend: str) -> bool:
+        """Whether the 2-D x 3-D GEMM of ``backend`` needs M groups that are multiples
+        of ``alignment`` (grouped_mm then pads A and unpads the output)."""
+        return False
+
+    # ---- operands ------------------------------------------------------------------
+    def lhs(self, x: Tensor, fp8_dtype) -> Operand:
+        raise NotImplementedError
+
+    def rhs_fwd(self, b_t: Tensor, fp8_dtype) -> Operand:
+        raise NotImplementedError
+
+    def save_for_backward(self, A: Tensor, B_t: Tensor, lhs: Operand, rhs: Operand) -> Dict[str, Optional[Tensor]]:
+        return {"A": A, "B_t": B_t}
+
+    def rhs_bwd(self, saved: Dict[str, Tensor], fp8_dtype) -> Operand:
+        raise NotImplementedError
+
+    def wgrad_operands(self, grad_out: Tensor, saved: Dict[str, Tensor], offs: Tensor, fp8_dtype,
+                       padded_starts: Optional[Tensor]) -> Tuple[Operand, Operand]:
+        raise NotImplementedError
+
+    # ---- GEMMs ---------------------------------------------------------------------
+    def mm_2d3d(self, lhs: Operand, rhs: Operand, offs: Tensor, out_dtype: torch.dtype, backend: str) -> Tensor:
+        raise NotImplementedError
+
+    def mm_2d2d(self, grad_t: Operand, a: Operand, offs: Tensor, out_dtype: torch.dtype, backend: str) -> Tensor:
+        raise NotImplementedError
+
+
+# ---- the emulation: dequantized operands, fp32 accumulation ----------------------------
+
+
+def row_groups(offs: Tensor, m: int) -> Tuple[Tensor, Tensor]:
+    """Group index of each of the m rows and whether the row is inside a group (rows
+    past offs[-1] are not part of the product). No host sync."""
+    rows = torch.arange(m, device=offs.device, dtype=offs.dtype)
+    g = torch.searchsorted(offs, rows, right=True)
+    return g.clamp(max=max(offs.numel() - 1, 0)), g < offs.numel()
+
+
+# The emulated GEMMs multiply dequantized fp8 operands with fp32 accumulation. On CUDA
+# they use torch._grouped_mm in bf16, which holds fp8 x power-of-two scale exactly. On
+# the CPU, a bf16 grouped GEMM is not available everywhere (and its fake kernel rejects
+# fp32), so the CPU computes every expert densely in fp32 and keeps each row's own
+# group: E times the flops, fine for an emulation, and traceable. A recipe whose
+# dequantized values are not exact in bf16 (non-pow2 scales) gets bf16-rounded operands
+# on CUDA: an emulation, not a bit-exact model of the fp8 GEMM.
+def emulated_grouped_mm_2d3d(a: Tensor, b: Tensor, offs: Tensor) -> Tensor:
+    """fp32 (M, K) x (E, K, N) grouped along M -> fp32 (M, N). Rows past offs[-1] are
+    not zero here (grouped_mm zeroes them)."""
+    if a.is_cuda:
+        return torch._grouped_mm(a.bfloat16(), b.bfloat16(), offs=offs).float()
+    g, _ = row_groups(offs, a.shape[0])
+    full = torch.einsum("mk,ekn->emn", a, b)
+    return full.gather(0, g.long()[None, :, None].expand(1, a.shape[0], b.shape[2])).squeeze(0)
+
+
+def emulated_grouped_mm_2d2d(a_t: Tensor, b: Tensor, offs: Tensor) -> Tensor:
+    """fp32 (N, M) x (M, K) grouped along M (the contraction) -> fp32 (E, N, K)."""
+    if a_t.is_cuda:
+        return torch._grouped_mm(a_t.bfloat16(), b.bfloat16(), offs=offs).float()
+    g, inside = row_groups(offs, b.shape[0])
+    onehot = F.one_hot(g.long(), offs.numel()).to(a_t.dtype) * inside[:, None]  # (M, E)
+    return torch.einsum("nm,me,mk->enk", a_t, onehot, b)
+
+
+# ---- fp8 rowwise (DESIGN §5) -----------------------------------------------------------
+
+
+def has_scaled_grouped_mm() -> bool:
+    return hasattr(torch, "_scaled_grouped_mm") or hasattr(F, "scaled_grouped_mm")
+
+
+def scaled_grouped_mm_rowwise(a: Tensor, b: Tensor, scale_a: Tensor, scale_b: Tensor, offs: Tensor, out_dtype) -> Tensor:
+    """PyTorch's FP8 grouped GEMM with decode scales (rowwise for 2-D x 3-D; flat
+    per-group scales for 2-D x 2-D), whichever entry point this torch has."""
+    if hasattr(torch, "_scaled_grouped_mm"):
+        return torch._scaled_grouped_mm(a, b, scale_a, scale_b, offs=offs, out_dtype=out_dtype, use_fast_accum=True)
+    rowwise = F.ScalingType.RowWise
+    return F.scaled_grouped_mm(a, b, scale_a, rowwise, scale_b, rowwise, offs=offs, output_dtype=out_dtype, use_fast_accum=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8Rowwise(Recipe):
+    """FP8 with one scale per row of A / grad_out, per (expert, output column) of the
+    weights, and per (group, column) for the weight gradient (DESIGN §5); power-of-two
+    scales unless ``pow2_scale=False``.
+
+    Operands: ``(q, scale)`` with scale (M,) for ``lhs``, (E, N) / (E, K) for the
+    weights, (E, D) per group for the wgrad pair. GEMM: ``torch._scaled_grouped_mm``
+    (``"fp8_gemm"``) on CUDA sm90+ and ROCm GPUs whose torch has it, else emulated.
+    That GEMM writes bfloat16 only (torch's f8f8bf16 grouped kernel; its meta kernel
+    checks the same): ``out_dtype`` must be bfloat16 there, while the emulation also
+    writes float16 and float32.
+    """
+
+    name: str = "fp8_rowwise"
+    alignment: int = 16
+    pow2_scale: bool = True
+
+    def backend(self, device):
+        device = torch.device(device)
+        if device.type != "cuda" or not torch.cuda.is_available():
+            return "emulated"
+        if torch.version.hip:
+            return "fp8_gemm" if has_scaled_grouped_mm() else "emulated"
+        major, _ = torch.cuda.get_device_capability(device)
+        return "fp8_gemm" if has_scaled_grouped_mm() and major >= 9 else "emulated"
+
+    def out_dtypes(self, backend, in_dtype):
+        return (torch.bfloat16,) if backend == "fp8_gemm" else FLOAT_DTYPES
+
+    def fp8_dtypes(self, backend, device):
+        if backend == "fp8_gemm":  # what torch's scaled grouped GEMM takes on this GPU
+            return (default_fp8_dtype(torch.device(device)),)
+        return FP8_DTYPES
+
+    def check_inputs(self, A, B_t):
+        k, n = B_t.shape[1], B_t.shape[2]
+        if self.backend(A.device) == "fp8_gemm" and (k % 16 or n % 16):
+            raise ValueError(f"grouped_mm: expected K and N to be multiples of 16 for the fp8 GEMM on {A.device} "
+                             f"(16-byte aligned fp8 rows), got K={k}, N={n}")
+
+    def pads_token_groups(self, backend):
+        # PyTorch's CUDA grouped GEMMs take M groups of any size (per-group pointers
+        # only need 16-byte aligned rows, K % 16 == 0: aten/src/ATen/native/cuda/
+        # GroupMMCommon.cuh). On ROCm that is not established: pad there.
+        return backend == "fp8_gemm" and bool(torch.version.hip)
+
+    def lhs(self, x, fp8_dtype):
+        q, s = ops.quantize_rowwise(x, fp8_dtype, self.pow2_scale)
+        return q, s.squeeze(-1)
+
+    def rhs_fwd(self, b_t, fp8_dtype):
+        q, s = ops.quantize_experts_fwd(b_t, fp8_dtype, self.pow2_scale)
+        return q, s.squeeze(1)
+
+    def rhs_bwd(self, saved, fp8_dtype):
+        q, s = ops.quantize_experts_bwd(saved["B_t"], fp8_dtype, self.pow2_scale)  # (E, N, K) column-major
+        return q, s.squeeze(1)
+
+    def wgrad_operands(self, grad_out, saved, offs, fp8_dtype, padded_starts):
+        A = saved["A"]
+        layout = dict(padded_starts=padded_starts, alignment=self.alignment)
+        if grad_out.dtype == A.dtype:
+            qg, sg, qa, sa = ops.quantize_jagged_colwise_dual(grad_out, A, offs, fp8_dtype, self.pow2_scale, **layout)
+        else:
+            qg, sg = ops.quantize_jagged_colwise(grad_out, offs, fp8_dtype, self.pow2_scale, **layout)
+            qa, sa = ops.quantize_jagged_colwise(A, offs, fp8_dtype, self.pow2_scale, **layout)
+        return (qg.t(), sg), (qa, sa)
+
+    def mm_2d3d(self, lhs, rhs, offs, out_dtype, backend):
+        (qa, sa), (qb, sb) = lhs, rhs
+        if backend == "fp8_gemm":
+            return scaled_grouped_mm_rowwise(qa, qb, sa, sb, offs, out_dtype)
+        return emulated_grouped_mm_2d3d(qa.float() * sa[:, None], qb.float() * sb[:, None, :], offs).to(out_dtype)
+
+    def mm_2d2d(self, grad_t, a, offs, out_dtype, backend):
+        (qg_t, sg), (qa, sa) = grad_t, a  # (N, M), (E, N); (M, K), (E, K)
+        if backend == "fp8_gemm":
+            return scaled_grouped_mm_rowwise(qg_t, qa, sg.reshape(-1), sa.reshape(-1), offs, out_dtype)
+        g, _ = row_groups(offs, qa.shape[0])
+        return emulated_grouped_mm_2d2d(qg_t.float() * sg[g].t(), qa.float() * sa[g], offs).to(out_dtype)
+
+
+# ---- bf16: torch._grouped_mm, the baseline ---------------------------------------------
+
+
+def _gemm_ready(x: Tensor) -> Tensor:
+    """x itself when torch._grouped_mm takes its layout (row- or column-major in the
+    last two dims), else a row-major copy. Expanded views (a stride of 0, e.g. the
+    gradient of ``out.sum()``) are what torch's own _grouped_mm backward trips on."""
+    s, n = x.stride(), x.shape
+    row = s[-1] == 1 and s[-2] >= max(1, n[-1])
+    col = s[-2] == 1 and s[-1] >= max(1, n[-2])
+    return x if row or col else x.contiguous()
+
+
+@dataclasses.dataclass(frozen=True)
+class Bf16(Recipe):
+    """The high-precision baseline: ``torch._grouped_mm`` for each of the three products,
+    in the inputs' dtype (bf16, or fp16/fp32 where torch has those: the CPU). Our own
+    backward (torch's stumbles on expanded gradients such as that of ``out.sum()``).
+    ``out_dtype`` must be A's dtype (torch._grouped_mm writes nothing else); there is
+    no ``fp8_dtype``. Groups of any size: the weight gradient contracts over the token
+    dim with it as the outer (strided) dim, so group starts need no alignment.
+    """
+
+    name: str = "bf16"
+    alignment: int = 1
+    gemm: str = "bf16"
+
+    def backend(self, device):
+        return "grouped_mm"
+
+    def out_dtypes(self, backend, in_dtype):
+        return (in_dtype,)
+
+    def default_out_dtype(self, in_dtype):
+        return in_dtype
+
+    def check_inputs(self, A, B_t):
+        if A.dtype != B_t.dtype:
+            raise ValueError(f"grouped_mm: expected A and B_t of one dtype for recipe 'bf16' (torch._grouped_mm), "
+                             f"got {A.dtype} and {B_t.dtype}")
+        per_16_bytes = 16 // A.element_size()
+        k, n = B_t.shape[1], B_t.shape[2]
+        if k % per_16_bytes or n % per_16_bytes:
+            raise ValueError(f"grouped_mm: expected K and N to be multiples of {per_16_bytes} for recipe 'bf16' with "
+                             f"{A.dtype} (torch._grouped_mm needs 16-byte aligned rows), got K={k}, N={n}")
+
+    def lhs(self, x, fp8_dtype):
+        return _gemm_ready(x)
+
+    def rhs_fwd(self, b_t, fp8_dtype):
+        return _gemm_ready(b_t)
+
+    def rhs_bwd(self, saved, fp8_dtype):
+        return _gemm_ready(saved["B_t"].transpose(-2, -1))
+
+    def wgrad_operands(self, grad_out, saved, offs, fp8_dtype, padded_starts):
+        A = _gemm_ready(saved["A"])
+        grad_out = _gemm_ready(grad_out)
+        if padded_starts is not None:  # only if a subclass sets an alignment
+            rows = ops.padded_rows(A.shape[0], offs.shape[0], self.alignment)
+            A = _ops.pad_token_groups_at(A.contiguous(), offs, padded_starts, rows)
+            grad_out = _ops.pad_token_groups_at(grad_out.contiguous(), offs, padded_starts, rows)
+        return grad_out.t(), A
+
+    def mm_2d3d(self, lhs, rhs, offs, out_dtype, backend):
+        return torch._grouped_mm(lhs, rhs, offs=offs)
+
+    def mm_2d2d(self, grad_t, a, offs, out_dtype, backend):
+        return torch._grouped_mm(grad_t, a, offs=offs)
+
+
+# ---- registry --------------------------------------------------------------------------
+
+RECIPES: Dict[str, Recipe] = {}
+
+
+def register_recipe(recipe: Recipe, *, replace: bool = False) -> Recipe:
+    """Make ``recipe`` available as ``grouped_mm(..., recipe=recipe.name)``."""
+    if not isinstance(recipe, Recipe):
+        raise TypeError(f"register_recipe: expected a Recipe, got {type(recipe).__name__}")
+    if not isinstance(recipe.alignment, int) or recipe.alignment < 1 or recipe.alignment & (recipe.alignment - 1):
+        raise ValueError(f"register_recipe: expected alignment a power of two >= 1, got {recipe.alignment!r}")
+    if recipe.name in RECIPES and not replace:
+        raise ValueError(f"register_recipe: expected a new name, got {recipe.name!r} (already registered; pass replace=True)")
+    RECIPES[recipe.name] = recipe
+    return recipe
+
+
+def get_recipe(name, op: str = "get_recipe") -> Recipe:
+    """The registered recipe called ``name`` (a :class:`Recipe` is returned as is)."""
+    if isinstance(name, Recipe):
+        return name
+    if not isinstance(name, str) or name not in RECIPES:
+        raise ValueError(f"{op}: expected recipe in {tuple(RECIPES)} or a Recipe, got {name!r}")
+    return RECIPES[name]
+
+
+register_recipe(Fp8Rowwise())
+register_recipe(Bf16())
