@@ -253,6 +253,12 @@ def grouped_mm(
         _check_tensor(name, x)
     backend = r.backend(A.device)
     out_dtype, f8 = _check_args(A, B_t, offs, r, backend, out_dtype, fp8_dtype, pad_groups)
+    if offs.device.type != "cpu" and offs.shape[0] > 0:
+        # offs content is unchecked on a GPU (a check would sync): make it a valid,
+        # non-decreasing table in [0, M] on the device (the same values for valid offs),
+        # so that no content reaches torch's grouped GEMMs, whose device-side assert on a
+        # negative group size kills the CUDA context (DESIGN §3: bad offs never corrupt).
+        offs = torch.cummax(offs.clamp(0, A.shape[0]), 0).values.to(torch.int32)
     if pad_groups and r.alignment > 1 and r.pads_token_groups(backend) and offs.shape[0] > 0:
         # Pad the input, run the aligned path, unpad the output (all differentiable).
         A_p, starts, ends = token_groups.pad_token_groups(A, offs, r.alignment)

@@ -268,6 +268,28 @@ def test_grouped_mm_step_has_no_host_sync(pad_groups):
     graph_matches_eager(step)
 
 
+@requires_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe", ["fp8_rowwise", "bf16"])
+def test_grouped_mm_garbage_offs_on_gpu(recipe):
+    """Unchecked offs content on a GPU (decreasing, negative, past M) never reaches the
+    grouped GEMMs as such (their device-side assert would kill the context): the result
+    is the one of the clamped, non-decreasing table, forward and backward."""
+    m, k, n = 512, 128, 256
+    bad = torch.tensor([200, 100, -5, 700, 480], dtype=torch.int32, device="cuda")
+    fixed = torch.tensor([200, 200, 200, 512, 512], dtype=torch.int32, device="cuda")
+    a = randn((m, k), torch.bfloat16, "cuda").requires_grad_()
+    w = (randn((5, n, k), torch.bfloat16, "cuda") * 0.02).requires_grad_()
+    g = randn((m, n), torch.bfloat16, "cuda")
+    results = []
+    for offs in (bad, fixed):
+        out = moe_fp8_ext.grouped_mm(a, w.transpose(1, 2), offs, recipe=recipe)
+        results.append((out, *torch.autograd.grad(out, (a, w), g)))
+    torch.cuda.synchronize()
+    for got, want in zip(*results):
+        assert torch.equal(got, want)
+
+
 # =======================================================================================
 # Recipes (issue 12) and grouped_mm argument validation (issue 16, items 5 and 6).
 # Everything below drives grouped_mm through moe_fp8_ext.recipes; new cases of other

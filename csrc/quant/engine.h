@@ -145,20 +145,25 @@ MOE_FP8_HD int group_of_row(const int32_t* offs, int groups, int64_t rows, int64
   return lo;
 }
 
-// Index of the scale of block j of the row at (segment seg, set `set` = row within the
-// segment) of a "rows" launch in a.scale, or -1 when the row has no place in the
-// layout (M-group blocked scales: rows past the groups).
+// The row shift of a "rows" launch's scales for the row at (segment seg, set `set` =
+// row within the segment): the group's blocked start row minus its first token row
+// for M-group blocked scales, 0 otherwise; -1 when the row has no place in the layout
+// (M groups: rows past the groups).
+template <class Layout>
+MOE_FP8_HD int64_t rows_scale_row_base(const RowsArgs& a, int64_t set) {
+  if (!Layout::kBlocked || a.scale.groups != BlockedGroups::kMGroups) return 0;
+  const int g = group_of_row(a.offs, a.groups, a.rows_inner, set);
+  if (g >= a.groups) return -1;
+  const int64_t start = g == 0 ? 0 : clamp_offset(a.offs[g - 1], a.rows_inner);
+  return (a.group_starts != nullptr ? static_cast<int64_t>(a.group_starts[g])
+                                    : blocked_group_start(a.scale, a.offs, g, a.rows_inner)) - start;
+}
+
+// Index of the scale of block j of the row at (seg, set) in a.scale, or -1 (no place).
 template <class Layout>
 MOE_FP8_HD int64_t rows_scale_index(const RowsArgs& a, int64_t seg, int64_t set, int64_t j) {
-  int64_t row_base = 0;
-  if (Layout::kBlocked && a.scale.groups == BlockedGroups::kMGroups) {
-    const int g = group_of_row(a.offs, a.groups, a.rows_inner, set);
-    if (g >= a.groups) return -1;
-    const int64_t start = g == 0 ? 0 : clamp_offset(a.offs[g - 1], a.rows_inner);
-    row_base = (a.group_starts != nullptr ? static_cast<int64_t>(a.group_starts[g])
-                                          : blocked_group_start(a.scale, a.offs, g, a.rows_inner)) - start;
-  }
-  return Layout::index(a.scale, seg, set, j, row_base, 0);
+  const int64_t row_base = rows_scale_row_base<Layout>(a, set);
+  return row_base < 0 ? -1 : Layout::index(a.scale, seg, set, j, row_base, 0);
 }
 
 // The block-column base of a segment of a "cols" launch: the group's start in a

@@ -202,16 +202,23 @@ __global__ void __launch_bounds__(1024) quantize_rows_pipelined_kernel(RowsArgs 
 }
 
 // ---------------------------------------------------------------------------------
-// Block rows (32 or 128 elements per scale): no reduction across the row, so the
-// tensor is one stream of blocks. Lanes are grouped kLanes to a block, each lane
-// holding a chunk of kChunk elements (one 16-byte vector on the vector path), and
-// every thread keeps kBlockUnroll chunks in flight before the first use. A block's
-// amax is a butterfly over its lanes. Blocks run row-major over (row, block), the
-// last block of a row partial when the row length is not a multiple of the block
-// (its missing elements count as zero and are not written).
+// Block rows (32 or 128 elements per scale): no reduction across the row. Lanes are
+// grouped kLanes to a block, each lane holding a chunk of kChunk elements (one 16-byte
+// vector on the vector path), and every thread keeps kBlockUnroll chunks in flight
+// before the first use. A block's amax is a butterfly over its lanes. The last block
+// of a row is partial when the row length is not a multiple of the block (its missing
+// elements count as zero and are not written). Two walks over the chunks:
+//  * by row (rows of at least kBlockRowMinChunks chunks): a persistent thread block
+//    per row at a time, its threads across the row, so the row's position and its
+//    scale placement (an M-group lookup) are paid once per row: the flat walk spends
+//    two divisions (and, for M groups, a group search) per chunk, and the kernel is
+//    close to instruction bound (bench/RESULTS.md has the two walks' numbers).
+//  * flat (short rows): one stream of (row, block, lane), so short rows still fill
+//    whole warps.
 // ---------------------------------------------------------------------------------
 constexpr int kBlockUnroll = 4;
 constexpr int kBlockThreads = 256;
+constexpr int64_t kBlockRowMinChunks = 128;
 
 template <InputKind K, int kBlock, bool kVecPath>
 struct RowsBlockGeometry {
@@ -224,19 +231,94 @@ struct RowsBlockGeometry {
                 "a block's lanes are a power-of-two group within one warp");
 };
 
+// Chunk of the row at elements [k0, k0 + kChunk), zeros past the row (or when !valid).
+template <class G, bool kVecPath>
+MOE_FP8_DEVICE Array<typename G::T, G::kChunk> load_block_chunk(const typename G::T* xr, int64_t k0, bool valid,
+                                                               const RowsArgs& a) {
+  using T = typename G::T;
+  Array<T, G::kChunk> v;
+#pragma unroll
+  for (int e = 0; e < G::kChunk; ++e) v.v[e] = T(0);
+  if (!valid) return v;
+  if constexpr (kVecPath) {
+    if (k0 < a.cols) v = load_elems<T, G::kChunk>(xr + k0, 1);
+  } else {
+#pragma unroll
+    for (int e = 0; e < G::kChunk; ++e) {
+      if (k0 + e < a.cols) v.v[e] = xr[(k0 + e) * a.stride_col];
+    }
+  }
+  return v;
+}
+
+// Every lane of the warp calls it (the butterfly): the block amax, the scale (stored by
+// the block's first lane at row shift `row_base`, none when negative) and the chunk's
+// fp8 codes (valid lanes only).
+template <InputKind K, Fp8Format F, class Rule, int kBlock, class Layout, bool kVecPath>
+MOE_FP8_DEVICE void encode_block_chunk(const Array<typename DeviceInput<K>::storage,
+                                                   RowsBlockGeometry<K, kBlock, kVecPath>::kChunk>& v,
+                                       int64_t k0, bool valid, bool leader, uint8_t* qr, const RowsArgs& a,
+                                       RowPos pos, int64_t row_base) {
+  using In = DeviceInput<K>;
+  using G = RowsBlockGeometry<K, kBlock, kVecPath>;
+  uint32_t amax = amax_bits_of<In>(v, 0u);
+#pragma unroll
+  for (int m = 1; m < G::kLanes; m <<= 1) amax = umax(amax, warp_shfl_xor(amax, m));
+  if (!valid) return;
+  const auto sc = Rule::template from_amax_bits<F>(amax);
+  if (leader && row_base >= 0) {
+    store_scale<Rule>(a.scale, Layout::index(a.scale, pos.outer, pos.inner, k0 / kBlock, row_base, 0), sc.stored);
+  }
+  const Array<uint8_t, G::kChunk> q = quantize_elems<F, In>(v, sc.encode);
+  if constexpr (kVecPath) {
+    if (k0 < a.cols) store_elems<uint8_t, G::kChunk>(qr + k0, q);
+  } else {
+#pragma unroll
+    for (int e = 0; e < G::kChunk; ++e) {
+      if (k0 + e < a.cols) qr[k0 + e] = q.v[e];
+    }
+  }
+}
+
+template <InputKind K, Fp8Format F, class Rule, int kBlock, class Layout, bool kVecPath>
+__global__ void __launch_bounds__(1024) quantize_rows_blocks_by_row_kernel(RowsArgs a, int64_t chunks_per_row) {
+  using G = RowsBlockGeometry<K, kBlock, kVecPath>;
+  using T = typename G::T;
+  const T* x = static_cast<const T*>(a.x);
+  const int64_t step = static_cast<int64_t>(blockDim.x) * kBlockUnroll;
+  for (int64_t r = blockIdx.x; r < a.rows; r += gridDim.x) {
+    const RowPos pos = row_pos(a, r);
+    const T* xr = row_ptr_at(x, a, pos);
+    uint8_t* qr = a.q + r * a.cols;
+    const int64_t row_base = rows_scale_row_base<Layout>(a, pos.inner);
+    for (int64_t c0 = 0; c0 < chunks_per_row; c0 += step) {  // uniform over the block: lanes shuffle
+      Array<T, G::kChunk> v[kBlockUnroll];
+#pragma unroll
+      for (int u = 0; u < kBlockUnroll; ++u) {
+        const int64_t c = c0 + threadIdx.x + static_cast<int64_t>(u) * blockDim.x;
+        v[u] = load_block_chunk<G, kVecPath>(xr, c * G::kChunk, c < chunks_per_row, a);
+      }
+#pragma unroll
+      for (int u = 0; u < kBlockUnroll; ++u) {
+        const int64_t c = c0 + threadIdx.x + static_cast<int64_t>(u) * blockDim.x;
+        encode_block_chunk<K, F, Rule, kBlock, Layout, kVecPath>(v[u], c * G::kChunk, c < chunks_per_row,
+                                                                 threadIdx.x % G::kLanes == 0, qr, a, pos, row_base);
+      }
+    }
+  }
+}
+
 template <InputKind K, Fp8Format F, class Rule, int kBlock, class Layout, bool kVecPath>
 __global__ void __launch_bounds__(kBlockThreads) quantize_rows_blocks_kernel(RowsArgs a, uint32_t blocks_per_row,
                                                                             uint32_t total_lanes) {
-  using In = DeviceInput<K>;
   using G = RowsBlockGeometry<K, kBlock, kVecPath>;
   using T = typename G::T;
-  constexpr int kChunk = G::kChunk;
   constexpr int kLanes = G::kLanes;
   const T* x = static_cast<const T*>(a.x);
   const uint32_t stride = gridDim.x * blockDim.x;
   for (uint32_t base = blockIdx.x * blockDim.x + threadIdx.x; base - threadIdx.x < total_lanes;
        base += stride * kBlockUnroll) {
-    Array<T, kChunk> v[kBlockUnroll];
+    Array<T, G::kChunk> v[kBlockUnroll];
     int64_t k0[kBlockUnroll];
     int64_t row[kBlockUnroll];
     RowPos pos[kBlockUnroll];
@@ -246,44 +328,19 @@ __global__ void __launch_bounds__(kBlockThreads) quantize_rows_blocks_kernel(Row
       const uint32_t blk_id = lane_id / kLanes;
       const uint32_t r = blk_id / blocks_per_row;
       const uint32_t j = blk_id - r * blocks_per_row;
-      row[u] = lane_id < total_lanes ? static_cast<int64_t>(r) : int64_t{-1};
-      k0[u] = static_cast<int64_t>(j) * kBlock + static_cast<int64_t>(lane_id % kLanes) * kChunk;
-      pos[u] = row_pos(a, lane_id < total_lanes ? r : 0);
-      const T* xr = row_ptr_at(x, a, pos[u]);
-#pragma unroll
-      for (int e = 0; e < kChunk; ++e) v[u].v[e] = T(0);
-      if (row[u] >= 0) {
-        if constexpr (kVecPath) {
-          if (k0[u] < a.cols) v[u] = load_elems<T, kChunk>(xr + k0[u], 1);
-        } else {
-#pragma unroll
-          for (int e = 0; e < kChunk; ++e) {
-            if (k0[u] + e < a.cols) v[u].v[e] = xr[(k0[u] + e) * a.stride_col];
-          }
-        }
-      }
+      const bool valid = lane_id < total_lanes;
+      row[u] = valid ? static_cast<int64_t>(r) : int64_t{-1};
+      k0[u] = static_cast<int64_t>(j) * kBlock + static_cast<int64_t>(lane_id % kLanes) * G::kChunk;
+      pos[u] = row_pos(a, valid ? r : 0);
+      v[u] = load_block_chunk<G, kVecPath>(row_ptr_at(x, a, pos[u]), k0[u], valid, a);
     }
 #pragma unroll
     for (int u = 0; u < kBlockUnroll; ++u) {
-      uint32_t amax = amax_bits_of<In>(v[u], 0u);
-#pragma unroll
-      for (int m = 1; m < kLanes; m <<= 1) amax = umax(amax, warp_shfl_xor(amax, m));
-      if (row[u] < 0) continue;
-      const auto sc = Rule::template from_amax_bits<F>(amax);
-      if ((base + u * stride) % kLanes == 0) {
-        const int64_t si = rows_scale_index<Layout>(a, pos[u].outer, pos[u].inner, k0[u] / kBlock);
-        if (si >= 0) store_scale<Rule>(a.scale, si, sc.stored);
-      }
-      uint8_t* qr = a.q + row[u] * a.cols + k0[u];
-      const Array<uint8_t, kChunk> q = quantize_elems<F, In>(v[u], sc.encode);
-      if (kVecPath && k0[u] < a.cols) {
-        store_elems<uint8_t, kChunk>(qr, q);
-      } else if (!kVecPath) {
-#pragma unroll
-        for (int e = 0; e < kChunk; ++e) {
-          if (k0[u] + e < a.cols) qr[e] = q.v[e];
-        }
-      }
+      const bool leader = (base + u * stride) % kLanes == 0;
+      const int64_t row_base = row[u] >= 0 && leader ? rows_scale_row_base<Layout>(a, pos[u].inner) : -1;
+      encode_block_chunk<K, F, Rule, kBlock, Layout, kVecPath>(v[u], k0[u], row[u] >= 0, leader,
+                                                               a.q + (row[u] >= 0 ? row[u] : 0) * a.cols, a, pos[u],
+                                                               row_base);
     }
   }
 }
@@ -309,6 +366,23 @@ int launch_quantize_rows(const RowsArgs& a, gpuStream_t stream) {
     // chunk aligned.
     const bool qvec = vec && reinterpret_cast<uintptr_t>(a.q) % 16 == 0;
     const int64_t blocks_per_row = ceil_div(a.cols, kBlock);
+    auto launch_by_row = [&](auto kernel, int chunk) {
+      const int64_t chunks = ceil_div(a.cols, chunk);
+      // Just enough threads that kBlockUnroll chunks each cover the row (up to 1024).
+      const int64_t threads = std::min<int64_t>(round_up(ceil_div(chunks, kBlockUnroll), kWarpSize), 1024);
+      const int64_t resident =
+          static_cast<int64_t>(resident_blocks(kernel, static_cast<int>(threads), 0)) * multiprocessor_count();
+      const dim3 grid(static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>(a.rows, resident))));
+      return launch_kernel(kernel, grid, dim3(static_cast<unsigned>(threads)), 0, stream, 1, a, chunks);
+    };
+    if (ceil_div(a.cols, RowsBlockGeometry<K, kBlock, true>::kChunk) >= kBlockRowMinChunks) {
+      if (qvec) {
+        return launch_by_row(quantize_rows_blocks_by_row_kernel<K, F, Rule, kBlock, Layout, true>,
+                             RowsBlockGeometry<K, kBlock, true>::kChunk);
+      }
+      return launch_by_row(quantize_rows_blocks_by_row_kernel<K, F, Rule, kBlock, Layout, false>,
+                           RowsBlockGeometry<K, kBlock, false>::kChunk);
+    }
     auto launch = [&](auto kernel, int lanes_per_block) {
       const int64_t total = a.rows * blocks_per_row * lanes_per_block;
       if (total >= (int64_t{1} << 32) - static_cast<int64_t>(kBlockThreads) * 1024 * kBlockUnroll) return -1;
