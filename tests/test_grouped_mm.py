@@ -9,18 +9,9 @@ import torch.nn.functional as F
 import moe_fp8_ext
 from moe_fp8_ext import reference as ref
 from moe_fp8_ext.moe import MoEExperts
-from conftest import DEVICES, poison, randn, requires_cuda
+from conftest import DEVICES, offs_from_sizes as make_offs, poison, random_offs, randn, requires_cuda, sqnr
 
 F8 = torch.float8_e4m3fn
-
-
-def sqnr(ref_t, x):
-    ref_t, x = ref_t.float(), x.float()
-    return (20 * torch.log10(ref_t.norm() / (ref_t - x).norm())).item()
-
-
-def make_offs(sizes, device):
-    return torch.cumsum(torch.tensor(sizes), 0).to(torch.int32).to(device)
 
 
 CASES = {  # (M, K, N, group sizes)
@@ -90,9 +81,7 @@ def test_sqnr_aligned_groups_without_padding(device, case):
 def test_sqnr_random_unaligned_groups(device, experts):
     # Fresh random group sizes (any size, some empty) every run: pad_groups=True.
     m = max(512, 40 * experts) + 3
-    cuts = torch.sort(torch.randint(0, m + 1, (experts,))).values
-    cuts[torch.rand(experts) < 0.2] = m  # empty trailing groups too
-    check_sqnr_against_fp32(m, 256, 64, torch.sort(cuts).values.to(torch.int32).to(device), device)
+    check_sqnr_against_fp32(m, 256, 64, random_offs(m, experts, tail=3, device=device), device)
 
 
 def test_backward_is_the_quantized_math():
@@ -714,9 +703,7 @@ def test_mxfp8_sqnr_aligned_groups_without_padding(device, case):
 def test_mxfp8_sqnr_random_unaligned_groups(device, experts):
     # Fresh random group sizes (any size, some empty, rows past the last group).
     m = max(512, 40 * experts) + 3
-    cuts = torch.sort(torch.randint(0, m + 1, (experts,))).values
-    cuts[torch.rand(experts) < 0.2] = m
-    offs = torch.sort(cuts).values.to(torch.int32).to(device)
+    offs = random_offs(m, experts, tail=3, device=device)
     o, ga, gb = mx_sqnr_both(m, 256, 64, offs, device, seed=None)["mxfp8"]
     assert o >= 27 and ga >= 25 and gb >= 22, torch.diff(offs.cpu(), prepend=offs.new_zeros(1).cpu()).tolist()
 

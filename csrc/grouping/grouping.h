@@ -19,55 +19,6 @@
 
 namespace moe_fp8 {
 
-// Last index g in [0, n) with table[g] <= v (tables are non-decreasing in valid use;
-// any content gives an index in range); -1 when none.
-MOE_FP8_HD int last_at_most(const int32_t* table, int n, int64_t v) {
-  int lo = 0, hi = n;  // first index with table[idx] > v
-  while (lo < hi) {
-    const int mid = (lo + hi) / 2;
-    if (table[mid] <= v) lo = mid + 1;
-    else hi = mid;
-  }
-  return lo - 1;
-}
-
-// The groups of a padded layout: `offs` (G cumulative ends into `rows` tokens) and
-// `pstart` (G start rows in the padded tensor of `padded_rows` rows).
-struct GroupLayout {
-  const int32_t* offs = nullptr;
-  const int32_t* pstart = nullptr;
-  int groups = 0;
-  int64_t rows = 0;
-  int64_t padded_rows = 0;
-};
-
-// pad: source token of padded row r, or -1 (padding, or past the last group).
-MOE_FP8_HD int64_t pad_source_row(const GroupLayout& l, int64_t r) {
-  const int g = last_at_most(l.pstart, l.groups, r);
-  if (g < 0) return -1;
-  int64_t start, end;
-  group_range(l.offs, g, l.rows, &start, &end);
-  const int64_t j = r - l.pstart[g];
-  return j < end - start ? start + j : -1;
-}
-
-// unpad: padded row of token i, or -1 (a token past offs[G-1]).
-MOE_FP8_HD int64_t unpad_source_row(const GroupLayout& l, int64_t i) {
-  // The group holding i: the first g with clamp(offs[g]) > i.
-  int lo = 0, hi = l.groups;
-  while (lo < hi) {
-    const int mid = (lo + hi) / 2;
-    if (clamp_offset(l.offs[mid], l.rows) <= i) lo = mid + 1;
-    else hi = mid;
-  }
-  if (lo >= l.groups) return -1;
-  int64_t start, end;
-  group_range(l.offs, lo, l.rows, &start, &end);
-  if (i < start || i >= end) return -1;
-  const int64_t src = static_cast<int64_t>(l.pstart[lo]) + (i - start);
-  return src >= 0 && src < l.padded_rows ? src : -1;
-}
-
 // permute_indices: the padded size of an expert with `tokens` tokens. An expert
 // with none still gets `alignment` rows: the grouped GEMMs need non-empty groups.
 MOE_FP8_HD int64_t expert_padded_size(int64_t tokens, int64_t alignment) {

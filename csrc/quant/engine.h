@@ -96,6 +96,18 @@ struct Segment {
   bool zero_fill;
 };
 
+// The padded layout of a padded jagged launch (core/groups.h: one definition for the
+// quantizations and the token-group family).
+MOE_FP8_HD GroupLayout padded_layout(const ColsArgs& a) {
+  GroupLayout l;
+  l.offs = a.offs;
+  l.pstart = a.padded_starts;
+  l.groups = a.num_segments;
+  l.rows = a.rows;
+  l.padded_rows = a.q_rows;
+  return l;
+}
+
 MOE_FP8_HD int segments_with_tail(const ColsArgs& a) {
   return a.num_segments + (a.jagged ? 1 : 0);
 }
@@ -119,11 +131,9 @@ MOE_FP8_HD Segment resolve_segment(const ColsArgs& a, int seg) {
     }
     return {0, 0, 0, q_start, a.q_rows - q_start, true};
   }
-  int64_t start, end;
+  int64_t start, end, q_start, q_fit;
   group_range(a.offs, seg, a.rows, &start, &end);
-  const int64_t q_start = clamp_offset(a.padded_starts[seg], a.q_rows);
-  const int64_t q_len = round_up(end - start, a.alignment);
-  const int64_t q_fit = q_len < a.q_rows - q_start ? q_len : a.q_rows - q_start;
+  padded_group_rows(padded_layout(a), seg, a.alignment, &q_start, &q_fit);
   return {0, start, start + (end - start < q_fit ? end - start : q_fit), q_start, q_fit, false};
 }
 
@@ -132,17 +142,6 @@ MOE_FP8_HD int64_t cols_group_base(const ColsArgs& a, const ScaleOut& s, int g) 
   if (s.groups == BlockedGroups::kNone) return 0;
   if (a.group_starts != nullptr) return a.group_starts[g];
   return blocked_group_start(s, a.offs, g, a.rows);
-}
-
-// First group g whose end offs[g] is past row r (clamped offs), or `groups` if none.
-MOE_FP8_HD int group_of_row(const int32_t* offs, int groups, int64_t rows, int64_t r) {
-  int lo = 0, hi = groups;
-  while (lo < hi) {
-    const int mid = (lo + hi) / 2;
-    if (clamp_offset(offs[mid], rows) <= r) lo = mid + 1;
-    else hi = mid;
-  }
-  return lo;
 }
 
 // The row shift of a "rows" launch's scales for the row at (segment seg, set `set` =
