@@ -26,28 +26,22 @@ struct ScaleCode {
   Stored stored;  // what goes to the scale tensor
 };
 
-// FP8 rowwise (DESIGN §5): s = max / max(amax, 1e-12) rounded down to a power of two,
-// stored as the fp32 decode scale 1/s.
-struct Fp32Pow2 {
+// fp32 decode scales (DESIGN §5, §6): s = max / max(amax, 1e-12), an exact fp32
+// division, stored as 1/s. kPow2 rounds s down to a power of two from its exponent
+// bits (FP8 rowwise, the default); without it the ratio is exact (rowwise with
+// pow2_scale=False, FP8 blockwise).
+template <bool kPow2>
+struct Fp32Scale {
   using stored_t = float;
   static constexpr bool supports(Fp8Format) { return true; }
   template <Fp8Format F>
   static MOE_FP8_HD ScaleCode<float> from_amax_bits(uint32_t amax_bits) {
-    const QuantScale s = scale_from_amax_bits(amax_bits, Fp8Spec<F>::kMax, true);
+    const QuantScale s = scale_from_amax_bits(amax_bits, Fp8Spec<F>::kMax, kPow2);
     return {s.encode, s.decode};
   }
 };
-
-// FP8 rowwise without pow2 rounding, and FP8 blockwise (DESIGN §6): the exact ratio.
-struct Fp32Exact {
-  using stored_t = float;
-  static constexpr bool supports(Fp8Format) { return true; }
-  template <Fp8Format F>
-  static MOE_FP8_HD ScaleCode<float> from_amax_bits(uint32_t amax_bits) {
-    const QuantScale s = scale_from_amax_bits(amax_bits, Fp8Spec<F>::kMax, false);
-    return {s.encode, s.decode};
-  }
-};
+using Fp32Pow2 = Fp32Scale<true>;
+using Fp32Exact = Fp32Scale<false>;
 
 // MXFP8 (DESIGN §7): E8M0 bytes, e4m3fn data only.
 struct E8m0Floor {
