@@ -98,6 +98,98 @@ def main():
                        lambda: (lambda f=torchao_to_mx(r): f(w.transpose(1, 2).contiguous()))))
         del w, b_t
     print_table(f"MXFP8 quantization (bf16 -> e4m3fn + e8m0, {r})", HEADER, out, "bench_mxfp8.md")
+    swizzle_table(args.quick)
+
+
+# ---- scale swizzles: ours vs torchao's Triton rearranges (issue 13: >= 1.5x) ----------------
+
+SWZ_HEADER = ["op", "scales", "G", "ours µs", "GB/s", "% of copy", "torchao µs", "vs torchao"]
+
+
+def torchao_rearrange(name):
+    """One of torchao's Triton rearranges (torchao.prototype.moe_training.kernels.mxfp8.quant)."""
+    from torchao.prototype.moe_training.kernels.mxfp8 import quant
+
+    return getattr(quant, name)
+
+
+def same_prefix(ours, theirs):
+    """torchao's static bounds differ from ours (K groups: M/32 + 4G columns); the
+    common prefix must agree and the rest be zero."""
+    a, b = ours.view(torch.uint8).flatten(), theirs.view(torch.uint8).flatten()
+    n = min(a.numel(), b.numel())
+    assert torch.equal(a[:n], b[:n]), "torchao's rearrange differs from ours"
+    assert not a[n:].any() and not b[n:].any(), "nonzero bytes past the common prefix"
+
+
+def swz_row(name, shape, g, nbytes, ours, peer_make):
+    t = bench_us(ours)
+    c = copy_us(nbytes)
+    peer = try_peer(peer_make) if peer_make else None
+    tp = bench_us(peer) if peer else None
+    return [name, shape, str(g), fmt(t), fmt(nbytes / t / 1e3, "{:.0f}"), fmt(100 * c / t, "{:.0f}%"), fmt(tp),
+            fmt(tp and tp / t, "{:.2f}x")]
+
+
+def _scales(shape):
+    return torch.randint(1, 255, shape, dtype=torch.uint8, device="cuda").view(torch.float8_e8m0fnu)
+
+
+def swizzle_table(quick):
+    """to_blocked_scales_m_groups / _k_groups / per expert on the scale shapes of the
+    quantization table, against triton_mx_block_rearrange_2d_M_groups /
+    _2d_K_groups / _per_group_3d on the same inputs. Bytes: scales read + blocked
+    written (padding included)."""
+    m_cases = [(16384, 7168, 8), (65536, 7168, 32), (131072, 2048, 8), (65536, 2048, 256)]
+    k_cases = [(7168, 16384, 8), (5120, 32768, 16), (2048, 65536, 64)]
+    e_cases = [(8, 2048, 7168), (16, 1536, 5120), (64, 1408, 2048), (64, 2048, 1408)]
+    if quick:
+        m_cases, k_cases, e_cases = m_cases[:1], k_cases[:1], e_cases[:1]
+    out = []
+    for m, k, g in m_cases:
+        s = _scales((m, k // 32))
+        offs = balanced_offs(m, g, device="cuda")
+        b = moe_fp8_ext.to_blocked_scales_m_groups(s, offs)
+        if m <= 16384:
+            assert torch.equal(b.view(torch.uint8).cpu(), ref.to_blocked_m_groups(s.cpu(), offs.cpu()).view(torch.uint8))
+
+        def peer(s=s, offs=offs, b=b):
+            f = torchao_rearrange("triton_mx_block_rearrange_2d_M_groups")
+            same_prefix(b, f(s, offs))
+            return lambda: f(s, offs)
+
+        out.append(swz_row("M-groups (rowwise A)", f"({m}, {k // 32})", g, s.numel() + b.numel(),
+                           lambda: moe_fp8_ext.to_blocked_scales_m_groups(s, offs), peer))
+    for k, m, g in k_cases:
+        s = _scales((k, m // 32))
+        offs = (balanced_offs(m, g, device="cuda") // 32 * 32).to(torch.int32)
+        offs[-1] = m
+        b = moe_fp8_ext.to_blocked_scales_k_groups(s, offs)
+        if k * m <= 7168 * 16384:
+            assert torch.equal(b.view(torch.uint8).cpu(), ref.to_blocked_k_groups(s.cpu(), offs.cpu()).view(torch.uint8))
+
+        def peer(s=s, offs=offs, b=b):
+            f = torchao_rearrange("triton_mx_block_rearrange_2d_K_groups")
+            blk_offs = (offs // 32).to(torch.int32)
+            same_prefix(b, f(s, blk_offs))
+            return lambda: f(s, blk_offs)
+
+        out.append(swz_row("K-groups (colwise wgrad)", f"({k}, {m // 32})", g, s.numel() + b.numel(),
+                           lambda: moe_fp8_ext.to_blocked_scales_k_groups(s, offs), peer))
+    for e, n, k in e_cases:
+        s = _scales((e, n, k // 32))
+        b = moe_fp8_ext.to_blocked_scales(s)
+        assert torch.equal(b[0].view(torch.uint8).cpu(), ref.to_blocked(s[0].cpu()).view(torch.uint8).flatten())
+
+        def peer(s=s, b=b):
+            f = torchao_rearrange("triton_mx_block_rearrange_per_group_3d")
+            same_prefix(b, f(s))
+            return lambda: f(s)
+
+        out.append(swz_row("per expert (3-D)", f"({e}, {n}, {k // 32})", "-", s.numel() + b.numel(),
+                           lambda: moe_fp8_ext.to_blocked_scales(s), peer))
+    print_table("MXFP8 scale swizzles (e8m0 -> blocked), vs torchao's Triton rearranges", SWZ_HEADER, out,
+                "bench_mxfp8_swizzle.md")
 
 
 if __name__ == "__main__":

@@ -38,6 +38,19 @@ TORCH_LIBRARY(moe_fp8, m) {
       " Tensor? padded_starts=None, int? alignment=None) -> (Tensor, Tensor)");
   m.def("quantize_mxfp8_experts(Tensor b, str rounding=\"rceil\", bool blocked=False) -> (Tensor, Tensor)");
 
+  // ---- MXFP8 scale swizzles (DESIGN §7): any 1-byte scales to/from the blocked layout -
+  // Implementations: mxfp8/swizzle_cpu.cpp (CPU) and mxfp8/swizzle.cu (CUDA).
+  // s (R, C) -> (ceil128(R), ceil4(C)); s (E, R, C) -> (E, ceil128(R) * ceil4(C)).
+  m.def("to_blocked_scales(Tensor s) -> Tensor");
+  // s (M, C), token groups along the rows -> (M + 128 G, ceil4(C)).
+  m.def("to_blocked_scales_m_groups(Tensor s, Tensor offs) -> Tensor");
+  // s (R, C) block columns, offs in tokens (32 per column) -> (ceil128(R), ceil4(C) + 4 G).
+  m.def("to_blocked_scales_k_groups(Tensor s, Tensor offs) -> Tensor");
+  // The inverses, plain (rows, cols) (or (E, rows, cols)) with the padding dropped.
+  m.def("from_blocked_scales(Tensor b, SymInt rows, SymInt cols) -> Tensor");
+  m.def("from_blocked_scales_m_groups(Tensor b, Tensor offs, SymInt cols) -> Tensor");
+  m.def("from_blocked_scales_k_groups(Tensor b, Tensor offs, SymInt rows, SymInt cols) -> Tensor");
+
   // ---- token groups (DESIGN §8): sync-free padding and expert-parallel permutation -
   // impls: grouping/grouping_cpu.cpp (CPU) and grouping/grouping.cu (CUDA).
   m.def("pad_token_groups(Tensor x, Tensor offs, int alignment) -> (Tensor, Tensor, Tensor)");

@@ -17,7 +17,17 @@ if importlib.util.find_spec(__name__ + "._C") is None:
     )
 from . import _C  # noqa: F401,E402  (registers torch.ops.moe_fp8.*)
 from .grouped_mm import grouped_mm, grouped_mm_backend
-from .mxfp8 import quantize_mxfp8_colwise, quantize_mxfp8_experts, quantize_mxfp8_rowwise
+from .mxfp8 import (
+    from_blocked_scales,
+    from_blocked_scales_k_groups,
+    from_blocked_scales_m_groups,
+    quantize_mxfp8_colwise,
+    quantize_mxfp8_experts,
+    quantize_mxfp8_rowwise,
+    to_blocked_scales,
+    to_blocked_scales_k_groups,
+    to_blocked_scales_m_groups,
+)
 from .ops import (
     gather_rows,
     padded_group_offsets,
@@ -37,6 +47,9 @@ from .token_groups import pad_token_groups, permute_and_pad, unpad_token_groups,
 __all__ = [
     "build_info",
     "default_fp8_dtype",
+    "from_blocked_scales",
+    "from_blocked_scales_k_groups",
+    "from_blocked_scales_m_groups",
     "gather_rows",
     "grouped_mm",
     "grouped_mm_backend",
@@ -54,6 +67,9 @@ __all__ = [
     "quantize_mxfp8_rowwise",
     "quantize_rowwise",
     "scatter_rows",
+    "to_blocked_scales",
+    "to_blocked_scales_k_groups",
+    "to_blocked_scales_m_groups",
     "unpad_token_groups",
     "unpermute",
     "zero_rows_past_groups_",

@@ -16,6 +16,7 @@ from torch import Tensor
 
 from .ops import (
     _check_padded_starts,
+    _dtype_name,
     _require,
     check_alignment,
     check_index,
@@ -181,3 +182,185 @@ def _(b, rounding="rceil", blocked=False):
     c = k // MX_BLOCK
     shape = (e, _ceil(n, 128) * _ceil(c, 4)) if blocked else (e, n, c)
     return q, b.new_empty(shape, dtype=torch.float8_e8m0fnu)
+
+
+# ---- scale swizzles (DESIGN §7): scales made elsewhere to and from the blocked layout ------
+#
+# Any 1-byte dtype (float8_e8m0fnu, uint8, int8, other float8); the output has the
+# input's dtype. Blocked outputs are written whole, their padding zero; plain outputs
+# (the inverses) drop the padding. Token groups: ``offs`` as everywhere (int32 group
+# ends, DESIGN §3); on a GPU bad content is clamped (never out of bounds), on the CPU it
+# is an error. No host sync, any number of groups.
+
+_SCALE_BYTE_BAD = (torch.bool, torch.qint8, torch.quint8, torch.qint32, torch.quint4x2, torch.quint2x4)
+_MAX_DIM = 1 << 40
+
+
+def _check_scale_bytes(op, name, t, dims):
+    if not isinstance(t, Tensor):
+        raise TypeError(f"{op}: expected {name} to be a Tensor, got {type(t).__name__}")
+    if t.dim() not in dims:
+        want = " or ".join(f"{d}-D" for d in dims)
+        raise RuntimeError(f"{op}: expected {name} to be a {want} tensor, got {t.dim()}-D")
+    if t.dtype.itemsize != 1 or t.dtype in _SCALE_BYTE_BAD:
+        raise RuntimeError(f"{op}: expected {name} of a 1-byte dtype (float8_e8m0fnu, uint8, int8 or another "
+                           f"float8), got {_dtype_name(t.dtype)}")
+
+
+def _check_swizzle_offs(op, name, t, offs):
+    check_index(op, "offs", offs)
+    check_same_device(op, name, t, offs=offs)
+    return offs.shape[0]
+
+
+def _check_size(op, name, v):
+    if isinstance(v, bool) or not isinstance(v, (int, torch.SymInt)):
+        raise TypeError(f"{op}: expected {name} to be an int, got {type(v).__name__}")
+    _require(0 <= v <= _MAX_DIM, lambda: f"{op}: expected {name} in [0, {_MAX_DIM}], got {v}")
+
+
+def check_to_blocked_scales(s, op="to_blocked_scales"):
+    """Returns the blocked shape."""
+    _check_scale_bytes(op, "s", s, (2, 3))
+    r, c = s.shape[-2], s.shape[-1]
+    if s.dim() == 2:
+        return (_ceil(r, 128), _ceil(c, 4))
+    return (s.shape[0], _ceil(r, 128) * _ceil(c, 4))
+
+
+def check_to_blocked_scales_m_groups(s, offs, op="to_blocked_scales_m_groups"):
+    _check_scale_bytes(op, "s", s, (2,))
+    g = _check_swizzle_offs(op, "s", s, offs)
+    checked_padded_rows(op, s.shape[0], g, 128)
+    return (s.shape[0] + 128 * g, _ceil(s.shape[1], 4))
+
+
+def check_to_blocked_scales_k_groups(s, offs, op="to_blocked_scales_k_groups"):
+    _check_scale_bytes(op, "s", s, (2,))
+    g = _check_swizzle_offs(op, "s", s, offs)
+    checked_padded_rows(op, s.shape[1], g, 4)
+    return (_ceil(s.shape[0], 128), _ceil(s.shape[1], 4) + 4 * g)
+
+
+def check_from_blocked_scales(b, rows, cols, op="from_blocked_scales"):
+    """Returns the plain shape: (rows, cols) or (E, rows, cols)."""
+    _check_scale_bytes(op, "b", b, (2,))
+    _check_size(op, "rows", rows)
+    _check_size(op, "cols", cols)
+    rp, cp = _ceil(rows, 128), _ceil(cols, 4)
+    if b.shape[0] == rp and b.shape[1] == cp:
+        return (rows, cols)
+    _require(b.shape[1] == rp * cp, lambda: f"{op}: expected b of shape ({rp}, {cp}) (one blocked matrix) or (E, "
+             f"{rp * cp}) (E blocked matrices) for rows={rows} and cols={cols}, got {list(b.shape)}")
+    return (b.shape[0], rows, cols)
+
+
+def check_from_blocked_scales_m_groups(b, offs, cols, op="from_blocked_scales_m_groups"):
+    _check_scale_bytes(op, "b", b, (2,))
+    g = _check_swizzle_offs(op, "b", b, offs)
+    _check_size(op, "cols", cols)
+    _require(b.shape[1] == _ceil(cols, 4) and b.shape[0] >= 128 * g,
+             lambda: f"{op}: expected b of shape (M + 128 * {g}, {_ceil(cols, 4)}) (M tokens in {g} groups, "
+             f"cols={cols}), got {list(b.shape)}")
+    m = b.shape[0] - 128 * g
+    checked_padded_rows(op, m, g, 128)
+    return (m, cols)
+
+
+def check_from_blocked_scales_k_groups(b, offs, rows, cols, op="from_blocked_scales_k_groups"):
+    _check_scale_bytes(op, "b", b, (2,))
+    g = _check_swizzle_offs(op, "b", b, offs)
+    _check_size(op, "rows", rows)
+    _check_size(op, "cols", cols)
+    width = _ceil(cols, 4) + 4 * g
+    _require(b.shape[0] == _ceil(rows, 128) and b.shape[1] == width,
+             lambda: f"{op}: expected b of shape ({_ceil(rows, 128)}, {width}) (rows={rows}, cols={cols}, {g} "
+             f"groups), got {list(b.shape)}")
+    checked_padded_rows(op, cols, g, 4)
+    return (rows, cols)
+
+
+def to_blocked_scales(s: Tensor) -> Tensor:
+    """Scales ``s`` (R, C) (any strides) in the blocked layout of DESIGN §7 (torchao's
+    ``to_blocked``): a (ceil128(R), ceil4(C)) tensor whose memory is in blocked order,
+    padding zero. ``s`` (E, R, C): each matrix blocked on its own, (E, ceil128(R) *
+    ceil4(C)) (the per-expert layout ``scaled_grouped_mm`` takes)."""
+    check_to_blocked_scales(s)
+    return _ops.to_blocked_scales(s)
+
+
+@torch.library.register_fake("moe_fp8::to_blocked_scales")
+def _(s):
+    return s.new_empty(check_to_blocked_scales(s))
+
+
+def to_blocked_scales_m_groups(s: Tensor, offs: Tensor) -> Tensor:
+    """Scales ``s`` (M, C) of a token-grouped left operand (groups along the rows, ends
+    ``offs``) in the M-group blocked layout: group g's rows blocked on their own from
+    row sum_{j<g} ceil128(n_j); (M + 128 G, ceil4(C)) in all, zeros elsewhere (what
+    ``quantize_mxfp8_rowwise(..., blocked=True, offs=offs)`` writes)."""
+    check_to_blocked_scales_m_groups(s, offs)
+    return _ops.to_blocked_scales_m_groups(s, offs)
+
+
+@torch.library.register_fake("moe_fp8::to_blocked_scales_m_groups")
+def _(s, offs):
+    return s.new_empty(check_to_blocked_scales_m_groups(s, offs))
+
+
+def to_blocked_scales_k_groups(s: Tensor, offs: Tensor) -> Tensor:
+    """Scales ``s`` (R, C) of a weight-gradient operand, one column per 32 tokens, with
+    token groups along the columns (``offs`` in TOKENS, clamped to [0, 32 C]): group g
+    (tokens [lo, hi)) owns the ceil((hi - lo) / 32) block columns from column lo // 32
+    (its own columns when group sizes are multiples of 32), blocked on their own as a
+    (ceil128(R), ceil4(n_g)) matrix stored from flat offset ceil128(R) * sum_{j<g}
+    ceil4(n_j); the buffer is (ceil128(R), ceil4(C) + 4 G), zeros elsewhere (what
+    ``quantize_mxfp8_colwise(..., blocked=True, offs=offs)`` writes)."""
+    check_to_blocked_scales_k_groups(s, offs)
+    return _ops.to_blocked_scales_k_groups(s, offs)
+
+
+@torch.library.register_fake("moe_fp8::to_blocked_scales_k_groups")
+def _(s, offs):
+    return s.new_empty(check_to_blocked_scales_k_groups(s, offs))
+
+
+def from_blocked_scales(b: Tensor, rows: int, cols: int) -> Tensor:
+    """The inverse of :func:`to_blocked_scales`: ``b`` (ceil128(rows), ceil4(cols)) ->
+    plain (rows, cols); ``b`` (E, ceil128(rows) * ceil4(cols)) -> (E, rows, cols). The
+    padding is dropped. (When both readings fit, i.e. rows = cols = 0 and b is (0, 0),
+    b is one matrix.)"""
+    check_from_blocked_scales(b, rows, cols)
+    return _ops.from_blocked_scales(b, rows, cols)
+
+
+@torch.library.register_fake("moe_fp8::from_blocked_scales")
+def _(b, rows, cols):
+    return b.new_empty(check_from_blocked_scales(b, rows, cols))
+
+
+def from_blocked_scales_m_groups(b: Tensor, offs: Tensor, cols: int) -> Tensor:
+    """The inverse of :func:`to_blocked_scales_m_groups`: ``b`` (M + 128 G, ceil4(cols))
+    -> plain (M, cols) (M = b.size(0) - 128 G). Rows past offs[-1] belong to no group:
+    zero."""
+    check_from_blocked_scales_m_groups(b, offs, cols)
+    return _ops.from_blocked_scales_m_groups(b, offs, cols)
+
+
+@torch.library.register_fake("moe_fp8::from_blocked_scales_m_groups")
+def _(b, offs, cols):
+    return b.new_empty(check_from_blocked_scales_m_groups(b, offs, cols))
+
+
+def from_blocked_scales_k_groups(b: Tensor, offs: Tensor, rows: int, cols: int) -> Tensor:
+    """The inverse of :func:`to_blocked_scales_k_groups` (``offs`` in tokens, ``cols``
+    block columns): ``b`` (ceil128(rows), ceil4(cols) + 4 G) -> plain (rows, cols).
+    Columns no group owns are zero; a column two groups share (group sizes not
+    multiples of 32) is read from the first of them."""
+    check_from_blocked_scales_k_groups(b, offs, rows, cols)
+    return _ops.from_blocked_scales_k_groups(b, offs, rows, cols)
+
+
+@torch.library.register_fake("moe_fp8::from_blocked_scales_k_groups")
+def _(b, offs, rows, cols):
+    return b.new_empty(check_from_blocked_scales_k_groups(b, offs, rows, cols))

@@ -672,3 +672,412 @@ def test_cuda_graph_replay():
     offs = random_offs(4096, 16, generator=torch.Generator().manual_seed(5)).cuda()
     starts, _ = moe_fp8_ext.padded_group_offsets(offs, 4096, 64)
     graph_matches_eager(lambda: _mx_step(a, w, offs, starts))
+
+
+# ---- scale swizzles: to_blocked_scales*, from_blocked_scales* ------------------------------
+# Bit-exact against reference.to_blocked / to_blocked_m_groups / to_blocked_k_groups (and
+# torchao's pure-torch rearranges when importable), round trips, the pure-torch readers
+# of recipes.py, the quantization ops' own blocked scales, errors, opcheck, compile.
+
+from moe_fp8_ext import recipes  # noqa: E402
+
+SWZ_DTYPES = [E8, torch.uint8, torch.int8, F8]
+to_blk = moe_fp8_ext.to_blocked_scales
+to_blk_m = moe_fp8_ext.to_blocked_scales_m_groups
+to_blk_k = moe_fp8_ext.to_blocked_scales_k_groups
+from_blk = moe_fp8_ext.from_blocked_scales
+from_blk_m = moe_fp8_ext.from_blocked_scales_m_groups
+from_blk_k = moe_fp8_ext.from_blocked_scales_k_groups
+
+
+def scale_bytes(shape, dtype=E8, device="cpu", seed=0):
+    """Random nonzero scale bytes (1..254: padding zeros stand out) of a 1-byte dtype."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(1, 255, shape, dtype=torch.uint8, generator=g).view(dtype).to(device)
+
+
+def swz_layouts(shape, dtype, device):
+    """Contiguous, transposed (column-major) and strided views of the same shape."""
+    yield scale_bytes(shape, dtype, device, 1)
+    yield scale_bytes(shape[:-2] + shape[-2:][::-1], dtype, device, 2).transpose(-2, -1)
+    wide = shape[:-1] + (2 * shape[-1] + 1,)
+    yield scale_bytes(wide, dtype, device, 3)[..., 1::2]
+
+
+def same_bytes(got, want):
+    assert got.dtype == want.dtype and got.shape == want.shape, (got.dtype, got.shape, want.dtype, want.shape)
+    assert got.is_contiguous()
+    a, b = got.view(torch.uint8).cpu(), want.view(torch.uint8).cpu()
+    if not torch.equal(a, b):
+        i = (a != b).nonzero()[0].tolist()
+        raise AssertionError(f"{int((a != b).sum())} of {a.numel()} bytes differ; first at {i}: "
+                             f"{int(a[tuple(i)])} vs {int(b[tuple(i)])}")
+
+
+def random_sizes(n, total_groups, seed, multiple=1, empty_frac=0.3):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.rand(total_groups, generator=g) * (torch.rand(total_groups, generator=g) > empty_frac)
+    sizes = (w / max(float(w.sum()), 1e-9) * n / multiple).floor().long() * multiple
+    return sizes.tolist()
+
+
+SWZ_2D = [(0, 0), (0, 5), (5, 0), (1, 1), (7, 3), (128, 4), (130, 5), (300, 9), (256, 8), (33, 1)]
+SWZ_3D = [(1, 1, 1), (3, 130, 5), (2, 256, 8), (0, 5, 3), (4, 0, 2), (2, 33, 0), (5, 7, 13)]
+M_GROUP_SIZES = [[], [5], [0], [5, 0, 130, 128, 1], [0, 0, 7], [128, 129, 0, 3], [256], [1] * 40]
+K_GROUP_SIZES = [[], [32], [0], [64, 0, 160, 32, 96], [0, 256, 0], [128, 128], [32] * 9]
+K_GROUP_ANY = [[5], [40, 0, 7, 100], [33, 31, 0, 64, 1], [0, 0, 3]]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", SWZ_DTYPES)
+@pytest.mark.parametrize("shape", SWZ_2D)
+def test_to_blocked_scales_2d(device, dtype, shape):
+    for s in swz_layouts(shape, dtype, device):
+        b = to_blk(s)
+        same_bytes(b, ref.to_blocked(s.cpu()))
+        same_bytes(from_blk(b, *shape), s.cpu())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [E8, torch.uint8])
+@pytest.mark.parametrize("shape", SWZ_3D)
+def test_to_blocked_scales_3d(device, dtype, shape):
+    e, r, c = shape
+    per = -(-r // 128) * 128 * (-(-c // 4) * 4)
+    for s in list(swz_layouts(shape, dtype, device)) + [scale_bytes((r, e, c), dtype, device, 4).transpose(0, 1)]:
+        b = to_blk(s)
+        want = torch.stack([ref.to_blocked(s[i].cpu()).flatten() for i in range(e)]) if e else s.new_empty((0, per)).cpu()
+        same_bytes(b, want.view(dtype))
+        same_bytes(from_blk(b, r, c), s.cpu())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("cols", [1, 7, 8])
+@pytest.mark.parametrize("sizes", M_GROUP_SIZES + [random_sizes(5000, 300, seed=7)], ids=lambda s: f"G{len(s)}")
+@pytest.mark.parametrize("tail", [0, 37])
+def test_to_blocked_scales_m_groups(device, cols, sizes, tail):
+    m = sum(sizes) + tail
+    offs = offs_from_sizes(sizes, device) if sizes else torch.zeros(0, dtype=torch.int32, device=device)
+    for s in swz_layouts((m, cols), E8, device):
+        b = to_blk_m(s, offs)
+        same_bytes(b, ref.to_blocked_m_groups(s.cpu(), offs.cpu()))
+        back = s.cpu().view(torch.uint8).clone()
+        back[sum(sizes):] = 0  # rows past the last group belong to no group
+        same_bytes(from_blk_m(b, offs, cols), back.view(E8))
+
+
+def _k_covered(sizes, cols):
+    """Block columns some group owns (lo // 32 .. + ceil(n / 32))."""
+    cov = torch.zeros(cols, dtype=torch.bool)
+    lo = 0
+    for n in sizes:
+        cov[lo // 32 : lo // 32 + -(-n // 32)] = True
+        lo += n
+    return cov
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("rows", [1, 100, 128, 130, 300])
+@pytest.mark.parametrize("sizes", K_GROUP_SIZES + K_GROUP_ANY + [random_sizes(9600, 300, seed=8, multiple=32)],
+                         ids=lambda s: f"G{len(s)}-{sum(s)}")
+@pytest.mark.parametrize("extra_cols", [0, 3])
+def test_to_blocked_scales_k_groups(device, rows, sizes, extra_cols):
+    cols = -(-sum(sizes) // 32) + extra_cols
+    offs = offs_from_sizes(sizes, device) if sizes else torch.zeros(0, dtype=torch.int32, device=device)
+    for s in swz_layouts((rows, cols), E8, device):
+        b = to_blk_k(s, offs)
+        same_bytes(b, ref.to_blocked_k_groups(s.cpu(), offs.cpu()))
+        back = s.cpu().view(torch.uint8).clone()
+        back[:, ~_k_covered(sizes, cols)] = 0
+        same_bytes(from_blk_k(b, offs, rows, cols), back.view(E8))
+
+
+def test_swizzles_many_groups_global_tables():
+    # Above 4096 groups the GPU builds its group tables in a scratch buffer: the same bytes.
+    sizes = random_sizes(20000, 5000, seed=9)
+    offs = offs_from_sizes(sizes)
+    s = scale_bytes((sum(sizes) + 3, 4))
+    b = to_blk_m(s, offs)
+    same_bytes(b, ref.to_blocked_m_groups(s, offs))
+    same_bytes(from_blk_m(b, offs, 4)[: sum(sizes)], s[: sum(sizes)])
+    ksizes = random_sizes(32 * 6000, 5000, seed=10, multiple=32)
+    koffs = offs_from_sizes(ksizes)
+    sk = scale_bytes((130, 6000))
+    bk = to_blk_k(sk, koffs)
+    same_bytes(bk, ref.to_blocked_k_groups(sk, koffs))
+    back = sk.view(torch.uint8).clone()
+    back[:, ~_k_covered(ksizes, 6000)] = 0
+    same_bytes(from_blk_k(bk, koffs, 130, 6000), back.view(E8))
+
+
+def test_swizzle_padding_is_zero_and_matches_the_index():
+    # Independent of the reference: every byte by the DESIGN §7 index, the rest zero.
+    r, c = 200, 6
+    s = scale_bytes((r, c), torch.uint8)
+    b = to_blk(s).flatten()
+    rp, cp = 256, 8
+    want = torch.zeros(rp * cp, dtype=torch.uint8)
+    for i in range(r):
+        for j in range(c):
+            want[((i // 128) * (cp // 4) + j // 4) * 512 + (i % 32) * 16 + ((i % 128) // 32) * 4 + j % 4] = s[i, j]
+    assert torch.equal(b, want)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_swizzle_inverses_match_recipes_readers(device):
+    # recipes.unblock_scales* are the pure-torch readers the emulated GEMMs use.
+    s = scale_bytes((300, 9), torch.uint8, device)
+    b = to_blk(s)
+    assert torch.equal(from_blk(b, 300, 9).float(), recipes.unblock_scales(b, 300, 9)[:300, :9])
+    e = scale_bytes((3, 130, 5), torch.uint8, device)
+    be = to_blk(e)
+    assert torch.equal(from_blk(be, 130, 5).float(), recipes.unblock_scales_experts(be, 130, 5))
+    sizes = [5, 0, 130, 128, 1]
+    offs = offs_from_sizes(sizes, device)
+    sm = scale_bytes((sum(sizes), 7), torch.uint8, device)
+    bm = to_blk_m(sm, offs)
+    assert torch.equal(from_blk_m(bm, offs, 7).float(), recipes.unblock_scales_m_groups(bm, offs, sum(sizes), 7))
+    ksizes = [64, 0, 160, 32, 96]
+    koffs = offs_from_sizes(ksizes, device)
+    sk = scale_bytes((130, 11), torch.uint8, device)
+    bk = to_blk_k(sk, koffs)
+    assert torch.equal(from_blk_k(bk, koffs, 130, 11).float(), recipes.unblock_scales_k_groups(bk, koffs, 130, 11))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_swizzles_match_the_quantizers_blocked_scales(device):
+    # The quantization kernels write the same layouts themselves.
+    x = mx_data((300, 96), torch.bfloat16, device, specials=False)
+    offs = offs_from_sizes([5, 0, 130, 128, 1], device)
+    _, plain = moe_fp8_ext.quantize_mxfp8_rowwise(x)
+    same_bytes(to_blk(plain), moe_fp8_ext.quantize_mxfp8_rowwise(x, "rceil", True)[1])
+    same_bytes(to_blk_m(plain, offs), moe_fp8_ext.quantize_mxfp8_rowwise(x, "rceil", True, offs)[1])
+    xc = mx_data((320, 130), torch.bfloat16, device, specials=False)
+    koffs = offs_from_sizes([64, 0, 160, 32, 64], device)
+    _, pc = moe_fp8_ext.quantize_mxfp8_colwise(xc, "rceil", False, koffs)
+    same_bytes(to_blk_k(pc, koffs), moe_fp8_ext.quantize_mxfp8_colwise(xc, "rceil", True, koffs)[1])
+    w = mx_data((3, 64, 130), torch.bfloat16, device, specials=False)
+    _, pw = moe_fp8_ext.quantize_mxfp8_experts(w)
+    same_bytes(to_blk(pw), moe_fp8_ext.quantize_mxfp8_experts(w, "rceil", True)[1])
+
+
+def test_swizzles_match_torchao():
+    _, to_blocked, _ = _torchao()
+    try:
+        from torchao.prototype.moe_training.kernels.mxfp8.quant import (
+            torch_to_blocked_2d_K_groups,
+            torch_to_blocked_2d_M_groups,
+            torch_to_blocked_per_group_3d,
+        )
+    except ImportError as e:
+        pytest.skip(f"torchao moe_training: {e}")
+
+    def same_prefix(ours, theirs):
+        a, b = ours.view(torch.uint8).flatten(), theirs.view(torch.uint8).flatten()
+        n = min(a.numel(), b.numel())
+        assert torch.equal(a[:n], b[:n])
+        assert not a[n:].any() and not b[n:].any()
+
+    for shape in SWZ_2D[3:]:
+        s = scale_bytes(shape)
+        assert torch.equal(to_blk(s).view(torch.uint8).flatten(), to_blocked(s).view(torch.uint8).flatten())
+    for sizes in ([5, 0, 130, 128, 1], [300], [0, 0, 7], [128, 129, 0, 3], random_sizes(3000, 64, seed=11)):
+        offs = offs_from_sizes(sizes)
+        s = scale_bytes((sum(sizes), 8), torch.uint8)
+        same_prefix(to_blk_m(s, offs), torch_to_blocked_2d_M_groups(s, offs)[0])
+    for rows in (1, 100, 128, 130, 300):
+        for sizes in ([64, 0, 160, 32, 96], [32], [0, 256, 0], [128, 128]):
+            offs = offs_from_sizes(sizes)
+            s = scale_bytes((rows, sum(sizes) // 32), torch.uint8)
+            same_prefix(to_blk_k(s, offs), torch_to_blocked_2d_K_groups(s, offs // 32)[0])
+    for e, n, c in ((1, 1, 1), (3, 130, 5), (2, 256, 8)):
+        s = scale_bytes((e, n, c), torch.uint8)
+        assert torch.equal(to_blk(s), torch_to_blocked_per_group_3d(s))
+
+
+_s8 = scale_bytes((8, 4))
+_o2 = offs_from_sizes([3, 5])
+SWZ_ERROR_CASES = [
+    (lambda: to_blk(torch.zeros(4)), "to_blocked_scales: expected s to be a 2-D or 3-D tensor, got 1-D", True),
+    (lambda: to_blk(torch.zeros(4, 4)), "to_blocked_scales: expected s of a 1-byte dtype (float8_e8m0fnu, uint8, int8 or another float8), got Float", True),
+    (lambda: to_blk(torch.zeros(4, 4, dtype=torch.bool)), "to_blocked_scales: expected s of a 1-byte dtype", True),
+    (lambda: to_blk_m(_s8.view(1, 8, 4), _o2), "to_blocked_scales_m_groups: expected s to be a 2-D tensor, got 3-D", True),
+    (lambda: to_blk_m(_s8.view(torch.uint8).to(torch.int16), _o2), "to_blocked_scales_m_groups: expected s of a 1-byte dtype", True),
+    (lambda: to_blk_m(_s8, _o2.long()), "to_blocked_scales_m_groups: expected offs of dtype int32, got Long", True),
+    (lambda: to_blk_m(_s8, _o2.view(1, 2)), "to_blocked_scales_m_groups: expected offs to be a 1-D tensor, got 2-D", True),
+    (lambda: to_blk_m(_s8, _o2.to("meta")), "to_blocked_scales_m_groups: expected offs on cpu (the device of s), got meta", True),
+    (lambda: to_blk_m(_s8, torch.tensor([5, 3], dtype=torch.int32)), "to_blocked_scales_m_groups: expected non-decreasing offs", False),
+    (lambda: to_blk_m(_s8, torch.tensor([3, 9], dtype=torch.int32)), "to_blocked_scales_m_groups: expected offs[1] in [0, 8], got 9", False),
+    (lambda: to_blk_k(_s8, torch.tensor([129], dtype=torch.int32)), "to_blocked_scales_k_groups: expected offs[0] in [0, 128], got 129", False),
+    (lambda: to_blk_k(_s8, torch.tensor([64, 32], dtype=torch.int32)), "to_blocked_scales_k_groups: expected non-decreasing offs", False),
+    (lambda: to_blk_k(torch.zeros(4, 4, dtype=torch.float16), _o2), "to_blocked_scales_k_groups: expected s of a 1-byte dtype", True),
+    (lambda: from_blk(torch.zeros(128, 4, dtype=torch.uint8), 128, 5), "from_blocked_scales: expected b of shape (128, 8) (one blocked matrix) or (E, 1024) (E blocked matrices) for rows=128 and cols=5, got [128, 4]", True),
+    (lambda: from_blk(torch.zeros(128, 4, dtype=torch.uint8), -1, 4), "from_blocked_scales: expected rows in [0, 1099511627776], got -1", True),
+    (lambda: from_blk(torch.zeros(512, dtype=torch.uint8), 1, 1), "from_blocked_scales: expected b to be a 2-D tensor, got 1-D", True),
+    (lambda: from_blk(torch.zeros(128, 4), 1, 1), "from_blocked_scales: expected b of a 1-byte dtype", True),
+    (lambda: from_blk_m(torch.zeros(200, 4, dtype=torch.uint8), _o2, 4), "from_blocked_scales_m_groups: expected b of shape (M + 128 * 2, 4) (M tokens in 2 groups, cols=4), got [200, 4]", True),
+    (lambda: from_blk_m(torch.zeros(264, 8, dtype=torch.uint8), _o2, 4), "from_blocked_scales_m_groups: expected b of shape (M + 128 * 2, 4)", True),
+    (lambda: from_blk_m(torch.zeros(264, 4, dtype=torch.uint8), _o2.long(), 4), "from_blocked_scales_m_groups: expected offs of dtype int32, got Long", True),
+    (lambda: from_blk_m(torch.zeros(264, 4, dtype=torch.uint8), torch.tensor([3, 9], dtype=torch.int32), 4), "from_blocked_scales_m_groups: expected offs[1] in [0, 8], got 9", False),
+    (lambda: from_blk_k(torch.zeros(128, 12, dtype=torch.uint8), _o2, 1, 5), "from_blocked_scales_k_groups: expected b of shape (128, 16) (rows=1, cols=5, 2 groups), got [128, 12]", True),
+    (lambda: from_blk_k(torch.zeros(128, 16, dtype=torch.uint8), _o2, 1, -5), "from_blocked_scales_k_groups: expected cols in [0, 1099511627776], got -5", True),
+    (lambda: from_blk_k(torch.zeros(128, 16, dtype=torch.uint8), torch.tensor([3, 200], dtype=torch.int32), 1, 5), "from_blocked_scales_k_groups: expected offs[1] in [0, 160], got 200", False),
+]
+
+
+@pytest.mark.parametrize("call, message, _fake", SWZ_ERROR_CASES, ids=[str(i) for i in range(len(SWZ_ERROR_CASES))])
+def test_swizzle_bad_inputs(call, message, _fake):
+    with pytest.raises(RuntimeError) as e:
+        call()
+    assert message in str(e.value)
+
+
+@pytest.mark.parametrize("call, message", [(c, m) for c, m, fake in SWZ_ERROR_CASES if fake],
+                         ids=[str(i) for i, c in enumerate(SWZ_ERROR_CASES) if c[2]])
+def test_swizzle_bad_inputs_fake(call, message):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        with pytest.raises(RuntimeError) as e:
+            call()
+    assert message.split(", got")[0] in str(e.value)
+
+
+@pytest.mark.parametrize("name", ["to_blocked_scales", "to_blocked_scales_m_groups", "to_blocked_scales_k_groups",
+                                  "from_blocked_scales", "from_blocked_scales_m_groups", "from_blocked_scales_k_groups"])
+def test_swizzle_raw_op_checks(name):
+    # The registered op itself (not only the wrapper) refuses a wide dtype.
+    op = getattr(torch.ops.moe_fp8, name)
+    args = {"to_blocked_scales": (torch.zeros(4, 4),), "to_blocked_scales_m_groups": (torch.zeros(8, 4), _o2),
+            "to_blocked_scales_k_groups": (torch.zeros(8, 4), _o2), "from_blocked_scales": (torch.zeros(128, 4), 1, 1),
+            "from_blocked_scales_m_groups": (torch.zeros(264, 4), _o2, 4),
+            "from_blocked_scales_k_groups": (torch.zeros(128, 12), _o2, 1, 4)}[name]
+    with pytest.raises(RuntimeError, match=f"{name}: expected (s|b) of a 1-byte dtype"):
+        op(*args)
+
+
+SWZ_FAKE_CASES = [
+    lambda: to_blk(scale_bytes((0, 0))),
+    lambda: to_blk(scale_bytes((130, 5)).t()),
+    lambda: to_blk(scale_bytes((0, 5, 3))),
+    lambda: to_blk_m(scale_bytes((0, 3)), torch.zeros(0, dtype=torch.int32)),
+    lambda: to_blk_m(scale_bytes((7, 3)), offs_from_sizes([0, 7, 0])),
+    lambda: to_blk_k(scale_bytes((130, 0)), torch.zeros(2, dtype=torch.int32)),
+    lambda: to_blk_k(scale_bytes((5, 9)), offs_from_sizes([64, 0, 200])),
+    lambda: from_blk(to_blk(scale_bytes((0, 0))), 0, 0),
+    lambda: from_blk(to_blk(scale_bytes((3, 7, 5))), 7, 5),
+    lambda: from_blk_m(to_blk_m(scale_bytes((7, 3)), offs_from_sizes([0, 7, 0])), offs_from_sizes([0, 7, 0]), 3),
+    lambda: from_blk_k(to_blk_k(scale_bytes((5, 9)), offs_from_sizes([64, 0, 200])), offs_from_sizes([64, 0, 200]), 5, 9),
+]
+
+
+@pytest.mark.parametrize("call", SWZ_FAKE_CASES, ids=[str(i) for i in range(len(SWZ_FAKE_CASES))])
+def test_swizzle_fake_matches_op(call):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    real = call()
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        fake = call()
+    assert (fake.shape, fake.dtype) == (real.shape, real.dtype)
+    assert fake.stride() == real.stride() or real.numel() == 0
+
+
+def _sw(d, shape=(130, 9)):
+    return scale_bytes(shape, torch.uint8, d, 5)  # opcheck compares with float math e8m0 lacks
+
+
+SWZ_OPCHECK_CASES = [
+    ("to_blocked_scales", lambda d: (_sw(d),)),
+    ("to_blocked_scales", lambda d: (_sw(d, (9, 130)).t(),)),
+    ("to_blocked_scales", lambda d: (scale_bytes((3, 33, 5), torch.uint8, d),)),
+    ("to_blocked_scales_m_groups", lambda d: (_sw(d), offs_from_sizes([5, 0, 100, 20], d))),
+    ("to_blocked_scales_k_groups", lambda d: (_sw(d), offs_from_sizes([64, 0, 160, 64], d))),
+    ("to_blocked_scales_k_groups", lambda d: (_sw(d), offs_from_sizes([40, 7, 0, 100], d))),
+    ("from_blocked_scales", lambda d: (to_blk(_sw(d)), 130, 9)),
+    ("from_blocked_scales", lambda d: (to_blk(scale_bytes((3, 33, 5), torch.uint8, d)), 33, 5)),
+    ("from_blocked_scales_m_groups", lambda d: (to_blk_m(_sw(d), offs_from_sizes([5, 0, 100, 20], d)),
+                                                offs_from_sizes([5, 0, 100, 20], d), 9)),
+    ("from_blocked_scales_k_groups", lambda d: (to_blk_k(_sw(d), offs_from_sizes([64, 0, 160, 64], d)),
+                                                offs_from_sizes([64, 0, 160, 64], d), 130, 9)),
+]
+# test_op_coverage.py reads the whole list (a new list: test_opcheck keeps its own parameters)
+OPCHECK_CASES = OPCHECK_CASES + SWZ_OPCHECK_CASES
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("op, args", SWZ_OPCHECK_CASES, ids=[f"{op}-{i}" for i, (op, _) in enumerate(SWZ_OPCHECK_CASES)])
+def test_swizzle_opcheck(device, op, args):
+    torch.library.opcheck(getattr(torch.ops.moe_fp8, op).default, args(device))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_swizzle_compile_fullgraph(device):
+    def step(s, s3, sk, offs, koffs):
+        b, b3 = to_blk(s), to_blk(s3)
+        bm, bk = to_blk_m(s, offs), to_blk_k(sk, koffs)
+        back = (from_blk(b, s.shape[0], s.shape[1]), from_blk(b3, s3.shape[1], s3.shape[2]),
+                from_blk_m(bm, offs, s.shape[1]), from_blk_k(bk, koffs, sk.shape[0], sk.shape[1]))
+        return (b, b3, bm, bk) + back
+
+    s = scale_bytes((300, 9), torch.uint8, device)
+    s3 = scale_bytes((3, 130, 5), torch.uint8, device)
+    sk = scale_bytes((130, 12), torch.uint8, device)
+    offs = offs_from_sizes([5, 0, 130, 128, 1], device)
+    koffs = offs_from_sizes([64, 0, 160, 32, 96], device)
+    torch._dynamo.reset()
+    compiled = torch.compile(step, fullgraph=True)
+    got, want = compiled(s, s3, sk, offs, koffs), step(s, s3, sk, offs, koffs)
+    for g, e in zip(got, want):
+        assert g.dtype == e.dtype and g.shape == e.shape and g.stride() == e.stride()
+        assert torch.equal(g, e)
+
+
+# GPU only: the CPU op's bytes (poisoned outputs), bad offs stay in bounds, CUDA graphs.
+
+@requires_cuda
+@pytest.mark.gpu
+def test_swizzles_same_as_cpu():
+    for shape in ((8192, 224), (4097, 7), (1, 1), (300, 64)):
+        for s in swz_layouts(shape, E8, "cuda"):
+            same_as_cpu(lambda t: (to_blk(t),), s)
+            same_as_cpu(lambda t: (from_blk(t, *shape),), to_blk(s))
+    s3 = scale_bytes((64, 2048, 44), E8, "cuda")
+    same_as_cpu(lambda t: (to_blk(t),), s3)
+    same_as_cpu(lambda t: (to_blk(t),), s3.transpose(1, 2).contiguous().transpose(1, 2))
+    for g in (1, 8, 300, 5000):
+        offs = random_offs(8192, g, generator=torch.Generator().manual_seed(g))
+        s = scale_bytes((8192, 224), E8, "cuda")
+        same_as_cpu(lambda t, o: (to_blk_m(t, o),), s, offs)
+        same_as_cpu(lambda t, o: (from_blk_m(t, o, 224),), to_blk_m(s, offs.cuda()), offs)
+        koffs = random_offs(8192, g, alignment=32, generator=torch.Generator().manual_seed(g + 1))
+        anyoffs = random_offs(8192, g, generator=torch.Generator().manual_seed(g + 2))
+        sk = scale_bytes((2050, 256), E8, "cuda")
+        for o in (koffs, anyoffs):
+            same_as_cpu(lambda t, oo: (to_blk_k(t, oo),), sk, o)
+            same_as_cpu(lambda t, oo: (from_blk_k(t, oo, 2050, 256),), to_blk_k(sk, o.cuda()), o)
+
+
+@requires_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("groups", [3, 5000])
+def test_swizzles_bad_offs_stay_in_bounds(groups):
+    # Unchecked on a GPU: clamped, whatever offs holds (compute-sanitizer runs this too).
+    g = torch.Generator().manual_seed(groups)
+    offs = torch.randint(-50, 20000, (groups,), generator=g, dtype=torch.int32).cuda()
+    s = scale_bytes((1000, 9), E8, "cuda")
+    outs = [to_blk_m(s, offs), to_blk_k(s, offs)]
+    outs += [from_blk_m(outs[0], offs, 9), from_blk_k(outs[1], offs, 1000, 9)]
+    torch.cuda.synchronize()
+    assert [o.shape for o in outs] == [(1000 + 128 * groups, 12), (1024, 12 + 4 * groups), (1000, 9), (1000, 9)]
+
+
+@requires_cuda
+@pytest.mark.gpu
+def test_swizzles_cuda_graph_replay():
+    s = scale_bytes((4096, 224), E8, "cuda")
+    s3 = scale_bytes((8, 1408, 64), E8, "cuda")
+    offs = random_offs(4096, 16, generator=torch.Generator().manual_seed(5)).cuda()
+    koffs = random_offs(4096 * 32 // 32, 16, alignment=32, generator=torch.Generator().manual_seed(6)).cuda()
+    sk = scale_bytes((1408, 128), E8, "cuda")
+    graph_matches_eager(lambda: (to_blk(s), to_blk(s3), to_blk_m(s, offs), to_blk_k(sk, koffs),
+                                 from_blk_m(to_blk_m(s, offs), offs, 224)))
