@@ -24,9 +24,12 @@ set(MOE_FP8_SOURCE_TABLE
   "rowwise/rowwise_cpu.cpp           CPU"
   "mxfp8/mxfp8_ops.cpp               CPU"
   "mxfp8/mxfp8_cpu.cpp               CPU"
+  "blockwise/blockwise_ops.cpp       CPU"
+  "blockwise/blockwise_cpu.cpp       CPU"
   "grouping/grouping_ops.cpp         CPU"
   "grouping/grouping_cpu.cpp         CPU"
   "rowwise/rowwise.cu                GPU   cuda,hip"
   "mxfp8/mxfp8.cu                    GPU   cuda,hip"
+  "blockwise/blockwise.cu            GPU   cuda,hip"
   "grouping/grouping.cu              GPU   cuda,hip"
 )
