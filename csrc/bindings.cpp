@@ -51,6 +51,20 @@ TORCH_LIBRARY(moe_fp8, m) {
   m.def("from_blocked_scales_m_groups(Tensor b, Tensor offs, SymInt cols) -> Tensor");
   m.def("from_blocked_scales_k_groups(Tensor b, Tensor offs, SymInt rows, SymInt cols) -> Tensor");
 
+  // ---- FP8 blockwise recipe (DESIGN §6): fp32 decode scales per 1x128 / 128x1 block ----
+  // Implementations: blockwise/blockwise_cpu.cpp (CPU) and blockwise/blockwise.cu (CUDA).
+  // act_lhs: q (M, K) row-major, scale (M, ceil(K/128)) column-major. act_rhs: q (M, K)
+  // column-major, scale (ceil(M/128), K) row-major. act_transposed_lhs: q (K, M)
+  // row-major, scale (K, ceil(M/128)) column-major (act_rhs's bytes, transposed). With
+  // offs (and padded_starts + alignment) blocks restart at each token group.
+  m.def("quantize_blockwise_act_lhs(Tensor x, ScalarType fp8_dtype) -> (Tensor, Tensor)");
+  m.def(
+      "quantize_blockwise_act_rhs(Tensor x, ScalarType fp8_dtype, Tensor? offs=None, Tensor? padded_starts=None,"
+      " int? alignment=None) -> (Tensor, Tensor)");
+  m.def(
+      "quantize_blockwise_act_transposed_lhs(Tensor x, ScalarType fp8_dtype, Tensor? offs=None,"
+      " Tensor? padded_starts=None, int? alignment=None) -> (Tensor, Tensor)");
+
   // ---- token groups (DESIGN §8): sync-free padding and expert-parallel permutation -
   // impls: grouping/grouping_cpu.cpp (CPU) and grouping/grouping.cu (CUDA).
   m.def("pad_token_groups(Tensor x, Tensor offs, int alignment) -> (Tensor, Tensor, Tensor)");

@@ -26,10 +26,13 @@ set(MOE_FP8_SOURCE_TABLE
   "mxfp8/mxfp8_cpu.cpp               CPU"
   "mxfp8/swizzle_ops.cpp             CPU"
   "mxfp8/swizzle_cpu.cpp             CPU"
+  "blockwise/blockwise_ops.cpp       CPU"
+  "blockwise/blockwise_cpu.cpp       CPU"
   "grouping/grouping_ops.cpp         CPU"
   "grouping/grouping_cpu.cpp         CPU"
   "rowwise/rowwise.cu                GPU   cuda,hip"
   "mxfp8/mxfp8.cu                    GPU   cuda,hip"
   "mxfp8/swizzle.cu                  GPU   cuda,hip"
+  "blockwise/blockwise.cu            GPU   cuda,hip"
   "grouping/grouping.cu              GPU   cuda,hip"
 )

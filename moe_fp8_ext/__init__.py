@@ -16,6 +16,11 @@ if importlib.util.find_spec(__name__ + "._C") is None:
         "(or `python setup.py build_ext --inplace` for a build in place)"
     )
 from . import _C  # noqa: F401,E402  (registers torch.ops.moe_fp8.*)
+from .blockwise import (
+    quantize_blockwise_act_lhs,
+    quantize_blockwise_act_rhs,
+    quantize_blockwise_act_transposed_lhs,
+)
 from .grouped_mm import grouped_mm, grouped_mm_backend
 from .mxfp8 import (
     from_blocked_scales,
@@ -58,6 +63,9 @@ __all__ = [
     "padded_rows",
     "permute_and_pad",
     "permute_indices",
+    "quantize_blockwise_act_lhs",
+    "quantize_blockwise_act_rhs",
+    "quantize_blockwise_act_transposed_lhs",
     "quantize_experts_bwd",
     "quantize_experts_fwd",
     "quantize_jagged_colwise",

@@ -293,3 +293,75 @@ def quantize_mxfp8_experts(b_t: Tensor, rounding: str = "rceil", blocked: bool =
         per_expert = -(-n // 128) * 128 * (-(-(k // MX_BLOCK) // 4) * 4)
         scale = torch.stack([to_blocked(scale[i]).flatten() for i in range(e)]) if e else scale.new_empty((0, per_expert))
     return column_major(q.reshape(e, n, k).transpose(-2, -1)), scale
+
+
+# ---- FP8 blockwise (DESIGN §6): 1x128 / 128x1 blocks, exact fp32 decode scales --------
+
+BW_BLOCK = 128
+
+
+def _bw_blocks(x: Tensor, fp8_dtype: torch.dtype) -> Tuple[Tensor, Tensor]:
+    """Blocks of 128 consecutive elements along the last dim of x (R, C), the last
+    block partial when C % 128 != 0 (its amax over the valid part: the zero padding
+    never raises it): q (R, C) contiguous and decode scales (R, ceil(C/128)), fp32."""
+    r, c = x.shape
+    nb = -(-c // BW_BLOCK)
+    xp = torch.zeros((r, nb * BW_BLOCK), dtype=torch.float32, device=x.device)
+    xp[:, :c] = x.float()
+    xb = xp.view(r, nb, BW_BLOCK)
+    a = torch.amax(xb.abs(), dim=-1) if r * nb else torch.zeros((r, nb), device=x.device)
+    s, dec = scales_from_amax(a, fp8_dtype, False)
+    q = encode(xb, s[..., None], fp8_dtype).view(r, nb * BW_BLOCK)[:, :c].contiguous()
+    return q, dec
+
+
+def quantize_blockwise_act_lhs(x: Tensor, fp8_dtype: torch.dtype) -> Tuple[Tensor, Tensor]:
+    """1x128 blocks along the rows of x (M, K): q (M, K) row-major, scale (M, ceil(K/128))
+    column-major."""
+    q, dec = _bw_blocks(x, fp8_dtype)
+    return q, column_major(dec)
+
+
+def _bw_cols(x: Tensor, fp8_dtype: torch.dtype, offs=None) -> Tuple[Tensor, Tensor]:
+    """128x1 blocks down the columns of x (M, K) as x^T (K, M) row-major q and (K,
+    ceil(M/128)) row-major scales. With token groups the blocks restart at each
+    group's first row (which must be a multiple of 128 for a non-empty group: its scale
+    column is first_row / 128); rows past the last group are zero, with zero scales."""
+    m, k = x.shape
+    if offs is None:
+        return _bw_blocks(x.t(), fp8_dtype)
+    nb = -(-m // BW_BLOCK)
+    q = torch.zeros((k, m), dtype=torch.float32, device=x.device).to(fp8_dtype)
+    scale = torch.zeros((k, nb), dtype=torch.float32, device=x.device)
+    for lo, hi in _group_sizes(offs, m):
+        if hi == lo:
+            continue
+        assert lo % BW_BLOCK == 0, f"group starting at row {lo}"
+        qg, dg = _bw_blocks(x[lo:hi].t(), fp8_dtype)
+        q[:, lo:hi] = qg
+        scale[:, lo // BW_BLOCK : lo // BW_BLOCK + dg.shape[1]] = dg
+    return q, scale
+
+
+def _bw_cols_any(x, fp8_dtype, offs=None, alignment=None):
+    if alignment is None:
+        return _bw_cols(x, fp8_dtype, offs)
+    xp, _starts, ends = pad_token_groups(x, offs, alignment)
+    return _bw_cols(xp, fp8_dtype, ends)
+
+
+def quantize_blockwise_act_rhs(x: Tensor, fp8_dtype: torch.dtype, offs=None, alignment=None) -> Tuple[Tensor, Tensor]:
+    """128x1 blocks down the columns of x (M, K): q (M, K) column-major, scale
+    (ceil(M/128), K) row-major. ``offs``: token groups (non-empty ones start at
+    multiples of 128); with ``alignment`` (a multiple of 128) the padded layout of
+    pad_token_groups is quantized instead, for any group sizes."""
+    qt, st = _bw_cols_any(x, fp8_dtype, offs, alignment)
+    return qt.t(), st.t().contiguous()
+
+
+def quantize_blockwise_act_transposed_lhs(x: Tensor, fp8_dtype: torch.dtype, offs=None,
+                                          alignment=None) -> Tuple[Tensor, Tensor]:
+    """x^T quantized in 1x128 blocks along M: q (K, M) row-major, scale (K, ceil(M/128))
+    column-major; token groups as quantize_blockwise_act_rhs."""
+    qt, st = _bw_cols_any(x, fp8_dtype, offs, alignment)
+    return qt, column_major(st)

@@ -851,6 +851,118 @@ def _quant_cases():
     return out
 
 
+
+# ---- the FP8 blockwise family (DESIGN §6) ------------------------------------------------
+
+BW_ROWS, BW_OFFS = 260, (128, 128, 250)  # non-empty groups start at multiples of 128; a tail
+
+
+def _bw_fp8_mutators(public):
+    return [m for m in fp8_dtype_mutators(public) if "pow2_scale" not in m.label]
+
+
+def _bw_lhs_case(fn, label, public):
+    def build(device):
+        return {"x": data(M_ROWS, 300, device=device), "fp8_dtype": F8}
+
+    muts = (
+        quant_data_mutators("x") + _bw_fp8_mutators(public) + device_mutators(["x"])
+        + [
+            Mut("empty", "x with 0 rows", setarg("x", lambda a, d: a["x"][:0]), valid=True),
+            Mut("empty", "x with 0 columns", setarg("x", lambda a, d: a["x"][:, :0]), valid=True),
+            Mut("args", "K = 1 (a 1-element block)", setarg("x", lambda a, d: a["x"][:, :1]), valid=True),
+            Mut("args", "K = 128 (whole blocks)", setarg("x", lambda a, d: a["x"][:, :128]), valid=True),
+            Mut("int32", "x rows 2^31+16 on meta (the fake's shapes)",
+                setarg("x", lambda a, d: torch.empty(2**31 + 16, 4, dtype=torch.bfloat16, device="meta")), valid=True,
+                expect=_meta_expect(((2**31 + 16, 4), F8), ((2**31 + 16, 1), torch.float32))),
+        ]
+    )
+    return OpCase("quantize_blockwise_act_lhs", fn, build,
+                  lambda a: ref.quantize_blockwise_act_lhs(a["x"], _fp8(a)), muts, label=label)
+
+
+def _bw_cols_case(fn, name, label, public, mode):
+    """mode: "plain", "grouped" (offs, non-empty groups starting at multiples of 128) or
+    "padded" (offs of any sizes, padded_starts and alignment: q in the padded layout)."""
+
+    def build(device):
+        if mode == "padded":
+            offs = i32(*OFFS, device=device)
+            return {"x": data(M_ROWS, D_COLS, device=device), "fp8_dtype": F8, "offs": offs,
+                    "padded_starts": _padded_starts(offs, 128, device), "alignment": 128}
+        rows = BW_ROWS if mode == "grouped" else 130
+        return {"x": data(rows, D_COLS, device=device), "fp8_dtype": F8,
+                "offs": i32(*BW_OFFS, device=device) if mode == "grouped" else None, "padded_starts": None,
+                "alignment": None}
+
+    refn = getattr(ref, name)
+
+    def reference(a):
+        return refn(a["x"], _fp8(a), a["offs"], a["alignment"] if a["padded_starts"] is not None else None)
+
+    tensors = ["x"] + (["offs"] if mode != "plain" else []) + (["padded_starts"] if mode == "padded" else [])
+    muts = quant_data_mutators("x") + _bw_fp8_mutators(public) + device_mutators(tensors) + [
+        Mut("empty", "x with 0 columns", setarg("x", lambda a, d: a["x"][:, :0]), valid=True),
+    ]
+    if mode == "plain":
+        muts += [
+            Mut("args", "M = 1", setarg("x", lambda a, d: a["x"][:1]), valid=True),
+            Mut("args", "M = 128", setarg("x", lambda a, d: a["x"][:128]), valid=True),
+            Mut("empty", "x with 0 rows", setarg("x", lambda a, d: a["x"][:0]), valid=True),
+            Mut("args", "padded_starts without offs", lambda a, d: {**a, "padded_starts": i32(0, device=d),
+                                                                     "alignment": 128}),
+            Mut("args", "alignment without padded_starts", setarg("alignment", 128)),
+        ]
+    if mode == "grouped":
+        muts += optional_index_mutators("offs") + offs_content_mutators() + [
+            Mut("empty", "G = 0 (every row past the groups: zeros)", _empty_groups(["offs"]), valid=True),
+            Mut("empty", "x with 0 rows", lambda a, d: {**a, "x": a["x"][:0], "offs": i32(0, 0, device=d)},
+                valid=True),
+            Mut("args", "a last group of 1 row", setarg("offs", lambda a, d: i32(128, 129, device=d)), valid=True),
+            Mut("content", "a group starting at row 100", setarg("offs", lambda a, d: i32(100, 260, device=d)),
+                content=True),
+            Mut("content", "a group starting at row 250 after an empty one",
+                setarg("offs", lambda a, d: i32(250, 250, 260, device=d)), content=True),
+            Mut("args", "alignment without padded_starts", setarg("alignment", 128)),
+        ]
+    if mode == "padded":
+        muts += index_mutators("offs") + index_mutators("padded_starts") + offs_content_mutators() + [
+            Mut("empty", "G = 0", _empty_groups(["offs", "padded_starts"]), valid=True),
+            Mut("args", "alignment = 0", setarg("alignment", 0)),
+            Mut("args", "alignment = 32", setarg("alignment", 32)),
+            Mut("args", "alignment = 384", setarg("alignment", 384)),
+            Mut("args", "alignment = 2048", setarg("alignment", 2048)),
+            Mut("args", "alignment = -128", setarg("alignment", -128)),
+            Mut("args", "alignment 'a'", setarg("alignment", "a")),
+            Mut("args", "alignment = 256 (its layout)", _with_alignment(256), valid=True),
+            Mut("args", "alignment = 1024 (its layout)", _with_alignment(1024), valid=True),
+            Mut("args", "alignment None", setarg("alignment", None)),
+            Mut("args", "padded_starts shorter than offs", setarg("padded_starts", lambda a, d: a["padded_starts"][:2])),
+            Mut("content", "padded_starts overlapping (0, 3, ..)", setarg("padded_starts", lambda a, d: i32(
+                0, 3, 3, 128, device=d)), content=True),
+            Mut("content", "padded_starts of alignment 16", setarg("padded_starts", lambda a, d: _padded_starts(
+                a["offs"], 16, d)), content=True),
+            Mut("int32", "x rows 2^31-8 (padded rows past int32)",
+                lambda a, d: {**a, "x": torch.ones(1, 1, dtype=torch.bfloat16, device=d).expand(2**31 - 8, 1),
+                              "offs": i32(2**31 - 8, device=d), "padded_starts": i32(0, device=d)}),
+        ]
+    return OpCase(name, fn, build, reference, muts, label=label)
+
+
+def _blockwise_cases():
+    out = []
+    for public in (True, False):
+        lab = "public" if public else "op"
+        wrap = (lambda c: c) if public else raw
+        out.append(wrap(_bw_lhs_case(M.quantize_blockwise_act_lhs if public else _ops.quantize_blockwise_act_lhs,
+                                     lab, public)))
+        for name in ("quantize_blockwise_act_rhs", "quantize_blockwise_act_transposed_lhs"):
+            for mode in ("plain", "grouped", "padded"):
+                out.append(wrap(_bw_cols_case(getattr(M if public else _ops, name), name, f"{lab}-{mode}", public,
+                                              mode)))
+    return out
+
+
 def raw(case: OpCase) -> OpCase:
     """The same row for the torch.ops entry point: a None tensor never reaches it (the
     dispatcher itself answers "tensor does not have a device", before any kernel or
@@ -879,7 +991,7 @@ CASES: List[OpCase] = [
     raw(_zero_rows_case(_zero_rows_op, "op")),
     _permute_and_pad_case(),
     _scatter_case(M.unpermute, "", name="unpermute", num="num_tokens", also=("scatter_rows", "gather_rows")),
-] + _quant_cases()
+] + _quant_cases() + _blockwise_cases()
 
 
 # ---- running one case -------------------------------------------------------------------

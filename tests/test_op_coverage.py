@@ -5,12 +5,13 @@ until its family's OPCHECK_CASES list gets a case for it."""
 import torch
 
 import moe_fp8_ext  # noqa: F401  (registers the ops)
+import test_blockwise
 import test_mxfp8
 import test_rowwise
 import test_token_groups
 
 # The family files that hold opcheck cases: (op name, device -> args) in OPCHECK_CASES.
-FAMILIES = [test_mxfp8, test_rowwise, test_token_groups]
+FAMILIES = [test_blockwise, test_mxfp8, test_rowwise, test_token_groups]
 
 
 def registered_ops():

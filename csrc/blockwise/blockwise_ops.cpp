@@ -1,0 +1,146 @@
+// Torch glue of the FP8 blockwise recipe, shared by the CPU and CUDA registrations:
+// checks, allocation in the layouts of DESIGN §6, and the mapping of each op onto the
+// engine (Fp32Exact, blocks of 128 along the contraction, linear scales).
+//
+// Sizes that are not multiples of 128 give a partial last block (amax over its valid
+// part), never an error. Grouped scales are allocated zeroed: the rows past the last
+// group (and a padded layout's tail) have no block, and their scales read as zero.
+#include <ATen/ATen.h>
+
+#include <tuple>
+
+#include "../core/groups.h"
+#include "../core/op_checks.h"
+#include "../quant/quant_glue.h"
+#include "blockwise_ops.h"
+
+namespace moe_fp8 {
+namespace {
+
+QuantSpec blockwise_spec() {
+  QuantSpec spec;
+  spec.rule = ScaleRuleKind::kFp32Exact;
+  spec.block = kBwBlock;
+  spec.layout = ScaleLayoutKind::kLinear;
+  return spec;
+}
+
+ScaleOut linear_scales(const at::Tensor& s, int64_t set_stride, int64_t blk_stride) {
+  ScaleOut o;
+  o.ptr = s.data_ptr<float>();
+  o.numel = s.numel();
+  o.seg_stride = 0;
+  o.set_stride = set_stride;
+  o.blk_stride = blk_stride;
+  return o;
+}
+
+// Unpadded token groups: blocks restart at each group's first row and the scale rows
+// of a group start at first_row / 128, so every non-empty group must start at a
+// multiple of 128 (the last group may end anywhere: a partial last block). Checked on
+// the CPU and with MOE_FP8_DEBUG=1 (a GPU clamps, never out of bounds).
+void check_group_starts(const at::Tensor& offs, int64_t rows, const char* op) {
+  if (!check_content(offs)) return;
+  const at::Tensor host = offs.cpu().contiguous();  // host-sync-ok: CPU or MOE_FP8_DEBUG only
+  const int32_t* o = host.data_ptr<int32_t>();
+  for (int64_t g = 0; g < host.numel(); ++g) {
+    int64_t s, e;
+    group_range(o, static_cast<int>(g), rows, &s, &e);
+    TORCH_CHECK(e == s || s % kBwBlock == 0, op, ": expected every non-empty token group to start at a multiple of ",
+                kBwBlock, " rows (or padded_starts and alignment for any group sizes), got group ", g,
+                " starting at row ", s);
+  }
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> quantize_blockwise_act_lhs(const QuantKernels& k, const at::Tensor& x,
+                                                              at::ScalarType fp8_dtype) {
+  constexpr const char* op = "quantize_blockwise_act_lhs";
+  check_rank(x, 2, op, "x");
+  const InputKind in = input_kind(x, op, "x");
+  const Fp8Format fmt = fp8_format(fp8_dtype, op);
+  const int64_t M = x.size(0), K = x.size(1), C = ceil_div(K, kBwBlock);
+  at::Tensor q = at::empty({M, K}, x.options().dtype(fp8_dtype));
+  // Column-major scales (strides (1, M)), as torch._scaled_mm reads a 1x128 operand.
+  at::Tensor scale = at::empty_strided({M, C}, {1, std::max<int64_t>(M, 1)}, x.options().dtype(at::kFloat));
+  if (M == 0 || K == 0) return {q, scale};
+  RowsArgs a;
+  a.x = x.data_ptr();
+  a.q = static_cast<uint8_t*>(q.data_ptr());
+  a.rows = M;
+  a.cols = K;
+  a.rows_inner = M;
+  a.stride_inner = x.stride(0);
+  a.stride_col = x.stride(1);
+  a.scale = linear_scales(scale, /*set (row)*/ 1, /*block*/ M);
+  k.rows(in, fmt, blockwise_spec(), a, x.device().index());
+  return {q, scale};
+}
+
+std::tuple<at::Tensor, at::Tensor> quantize_blockwise_act_cols(const QuantKernels& k, const at::Tensor& x,
+                                                               at::ScalarType fp8_dtype,
+                                                               const std::optional<at::Tensor>& offs,
+                                                               const std::optional<at::Tensor>& padded_starts,
+                                                               std::optional<int64_t> alignment, bool transposed) {
+  const char* op = transposed ? "quantize_blockwise_act_transposed_lhs" : "quantize_blockwise_act_rhs";
+  check_rank(x, 2, op, "x");
+  const InputKind in = input_kind(x, op, "x");
+  const Fp8Format fmt = fp8_format(fp8_dtype, op);
+  const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK(offs.has_value() || !padded_starts.has_value(), op, ": expected padded_starts only with offs");
+  TORCH_CHECK(padded_starts.has_value() == alignment.has_value(), op,
+              ": expected padded_starts and alignment together, got only ",
+              padded_starts.has_value() ? "padded_starts" : "alignment");
+  ColsArgs a;
+  a.rows = M;
+  int64_t q_rows = M;
+  at::Tensor offs_c, starts_c;
+  if (offs.has_value()) {
+    check_offs(*offs, x, M, op);
+    const int64_t G = offs->numel();
+    TORCH_CHECK(G <= 65534, op, ": expected at most 65534 groups, got ", G);
+    offs_c = offs->contiguous();
+    a.jagged = true;
+    a.offs = offs_c.data_ptr<int32_t>();
+    a.num_segments = static_cast<int>(G);
+    if (padded_starts.has_value()) {
+      TORCH_CHECK(*alignment >= kBwBlock && *alignment % kBwBlock == 0, op, ": expected alignment to be a multiple of ",
+                  kBwBlock, ", got ", *alignment);
+      const JaggedLayout l = jagged_layout(x, *offs, padded_starts, *alignment, op);
+      starts_c = l.padded_starts;
+      q_rows = l.q_rows;
+      a.padded = true;
+      a.padded_starts = starts_c.data_ptr<int32_t>();
+      a.alignment = l.alignment;
+    } else {
+      check_group_starts(*offs, M, op);
+    }
+  }
+  a.q_rows = q_rows;
+  const int64_t C = ceil_div(q_rows, kBwBlock), R1 = std::max<int64_t>(q_rows, 1), K1 = std::max<int64_t>(K, 1);
+  const auto qopts = x.options().dtype(fp8_dtype);
+  const auto sopts = x.options().dtype(at::kFloat);
+  // act_rhs: q (R, K) column-major, scale (C, K) row-major; act_transposed_lhs: q (K, R)
+  // row-major, scale (K, C) column-major. The same bytes: q[col k] at k * R, the scale
+  // of (column k, block j) at j * K + k.
+  at::Tensor q = transposed ? at::empty({K, q_rows}, qopts) : at::empty_strided({q_rows, K}, {1, R1}, qopts);
+  at::Tensor scale;
+  if (transposed) scale = a.jagged ? at::zeros({C, K}, sopts).t() : at::empty_strided({K, C}, {1, K1}, sopts);
+  else scale = a.jagged ? at::zeros({C, K}, sopts) : at::empty({C, K}, sopts);
+  ColsOperand& o = a.op[0];
+  o.x = x.data_ptr();
+  o.sr = x.stride(0);
+  o.sc = x.stride(1);
+  o.cols = K;
+  o.q = static_cast<uint8_t*>(q.data_ptr());
+  o.q_sc = q_rows;
+  o.scale = linear_scales(scale, /*set (column)*/ 1, /*block*/ K);
+  if (!a.jagged) a.num_segments = 1;
+  if (K == 0 || (q_rows == 0 && !a.jagged)) return {q, scale};
+  const int64_t G = std::max<int64_t>(a.num_segments, 1);
+  k.cols(in, fmt, blockwise_spec(), a, ceil_div(M, G), x.device().index());
+  return {q, scale};
+}
+
+}  // namespace moe_fp8

@@ -1,0 +1,69 @@
+// The torch-facing ops of the FP8 blockwise recipe (DESIGN §6; schemas in
+// csrc/bindings.cpp): DeepSeek-style activation quantization in 1x128 / 128x1 blocks,
+// fp32 decode scales with the exact ratio (no pow2 rounding), e4m3fn, e4m3fnuz or
+// e5m2 data. Registered per device like every recipe (BlockwiseOn<...>).
+//
+// Every op is one launch of the quantization engine (policy Fp32Exact, block 128,
+// linear scales):
+//  * act_lhs:            the "rows" shape: q (M, K) row-major, scale (M, ceil(K/128))
+//                        column-major (set stride 1, block stride M);
+//  * act_rhs:            the "cols" shape: q (M, K) column-major, scale (ceil(M/128), K)
+//                        row-major (set stride 1, block stride K);
+//  * act_transposed_lhs: the same launch as act_rhs, the same bytes: q (K, M) row-major
+//                        is act_rhs's column-major q transposed, scale (K, ceil(M/128))
+//                        column-major is act_rhs's row-major scale transposed.
+// The transposing ops take token groups (offs; or padded_starts + alignment, q in the
+// padded layout of DESIGN §8) with blocks restarting at each group's first row.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/core/ScalarType.h>
+#include <torch/library.h>
+
+#include <optional>
+#include <tuple>
+
+#include "../quant/engine.h"
+
+namespace moe_fp8 {
+
+// The blockwise recipe's instantiations: exact fp32 scales, blocks of 128, linear.
+constexpr int kBwBlock = 128;
+using BlockwiseRules = RuleList<Fp32Exact>;
+using BlockwiseBlocks = BlockList<kBwBlock>;
+using BlockwiseLayouts = LayoutList<LinearScales>;
+
+std::tuple<at::Tensor, at::Tensor> quantize_blockwise_act_lhs(const QuantKernels& k, const at::Tensor& x,
+                                                              at::ScalarType fp8_dtype);
+// transposed=false: act_rhs's layouts; true: act_transposed_lhs's (the same bytes).
+std::tuple<at::Tensor, at::Tensor> quantize_blockwise_act_cols(const QuantKernels& k, const at::Tensor& x,
+                                                               at::ScalarType fp8_dtype,
+                                                               const std::optional<at::Tensor>& offs,
+                                                               const std::optional<at::Tensor>& padded_starts,
+                                                               std::optional<int64_t> alignment, bool transposed);
+
+template <const QuantKernels& K>
+struct BlockwiseOn {
+  static std::tuple<at::Tensor, at::Tensor> act_lhs(const at::Tensor& x, at::ScalarType fp8_dtype) {
+    return quantize_blockwise_act_lhs(K, x, fp8_dtype);
+  }
+  static std::tuple<at::Tensor, at::Tensor> act_rhs(const at::Tensor& x, at::ScalarType fp8_dtype,
+                                                    const std::optional<at::Tensor>& offs,
+                                                    const std::optional<at::Tensor>& starts,
+                                                    std::optional<int64_t> alignment) {
+    return quantize_blockwise_act_cols(K, x, fp8_dtype, offs, starts, alignment, false);
+  }
+  static std::tuple<at::Tensor, at::Tensor> act_transposed_lhs(const at::Tensor& x, at::ScalarType fp8_dtype,
+                                                               const std::optional<at::Tensor>& offs,
+                                                               const std::optional<at::Tensor>& starts,
+                                                               std::optional<int64_t> alignment) {
+    return quantize_blockwise_act_cols(K, x, fp8_dtype, offs, starts, alignment, true);
+  }
+  static void register_impls(torch::Library& m) {
+    m.impl("quantize_blockwise_act_lhs", TORCH_FN(act_lhs));
+    m.impl("quantize_blockwise_act_rhs", TORCH_FN(act_rhs));
+    m.impl("quantize_blockwise_act_transposed_lhs", TORCH_FN(act_transposed_lhs));
+  }
+};
+
+}  // namespace moe_fp8

@@ -1,0 +1,153 @@
+"""FP8 blockwise quantization of activations (DESIGN §6): DeepSeek-style 1x128 and
+128x1 blocks, one fp32 *decode* scale per block (``x ≈ q.float() * scale``) with the
+exact ratio ``scale = 1 / (fp8_max / max(amax, 1e-12))`` (no power-of-two rounding).
+
+The layouts are those of torchao's Triton kernels of the same names (so a user can
+switch), for any sizes: a dimension that is not a multiple of 128 ends in a partial
+block whose amax is taken over its valid part. ``fp8_dtype=None`` picks
+:func:`moe_fp8_ext.default_fp8_dtype` (``float8_e4m3fnuz`` on MI300); e4m3fn, e4m3fnuz
+and e5m2 are all accepted. Each wrapper has its fake implementation beside it, so the
+ops trace under ``torch.compile(fullgraph=True)``.
+"""
+
+from typing import Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from .ops import (
+    _check_padded_starts,
+    _dtype,
+    _require,
+    check_alignment,
+    check_fp8_dtype,
+    check_index,
+    check_quant_input,
+    check_same_device,
+    checked_padded_rows,
+)
+
+_ops = torch.ops.moe_fp8
+BW_BLOCK = 128
+MAX_GROUPS = 65534
+
+
+# ---- argument checks shared by each wrapper and its fake (the rules and order of
+# csrc/blockwise/blockwise_ops.cpp; "<op>: expected X, got Y"). The content of offs
+# and padded_starts is the kernel's to check.
+
+
+def _cdiv(a, b):
+    return -(-a // b)
+
+
+def check_quantize_blockwise_act_lhs(x, fp8_dtype, op="quantize_blockwise_act_lhs"):
+    check_quant_input(op, "x", x, 2)
+    check_fp8_dtype(op, fp8_dtype)
+
+
+def check_quantize_blockwise_act_cols(x, fp8_dtype, offs, padded_starts, alignment, op):
+    """The checks of the two transposing ops; returns the rows of q: M, or the padded
+    rows."""
+    check_quant_input(op, "x", x, 2)
+    check_fp8_dtype(op, fp8_dtype)
+    if offs is None and padded_starts is not None:
+        raise RuntimeError(f"{op}: expected padded_starts only with offs")
+    if (padded_starts is None) != (alignment is None):
+        raise RuntimeError(f"{op}: expected padded_starts and alignment together, got only "
+                           f"{'padded_starts' if padded_starts is not None else 'alignment'}")
+    m = x.shape[0]
+    if offs is None:
+        return m
+    check_index(op, "offs", offs)
+    check_same_device(op, "x", x, offs=offs)
+    g = offs.shape[0]
+    _require(g <= MAX_GROUPS, lambda: f"{op}: expected at most {MAX_GROUPS} groups, got {g}")
+    if padded_starts is None:
+        return m
+    if isinstance(alignment, bool) or not isinstance(alignment, (int, torch.SymInt)):
+        raise TypeError(f"{op}: expected alignment to be an int, got {type(alignment).__name__}")
+    _require(alignment >= BW_BLOCK and alignment % BW_BLOCK == 0,
+             lambda: f"{op}: expected alignment to be a multiple of {BW_BLOCK}, got {alignment}")
+    check_alignment(op, alignment)
+    q_rows = checked_padded_rows(op, m, g, alignment)
+    _check_padded_starts(op, offs, padded_starts)
+    check_same_device(op, "x", x, padded_starts=padded_starts)
+    return q_rows
+
+
+# ---- quantize_blockwise_act_lhs --------------------------------------------------------
+
+
+def quantize_blockwise_act_lhs(x: Tensor, fp8_dtype: Optional[torch.dtype] = None) -> Tuple[Tensor, Tensor]:
+    """1x128 blocks along the rows of ``x`` (M, K), any strides (the left operand of a
+    GEMM contracting over K). Returns q (M, K) row-major and scale (M, ceil(K/128))
+    float32, column-major (strides (1, M)), as ``torch._scaled_mm`` reads a 1x128
+    operand."""
+    check_quantize_blockwise_act_lhs(x, fp8_dtype)
+    return _ops.quantize_blockwise_act_lhs(x, _dtype(fp8_dtype, x))
+
+
+@torch.library.register_fake("moe_fp8::quantize_blockwise_act_lhs")
+def _(x, fp8_dtype):
+    check_quantize_blockwise_act_lhs(x, fp8_dtype)
+    m, k = x.shape
+    q = x.new_empty((m, k), dtype=fp8_dtype)
+    return q, x.new_empty_strided((m, _cdiv(k, BW_BLOCK)), (1, max(m, 1)), dtype=torch.float32)
+
+
+# ---- quantize_blockwise_act_rhs / quantize_blockwise_act_transposed_lhs ----------------
+
+
+def _cols_fake(x, fp8_dtype, offs, padded_starts, alignment, transposed, op):
+    r = check_quantize_blockwise_act_cols(x, fp8_dtype, offs, padded_starts, alignment, op)
+    k = x.shape[1]
+    c = _cdiv(r, BW_BLOCK)
+    if transposed:
+        q = x.new_empty((k, r), dtype=fp8_dtype)
+        s = x.new_empty_strided((k, c), (1, max(k, 1)), dtype=torch.float32)
+    else:
+        q = x.new_empty_strided((r, k), (1, max(r, 1)), dtype=fp8_dtype)
+        s = x.new_empty((c, k), dtype=torch.float32)
+    return q, s
+
+
+def quantize_blockwise_act_rhs(x: Tensor, fp8_dtype: Optional[torch.dtype] = None, offs: Optional[Tensor] = None,
+                               padded_starts: Optional[Tensor] = None,
+                               alignment: Optional[int] = None) -> Tuple[Tensor, Tensor]:
+    """128x1 blocks down the columns of ``x`` (M, K), any strides (the right operand
+    of a GEMM contracting over the M tokens, e.g. the weight gradient). Returns q
+    (M, K) column-major (strides (1, M)) and scale (ceil(M/128), K) float32 row-major.
+
+    With ``offs`` (int32 token-group ends, DESIGN §3) blocks restart at each group's
+    first row: every non-empty group must start at a multiple of 128 (its last block
+    may be partial); rows past the last group get q = 0 and zero scales. With
+    ``padded_starts`` and ``alignment`` (a multiple of 128; from
+    :func:`moe_fp8_ext.padded_group_offsets`) q is written in the padded layout of
+    :func:`moe_fp8_ext.pad_token_groups` from the unpadded ``x``, for any group sizes:
+    R = padded_rows(M, G, alignment) rows, scale (R/128, K)."""
+    check_quantize_blockwise_act_cols(x, fp8_dtype, offs, padded_starts, alignment, "quantize_blockwise_act_rhs")
+    return _ops.quantize_blockwise_act_rhs(x, _dtype(fp8_dtype, x), offs, padded_starts, alignment)
+
+
+@torch.library.register_fake("moe_fp8::quantize_blockwise_act_rhs")
+def _(x, fp8_dtype, offs=None, padded_starts=None, alignment=None):
+    return _cols_fake(x, fp8_dtype, offs, padded_starts, alignment, False, "quantize_blockwise_act_rhs")
+
+
+def quantize_blockwise_act_transposed_lhs(x: Tensor, fp8_dtype: Optional[torch.dtype] = None,
+                                          offs: Optional[Tensor] = None, padded_starts: Optional[Tensor] = None,
+                                          alignment: Optional[int] = None) -> Tuple[Tensor, Tensor]:
+    """``x`` (M, K) transposed and quantized in 1x128 blocks along M (the left operand
+    of the weight gradient ``grad_out^T @ x``): q (K, M) row-major and scale
+    (K, ceil(M/128)) float32 column-major (strides (1, K)). The same blocks and the same
+    bytes as :func:`quantize_blockwise_act_rhs`: ``q == rhs_q.t()`` and ``scale ==
+    rhs_scale.t()``. Token groups (``offs``, ``padded_starts``, ``alignment``) as there."""
+    op = "quantize_blockwise_act_transposed_lhs"
+    check_quantize_blockwise_act_cols(x, fp8_dtype, offs, padded_starts, alignment, op)
+    return _ops.quantize_blockwise_act_transposed_lhs(x, _dtype(fp8_dtype, x), offs, padded_starts, alignment)
+
+
+@torch.library.register_fake("moe_fp8::quantize_blockwise_act_transposed_lhs")
+def _(x, fp8_dtype, offs=None, padded_starts=None, alignment=None):
+    return _cols_fake(x, fp8_dtype, offs, padded_starts, alignment, True, "quantize_blockwise_act_transposed_lhs")
