@@ -80,8 +80,8 @@ if [ -n "${BENCHES:-}" ]; then
   exit 0
 fi
 case "$bench" in
-  full) $PY bench/calibrate.py && $PY bench/bench_rowwise.py && $PY bench/bench_grouped_mm.py &&
+  full) $PY bench/calibrate.py && $PY bench/bench_rowwise.py && $PY bench/bench_mxfp8.py && $PY bench/bench_grouped_mm.py &&
         $PY bench/bench_gemms.py && $PY bench/bench_host.py && $PY bench/bench_token_groups.py ;;
-  quick) $PY bench/bench_rowwise.py --quick && $PY bench/bench_grouped_mm.py --quick &&
+  quick) $PY bench/bench_rowwise.py --quick && $PY bench/bench_mxfp8.py --quick && $PY bench/bench_grouped_mm.py --quick &&
          $PY bench/bench_gemms.py --quick && $PY bench/bench_token_groups.py --quick ;;
 esac
