@@ -555,7 +555,9 @@ def test_compile_fullgraph(device):
         assert g.dtype == e.dtype and g.shape == e.shape and g.stride() == e.stride()
         assert torch.equal(g.view(torch.uint8) if g.element_size() == 1 else g.view(torch.int32),
                            e.view(torch.uint8) if e.element_size() == 1 else e.view(torch.int32))
-    torch.testing.assert_close(got[-1], want[-1], rtol=0, atol=0, equal_nan=True)
+    # The surrounding sum is plain float math that inductor may reorder (seen: 1.3e-7
+    # relative); the ops' outputs above are compared bit for bit.
+    torch.testing.assert_close(got[-1], want[-1], rtol=1e-5, atol=0, equal_nan=True)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -243,7 +243,8 @@ __global__ void __launch_bounds__(kColsThreads, kColsMinBlocks) quantize_cols_ke
     bool col_ok[kC];
 #pragma unroll
     for (int c = 0; c < kC; ++c) col_ok[c] = c0 + cg * kC + c < op.cols;
-    const int64_t col_base = cols_scale_col_base<Layout>(a, op.scale, seg_id, seg, kBlock);
+    // The tail segment (past the groups) has no scales and no entry in group_starts.
+    const int64_t col_base = seg.zero_fill ? 0 : cols_scale_col_base<Layout>(a, op.scale, seg_id, seg, kBlock);
     const int64_t group_cols = round_up(ceil_div(seg.q_len, kBlock), 4);  // a K group's own blocked width
     uint8_t* qblk = op.q + seg.batch * op.q_sb + (c0 + cg * kC) * op.q_sc + seg.q_start;
     const int qchunks = static_cast<int>(ceil_div_u32(q_len, cache_rows));

@@ -385,10 +385,12 @@ int launch_quantize_rows(const RowsArgs& a, gpuStream_t stream) {
     }
     auto launch = [&](auto kernel, int lanes_per_block) {
       const int64_t total = a.rows * blocks_per_row * lanes_per_block;
-      if (total >= (int64_t{1} << 32) - static_cast<int64_t>(kBlockThreads) * 1024 * kBlockUnroll) return -1;
       const int64_t resident = static_cast<int64_t>(resident_blocks(kernel, kBlockThreads, 0)) * multiprocessor_count();
       const int64_t needed = ceil_div(total, kBlockThreads);
-      const dim3 grid(static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>(needed, resident))));
+      const int64_t blocks = std::max<int64_t>(1, std::min<int64_t>(needed, resident));
+      // 32-bit lane indices: the last stride past the end must not wrap.
+      if (total + blocks * kBlockThreads * kBlockUnroll >= (int64_t{1} << 32)) return -1;
+      const dim3 grid(static_cast<unsigned>(blocks));
       return launch_kernel(kernel, grid, dim3(kBlockThreads), 0, stream, 1, a, static_cast<uint32_t>(blocks_per_row),
                            static_cast<uint32_t>(total));
     };
