@@ -88,35 +88,10 @@ std::tuple<at::Tensor, at::Tensor> quantize_blockwise_act_cols(const QuantKernel
   const InputKind in = input_kind(x, op, "x");
   const Fp8Format fmt = fp8_format(fp8_dtype, op);
   const int64_t M = x.size(0), K = x.size(1);
-  TORCH_CHECK(offs.has_value() || !padded_starts.has_value(), op, ": expected padded_starts only with offs");
-  TORCH_CHECK(padded_starts.has_value() == alignment.has_value(), op,
-              ": expected padded_starts and alignment together, got only ",
-              padded_starts.has_value() ? "padded_starts" : "alignment");
   ColsArgs a;
-  a.rows = M;
-  int64_t q_rows = M;
-  at::Tensor offs_c, starts_c;
-  if (offs.has_value()) {
-    check_offs(*offs, x, M, op);
-    const int64_t G = offs->numel();
-    TORCH_CHECK(G <= 65534, op, ": expected at most 65534 groups, got ", G);
-    offs_c = offs->contiguous();
-    a.jagged = true;
-    a.offs = offs_c.data_ptr<int32_t>();
-    a.num_segments = static_cast<int>(G);
-    if (padded_starts.has_value()) {
-      TORCH_CHECK(*alignment >= kBwBlock && *alignment % kBwBlock == 0, op, ": expected alignment to be a multiple of ",
-                  kBwBlock, ", got ", *alignment);
-      const JaggedLayout l = jagged_layout(x, *offs, padded_starts, *alignment, op);
-      starts_c = l.padded_starts;
-      q_rows = l.q_rows;
-      a.padded = true;
-      a.padded_starts = starts_c.data_ptr<int32_t>();
-      a.alignment = l.alignment;
-    } else {
-      check_group_starts(*offs, M, op);
-    }
-  }
+  const JaggedCols j = jagged_cols(a, x, offs, padded_starts, alignment, kBwBlock, op);
+  const int64_t q_rows = j.q_rows;
+  if (a.jagged && !a.padded) check_group_starts(*offs, M, op);
   a.q_rows = q_rows;
   const int64_t C = ceil_div(q_rows, kBwBlock), R1 = std::max<int64_t>(q_rows, 1), K1 = std::max<int64_t>(K, 1);
   const auto qopts = x.options().dtype(fp8_dtype);

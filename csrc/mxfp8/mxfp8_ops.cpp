@@ -136,45 +136,19 @@ std::tuple<at::Tensor, at::Tensor> quantize_mxfp8_colwise(const QuantKernels& k,
   const InputKind in = input_kind(x, op, "x");
   const QuantSpec spec = mx_spec(rounding, blocked, op);
   const int64_t M = x.size(0), K = x.size(1);
-  TORCH_CHECK(offs.has_value() || !padded_starts.has_value(), op, ": expected padded_starts only with offs");
-  TORCH_CHECK(padded_starts.has_value() == alignment.has_value(), op,
-              ": expected padded_starts and alignment together, got only ",
-              padded_starts.has_value() ? "padded_starts" : "alignment");
   ColsArgs a;
-  a.rows = M;
-  int64_t q_rows = M;
-  at::Tensor offs_c, starts_c, gstarts;
-  if (offs.has_value()) {
-    check_offs(*offs, x, M, op);
-    const int64_t G = offs->numel();
-    TORCH_CHECK(G <= 65534, op, ": expected at most 65534 groups, got ", G);
-    offs_c = offs->contiguous();
-    a.jagged = true;
-    a.offs = offs_c.data_ptr<int32_t>();
-    a.num_segments = static_cast<int>(G);
-    if (padded_starts.has_value()) {
-      TORCH_CHECK(*alignment >= kMxBlock && *alignment % kMxBlock == 0, op,
-                  ": expected alignment to be a multiple of ", kMxBlock, ", got ", *alignment);
-      const JaggedLayout l = jagged_layout(x, *offs, padded_starts, *alignment, op);
-      starts_c = l.padded_starts;
-      q_rows = l.q_rows;
-      a.padded = true;
-      a.padded_starts = starts_c.data_ptr<int32_t>();
-      a.alignment = l.alignment;
-    } else {
-      check_multiple_of_block(M, op, "M (x.size(0))");
-      if (check_content(*offs)) {
-        const at::Tensor host = offs->cpu();  // host-sync-ok: CPU or MOE_FP8_DEBUG only
-        const int32_t* o = host.data_ptr<int32_t>();
-        for (int64_t g = 0; g < G; ++g) {
-          const int64_t n = o[g] - (g == 0 ? 0 : o[g - 1]);
-          TORCH_CHECK(n % kMxBlock == 0, op, ": expected token groups whose sizes are multiples of ", kMxBlock,
-                      " (or padded_starts and alignment), got ", n, " rows in group ", g);
-        }
-      }
+  const JaggedCols j = jagged_cols(a, x, offs, padded_starts, alignment, kMxBlock, op);
+  const int64_t q_rows = j.q_rows;
+  at::Tensor gstarts;
+  if (!a.padded) check_multiple_of_block(M, op, "M (x.size(0))");
+  if (a.jagged && !a.padded && check_content(*offs)) {
+    const at::Tensor host = offs->cpu();  // host-sync-ok: CPU or MOE_FP8_DEBUG only
+    const int32_t* o = host.data_ptr<int32_t>();
+    for (int64_t g = 0; g < a.num_segments; ++g) {
+      const int64_t n = o[g] - (g == 0 ? 0 : o[g - 1]);
+      TORCH_CHECK(n % kMxBlock == 0, op, ": expected token groups whose sizes are multiples of ", kMxBlock,
+                  " (or padded_starts and alignment), got ", n, " rows in group ", g);
     }
-  } else {
-    check_multiple_of_block(M, op, "M (x.size(0))");
   }
   // Blocked K-groups: the groups' scale columns start at the padded offsets of
   // max(alignment, 128) rows (int32, group_starts); checked before any allocation.

@@ -10,6 +10,7 @@
 #include "../core/groups.h"
 #include "../core/numerics.h"
 #include "../core/op_checks.h"
+#include "engine.h"
 
 namespace moe_fp8 {
 
@@ -49,6 +50,49 @@ inline JaggedLayout jagged_layout(const at::Tensor& x, const at::Tensor& offs,
   const int64_t R = checked_padded_rows(M, offs.numel(), alignment, op);
   check_padded_starts(*padded_starts, offs, M, R, x, op, alignment);
   return {R, padded_starts->contiguous(), alignment};
+}
+
+// The token groups of a transposing ("cols") quantization with blocks of `block` rows:
+// checks offs (and, padded, that padded_starts and an alignment that is a multiple of
+// the block come together), and fills the jagged fields of `a`. `offs` and
+// `padded_starts` hold the contiguous tensors a's pointers refer to; q_rows is M, or
+// the padded layout's rows. The unpadded form's own rules (group sizes or starts) are
+// the recipe's to check.
+struct JaggedCols {
+  int64_t q_rows;
+  at::Tensor offs;
+  at::Tensor padded_starts;
+};
+
+inline JaggedCols jagged_cols(ColsArgs& a, const at::Tensor& x, const std::optional<at::Tensor>& offs,
+                              const std::optional<at::Tensor>& padded_starts, std::optional<int64_t> alignment,
+                              int64_t block, const char* op) {
+  const int64_t M = x.size(0);
+  TORCH_CHECK(offs.has_value() || !padded_starts.has_value(), op, ": expected padded_starts only with offs");
+  TORCH_CHECK(padded_starts.has_value() == alignment.has_value(), op,
+              ": expected padded_starts and alignment together, got only ",
+              padded_starts.has_value() ? "padded_starts" : "alignment");
+  a.rows = M;
+  JaggedCols j{M, at::Tensor(), at::Tensor()};
+  if (!offs.has_value()) return j;
+  check_offs(*offs, x, M, op);
+  const int64_t G = offs->numel();
+  TORCH_CHECK(G <= 65534, op, ": expected at most 65534 groups, got ", G);
+  j.offs = offs->contiguous();
+  a.jagged = true;
+  a.offs = j.offs.data_ptr<int32_t>();
+  a.num_segments = static_cast<int>(G);
+  if (padded_starts.has_value()) {
+    TORCH_CHECK(*alignment >= block && *alignment % block == 0, op, ": expected alignment to be a multiple of ",
+                block, ", got ", *alignment);
+    const JaggedLayout l = jagged_layout(x, *offs, padded_starts, *alignment, op);
+    j.padded_starts = l.padded_starts;
+    j.q_rows = l.q_rows;
+    a.padded = true;
+    a.padded_starts = j.padded_starts.data_ptr<int32_t>();
+    a.alignment = l.alignment;
+  }
+  return j;
 }
 
 }  // namespace moe_fp8
