@@ -16,20 +16,14 @@ import torch
 from torch import Tensor
 
 from .ops import (
-    _check_padded_starts,
     _dtype,
-    _require,
-    check_alignment,
+    check_block_jagged,
     check_fp8_dtype,
-    check_index,
     check_quant_input,
-    check_same_device,
-    checked_padded_rows,
 )
 
 _ops = torch.ops.moe_fp8
 BW_BLOCK = 128
-MAX_GROUPS = 65534
 
 
 # ---- argument checks shared by each wrapper and its fake (the rules and order of
@@ -51,29 +45,7 @@ def check_quantize_blockwise_act_cols(x, fp8_dtype, offs, padded_starts, alignme
     rows."""
     check_quant_input(op, "x", x, 2)
     check_fp8_dtype(op, fp8_dtype)
-    if offs is None and padded_starts is not None:
-        raise RuntimeError(f"{op}: expected padded_starts only with offs")
-    if (padded_starts is None) != (alignment is None):
-        raise RuntimeError(f"{op}: expected padded_starts and alignment together, got only "
-                           f"{'padded_starts' if padded_starts is not None else 'alignment'}")
-    m = x.shape[0]
-    if offs is None:
-        return m
-    check_index(op, "offs", offs)
-    check_same_device(op, "x", x, offs=offs)
-    g = offs.shape[0]
-    _require(g <= MAX_GROUPS, lambda: f"{op}: expected at most {MAX_GROUPS} groups, got {g}")
-    if padded_starts is None:
-        return m
-    if isinstance(alignment, bool) or not isinstance(alignment, (int, torch.SymInt)):
-        raise TypeError(f"{op}: expected alignment to be an int, got {type(alignment).__name__}")
-    _require(alignment >= BW_BLOCK and alignment % BW_BLOCK == 0,
-             lambda: f"{op}: expected alignment to be a multiple of {BW_BLOCK}, got {alignment}")
-    check_alignment(op, alignment)
-    q_rows = checked_padded_rows(op, m, g, alignment)
-    _check_padded_starts(op, offs, padded_starts)
-    check_same_device(op, "x", x, padded_starts=padded_starts)
-    return q_rows
+    return check_block_jagged(op, x, offs, padded_starts, alignment, BW_BLOCK)
 
 
 # ---- quantize_blockwise_act_lhs --------------------------------------------------------

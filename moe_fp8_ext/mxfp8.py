@@ -15,10 +15,9 @@ import torch
 from torch import Tensor
 
 from .ops import (
-    _check_padded_starts,
     _dtype_name,
     _require,
-    check_alignment,
+    check_block_jagged,
     check_index,
     check_quant_input,
     check_same_device,
@@ -28,7 +27,6 @@ from .ops import (
 _ops = torch.ops.moe_fp8
 MX_BLOCK = 32
 ROUNDINGS = ("rceil", "floor")
-MAX_GROUPS = 65534
 
 
 # ---- argument checks shared by each wrapper and its fake (the rules and order of
@@ -67,32 +65,13 @@ def check_quantize_mxfp8_colwise(x, rounding, blocked, offs, padded_starts, alig
     """Returns the rows of q: M, or the padded rows."""
     check_quant_input(op, "x", x, 2)
     _check_rounding(op, rounding)
-    if offs is None and padded_starts is not None:
-        raise RuntimeError(f"{op}: expected padded_starts only with offs")
-    if (padded_starts is None) != (alignment is None):
-        raise RuntimeError(f"{op}: expected padded_starts and alignment together, got only "
-                           f"{'padded_starts' if padded_starts is not None else 'alignment'}")
-    m = x.shape[0]
+    q_rows = check_block_jagged(op, x, offs, padded_starts, alignment, MX_BLOCK)
+    if padded_starts is None:  # the unpadded form: whole blocks, groups of whole blocks (content: the kernel's)
+        _check_multiple_of_block(op, x.shape[0], "M (x.size(0))")
     if offs is None:
-        _check_multiple_of_block(op, m, "M (x.size(0))")
-        return m
-    check_index(op, "offs", offs)
-    check_same_device(op, "x", x, offs=offs)
-    g = offs.shape[0]
-    _require(g <= MAX_GROUPS, lambda: f"{op}: expected at most {MAX_GROUPS} groups, got {g}")
-    q_rows, group_alignment = m, 128
-    if padded_starts is not None:
-        if isinstance(alignment, bool) or not isinstance(alignment, (int, torch.SymInt)):
-            raise TypeError(f"{op}: expected alignment to be an int, got {type(alignment).__name__}")
-        _require(alignment >= MX_BLOCK and alignment % MX_BLOCK == 0,
-                 lambda: f"{op}: expected alignment to be a multiple of {MX_BLOCK}, got {alignment}")
-        check_alignment(op, alignment)
-        q_rows = checked_padded_rows(op, m, g, alignment)
-        _check_padded_starts(op, offs, padded_starts)
-        check_same_device(op, "x", x, padded_starts=padded_starts)
-        group_alignment = max(alignment, 128)
-    else:
-        _check_multiple_of_block(op, m, "M (x.size(0))")
+        return q_rows
+    m, g = x.shape[0], offs.shape[0]
+    group_alignment = 128 if padded_starts is None else max(alignment, 128)
     if blocked:  # the groups' scale columns start at padded offsets (int32)
         checked_padded_rows(op, m, g, group_alignment)
     return q_rows

@@ -347,6 +347,37 @@ def _(x, offs, alignment):
     return x.new_empty((r, x.shape[1])), offs.new_empty((g,)), offs.new_empty((g,))
 
 
+def check_block_jagged(op, x, offs, padded_starts, alignment, block):
+    """The token groups of a transposing quantization with blocks of ``block`` rows
+    (MXFP8 32, blockwise 128), as quant_glue.h's jagged_cols: offs, and padded_starts
+    with an alignment that is a multiple of the block, come together. Returns the rows
+    of q: M, or the padded rows (checked to fit in int32). The unpadded form's own
+    rules (group sizes or starts) are the recipe's to check."""
+    if offs is None and padded_starts is not None:
+        raise RuntimeError(f"{op}: expected padded_starts only with offs")
+    if (padded_starts is None) != (alignment is None):
+        raise RuntimeError(f"{op}: expected padded_starts and alignment together, got only "
+                           f"{'padded_starts' if padded_starts is not None else 'alignment'}")
+    m = x.shape[0]
+    if offs is None:
+        return m
+    check_index(op, "offs", offs)
+    check_same_device(op, "x", x, offs=offs)
+    g = offs.shape[0]
+    _require(g <= MAX_JAGGED_GROUPS, lambda: f"{op}: expected at most {MAX_JAGGED_GROUPS} groups, got {g}")
+    if padded_starts is None:
+        return m
+    if isinstance(alignment, bool) or not isinstance(alignment, (int, torch.SymInt)):
+        raise TypeError(f"{op}: expected alignment to be an int, got {type(alignment).__name__}")
+    _require(alignment >= block and alignment % block == 0,
+             lambda: f"{op}: expected alignment to be a multiple of {block}, got {alignment}")
+    check_alignment(op, alignment)
+    q_rows = checked_padded_rows(op, m, g, alignment)
+    _check_padded_starts(op, offs, padded_starts)
+    check_same_device(op, "x", x, padded_starts=padded_starts)
+    return q_rows
+
+
 def _check_padded_starts(op, offs, padded_starts):
     check_index(op, "padded_starts", padded_starts)
     _require(

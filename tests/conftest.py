@@ -60,6 +60,40 @@ def sqnr(ref, x):
     return (20 * torch.log10(ref.norm() / (ref - x).norm())).item()
 
 
+def tiled_data(shape, dtype, device="cpu", seed=0, specials=True, *, tile, zero_frac, special_every):
+    """randn with outliers, times a power of two that varies per `tile`-wide tile (so
+    blocks along either dim see maxima over the dtype's range), a `zero_frac` of zero
+    tiles, and (specials) single NaN / +-Inf / subnormal elements, one of each per
+    `special_every` elements. The data of the block-scaled families (MXFP8, blockwise)."""
+    import math
+
+    g = torch.Generator().manual_seed(seed)
+    x = randn(shape, torch.float32, seed=seed)
+    if x.numel() == 0:
+        return x.to(dtype).to(device)
+    lo, hi = (-20, 12) if dtype == torch.float16 else (-140, 120)
+    tiles = [math.ceil(n / tile) for n in shape]
+    e = torch.randint(lo, hi, tiles, generator=g).float()
+    e[torch.rand(tiles, generator=g) < zero_frac] = -1000  # zero tiles (2^-1000 = 0)
+    for d, n in enumerate(shape):
+        e = e.repeat_interleave(tile, dim=d).narrow(d, 0, n)
+    x = (x.double() * torch.exp2(e.double())).to(dtype)
+    if specials:
+        flat = x.view(-1)
+        tiny = torch.finfo(dtype).tiny
+        for v in (float("nan"), float("inf"), -float("inf"), tiny / 4, -tiny / 8):
+            flat[torch.randint(flat.numel(), (max(1, flat.numel() // special_every),), generator=g)] = v
+    return x.to(device)
+
+
+def strided_layouts_2d(make, m, k, dtype, device, specials=True):
+    """Row-major, column-major and strided views of (m, k) drawn by make(shape, dtype,
+    device, seed=, specials=)."""
+    yield make((m, k), dtype, device, seed=1, specials=specials)
+    yield make((k, m), dtype, device, seed=2, specials=specials).t()
+    yield make((m, 2 * k + 1), dtype, device, seed=3, specials=specials)[:, 1 : 2 * k + 1 : 2]
+
+
 def poison(device):
     """Fill the caching allocator's free memory with 0xFF bytes (fp8 e4m3fn NaN, fp32
     NaN), so that any output element a kernel forgets to write shows up."""

@@ -28,6 +28,8 @@ import torch
 import moe_fp8_ext
 from moe_fp8_ext import reference as ref
 from conftest import (
+    strided_layouts_2d,
+    tiled_data,
     DEVICES,
     IN_DTYPES,
     assert_fp8_equal,
@@ -75,33 +77,12 @@ def check(out, expected):
 # ---- data -----------------------------------------------------------------------------
 
 def bw_data(shape, dtype, device="cpu", seed=0, specials=True):
-    """randn with outliers, times a power of two that varies per 128x128 tile (blocks
-    along either dim see maxima over the dtype's range), a few zero tiles, and
-    (specials) single NaN / +-Inf / subnormal elements."""
-    g = torch.Generator().manual_seed(seed)
-    x = randn(shape, torch.float32, seed=seed)
-    if x.numel() == 0:
-        return x.to(dtype).to(device)
-    lo, hi = (-20, 12) if dtype == torch.float16 else (-140, 120)
-    tiles = [math.ceil(n / 128) for n in shape]
-    e = torch.randint(lo, hi, tiles, generator=g).float()
-    e[torch.rand(tiles, generator=g) < 0.15] = -1000  # zero tiles (2^-1000 = 0)
-    for d, n in enumerate(shape):
-        e = e.repeat_interleave(128, dim=d).narrow(d, 0, n)
-    x = (x.double() * torch.exp2(e.double())).to(dtype)
-    if specials:
-        flat = x.view(-1)
-        tiny = torch.finfo(dtype).tiny
-        for v in (float("nan"), float("inf"), -float("inf"), tiny / 4, -tiny / 8):
-            flat[torch.randint(flat.numel(), (max(1, flat.numel() // 6000),), generator=g)] = v
-    return x.to(device)
+    """tiled_data with 128x128 tiles."""
+    return tiled_data(shape, dtype, device, seed, specials, tile=128, zero_frac=0.15, special_every=6000)
 
 
 def layouts_2d(m, k, dtype, device, specials=True):
-    """Row-major, column-major and strided views of (m, k)."""
-    yield bw_data((m, k), dtype, device, seed=1, specials=specials)
-    yield bw_data((k, m), dtype, device, seed=2, specials=specials).t()
-    yield bw_data((m, 2 * k + 1), dtype, device, seed=3, specials=specials)[:, 1 : 2 * k + 1 : 2]
+    return strided_layouts_2d(bw_data, m, k, dtype, device, specials)
 
 
 def edge_rows(dtype, width=128):

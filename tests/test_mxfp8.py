@@ -22,6 +22,8 @@ import torch
 import moe_fp8_ext
 from moe_fp8_ext import reference as ref
 from conftest import (
+    strided_layouts_2d,
+    tiled_data,
     DEVICES,
     IN_DTYPES,
     assert_fp8_equal,
@@ -60,33 +62,12 @@ def check(out, expected):
 # ---- data -----------------------------------------------------------------------------
 
 def mx_data(shape, dtype, device="cpu", seed=0, specials=True):
-    """randn with outliers, times a power of two that varies per 32x32 tile (so blocks
-    along either dim see maxima over the dtype's range), with a few zero tiles, and
-    (specials) single NaN / +-Inf / subnormal elements."""
-    g = torch.Generator().manual_seed(seed)
-    x = randn(shape, torch.float32, seed=seed)
-    if x.numel() == 0:
-        return x.to(dtype).to(device)
-    lo, hi = (-20, 12) if dtype == torch.float16 else (-140, 120)
-    tiles = [math.ceil(n / 32) for n in shape]
-    e = torch.randint(lo, hi, tiles, generator=g).float()
-    e[torch.rand(tiles, generator=g) < 0.1] = -1000  # zero tiles (2^-1000 = 0)
-    for d, n in enumerate(shape):
-        e = e.repeat_interleave(32, dim=d).narrow(d, 0, n)
-    x = (x.double() * torch.exp2(e.double())).to(dtype)
-    if specials:
-        flat = x.view(-1)
-        tiny = torch.finfo(dtype).tiny
-        for v in (float("nan"), float("inf"), -float("inf"), tiny / 4, -tiny / 8):
-            flat[torch.randint(flat.numel(), (max(1, flat.numel() // 4000),), generator=g)] = v
-    return x.to(device)
+    """tiled_data with 32x32 tiles."""
+    return tiled_data(shape, dtype, device, seed, specials, tile=32, zero_frac=0.1, special_every=4000)
 
 
 def layouts_2d(m, k, dtype, device, specials=True):
-    """Row-major, column-major and strided views of (m, k)."""
-    yield mx_data((m, k), dtype, device, seed=1, specials=specials)
-    yield mx_data((k, m), dtype, device, seed=2, specials=specials).t()
-    yield mx_data((m, 2 * k + 1), dtype, device, seed=3, specials=specials)[:, 1 : 2 * k + 1 : 2]
+    return strided_layouts_2d(mx_data, m, k, dtype, device, specials)
 
 
 def layouts_3d(e, k, n, dtype, device):
@@ -515,7 +496,11 @@ def test_bad_inputs(call, message, _fake):
 @pytest.mark.parametrize("call, message", [(c, m) for c, m, fake in ERROR_CASES if fake],
                          ids=[str(i) for i, c in enumerate(ERROR_CASES) if c[2]])
 def test_bad_inputs_fake(call, message):
-    # The fakes (what torch.compile traces) refuse the same inputs with the same words.
+    assert_fake_refuses(call, message)
+
+
+def assert_fake_refuses(call, message):
+    """The fakes (what torch.compile traces) refuse the same inputs with the same words."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     with FakeTensorMode(allow_non_fake_inputs=True):
@@ -935,12 +920,7 @@ def test_swizzle_bad_inputs(call, message, _fake):
 @pytest.mark.parametrize("call, message", [(c, m) for c, m, fake in SWZ_ERROR_CASES if fake],
                          ids=[str(i) for i, c in enumerate(SWZ_ERROR_CASES) if c[2]])
 def test_swizzle_bad_inputs_fake(call, message):
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    with FakeTensorMode(allow_non_fake_inputs=True):
-        with pytest.raises(RuntimeError) as e:
-            call()
-    assert message.split(", got")[0] in str(e.value)
+    assert_fake_refuses(call, message)
 
 
 @pytest.mark.parametrize("name", ["to_blocked_scales", "to_blocked_scales_m_groups", "to_blocked_scales_k_groups",
