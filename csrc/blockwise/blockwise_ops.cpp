@@ -103,18 +103,7 @@ std::tuple<at::Tensor, at::Tensor> quantize_blockwise_act_cols(const QuantKernel
   at::Tensor scale;
   if (transposed) scale = a.jagged ? at::zeros({C, K}, sopts).t() : at::empty_strided({K, C}, {1, K1}, sopts);
   else scale = a.jagged ? at::zeros({C, K}, sopts) : at::empty({C, K}, sopts);
-  ColsOperand& o = a.op[0];
-  o.x = x.data_ptr();
-  o.sr = x.stride(0);
-  o.sc = x.stride(1);
-  o.cols = K;
-  o.q = static_cast<uint8_t*>(q.data_ptr());
-  o.q_sc = q_rows;
-  o.scale = linear_scales(scale, /*set (column)*/ 1, /*block*/ K);
-  if (!a.jagged) a.num_segments = 1;
-  if (K == 0 || (q_rows == 0 && !a.jagged)) return {q, scale};
-  const int64_t G = std::max<int64_t>(a.num_segments, 1);
-  k.cols(in, fmt, blockwise_spec(), a, ceil_div(M, G), x.device().index());
+  run_jagged_cols(k, in, fmt, blockwise_spec(), a, x, q, q_rows, linear_scales(scale, /*set (column)*/ 1, /*block*/ K));
   return {q, scale};
 }
 

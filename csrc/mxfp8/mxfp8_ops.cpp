@@ -172,18 +172,7 @@ std::tuple<at::Tensor, at::Tensor> quantize_mxfp8_colwise(const QuantKernels& k,
     gstarts = at::floor_divide(group_starts(*offs, M, std::max<int64_t>(a.alignment, 128)), kMxBlock);
     a.group_starts = gstarts.data_ptr<int32_t>();
   }
-  ColsOperand& o = a.op[0];
-  o.x = x.data_ptr();
-  o.sr = x.stride(0);
-  o.sc = x.stride(1);
-  o.cols = K;
-  o.q = static_cast<uint8_t*>(q.data_ptr());
-  o.q_sc = q_rows;
-  o.scale = s;
-  if (!a.jagged) a.num_segments = 1;
-  if (K == 0 || (q_rows == 0 && !a.jagged)) return {q, scale};
-  const int64_t G = std::max<int64_t>(a.num_segments, 1);
-  k.cols(in, Fp8Format::kE4M3FN, spec, a, ceil_div(M, G), x.device().index());
+  run_jagged_cols(k, in, Fp8Format::kE4M3FN, spec, a, x, q, q_rows, s);
   return {q, scale};
 }
 

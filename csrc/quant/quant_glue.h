@@ -95,4 +95,24 @@ inline JaggedCols jagged_cols(ColsArgs& a, const at::Tensor& x, const std::optio
   return j;
 }
 
+// Runs a 2-D transposing quantization set up by jagged_cols: x (M, K) reduced down its
+// rows into q (q_rows, K) column-major, scales through `s`. Nothing runs for K = 0 or
+// an empty x without groups (the outputs are already what they must be).
+inline void run_jagged_cols(const QuantKernels& k, InputKind in, Fp8Format fmt, const QuantSpec& spec, ColsArgs& a,
+                            const at::Tensor& x, const at::Tensor& q, int64_t q_rows, const ScaleOut& s) {
+  const int64_t M = x.size(0), K = x.size(1);
+  ColsOperand& o = a.op[0];
+  o.x = x.data_ptr();
+  o.sr = x.stride(0);
+  o.sc = x.stride(1);
+  o.cols = K;
+  o.q = static_cast<uint8_t*>(q.data_ptr());
+  o.q_sc = q_rows;
+  o.scale = s;
+  if (!a.jagged) a.num_segments = 1;
+  if (K == 0 || (q_rows == 0 && !a.jagged)) return;
+  // The launch plan sizes for the mean group.
+  k.cols(in, fmt, spec, a, ceil_div(M, std::max<int64_t>(a.num_segments, 1)), x.device().index());
+}
+
 }  // namespace moe_fp8
