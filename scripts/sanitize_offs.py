@@ -52,6 +52,44 @@ for ps in ([0, 3, 2**31 - 1], [-16, 5000, 0], [16, 0, 4]):
     p = torch.tensor(ps, dtype=torch.int32, device="cuda")
     moe_fp8_ext.unpad_token_groups(xp, o, p, 4099)
     torch.ops.moe_fp8.pad_token_groups_at(x, o, p, 333)
+# MXFP8 and blockwise quantization, and the scale swizzles: garbage offs (the kernels
+# clamp them), partial tiles, an M-group blocked layout whose static tail ends inside a
+# tile row, and strided inputs (the memset + scalar paths).
+refused = collections.Counter()
+
+
+def attempt(fn, *args, **kwargs):
+    """A call whose clear refusal (a checked bad argument) is fine here: memcheck
+    watches the ones that launch."""
+    try:
+        fn(*args, **kwargs)
+    except (RuntimeError, ValueError) as e:
+        refused[fn.__name__] += 1
+        if "CUDA" in str(e) or "illegal" in str(e):
+            raise
+
+
+xm = torch.randn(1000, 96, device="cuda", dtype=torch.bfloat16)
+for offs in ([700, -5, 100, 2**31 - 1, 30, -2**31], [1000 * 3] * 3, [-1] * 5, [960, 32, 1000, 0], [7]):
+    o = torch.tensor(offs, dtype=torch.int32, device="cuda")
+    po = o.clamp(min=0)
+    for t in (xm, xm.t().contiguous().t(), xm.float()[:, :64]):
+        attempt(moe_fp8_ext.quantize_mxfp8_rowwise, t, "rceil", True, o)
+        attempt(moe_fp8_ext.quantize_mxfp8_colwise, t, "floor", True, o, padded_starts=po, alignment=32)
+        attempt(moe_fp8_ext.quantize_blockwise_act_rhs, t, F8, o, po, 128)
+        attempt(moe_fp8_ext.quantize_blockwise_act_transposed_lhs, t, F8, o, po, 128)
+    s = moe_fp8_ext.quantize_mxfp8_rowwise(xm)[1]
+    attempt(moe_fp8_ext.to_blocked_scales_m_groups, s, o)
+    attempt(moe_fp8_ext.to_blocked_scales_k_groups, s, o)
+    attempt(moe_fp8_ext.from_blocked_scales_m_groups, moe_fp8_ext.to_blocked_scales_m_groups(s, o), o, 3)
+for t in (xm, xm[:, 32:], xm.t().contiguous().t()):
+    attempt(moe_fp8_ext.quantize_mxfp8_rowwise, t, "rceil", True)
+    attempt(moe_fp8_ext.quantize_mxfp8_colwise, t[:992], "rceil", True)
+    attempt(moe_fp8_ext.quantize_blockwise_act_lhs, t, torch.float8_e4m3fnuz)
+attempt(moe_fp8_ext.quantize_mxfp8_experts, torch.randn(3, 64, 130, device="cuda"), "rceil", True)
+attempt(moe_fp8_ext.quantize_mxfp8_experts, torch.randn(3, 130, 64, device="cuda").transpose(1, 2), "rceil", True)
+attempt(moe_fp8_ext.to_blocked_scales, torch.ones(3, 130, 5, dtype=torch.uint8, device="cuda").view(torch.float8_e8m0fnu))
+print("sanitize_offs: MXFP8/blockwise/swizzle calls refused with a clear error:", dict(refused))
 torch.cuda.synchronize()
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))

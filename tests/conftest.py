@@ -154,9 +154,12 @@ def graph_matches_eager(step):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         outs = step()
+    # the raw bits at the same element size (a view that keeps any strides)
+    bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
     for t in outs:
-        t.view(torch.uint8).fill_(0xFF)
+        t.view(bits[t.element_size()]).fill_(0xFF if t.element_size() == 1 else -1)
     graph.replay()
     torch.cuda.synchronize()
     for t, ref in zip(outs, eager):
-        assert torch.equal(t.view(torch.uint8), ref.view(torch.uint8)), "graph replay differs from the eager step"
+        assert torch.equal(t.view(bits[t.element_size()]), ref.view(bits[ref.element_size()])), (
+            "graph replay differs from the eager step")

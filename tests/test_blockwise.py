@@ -523,8 +523,10 @@ def _bw_step(a, offs, starts):
 def test_compile_fullgraph(device):
     def step(a, offs, starts):
         outs = _bw_step(a, offs, starts)
-        # some surrounding math so that the ops sit inside a real graph
-        total = sum(o.float().nansum() for o in outs)
+        # some surrounding math so that the ops sit inside a real graph: over the fp32
+        # scales only (Triton on NVIDIA has no e4m3fnuz type, so inductor cannot read the
+        # fnuz data; the data outputs are compared bit for bit below)
+        total = sum(o.nansum() for o in outs if o.dtype == torch.float32)
         return (*outs, total)
 
     a = _x(device)

@@ -49,6 +49,14 @@ MOE_FP8_DEVICE uint32_t warp_shfl_xor(uint32_t v, int lane_mask) {
 #endif
 }
 
+MOE_FP8_DEVICE uint32_t warp_shfl(uint32_t v, int src_lane) {
+#if defined(USE_ROCM)
+  return __shfl(v, src_lane, kWarpSize);
+#else
+  return __shfl_sync(0xffffffffu, v, src_lane, kWarpSize);
+#endif
+}
+
 MOE_FP8_DEVICE float half_bits_to_float(uint16_t bits) {
   return __half2float(__ushort_as_half(bits));
 }
@@ -182,6 +190,15 @@ inline int launch_kernel(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t
   cfg.attrs = attr;
   cfg.numAttrs = 1;
   return static_cast<int>(cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...));
+#endif
+}
+
+// Host side: fill n bytes at p with v on `stream`. Returns the error.
+inline int memset_async(void* p, int v, size_t n, gpuStream_t stream) {
+#if defined(USE_ROCM)
+  return static_cast<int>(hipMemsetAsync(p, v, n, stream));
+#else
+  return static_cast<int>(cudaMemsetAsync(p, v, n, stream));
 #endif
 }
 

@@ -2,9 +2,10 @@
 // allocation in the layouts of DESIGN §7, and the mapping of each op onto the engine
 // (E8M0 FLOOR/RCEIL, blocks of 32 along the contraction, linear or blocked scales).
 //
-// Blocked scales are allocated zeroed: the layout's padding (rows past R, columns past
-// C, the gaps between token groups, the static tail) must read as zero scales, and
-// the kernels write only the scales of real blocks.
+// The layout's padding of blocked scales (rows past R, columns past C, the gaps between
+// token groups, the static tail) must read as zero scales: a rows launch writes it
+// (engine.h), a cols launch writes only the scales of real blocks, so its buffer is
+// allocated zeroed.
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 
@@ -108,15 +109,19 @@ std::tuple<at::Tensor, at::Tensor> quantize_mxfp8_rowwise(const QuantKernels& k,
     scale = e8m0_scales({M, C}, x, false);
     a.scale = linear_scales(scale, 0, C);
   } else if (!offs.has_value()) {
-    scale = e8m0_scales({round_up(M, 128), Cp}, x, true);
+    scale = e8m0_scales({round_up(M, 128), Cp}, x, M == 0 || K == 0);  // written whole by the launch below
     a.scale = blocked_scales(scale, 0, Cp, BlockedGroups::kNone);
   } else {
     const int64_t G = offs->numel();
-    scale = e8m0_scales({M + 128 * G, Cp}, x, true);
+    scale = e8m0_scales({M + 128 * G, Cp}, x, M == 0 || K == 0);
     a.scale = blocked_scales(scale, 0, Cp, BlockedGroups::kMGroups);
-    starts = group_starts(*offs, M, 128);
     a.offs = offs->data_ptr<int32_t>();
-    a.group_starts = starts.data_ptr<int32_t>();
+    // Up to kRowsLocalGroups groups the kernel on the contiguous path sums the groups'
+    // starts itself (engine.h); the others read the table (no per-row sums).
+    if (G > kRowsLocalGroups || !x.is_contiguous()) {
+      starts = group_starts(*offs, M, 128);
+      a.group_starts = starts.data_ptr<int32_t>();
+    }
     a.groups = static_cast<int>(G);
   }
   if (M == 0 || K == 0) return {q, scale};
@@ -169,7 +174,7 @@ std::tuple<at::Tensor, at::Tensor> quantize_mxfp8_colwise(const QuantKernels& k,
     scale = e8m0_scales({round_up(K, 128), width}, x, true);
     s = blocked_scales(scale, 0, width, BlockedGroups::kKGroups);
     s.padded_rows = round_up(K, 128);
-    gstarts = at::floor_divide(group_starts(*offs, M, std::max<int64_t>(a.alignment, 128)), kMxBlock);
+    gstarts = group_starts(*offs, M, std::max<int64_t>(a.alignment, 128));  // rows; the kernel divides
     a.group_starts = gstarts.data_ptr<int32_t>();
   }
   run_jagged_cols(k, in, Fp8Format::kE4M3FN, spec, a, x, q, q_rows, s);
@@ -187,17 +192,19 @@ std::tuple<at::Tensor, at::Tensor> quantize_mxfp8_experts(const QuantKernels& k,
   TORCH_CHECK(E <= 65535, op, ": expected at most 65535 experts, got ", E);
   at::Tensor q = at::empty_strided({E, K, N}, {K * N, 1, std::max<int64_t>(K, 1)}, b.options().dtype(at::kFloat8_e4m3fn));
   const int64_t C = K / kMxBlock, Cp = round_up(C, 4), per_expert = round_up(N, 128) * Cp;
+  const bool empty = E == 0 || K == 0 || N == 0;
+  const bool rows = b.stride(1) == 1 && K > 1;  // K contiguous: the rows kernel (see below)
   at::Tensor scale;
   ScaleOut s;
   if (!blocked) {
     scale = e8m0_scales({E, N, C}, b, false);
     s = linear_scales(scale, N * C, C);
   } else {
-    scale = e8m0_scales({E, per_expert}, b, true);
+    scale = e8m0_scales({E, per_expert}, b, empty || !rows);  // a rows launch writes it whole
     s = blocked_scales(scale, per_expert, Cp, BlockedGroups::kNone);
   }
-  if (E == 0 || K == 0 || N == 0) return {q, scale};
-  if (b.stride(1) == 1 && K > 1) {
+  if (empty) return {q, scale};
+  if (rows) {
     // K contiguous (B_t = W^T of a row-major W): reduce along rows of the memory.
     RowsArgs a;
     a.x = b.data_ptr();

@@ -27,7 +27,12 @@ namespace moe_fp8 {
 // row-major. The scale of (row r, block j) goes to `scale` at segment r / rows_inner,
 // set r % rows_inner, block j (whole-set: j = 0). With M-group blocked scales, `offs`
 // (the token groups of the rows) and `group_starts` (each group's first row in the
-// blocked matrix) place every row's scales.
+// blocked matrix) place every row's scales; with at most kRowsLocalGroups groups
+// group_starts may be null (the kernels derive the starts from offs). A rows launch
+// with blocked scales writes the whole scale buffer, its padding zeros included (the
+// buffer may be uninitialized).
+constexpr int kRowsLocalGroups = 1024;
+
 struct RowsArgs {
   const void* x = nullptr;
   uint8_t* q = nullptr;
@@ -69,7 +74,8 @@ struct ColsOperand {
 // Otherwise q rows are the input rows (q_rows == rows).
 //
 // Blocks (block > 0) start at each segment's first q row. K-group blocked scales place
-// group g's block columns at `group_starts[g]` when given, else at the sum of the
+// group g's block columns at `group_starts[g]` / block (group_starts in q rows: the
+// padded offsets of the groups, each a multiple of 4 blocks) when given, else at the sum of the
 // groups before it (blocked_group_start).
 struct ColsArgs {
   ColsOperand op[2];
@@ -140,7 +146,7 @@ MOE_FP8_HD Segment resolve_segment(const ColsArgs& a, int seg) {
 // The block-column (K groups) or row (M groups) start of segment g's blocked scales.
 MOE_FP8_HD int64_t cols_group_base(const ColsArgs& a, const ScaleOut& s, int g) {
   if (s.groups == BlockedGroups::kNone) return 0;
-  if (a.group_starts != nullptr) return a.group_starts[g];
+  if (a.group_starts != nullptr) return a.group_starts[g] / s.block;
   return blocked_group_start(s, a.offs, g, a.rows);
 }
 

@@ -44,6 +44,10 @@ void rows(const RowsArgs& a) {
   const T* x = static_cast<const T*>(a.x);
   const int64_t block = kBlock == kWholeSet ? a.cols : kBlock;
   const int64_t nblocks = kBlock == kWholeSet ? 1 : ceil_div(a.cols, kBlock);
+  // Blocked scales: a rows launch writes the whole buffer, padding zeros included.
+  if (Layout::kBlocked && a.scale.numel > 0) {
+    std::memset(a.scale.ptr, 0, static_cast<size_t>(a.scale.numel) * sizeof(typename Rule::stored_t));
+  }
   at::parallel_for(0, a.rows, 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const T* xr = x + (r / a.rows_inner) * a.stride_outer + (r % a.rows_inner) * a.stride_inner;

@@ -101,8 +101,8 @@ enum class BlockedGroups : int {
 //  Blocked: ptr[seg * seg_stride + blocked_scale_index(row, col, padded_cols)] with
 //           (row, col) = (set, blk) shifted by the group start of `groups` mode (rows
 //           for M groups); K groups: ptr[padded_rows * col_base +
-//           blocked_scale_index(set, blk, group_cols)]. The matrix padding is zero (the
-//           op allocates the buffer zeroed).
+//           blocked_scale_index(set, blk, group_cols)]. The matrix padding is zero: a
+//           rows launch writes it, the op allocates the buffer of a cols launch zeroed.
 struct ScaleOut {
   void* ptr = nullptr;
   int64_t numel = 0;  // writes outside [0, numel) are dropped: no offs content reaches past it

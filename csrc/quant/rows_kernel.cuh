@@ -10,8 +10,10 @@
 #include "../core/numerics.h"
 #include "../core/portability.h"
 #include "../core/reduce.cuh"
+#include "../core/scan.cuh"
 #include "../core/vec.cuh"
 #include "engine.h"
+
 
 namespace moe_fp8 {
 
@@ -143,71 +145,19 @@ __global__ void __launch_bounds__(1024) quantize_rows_kernel(RowsArgs a) {
   }
 }
 
-// The vector path for rows that fit in shared memory: persistent blocks stream rows
-// through a ring of kRowsStages row buffers with async copies, so that the next
-// kRowsStages - 1 rows are always in flight while one row is reduced and encoded,
-// and no registers are spent holding data. Two stages and about eight 16-byte
-// vectors per thread measured best on H200 (sweep of 2/3/4/6 stages x 2/4/8 vectors:
-// small blocks, many per SM, beat deeper rings; bench/RESULTS.md).
-constexpr int kRowsStages = 2;
-constexpr int kRowsVecsPerThread = 8;
-constexpr int64_t kRowsMaxStageBytes = 32 * 1024;
-
-template <InputKind K, Fp8Format F, class Rule, class Layout>
-__global__ void __launch_bounds__(1024) quantize_rows_pipelined_kernel(RowsArgs a) {
-  using In = DeviceInput<K>;
-  using T = typename In::storage;
-  constexpr int kVec = 16 / sizeof(T);
-  extern __shared__ uint4 ring[];  // [kRowsStages][nvec]
-  __shared__ uint32_t s_red[kMaxWarpsPerBlock + 1];
-  const T* x = static_cast<const T*>(a.x);
-  const int64_t nvec = a.cols / kVec;
-  auto issue = [&](int64_t r, int stage) {
-    if (r < a.rows) {
-      const T* xr = row_ptr_at(x, a, row_pos(a, r));
-      for (int64_t v = threadIdx.x; v < nvec; v += blockDim.x) async_copy_16(ring + stage * nvec + v, xr + v * kVec);
-    }
-    async_copy_commit();  // every thread commits every time, so group counts agree
-  };
-  int64_t r = blockIdx.x;
-#pragma unroll
-  for (int s = 0; s < kRowsStages - 1; ++s) issue(r + static_cast<int64_t>(s) * gridDim.x, s);
-  for (int64_t i = 0; r < a.rows; ++i, r += gridDim.x) {
-    issue(r + static_cast<int64_t>(kRowsStages - 1) * gridDim.x, static_cast<int>((i + kRowsStages - 1) % kRowsStages));
-    async_copy_wait<kRowsStages - 1>();
-    __syncthreads();
-    const Array<T, kVec>* row = reinterpret_cast<const Array<T, kVec>*>(ring + (i % kRowsStages) * nvec);
-    uint32_t amax = 0;
-    if constexpr (sizeof(T) == 2) {
-      const uint4* words = ring + (i % kRowsStages) * nvec;
-      uint32_t m = 0;
-      for (int64_t v = threadIdx.x; v < nvec; v += blockDim.x) {
-        const uint4 w = words[v];
-        m = amax16x2_add(amax16x2_add(amax16x2_add(amax16x2_add(m, w.x), w.y), w.z), w.w);
-      }
-      amax = umax(amax16x2_lane_bits<In>(m, false), amax16x2_lane_bits<In>(m, true));
-    } else {
-      for (int64_t v = threadIdx.x; v < nvec; v += blockDim.x) amax = amax_bits_of<In>(row[v], amax);
-    }
-    amax = block_max(amax, s_red);
-    const auto sc = Rule::template from_amax_bits<F>(amax);
-    if (threadIdx.x == 0) store_row_scale<Rule, Layout>(a, row_pos(a, r), sc.stored);
-    uint8_t* qr = a.q + r * a.cols;
-    for (int64_t v = threadIdx.x; v < nvec; v += blockDim.x) {
-      store_elems<uint8_t, kVec>(qr + v * kVec, quantize_elems<F, In>(row[v], sc.encode));
-    }
-    __syncthreads();  // this stage is refilled next iteration
-  }
-  async_copy_wait_all();
-}
-
 // ---------------------------------------------------------------------------------
 // Block rows (32 or 128 elements per scale): no reduction across the row. Lanes are
 // grouped kLanes to a block, each lane holding a chunk of kChunk elements (one 16-byte
 // vector on the vector path), and every thread keeps kBlockUnroll chunks in flight
 // before the first use. A block's amax is a butterfly over its lanes. The last block
 // of a row is partial when the row length is not a multiple of the block (its missing
-// elements count as zero and are not written). Two walks over the chunks:
+// elements count as zero and are not written). Four kernels, by case:
+//  * blocked scales on the vector path: the octet-tile kernel (below), which writes
+//    the scale buffer whole;
+//  * linear scales, vector path, rows of at least kBlockRowMinChunks chunks that fit
+//    a ring stage: the ring kernel (below), the next row's loads in flight while a
+//    row is encoded (78-83% -> 90-92% of a copy on H100 over the by-row walk);
+// and, for the rest, two walks over the chunks:
 //  * by row (rows of at least kBlockRowMinChunks chunks): a persistent thread block
 //    per row at a time, its threads across the row, so the row's position and its
 //    scale placement (an M-group lookup) are paid once per row: the flat walk spends
@@ -308,6 +258,402 @@ __global__ void __launch_bounds__(1024) quantize_rows_blocks_by_row_kernel(RowsA
   }
 }
 
+// The ring kernel with blocks of kBlock: a lane takes kRingVecsPerLane consecutive
+// 16-byte vectors of a block (a whole block of 32 bf16, half of one of 32 fp32, a
+// quarter of one of 128 bf16), so most blocks need no shuffle and each lane writes
+// its q bytes with wide stores. Each lane reading 64 contiguous bytes of shared
+// memory would be a 4-way bank conflict, so the ring places vector v at
+// ring_slot(v), which permutes each aligned group of four by the bits above it: at
+// every step the eight lanes of a shared-memory phase read eight different 16-byte
+// bank groups, and the async copies (eight consecutive vectors a phase) still write
+// eight different ones.
+constexpr int kRingVecsPerLane = 4;
+
+MOE_FP8_DEVICE int64_t ring_slot(int64_t v) { return (v & ~int64_t{3}) | ((v ^ (v >> 3)) & 3); }
+
+template <InputKind K, int kBlock>
+struct RingBlockGeometry {
+  using T = typename DeviceInput<K>::storage;
+  static constexpr int kVec = 16 / static_cast<int>(sizeof(T));
+  static constexpr int kVecsPerBlock = kBlock / kVec;
+  static constexpr int kLanes = kVecsPerBlock / kRingVecsPerLane;  // lanes sharing a block
+  static constexpr int kElems = kRingVecsPerLane * kVec;            // elements of a lane
+  static_assert(kBlock % (kVec * kRingVecsPerLane) == 0 && kLanes <= kWarpSize && (kLanes & (kLanes - 1)) == 0,
+                "a lane holds whole vectors of one block; a block's lanes are a power of two within a warp");
+};
+
+// One lane's unit of kRingVecsPerLane vectors (zeros where past the data), every
+// lane of the warp at once (the block butterfly): returns the block's scale code and
+// writes the unit's q bytes at qr + k0, the vectors before `cols` only (cols % kVec
+// == 0), when `store`.
+template <InputKind K, Fp8Format F, class Rule, int kBlock>
+MOE_FP8_DEVICE ScaleCode<typename Rule::stored_t> encode_ring_unit(const uint4 (&w)[kRingVecsPerLane], uint8_t* qr,
+                                                                  int64_t k0, int64_t cols, bool store) {
+  using G = RingBlockGeometry<K, kBlock>;
+  using In = DeviceInput<K>;
+  using T = typename G::T;
+  uint32_t amax = 0;
+#pragma unroll
+  for (int j = 0; j < kRingVecsPerLane; ++j) {
+    if constexpr (sizeof(T) == 2) {
+      amax = amax16x2_add(amax16x2_add(amax16x2_add(amax16x2_add(amax, w[j].x), w[j].y), w[j].z), w[j].w);
+    } else {
+      amax = amax_bits_of<In>(*reinterpret_cast<const Array<T, G::kVec>*>(&w[j]), amax);
+    }
+  }
+  if constexpr (sizeof(T) == 2) amax = umax(amax16x2_lane_bits<In>(amax, false), amax16x2_lane_bits<In>(amax, true));
+#pragma unroll
+  for (int m = 1; m < G::kLanes; m <<= 1) amax = umax(amax, warp_shfl_xor(amax, m));
+  const auto sc = Rule::template from_amax_bits<F>(amax);
+  if (!store || k0 >= cols) return sc;
+  Array<uint8_t, G::kElems> out;
+#pragma unroll
+  for (int j = 0; j < kRingVecsPerLane; ++j) {
+    const Array<uint8_t, G::kVec> q = quantize_elems<F, In>(*reinterpret_cast<const Array<T, G::kVec>*>(&w[j]), sc.encode);
+#pragma unroll
+    for (int i = 0; i < G::kVec; ++i) out.v[j * G::kVec + i] = q.v[i];
+  }
+  if (k0 + G::kElems <= cols && (G::kElems < 16 || cols % 16 == 0)) {  // 16-byte aligned in every row
+    constexpr int kStore = G::kElems < 16 ? G::kElems : 16;
+#pragma unroll
+    for (int i = 0; i < G::kElems; i += kStore) {
+      store_elems<uint8_t, kStore>(qr + k0 + i, *reinterpret_cast<const Array<uint8_t, kStore>*>(out.v + i));
+    }
+  } else {
+    // the row's last unit, partly past the row, or rows not 16-byte aligned: one store
+    // a vector
+#pragma unroll
+    for (int j = 0; j < kRingVecsPerLane; ++j) {
+      if (k0 + j * G::kVec < cols) {
+        store_elems<uint8_t, G::kVec>(qr + k0 + j * G::kVec,
+                                      *reinterpret_cast<const Array<uint8_t, G::kVec>*>(out.v + j * G::kVec));
+      }
+    }
+  }
+  return sc;
+}
+
+// One row in shared memory (nvec vectors at their ring slots), in at most
+// kRingRounds rounds of the thread block (the launcher sizes the block so); lanes
+// past the row carry zeros and write nothing. sink(round, block index, stored scale)
+// places the scales.
+constexpr int kRingRounds = 2;
+
+template <InputKind K, Fp8Format F, class Rule, int kBlock, class Sink>
+MOE_FP8_DEVICE void rows_block_step(const uint4* ring_row, int64_t nvec, uint8_t* qr, const RowsArgs& a,
+                                    const Sink& sink) {
+  using G = RingBlockGeometry<K, kBlock>;
+  const int64_t units = ceil_div(nvec, kRingVecsPerLane);
+#pragma unroll
+  for (int round = 0; round < kRingRounds; ++round) {
+    const int64_t u0 = static_cast<int64_t>(round) * blockDim.x;
+    if (u0 >= units) break;  // uniform over the block: lanes shuffle
+    const int64_t u = u0 + threadIdx.x;
+    uint4 w[kRingVecsPerLane];
+#pragma unroll
+    for (int j = 0; j < kRingVecsPerLane; ++j) {
+      const int64_t v = u * kRingVecsPerLane + j;
+      w[j] = v < nvec ? ring_row[ring_slot(v)] : make_uint4(0, 0, 0, 0);
+    }
+    const int64_t k0 = u * G::kElems;
+    const auto sc = encode_ring_unit<K, F, Rule, kBlock>(w, qr, k0, a.cols, true);
+    if (k0 < a.cols && threadIdx.x % G::kLanes == 0) sink(round, k0 / kBlock, sc.stored);
+  }
+}
+
+// The vector path for rows that fit in shared memory: persistent blocks stream rows
+// through a ring of kRowsStages row buffers with async copies, so that the next
+// kRowsStages - 1 rows are always in flight while one row is reduced and encoded,
+// and no registers are spent holding data. Two stages and about eight 16-byte
+// vectors per thread measured best on H200 (sweep of 2/3/4/6 stages x 2/4/8 vectors:
+// small blocks, many per SM, beat deeper rings; bench/RESULTS.md). Both block kinds
+// use it: a whole-set row is reduced over the thread block; with blocks of kBlock
+// elements each block's lanes reduce it among themselves (rows_block_step above), so
+// the loads of the next row never wait on a row's compute.
+constexpr int kRowsStages = 2;
+constexpr int kRowsVecsPerThread = 8;
+constexpr int64_t kRowsMaxStageBytes = 32 * 1024;
+static_assert(kRowsMaxStageBytes / 16 <= 256 * kRingVecsPerLane * kRingRounds,
+              "a ring row of blocks takes at most kRingRounds rounds of 256 threads");
+
+// Vectors of one ring stage: the row, rounded up to whole groups of ring_slot in
+// block mode.
+template <int kBlock>
+MOE_FP8_HD int64_t ring_stage_vecs(int64_t nvec) {
+  return kBlock == kWholeSet ? nvec : round_up(nvec, int64_t{kRingVecsPerLane});
+}
+
+template <InputKind K, Fp8Format F, class Rule, int kBlock, class Layout>
+__global__ void __launch_bounds__(1024) quantize_rows_pipelined_kernel(RowsArgs a) {
+  using In = DeviceInput<K>;
+  using T = typename In::storage;
+  constexpr int kVec = 16 / sizeof(T);
+  static_assert(kRowsStages == 2, "the loop below keeps one row ahead");
+  extern __shared__ uint4 ring[];  // [kRowsStages][ring_vecs]
+  const T* x = static_cast<const T*>(a.x);
+  const int64_t nvec = a.cols / kVec;
+  const int64_t ring_vecs = ring_stage_vecs<kBlock>(nvec);
+  auto issue = [&](int64_t r, int stage) {
+    if (r < a.rows) {
+      const T* xr = row_ptr_at(x, a, row_pos(a, r));
+      for (int64_t v = threadIdx.x; v < nvec; v += blockDim.x) {
+        async_copy_16(ring + stage * ring_vecs + (kBlock == kWholeSet ? v : ring_slot(v)), xr + v * kVec);
+      }
+    }
+    async_copy_commit();  // every thread commits every time, so group counts agree
+  };
+  int64_t r = blockIdx.x;
+  issue(r, 0);
+  for (int64_t i = 0; r < a.rows; ++i, r += gridDim.x) {
+    issue(r + gridDim.x, static_cast<int>((i + 1) % kRowsStages));
+    async_copy_wait<kRowsStages - 1>();
+    __syncthreads();
+    const uint4* words = ring + (i % kRowsStages) * ring_vecs;
+    uint8_t* qr = a.q + r * a.cols;
+    const RowPos pos = row_pos(a, r);
+    if constexpr (kBlock != kWholeSet) {
+      const int64_t row_base = rows_scale_row_base<Layout>(a, pos.inner);
+      rows_block_step<K, F, Rule, kBlock>(words, nvec, qr, a, [&](int, int64_t blk, typename Rule::stored_t v) {
+        if (row_base >= 0) store_scale<Rule>(a.scale, Layout::index(a.scale, pos.outer, pos.inner, blk, row_base, 0), v);
+      });
+    } else {
+      __shared__ uint32_t s_red[kMaxWarpsPerBlock + 1];
+      const Array<T, kVec>* row = reinterpret_cast<const Array<T, kVec>*>(words);
+      uint32_t amax = 0;
+      if constexpr (sizeof(T) == 2) {
+        uint32_t m = 0;
+        for (int64_t v = threadIdx.x; v < nvec; v += blockDim.x) {
+          const uint4 w = words[v];
+          m = amax16x2_add(amax16x2_add(amax16x2_add(amax16x2_add(m, w.x), w.y), w.z), w.w);
+        }
+        amax = umax(amax16x2_lane_bits<In>(m, false), amax16x2_lane_bits<In>(m, true));
+      } else {
+        for (int64_t v = threadIdx.x; v < nvec; v += blockDim.x) amax = amax_bits_of<In>(row[v], amax);
+      }
+      amax = block_max(amax, s_red);
+      const auto sc = Rule::template from_amax_bits<F>(amax);
+      if (threadIdx.x == 0) store_row_scale<Rule, Layout>(a, pos, sc.stored);
+      for (int64_t v = threadIdx.x; v < nvec; v += blockDim.x) {
+        store_elems<uint8_t, kVec>(qr + v * kVec, quantize_elems<F, In>(row[v], sc.encode));
+      }
+    }
+    __syncthreads();  // this stage is refilled next iteration
+  }
+  async_copy_wait_all();
+}
+
+// ---- blocked scales: octet tiles --------------------------------------------------
+// A 32-byte sector of a 128x4 blocked scale tile holds the four scale columns of eight
+// rows, {2i, 2i+1} + {0, 32, 64, 96} of the tile (an "octet"). Scales written row by
+// row reach each sector in eight one-byte pieces, eight sectors per warp store: as
+// many L2 write requests again as the q stores make, and the padding needs a memset
+// first. So the blocked layouts get their own kernel, whose unit of work is one
+// octet's eight rows over a slice of kTileSliceBytes of input per row: the unit's
+// scales are collected in shared memory and each sector is written once, 16 bytes a
+// lane, padding (rows and columns of no block) included, so the buffer needs no
+// zeroing. Consecutive units are the slices of one octet, so the CTAs in flight read
+// a compact band of rows (an octet's rows lie 32 apart; walking whole rows octet by
+// octet spreads the concurrent reads over 8x the rows, measured 3-15% slower on
+// H100), and the many small units balance over the grid. On H100 this costs 0-2%
+// over the same quantization with plain scales (bench/RESULTS.md); scattered byte
+// stores cost 4-11% plus the memset. The rows of the blocked
+// matrix come from the reduction rows (plain, per segment) or from the token groups
+// (M groups: group g's rows start at group_starts[g]); reduction rows in no group
+// (past the last one) follow as units of eight consecutive rows, with no scales.
+constexpr int kTileSliceBytes = 1024;  // 512 and 2048 measured no better on H100
+constexpr int kTileStages = 2;
+
+template <InputKind K, int kBlock>
+struct TileGeometry {
+  using G = RingBlockGeometry<K, kBlock>;
+  static constexpr int kSliceVecs = kTileSliceBytes / 16;               // vectors of a row's slice
+  static constexpr int kRowLanes = kSliceVecs / kRingVecsPerLane;       // lanes of a row's slice
+  static constexpr int kThreads = 8 * kRowLanes;                        // one octet row per kRowLanes lanes
+  static constexpr int kSliceBlocks = kSliceVecs * G::kVec / kBlock;    // scale columns of a slice
+  static constexpr int kSliceSectors = kSliceBlocks / 4;
+  static_assert(kSliceBlocks % 4 == 0 && (kRowLanes % kWarpSize == 0 || kWarpSize % kRowLanes == 0),
+                "a slice holds whole sectors; a row's lanes are whole warps or divide one");
+};
+
+struct TilePlan {
+  uint32_t slices = 0;      // slices of a row (covering the padded scale columns)
+  uint32_t seg_octets = 0;  // octets of a segment's blocked matrix
+  uint32_t segments = 1;
+  uint32_t units = 0;       // octet units: octets x slices
+};
+
+// Row j (0..7) of octet o of a blocked matrix: rows {2i, 2i+1} + {0, 32, 64, 96} of
+// tile o / 16, i = o % 16; j = 2 * (offset / 32) + parity.
+MOE_FP8_HD uint32_t octet_row(uint32_t o, uint32_t j) { return (o / 16) * 128 + (j / 2) * 32 + (o % 16) * 2 + (j % 2); }
+
+// M groups: the token group whose blocked rows hold blocked row br (the last group
+// starting at or before it), and its reduction rows. A lane's blocked rows only grow
+// from unit to unit, so after a binary search for the first one the group is found
+// by walking forward from the last one.
+struct GroupCursor {
+  int g = -1;  // -1: not placed yet
+  int64_t start = 0, end = 0;
+};
+
+MOE_FP8_HD void place_group(const RowsArgs& a, const int32_t* starts, int64_t br, GroupCursor* c) {
+  int g = c->g;
+  if (g < 0) {
+    int lo = 0, hi = a.groups - 1;
+    while (lo < hi) {
+      const int mid = (lo + hi + 1) / 2;
+      if (starts[mid] <= br) lo = mid;
+      else hi = mid - 1;
+    }
+    g = lo;
+  } else {
+    while (g + 1 < a.groups && starts[g + 1] <= br) ++g;
+  }
+  if (g != c->g) {
+    c->g = g;
+    group_range(a.offs, g, a.rows_inner, &c->start, &c->end);
+  }
+}
+
+// The segment-local reduction row whose scales are blocked row br, or -1 (padding);
+// `starts`: each token group's first blocked row (M groups).
+MOE_FP8_HD int64_t blocked_row_source(const RowsArgs& a, const int32_t* starts, int64_t br, GroupCursor* c) {
+  if (a.scale.groups != BlockedGroups::kMGroups) return br < a.rows_inner ? br : -1;
+  if (a.groups <= 0) return -1;
+  place_group(a, starts, br, c);
+  const int64_t i = br - starts[c->g];
+  return i >= 0 && i < c->end - c->start ? c->start + i : -1;
+}
+
+template <InputKind K, Fp8Format F, class Rule, int kBlock>
+__global__ void __launch_bounds__(TileGeometry<K, kBlock>::kThreads) quantize_rows_blocked_kernel(RowsArgs a,
+                                                                                                 TilePlan p) {
+  using TG = TileGeometry<K, kBlock>;
+  using G = typename TG::G;
+  using T = typename G::T;
+  static_assert(sizeof(typename Rule::stored_t) == 1, "blocked scales are E8M0 bytes");
+  __shared__ uint4 stage[kTileStages][8 * TG::kSliceVecs];
+  __shared__ uint4 sectors[TG::kSliceSectors * 2];
+  __shared__ uint32_t s_red[kMaxWarpsPerBlock + 1];
+  __shared__ int32_t s_starts[kRowsLocalGroups];
+  __shared__ int64_t s_scan[TG::kThreads];
+  const T* x = static_cast<const T*>(a.x);
+  const int j = static_cast<int>(threadIdx.x) / TG::kRowLanes;   // this lane's octet row
+  const int lane = static_cast<int>(threadIdx.x) % TG::kRowLanes;
+  const int64_t slice_cols = static_cast<int64_t>(TG::kSliceVecs) * G::kVec;
+  // M groups: the reduction rows past every group (from the largest clamped group end)
+  // follow the octets as units of eight consecutive rows.
+  // Without group_starts (at most kRowsLocalGroups groups) the groups' first blocked
+  // rows are summed here from the clamped sizes, as blocked_group_start does.
+  int64_t tail_start = a.rows;
+  const int32_t* starts = a.group_starts;
+  if (a.scale.groups == BlockedGroups::kMGroups) {
+    uint32_t end = 0;
+    for (int64_t g = threadIdx.x; g < a.groups; g += blockDim.x) {
+      end = umax(end, static_cast<uint32_t>(clamp_offset(a.offs[g], a.rows_inner)));
+    }
+    tail_start = block_max(end, s_red);
+    if (starts == nullptr && a.groups <= kRowsLocalGroups) {
+      block_exclusive_scan(
+          [&](int g) {
+            int64_t lo, hi;
+            group_range(a.offs, g, a.rows_inner, &lo, &hi);
+            return round_up(hi - lo, int64_t{128});
+          },
+          a.groups, s_starts, s_scan);
+      starts = s_starts;
+    }
+  }
+  const int64_t total = p.units + ceil_div(a.rows - tail_start, int64_t{8}) * p.slices;
+  // Unit u: this lane's reduction row (-1: none) and the slice; called for the CTA's
+  // units in order.
+  GroupCursor cursor;
+  auto unit_row = [&](int64_t u, uint32_t* slice) -> int64_t {
+    if (u < p.units) {
+      const uint32_t oct = static_cast<uint32_t>(u) / p.slices;
+      *slice = static_cast<uint32_t>(u) - oct * p.slices;
+      const uint32_t seg = p.segments == 1 ? 0u : oct / p.seg_octets;
+      const int64_t src =
+          blocked_row_source(a, starts, octet_row(oct - seg * p.seg_octets, static_cast<uint32_t>(j)), &cursor);
+      return src < 0 ? -1 : seg * a.rows_inner + src;
+    }
+    const int64_t k = (u - p.units) / p.slices;
+    *slice = static_cast<uint32_t>(u - p.units - k * p.slices);
+    const int64_t r = tail_start + 8 * k + j;
+    return r < a.rows ? r : -1;
+  };
+  auto issue = [&](int64_t r, uint32_t slice, int st) {
+    {
+      const int64_t c0 = slice * slice_cols;
+      if (r >= 0) {
+        const T* xr = row_ptr_at(x, a, row_pos(a, r));
+#pragma unroll
+        for (int i = 0; i < kRingVecsPerLane; ++i) {
+          const int v = lane + i * TG::kRowLanes;
+          if (c0 + static_cast<int64_t>(v) * G::kVec < a.cols) {
+            async_copy_16(&stage[st][j * TG::kSliceVecs + ring_slot(v)], xr + c0 + static_cast<int64_t>(v) * G::kVec);
+          }
+        }
+      }
+    }
+    async_copy_commit();  // every thread commits every time, so group counts agree
+  };
+  static_assert(kTileStages == 2, "the loop below keeps one unit ahead");
+  int64_t u = blockIdx.x;
+  uint32_t slice = 0;
+  int64_t r = u < total ? unit_row(u, &slice) : -1;
+  issue(r, slice, 0);
+  for (int64_t i = 0; u < total; ++i, u += gridDim.x) {
+    uint32_t next_slice = 0;
+    const int64_t next_r = u + gridDim.x < total ? unit_row(u + gridDim.x, &next_slice) : -1;
+    issue(next_r, next_slice, static_cast<int>((i + 1) % kTileStages));
+    async_copy_wait<kTileStages - 1>();
+    __syncthreads();
+    const int64_t c0 = slice * slice_cols;
+    const int64_t k0 = c0 + static_cast<int64_t>(lane) * G::kElems;  // this lane's first element
+    uint4 w[kRingVecsPerLane];
+#pragma unroll
+    for (int v = 0; v < kRingVecsPerLane; ++v) {
+      const bool valid = r >= 0 && k0 + v * G::kVec < a.cols;
+      w[v] = valid ? stage[i % kTileStages][j * TG::kSliceVecs + ring_slot(lane * kRingVecsPerLane + v)]
+                   : make_uint4(0, 0, 0, 0);
+    }
+    const auto sc = encode_ring_unit<K, F, Rule, kBlock>(w, r >= 0 ? a.q + r * a.cols : a.q, k0, a.cols, r >= 0);
+    const bool octet = u < p.units;
+    if (octet && lane % G::kLanes == 0) {
+      // the block's byte in its sector: row j's word at 16 * (j % 2) + 4 * (j / 2)
+      const int b = lane / G::kLanes;
+      const uint8_t code = r >= 0 && k0 < a.cols ? sc.stored : uint8_t{0};
+      reinterpret_cast<uint8_t*>(sectors)[(b / 4) * 32 + (j % 2) * 16 + (j / 2) * 4 + b % 4] = code;
+    }
+    __syncthreads();
+    if (octet && threadIdx.x < TG::kSliceSectors * 2) {
+      const uint32_t oct = static_cast<uint32_t>(u) / p.slices;
+      const uint32_t seg = p.segments == 1 ? 0u : oct / p.seg_octets, in = oct - seg * p.seg_octets;
+      const int64_t col_group = static_cast<int64_t>(slice) * TG::kSliceSectors + threadIdx.x / 2;
+      if (col_group < a.scale.padded_cols / 4) {
+        const int64_t off = seg * a.scale.seg_stride + 512 * ((in / 16) * (a.scale.padded_cols / 4) + col_group) +
+                            32 * (in % 16) + 16 * (threadIdx.x % 2);
+        uint8_t* dst = static_cast<uint8_t*>(a.scale.ptr) + off;
+        const uint4 v = sectors[threadIdx.x];
+        if (off + 16 <= a.scale.numel) {
+          *reinterpret_cast<uint4*>(dst) = v;
+        } else {  // the static tail of an M-group matrix ends inside a tile row
+          const uint32_t words[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+          for (int k = 0; k < 4; ++k) {
+            if (off + 4 * k + 4 <= a.scale.numel) reinterpret_cast<uint32_t*>(dst)[k] = words[k];
+          }
+        }
+      }
+    }
+    // the next iteration refills this stage only after its own barrier; the sectors
+    // are rewritten after that barrier too
+    r = next_r;
+    slice = next_slice;
+  }
+  async_copy_wait_all();
+}
+
 template <InputKind K, Fp8Format F, class Rule, int kBlock, class Layout, bool kVecPath>
 __global__ void __launch_bounds__(kBlockThreads) quantize_rows_blocks_kernel(RowsArgs a, uint32_t blocks_per_row,
                                                                             uint32_t total_lanes) {
@@ -354,17 +700,68 @@ inline bool rows_vector_ok(const RowsArgs& a) {
          reinterpret_cast<uintptr_t>(a.x) % 16 == 0;
 }
 
+// The octet-tile kernel for blocked scales (vector path, rows > 0, cols > 0).
+template <InputKind K, Fp8Format F, class Rule, int kBlock>
+int launch_quantize_rows_blocked(const RowsArgs& a, gpuStream_t stream) {
+  using TG = TileGeometry<K, kBlock>;
+  const int64_t cp = a.scale.padded_cols;
+  if (cp <= 0 || cp % 4 != 0) return -1;
+  const bool mgroups = a.scale.groups == BlockedGroups::kMGroups;
+  if (mgroups && a.group_starts == nullptr && a.groups > kRowsLocalGroups) return -1;
+  const int64_t seg_rows = mgroups ? round_up(a.scale.numel / cp, 128) : round_up(a.rows_inner, 128);
+  TilePlan p;
+  const int64_t slices = ceil_div(cp, int64_t{TG::kSliceBlocks});
+  const int64_t segments = mgroups ? 1 : a.rows / a.rows_inner;
+  const int64_t units = slices * (seg_rows / 8) * segments;
+  const int64_t bound = units + (mgroups ? ceil_div(a.rows, int64_t{8}) * slices : 0);  // with the tail units
+  if (bound >= (int64_t{1} << 31)) return -1;
+  p.slices = static_cast<uint32_t>(slices);
+  p.seg_octets = static_cast<uint32_t>(seg_rows / 8);
+  p.segments = static_cast<uint32_t>(segments);
+  p.units = static_cast<uint32_t>(units);
+  auto kernel = quantize_rows_blocked_kernel<K, F, Rule, kBlock>;
+  const int64_t resident = static_cast<int64_t>(resident_blocks(kernel, TG::kThreads, 0)) * multiprocessor_count();
+  const dim3 grid(static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>(bound, resident))));
+  return launch_kernel(kernel, grid, dim3(TG::kThreads), 0, stream, 1, a, p);
+}
+
 template <InputKind K, Fp8Format F, class Rule, int kBlock, class Layout>
 int launch_quantize_rows(const RowsArgs& a, gpuStream_t stream) {
   using T = typename DeviceInput<K>::storage;
   constexpr int kVecN = 16 / sizeof(T);
-  if (a.rows == 0 || (kBlock != kWholeSet && a.cols == 0)) return 0;
+  // Blocked scales: the launch writes the whole buffer, padding zeros included (the
+  // octet-tile kernel on the vector path; the other kernels write the blocks only,
+  // after a memset).
   const bool vec = rows_vector_ok<T>(a);
+  const bool qvec = vec && reinterpret_cast<uintptr_t>(a.q) % 16 == 0;
+  const bool ring_ok = !Layout::kBlocked && vec && a.cols * static_cast<int64_t>(sizeof(T)) <= kRowsMaxStageBytes &&
+                       (kBlock == kWholeSet ||
+                        (qvec && ceil_div(a.cols, RowsBlockGeometry<K, kBlock, true>::kChunk) >= kBlockRowMinChunks));
+  if constexpr (Layout::kBlocked) {
+    if (qvec && a.rows > 0 && a.cols > 0) return launch_quantize_rows_blocked<K, F, Rule, kBlock>(a, stream);
+    if (a.scale.numel > 0) {
+      const int err = memset_async(a.scale.ptr, 0, static_cast<size_t>(a.scale.numel), stream);
+      if (err != 0) return err;
+    }
+  }
+  if (a.rows == 0 || (kBlock != kWholeSet && a.cols == 0)) return 0;
+  // The ring kernel (vector path, rows that fit a stage): about kRowsVecsPerThread
+  // vectors a thread, 64 to 256 threads.
+  auto launch_ring = [&]() {
+    const int64_t nvec = a.cols / kVecN;
+    const int64_t pthreads = std::min<int64_t>(
+        std::max<int64_t>(round_up(ceil_div(nvec, kRowsVecsPerThread), kWarpSize), 2 * kWarpSize), 256);
+    const size_t smem = static_cast<size_t>(kRowsStages * ring_stage_vecs<kBlock>(nvec) * 16);
+    auto kernel = quantize_rows_pipelined_kernel<K, F, Rule, kBlock, Layout>;
+    const int64_t resident =
+        static_cast<int64_t>(resident_blocks(kernel, static_cast<int>(pthreads), smem)) * multiprocessor_count();
+    const dim3 grid(static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>(a.rows, resident))));
+    return launch_kernel(kernel, grid, dim3(static_cast<unsigned>(pthreads)), smem, stream, 1, a);
+  };
   if constexpr (kBlock != kWholeSet) {
     // The vector path writes each lane's chunk of q with one store: q is [rows, cols]
     // contiguous, so with cols a multiple of the chunk an aligned base keeps every
     // chunk aligned.
-    const bool qvec = vec && reinterpret_cast<uintptr_t>(a.q) % 16 == 0;
     const int64_t blocks_per_row = ceil_div(a.cols, kBlock);
     auto launch_by_row = [&](auto kernel, int chunk) {
       const int64_t chunks = ceil_div(a.cols, chunk);
@@ -375,6 +772,7 @@ int launch_quantize_rows(const RowsArgs& a, gpuStream_t stream) {
       const dim3 grid(static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>(a.rows, resident))));
       return launch_kernel(kernel, grid, dim3(static_cast<unsigned>(threads)), 0, stream, 1, a, chunks);
     };
+    if (ring_ok) return launch_ring();
     if (ceil_div(a.cols, RowsBlockGeometry<K, kBlock, true>::kChunk) >= kBlockRowMinChunks) {
       if (qvec) {
         return launch_by_row(quantize_rows_blocks_by_row_kernel<K, F, Rule, kBlock, Layout, true>,
@@ -406,17 +804,7 @@ int launch_quantize_rows(const RowsArgs& a, gpuStream_t stream) {
     // blocks (many per SM), long rows up to 1024 threads.
     const int64_t threads =
         std::min<int64_t>(round_up(std::max<int64_t>(ceil_div(nvec, kRowsRegVecs), 1), kWarpSize), 1024);
-    const int64_t stage_bytes = a.cols * static_cast<int64_t>(sizeof(T));
-    if (vec && stage_bytes <= kRowsMaxStageBytes) {
-      const int64_t pthreads = std::min<int64_t>(
-          std::max<int64_t>(round_up(ceil_div(nvec, kRowsVecsPerThread), kWarpSize), 2 * kWarpSize), 256);
-      const size_t smem = static_cast<size_t>(kRowsStages * stage_bytes);
-      auto kernel = quantize_rows_pipelined_kernel<K, F, Rule, Layout>;
-      const int64_t resident =
-          static_cast<int64_t>(resident_blocks(kernel, static_cast<int>(pthreads), smem)) * multiprocessor_count();
-      const dim3 grid(static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>(a.rows, resident))));
-      return launch_kernel(kernel, grid, dim3(static_cast<unsigned>(pthreads)), smem, stream, 1, a);
-    }
+    if (ring_ok) return launch_ring();
     const dim3 block(static_cast<unsigned>(threads));
     auto kernel = vec ? quantize_rows_kernel<K, F, Rule, Layout, kVecN> : quantize_rows_kernel<K, F, Rule, Layout, 1>;
     // Persistent grid: as many blocks as can be resident, each looping over rows.
