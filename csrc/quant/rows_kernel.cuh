@@ -462,6 +462,10 @@ __global__ void __launch_bounds__(1024) quantize_rows_pipelined_kernel(RowsArgs 
 // (past the last one) follow as units of eight consecutive rows, with no scales.
 constexpr int kTileSliceBytes = 1024;  // 512 and 2048 measured no better on H100
 constexpr int kTileStages = 2;
+// Threads of the tile kernel: kRingVecsPerLane vectors a lane, eight octet rows (a
+// namespace constant: a template argument list inside __launch_bounds__ does not
+// survive hipify's macro).
+constexpr int kTileThreads = 8 * (kTileSliceBytes / 16 / kRingVecsPerLane);
 
 template <InputKind K, int kBlock>
 struct TileGeometry {
@@ -469,6 +473,7 @@ struct TileGeometry {
   static constexpr int kSliceVecs = kTileSliceBytes / 16;               // vectors of a row's slice
   static constexpr int kRowLanes = kSliceVecs / kRingVecsPerLane;       // lanes of a row's slice
   static constexpr int kThreads = 8 * kRowLanes;                        // one octet row per kRowLanes lanes
+  static_assert(kThreads == kTileThreads, "the kernel's launch bounds");
   static constexpr int kSliceBlocks = kSliceVecs * G::kVec / kBlock;    // scale columns of a slice
   static constexpr int kSliceSectors = kSliceBlocks / 4;
   static_assert(kSliceBlocks % 4 == 0 && (kRowLanes % kWarpSize == 0 || kWarpSize % kRowLanes == 0),
@@ -525,8 +530,7 @@ MOE_FP8_HD int64_t blocked_row_source(const RowsArgs& a, const int32_t* starts, 
 }
 
 template <InputKind K, Fp8Format F, class Rule, int kBlock>
-__global__ void __launch_bounds__(TileGeometry<K, kBlock>::kThreads) quantize_rows_blocked_kernel(RowsArgs a,
-                                                                                                 TilePlan p) {
+__global__ void __launch_bounds__(kTileThreads) quantize_rows_blocked_kernel(RowsArgs a, TilePlan p) {
   using TG = TileGeometry<K, kBlock>;
   using G = typename TG::G;
   using T = typename G::T;
