@@ -64,6 +64,12 @@ TORCH_LIBRARY(moe_fp8, m) {
   m.def(
       "quantize_blockwise_act_transposed_lhs(Tensor x, ScalarType fp8_dtype, Tensor? offs=None,"
       " Tensor? padded_starts=None, int? alignment=None) -> (Tensor, Tensor)");
+  // Weights, 128x128 tiles of w (M, N) or (E, M, N): weight_rhs q (M, N) column-major,
+  // scale (ceil(M/128), ceil(N/128)) column-major; weight_transposed_rhs q (N, M)
+  // column-major, scale (ceil(N/128), ceil(M/128)) column-major; weight_dual both.
+  m.def("quantize_blockwise_weight_rhs(Tensor w, ScalarType fp8_dtype) -> (Tensor, Tensor)");
+  m.def("quantize_blockwise_weight_transposed_rhs(Tensor w, ScalarType fp8_dtype) -> (Tensor, Tensor)");
+  m.def("quantize_blockwise_weight_dual(Tensor w, ScalarType fp8_dtype) -> (Tensor, Tensor, Tensor, Tensor)");
 
   // ---- token groups (DESIGN §8): sync-free padding and expert-parallel permutation -
   // impls: grouping/grouping_cpu.cpp (CPU) and grouping/grouping.cu (CUDA).

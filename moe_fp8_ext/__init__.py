@@ -20,6 +20,9 @@ from .blockwise import (
     quantize_blockwise_act_lhs,
     quantize_blockwise_act_rhs,
     quantize_blockwise_act_transposed_lhs,
+    quantize_blockwise_weight_dual,
+    quantize_blockwise_weight_rhs,
+    quantize_blockwise_weight_transposed_rhs,
 )
 from .grouped_mm import grouped_mm, grouped_mm_backend
 from .mxfp8 import (
@@ -66,6 +69,9 @@ __all__ = [
     "quantize_blockwise_act_lhs",
     "quantize_blockwise_act_rhs",
     "quantize_blockwise_act_transposed_lhs",
+    "quantize_blockwise_weight_dual",
+    "quantize_blockwise_weight_rhs",
+    "quantize_blockwise_weight_transposed_rhs",
     "quantize_experts_bwd",
     "quantize_experts_fwd",
     "quantize_jagged_colwise",

@@ -123,3 +123,80 @@ def quantize_blockwise_act_transposed_lhs(x: Tensor, fp8_dtype: Optional[torch.d
 @torch.library.register_fake("moe_fp8::quantize_blockwise_act_transposed_lhs")
 def _(x, fp8_dtype, offs=None, padded_starts=None, alignment=None):
     return _cols_fake(x, fp8_dtype, offs, padded_starts, alignment, True, "quantize_blockwise_act_transposed_lhs")
+
+
+# ---- quantize_blockwise_weight_rhs / _transposed_rhs / _dual (128x128 tiles) ----------
+
+
+def check_quantize_blockwise_weight(w, fp8_dtype, op):
+    """The checks of the weight ops: w (M, N) or (E, M, N), bf16/fp16/fp32."""
+    check_quant_input(op, "w", w, None)
+    if w.dim() not in (2, 3):
+        raise RuntimeError(f"{op}: expected w to be 2-D (M, N) or 3-D (E, M, N), got {w.dim()}-D")
+    check_fp8_dtype(op, fp8_dtype)
+
+
+def _col_major(w, rows, cols, dtype):
+    """(..., rows, cols) column-major per matrix, the batch dims of w in front."""
+    lead = tuple(w.shape[:-2])
+    r1 = max(rows, 1)
+    stride = ((rows * cols,) if lead else ()) + (1, r1)
+    return w.new_empty_strided(lead + (rows, cols), stride, dtype=dtype)
+
+
+def _weight_fake(w, fp8_dtype, op, which):
+    check_quantize_blockwise_weight(w, fp8_dtype, op)
+    m, n = w.shape[-2:]
+    tm, tn = _cdiv(m, BW_BLOCK), _cdiv(n, BW_BLOCK)
+    out = []
+    if which in (0, 2):
+        out += [_col_major(w, m, n, fp8_dtype), _col_major(w, tm, tn, torch.float32)]
+    if which in (1, 2):
+        out += [_col_major(w, n, m, fp8_dtype), _col_major(w, tn, tm, torch.float32)]
+    return tuple(out)
+
+
+def quantize_blockwise_weight_rhs(w: Tensor, fp8_dtype: Optional[torch.dtype] = None) -> Tuple[Tensor, Tensor]:
+    """128x128 tiles of ``w`` (M, N), or (E, M, N) per expert, any strides (the right
+    operand of a 1x128 x 128x128 GEMM). Returns q (M, N) column-major and scale
+    (ceil(M/128), ceil(N/128)) float32 column-major, torchao's
+    ``triton_fp8_blockwise_weight_quant_rhs`` layouts; a partial tile's amax is over
+    its valid part."""
+    op = "quantize_blockwise_weight_rhs"
+    check_quantize_blockwise_weight(w, fp8_dtype, op)
+    return _ops.quantize_blockwise_weight_rhs(w, _dtype(fp8_dtype, w))
+
+
+@torch.library.register_fake("moe_fp8::quantize_blockwise_weight_rhs")
+def _(w, fp8_dtype):
+    return _weight_fake(w, fp8_dtype, "quantize_blockwise_weight_rhs", 0)
+
+
+def quantize_blockwise_weight_transposed_rhs(w: Tensor,
+                                             fp8_dtype: Optional[torch.dtype] = None) -> Tuple[Tensor, Tensor]:
+    """``w``^T (w (M, N) or (E, M, N)) in 128x128 tiles: q (N, M) column-major (the
+    bytes of a row-major w) and scale (ceil(N/128), ceil(M/128)) column-major, torchao's
+    ``triton_fp8_blockwise_weight_quant_transposed_rhs`` layouts."""
+    op = "quantize_blockwise_weight_transposed_rhs"
+    check_quantize_blockwise_weight(w, fp8_dtype, op)
+    return _ops.quantize_blockwise_weight_transposed_rhs(w, _dtype(fp8_dtype, w))
+
+
+@torch.library.register_fake("moe_fp8::quantize_blockwise_weight_transposed_rhs")
+def _(w, fp8_dtype):
+    return _weight_fake(w, fp8_dtype, "quantize_blockwise_weight_transposed_rhs", 1)
+
+
+def quantize_blockwise_weight_dual(w: Tensor,
+                                   fp8_dtype: Optional[torch.dtype] = None) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Both orientations of ``w`` from one read (a tile and its transpose share the
+    scale): (q, scale) of :func:`quantize_blockwise_weight_rhs` and of
+    :func:`quantize_blockwise_weight_transposed_rhs`."""
+    op = "quantize_blockwise_weight_dual"
+    check_quantize_blockwise_weight(w, fp8_dtype, op)
+    return _ops.quantize_blockwise_weight_dual(w, _dtype(fp8_dtype, w))
+
+
+@torch.library.register_fake("moe_fp8::quantize_blockwise_weight_dual")
+def _(w, fp8_dtype):
+    return _weight_fake(w, fp8_dtype, "quantize_blockwise_weight_dual", 2)

@@ -365,3 +365,37 @@ def quantize_blockwise_act_transposed_lhs(x: Tensor, fp8_dtype: torch.dtype, off
     column-major; token groups as quantize_blockwise_act_rhs."""
     qt, st = _bw_cols_any(x, fp8_dtype, offs, alignment)
     return qt, column_major(st)
+
+
+def _bw_tiles(w: Tensor, fp8_dtype: torch.dtype) -> Tuple[Tensor, Tensor]:
+    """128x128 tiles of w (M, N) or (E, M, N), the last tile of a row or column partial
+    when M or N is not a multiple of 128 (amax over its valid part): q row-major, the
+    shape of w, and decode scales (..., ceil(M/128), ceil(N/128)), fp32."""
+    lead, (m, n) = w.shape[:-2], w.shape[-2:]
+    tm, tn = -(-m // BW_BLOCK), -(-n // BW_BLOCK)
+    wp = torch.zeros((*lead, tm * BW_BLOCK, tn * BW_BLOCK), dtype=torch.float32, device=w.device)
+    wp[..., :m, :n] = w.float()
+    t = wp.view(*lead, tm, BW_BLOCK, tn, BW_BLOCK)
+    if wp.numel():
+        a = torch.amax(t.abs(), dim=(-3, -1))
+    else:
+        a = torch.zeros((*lead, tm, tn), device=w.device)
+    s, dec = scales_from_amax(a, fp8_dtype, False)
+    q = encode(t, s[..., :, None, :, None], fp8_dtype).view(*lead, tm * BW_BLOCK, tn * BW_BLOCK)
+    return q[..., :m, :n].contiguous(), dec
+
+
+def quantize_blockwise_weight_rhs(w: Tensor, fp8_dtype: torch.dtype) -> Tuple[Tensor, Tensor]:
+    """128x128 tiles of w (M, N) (or (E, M, N), per expert), the right operand of a
+    1x128 x 128x128 GEMM: q (M, N) column-major, scale (ceil(M/128), ceil(N/128))
+    column-major (torchao's triton_fp8_blockwise_weight_quant_rhs layouts)."""
+    q, dec = _bw_tiles(w, fp8_dtype)
+    return column_major(q), column_major(dec)
+
+
+def quantize_blockwise_weight_transposed_rhs(w: Tensor, fp8_dtype: torch.dtype) -> Tuple[Tensor, Tensor]:
+    """w^T in 128x128 tiles (a tile and its transpose share the scale): q (N, M)
+    column-major (w's row-major bytes), scale (ceil(N/128), ceil(M/128)) column-major
+    (torchao's triton_fp8_blockwise_weight_quant_transposed_rhs layouts)."""
+    q, dec = _bw_tiles(w, fp8_dtype)
+    return q.transpose(-2, -1), column_major(dec.transpose(-2, -1))

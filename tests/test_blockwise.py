@@ -145,6 +145,24 @@ def _torchao_refs():
     return ns["torch_blockwise_scale_act_quant_lhs"], ns["torch_blockwise_scale_act_quant_rhs"]
 
 
+def _torchao_weight_ref():
+    """torchao's torch_blockwise_scale_weight_quant, taken from the same source the same
+    way as _torchao_refs."""
+    import importlib.util
+
+    _torchao_refs()  # skips when torchao or its references are absent
+    path = os.path.join(list(importlib.util.find_spec("torchao").submodule_search_locations)[0], "prototype",
+                        "blockwise_fp8_training", "kernels.py")
+    tree = ast.parse(open(path).read())
+    keep = [n for n in tree.body if (isinstance(n, ast.FunctionDef) and n.name == "torch_blockwise_scale_weight_quant")
+            or (isinstance(n, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "EPS" for t in n.targets))]
+    if not any(isinstance(n, ast.FunctionDef) for n in keep):
+        pytest.skip("torchao's torch_blockwise_scale_weight_quant not found")
+    ns = {"torch": torch, "e4m3_dtype": torch.float8_e4m3fn}
+    exec(compile(ast.Module(body=keep, type_ignores=[]), path, "exec"), ns)  # noqa: S102
+    return ns["torch_blockwise_scale_weight_quant"]
+
+
 def _clamped_blocks(a):
     """Blocks whose amax is below 1e-12, where torchao's clamp (in the input dtype or
     fp64) and DESIGN §6's (fp32 1e-12) give different scales."""
@@ -181,6 +199,53 @@ def test_reference_matches_torchao(dtype, fp8, data):
         assert torch.equal(ts[keep], rs[keep])
         kq = keep.repeat_interleave(128, 0)
         assert_fp8_equal(rq[kq], tq[kq])
+
+
+@pytest.mark.parametrize("dtype", IN_DTYPES)
+@pytest.mark.parametrize("fp8", FP8S)
+def test_weight_reference_matches_torchao(dtype, fp8):
+    # torchao's torch_blockwise_scale_weight_quant: q (M, N) row-major and the tile
+    # decode scales (M/128, N/128) row-major, for sizes that are multiples of 128. Our
+    # two orientations hold the same values: column-major copies (weight_rhs) and their
+    # transposes (weight_transposed_rhs).
+    t_w = _torchao_weight_ref()
+    w = bw_data((384, 256), dtype, seed=23, specials=False)
+    w[:128, :128] *= 64  # a tile with larger values: its scale alone changes
+    tq, ts = t_w(w.contiguous(), 128, fp8)
+    keep = ~_clamped_blocks(w.float().abs().view(3, 128, 2, 128).amax((1, 3)))
+    assert keep.any()
+    kq = keep.repeat_interleave(128, 0).repeat_interleave(128, 1)
+    rq, rs = ref.quantize_blockwise_weight_rhs(w, fp8)
+    assert rq.stride() == (1, 384) and rs.stride() == (1, 3) and rs.shape == ts.shape
+    assert torch.equal(rs[keep], ts[keep])
+    assert_fp8_equal(rq[kq], tq[kq])
+    tq2, ts2 = ref.quantize_blockwise_weight_transposed_rhs(w, fp8)
+    assert tq2.shape == (256, 384) and tq2.stride() == (1, 256) and ts2.shape == (2, 3) and ts2.stride() == (1, 2)
+    assert torch.equal(ts2.t()[keep], ts[keep])
+    assert_fp8_equal(tq2.t()[kq], tq[kq])
+
+
+def test_weight_reference_partial_tiles_and_experts():
+    # Sizes not divisible by 128: a partial tile's amax is over its valid part only (the
+    # tile of a zero-padded copy); 3-D is the 2-D op per expert; a tile's decode scale
+    # is amax / fp8_max as DESIGN §6 computes it (1 / (max / amax), fp32).
+    w = bw_data((3, 200, 130), torch.bfloat16, seed=24, specials=False)
+    for fp8 in FP8S:
+        q, s = ref.quantize_blockwise_weight_rhs(w, fp8)
+        assert q.shape == (3, 200, 130) and q.stride() == (200 * 130, 1, 200)
+        assert s.shape == (3, 2, 2) and s.stride() == (4, 1, 2)
+        for e in range(3):
+            qe, se = ref.quantize_blockwise_weight_rhs(w[e], fp8)
+            assert_fp8_equal(q[e], qe)
+            assert torch.equal(s[e], se)
+            padded = torch.zeros(256, 256, dtype=w.dtype)
+            padded[:200, :130] = w[e]
+            qp, sp = ref.quantize_blockwise_weight_rhs(padded, fp8)
+            assert torch.equal(se, sp)
+            assert_fp8_equal(qe, qp[:200, :130])
+            amax = w[e].float().abs()[128:, :128].amax().clamp(min=1e-12)
+            expect = torch.ones(()) / (torch.full((), ref.fp8_max(fp8)) / amax)
+            assert torch.equal(se[1, 0], expect)
 
 
 def test_reference_matches_torchao_specials():
@@ -456,6 +521,10 @@ FAKE_CASES = [  # edge shapes opcheck does not reach: the fake's shapes and stri
     lambda: rhs(torch.randn(0, 3), F8, torch.zeros(0, dtype=torch.int32), torch.zeros(0, dtype=torch.int32), 128),
     lambda: tlhs(torch.randn(5, 3), F8, offs_from_sizes([5]), torch.zeros(1, dtype=torch.int32), 256),
     lambda: tlhs(torch.randn(5, 0), F8, offs_from_sizes([5]), torch.zeros(1, dtype=torch.int32), 256),
+    lambda: moe_fp8_ext.quantize_blockwise_weight_rhs(torch.randn(0, 5), F8),
+    lambda: moe_fp8_ext.quantize_blockwise_weight_transposed_rhs(torch.randn(3, 0, 129), F8),
+    lambda: moe_fp8_ext.quantize_blockwise_weight_dual(torch.randn(0, 129, 3), F8),
+    lambda: moe_fp8_ext.quantize_blockwise_weight_dual(torch.randn(1, 1), torch.float8_e5m2),
 ]
 
 
@@ -469,6 +538,100 @@ def test_fake_matches_op(call):
     for r, f in zip(real, fake):
         assert (f.shape, f.dtype) == (r.shape, r.dtype)
         assert f.stride() == r.stride() or r.numel() == 0, (f.stride(), r.stride())
+
+
+# ---- weights: 128x128 tiles ------------------------------------------------------------
+
+wrhs = moe_fp8_ext.quantize_blockwise_weight_rhs
+wtrhs = moe_fp8_ext.quantize_blockwise_weight_transposed_rhs
+wdual = moe_fp8_ext.quantize_blockwise_weight_dual
+WEIGHT_SHAPES = [(256, 384), (200, 130), (1, 1), (128, 129), (0, 5), (3, 300, 136), (1, 129, 7), (2, 0, 4)]
+
+
+def weight_layouts(shape, dtype, device):
+    """A weight in several memory layouts: contiguous, column-major per matrix, a
+    strided slice, and (3-D) experts-major transposed."""
+    w = bw_data(shape, dtype, device, seed=sum(shape))
+    out = [w, w.transpose(-2, -1).contiguous().transpose(-2, -1)]
+    big = bw_data((*shape[:-1], shape[-1] + 3), dtype, device, seed=5)
+    out.append(big[..., 1:shape[-1] + 1])
+    if w.dim() == 3:
+        out.append(w.permute(1, 2, 0).contiguous().permute(2, 0, 1))
+    return out
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", IN_DTYPES)
+@pytest.mark.parametrize("fp8", FP8S_ALL)
+@pytest.mark.parametrize("shape", WEIGHT_SHAPES)
+def test_weight_ops(device, dtype, fp8, shape):
+    # every layout of w, specials (NaN, Inf, zero tiles) included, into poisoned memory:
+    # the reference's bits and layouts; the dual op is the two single ops
+    for w in weight_layouts(shape, dtype, device):
+        wc = w.cpu()
+        poison(device)
+        check(wrhs(w, fp8), ref.quantize_blockwise_weight_rhs(wc, fp8))
+        poison(device)
+        check(wtrhs(w, fp8), ref.quantize_blockwise_weight_transposed_rhs(wc, fp8))
+        poison(device)
+        q, s, qt, st = wdual(w, fp8)
+        check((q, s), ref.quantize_blockwise_weight_rhs(wc, fp8))
+        check((qt, st), ref.quantize_blockwise_weight_transposed_rhs(wc, fp8))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_weight_edge_tiles(device):
+    # one tile per edge maximum (test_mxfp8's edges: fp8 ties, subnormal and huge
+    # maxima, Inf, NaN, zero and tiny tiles), each placed at a random spot of its tile
+    rows = edge_rows(torch.float32)
+    n = rows.shape[0]
+    w = torch.zeros((128 * n, 128), dtype=torch.float32)
+    g = torch.Generator().manual_seed(3)
+    for i in range(n):
+        w[128 * i + torch.randint(0, 128, (1,), generator=g)] = rows[i]
+    for fp8 in FP8S_ALL:
+        check(wrhs(w.to(device), fp8), ref.quantize_blockwise_weight_rhs(w, fp8))
+        check(wtrhs(w.to(device), fp8), ref.quantize_blockwise_weight_transposed_rhs(w, fp8))
+
+
+def test_weight_scale_is_per_tile():
+    # an outlier changes its own tile's scale only (the others keep theirs), and the
+    # partial tile of a 200 x 130 weight takes its amax over its valid part
+    w = bw_data((256, 256), torch.bfloat16, specials=False)
+    _, s0 = wrhs(w, torch.float8_e4m3fn)
+    w2 = w.clone()
+    w2[5, 200] = 1e4
+    _, s1 = wrhs(w2, torch.float8_e4m3fn)
+    changed = s0 != s1
+    assert changed.tolist() == [[False, True], [False, False]]
+    part = bw_data((200, 130), torch.float32, specials=False)
+    _, sp = wrhs(part, torch.float8_e4m3fn)
+    amax = part[128:, 128:].abs().amax().clamp(min=1e-12)
+    assert torch.equal(sp[1, 1], torch.ones(()) / (torch.full((), 448.0) / amax))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_weight_default_fp8_dtype(device):
+    w = _x(device)
+    q, _ = wrhs(w)
+    assert q.dtype == moe_fp8_ext.default_fp8_dtype(w.device if w.is_cuda else None)
+
+
+@pytest.mark.parametrize("op", [wrhs, wtrhs, wdual])
+def test_weight_bad_inputs(op):
+    name = op.__name__
+    with pytest.raises(RuntimeError, match=f"{name}: expected w to be 2-D \\(M, N\\) or 3-D"):
+        op(torch.zeros(4), torch.float8_e4m3fn)
+    with pytest.raises(RuntimeError, match=f"{name}: expected w of dtype bfloat16, float16 or float32"):
+        op(torch.zeros(4, 4, dtype=torch.int32), torch.float8_e4m3fn)
+    with pytest.raises(RuntimeError, match=f"{name}: expected fp8_dtype"):
+        op(torch.zeros(4, 4), torch.float16)
+    # the op itself (no Python wrapper) refuses the same way
+    raw = getattr(torch.ops.moe_fp8, name)
+    with pytest.raises(RuntimeError, match=f"{name}: expected w to be 2-D"):
+        raw(torch.zeros(2, 2, 2, 2), torch.float8_e4m3fn)
+    with pytest.raises(RuntimeError, match=f"{name}: expected w .*bfloat16, float16 or float32"):
+        raw(torch.zeros(4, 4, dtype=torch.int32), torch.float8_e4m3fn)
 
 
 # ---- opcheck and torch.compile ------------------------------------------------------------
@@ -502,6 +665,12 @@ OPCHECK_CASES = [
     ("quantize_blockwise_act_transposed_lhs", lambda d: (_x(d).t().contiguous().t(), torch.float8_e4m3fnuz, None, None, None)),
     ("quantize_blockwise_act_transposed_lhs", lambda d: (_x(d), torch.float8_e4m3fn, _offs(d), None, None)),
     ("quantize_blockwise_act_transposed_lhs", lambda d: (_x(d), torch.float8_e4m3fnuz, _any_offs(d), _starts(d, 256), 256)),
+    ("quantize_blockwise_weight_rhs", lambda d: (_x(d), torch.float8_e4m3fn)),
+    ("quantize_blockwise_weight_rhs", lambda d: (randn((3, 130, 200), torch.float16, d), torch.float8_e4m3fnuz)),
+    ("quantize_blockwise_weight_transposed_rhs", lambda d: (_x(d).t(), torch.float8_e4m3fn)),
+    ("quantize_blockwise_weight_transposed_rhs", lambda d: (randn((2, 129, 64), torch.float32, d), torch.float8_e5m2)),
+    ("quantize_blockwise_weight_dual", lambda d: (_x(d), torch.float8_e4m3fnuz)),
+    ("quantize_blockwise_weight_dual", lambda d: (randn((2, 300, 129), torch.bfloat16, d), torch.float8_e4m3fn)),
 ]
 
 
@@ -516,7 +685,8 @@ def _bw_step(a, offs, starts):
     q2, s2 = moe_fp8_ext.quantize_blockwise_act_rhs(a, torch.float8_e4m3fnuz)
     q3, s3 = moe_fp8_ext.quantize_blockwise_act_transposed_lhs(a * 2, torch.float8_e4m3fn, offs, starts, 128)
     q4, s4 = moe_fp8_ext.quantize_blockwise_act_rhs(a, torch.float8_e4m3fn, offs, starts, 128)
-    return q1, s1, q2, s2, q3, s3, q4, s4
+    w = moe_fp8_ext.quantize_blockwise_weight_dual(a * 0.5, torch.float8_e4m3fn)
+    return q1, s1, q2, s2, q3, s3, q4, s4, *w
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -563,6 +733,8 @@ def test_large_same_as_cpu(fp8):
         same_as_cpu(lambda u: lhs(u, fp8), t)
         same_as_cpu(lambda u: rhs(u, fp8), t)
         same_as_cpu(lambda u: tlhs(u, fp8), t)
+    for w in (x, x[:, 1:7001], x.t(), x.view(8, 1024, 7168)):
+        same_as_cpu(lambda u: wdual(u, fp8), w)
     offs = random_offs(8192, 64, alignment=128, generator=torch.Generator().manual_seed(2))
     same_as_cpu(lambda u, o: rhs(u, fp8, o), x[:, :1000], offs)
     same_as_cpu(lambda u, o: tlhs(u, fp8, o), x[:, :1000], offs)

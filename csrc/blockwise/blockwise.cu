@@ -10,7 +10,11 @@ namespace moe_fp8 {
 
 extern const QuantKernels kBlockwiseCuda;
 const QuantKernels kBlockwiseCuda = cuda_quant_kernels<BlockwiseRules, BlockwiseBlocks, BlockwiseLayouts>();
+extern const TileKernels kBlockwiseTilesCuda;
+const TileKernels kBlockwiseTilesCuda = cuda_tile_kernels<BlockwiseRules>();
 
 }  // namespace moe_fp8
 
-TORCH_LIBRARY_IMPL(moe_fp8, CUDA, m) { moe_fp8::BlockwiseOn<moe_fp8::kBlockwiseCuda>::register_impls(m); }
+TORCH_LIBRARY_IMPL(moe_fp8, CUDA, m) {
+  moe_fp8::BlockwiseOn<moe_fp8::kBlockwiseCuda, moe_fp8::kBlockwiseTilesCuda>::register_impls(m);
+}

@@ -9,7 +9,11 @@ namespace moe_fp8 {
 
 extern const QuantKernels kBlockwiseCpu;
 const QuantKernels kBlockwiseCpu = cpu_quant_kernels<BlockwiseRules, BlockwiseBlocks, BlockwiseLayouts>();
+extern const TileKernels kBlockwiseTilesCpu;
+const TileKernels kBlockwiseTilesCpu = cpu_tile_kernels<BlockwiseRules>();
 
 }  // namespace moe_fp8
 
-TORCH_LIBRARY_IMPL(moe_fp8, CPU, m) { moe_fp8::BlockwiseOn<moe_fp8::kBlockwiseCpu>::register_impls(m); }
+TORCH_LIBRARY_IMPL(moe_fp8, CPU, m) {
+  moe_fp8::BlockwiseOn<moe_fp8::kBlockwiseCpu, moe_fp8::kBlockwiseTilesCpu>::register_impls(m);
+}

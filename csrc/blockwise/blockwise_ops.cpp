@@ -107,4 +107,68 @@ std::tuple<at::Tensor, at::Tensor> quantize_blockwise_act_cols(const QuantKernel
   return {q, scale};
 }
 
+std::vector<at::Tensor> quantize_blockwise_weight(const TileKernels& k, const at::Tensor& w, at::ScalarType fp8_dtype,
+                                                  int which) {
+  const char* op = which == 0   ? "quantize_blockwise_weight_rhs"
+                   : which == 1 ? "quantize_blockwise_weight_transposed_rhs"
+                                : "quantize_blockwise_weight_dual";
+  const InputKind in = input_kind(w, op, "w");
+  TORCH_CHECK(w.dim() == 2 || w.dim() == 3, op, ": expected w to be 2-D (M, N) or 3-D (E, M, N), got ", w.dim(),
+              "-D");
+  const Fp8Format fmt = fp8_format(fp8_dtype, op);
+  const bool batched = w.dim() == 3;
+  const int64_t E = batched ? w.size(0) : 1, M = w.size(-2), N = w.size(-1);
+  const int64_t TM = ceil_div(M, kTile), TN = ceil_div(N, kTile);
+  const auto qopts = w.options().dtype(fp8_dtype);
+  const auto sopts = w.options().dtype(at::kFloat);
+  // Column-major per expert: q (M, N) strides (1, M), q^T (N, M) strides (1, N) (w's
+  // row-major bytes); the scales (TM, TN) and (TN, TM) likewise.
+  auto make = [&](int64_t rows, int64_t cols, const at::TensorOptions& o) {
+    const int64_t r1 = std::max<int64_t>(rows, 1);
+    return batched ? at::empty_strided({E, rows, cols}, {rows * cols, 1, r1}, o)
+                   : at::empty_strided({rows, cols}, {1, r1}, o);
+  };
+  std::vector<at::Tensor> outs;
+  TilesArgs a;
+  a.batches = E;
+  a.rows = M;
+  a.cols = N;
+  a.sb = batched ? w.stride(0) : 0;
+  a.sr = w.stride(-2);
+  a.sc = w.stride(-1);
+  a.num_out = 0;
+  if (which == 0 || which == 2) {
+    at::Tensor q = make(M, N, qopts), s = make(TM, TN, sopts);
+    TileOut& o = a.out[a.num_out++];
+    o.q = static_cast<uint8_t*>(q.data_ptr());
+    o.q_sb = M * N;
+    o.q_sr = 1;
+    o.q_sc = M;
+    o.s = s.data_ptr();
+    o.s_sb = TM * TN;
+    o.s_si = 1;
+    o.s_sj = TM;
+    outs.push_back(q);
+    outs.push_back(s);
+  }
+  if (which == 1 || which == 2) {
+    at::Tensor q = make(N, M, qopts), s = make(TN, TM, sopts);
+    TileOut& o = a.out[a.num_out++];
+    o.q = static_cast<uint8_t*>(q.data_ptr());
+    o.q_sb = M * N;
+    o.q_sr = N;  // element (r, c) of w is q^T[c, r], at c + r * N
+    o.q_sc = 1;
+    o.s = s.data_ptr();
+    o.s_sb = TM * TN;
+    o.s_si = TN;  // tile (i, j) is s^T[j, i], at j + i * TN
+    o.s_sj = 1;
+    outs.push_back(q);
+    outs.push_back(s);
+  }
+  if (E == 0 || M == 0 || N == 0) return outs;
+  a.x = w.data_ptr();
+  k.tiles(in, fmt, ScaleRuleKind::kFp32Exact, a, w.device().index());
+  return outs;
+}
+
 }  // namespace moe_fp8

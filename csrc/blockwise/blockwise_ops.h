@@ -14,6 +14,14 @@
 //                        column-major is act_rhs's row-major scale transposed.
 // The transposing ops take token groups (offs; or padded_starts + alignment, q in the
 // padded layout of DESIGN §8) with blocks restarting at each group's first row.
+//
+// The weight ops are one launch of the engine's "tiles" shape (one scale per 128x128
+// tile) for w (M, N) or (E, M, N), any strides:
+//  * weight_rhs:            q (M, N) column-major, scale (ceil(M/128), ceil(N/128))
+//                           column-major (per expert for 3-D);
+//  * weight_transposed_rhs: q (N, M) column-major, scale (ceil(N/128), ceil(M/128))
+//                           column-major;
+//  * weight_dual:           both from one read (a tile and its transpose share the scale).
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -22,6 +30,7 @@
 
 #include <optional>
 #include <tuple>
+#include <vector>
 
 #include "../quant/engine.h"
 
@@ -42,7 +51,11 @@ std::tuple<at::Tensor, at::Tensor> quantize_blockwise_act_cols(const QuantKernel
                                                                const std::optional<at::Tensor>& padded_starts,
                                                                std::optional<int64_t> alignment, bool transposed);
 
-template <const QuantKernels& K>
+// which: 0 weight_rhs, 1 weight_transposed_rhs, 2 both (q, scale, q_t, scale_t).
+std::vector<at::Tensor> quantize_blockwise_weight(const TileKernels& k, const at::Tensor& w, at::ScalarType fp8_dtype,
+                                                  int which);
+
+template <const QuantKernels& K, const TileKernels& TK>
 struct BlockwiseOn {
   static std::tuple<at::Tensor, at::Tensor> act_lhs(const at::Tensor& x, at::ScalarType fp8_dtype) {
     return quantize_blockwise_act_lhs(K, x, fp8_dtype);
@@ -59,7 +72,23 @@ struct BlockwiseOn {
                                                                std::optional<int64_t> alignment) {
     return quantize_blockwise_act_cols(K, x, fp8_dtype, offs, starts, alignment, true);
   }
+  static std::tuple<at::Tensor, at::Tensor> weight_rhs(const at::Tensor& w, at::ScalarType fp8_dtype) {
+    auto o = quantize_blockwise_weight(TK, w, fp8_dtype, 0);
+    return {o[0], o[1]};
+  }
+  static std::tuple<at::Tensor, at::Tensor> weight_transposed_rhs(const at::Tensor& w, at::ScalarType fp8_dtype) {
+    auto o = quantize_blockwise_weight(TK, w, fp8_dtype, 1);
+    return {o[0], o[1]};
+  }
+  static std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> weight_dual(const at::Tensor& w,
+                                                                                at::ScalarType fp8_dtype) {
+    auto o = quantize_blockwise_weight(TK, w, fp8_dtype, 2);
+    return {o[0], o[1], o[2], o[3]};
+  }
   static void register_impls(torch::Library& m) {
+    m.impl("quantize_blockwise_weight_rhs", TORCH_FN(weight_rhs));
+    m.impl("quantize_blockwise_weight_transposed_rhs", TORCH_FN(weight_transposed_rhs));
+    m.impl("quantize_blockwise_weight_dual", TORCH_FN(weight_dual));
     m.impl("quantize_blockwise_act_lhs", TORCH_FN(act_lhs));
     m.impl("quantize_blockwise_act_rhs", TORCH_FN(act_rhs));
     m.impl("quantize_blockwise_act_transposed_lhs", TORCH_FN(act_transposed_lhs));

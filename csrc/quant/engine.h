@@ -181,6 +181,30 @@ MOE_FP8_HD int64_t cols_scale_col_base(const ColsArgs& a, const ScaleOut& s, int
   return (a.jagged && block > 0) ? seg.q_start / block : 0;
 }
 
+// The "tiles" shape (FP8 blockwise weights, DESIGN §6): one scale per 128x128 tile of
+// each batch of x. Element (b, r, c) of x is at x + b*sb + r*sr + c*sc (elements);
+// tile (b, i, j) covers rows [128 i, 128 i + 128) and columns [128 j, 128 j + 128),
+// clipped to rows x cols (a partial tile's amax is over its valid part). Each output
+// k gets the codes at q + b*q_sb + r*q_sr + c*q_sc (bytes) and the tile's scale at
+// s + b*s_sb + i*s_si + j*s_sj (elements): a tile and its transpose share the scale,
+// so one read writes both orientations of a weight.
+constexpr int kTile = 128;
+
+struct TileOut {
+  uint8_t* q = nullptr;
+  int64_t q_sb = 0, q_sr = 0, q_sc = 0;
+  void* s = nullptr;
+  int64_t s_sb = 0, s_si = 0, s_sj = 0;
+};
+
+struct TilesArgs {
+  const void* x = nullptr;
+  int64_t batches = 0, rows = 0, cols = 0;
+  int64_t sb = 0, sr = 0, sc = 1;
+  TileOut out[2];
+  int num_out = 1;
+};
+
 // Which policies a launch uses, as runtime values; each recipe's .cu and CPU file map
 // the combinations it instantiates (dispatch_quant below) and reject the rest.
 struct QuantSpec {
@@ -196,6 +220,12 @@ struct QuantKernels {
   void (*rows)(InputKind in, Fp8Format fmt, const QuantSpec& spec, const RowsArgs& a, int device);
   void (*cols)(InputKind in, Fp8Format fmt, const QuantSpec& spec, const ColsArgs& a, int64_t expected_segment_rows,
                int device);
+};
+
+// One device's runner of the tiles shape for a recipe's scale rules (blockwise: the
+// weights), beside its QuantKernels.
+struct TileKernels {
+  void (*tiles)(InputKind in, Fp8Format fmt, ScaleRuleKind rule, const TilesArgs& a, int device);
 };
 
 // ---- compile-time policy lists and their dispatch ------------------------------------

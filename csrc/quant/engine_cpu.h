@@ -112,6 +112,37 @@ void cols(const ColsArgs& a) {
   }
 }
 
+// 128x128 tiles: the tile's amax (abs bits, NaN above Inf), its scale, every output.
+template <typename T, Fp8Format F, class Rule>
+void tiles(const TilesArgs& a) {
+  constexpr float kMax = Fp8Spec<F>::kMax;
+  const T* x = static_cast<const T*>(a.x);
+  const int64_t ti = ceil_div(a.rows, kTile), tj = ceil_div(a.cols, kTile);
+  at::parallel_for(0, a.batches * ti * tj, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t b = t / (ti * tj), i = (t / tj) % ti, j = t % tj;
+      const int64_t r0 = i * kTile, r1 = std::min(a.rows, r0 + kTile);
+      const int64_t c0 = j * kTile, c1 = std::min(a.cols, c0 + kTile);
+      const T* xb = x + b * a.sb;
+      uint32_t amax = 0;
+      for (int64_t r = r0; r < r1; ++r) {
+        for (int64_t c = c0; c < c1; ++c) amax = std::max(amax, abs_bits(static_cast<float>(xb[r * a.sr + c * a.sc])));
+      }
+      const auto sc = Rule::template from_amax_bits<F>(amax);
+      for (int k = 0; k < a.num_out; ++k) {
+        const TileOut& o = a.out[k];
+        static_cast<typename Rule::stored_t*>(o.s)[b * o.s_sb + i * o.s_si + j * o.s_sj] = sc.stored;
+        for (int64_t r = r0; r < r1; ++r) {
+          for (int64_t c = c0; c < c1; ++c) {
+            o.q[b * o.q_sb + r * o.q_sr + c * o.q_sc] =
+                encode_fp8<F>(scale_clamp(static_cast<float>(xb[r * a.sr + c * a.sc]), sc.encode, kMax));
+          }
+        }
+      }
+    }
+  });
+}
+
 // The runners of one recipe's instantiations: policy lists -> a QuantKernels entry.
 template <class Rules, class Blocks, class Layouts>
 void run_rows(InputKind in, Fp8Format fmt, const QuantSpec& spec, const RowsArgs& a, int /*device*/) {
@@ -134,7 +165,38 @@ void run_cols(InputKind in, Fp8Format fmt, const QuantSpec& spec, const ColsArgs
   TORCH_CHECK(ran, "moe_fp8: internal error: no CPU cols instantiation for this scale rule, block and layout");
 }
 
+template <class Rule, typename T, Fp8Format F>
+bool try_tiles(ScaleRuleKind rule, const TilesArgs& a) {
+  if constexpr (Rule::supports(F)) {
+    if (rule_kind<Rule>() != rule) return false;
+    tiles<T, F, Rule>(a);
+    return true;
+  } else {
+    return false;
+  }
+}
+
+template <class... Rules>
+void run_tiles_impl(RuleList<Rules...>, InputKind in, Fp8Format fmt, ScaleRuleKind rule, const TilesArgs& a) {
+  bool ran = false;
+  dispatch_input_fp8(in, fmt, [&](auto kin, auto kfmt) {
+    using T = typename CpuInput<decltype(kin)::value>::type;
+    ran = (try_tiles<Rules, T, decltype(kfmt)::value>(rule, a) || ...);
+  });
+  TORCH_CHECK(ran, "moe_fp8: internal error: no CPU tiles instantiation for this scale rule");
+}
+
+template <class Rules>
+void run_tiles(InputKind in, Fp8Format fmt, ScaleRuleKind rule, const TilesArgs& a, int /*device*/) {
+  run_tiles_impl(Rules{}, in, fmt, rule, a);
+}
+
 }  // namespace engine_cpu
+
+template <class Rules>
+constexpr TileKernels cpu_tile_kernels() {
+  return {&engine_cpu::run_tiles<Rules>};
+}
 
 template <class Rules, class Blocks, class Layouts>
 constexpr QuantKernels cpu_quant_kernels() {

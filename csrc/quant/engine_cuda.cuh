@@ -13,6 +13,7 @@
 #include "../core/launch.h"
 #include "cols_kernel.cuh"
 #include "rows_kernel.cuh"
+#include "tiles_kernel.cuh"
 
 namespace moe_fp8 {
 namespace engine_cuda {
@@ -75,7 +76,41 @@ void run_cols(InputKind in, Fp8Format fmt, const QuantSpec& spec, const ColsArgs
   gpu.check(err, "cols quantization");
 }
 
+template <class Rule, InputKind K, Fp8Format F>
+bool try_tiles(ScaleRuleKind rule, const TilesArgs& a, gpuStream_t stream, int* err) {
+  if constexpr (Rule::supports(F)) {
+    if (rule_kind<Rule>() != rule) return false;
+    *err = launch_quantize_tiles<K, F, Rule>(a, stream);
+    return true;
+  } else {
+    return false;
+  }
+}
+
+template <class... Rules>
+void run_tiles_impl(RuleList<Rules...>, InputKind in, Fp8Format fmt, ScaleRuleKind rule, const TilesArgs& a,
+                    int device) {
+  const GpuLaunch gpu(device);
+  int err = 0;
+  bool ran = false;
+  dispatch_input_fp8(in, fmt, [&](auto kin, auto kfmt) {
+    ran = (try_tiles<Rules, decltype(kin)::value, decltype(kfmt)::value>(rule, a, gpu.stream(), &err) || ...);
+  });
+  TORCH_CHECK(ran, "moe_fp8: internal error: no GPU tiles instantiation for this scale rule");
+  gpu.check(err, "tiles quantization");
+}
+
+template <class Rules>
+void run_tiles(InputKind in, Fp8Format fmt, ScaleRuleKind rule, const TilesArgs& a, int device) {
+  run_tiles_impl(Rules{}, in, fmt, rule, a, device);
+}
+
 }  // namespace engine_cuda
+
+template <class Rules>
+constexpr TileKernels cuda_tile_kernels() {
+  return {&engine_cuda::run_tiles<Rules>};
+}
 
 template <class Rules, class Blocks, class Layouts>
 constexpr QuantKernels cuda_quant_kernels() {
