@@ -176,26 +176,29 @@ bool try_tiles(ScaleRuleKind rule, const TilesArgs& a) {
   }
 }
 
-template <class... Rules>
-void run_tiles_impl(RuleList<Rules...>, InputKind in, Fp8Format fmt, ScaleRuleKind rule, const TilesArgs& a) {
-  bool ran = false;
-  dispatch_input_fp8(in, fmt, [&](auto kin, auto kfmt) {
-    using T = typename CpuInput<decltype(kin)::value>::type;
-    ran = (try_tiles<Rules, T, decltype(kfmt)::value>(rule, a) || ...);
-  });
-  TORCH_CHECK(ran, "moe_fp8: internal error: no CPU tiles instantiation for this scale rule");
+// The first rule of the list that is `rule` (and supports F) runs.
+template <typename T, Fp8Format F, class... Rules>
+bool any_tiles(RuleList<Rules...>, ScaleRuleKind rule, const TilesArgs& a) {
+  return (try_tiles<Rules, T, F>(rule, a) || ...);
 }
 
 template <class Rules>
 void run_tiles(InputKind in, Fp8Format fmt, ScaleRuleKind rule, const TilesArgs& a, int /*device*/) {
-  run_tiles_impl(Rules{}, in, fmt, rule, a);
+  bool ran = false;
+  const Rules rules{};
+  dispatch_input_fp8(in, fmt, [&](auto kin, auto kfmt) {
+    ran = any_tiles<typename CpuInput<decltype(kin)::value>::type, decltype(kfmt)::value>(rules, rule, a);
+  });
+  TORCH_CHECK(ran, "moe_fp8: internal error: no CPU tiles instantiation for this scale rule");
 }
 
 }  // namespace engine_cpu
 
 template <class Rules>
 constexpr TileKernels cpu_tile_kernels() {
-  return {&engine_cpu::run_tiles<Rules>};
+  TileKernels k{};  // (a one-member brace list would be read as a conversion of the overload set)
+  k.tiles = &engine_cpu::run_tiles<Rules>;
+  return k;
 }
 
 template <class Rules, class Blocks, class Layouts>

@@ -87,29 +87,32 @@ bool try_tiles(ScaleRuleKind rule, const TilesArgs& a, gpuStream_t stream, int* 
   }
 }
 
-template <class... Rules>
-void run_tiles_impl(RuleList<Rules...>, InputKind in, Fp8Format fmt, ScaleRuleKind rule, const TilesArgs& a,
-                    int device) {
-  const GpuLaunch gpu(device);
-  int err = 0;
-  bool ran = false;
-  dispatch_input_fp8(in, fmt, [&](auto kin, auto kfmt) {
-    ran = (try_tiles<Rules, decltype(kin)::value, decltype(kfmt)::value>(rule, a, gpu.stream(), &err) || ...);
-  });
-  TORCH_CHECK(ran, "moe_fp8: internal error: no GPU tiles instantiation for this scale rule");
-  gpu.check(err, "tiles quantization");
+// The first rule of the list that is `rule` (and supports F) runs.
+template <InputKind K, Fp8Format F, class... Rules>
+bool any_tiles(RuleList<Rules...>, ScaleRuleKind rule, const TilesArgs& a, gpuStream_t stream, int* err) {
+  return (try_tiles<Rules, K, F>(rule, a, stream, err) || ...);
 }
 
 template <class Rules>
 void run_tiles(InputKind in, Fp8Format fmt, ScaleRuleKind rule, const TilesArgs& a, int device) {
-  run_tiles_impl(Rules{}, in, fmt, rule, a, device);
+  const GpuLaunch gpu(device);
+  int err = 0;
+  bool ran = false;
+  const Rules rules{};
+  dispatch_input_fp8(in, fmt, [&](auto kin, auto kfmt) {
+    ran = any_tiles<decltype(kin)::value, decltype(kfmt)::value>(rules, rule, a, gpu.stream(), &err);
+  });
+  TORCH_CHECK(ran, "moe_fp8: internal error: no GPU tiles instantiation for this scale rule");
+  gpu.check(err, "tiles quantization");
 }
 
 }  // namespace engine_cuda
 
 template <class Rules>
 constexpr TileKernels cuda_tile_kernels() {
-  return {&engine_cuda::run_tiles<Rules>};
+  TileKernels k{};  // (a one-member brace list would be read as a conversion of the overload set)
+  k.tiles = &engine_cuda::run_tiles<Rules>;
+  return k;
 }
 
 template <class Rules, class Blocks, class Layouts>
