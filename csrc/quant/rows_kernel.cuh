@@ -335,8 +335,8 @@ MOE_FP8_DEVICE ScaleCode<typename Rule::stored_t> encode_ring_unit(const uint4 (
 
 // One row in shared memory (nvec vectors at their ring slots), in at most
 // kRingRounds rounds of the thread block (the launcher sizes the block so); lanes
-// past the row carry zeros and write nothing. sink(round, block index, stored scale)
-// places the scales.
+// past the row carry zeros and write nothing. sink(block index, stored scale) places
+// the scales.
 constexpr int kRingRounds = 2;
 
 template <InputKind K, Fp8Format F, class Rule, int kBlock, class Sink>
@@ -357,7 +357,7 @@ MOE_FP8_DEVICE void rows_block_step(const uint4* ring_row, int64_t nvec, uint8_t
     }
     const int64_t k0 = u * G::kElems;
     const auto sc = encode_ring_unit<K, F, Rule, kBlock>(w, qr, k0, a.cols, true);
-    if (k0 < a.cols && threadIdx.x % G::kLanes == 0) sink(round, k0 / kBlock, sc.stored);
+    if (k0 < a.cols && threadIdx.x % G::kLanes == 0) sink(k0 / kBlock, sc.stored);
   }
 }
 
@@ -389,6 +389,7 @@ __global__ void __launch_bounds__(1024) quantize_rows_pipelined_kernel(RowsArgs 
   using T = typename In::storage;
   constexpr int kVec = 16 / sizeof(T);
   static_assert(kRowsStages == 2, "the loop below keeps one row ahead");
+  static_assert(!Layout::kBlocked, "blocked scales take the octet-tile kernel");
   extern __shared__ uint4 ring[];  // [kRowsStages][ring_vecs]
   const T* x = static_cast<const T*>(a.x);
   const int64_t nvec = a.cols / kVec;
@@ -412,9 +413,8 @@ __global__ void __launch_bounds__(1024) quantize_rows_pipelined_kernel(RowsArgs 
     uint8_t* qr = a.q + r * a.cols;
     const RowPos pos = row_pos(a, r);
     if constexpr (kBlock != kWholeSet) {
-      const int64_t row_base = rows_scale_row_base<Layout>(a, pos.inner);
-      rows_block_step<K, F, Rule, kBlock>(words, nvec, qr, a, [&](int, int64_t blk, typename Rule::stored_t v) {
-        if (row_base >= 0) store_scale<Rule>(a.scale, Layout::index(a.scale, pos.outer, pos.inner, blk, row_base, 0), v);
+      rows_block_step<K, F, Rule, kBlock>(words, nvec, qr, a, [&](int64_t blk, typename Rule::stored_t v) {
+        store_scale<Rule>(a.scale, Layout::index(a.scale, pos.outer, pos.inner, blk, 0, 0), v);
       });
     } else {
       __shared__ uint32_t s_red[kMaxWarpsPerBlock + 1];
@@ -738,7 +738,7 @@ int launch_quantize_rows(const RowsArgs& a, gpuStream_t stream) {
   // after a memset).
   const bool vec = rows_vector_ok<T>(a);
   const bool qvec = vec && reinterpret_cast<uintptr_t>(a.q) % 16 == 0;
-  const bool ring_ok = !Layout::kBlocked && vec && a.cols * static_cast<int64_t>(sizeof(T)) <= kRowsMaxStageBytes &&
+  const bool ring_ok = vec && a.cols * static_cast<int64_t>(sizeof(T)) <= kRowsMaxStageBytes &&
                        (kBlock == kWholeSet ||
                         (qvec && ceil_div(a.cols, RowsBlockGeometry<K, kBlock, true>::kChunk) >= kBlockRowMinChunks));
   if constexpr (Layout::kBlocked) {
@@ -751,12 +751,14 @@ int launch_quantize_rows(const RowsArgs& a, gpuStream_t stream) {
   if (a.rows == 0 || (kBlock != kWholeSet && a.cols == 0)) return 0;
   // The ring kernel (vector path, rows that fit a stage): about kRowsVecsPerThread
   // vectors a thread, 64 to 256 threads.
-  auto launch_ring = [&]() {
+  // Linear scales only (blocked ones take the octet-tile kernel), so the lambda is
+  // generic over the layout and instantiated only where it is called.
+  auto launch_ring = [&](auto layout) {
     const int64_t nvec = a.cols / kVecN;
     const int64_t pthreads = std::min<int64_t>(
         std::max<int64_t>(round_up(ceil_div(nvec, kRowsVecsPerThread), kWarpSize), 2 * kWarpSize), 256);
     const size_t smem = static_cast<size_t>(kRowsStages * ring_stage_vecs<kBlock>(nvec) * 16);
-    auto kernel = quantize_rows_pipelined_kernel<K, F, Rule, kBlock, Layout>;
+    auto kernel = quantize_rows_pipelined_kernel<K, F, Rule, kBlock, decltype(layout)>;
     const int64_t resident =
         static_cast<int64_t>(resident_blocks(kernel, static_cast<int>(pthreads), smem)) * multiprocessor_count();
     const dim3 grid(static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>(a.rows, resident))));
@@ -776,7 +778,9 @@ int launch_quantize_rows(const RowsArgs& a, gpuStream_t stream) {
       const dim3 grid(static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>(a.rows, resident))));
       return launch_kernel(kernel, grid, dim3(static_cast<unsigned>(threads)), 0, stream, 1, a, chunks);
     };
-    if (ring_ok) return launch_ring();
+    if constexpr (!Layout::kBlocked) {
+      if (ring_ok) return launch_ring(Layout{});
+    }
     if (ceil_div(a.cols, RowsBlockGeometry<K, kBlock, true>::kChunk) >= kBlockRowMinChunks) {
       if (qvec) {
         return launch_by_row(quantize_rows_blocks_by_row_kernel<K, F, Rule, kBlock, Layout, true>,
@@ -808,7 +812,9 @@ int launch_quantize_rows(const RowsArgs& a, gpuStream_t stream) {
     // blocks (many per SM), long rows up to 1024 threads.
     const int64_t threads =
         std::min<int64_t>(round_up(std::max<int64_t>(ceil_div(nvec, kRowsRegVecs), 1), kWarpSize), 1024);
-    if (ring_ok) return launch_ring();
+    if constexpr (!Layout::kBlocked) {
+      if (ring_ok) return launch_ring(Layout{});
+    }
     const dim3 block(static_cast<unsigned>(threads));
     auto kernel = vec ? quantize_rows_kernel<K, F, Rule, Layout, kVecN> : quantize_rows_kernel<K, F, Rule, Layout, 1>;
     // Persistent grid: as many blocks as can be resident, each looping over rows.
