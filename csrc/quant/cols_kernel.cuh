@@ -222,7 +222,10 @@ __global__ void __launch_bounds__(kColsThreads, kColsMinBlocks) quantize_cols_ke
   // Row counts below are 32-bit (the launcher checks rows < 2^31): 64-bit division is a
   // long software sequence, and this setup runs once per block.
   const int q_len = static_cast<int>(seg.q_len);
-  const int chunk = static_cast<int>(round_up_u32(ceil_div_u32(q_len, cluster), kColsFragRows));
+  // A slice is whole fragments; in block mode whole blocks (blocks restart at the
+  // segment's first q row), so the slices of a segment are independent.
+  constexpr int kSliceUnit = kBlock == kWholeSet ? kColsFragRows : kBlock;
+  const int chunk = static_cast<int>(round_up_u32(ceil_div_u32(q_len, cluster), kSliceUnit));
   const int my_off = std::min(q_len, rank * chunk);
   const int my_qlen = std::min(q_len, my_off + chunk) - my_off;
   const int64_t my_start = seg.start + my_off;
@@ -238,6 +241,8 @@ __global__ void __launch_bounds__(kColsThreads, kColsMinBlocks) quantize_cols_ke
     // Blocks of kBlock rows (a divisor of one 128-row pass) from the segment's first
     // q row: one pass, each staged row read once. A block's column amax is a butterfly
     // over the kBlock / kColsFragRows adjacent row-block lanes that hold its fragments.
+    // `cluster` blocks split the segment into slices of whole blocks (no exchange: an
+    // ordinary launch, see launch_quantize_cols).
     static_assert(kColsPassRows % kBlock == 0 && kBlock % kColsFragRows == 0, "blocks tile a pass");
     constexpr int kLanes = kBlock / kColsFragRows;
     bool col_ok[kC];
@@ -246,11 +251,11 @@ __global__ void __launch_bounds__(kColsThreads, kColsMinBlocks) quantize_cols_ke
     // The tail segment (past the groups) has no scales and no entry in group_starts.
     const int64_t col_base = seg.zero_fill ? 0 : cols_scale_col_base<Layout>(a, op.scale, seg_id, seg, kBlock);
     const int64_t group_cols = round_up(ceil_div(seg.q_len, kBlock), 4);  // a K group's own blocked width
-    uint8_t* qblk = op.q + seg.batch * op.q_sb + (c0 + cg * kC) * op.q_sc + seg.q_start;
-    const int qchunks = static_cast<int>(ceil_div_u32(q_len, cache_rows));
+    uint8_t* qblk = op.q + seg.batch * op.q_sb + (c0 + cg * kC) * op.q_sc + seg.q_start + my_off;
+    const int qchunks = static_cast<int>(ceil_div_u32(my_qlen, cache_rows));
     for (int ch = 0; ch < qchunks; ++ch) {
       const int base = ch * cache_rows;
-      const int nq = std::min(cache_rows, q_len - base);
+      const int nq = std::min(cache_rows, my_qlen - base);
       const int n = std::max(0, std::min(nq, my_len - base));
       if (ch > 0) __syncthreads();  // the previous chunk's readers are done
       if (n > 0) stage_rows<T, kVec>(xblk, op.sr, op.sc, my_start + base, n, valid_cols, tile);
@@ -263,7 +268,7 @@ __global__ void __launch_bounds__(kColsThreads, kColsMinBlocks) quantize_cols_ke
         amax.add(f);
         amax.reduce_lanes(kLanes);
         if (r0 >= nq) continue;
-        const int64_t blk = (base + r0) / kBlock;
+        const int64_t blk = (my_off + base + r0) / kBlock;
 #pragma unroll
         for (int c = 0; c < kC; ++c) {
           if (!col_ok[c]) continue;
@@ -363,8 +368,8 @@ inline bool cols_vector_ok(const ColsOperand& op) {
 }
 
 struct ColsLaunchPlan {
-  int cluster;
-  int cache_rows;
+  int cluster;     // blocks per segment (whole-set: one hardware cluster; block mode: independent slices)
+  int cache_rows;  // rows staged in shared memory at a time
 };
 
 // Choose the cluster size and the cached rows per block from the expected segment
@@ -376,15 +381,23 @@ struct ColsLaunchPlan {
 // 768-row cache, two blocks an SM: 73%); 72 KB is the largest budget that keeps three.
 constexpr int64_t kColsSmemBudget = 72 * 1024;
 
-// Block mode (blocks of 32 or 128 rows) needs no cross-block exchange: one block a
-// segment slice, chunks of whole 128-row passes.
+// Block mode (blocks of 32 or 128 rows) needs no cross-block exchange: the blocks of
+// a segment slice (about kColsBlockSliceRows rows, whole scale blocks) run as
+// independent thread blocks, each in chunks of whole 128-row passes.
+constexpr int64_t kColsBlockSliceRows = 2048;
 inline ColsLaunchPlan plan_cols_launch(int64_t expected_rows, int num_segments, int max_smem_bytes,
                                        bool clusters, int block = kWholeSet) {
   const int64_t budget = std::min<int64_t>(max_smem_bytes - 8192, kColsSmemBudget);
   const int64_t max_rows = std::max<int64_t>(budget / kColsTileBytes / kColsFragRows * kColsFragRows, kColsFragRows);
   if (block != kWholeSet) {
+    // Slices of about kColsBlockSliceRows rows (whole blocks): a long segment (one
+    // unsplit operand of 65536 rows) is spread over many blocks instead of walked by
+    // one block per column tile.
     const int64_t pass_rows = std::max<int64_t>(max_rows / kColsPassRows * kColsPassRows, kColsPassRows);
-    return {1, static_cast<int>(std::min<int64_t>(round_up(std::max<int64_t>(expected_rows, 1), kColsPassRows), pass_rows))};
+    int64_t slices = std::max<int64_t>(ceil_div(std::max<int64_t>(expected_rows, 1), kColsBlockSliceRows), 1);
+    slices = std::min<int64_t>(slices, std::max<int64_t>(65535 / std::max(num_segments, 1), 1));
+    const int64_t slice_rows = round_up(ceil_div(std::max<int64_t>(expected_rows, 1), slices), kColsPassRows);
+    return {static_cast<int>(slices), static_cast<int>(std::min<int64_t>(slice_rows, pass_rows))};
   }
   int cluster = 1;
   if (clusters) {
@@ -408,7 +421,10 @@ int launch_quantize_cols(const ColsArgs& a, ColsLaunchPlan plan, gpuStream_t str
   const size_t smem = static_cast<size_t>(plan.cache_rows) * kColsTileBytes;
   auto kernel = vec ? quantize_cols_kernel<K, F, Rule, kBlock, Layout, true>
                    : quantize_cols_kernel<K, F, Rule, kBlock, Layout, false>;
-  return launch_kernel(kernel, grid, dim3(kColsThreads), smem, stream, plan.cluster, a, plan.cluster, plan.cache_rows);
+  // plan.cluster splits each segment; only the whole-set reduction exchanges amax
+  // across them (a hardware cluster), block mode's slices are independent.
+  const int hw_cluster = kBlock == kWholeSet ? plan.cluster : 1;
+  return launch_kernel(kernel, grid, dim3(kColsThreads), smem, stream, hw_cluster, a, plan.cluster, plan.cache_rows);
 }
 
 }  // namespace moe_fp8

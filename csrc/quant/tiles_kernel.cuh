@@ -3,15 +3,29 @@
 // sizes and a stream only (no torch headers), so the file can be compile-checked for
 // any target and hipified as is.
 //
-// One thread block a tile: the tile is read once into shared memory (any input
-// strides; coalesced when the columns are contiguous), its amax reduced over the
-// block, and every output written from shared memory walking its contiguous dimension
-// (rows for a column-major output, columns for a row-major one), so a weight's two
-// orientations come from one read. Element (r, c) of the staged tile sits at
-// r * 128 + (c ^ (r % 32)): walking a column reads 32 banks, not one.
+// One thread block a tile, read once, every output written from it (a weight's two
+// orientations come from one read). The launcher first turns a column-major input
+// into its row-major transpose (rows <-> columns, each output's strides and scale
+// indices swapped with them), so the kernels see contiguous columns whenever the
+// input has a contiguous dimension.
+//
+// Vector kernel (2-byte inputs, 16-byte aligned rows): thread t holds the fragment of
+// rows 8 * (t % 16) .. +7 and columns 8 * (t / 16) .. +7 in registers, eight 16-byte
+// loads (the two half-warps read the two halves of each 32-byte sector). After the
+// block's amax, each output is written from the fragments:
+//   - an output contiguous along the tile's rows (q_sr == 1) gets one 8-byte run per
+//     fragment column, straight to global memory: a half-warp writes 128 contiguous
+//     bytes of one output column;
+//   - an output contiguous along the tile's columns (q_sc == 1) gets one 8-byte run
+//     per fragment row, staged in shared memory (16-byte chunk j of row r at
+//     j ^ ((r / 8) % 8)) and copied out in 16-byte stores, 128 bytes a row.
+// Scalar kernel (fp32, or any other strides): the tile is staged in shared memory
+// element by element (r * 128 + (c ^ (r % 32)): walking a column reads 32 banks) and
+// every output written walking its contiguous dimension.
 #pragma once
 
 #include <cstdint>
+#include <utility>
 
 #include "../core/numerics.h"
 #include "../core/portability.h"
@@ -66,13 +80,141 @@ __global__ void __launch_bounds__(kTilesThreads) quantize_tiles_kernel(TilesArgs
   }
 }
 
+constexpr int kTileFragRows = 8;  // rows of a vector-kernel fragment
+constexpr int kTileFragCols = 8;  // 2-byte columns of a fragment: one 16-byte load a row
+constexpr int kTileRowGroups = kTile / kTileFragRows;
+static_assert(kTileRowGroups * (kTile / kTileFragCols) == kTilesThreads, "one fragment a thread");
+
+// Element (i, j) of a fragment row (eight 2-byte values in a uint4) as a float.
+template <InputKind K>
+MOE_FP8_DEVICE float tile_elem(const uint4& v, int j) {
+  const uint32_t w = j < 4 ? (j < 2 ? v.x : v.y) : (j < 6 ? v.z : v.w);
+  return DeviceInput<K>::to_float(static_cast<uint16_t>((j % 2) ? (w >> 16) : (w & 0xFFFFu)));
+}
+
+// Byte offset of (row r, byte b) in the staged fp8 tile of the vector kernel.
+MOE_FP8_DEVICE int qtile_offset(int r, int b) { return r * kTile + ((((b >> 4) ^ ((r >> 3) & 7)) << 4) | (b & 15)); }
+
 template <InputKind K, Fp8Format F, class Rule>
-int launch_quantize_tiles(const TilesArgs& a, gpuStream_t stream) {
+__global__ void __launch_bounds__(kTilesThreads) quantize_tiles_vec_kernel(TilesArgs a, int64_t tiles_i,
+                                                                          int64_t tiles_j) {
   using T = typename DeviceInput<K>::storage;
+  static_assert(sizeof(T) == 2, "the vector kernel reads 2-byte inputs");
+  __shared__ uint4 s_q[kTile * kTile / 16];  // one output's fp8 tile, swizzled (qtile_offset)
+  __shared__ uint32_t s_red[kMaxWarpsPerBlock + 1];
+  uint8_t* qs = reinterpret_cast<uint8_t*>(s_q);
+  const int64_t t = blockIdx.x;
+  const int64_t b = t / (tiles_i * tiles_j), i = (t / tiles_j) % tiles_i, j = t % tiles_j;
+  const int64_t r0 = i * kTile, c0 = j * kTile;
+  const int nr = static_cast<int>(a.rows - r0 < kTile ? a.rows - r0 : kTile);
+  const int nc = static_cast<int>(a.cols - c0 < kTile ? a.cols - c0 : kTile);
+  const int rg = threadIdx.x % kTileRowGroups, ch = threadIdx.x / kTileRowGroups;
+  const int fr = rg * kTileFragRows, fc = ch * kTileFragCols;  // the fragment's first row and column
+  const T* xf = static_cast<const T*>(a.x) + b * a.sb + (r0 + fr) * a.sr + c0 + fc;
+  uint4 v[kTileFragRows];
+#pragma unroll
+  for (int r = 0; r < kTileFragRows; ++r) {  // past the weight: zero, never the amax
+    v[r] = (fr + r < nr && fc < nc) ? *reinterpret_cast<const uint4*>(xf + r * a.sr) : make_uint4(0u, 0u, 0u, 0u);
+  }
+  uint32_t amax = 0;
+#pragma unroll
+  for (int r = 0; r < kTileFragRows; ++r) {
+#pragma unroll
+    for (int c = 0; c < kTileFragCols; ++c) amax = umax(amax, abs_bits(tile_elem<K>(v[r], c)));
+  }
+  amax = block_max(amax, s_red);
+  const auto sc = Rule::template from_amax_bits<F>(amax);
+  const bool whole = nr == kTile && nc == kTile;
+  for (int k = 0; k < a.num_out; ++k) {
+    const TileOut& o = a.out[k];
+    if (threadIdx.x == 0) static_cast<typename Rule::stored_t*>(o.s)[b * o.s_sb + i * o.s_si + j * o.s_sj] = sc.stored;
+    uint8_t* qt = o.q + b * o.q_sb + r0 * o.q_sr + c0 * o.q_sc;
+    if (o.q_sr == 1) {  // runs down the columns, straight to global memory
+      const bool vec = whole && o.q_sc % 8 == 0 && reinterpret_cast<uintptr_t>(qt) % 8 == 0;
+#pragma unroll
+      for (int c = 0; c < kTileFragCols; ++c) {
+        uint32_t w[2];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const uint16_t lo = scaled_fp8x2<F>(tile_elem<K>(v[4 * h], c), tile_elem<K>(v[4 * h + 1], c), sc.encode);
+          const uint16_t hi = scaled_fp8x2<F>(tile_elem<K>(v[4 * h + 2], c), tile_elem<K>(v[4 * h + 3], c), sc.encode);
+          w[h] = static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16);
+        }
+        uint8_t* dst = qt + (fc + c) * o.q_sc + fr;
+        if (vec) {
+          *reinterpret_cast<uint2*>(dst) = make_uint2(w[0], w[1]);
+        } else if (fc + c < nc) {
+#pragma unroll
+          for (int r = 0; r < kTileFragRows; ++r) {
+            if (fr + r < nr) dst[r] = static_cast<uint8_t>(w[r / 4] >> (8 * (r % 4)));
+          }
+        }
+      }
+    } else {  // runs along the rows, staged in shared memory, then 16-byte rows out
+      __syncthreads();  // the previous output's readers are done
+#pragma unroll
+      for (int r = 0; r < kTileFragRows; ++r) {
+        uint32_t w[2];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const uint16_t lo = scaled_fp8x2<F>(tile_elem<K>(v[r], 4 * h), tile_elem<K>(v[r], 4 * h + 1), sc.encode);
+          const uint16_t hi = scaled_fp8x2<F>(tile_elem<K>(v[r], 4 * h + 2), tile_elem<K>(v[r], 4 * h + 3), sc.encode);
+          w[h] = static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16);
+        }
+        *reinterpret_cast<uint2*>(qs + qtile_offset(fr + r, fc)) = make_uint2(w[0], w[1]);
+      }
+      __syncthreads();
+      const bool vec = whole && o.q_sc == 1 && o.q_sr % 16 == 0 && reinterpret_cast<uintptr_t>(qt) % 16 == 0;
+      constexpr int kChunks = kTile / 16;  // 16-byte chunks a row
+      for (int idx = threadIdx.x; idx < kTile * kChunks; idx += kTilesThreads) {
+        const int r = idx / kChunks, cb = (idx % kChunks) * 16;
+        const uint4 q = *reinterpret_cast<const uint4*>(qs + qtile_offset(r, cb));
+        if (vec) {
+          *reinterpret_cast<uint4*>(qt + r * o.q_sr + cb) = q;
+        } else if (r < nr) {
+          const uint8_t* qb = reinterpret_cast<const uint8_t*>(&q);
+          for (int c = 0; c < 16 && cb + c < nc; ++c) qt[r * o.q_sr + (cb + c) * o.q_sc] = qb[c];
+        }
+      }
+    }
+  }
+}
+
+// The input as a row-major matrix where it has a contiguous dimension: a column-major
+// input (sc != 1, sr == 1) becomes its transpose, with every output's row and column
+// strides and scale tile indices swapped to match.
+inline TilesArgs tiles_row_major(TilesArgs a) {
+  if (a.sc == 1 || a.sr != 1) return a;
+  std::swap(a.rows, a.cols);
+  std::swap(a.sr, a.sc);
+  for (int k = 0; k < a.num_out; ++k) {
+    std::swap(a.out[k].q_sr, a.out[k].q_sc);
+    std::swap(a.out[k].s_si, a.out[k].s_sj);
+  }
+  return a;
+}
+
+template <typename T>
+inline bool tiles_vector_ok(const TilesArgs& a) {
+  constexpr int64_t n = 16 / sizeof(T);
+  return sizeof(T) == 2 && a.sc == 1 && a.cols % n == 0 && a.sr % n == 0 && a.sb % n == 0 &&
+         reinterpret_cast<uintptr_t>(a.x) % 16 == 0;
+}
+
+template <InputKind K, Fp8Format F, class Rule>
+int launch_quantize_tiles(const TilesArgs& args, gpuStream_t stream) {
+  using T = typename DeviceInput<K>::storage;
+  const TilesArgs a = tiles_row_major(args);
   const int64_t ti = ceil_div(a.rows, int64_t{kTile}), tj = ceil_div(a.cols, int64_t{kTile});
   const int64_t n = a.batches * ti * tj;
   if (n == 0) return 0;
   if (n >= (int64_t{1} << 31)) return -1;
+  if constexpr (sizeof(T) == 2) {
+    if (tiles_vector_ok<T>(a)) {
+      return launch_kernel(quantize_tiles_vec_kernel<K, F, Rule>, dim3(static_cast<unsigned>(n)), dim3(kTilesThreads),
+                           0, stream, 1, a, ti, tj);
+    }
+  }
   const size_t smem = static_cast<size_t>(kTile) * kTile * sizeof(T);
   return launch_kernel(quantize_tiles_kernel<K, F, Rule>, dim3(static_cast<unsigned>(n)), dim3(kTilesThreads), smem,
                        stream, 1, a, ti, tj);
