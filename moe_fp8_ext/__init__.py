@@ -24,6 +24,7 @@ from .blockwise import (
     quantize_blockwise_weight_rhs,
     quantize_blockwise_weight_transposed_rhs,
 )
+from .experts import GroupedExperts, WeightCache, clear_weight_caches, experts
 from .grouped_mm import grouped_mm, grouped_mm_backend
 from .mxfp8 import (
     from_blocked_scales,
@@ -53,8 +54,12 @@ from .platform import build_info, default_fp8_dtype
 from .token_groups import pad_token_groups, permute_and_pad, unpad_token_groups, unpermute
 
 __all__ = [
+    "GroupedExperts",
+    "WeightCache",
     "build_info",
+    "clear_weight_caches",
     "default_fp8_dtype",
+    "experts",
     "from_blocked_scales",
     "from_blocked_scales_k_groups",
     "from_blocked_scales_m_groups",

@@ -129,6 +129,13 @@ class Recipe:
     def rhs_fwd(self, b_t: Tensor, fp8_dtype) -> Operand:
         raise NotImplementedError
 
+    def rhs_fwd_cat(self, b_ts, fp8_dtype) -> Operand:
+        """``rhs_fwd`` of the weights ``b_ts`` (each (E, K, N_i)) concatenated along N
+        (the experts layer's fused W1/W3 GEMM). Default: quantize the concatenation (a
+        copy with K contiguous); a recipe whose weight scales never span N overrides it
+        to quantize each part and concatenate the operands."""
+        return self.rhs_fwd(torch.cat([b.transpose(-2, -1) for b in b_ts], dim=1).transpose(-2, -1), fp8_dtype)
+
     def save_for_backward(self, A: Tensor, B_t: Tensor, lhs: Operand, rhs: Operand) -> Dict[str, Optional[Tensor]]:
         return {"A": A, "B_t": B_t}
 
@@ -254,6 +261,13 @@ class Fp8Rowwise(Recipe):
     def rhs_fwd(self, b_t, fp8_dtype):
         q, s = ops.quantize_experts_fwd(b_t, fp8_dtype, self.pow2_scale)
         return q, s.squeeze(1)
+
+    def rhs_fwd_cat(self, b_ts, fp8_dtype):
+        # One scale per (expert, output column) over K: the parts quantize alone, with
+        # the bits of the concatenation; the fp8 data is concatenated (half the bytes).
+        parts = [self.rhs_fwd(b, fp8_dtype) for b in b_ts]
+        q = torch.cat([p[0].transpose(-2, -1) for p in parts], dim=1).transpose(-2, -1)  # (E, K, N) col-major
+        return q, torch.cat([p[1] for p in parts], dim=1)
 
     def rhs_bwd(self, saved, fp8_dtype):
         q, s = ops.quantize_experts_bwd(saved["B_t"], fp8_dtype, self.pow2_scale)  # (E, N, K) column-major

@@ -1,0 +1,133 @@
+"""The SwiGLU experts layer, forward + backward (DESIGN §10, issue 15's shapes):
+bf16 (torchtitan's GroupedExperts math: three torch._grouped_mm calls, silu * mul, under
+torch autograd), ours = moe_fp8_ext.experts (fp8_rowwise) without and with weight reuse
+(4 micro-batches per optimizer step: the time is per micro-batch, the weights quantized
+once), and the previous way, three moe_fp8_ext.grouped_mm calls. Peak memory of one
+fwd+bwd above the inputs, and the bytes saved for backward, bf16 vs ours. Eager; with
+--compile also torch.compile'd.
+
+Correctness first: each shape's output and input gradient are checked against the
+bf16 layer (SQNR) before timing. Run: python bench/bench_experts.py [--quick] [--compile]
+"""
+
+import argparse
+import sys
+
+import torch
+import torch.nn.functional as F
+
+import moe_fp8_ext
+from moe_fp8_ext.experts import WeightCache, experts
+from moe_fp8_ext.moe import balanced_offs
+
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+from common import bench_us, fmt, print_table, sqnr  # noqa: E402
+
+SHAPES = [(32768, 7168, 2048, 8), (16384, 5120, 1536, 16), (65536, 2048, 1408, 64), (65536, 2048, 768, 128)]
+
+
+def bf16_layer(x, w1, w3, w2, offs):
+    """torchtitan 0.3.0 GroupedExperts.forward, without the module."""
+    def mm(a, w):
+        return torch._grouped_mm(a, w.transpose(-2, -1), offs=offs)
+    return mm(F.silu(mm(x, w1)) * mm(x, w3), w2)
+
+
+def three_grouped_mm(x, w1, w3, w2, offs):
+    def mm(a, w):
+        return moe_fp8_ext.grouped_mm(a, w.transpose(-2, -1), offs)
+    return mm(F.silu(mm(x, w1)) * mm(x, w3), w2)
+
+
+def saved_bytes(fn, *args):
+    """Bytes of the tensors autograd keeps for backward (distinct storages, the inputs
+    and parameters excluded)."""
+    seen, inputs = {}, {a.untyped_storage().data_ptr() for a in args if isinstance(a, torch.Tensor)}
+
+    def pack(t):
+        p = t.untyped_storage().data_ptr()
+        if p not in inputs:
+            seen[p] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn(*args)
+    return sum(seen.values())
+
+
+def peak_mib(step):
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    step()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2**20
+
+
+HEADER = ["(tokens, dim, hidden, E)", "mode", "bf16 ms", "ours ms", "vs bf16", "reuse ms", "vs bf16", "3x grouped_mm ms",
+          "vs bf16", "peak MiB bf16", "ours", "saved MiB bf16", "ours", "SQNR out", "SQNR dx"]
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--quick", action="store_true", help="the first shape only")
+    p.add_argument("--compile", action="store_true", help="also torch.compile'd rows")
+    args = p.parse_args()
+    shapes = SHAPES[:1] if args.quick else SHAPES
+    rows = []
+    for m, d, h, e in shapes:
+        g = torch.Generator(device="cuda").manual_seed(0)
+        x = torch.randn(m, d, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
+        w1 = (torch.randn(e, h, d, device="cuda", dtype=torch.bfloat16, generator=g) * d ** -0.5).requires_grad_()
+        w3 = (torch.randn(e, h, d, device="cuda", dtype=torch.bfloat16, generator=g) * d ** -0.5).requires_grad_()
+        w2 = (torch.randn(e, d, h, device="cuda", dtype=torch.bfloat16, generator=g) * h ** -0.5).requires_grad_()
+        offs = balanced_offs(m, e, device="cuda")
+        grad = torch.randn(m, d, device="cuda", dtype=torch.bfloat16, generator=g)
+        params = (x, w1, w3, w2)
+        cache = WeightCache()
+        impls = {
+            "bf16": bf16_layer,
+            "ours": lambda *a: experts(*a),
+            "reuse": lambda *a: experts(*a, weight_cache=cache),
+            "3x": three_grouped_mm,
+        }
+        # correctness against the bf16 layer
+        outs = {}
+        for name in ("bf16", "ours"):
+            out = impls[name](x, w1, w3, w2, offs)
+            outs[name] = (out.detach(), torch.autograd.grad(out, x, grad)[0])
+        q_out, q_dx = sqnr(outs["bf16"][0], outs["ours"][0]), sqnr(outs["bf16"][1], outs["ours"][1])
+        assert q_out > 20 and q_dx > 20, (q_out, q_dx)
+        del outs
+        saved = {n: saved_bytes(impls[n], x, w1, w3, w2, offs) / 2**20 for n in ("bf16", "ours")}
+        for mode in ("eager", "compiled") if args.compile else ("eager",):
+            fns = impls if mode == "eager" else {
+                n: torch.compile(f) for n, f in impls.items() if n != "reuse"}
+            t, mem = {}, {}
+            for name, f in fns.items():
+                step = lambda f=f: torch.autograd.grad(f(x, w1, w3, w2, offs), params, grad)
+                if name == "reuse":
+                    # 4 micro-batches per optimizer step: the weights change (in place,
+                    # as an optimizer does) every 4th call, so 1 in 4 requantizes.
+                    def step4(step=step):
+                        with torch.no_grad():
+                            w1.add_(0.0)  # an in-place write: invalidates the cache
+                        for _ in range(4):
+                            step()
+                    t[name] = bench_us(step4) / 4 / 1000
+                else:
+                    t[name] = bench_us(step) / 1000
+                    mem[name] = peak_mib(step)
+            rows.append([f"({m}, {d}, {h}, {e})", mode, fmt(t["bf16"], "{:.2f}"), fmt(t["ours"], "{:.2f}"),
+                         fmt(t["bf16"] / t["ours"], "{:.2f}x"), fmt(t.get("reuse"), "{:.2f}"),
+                         fmt(t.get("reuse") and t["bf16"] / t["reuse"], "{:.2f}x"), fmt(t["3x"], "{:.2f}"),
+                         fmt(t["bf16"] / t["3x"], "{:.2f}x"), fmt(mem["bf16"], "{:.0f}"), fmt(mem["ours"], "{:.0f}"),
+                         fmt(saved["bf16"], "{:.0f}"), fmt(saved["ours"], "{:.0f}"), fmt(q_out), fmt(q_dx)])
+        del x, w1, w3, w2, grad, cache, impls
+        torch.cuda.empty_cache()
+    print_table("SwiGLU experts fwd+bwd: bf16 (torchtitan math) vs moe_fp8_ext.experts (fp8_rowwise)", HEADER, rows,
+                "bench_experts.md")
+
+
+if __name__ == "__main__":
+    main()

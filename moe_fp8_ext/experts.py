@@ -1,0 +1,331 @@
+"""The SwiGLU experts layer (DESIGN §10): ``out = (silu(x W1ᵀ) ⊙ (x W3ᵀ)) W2ᵀ`` over
+token groups, as ONE differentiable function that owns the whole FFN.
+
+    out = moe_fp8_ext.experts(x, w1, w3, w2, offs)              # recipe="fp8_rowwise"
+    layer = moe_fp8_ext.GroupedExperts(dim, hidden, experts)    # torchtitan's layout
+    out = layer(x, num_tokens_per_expert)
+
+Against three :func:`~moe_fp8_ext.grouped_mm` calls (same recipe, same math up to fp8
+rounding) it:
+
+- runs W1 and W3 as one grouped GEMM (N = 2·hidden): x is quantized once, and the
+  input gradient is one GEMM over the concatenated gradient;
+- saves less for backward: x and the W13 output h13 (bf16), nothing else. h =
+  silu(h1)·h3 is recomputed from h13 in backward (an elementwise pass) instead of
+  being saved, and dSwiGLU is computed from h13. A bf16 torchtitan ``GroupedExperts``
+  keeps x, h1, silu(h1), h3 and h (2·M·D + 8·M·hidden bytes); this keeps 2·M·D +
+  4·M·hidden;
+- reuses quantized weights while the weights are unchanged (:class:`WeightCache`):
+  gradient-accumulation micro-batches and activation-checkpoint recompute quantize
+  each weight once per optimizer step instead of once per call.
+
+Not done yet (DESIGN §10 lists them): the one-read kernels that write a tensor's
+rowwise and colwise fp8 together, SwiGLU fused into the quantization of h and dSwiGLU
+into that of grad_h13, and fp8 (instead of bf16) saved activations. The layer is
+recipe-agnostic: any registered recipe runs through the :class:`~moe_fp8_ext.recipes.
+Recipe` contract.
+
+Weight reuse, precisely. A cache entry is the quantized operand of one weight (W13 in
+the forward and backward orientations, W2 likewise) with the key (the weight tensor
+itself, its ``_version``, data pointer, shape, strides, dtype, recipe, fp8 dtype). Any
+in-place write to the weight through autograd-visible ops (an optimizer step, ``w.add_``,
+``w.copy_``, ``load_state_dict``) bumps ``_version`` and the next call requantizes;
+on top of that every cache is emptied after any ``torch.optim`` optimizer step (a
+global step hook), so an optimizer that writes through ``.data`` cannot leave a stale
+entry either. What is NOT seen: writes through ``w.data`` (or under
+``torch.autograd._unsafe_preserve_version_counter``) outside an optimizer step; call
+:func:`clear_weight_caches` after such a write. Memory held: one fp8 copy of every
+weight in each orientation (``WeightCache.nbytes()``), i.e. about the size of the
+bf16 weights themselves, kept until the next optimizer step or ``clear()``. Turn it off
+with ``GroupedExperts(..., reuse_weights=False)`` or ``weight_cache=None``.
+Under ``torch.compile`` the cache is bypassed (plain recompute: the version counter is
+not traceable), and so it is for weights that are views made per call (FSDP2's
+``to_local()`` of a DTensor, a ``w.bfloat16()`` cast): their identity changes every
+call, so nothing is ever reused from them (never stale, no gain).
+"""
+
+import weakref
+from typing import Dict, Optional, Tuple, Union
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.optim.optimizer import register_optimizer_step_post_hook
+
+from . import ops, token_groups
+from .grouped_mm import _check_offs_content, _debug, _gemm_out_dtype, _zero_tail
+from .recipes import FLOAT_DTYPES, Recipe, get_recipe
+
+__all__ = ["GroupedExperts", "WeightCache", "clear_weight_caches", "experts"]
+
+# ---- weight reuse ----------------------------------------------------------------------
+
+_CACHES: "weakref.WeakSet[WeightCache]" = weakref.WeakSet()
+_HOOK = None
+
+
+def clear_weight_caches() -> None:
+    """Empty every :class:`WeightCache` (after weights were written in a way the caches
+    cannot see, e.g. through ``w.data``)."""
+    for c in list(_CACHES):
+        c.clear()
+
+
+def _after_optimizer_step(optimizer, args, kwargs) -> None:
+    clear_weight_caches()
+
+
+def _weight_key(w: Tensor) -> tuple:
+    return (w._version, w.data_ptr(), tuple(w.shape), w.stride(), w.dtype, w.device)
+
+
+class WeightCache:
+    """Quantized expert weights, reused while the weights are unchanged (see the module
+    docstring for the exact rule). One per layer; ``hits`` and ``misses`` count lookups."""
+
+    def __init__(self):
+        global _HOOK
+        self._entries: Dict[str, tuple] = {}
+        self.hits = 0
+        self.misses = 0
+        _CACHES.add(self)
+        if _HOOK is None:
+            _HOOK = register_optimizer_step_post_hook(_after_optimizer_step)
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+    def nbytes(self) -> int:
+        """Bytes held by the cached operands."""
+        total = 0
+        for _, _, operand in self._entries.values():
+            for t in _tensors(operand):
+                total += t.numel() * t.element_size()
+        return total
+
+    def get(self, name: str, weights: Tuple[Tensor, ...], tag: tuple, make):
+        """The cached operand ``name`` of ``weights`` if none of them changed since it was
+        made (same tensors, versions, storage, recipe and fp8 dtype ``tag``), else
+        ``make()``, kept for next time."""
+        key = tuple(_weight_key(w) for w in weights) + tag
+        hit = self._entries.get(name)
+        if hit is not None and hit[0] == key and all(r() is w for r, w in zip(hit[1], weights)):
+            self.hits += 1
+            return hit[2]
+        self.misses += 1
+        operand = make()
+        self._entries[name] = (key, tuple(weakref.ref(w) for w in weights), operand)
+        return operand
+
+
+def _tensors(x):
+    if isinstance(x, Tensor):
+        yield x
+    elif isinstance(x, (tuple, list)):
+        for y in x:
+            yield from _tensors(y)
+
+
+def _cached(cache: Optional[WeightCache], name, weights, tag, make):
+    return make() if cache is None else cache.get(name, weights, tag, make)
+
+
+# ---- the function ----------------------------------------------------------------------
+
+
+def _w13_t(w1: Tensor, w3: Tensor) -> Tensor:
+    """B_t of the fused W1/W3 GEMM: (E, D, 2H), the concatenation along N."""
+    return torch.cat([w1, w3], dim=1).transpose(-2, -1)
+
+
+def _swiglu(h13: Tensor, hidden: int) -> Tensor:
+    h1, h3 = h13[:, :hidden], h13[:, hidden:]
+    return F.silu(h1) * h3
+
+
+def _swiglu_backward(grad_h: Tensor, h13: Tensor, hidden: int) -> Tensor:
+    """d(silu(h1)·h3) -> grad_h13 (M, 2H) in h13's dtype, the ops autograd runs for the
+    bf16 module (aten's fused silu_backward computes in fp32 inside)."""
+    h1, h3 = h13[:, :hidden], h13[:, hidden:]
+    grad_h1 = torch.ops.aten.silu_backward(grad_h * h3, h1)
+    return torch.cat([grad_h1, grad_h * F.silu(h1)], dim=1)
+
+
+class _Experts(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w1, w3, w2, offs, recipe, fp8_dtype, backend, pad_wgrad, cache):
+        ctx.recipe, ctx.fp8_dtype, ctx.backend, ctx.pad_wgrad, ctx.cache = recipe, fp8_dtype, backend, pad_wgrad, cache
+        ctx.dtypes = (x.dtype, w1.dtype, w3.dtype, w2.dtype)
+        hidden = w1.shape[1]
+        ctx.hidden = hidden
+        ctx.shapes = (x.shape, w1.shape, w3.shape, w2.shape)
+        ctx.no_groups = offs.shape[0] == 0
+        if ctx.no_groups:  # no experts: every row is past offs[-1] (static: no sync)
+            return x.new_zeros(x.shape)
+        tag = (recipe, fp8_dtype)
+        gemm_dtype = _gemm_out_dtype(recipe, backend, torch.bfloat16, x.dtype)
+        ctx.gemm_dtype = gemm_dtype
+        rhs13 = _cached(cache, "w13_fwd", (w1, w3), tag, lambda: recipe.rhs_fwd_cat(
+            [w1.transpose(-2, -1), w3.transpose(-2, -1)], fp8_dtype))
+        h13 = _zero_tail(recipe.mm_2d3d(recipe.lhs(x, fp8_dtype), rhs13, offs, gemm_dtype, backend), offs)
+        h = _swiglu(h13, hidden)
+        rhs2 = _cached(cache, "w2_fwd", (w2,), tag, lambda: recipe.rhs_fwd(w2.transpose(-2, -1), fp8_dtype))
+        out = _zero_tail(recipe.mm_2d3d(recipe.lhs(h, fp8_dtype), rhs2, offs, gemm_dtype, backend), offs)
+        ctx.save_for_backward(x, w1, w3, w2, offs, h13)
+        return out.to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        if ctx.no_groups:  # the output is a constant zero: zero gradients
+            grads = tuple(grad_out.new_zeros(s, dtype=d) if need else None
+                          for s, d, need in zip(ctx.shapes, ctx.dtypes, ctx.needs_input_grad))
+            return grads + (None,) * 6
+        x, w1, w3, w2, offs, h13 = ctx.saved_tensors
+        recipe, f8, backend, cache, hidden = ctx.recipe, ctx.fp8_dtype, ctx.backend, ctx.cache, ctx.hidden
+        tag = (recipe, f8)
+        need_x, need_w1, need_w3, need_w2 = ctx.needs_input_grad[:4]
+        grad_out = grad_out.contiguous()
+        starts, wgrad_offs = None, offs
+        if ctx.pad_wgrad:
+            starts, wgrad_offs = ops.padded_group_offsets(offs, x.shape[0], recipe.alignment)
+
+        def wgrad(grad, a, b_dtype):  # -> (E, N, K) for B_t (E, K, N)
+            grad_t, a_op = recipe.wgrad_operands(grad, {"A": a}, offs, f8, starts)
+            dtype = _gemm_out_dtype(recipe, backend, b_dtype, grad.dtype)
+            return recipe.mm_2d2d(grad_t, a_op, wgrad_offs, dtype, backend)
+
+        # W2: grad_h = grad_out @ W2 (dgrad), grad_w2 = grad_out^T @ h per group.
+        h = _swiglu(h13, hidden)
+        rhs2 = _cached(cache, "w2_bwd", (w2,), tag, lambda: recipe.rhs_bwd({"B_t": w2.transpose(-2, -1)}, f8))
+        grad_h = _zero_tail(recipe.mm_2d3d(recipe.lhs(grad_out, f8), rhs2, offs, ctx.gemm_dtype, backend), offs)
+        grad_w2 = wgrad(grad_out, h, ctx.dtypes[3]).to(ctx.dtypes[3]) if need_w2 else None
+        del h
+        grad_h13 = _swiglu_backward(grad_h, h13, hidden)
+        del grad_h
+        grad_x = grad_w1 = grad_w3 = None
+        if need_x:
+            rhs13 = _cached(cache, "w13_bwd", (w1, w3), tag,
+                            lambda: recipe.rhs_bwd({"B_t": _w13_t(w1, w3)}, f8))
+            dtype = _gemm_out_dtype(recipe, backend, ctx.dtypes[0], grad_h13.dtype)
+            grad_x = _zero_tail(recipe.mm_2d3d(recipe.lhs(grad_h13, f8), rhs13, offs, dtype, backend), offs)
+            grad_x = grad_x.to(ctx.dtypes[0])
+        if need_w1 or need_w3:
+            grad_w13 = wgrad(grad_h13, x, ctx.dtypes[1])  # (E, 2H, D)
+            grad_w1 = grad_w13[:, :hidden].to(ctx.dtypes[1]) if need_w1 else None
+            grad_w3 = grad_w13[:, hidden:].to(ctx.dtypes[2]) if need_w3 else None
+        return grad_x, grad_w1, grad_w3, grad_w2, None, None, None, None, None, None
+
+
+def _check(x, w1, w3, w2, offs, recipe: Recipe, backend: str, fp8_dtype):
+    for name, t in (("x", x), ("w1", w1), ("w3", w3), ("w2", w2), ("offs", offs)):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"experts: expected {name} to be a torch.Tensor, got {type(t).__name__}")
+    if x.dim() != 2 or w1.dim() != 3 or w3.dim() != 3 or w2.dim() != 3:
+        raise ValueError(f"experts: expected x 2-D (M, dim) and w1, w3, w2 3-D, got {x.dim()}-D, {w1.dim()}-D, "
+                         f"{w3.dim()}-D and {w2.dim()}-D")
+    e, hidden, dim = w1.shape
+    if tuple(w3.shape) != (e, hidden, dim) or tuple(w2.shape) != (e, dim, hidden) or x.shape[1] != dim:
+        raise ValueError(f"experts: expected w1 and w3 (E, hidden, dim), w2 (E, dim, hidden) and x (M, dim), got "
+                         f"w1 {tuple(w1.shape)}, w3 {tuple(w3.shape)}, w2 {tuple(w2.shape)}, x {tuple(x.shape)}")
+    if offs.dtype != torch.int32 or offs.dim() != 1 or offs.shape[0] != e:
+        raise ValueError(f"experts: expected offs int32 of shape ({e},), got {offs.dtype} {tuple(offs.shape)}")
+    for name, t in (("w1", w1), ("w3", w3), ("w2", w2), ("offs", offs)):
+        if t.device != x.device:
+            raise ValueError(f"experts: expected {name} on {x.device} (the device of x), got {t.device}")
+    for name, t in (("x", x), ("w1", w1), ("w3", w3), ("w2", w2)):
+        if t.dtype not in FLOAT_DTYPES:
+            raise ValueError(f"experts: expected {name} of dtype bfloat16, float16 or float32, got {t.dtype}")
+    # The recipe's own rules (K, N multiples of 16 or 32, dtypes) for the two products
+    # (shapes only: weights on the meta device, no copy).
+    recipe.check_inputs(x, torch.empty((e, dim, 2 * hidden), dtype=w1.dtype, device="meta"))
+    recipe.check_inputs(x.new_empty((0, hidden)), torch.empty((e, hidden, dim), dtype=w2.dtype, device="meta"))
+    fp8_dtypes = recipe.fp8_dtypes(backend, x.device)
+    if fp8_dtype is None:
+        return recipe.default_fp8_dtype(x.device)
+    if not isinstance(fp8_dtype, torch.dtype):
+        raise TypeError(f"experts: expected fp8_dtype to be a torch.dtype or None, got {fp8_dtype!r}")
+    if fp8_dtype not in fp8_dtypes:
+        raise ValueError(f"experts: expected fp8_dtype in {fp8_dtypes} for recipe {recipe.name!r} on {x.device} "
+                         f"(backend {backend!r}), got {fp8_dtype}")
+    return fp8_dtype
+
+
+def experts(
+    x: Tensor,
+    w1: Tensor,
+    w3: Tensor,
+    w2: Tensor,
+    offs: Tensor,
+    *,
+    recipe: Union[str, Recipe] = "fp8_rowwise",
+    fp8_dtype: Optional[torch.dtype] = None,
+    weight_cache: Optional[WeightCache] = None,
+    pad_groups: bool = True,
+) -> Tensor:
+    """The SwiGLU expert FFN ``(silu(x w1[e]ᵀ) ⊙ (x w3[e]ᵀ)) w2[e]ᵀ`` for the rows of each
+    token group e, differentiable in x, w1, w3 and w2.
+
+    x (M, dim), w1 and w3 (E, hidden, dim), w2 (E, dim, hidden) (torchtitan's layout;
+    bf16, fp16 or fp32), ``offs`` int32 (E,) cumulative group ends (DESIGN §3, any
+    group sizes, empty groups allowed, no host sync). Returns (M, dim) in x's dtype;
+    rows past ``offs[-1]`` are zero, and so is their gradient. ``recipe`` and
+    ``fp8_dtype`` as for :func:`~moe_fp8_ext.grouped_mm` (the GEMMs run in bf16 out).
+    ``weight_cache``: a :class:`WeightCache` to reuse quantized weights while they are
+    unchanged (None: quantize every call). Works under
+    ``torch.compile(fullgraph=True)`` (the cache is bypassed there).
+    """
+    r = get_recipe(recipe, "experts")
+    backend = r.backend(x.device) if isinstance(x, Tensor) else None
+    f8 = _check(x, w1, w3, w2, offs, r, backend, fp8_dtype)
+    if not isinstance(pad_groups, bool):
+        raise TypeError(f"experts: expected pad_groups to be a bool, got {type(pad_groups).__name__}")
+    if (offs.device.type == "cpu" or _debug()) and not torch.compiler.is_compiling():
+        _check_offs_content(offs, x.shape[0])
+    if offs.device.type != "cpu" and offs.shape[0] > 0:
+        offs = torch.cummax(offs.clamp(0, x.shape[0]), 0).values.to(torch.int32)
+    if torch.compiler.is_compiling():
+        weight_cache = None
+    if pad_groups and r.alignment > 1 and r.pads_token_groups(backend) and offs.shape[0] > 0:
+        x_p, starts, ends = token_groups.pad_token_groups(x, offs, r.alignment)
+        out_p = _Experts.apply(x_p, w1, w3, w2, ends, r, f8, backend, False, weight_cache)
+        return token_groups.unpad_token_groups(out_p, offs, starts, x.shape[0])
+    pad_wgrad = r.alignment > 1 and (pad_groups or x.shape[0] % r.alignment != 0)
+    return _Experts.apply(x, w1, w3, w2, offs, r, f8, backend, pad_wgrad, weight_cache)
+
+
+# ---- the module ------------------------------------------------------------------------
+
+
+class GroupedExperts(torch.nn.Module):
+    """E SwiGLU experts with torchtitan's layout: w1 and w3 (E, hidden, dim), w2
+    (E, dim, hidden); ``forward(x, num_tokens_per_expert)`` for tokens sorted by
+    expert, as torchtitan's ``GroupedExperts.forward``. ``recipe``: as for
+    :func:`experts`. ``reuse_weights``: keep a :class:`WeightCache` (``self.weight_cache``;
+    see the module docstring for when it is used and what it holds)."""
+
+    def __init__(self, dim: int, hidden_dim: int, num_experts: int, *, recipe: Union[str, Recipe] = "fp8_rowwise",
+                 reuse_weights: bool = True, dtype: Optional[torch.dtype] = None, device=None):
+        super().__init__()
+        self.num_experts, self.dim, self.hidden_dim = num_experts, dim, hidden_dim
+        self.recipe = get_recipe(recipe, "GroupedExperts")
+        kw = dict(dtype=dtype, device=device)
+        self.w1 = torch.nn.Parameter(torch.empty(num_experts, hidden_dim, dim, **kw))
+        self.w2 = torch.nn.Parameter(torch.empty(num_experts, dim, hidden_dim, **kw))
+        self.w3 = torch.nn.Parameter(torch.empty(num_experts, hidden_dim, dim, **kw))
+        self.weight_cache = WeightCache() if reuse_weights else None
+        self.init_weights()
+
+    def init_weights(self, init_std: float = 0.02) -> None:
+        """torchtitan's init: w1 normal(0.02), w2 and w3 normal(init_std), truncated at ±2σ."""
+        with torch.no_grad():
+            torch.nn.init.trunc_normal_(self.w1, mean=0.0, std=0.02, a=-0.04, b=0.04)
+            for w in (self.w2, self.w3):
+                torch.nn.init.trunc_normal_(w, mean=0.0, std=init_std, a=-2 * init_std, b=2 * init_std)
+
+    def forward(self, x: Tensor, num_tokens_per_expert: Tensor) -> Tensor:
+        offs = torch.cumsum(num_tokens_per_expert, dim=0, dtype=torch.int32)
+        return experts(x, self.w1, self.w3, self.w2, offs, recipe=self.recipe, weight_cache=self.weight_cache)
+
+    def extra_repr(self) -> str:
+        return (f"dim={self.dim}, hidden_dim={self.hidden_dim}, num_experts={self.num_experts}, "
+                f"recipe={self.recipe.name!r}, reuse_weights={self.weight_cache is not None}")

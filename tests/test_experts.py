@@ -1,0 +1,238 @@
+"""The SwiGLU experts layer (moe_fp8_ext.experts, GroupedExperts; DESIGN §10) on the
+CPU (emulated GEMMs) and, when there is one, the GPU: numerics against an fp32
+autograd reference, the same math as three grouped_mm calls, token-group edge cases,
+weight reuse and its invalidation, torch.compile, and bad arguments."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import moe_fp8_ext
+from moe_fp8_ext.experts import GroupedExperts, WeightCache, clear_weight_caches, experts
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def sqnr(ref, x):
+    ref, x = ref.float(), x.float()
+    return (20 * torch.log10(ref.norm() / (ref - x).norm())).item()
+
+
+def make(e, hidden, dim, m, device, dtype=torch.bfloat16, seed=0, offs=None):
+    g = torch.Generator().manual_seed(seed)
+    w1 = (torch.randn(e, hidden, dim, generator=g) * dim ** -0.5).to(dtype).to(device)
+    w3 = (torch.randn(e, hidden, dim, generator=g) * dim ** -0.5).to(dtype).to(device)
+    w2 = (torch.randn(e, dim, hidden, generator=g) * hidden ** -0.5).to(dtype).to(device)
+    x = torch.randn(m, dim, generator=g).to(dtype).to(device)
+    if offs is None:
+        cuts = torch.sort(torch.randint(0, m + 1, (e,), generator=g)).values
+        cuts[-1] = m
+        offs = cuts
+    offs = torch.as_tensor(offs, dtype=torch.int32).to(device)
+    grad = torch.randn(m, dim, generator=g).to(dtype).to(device)
+    return x, w1, w3, w2, offs, grad
+
+
+def reference(x, w1, w3, w2, offs):
+    """fp32 autograd, group by group."""
+    out = torch.zeros(x.shape[0], w2.shape[1], dtype=torch.float32, device=x.device)
+    start = 0
+    for e, end in enumerate(offs.tolist()):
+        xe = x[start:end].float()
+        h = F.silu(xe @ w1[e].float().t()) * (xe @ w3[e].float().t())
+        out = out.index_add(0, torch.arange(start, end, device=x.device), h @ w2[e].float().t())
+        start = end
+    return out
+
+
+def run(fn, inputs, grad):
+    leaves = [t.detach().clone().requires_grad_() for t in inputs[:4]]
+    out = fn(*leaves, inputs[4])
+    out.backward(grad)
+    return out, [t.grad for t in leaves]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("recipe", ["fp8_rowwise", "mxfp8", "bf16"])
+def test_matches_fp32_reference(device, recipe):
+    x, w1, w3, w2, offs, grad = make(4, 128, 96, 300, device, offs=[40, 40, 170, 300])
+    out, grads = run(lambda *a: experts(*a, recipe=recipe), (x, w1, w3, w2, offs), grad)
+    ref_out, ref_grads = run(reference, (x.float(), w1.float(), w3.float(), w2.float(), offs), grad.float())
+    assert out.dtype == x.dtype and out.shape == x.shape
+    floor = 35.0 if recipe == "bf16" else 23.0  # fp8: issue 15 asks 23 (out, grad_x) and 20 dB (weights)
+    got = {"out": sqnr(ref_out, out), "grad_x": sqnr(ref_grads[0], grads[0])}
+    for name, r, g in zip(("w1", "w3", "w2"), ref_grads[1:], grads[1:]):
+        got["grad_" + name] = sqnr(r, g)
+    print(recipe, device, {k: round(v, 1) for k, v in got.items()})
+    assert got["out"] >= floor and got["grad_x"] >= floor, got
+    assert min(got["grad_w1"], got["grad_w3"], got["grad_w2"]) >= floor - 3, got
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_same_math_as_three_grouped_mm(device):
+    """The fused W1/W3 GEMM quantizes x once with the same rowwise scales, so the
+    layer equals silu(mm(x, w1)) * mm(x, w3) -> mm(., w2) up to the GEMMs' own
+    summation order (fp32 accumulation): near-identical outputs and gradients."""
+    x, w1, w3, w2, offs, grad = make(3, 64, 128, 257, device, offs=[100, 100, 250])
+
+    def three(x, w1, w3, w2, offs):
+        def mm(a, w):
+            return moe_fp8_ext.grouped_mm(a, w.transpose(-2, -1), offs)
+        return mm(F.silu(mm(x, w1)) * mm(x, w3), w2)
+
+    out, grads = run(experts, (x, w1, w3, w2, offs), grad)
+    out3, grads3 = run(three, (x, w1, w3, w2, offs), grad)
+    assert sqnr(out3, out) > 40
+    for a, b in zip(grads3, grads):
+        assert sqnr(a, b) > 35
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_tail_rows_and_empty_groups(device):
+    """Rows past offs[-1] give zero output and zero gradient; empty groups (first,
+    middle, last) and E = 1 work; the tail holds huge values that must not leak."""
+    for offs, e in (([0, 50, 50, 120], 4), ([120], 1), ([0, 0, 0], 3)):
+        x, w1, w3, w2, o, grad = make(e, 64, 32, 160, device, offs=offs)
+        x[120:] = 1e30
+        out, grads = run(experts, (x, w1, w3, w2, o), grad)
+        assert torch.isfinite(out).all() and (out[o[-1]:] == 0).all()
+        assert (grads[0][o[-1]:] == 0).all() and torch.isfinite(grads[0]).all()
+        ref_out = reference(x, w1, w3, w2, o)
+        if o[-1] > 0:
+            assert sqnr(ref_out[:o[-1]], out[:o[-1]]) > 20
+        for g in grads[1:]:
+            assert torch.isfinite(g).all()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_no_experts(device):
+    x, w1, w3, w2, offs, grad = make(1, 32, 32, 8, device, offs=[8])
+    w1, w3, w2 = w1[:0], w3[:0], w2[:0]
+    out, grads = run(experts, (x, w1, w3, w2, offs[:0]), grad)
+    assert (out == 0).all() and (grads[0] == 0).all() and grads[1].shape == w1.shape
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fp32_inputs_and_fp8_dtypes(device):
+    x, w1, w3, w2, offs, grad = make(2, 32, 64, 64, device, dtype=torch.float32, offs=[20, 64])
+    ref_out = reference(x, w1, w3, w2, offs)
+    for f8 in (torch.float8_e4m3fn, torch.float8_e4m3fnuz):
+        if device == "cuda" and f8 != moe_fp8_ext.default_fp8_dtype(torch.device(device)):
+            continue  # the real GEMM takes the platform's fp8 only
+        out = experts(x, w1, w3, w2, offs, fp8_dtype=f8)
+        assert out.dtype == torch.float32 and sqnr(ref_out, out) > 20
+
+
+# ---- weight reuse ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_weight_reuse_hits_and_is_exact(device):
+    x, w1, w3, w2, offs, grad = make(3, 64, 64, 100, device, offs=[10, 60, 100])
+    layer = GroupedExperts(64, 64, 3, dtype=torch.bfloat16, device=device)
+    with torch.no_grad():
+        for p, w in zip((layer.w1, layer.w3, layer.w2), (w1, w3, w2)):
+            p.copy_(w)
+    counts = torch.diff(offs, prepend=offs.new_zeros(1))
+    cache = layer.weight_cache
+    outs = []
+    for _ in range(3):  # micro-batches: one quantization of each weight per orientation
+        xl = x.clone().requires_grad_()
+        out = layer(xl, counts)
+        out.backward(grad)
+        outs.append((out.detach(), xl.grad))
+    assert cache.misses == 4 and cache.hits == 8, (cache.misses, cache.hits)
+    assert cache.nbytes() > 0
+    fresh = experts(x, w1, w3, w2, offs)
+    for out, gx in outs:
+        assert torch.equal(out, fresh) and torch.equal(gx, outs[0][1])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_weight_reuse_never_stale(device):
+    """In-place writes (through autograd-visible ops) and optimizer steps invalidate:
+    the layer's output after each equals a cache-free call on the new weights."""
+    x, _, _, _, offs, grad = make(2, 32, 64, 64, device, offs=[30, 64])
+    layer = GroupedExperts(64, 32, 2, dtype=torch.bfloat16, device=device)
+    counts = torch.diff(offs, prepend=offs.new_zeros(1))
+
+    def fresh():
+        return experts(x, layer.w1, layer.w3, layer.w2, offs, weight_cache=None)
+
+    layer(x, counts)
+    with torch.no_grad():
+        layer.w2.mul_(2)  # an in-place write
+    assert torch.equal(layer(x, counts), fresh())
+    opt = torch.optim.SGD(layer.parameters(), lr=0.5)
+    out = layer(x, counts)
+    out.backward(grad)
+    opt.step()
+    assert len(layer.weight_cache._entries) == 0  # the optimizer hook emptied it
+    assert torch.equal(layer(x, counts), fresh())
+    # a write the version counter cannot see, then the documented remedy
+    layer.w1.data.mul_(-1)
+    clear_weight_caches()
+    assert torch.equal(layer(x, counts), fresh())
+
+
+def test_reuse_off():
+    layer = GroupedExperts(32, 32, 2, reuse_weights=False, dtype=torch.bfloat16)
+    assert layer.weight_cache is None
+    x = torch.randn(16, 32, dtype=torch.bfloat16)
+    out = layer(x, torch.tensor([8, 8]))
+    assert out.shape == x.shape and "reuse_weights=False" in repr(layer)
+
+
+def test_cache_distinguishes_tensors():
+    """Two weights with the same version and shape never share an entry."""
+    cache = WeightCache()
+    a, b = torch.zeros(2, 3), torch.ones(2, 3)
+    assert cache.get("w", (a,), (), lambda: "A") == "A"
+    assert cache.get("w", (b,), (), lambda: "B") == "B"
+    assert cache.get("w", (b,), (), lambda: "C") == "B"
+    assert cache.get("w", (b,), ("other recipe",), lambda: "D") == "D"
+
+
+# ---- module, compile, errors -----------------------------------------------------------
+
+
+def test_module_layout_and_state_dict():
+    layer = GroupedExperts(48, 80, 5)
+    assert tuple(layer.w1.shape) == (5, 80, 48) and tuple(layer.w3.shape) == (5, 80, 48)
+    assert tuple(layer.w2.shape) == (5, 48, 80)
+    assert set(layer.state_dict()) == {"w1", "w2", "w3"}
+    assert layer.w1.std().item() == pytest.approx(0.02, rel=0.2)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_compile_fullgraph(device):
+    x, w1, w3, w2, offs, grad = make(3, 64, 64, 96, device, offs=[32, 32, 96])
+    eager_out, eager_grads = run(experts, (x, w1, w3, w2, offs), grad)
+    torch._dynamo.reset()
+    f = torch.compile(lambda *a: experts(*a), fullgraph=True, backend="aot_eager")
+    out, grads = run(f, (x, w1, w3, w2, offs), grad)
+    # AOT autograd decomposes silu / silu_backward into primitive ops whose bf16
+    # rounding can differ from the fused eager kernels by an ulp (seen on CUDA), and an
+    # ulp can move an fp8 code: equal up to that, not bit for bit.
+    assert sqnr(eager_out, out) > 40
+    for a, b in zip(eager_grads, grads):
+        assert sqnr(a, b) > 35
+
+
+@pytest.mark.parametrize("bad, match", [
+    (lambda x, w1, w3, w2, o: (x[:, :10], w1, w3, w2, o), "expected w1 and w3"),
+    (lambda x, w1, w3, w2, o: (x, w1, w3[:1], w2, o), "expected w1 and w3"),
+    (lambda x, w1, w3, w2, o: (x, w1, w3, w2, o.long()), "expected offs int32"),
+    (lambda x, w1, w3, w2, o: (x.int(), w1, w3, w2, o), "expected x of dtype"),
+    (lambda x, w1, w3, w2, o: (x, w1[0], w3, w2, o), "expected x 2-D"),
+    (lambda x, w1, w3, w2, o: (x, w1, w3, w2, torch.tensor([5, 3], dtype=torch.int32)), "non-decreasing"),
+])
+def test_bad_arguments(bad, match):
+    x, w1, w3, w2, offs, _ = make(2, 32, 32, 16, "cpu", offs=[8, 16])
+    with pytest.raises((ValueError, TypeError), match=match):
+        experts(*bad(x, w1, w3, w2, offs))
+    with pytest.raises(ValueError, match="fp8_dtype"):
+        experts(x, w1, w3, w2, offs, fp8_dtype=torch.float16)
+    with pytest.raises(ValueError, match="multiples of 8"):
+        w1b = torch.zeros(2, 30, 32, dtype=torch.bfloat16)
+        experts(x, w1b, w1b, torch.zeros(2, 32, 30, dtype=torch.bfloat16), offs, recipe="bf16")

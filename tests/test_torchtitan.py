@@ -1,0 +1,120 @@
+"""moe_fp8_ext.integrations.torchtitan.convert on torchtitan 0.3.0's real MoE layer
+(router + LocalTokenDispatcher + GroupedExperts + shared experts). Skipped when
+torchtitan is not installed (CI installs it, --no-deps, with the few packages its MoE
+import chain needs: spmd_types, tyro, docstring_parser, triton)."""
+
+import copy
+
+import pytest
+import torch
+
+tt_moe = pytest.importorskip("torchtitan.models.common.moe")
+
+from moe_fp8_ext.experts import WeightCache  # noqa: E402
+from moe_fp8_ext.integrations.torchtitan import convert, unconvert  # noqa: E402
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def sqnr(ref, x):
+    ref, x = ref.float(), x.float()
+    return (20 * torch.log10(ref.norm() / (ref - x).norm())).item()
+
+
+def build_moe(e=8, dim=128, hidden=64, top_k=2, device="cpu", seed=0):
+    from torchtitan.models.common.feed_forward import FeedForward
+    from torchtitan.models.common.linear import Linear
+    from torchtitan.models.common.token_dispatcher import LocalTokenDispatcher
+
+    def lin(i, o):
+        return Linear.Config(in_features=i, out_features=o, bias=False)
+
+    cfg = tt_moe.MoE.Config(
+        num_experts=e,
+        routed_experts=tt_moe.RoutedExperts.Config(
+            inner_experts=tt_moe.GroupedExperts.Config(dim=dim, hidden_dim=hidden, num_experts=e),
+            token_dispatcher=LocalTokenDispatcher.Config(num_experts=e, top_k=top_k)),
+        router=tt_moe.TokenChoiceTopKRouter.Config(num_experts=e, gate=lin(dim, e), top_k=top_k),
+        shared_experts=FeedForward.Config(w1=lin(dim, hidden), w2=lin(hidden, dim), w3=lin(dim, hidden)),
+    )
+    moe = cfg.build()
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * p.shape[-1] ** -0.5)
+    return moe.to(device=device, dtype=torch.bfloat16)
+
+
+def fwd_bwd(moe, x, grad):
+    x = x.clone().requires_grad_()
+    out = moe(x)
+    out.backward(grad)
+    return out.detach(), x.grad, {n: p.grad.clone() for n, p in moe.named_parameters()}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_convert_keeps_parameters_and_matches(device):
+    ref = build_moe(device=device)
+    moe = copy.deepcopy(ref)
+    params = dict(moe.named_parameters())
+    keys = list(moe.state_dict())
+    assert convert(moe, "fp8_rowwise") == 1
+    inner = moe.routed_experts.inner_experts
+    assert type(inner).__name__ == "Fp8GroupedExperts" and isinstance(inner, tt_moe.GroupedExperts)
+    assert isinstance(inner.moe_fp8_weight_cache, WeightCache)
+    assert list(moe.state_dict()) == keys
+    assert all(p is params[n] for n, p in moe.named_parameters())
+
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 96, 128, generator=g).to(device=device, dtype=torch.bfloat16)
+    grad = torch.randn(2, 96, 128, generator=g).to(device=device, dtype=torch.bfloat16)
+    out_ref, gx_ref, gp_ref = fwd_bwd(ref, x, grad)
+    out, gx, gp = fwd_bwd(moe, x, grad)
+    got = {"out": sqnr(out_ref, out), "grad_x": sqnr(gx_ref, gx)}
+    for n in ("w1_EFD", "w2_EDF", "w3_EFD"):
+        key = "routed_experts.inner_experts." + n
+        got[n] = sqnr(gp_ref[key], gp[key])
+    print(device, {k: round(v, 1) for k, v in got.items()})
+    # fp8 rowwise against torchtitan's bf16 experts (the shared experts and router
+    # stay bf16, so the layer output is closer than the experts' own 23 dB).
+    assert got["out"] > 25 and got["grad_x"] > 23 and min(got[n] for n in ("w1_EFD", "w2_EDF", "w3_EFD")) > 20, got
+
+    # bf16 through our layer: torchtitan's own math up to summation order
+    assert convert(moe, "bf16") == 1
+    out_b, gx_b, _ = fwd_bwd(moe, x, grad)
+    assert sqnr(out_ref, out_b) > 35 and sqnr(gx_ref, gx_b) > 35
+    assert unconvert(moe) == 1 and type(moe.routed_experts.inner_experts) is tt_moe.GroupedExperts
+    out_u, _, _ = fwd_bwd(moe, x, grad)
+    assert torch.equal(out_u, out_ref)
+
+
+def test_convert_trains():
+    """A few optimizer steps on the converted layer: the weight cache is emptied by
+    each step and the loss goes down like the bf16 layer's."""
+    torch.manual_seed(0)
+    losses = {}
+    for recipe in ("bf16", "fp8_rowwise"):
+        moe = build_moe(e=4, dim=64, hidden=64)
+        convert(moe, recipe)
+        opt = torch.optim.AdamW(moe.parameters(), lr=1e-3)
+        g = torch.Generator().manual_seed(2)
+        x = torch.randn(4, 64, 64, generator=g).to(torch.bfloat16)
+        target = torch.randn(4, 64, 64, generator=g).to(torch.bfloat16)
+        curve = []
+        for _ in range(8):
+            loss = torch.nn.functional.mse_loss(moe(x).float(), target.float())
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            curve.append(loss.item())
+        losses[recipe] = curve
+    assert losses["fp8_rowwise"][-1] < losses["fp8_rowwise"][0]
+    assert abs(losses["fp8_rowwise"][-1] - losses["bf16"][-1]) / losses["bf16"][-1] < 0.05, losses
+
+
+def test_convert_errors():
+    with pytest.raises(ValueError, match="recipe"):
+        convert(torch.nn.Linear(2, 2), "nope")
+    with pytest.raises(TypeError, match="nn.Module"):
+        convert("model")
+    assert convert(torch.nn.Linear(2, 2)) == 0
