@@ -21,7 +21,7 @@ from moe_fp8_ext.experts import WeightCache, experts
 from moe_fp8_ext.moe import balanced_offs
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from common import bench_us, fmt, print_table, sqnr  # noqa: E402
+from common import bench_us, fmt, peak_mib, print_table, sqnr  # noqa: E402
 
 SHAPES = [(32768, 7168, 2048, 8), (16384, 5120, 1536, 16), (65536, 2048, 1408, 64), (65536, 2048, 768, 128)]
 
@@ -53,15 +53,6 @@ def saved_bytes(fn, *args):
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         fn(*args)
     return sum(seen.values())
-
-
-def peak_mib(step):
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    step()
-    torch.cuda.synchronize()
-    return (torch.cuda.max_memory_allocated() - base) / 2**20
 
 
 HEADER = ["(tokens, dim, hidden, E)", "mode", "bf16 ms", "ours ms", "vs bf16", "reuse ms", "vs bf16", "3x grouped_mm ms",

@@ -18,22 +18,13 @@ import moe_fp8_ext
 from moe_fp8_ext.moe import MoEExperts, balanced_offs
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from common import GROUPED_MM_SHAPES, bench_us, fmt, linear_problem, print_table, sqnr, try_peer  # noqa: E402
+from common import GROUPED_MM_SHAPES, bench_us, fmt, linear_problem, peak_mib, print_table, sqnr, try_peer  # noqa: E402
 
 
 def torchao_gmm():
     from torchao.prototype.moe_training.fp8_grouped_mm import _to_fp8_rowwise_then_scaled_grouped_mm
 
     return lambda a, b_t, offs: _to_fp8_rowwise_then_scaled_grouped_mm(a, b_t, offs, torch.bfloat16, torch.float8_e4m3fn, False)
-
-
-def peak_mib(fn):
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    fn()
-    torch.cuda.synchronize()
-    return (torch.cuda.max_memory_allocated() - base) / 2**20
 
 
 def bench_linear(shapes):

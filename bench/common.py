@@ -64,6 +64,16 @@ def linear_problem(m: int, k: int, n: int, e: int):
     return a, w, offs, grad
 
 
+def peak_mib(step):
+    """Peak CUDA memory of step() above what was allocated before it, MiB."""
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    step()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2**20
+
+
 def sqnr(ref: torch.Tensor, x: torch.Tensor) -> float:
     """20·log10(‖ref‖ / ‖ref − x‖) in dB, in fp32."""
     ref, x = ref.float(), x.float()
