@@ -85,10 +85,42 @@ def bench_ffn(shapes):
     return print_table("SwiGLU expert FFN (w1, w3, w2), forward + backward (ms)", ["(M, dim, hidden, E)", "bf16 ms", "fp8 ms", "speedup"], rows, "bench_grouped_mm.md")
 
 
+BLOCKWISE_SHAPES = [(16384, 7168, 2048, 8), (32768, 5120, 1536, 16), (65536, 2048, 1408, 64)]
+
+
+def bench_recipes(shapes, recipes=("bf16", "fp8_rowwise", "fp8_blockwise")):
+    """One grouped linear, forward + backward, per recipe (issue 14: fp8_blockwise vs
+    bf16 >= 1.20x, 1.20x, 1.0x on these shapes); router-like groups (multiples of 16,
+    so the blockwise weight gradient runs in the padded layout)."""
+    rows = []
+    for m, k, n, e in shapes:
+        a, w, offs, grad = linear_problem(m, k, n, e)
+        t, q = {}, {}
+        with torch.no_grad():
+            ref_out = moe_fp8_ext.grouped_mm(a, w.transpose(1, 2), offs, recipe="bf16")
+        for r in recipes:
+            f = lambda r=r: moe_fp8_ext.grouped_mm(a, w.transpose(1, 2), offs, recipe=r)
+            with torch.no_grad():
+                q[r] = sqnr(ref_out, f())
+            t[r] = bench_us(lambda f=f: torch.autograd.grad(f(), (a, w), grad), warmup_ms=50, rep_ms=300) / 1000
+        rows.append([f"({m}, {k}, {n}, {e})"] + [f"{t[r]:.3f}" for r in recipes]
+                    + [f"{t['bf16'] / t[r]:.2f}x" for r in recipes if r != "bf16"]
+                    + [f"{q[r]:.1f}" for r in recipes if r != "bf16"])
+        del a, w, grad
+    fp8 = [r for r in recipes if r != "bf16"]
+    header = (["(M, K, N, E)"] + [f"{r} ms" for r in recipes] + [f"{r} vs bf16" for r in fp8]
+              + [f"{r} SQNR vs bf16" for r in fp8])
+    return print_table("grouped linear per recipe, forward + backward (ms)", header, rows, "bench_grouped_mm.md")
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--quick", action="store_true", help="first shape only")
+    p.add_argument("--recipes", action="store_true", help="only the per-recipe table (fp8_blockwise, issue 14)")
     args = p.parse_args()
+    if args.recipes:
+        bench_recipes(BLOCKWISE_SHAPES[:1] if args.quick else BLOCKWISE_SHAPES)
+        return
     shapes = GROUPED_MM_SHAPES[:1] if args.quick else GROUPED_MM_SHAPES
     bench_linear(shapes)
     bench_ffn(shapes[:2])

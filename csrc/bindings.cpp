@@ -71,6 +71,10 @@ TORCH_LIBRARY(moe_fp8, m) {
   m.def("quantize_blockwise_weight_transposed_rhs(Tensor w, ScalarType fp8_dtype) -> (Tensor, Tensor)");
   m.def("quantize_blockwise_weight_dual(Tensor w, ScalarType fp8_dtype) -> (Tensor, Tensor, Tensor, Tensor)");
 
+  // ---- FP8 blockwise grouped GEMMs (DESIGN §6), Hopper: gemm/blockwise_grouped_sm90.cu (CUDA only) -
+  m.def("blockwise_grouped_mm_2d3d(Tensor a, Tensor scale_a, Tensor b, Tensor scale_b, Tensor offs, ScalarType out_dtype) -> Tensor");
+  m.def("blockwise_grouped_mm_2d2d(Tensor a, Tensor scale_a, Tensor b, Tensor scale_b, Tensor offs, ScalarType out_dtype) -> Tensor");
+
   // ---- token groups (DESIGN §8): sync-free padding and expert-parallel permutation -
   // impls: grouping/grouping_cpu.cpp (CPU) and grouping/grouping.cu (CUDA).
   m.def("pad_token_groups(Tensor x, Tensor offs, int alignment) -> (Tensor, Tensor, Tensor)");

@@ -35,4 +35,5 @@ set(MOE_FP8_SOURCE_TABLE
   "mxfp8/swizzle.cu                  GPU   cuda,hip"
   "blockwise/blockwise.cu            GPU   cuda,hip"
   "grouping/grouping.cu              GPU   cuda,hip"
+  "gemm/blockwise_grouped_sm90.cu    GPU   90a    cutlass"
 )

@@ -8,8 +8,10 @@ token groups, as ONE differentiable function that owns the whole FFN.
 Against three :func:`~moe_fp8_ext.grouped_mm` calls (same recipe, same math up to fp8
 rounding) it:
 
-- runs W1 and W3 as one grouped GEMM (N = 2·hidden): x is quantized once, and the
-  input gradient is one GEMM over the concatenated gradient;
+- runs W1 and W3 as one grouped GEMM (N = 2·hidden) in the forward: x is quantized
+  once; the input gradient is two GEMMs (grad_h1 W1 + grad_h3 W3), because one GEMM
+  would need a backward weight operand whose scales span both weights (a bf16
+  concatenation of w1 and w3, the size of the weights, every step);
 - saves less for backward: x and the W13 output h13 (bf16), nothing else. h =
   silu(h1)·h3 is recomputed from h13 in backward (an elementwise pass) instead of
   being saved, and dSwiGLU is computed from h13. A bf16 torchtitan ``GroupedExperts``
@@ -204,11 +206,19 @@ class _Experts(torch.autograd.Function):
         del grad_h
         grad_x = grad_w1 = grad_w3 = None
         if need_x:
-            rhs13 = _cached(cache, "w13_bwd", (w1, w3), tag,
-                            lambda: recipe.rhs_bwd({"B_t": _w13_t(w1, w3)}, f8))
+            # Two GEMMs over the halves of grad_h13, summed: one GEMM over the whole
+            # would need W13's backward operand, whose scales span both halves (a bf16
+            # concatenation of w1 and w3: a weight-sized copy and transient).
             dtype = _gemm_out_dtype(recipe, backend, ctx.dtypes[0], grad_h13.dtype)
-            grad_x = _zero_tail(recipe.mm_2d3d(recipe.lhs(grad_h13, f8), rhs13, offs, dtype, backend), offs)
-            grad_x = grad_x.to(ctx.dtypes[0])
+            for half, (name, w) in enumerate((("w1_bwd", w1), ("w3_bwd", w3))):
+                rhs = _cached(cache, name, (w,), tag, lambda w=w: recipe.rhs_bwd({"B_t": w.transpose(-2, -1)}, f8))
+                g = grad_h13[:, half * hidden:(half + 1) * hidden]
+                part = recipe.mm_2d3d(recipe.lhs(g, f8), rhs, offs, dtype, backend)
+                # out of place: an in-place add on a GEMM result inside this backward
+                # lost the gradient under torch.compile (aot_eager, torch 2.11 and 2.13)
+                grad_x = part if grad_x is None else grad_x + part
+                del part
+            grad_x = _zero_tail(grad_x, offs).to(ctx.dtypes[0])
         if need_w1 or need_w3:
             grad_w13 = wgrad(grad_h13, x, ctx.dtypes[1])  # (E, 2H, D)
             grad_w1 = grad_w13[:, :hidden].to(ctx.dtypes[1]) if need_w1 else None

@@ -13,7 +13,8 @@ new subclass registered here; ``grouped_mm.py`` does not change.
 
 Registered: ``"fp8_rowwise"`` (:class:`Fp8Rowwise`, DESIGN §5), ``"mxfp8"``
 (:class:`Mxfp8`, DESIGN §7: e8m0 scales per 32 elements, the sm100 GEMM on capability
-10.x, emulated elsewhere) and ``"bf16"`` (:class:`Bf16`, ``torch._grouped_mm`` in the
+10.x, emulated elsewhere), ``"fp8_blockwise"`` (:class:`Fp8Blockwise`, DESIGN §6: 1x128 /
+128x128 blocks, our CUTLASS grouped GEMM on sm90, emulated elsewhere) and ``"bf16"`` (:class:`Bf16`, ``torch._grouped_mm`` in the
 inputs' dtype, the baseline).
 """
 
@@ -24,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from . import blockwise as _bw
 from . import mxfp8 as _mx
 from . import ops
 from .mxfp8 import MX_BLOCK
@@ -565,6 +567,115 @@ class Mxfp8(Recipe):
         return emulated_grouped_mm_2d2d(g_t, a_, offs).to(out_dtype)
 
 
+# ---- FP8 blockwise (DESIGN §6) ----------------------------------------------------------
+
+
+def _expand_tiles(s: Tensor, rows: int, cols: int, block_rows: int, block_cols: int) -> Tensor:
+    """Block scales (..., R', C') -> one per element (..., rows, cols)."""
+    if block_rows > 1:
+        s = s.repeat_interleave(block_rows, dim=-2)
+    if block_cols > 1:
+        s = s.repeat_interleave(block_cols, dim=-1)
+    return s[..., :rows, :cols]
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8Blockwise(Recipe):
+    """FP8 blockwise (DeepSeek-V3 style, DESIGN §6): activations in 1x128 blocks along
+    each contraction, weights in 128x128 tiles, exact fp32 decode scales (no power-of-two
+    rounding); e4m3fn (or e4m3fnuz in the emulation: the MI300 format).
+
+    Operands (the layouts of :mod:`moe_fp8_ext.blockwise`): ``lhs`` 1x128 rows
+    (``quantize_blockwise_act_lhs``); the weights 128x128, BOTH orientations from one read
+    in the forward (``quantize_blockwise_weight_dual``): the transposed one is kept for
+    the backward (fp8, instead of requantizing the bf16 weight); ``wgrad_operands``
+    grad_outᵀ in 1x128 blocks along the tokens and A in 128x1 blocks along the tokens,
+    straight into the padded layout (alignment 128: any group sizes with
+    ``pad_groups=True``, no sync).
+
+    GEMM: this package's CUTLASS grouped blockwise GEMM (:mod:`moe_fp8_ext.blockwise_gemm`,
+    ``"blockwise_gemm"``) on CUDA capability 9.0 when built with it, writing bfloat16;
+    elsewhere ``"emulated"`` (dequantize, fp32 grouped GEMM; on CUDA via a bf16 GEMM, so
+    the exact fp32 scale products are rounded to bf16 there). PyTorch 2.11 has no
+    grouped blockwise GEMM.
+    """
+
+    name: str = "fp8_blockwise"
+    alignment: int = 128
+
+    def backend(self, device):
+        from . import blockwise_gemm
+
+        device = torch.device(device)
+        if device.type == "cuda" and torch.cuda.is_available() and blockwise_gemm.available(device):
+            return "blockwise_gemm"
+        return "emulated"
+
+    def out_dtypes(self, backend, in_dtype):
+        return (torch.bfloat16,) if backend == "blockwise_gemm" else FLOAT_DTYPES
+
+    def fp8_dtypes(self, backend, device):
+        if backend == "blockwise_gemm":
+            return (torch.float8_e4m3fn,)
+        return (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
+
+    def default_fp8_dtype(self, device):
+        if self.backend(device) == "blockwise_gemm":
+            return torch.float8_e4m3fn
+        return default_fp8_dtype(device if device.type == "cuda" else None)
+
+    def check_inputs(self, A, B_t):
+        k, n = B_t.shape[1], B_t.shape[2]
+        if self.backend(A.device) == "blockwise_gemm" and (k % 16 or n % 16):
+            raise ValueError(f"grouped_mm: expected K and N to be multiples of 16 for the blockwise GEMM on {A.device} "
+                             f"(16-byte aligned fp8 rows for TMA), got K={k}, N={n}")
+
+    def lhs(self, x, fp8_dtype):
+        return _bw.quantize_blockwise_act_lhs(x, fp8_dtype)
+
+    def rhs_fwd(self, b_t, fp8_dtype):
+        return _bw.quantize_blockwise_weight_dual(b_t, fp8_dtype)  # (q, s) (E, K, N) and (q, s) (E, N, K)
+
+    def save_for_backward(self, A, B_t, lhs, rhs):
+        return {"A": A, "q_bwd": rhs[2], "s_bwd": rhs[3]}
+
+    def rhs_bwd(self, saved, fp8_dtype):
+        if "q_bwd" in saved:
+            return saved["q_bwd"], saved["s_bwd"]
+        return _bw.quantize_blockwise_weight_transposed_rhs(saved["B_t"], fp8_dtype)
+
+    def wgrad_operands(self, grad_out, saved, offs, fp8_dtype, padded_starts):
+        layout = dict(offs=offs, padded_starts=padded_starts,
+                      alignment=None if padded_starts is None else self.alignment)
+        qg, sg = _bw.quantize_blockwise_act_transposed_lhs(grad_out, fp8_dtype, **layout)  # (N, Mp), (N, Mp/128)
+        qa, sa = _bw.quantize_blockwise_act_rhs(saved["A"], fp8_dtype, **layout)  # (Mp, K) col-major, (Mp/128, K)
+        return (qg, sg), (qa, sa)
+
+    def mm_2d3d(self, lhs, rhs, offs, out_dtype, backend):
+        (qa, sa), (qb, sb) = lhs, rhs[:2]
+        if backend == "blockwise_gemm":
+            from .blockwise_gemm import blockwise_grouped_mm_2d3d
+
+            return blockwise_grouped_mm_2d3d(qa, sa, qb, sb, offs, out_dtype)
+        m, k = qa.shape
+        n = qb.shape[2]
+        a = qa.float() * _expand_tiles(sa, m, k, 1, _bw.BW_BLOCK)
+        b = qb.float() * _expand_tiles(sb, k, n, _bw.BW_BLOCK, _bw.BW_BLOCK)
+        return emulated_grouped_mm_2d3d(a, b, offs).to(out_dtype)
+
+    def mm_2d2d(self, grad_t, a, offs, out_dtype, backend):
+        (qg, sg), (qa, sa) = grad_t, a  # (N, Mp) row-major, (Mp, K) column-major
+        if backend == "blockwise_gemm":
+            from .blockwise_gemm import blockwise_grouped_mm_2d2d
+
+            return blockwise_grouped_mm_2d2d(qg, sg, qa, sa, offs, out_dtype)
+        n, mp = qg.shape
+        k = qa.shape[1]
+        g_t = qg.float() * _expand_tiles(sg, n, mp, 1, _bw.BW_BLOCK)
+        a_ = qa.float() * _expand_tiles(sa, mp, k, _bw.BW_BLOCK, 1)
+        return emulated_grouped_mm_2d2d(g_t, a_, offs).to(out_dtype)
+
+
 # ---- registry --------------------------------------------------------------------------
 
 RECIPES: Dict[str, Recipe] = {}
@@ -594,3 +705,4 @@ def get_recipe(name, op: str = "get_recipe") -> Recipe:
 register_recipe(Fp8Rowwise())
 register_recipe(Bf16())
 register_recipe(Mxfp8())
+register_recipe(Fp8Blockwise())

@@ -8,8 +8,9 @@
 # them (default: all), e.g. BENCHES="bench_token_groups bench_grouped_mm".
 # --ep (a machine with two or more GPUs): build, then only the expert-parallel example
 # under torchrun on two GPUs and its test.
-# Tables and logs go to $OUT (default ./.out). Peer wheels (torchao) in ./.whl are
-# installed into a private folder first when present.
+# Tables and logs go to $OUT (default ./.out). Wheels in ./.whl (the peers torchao and
+# torchtitan with its import chain, and nvidia-cutlass for the blockwise GEMM's headers
+# on a machine without network) are installed into a private folder first when present.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -80,8 +81,10 @@ if [ -n "${BENCHES:-}" ]; then
   exit 0
 fi
 case "$bench" in
-  full) $PY bench/calibrate.py && $PY bench/bench_rowwise.py && $PY bench/bench_mxfp8.py && $PY bench/bench_grouped_mm.py &&
-        $PY bench/bench_gemms.py && $PY bench/bench_host.py && $PY bench/bench_token_groups.py ;;
-  quick) $PY bench/bench_rowwise.py --quick && $PY bench/bench_mxfp8.py --quick && $PY bench/bench_grouped_mm.py --quick &&
-         $PY bench/bench_gemms.py --quick && $PY bench/bench_token_groups.py --quick ;;
+  full) $PY bench/calibrate.py && $PY bench/bench_rowwise.py && $PY bench/bench_mxfp8.py && $PY bench/bench_blockwise.py &&
+        $PY bench/bench_blockwise_gemm.py && $PY bench/bench_grouped_mm.py && $PY bench/bench_grouped_mm.py --recipes &&
+        $PY bench/bench_experts.py && $PY bench/bench_gemms.py && $PY bench/bench_host.py && $PY bench/bench_token_groups.py ;;
+  quick) $PY bench/bench_rowwise.py --quick && $PY bench/bench_mxfp8.py --quick && $PY bench/bench_blockwise.py --quick &&
+         $PY bench/bench_blockwise_gemm.py --quick && $PY bench/bench_grouped_mm.py --quick &&
+         $PY bench/bench_experts.py --quick && $PY bench/bench_gemms.py --quick && $PY bench/bench_token_groups.py --quick ;;
 esac

@@ -53,7 +53,7 @@ def run(fn, inputs, grad):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("recipe", ["fp8_rowwise", "mxfp8", "bf16"])
+@pytest.mark.parametrize("recipe", ["fp8_rowwise", "mxfp8", "fp8_blockwise", "bf16"])
 def test_matches_fp32_reference(device, recipe):
     x, w1, w3, w2, offs, grad = make(4, 128, 96, 300, device, offs=[40, 40, 170, 300])
     out, grads = run(lambda *a: experts(*a, recipe=recipe), (x, w1, w3, w2, offs), grad)
@@ -141,7 +141,7 @@ def test_weight_reuse_hits_and_is_exact(device):
         out = layer(xl, counts)
         out.backward(grad)
         outs.append((out.detach(), xl.grad))
-    assert cache.misses == 4 and cache.hits == 8, (cache.misses, cache.hits)
+    assert cache.misses == 5 and cache.hits == 10, (cache.misses, cache.hits)  # w13 fwd, w2 fwd/bwd, w1 and w3 bwd
     assert cache.nbytes() > 0
     fresh = experts(x, w1, w3, w2, offs)
     for out, gx in outs:

@@ -974,3 +974,90 @@ def test_mxfp8_gate_never_calls_torch_mxfp8_gemm_off_sm100(monkeypatch):
 
 
 # ---- end of the MXFP8 recipe section ---------------------------------------------------
+
+
+# =======================================================================================
+# FP8 blockwise recipe: grouped_mm(recipe="fp8_blockwise") (issue 14). 1x128 activation
+# blocks and 128x128 weight tiles with exact fp32 scales; our CUTLASS grouped GEMM on
+# sm90 (moe_fp8_ext.blockwise_gemm), emulated (the same operands dequantized, fp32
+# GEMM) elsewhere.
+# =======================================================================================
+
+BW_CASES = {  # (M, K, N, group sizes)
+    "e4": (512, 512, 256, [128, 0, 256, 128]),
+    "e1": (384, 1024, 128, [384]),
+    "unaligned_e5_tail": (601, 512, 256, [13, 0, 177, 250, 150]),
+    "partial_blocks": (300, 200, 136, [100, 0, 200]),  # K, N not multiples of 128
+}
+
+
+def outlier_sqnr(m, k, n, offs, device, recipes_=("fp8_rowwise", "fp8_blockwise"), seed=0):
+    """(out, grad_A, grad_B) SQNR vs fp32 per recipe on data with outliers (1 in 500
+    elements of A, B and grad_out scaled by 50)."""
+    a0 = randn((m, k), torch.bfloat16, device, seed=seed)
+    b0 = (randn((offs.numel(), n, k), torch.bfloat16, device, seed=seed + 1) * 0.02).transpose(1, 2)
+    grad = randn((m, n), torch.bfloat16, device, seed=seed + 2)
+    a32, b32, out32 = fp32_reference(a0.cpu(), b0.cpu(), offs.cpu())
+    out32.backward(grad.float().cpu())
+    used = int(offs[-1])
+    result = {}
+    for recipe in recipes_:
+        a, b_t = a0.clone().requires_grad_(), b0.detach().clone().requires_grad_()
+        out = moe_fp8_ext.grouped_mm(a, b_t, offs, recipe=recipe)
+        out.backward(grad)
+        assert out.dtype == torch.bfloat16 and out.shape == (m, n)
+        assert bool((out[used:] == 0).all()) and bool((a.grad[used:] == 0).all()), "rows past offs[-1] are zero"
+        out, ga, gb = out.cpu(), a.grad.cpu(), b_t.grad.cpu()
+        result[recipe] = (sqnr(out32[:used], out[:used]), sqnr(a32.grad[:used], ga[:used]), sqnr(b32.grad, gb))
+    return result
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", list(BW_CASES))
+def test_blockwise_sqnr_with_outliers_beats_rowwise(device, case):
+    # Issue 14: out >= 28, grad_A >= 26, grad_B >= 24 dB on data with outliers, and
+    # above fp8_rowwise on the same data (an outlier costs only its 128-block).
+    m, k, n, sizes = BW_CASES[case]
+    if device == "cuda" and moe_fp8_ext.grouped_mm_backend(device, "fp8_blockwise") == "blockwise_gemm" and (k % 16 or n % 16):
+        pytest.skip("the blockwise GEMM needs K and N multiples of 16")
+    res = outlier_sqnr(m, k, n, make_offs(sizes, device), device)
+    print(f"{case} {device}: " + ", ".join(f"{r} out {o:.2f} grad_A {ga:.2f} grad_B {gb:.2f} dB"
+                                          for r, (o, ga, gb) in res.items()))
+    o, ga, gb = res["fp8_blockwise"]
+    assert o >= 28 and ga >= 26 and gb >= 24, res
+    ro, rga, rgb = res["fp8_rowwise"]
+    assert o > ro and ga > rga and gb > rgb, res
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_blockwise_is_its_quantized_math(device):
+    """The recipe multiplies exactly the reference's quantized operands: dequantize the
+    reference's (q, scale) and run an fp32 grouped GEMM (tolerance: the GEMM's own fp32
+    accumulation order, and bf16 output rounding)."""
+    m, k, n, sizes = 384, 256, 128, [128, 0, 256]
+    offs = make_offs(sizes, device)
+    a = randn((m, k), torch.bfloat16, device, seed=3).requires_grad_()
+    b_t = (randn((3, n, k), torch.bfloat16, device, seed=4) * 0.02).transpose(1, 2).detach().requires_grad_()
+    f8 = moe_fp8_ext.recipes.get_recipe("fp8_blockwise").default_fp8_dtype(torch.device(device))
+    out = moe_fp8_ext.grouped_mm(a, b_t, offs, recipe="fp8_blockwise", fp8_dtype=f8)
+    qa, sa = ref.quantize_blockwise_act_lhs(a.detach().cpu(), f8)
+    qb, sb = ref.quantize_blockwise_weight_rhs(b_t.detach().cpu(), f8)
+    deq_a = qa.float() * sa.repeat_interleave(128, 1)[:, :k]
+    deq_b = qb.float() * sb.repeat_interleave(128, 1).repeat_interleave(128, 2)[:, :k, :n]
+    want = torch.zeros(m, n)
+    start = 0
+    for e, end in enumerate(offs.cpu().tolist()):
+        want[start:end] = deq_a[start:end] @ deq_b[e]
+        start = end
+    assert sqnr(want, out.cpu()) > 45
+
+
+def test_blockwise_backend_and_errors():
+    assert moe_fp8_ext.grouped_mm_backend("cpu", "fp8_blockwise") == "emulated"
+    a = torch.randn(64, 128, dtype=torch.bfloat16)
+    b_t = torch.randn(2, 128, 64, dtype=torch.bfloat16)
+    offs = torch.tensor([32, 64], dtype=torch.int32)
+    with pytest.raises(ValueError, match="fp8_dtype"):
+        moe_fp8_ext.grouped_mm(a, b_t, offs, recipe="fp8_blockwise", fp8_dtype=torch.float8_e5m2)
+    out = moe_fp8_ext.grouped_mm(a, b_t, offs, recipe="fp8_blockwise", fp8_dtype=torch.float8_e4m3fnuz)
+    assert out.shape == (64, 64) and torch.isfinite(out).all()

@@ -1,0 +1,591 @@
+// The FP8 blockwise grouped GEMMs of DESIGN §6 for Hopper (sm_90a): CUTLASS's
+// pointer-array grouped GEMM with blockwise scaling (FP8BlockScaledAccum: fp32
+// accumulation, each 128-deep K block's partial sum promoted and scaled on the CUDA
+// cores), with every group's problem size, pointers, strides and scale layouts built ON
+// THE DEVICE from `offs` by one small kernel, so nothing syncs with the host and the
+// op is CUDA-graph capturable.
+//
+//   blockwise_grouped_mm_2d3d  forward / dgrad: out (M, N) bf16, rows of group g =
+//       dequant(a[rows of g]) @ dequant(b[g]); a (M, K) 1x128 blocks (scale_a (M, K/128)
+//       column-major), b (E, K, N) 128x128 tiles (scale_b (E, K/128, N/128) column-major).
+//   blockwise_grouped_mm_2d2d  wgrad: out (E, N, K) bf16, out[g] = dequant(a[:, tokens
+//       of g]) @ dequant(b[tokens of g, :]); a (N, M) 1x128 blocks along the tokens,
+//       b (M, K) 128x1 blocks along the tokens: per-row and per-column scales (scale
+//       granularity 1 in the GEMM's M and N, 128 in its K), groups start at multiples of
+//       128 tokens.
+//
+// Both are "TN" GEMMs for CUTLASS (A and B K-major, what Hopper's FP8 WGMMA reads):
+//   2d3d: GEMM (M_g, N, K): A = a rows (row-major), B = b[g] (column-major (K, N)), D =
+//         out rows; SFA granularity (1, 128) MN-major with column stride M (all tokens:
+//         hence ScaleLayoutsFromArgs), SFB granularity (128, 128) K-major.
+//   2d2d: GEMM (N, K, T_g): A = a[:, tokens] (row-major (N, M)), B = b[tokens, :]
+//         (column-major (M, K)), D = out[g]; SFA and SFB granularity (1, 128) MN-major.
+//
+// Bad offs (decreasing, out of range) never reach memory out of bounds: the table
+// kernel clamps every group into [0, M] (group_range) and, for 2d2d, treats a group that
+// does not start at a multiple of 128 as empty (zeros). With MOE_FP8_DEBUG=1 the content
+// is checked on the host (a sync). Rows of the 2d3d output past the last group and the
+// 2d2d outputs of empty groups are written with zeros by the same table kernel.
+//
+// Only for sm_90a (csrc/sources.cmake); the op refuses any other GPU with a clear error.
+
+// CuTe's device-side assert() is a call (__assertfail), and a call inside the mainloop
+// makes ptxas serialize every WGMMA ("wgmma pipeline crossing function boundary"): a
+// large slowdown. Release builds define NDEBUG; this file does in any build.
+#ifndef NDEBUG
+#define NDEBUG
+#endif
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#include "../core/groups.h"
+#include "../core/launch.h"
+#include "../core/op_checks.h"
+
+// CUTLASS 4.2's headers under C++20 and -Werror: its sm100 collectives (parsed, never
+// instantiated here) capture `this` implicitly in lambdas (diagnostic 2908).
+#pragma nv_diagnostic push
+#pragma nv_diag_suppress 2908
+#include "cute/tensor.hpp"
+#include "cutlass/cutlass.h"
+#include "cutlass/detail/blockwise_scale_layout.hpp"
+#include "cutlass/epilogue/collective/collective_builder.hpp"
+#include "cutlass/gemm/collective/collective_builder.hpp"
+#include "cutlass/gemm/device/gemm_universal_adapter.h"
+#include "cutlass/gemm/dispatch_policy.hpp"
+#include "cutlass/gemm/group_array_problem_shape.hpp"
+#include "cutlass/gemm/kernel/gemm_universal.hpp"
+#pragma nv_diagnostic pop
+
+#include "scale_layouts_from_args.cuh"
+
+// The CUTLASS kernels need nvcc 12.3+ (Hopper TMA descriptor updates on the device).
+#if defined(CUTLASS_ARCH_MMA_SM90_SUPPORTED) && defined(CUTLASS_ARCH_MMA_MODIFIABLE_TMA_SM90_SUPPORTED)
+#define MOE_FP8_BW_GEMM_SM90 1
+#else
+#define MOE_FP8_BW_GEMM_SM90 0
+#endif
+
+namespace moe_fp8 {
+namespace {
+
+constexpr int64_t kBlock = 128;  // the recipe's block: 1x128 activations, 128x128 weights
+
+// A device attribute (a host query, no sync; ATen's CUDAContext would pull in cuSPARSE headers).
+int device_attr(cudaDeviceAttr attr, int device) {
+  int v = 0;
+  const cudaError_t err = cudaDeviceGetAttribute(&v, attr, device);
+  TORCH_CHECK(err == cudaSuccess, "moe_fp8: cudaDeviceGetAttribute failed: ", cudaGetErrorString(err));
+  return v;
+}
+
+int sm_count(int device) { return device_attr(cudaDevAttrMultiProcessorCount, device); }
+
+#if MOE_FP8_BW_GEMM_SM90
+
+using namespace cute;
+
+// ---- the GEMM types ---------------------------------------------------------------------
+// kWgrad: scale granularity 1 on both sides (2d2d); else (1, 128) on A and (128, 128) on B.
+// kPingpong: two consumer warp groups on two tiles (one's promotion and epilogue overlap
+// the other's MMAs), TileShape is one warp group's tile; else cooperative (both warp
+// groups on one tile, split along M).
+template <class TileShape_, class ClusterShape_, bool kPingpong, bool kWgrad>
+struct BlockwiseGemm {
+  using TileShape = TileShape_;
+  using ClusterShape = ClusterShape_;
+  using ElementA = cutlass::float_e4m3_t;
+  using ElementB = cutlass::float_e4m3_t;
+  using ElementD = cutlass::bfloat16_t;
+  using LayoutA = cutlass::layout::RowMajor;     // K-major
+  using LayoutB = cutlass::layout::ColumnMajor;  // K-major
+  using LayoutD = cutlass::layout::RowMajor;
+  static constexpr int kAlignAB = 16;  // elements: 16 bytes, TMA
+  static constexpr int kAlignD = 8;
+
+  using ScaleConfig = cutlass::detail::Sm90BlockwiseScaleConfig<
+      /*M*/ 1, /*N*/ kWgrad ? 1 : int(kBlock), /*K*/ int(kBlock), cute::GMMA::Major::MN,
+      kWgrad ? cute::GMMA::Major::MN : cute::GMMA::Major::K>;
+  using ScaleLayoutA = decltype(ScaleConfig::deduce_layoutSFA());
+  using ScaleLayoutB = decltype(ScaleConfig::deduce_layoutSFB());
+
+  using ProblemShape = cutlass::gemm::GroupProblemShape<Shape<int, int, int>>;  // (M, N, K) per group
+  using MainloopSchedule =
+      std::conditional_t<kPingpong, cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpongFP8BlockScaledAccum,
+                         cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8BlockScaledAccum>;
+  using EpilogueSchedule = std::conditional_t<kPingpong, cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong,
+                                              cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative>;
+
+  using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
+      cutlass::epilogue::collective::EpilogueTileAuto, float, float, void, LayoutD*, kAlignD, ElementD, LayoutD*,
+      kAlignD, EpilogueSchedule,
+      cutlass::epilogue::fusion::LinearCombination<ElementD, float, void, float>>::CollectiveOp;
+
+  using CutlassMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementA, cute::tuple<LayoutA*, ScaleLayoutA*>, kAlignAB,
+      ElementB, cute::tuple<LayoutB*, ScaleLayoutB*>, kAlignAB, float, TileShape, ClusterShape,
+      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
+      MainloopSchedule>::CollectiveOp;
+  using Mainloop = ScaleLayoutsFromArgs<CutlassMainloop>;
+
+  using Kernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, Mainloop, Epilogue>;
+  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
+
+  using StrideA = typename Kernel::InternalStrideA;
+  using StrideB = typename Kernel::InternalStrideB;
+  using StrideD = typename Kernel::InternalStrideD;
+  static_assert(std::is_same_v<ScaleLayoutA, typename CutlassMainloop::InternalLayoutSFA>);
+  static_assert(std::is_same_v<ScaleLayoutB, typename CutlassMainloop::InternalLayoutSFB>);
+};
+
+// The per-group arguments of one grouped GEMM, in one device buffer (written by the
+// table kernel, read by the GEMM).
+template <class G>
+struct GroupTables {
+  typename G::ProblemShape::UnderlyingProblemShape* shape;
+  const typename G::ElementA** a;
+  const typename G::ElementB** b;
+  const float** sfa;
+  const float** sfb;
+  typename G::ElementD** d;
+  typename G::StrideA* stride_a;
+  typename G::StrideB* stride_b;
+  typename G::StrideD* stride_d;
+  typename G::ScaleLayoutA* layout_sfa;
+  typename G::ScaleLayoutB* layout_sfb;
+};
+
+// Carve the tables of `groups` groups out of one byte tensor (16-byte aligned arrays).
+template <class G>
+GroupTables<G> carve_tables(at::Tensor& storage, int64_t groups, const at::TensorOptions& opts) {
+  auto bytes = [&](int64_t each) { return round_up(each * std::max<int64_t>(groups, 1), 16); };
+  GroupTables<G> t;
+  const int64_t sizes[] = {
+      bytes(sizeof(*t.shape)),    bytes(sizeof(*t.a)),        bytes(sizeof(*t.b)),         bytes(sizeof(*t.sfa)),
+      bytes(sizeof(*t.sfb)),      bytes(sizeof(*t.d)),        bytes(sizeof(*t.stride_a)),  bytes(sizeof(*t.stride_b)),
+      bytes(sizeof(*t.stride_d)), bytes(sizeof(*t.layout_sfa)), bytes(sizeof(*t.layout_sfb))};
+  int64_t total = 0;
+  for (int64_t s : sizes) total += s;
+  storage = at::empty({total}, opts.dtype(at::kByte));
+  char* p = static_cast<char*>(storage.data_ptr());
+  auto take = [&](auto*& field, int i) {
+    field = reinterpret_cast<std::remove_reference_t<decltype(field)>>(p);
+    p += sizes[i];
+  };
+  take(t.shape, 0);
+  take(t.a, 1);
+  take(t.b, 2);
+  take(t.sfa, 3);
+  take(t.sfb, 4);
+  take(t.d, 5);
+  take(t.stride_a, 6);
+  take(t.stride_b, 7);
+  take(t.stride_d, 8);
+  take(t.layout_sfa, 9);
+  take(t.layout_sfb, 10);
+  return t;
+}
+
+// Zero elements [begin, end) of a bf16 buffer, 8 at a time (16-byte stores: every
+// range starts and ends at a multiple of 8 elements), strided over `threads` threads.
+__device__ __forceinline__ void zero_bf16(void* base, int64_t begin, int64_t end, int64_t thread, int64_t threads) {
+  uint4* v = static_cast<uint4*>(base);
+  for (int64_t i = begin / 8 + thread; i < end / 8; i += threads) v[i] = make_uint4(0, 0, 0, 0);
+}
+
+// ---- 2d3d tables: group g is rows [s, e) of a and out, expert g of b ----------------------
+struct Args2d3d {
+  const uint8_t* a;       // [M, K] row-major (row stride lda)
+  const float* scale_a;   // [M, ceil(K/128)] column-major (column stride lds)
+  const uint8_t* b;       // [E, K, N] per expert column-major (column stride ldb, expert stride sbe)
+  const float* scale_b;   // [E, ceil(K/128), ceil(N/128)] per expert column-major (snb, sse)
+  const int32_t* offs;    // [E] group ends
+  void* out;              // [M, N] row-major bf16
+  int64_t M, N, K, lda, lds, ldb, sbe, snb, sse;
+  int groups;
+};
+
+template <class G>
+__global__ void build_tables_2d3d(GroupTables<G> t, Args2d3d p) {
+  const int64_t thread = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t threads = int64_t(gridDim.x) * blockDim.x;
+  const int kb = static_cast<int>(ceil_div(p.K, kBlock)), nb = static_cast<int>(ceil_div(p.N, kBlock));
+  if (thread < p.groups) {
+    const int g = static_cast<int>(thread);
+    int64_t s, e;
+    group_range(p.offs, g, p.M, &s, &e);
+    const int mg = static_cast<int>(e - s);
+    t.shape[g] = {mg, static_cast<int>(p.N), static_cast<int>(p.K)};
+    t.a[g] = reinterpret_cast<const typename G::ElementA*>(p.a + s * p.lda);
+    t.b[g] = reinterpret_cast<const typename G::ElementB*>(p.b + g * p.sbe);
+    t.sfa[g] = p.scale_a + s;  // row s of the column-major scales
+    t.sfb[g] = p.scale_b + g * p.sse;
+    t.d[g] = static_cast<typename G::ElementD*>(p.out) + s * p.N;
+    t.stride_a[g] = cute::make_stride(p.lda, Int<1>{}, Int<0>{});
+    t.stride_b[g] = cute::make_stride(p.ldb, Int<1>{}, Int<0>{});
+    t.stride_d[g] = cute::make_stride(p.N, Int<1>{}, Int<0>{});
+    // (m, k) -> m + kb * lds: the column stride of all M rows, not M_g.
+    t.layout_sfa[g] = make_layout(make_shape(make_shape(Int<1>{}, mg), make_shape(Int<kBlock>{}, kb), 1),
+                                  make_stride(make_stride(Int<0>{}, Int<1>{}),
+                                              make_stride(Int<0>{}, static_cast<int>(p.lds)), 0));
+    // (n, k) -> nb * snb + kb (K-major 128x128 tiles).
+    t.layout_sfb[g] = make_layout(make_shape(make_shape(Int<kBlock>{}, nb), make_shape(Int<kBlock>{}, kb), 1),
+                                  make_stride(make_stride(Int<0>{}, static_cast<int>(p.snb)),
+                                              make_stride(Int<0>{}, Int<1>{}), 0));
+  }
+  // Rows past the last group belong to no group: zeros (never uninitialized memory).
+  const int64_t tail = p.groups > 0 ? clamp_offset(p.offs[p.groups - 1], p.M) : 0;
+  zero_bf16(p.out, tail * p.N, p.M * p.N, thread, threads);
+}
+
+// ---- 2d2d tables: group g is tokens [s, e), a multiple of 128 at its start -----------------
+struct Args2d2d {
+  const uint8_t* a;       // [N, M] row-major (row stride lda)
+  const float* scale_a;   // [N, ceil(M/128)] column-major (column stride lds)
+  const uint8_t* b;       // [M, K] column-major (column stride ldb)
+  const float* scale_b;   // [ceil(M/128), K] row-major (row stride sbr)
+  const int32_t* offs;    // [E] group ends
+  void* out;              // [E, N, K] row-major bf16
+  int64_t M, N, K, lda, lds, ldb, sbr;
+  int groups;
+  int blocks_per_group;
+};
+
+template <class G>
+__global__ void build_tables_2d2d(GroupTables<G> t, Args2d2d p) {
+  const int g = static_cast<int>(blockIdx.x / p.blocks_per_group);
+  const int x = static_cast<int>(blockIdx.x % p.blocks_per_group);
+  if (g >= p.groups) return;
+  int64_t s, e;
+  group_range(p.offs, g, p.M, &s, &e);
+  // A group that does not start at a multiple of 128 has no blocks of its own (bad
+  // offs): empty, like a group with no tokens, so no misaligned address is formed.
+  const bool live = e > s && s % kBlock == 0;
+  const int64_t sb = s / kBlock;
+  if (x == 0 && threadIdx.x == 0) {
+    const int tg = live ? static_cast<int>(e - s) : 0;
+    const int kb = static_cast<int>(ceil_div(tg, kBlock));
+    // An empty group gets no tiles (M = 0); its output is zeroed below.
+    t.shape[g] = {live ? static_cast<int>(p.N) : 0, static_cast<int>(p.K), tg};
+    t.a[g] = reinterpret_cast<const typename G::ElementA*>(p.a + (live ? s : 0));
+    t.b[g] = reinterpret_cast<const typename G::ElementB*>(p.b + (live ? s : 0));
+    t.sfa[g] = p.scale_a + (live ? sb * p.lds : 0);
+    t.sfb[g] = p.scale_b + (live ? sb * p.sbr : 0);
+    t.d[g] = static_cast<typename G::ElementD*>(p.out) + g * p.N * p.K;
+    t.stride_a[g] = cute::make_stride(p.lda, Int<1>{}, Int<0>{});
+    t.stride_b[g] = cute::make_stride(p.ldb, Int<1>{}, Int<0>{});
+    t.stride_d[g] = cute::make_stride(p.K, Int<1>{}, Int<0>{});
+    // (n, token block) -> n + kb * lds and (k, token block) -> k + kb * sbr.
+    t.layout_sfa[g] = make_layout(make_shape(make_shape(Int<1>{}, static_cast<int>(p.N)), make_shape(Int<kBlock>{}, kb), 1),
+                                  make_stride(make_stride(Int<0>{}, Int<1>{}),
+                                              make_stride(Int<0>{}, static_cast<int>(p.lds)), 0));
+    t.layout_sfb[g] = make_layout(make_shape(make_shape(Int<1>{}, static_cast<int>(p.K)), make_shape(Int<kBlock>{}, kb), 1),
+                                  make_stride(make_stride(Int<0>{}, Int<1>{}),
+                                              make_stride(Int<0>{}, static_cast<int>(p.sbr)), 0));
+  }
+  if (!live) {
+    const int64_t per_group = p.N * p.K;
+    zero_bf16(p.out, g * per_group, (g + 1) * per_group, int64_t(x) * blockDim.x + threadIdx.x,
+              int64_t(p.blocks_per_group) * blockDim.x);
+  }
+}
+
+// ---- running one grouped GEMM -----------------------------------------------------------
+
+template <class G>
+void run_gemm(const GroupTables<G>& t, int groups, const at::Tensor& like, const GpuLaunch& gpu, const char* op) {
+  using Gemm = typename G::Gemm;
+  typename Gemm::Arguments args;
+  args.mode = cutlass::gemm::GemmUniversalMode::kGrouped;
+  // Problem shapes on the device only (host pointer null): nothing to sync; the
+  // persistent grid is one CTA per SM and the scheduler walks the groups' tiles.
+  args.problem_shape = {groups, t.shape, nullptr};
+  args.mainloop.ptr_A = t.a;
+  args.mainloop.dA = t.stride_a;
+  args.mainloop.ptr_B = t.b;
+  args.mainloop.dB = t.stride_b;
+  args.mainloop.ptr_SFA = t.sfa;
+  args.mainloop.layout_SFA = t.layout_sfa;
+  args.mainloop.ptr_SFB = t.sfb;
+  args.mainloop.layout_SFB = t.layout_sfb;
+  args.epilogue.thread.alpha = 1.0f;
+  args.epilogue.thread.beta = 0.0f;
+  args.epilogue.ptr_C = nullptr;
+  args.epilogue.dC = nullptr;
+  args.epilogue.ptr_D = t.d;
+  args.epilogue.dD = t.stride_d;
+  // The scheduler's defaults for grouped problems: raster along M, no swizzle (along N and
+  // swizzles of 2 and 4 were within noise on H100).
+  args.hw_info.device_id = gpu.device();
+  args.hw_info.sm_count = sm_count(gpu.device());
+
+  Gemm gemm;
+  TORCH_CHECK(gemm.can_implement(args) == cutlass::Status::kSuccess, op,
+              ": expected arguments the CUTLASS grouped GEMM can implement, got a refusal from can_implement");
+  const size_t ws_bytes = Gemm::get_workspace_size(args);
+  at::Tensor workspace = at::empty({static_cast<int64_t>(std::max<size_t>(ws_bytes, 1))}, like.options().dtype(at::kByte));
+  cutlass::Status st = gemm.initialize(args, workspace.data_ptr(), gpu.stream());
+  TORCH_CHECK(st == cutlass::Status::kSuccess, op, ": CUTLASS initialize failed: ", cutlassGetStatusString(st));
+  st = gemm.run(gpu.stream());
+  TORCH_CHECK(st == cutlass::Status::kSuccess, op, ": CUTLASS run failed: ", cutlassGetStatusString(st));
+  gpu.check(static_cast<int>(cudaGetLastError()), op);
+}
+
+// The configurations: cooperative 128x128x128 (both consumer warp groups on one tile,
+// 64 rows each). Larger tiles do not fit: the blockwise mainloop keeps two fp32
+// accumulators (the block's partial sum and the total), 2 x 64 registers a thread at
+// 128x128. Pingpong 64x128x128 (each warp group its own tile) measured 15-25% slower on
+// H100 for the benchmark shapes. The cluster is two CTAs that share one operand tile
+// through TMA multicast: 1x2 shares A across two N tiles, 2x1 shares B across two M
+// tiles. The scheduler rounds every group's tile grid up to the cluster, so the pick
+// avoids an odd tile count along the cluster's dimension where the host knows it (N,
+// and K for 2d2d; the groups' M is only on the device). On H100 (balanced groups):
+// N = 1408 (11 tiles) forward 838 TFLOP/s with 2x1 vs 751-812 with 1x2; even tile
+// counts 1x2 and 2x1 within noise.
+using FwdCluster12 = BlockwiseGemm<Shape<_128, _128, _128>, Shape<_1, _2, _1>, false, false>;
+using FwdCluster21 = BlockwiseGemm<Shape<_128, _128, _128>, Shape<_2, _1, _1>, false, false>;
+using WgradCluster12 = BlockwiseGemm<Shape<_128, _128, _128>, Shape<_1, _2, _1>, false, true>;
+using WgradCluster21 = BlockwiseGemm<Shape<_128, _128, _128>, Shape<_2, _1, _1>, false, true>;
+
+template <class G>
+void launch_2d3d(const Args2d3d& p, const at::Tensor& like, const GpuLaunch& gpu, const char* op) {
+  at::Tensor storage;
+  const auto tables = carve_tables<G>(storage, p.groups, like.options());
+  constexpr int kThreads = 256;
+  // Enough threads for the tables, and up to two blocks an SM for the zero tail.
+  const int64_t blocks = std::max<int64_t>(ceil_div(p.groups, kThreads),
+                                           std::min<int64_t>(ceil_div(p.M * p.N / 8, kThreads), 2 * sm_count(gpu.device())));
+  build_tables_2d3d<G><<<static_cast<unsigned>(blocks), kThreads, 0, gpu.stream()>>>(tables, p);
+  gpu.check(static_cast<int>(cudaGetLastError()), op);
+  run_gemm<G>(tables, p.groups, like, gpu, op);
+}
+
+template <class G>
+void launch_2d2d(Args2d2d p, const at::Tensor& like, const GpuLaunch& gpu, const char* op) {
+  at::Tensor storage;
+  const auto tables = carve_tables<G>(storage, p.groups, like.options());
+  constexpr int kThreads = 256;
+  // Blocks per group: enough to zero an empty group's (N, K) quickly; the blocks of the
+  // live groups return at once (one of them writes the group's tables).
+  p.blocks_per_group = static_cast<int>(std::min<int64_t>(ceil_div(p.N * p.K / 8, kThreads), 16));
+  const int64_t blocks = int64_t(p.groups) * p.blocks_per_group;
+  TORCH_CHECK(blocks <= kInt32Max, op, ": expected at most ", kInt32Max / 16, " groups, got ", p.groups);
+  build_tables_2d2d<G><<<static_cast<unsigned>(blocks), kThreads, 0, gpu.stream()>>>(tables, p);
+  gpu.check(static_cast<int>(cudaGetLastError()), op);
+  run_gemm<G>(tables, p.groups, like, gpu, op);
+}
+
+#endif  // MOE_FP8_BW_GEMM_SM90
+
+// ---- the ops -----------------------------------------------------------------------------
+
+void check_hopper(const at::Tensor& a, const char* op) {
+  const int device = a.device().index();
+  const int major = device_attr(cudaDevAttrComputeCapabilityMajor, device);
+  const int minor = device_attr(cudaDevAttrComputeCapabilityMinor, device);
+  TORCH_CHECK(major == 9 && minor == 0, op,
+              ": expected a GPU of compute capability 9.0 (Hopper, sm_90a; the kernel is built for it only), got ",
+              major, ".", minor);
+#if !MOE_FP8_BW_GEMM_SM90
+  TORCH_CHECK(false, op, ": expected a build with the CUTLASS sm_90a kernels, got one without (nvcc too old)");
+#endif
+}
+
+void check_common(const char* op, const at::Tensor& a, const at::Tensor& scale_a, const at::Tensor& b,
+                  const at::Tensor& scale_b, const at::Tensor& offs, int64_t b_rank, at::ScalarType out_dtype) {
+  check_rank(a, 2, op, "a");
+  check_rank(scale_a, 2, op, "scale_a");
+  check_rank(b, b_rank, op, "b");
+  check_rank(scale_b, b_rank, op, "scale_b");
+  TORCH_CHECK(a.scalar_type() == at::kFloat8_e4m3fn, op, ": expected a of dtype float8_e4m3fn, got ", a.scalar_type());
+  TORCH_CHECK(b.scalar_type() == at::kFloat8_e4m3fn, op, ": expected b of dtype float8_e4m3fn, got ", b.scalar_type());
+  TORCH_CHECK(scale_a.scalar_type() == at::kFloat, op, ": expected scale_a of dtype float32, got ",
+              scale_a.scalar_type());
+  TORCH_CHECK(scale_b.scalar_type() == at::kFloat, op, ": expected scale_b of dtype float32, got ",
+              scale_b.scalar_type());
+  TORCH_CHECK(offs.scalar_type() == at::kInt, op, ": expected offs of dtype int32, got ", offs.scalar_type());
+  check_rank(offs, 1, op, "offs");
+  check_same_device(op, {"a", a}, {{"scale_a", scale_a}, {"b", b}, {"scale_b", scale_b}, {"offs", offs}});
+  check_groups(offs, op);
+  TORCH_CHECK(out_dtype == at::kBFloat16, op, ": expected out_dtype bfloat16, got ", out_dtype);
+}
+
+void check_shape(const char* op, const char* name, const at::Tensor& t, c10::IntArrayRef expected) {
+  TORCH_CHECK(t.sizes() == expected, op, ": expected ", name, " of shape ", expected, ", got ", t.sizes());
+}
+
+// The stride of dim d, or `fallback` where it does not matter: dim d has one element,
+// or the tensor none.
+int64_t stride_or(const at::Tensor& t, int64_t d, int64_t fallback) {
+  return t.size(d) > 1 && t.numel() > 0 ? t.stride(d) : fallback;
+}
+
+void check_unit_stride(const char* op, const char* name, const at::Tensor& t, int64_t d, const char* layout) {
+  TORCH_CHECK(t.size(d) <= 1 || t.stride(d) == 1, op, ": expected ", name, " ", layout, " (stride(", d,
+              ") == 1), got strides ", t.strides());
+}
+
+void check_ld(const char* op, const char* what, int64_t ld, int64_t min, int64_t multiple) {
+  TORCH_CHECK(ld >= min && ld % multiple == 0, op, ": expected ", what, " to be at least ", min,
+              " and a multiple of ", multiple, " (16-byte rows for TMA), got ", ld);
+}
+
+void check_int32(const char* op, const char* what, int64_t v) { check_fits_int32(v, op, what); }
+
+void check_aligned(const char* op, const char* name, const at::Tensor& t) {
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0, op, ": expected ", name,
+              " to start at a 16-byte aligned address (TMA), got storage offset ", t.storage_offset());
+}
+
+at::Tensor blockwise_grouped_mm_2d3d(const at::Tensor& a, const at::Tensor& scale_a, const at::Tensor& b,
+                                     const at::Tensor& scale_b, const at::Tensor& offs, at::ScalarType out_dtype) {
+  constexpr const char* op = "blockwise_grouped_mm_2d3d";
+  check_common(op, a, scale_a, b, scale_b, offs, 3, out_dtype);
+  const int64_t M = a.size(0), K = a.size(1), E = b.size(0), N = b.size(2);
+  const int64_t KB = ceil_div(K, kBlock), NB = ceil_div(N, kBlock);
+  TORCH_CHECK(b.size(1) == K, op, ": expected b of shape (E, K, N) with K = ", K, " (the columns of a), got ",
+              b.sizes());
+  check_shape(op, "scale_a", scale_a, {M, KB});
+  check_shape(op, "scale_b", scale_b, {E, KB, NB});
+  TORCH_CHECK(offs.numel() == E, op, ": expected offs of shape (", E, ",) (one group per expert of b), got (",
+              offs.numel(), ",)");
+  check_unit_stride(op, "a", a, 1, "row-major");
+  check_unit_stride(op, "scale_a", scale_a, 0, "column-major");
+  check_unit_stride(op, "b", b, 1, "column-major per expert");
+  check_unit_stride(op, "scale_b", scale_b, 1, "column-major per expert");
+  TORCH_CHECK(K % 16 == 0, op, ": expected K (the columns of a) to be a multiple of 16 (16-byte rows for TMA), got ",
+              K);
+  TORCH_CHECK(N % 8 == 0, op, ": expected N (the columns of b) to be a multiple of 8 (16-byte bf16 output rows), got ",
+              N);
+  const int64_t lda = stride_or(a, 0, K), lds = stride_or(scale_a, 1, M);
+  const int64_t ldb = stride_or(b, 2, K), sbe = stride_or(b, 0, 0);
+  const int64_t snb = stride_or(scale_b, 2, KB), sse = stride_or(scale_b, 0, 0);
+  check_ld(op, "a.stride(0)", lda, K, 16);
+  check_ld(op, "b.stride(2)", ldb, K, 16);
+  TORCH_CHECK(sbe % 16 == 0, op, ": expected b.stride(0) to be a multiple of 16 (16-byte aligned experts), got ",
+              sbe);
+  TORCH_CHECK(lds >= M, op, ": expected scale_a.stride(1) >= ", M, " (column-major), got ", lds);
+  TORCH_CHECK(snb >= KB, op, ": expected scale_b.stride(2) >= ", KB, " (column-major per expert), got ", snb);
+  check_int32(op, "M", M);
+  check_int32(op, "N", N);
+  check_int32(op, "K", K);
+  check_int32(op, "the scale_a offsets (scale_a.stride(1) * (K/128 - 1) + M)", lds * (KB - 1) + M);
+  check_int32(op, "the scale_b offsets (scale_b.stride(2) * (N/128 - 1) + K/128)", snb * (NB - 1) + KB);
+  check_offs(offs, a, M, op);
+  check_hopper(a, op);
+
+  at::Tensor out = at::empty({M, N}, a.options().dtype(at::kBFloat16));
+  if (M == 0 || N == 0) return out;
+  if (K == 0 || E == 0) return out.zero_();  // an empty contraction, or no group: all rows are zero
+  check_aligned(op, "a", a);
+  check_aligned(op, "b", b);
+#if MOE_FP8_BW_GEMM_SM90
+  const GpuLaunch gpu(a.device().index());
+  Args2d3d p;
+  p.a = static_cast<const uint8_t*>(a.data_ptr());
+  p.scale_a = scale_a.data_ptr<float>();
+  p.b = static_cast<const uint8_t*>(b.data_ptr());
+  p.scale_b = scale_b.data_ptr<float>();
+  p.offs = offs.data_ptr<int32_t>();
+  p.out = out.data_ptr();
+  p.M = M;
+  p.N = N;
+  p.K = K;
+  p.lda = lda;
+  p.lds = lds;
+  p.ldb = ldb;
+  p.sbe = sbe;
+  p.snb = snb;
+  p.sse = sse;
+  p.groups = static_cast<int>(E);
+  // GEMM (M_g, N, K): an odd number of N tiles takes the 2x1 cluster (see the configurations).
+  if (ceil_div(N, kBlock) % 2 == 1) launch_2d3d<FwdCluster21>(p, a, gpu, op);
+  else launch_2d3d<FwdCluster12>(p, a, gpu, op);
+#endif
+  return out;
+}
+
+// With MOE_FP8_DEBUG=1 (a sync) or CPU offs: every non-empty group starts at a multiple of 128.
+void check_group_starts_128(const at::Tensor& offs, int64_t rows, const char* op) {
+  if (!check_content(offs)) return;
+  const at::Tensor host = offs.cpu().contiguous();  // host-sync-ok: MOE_FP8_DEBUG only
+  const int32_t* o = host.data_ptr<int32_t>();
+  for (int64_t g = 0; g < host.numel(); ++g) {
+    int64_t s, e;
+    group_range(o, static_cast<int>(g), rows, &s, &e);
+    TORCH_CHECK(e == s || s % kBlock == 0, op, ": expected every non-empty token group to start at a multiple of ",
+                kBlock, " tokens (the padded layout), got group ", g, " starting at token ", s);
+  }
+}
+
+at::Tensor blockwise_grouped_mm_2d2d(const at::Tensor& a, const at::Tensor& scale_a, const at::Tensor& b,
+                                     const at::Tensor& scale_b, const at::Tensor& offs, at::ScalarType out_dtype) {
+  constexpr const char* op = "blockwise_grouped_mm_2d2d";
+  check_common(op, a, scale_a, b, scale_b, offs, 2, out_dtype);
+  const int64_t N = a.size(0), M = a.size(1), K = b.size(1), E = offs.numel();
+  const int64_t MB = ceil_div(M, kBlock);
+  TORCH_CHECK(b.size(0) == M, op, ": expected b of shape (M, K) with M = ", M, " (the columns of a), got ", b.sizes());
+  check_shape(op, "scale_a", scale_a, {N, MB});
+  check_shape(op, "scale_b", scale_b, {MB, K});
+  check_unit_stride(op, "a", a, 1, "row-major");
+  check_unit_stride(op, "scale_a", scale_a, 0, "column-major");
+  check_unit_stride(op, "b", b, 0, "column-major");
+  check_unit_stride(op, "scale_b", scale_b, 1, "row-major");
+  TORCH_CHECK(K % 8 == 0, op, ": expected K (the columns of b) to be a multiple of 8 (16-byte bf16 output rows), got ",
+              K);
+  const int64_t lda = stride_or(a, 0, round_up(M, 16)), lds = stride_or(scale_a, 1, N);
+  const int64_t ldb = stride_or(b, 1, round_up(M, 16)), sbr = stride_or(scale_b, 0, K);
+  check_ld(op, "a.stride(0)", lda, M, 16);
+  check_ld(op, "b.stride(1)", ldb, M, 16);
+  TORCH_CHECK(lds >= N, op, ": expected scale_a.stride(1) >= ", N, " (column-major), got ", lds);
+  TORCH_CHECK(sbr >= K, op, ": expected scale_b.stride(0) >= ", K, " (row-major), got ", sbr);
+  check_int32(op, "M", M);
+  check_int32(op, "N", N);
+  check_int32(op, "K", K);
+  check_int32(op, "the scale_a offsets (scale_a.stride(1) * (M/128 - 1) + N)", lds * (MB - 1) + N);
+  check_int32(op, "the scale_b offsets (scale_b.stride(0) * (M/128 - 1) + K)", sbr * (MB - 1) + K);
+  check_alloc({E, N, K}, 2, op, "out");
+  check_offs(offs, a, M, op);
+  check_group_starts_128(offs, M, op);
+  check_hopper(a, op);
+
+  at::Tensor out = at::empty({E, N, K}, a.options().dtype(at::kBFloat16));
+  if (out.numel() == 0) return out;
+  if (M == 0) return out.zero_();  // no tokens: every group is empty
+  check_aligned(op, "a", a);
+  check_aligned(op, "b", b);
+#if MOE_FP8_BW_GEMM_SM90
+  const GpuLaunch gpu(a.device().index());
+  Args2d2d p;
+  p.a = static_cast<const uint8_t*>(a.data_ptr());
+  p.scale_a = scale_a.data_ptr<float>();
+  p.b = static_cast<const uint8_t*>(b.data_ptr());
+  p.scale_b = scale_b.data_ptr<float>();
+  p.offs = offs.data_ptr<int32_t>();
+  p.out = out.data_ptr();
+  p.M = M;
+  p.N = N;
+  p.K = K;
+  p.lda = lda;
+  p.lds = lds;
+  p.ldb = ldb;
+  p.sbr = sbr;
+  p.groups = static_cast<int>(E);
+  // GEMM (N, K, T_g): 1x2 unless K has an odd and N an even number of tiles.
+  if (ceil_div(K, kBlock) % 2 == 1 && ceil_div(N, kBlock) % 2 == 0) launch_2d2d<WgradCluster21>(p, a, gpu, op);
+  else launch_2d2d<WgradCluster12>(p, a, gpu, op);
+#endif
+  return out;
+}
+
+}  // namespace
+}  // namespace moe_fp8
+
+TORCH_LIBRARY_IMPL(moe_fp8, CUDA, m) {
+  m.impl("blockwise_grouped_mm_2d3d", TORCH_FN(moe_fp8::blockwise_grouped_mm_2d3d));
+  m.impl("blockwise_grouped_mm_2d2d", TORCH_FN(moe_fp8::blockwise_grouped_mm_2d2d));
+}

@@ -1,0 +1,250 @@
+"""FP8 blockwise grouped GEMMs for Hopper (DESIGN §6): CUTLASS's grouped GEMM with
+DeepSeek-style block scales (fp32 accumulation, each 128-deep K block's partial sum
+scaled on the CUDA cores), its per-group sizes and pointers built on the GPU from
+``offs`` (no host sync; CUDA-graph capturable). The operands are exactly what the
+quantization ops of :mod:`moe_fp8_ext.blockwise` return (decode scales,
+``x ≈ q.float() * scale``):
+
+* :func:`blockwise_grouped_mm_2d3d` (forward and dgrad): ``out[rows of g] =
+  dequant(a[rows of g]) @ dequant(b[g])``; a, scale_a from
+  :func:`~moe_fp8_ext.quantize_blockwise_act_lhs`, b, scale_b from
+  :func:`~moe_fp8_ext.quantize_blockwise_weight_rhs` (or ``_transposed_rhs`` for dgrad)
+  of a 3-D (E, K, N) weight. Any group sizes.
+* :func:`blockwise_grouped_mm_2d2d` (wgrad): ``out[g] = dequant(a[:, tokens of g]) @
+  dequant(b[tokens of g, :])``; a, scale_a from
+  :func:`~moe_fp8_ext.quantize_blockwise_act_transposed_lhs` of grad_out (M, N), b,
+  scale_b from :func:`~moe_fp8_ext.quantize_blockwise_act_rhs` of the input (M, K), both
+  with the same ``offs``: every non-empty group starts at a multiple of 128 tokens.
+
+Only on an NVIDIA GPU of compute capability 9.0 in a build with the sm_90a kernels
+(:func:`available`); elsewhere the recipe emulates. Each wrapper runs the argument
+checks of csrc/gemm/blockwise_grouped_sm90.cu, and its fake (``register_fake``, beside
+it) runs the same checks, so the ops trace under ``torch.compile(fullgraph=True)``.
+"""
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from .ops import INT32_MAX, _dtype_name, check_index, check_same_device, check_tensor
+
+_ops = torch.ops.moe_fp8
+BW_BLOCK = 128
+OP_2D3D = "blockwise_grouped_mm_2d3d"
+OP_2D2D = "blockwise_grouped_mm_2d2d"
+
+
+def _cdiv(a, b):
+    return -(-a // b)
+
+
+def available(device=None) -> bool:
+    """Whether the grouped blockwise GEMMs run on ``device`` (default: the current CUDA
+    device): the sm_90a kernels are compiled into this build (registered for CUDA), and
+    the device is an NVIDIA GPU of compute capability (9, 0), not ROCm."""
+    if torch.version.hip or not torch.cuda.is_available():
+        return False
+    if not torch._C._dispatch_has_kernel_for_dispatch_key(f"moe_fp8::{OP_2D3D}", "CUDA"):
+        return False
+    dev = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
+    if dev.type != "cuda":
+        return False
+    return torch.cuda.get_device_capability(dev) == (9, 0)
+
+
+# ---- argument checks shared by each wrapper and its fake (the rules and order of the
+# C++ op; "<op>: expected X, got Y"). The content of offs is the kernel's to clamp.
+
+
+def _check_common(op, a, scale_a, b, scale_b, offs, b_rank, out_dtype):
+    check_tensor(op, "a", a, dim=2)
+    check_tensor(op, "scale_a", scale_a, dim=2)
+    check_tensor(op, "b", b, dim=b_rank)
+    check_tensor(op, "scale_b", scale_b, dim=b_rank)
+    check_tensor(op, "a", a, dtype=torch.float8_e4m3fn)
+    check_tensor(op, "b", b, dtype=torch.float8_e4m3fn)
+    check_tensor(op, "scale_a", scale_a, dtype=torch.float32)
+    check_tensor(op, "scale_b", scale_b, dtype=torch.float32)
+    check_index(op, "offs", offs)
+    check_same_device(op, "a", a, scale_a=scale_a, b=b, scale_b=scale_b, offs=offs)
+    if offs.numel() > INT32_MAX:
+        raise RuntimeError(f"{op}: expected at most 2^31-1 groups in offs, got {offs.numel()}")
+    if not isinstance(out_dtype, torch.dtype):
+        raise TypeError(f"{op}: expected out_dtype to be a torch.dtype, got {type(out_dtype).__name__}")
+    if out_dtype != torch.bfloat16:
+        raise RuntimeError(f"{op}: expected out_dtype bfloat16, got {_dtype_name(out_dtype)}")
+
+
+def _check_shape(op, name, t, expected):
+    if tuple(t.shape) != tuple(expected):
+        raise RuntimeError(f"{op}: expected {name} of shape {list(expected)}, got {list(t.shape)}")
+
+
+def _stride_or(t, d, fallback):
+    """The stride of dim d, or ``fallback`` where it does not matter: dim d has one
+    element, or the tensor none."""
+    return t.stride(d) if t.shape[d] > 1 and t.numel() > 0 else fallback
+
+
+def _check_unit_stride(op, name, t, d, layout):
+    if t.shape[d] > 1 and t.stride(d) != 1:
+        raise RuntimeError(f"{op}: expected {name} {layout} (stride({d}) == 1), got strides {list(t.stride())}")
+
+
+def _check_ld(op, what, ld, lo, multiple):
+    if ld < lo or ld % multiple != 0:
+        raise RuntimeError(
+            f"{op}: expected {what} to be at least {lo} and a multiple of {multiple} (16-byte rows for TMA), got {ld}"
+        )
+
+
+def _check_int32(op, what, v):
+    if v < 0 or v > INT32_MAX:
+        raise RuntimeError(f"{op}: expected {what} to fit in int32 (at most 2^31-1), got {v}")
+
+
+def check_blockwise_grouped_mm_2d3d(a, scale_a, b, scale_b, offs, out_dtype):
+    """The checks of :func:`blockwise_grouped_mm_2d3d`; returns (M, N)."""
+    op = OP_2D3D
+    _check_common(op, a, scale_a, b, scale_b, offs, 3, out_dtype)
+    m, k = a.shape
+    e, n = b.shape[0], b.shape[2]
+    kb, nb = _cdiv(k, BW_BLOCK), _cdiv(n, BW_BLOCK)
+    if b.shape[1] != k:
+        raise RuntimeError(f"{op}: expected b of shape (E, K, N) with K = {k} (the columns of a), got {list(b.shape)}")
+    _check_shape(op, "scale_a", scale_a, (m, kb))
+    _check_shape(op, "scale_b", scale_b, (e, kb, nb))
+    if offs.numel() != e:
+        raise RuntimeError(f"{op}: expected offs of shape ({e},) (one group per expert of b), got ({offs.numel()},)")
+    _check_unit_stride(op, "a", a, 1, "row-major")
+    _check_unit_stride(op, "scale_a", scale_a, 0, "column-major")
+    _check_unit_stride(op, "b", b, 1, "column-major per expert")
+    _check_unit_stride(op, "scale_b", scale_b, 1, "column-major per expert")
+    if k % 16 != 0:
+        raise RuntimeError(f"{op}: expected K (the columns of a) to be a multiple of 16 (16-byte rows for TMA), got {k}")
+    if n % 8 != 0:
+        raise RuntimeError(f"{op}: expected N (the columns of b) to be a multiple of 8 (16-byte bf16 output rows), got {n}")
+    lda, lds = _stride_or(a, 0, k), _stride_or(scale_a, 1, m)
+    ldb, sbe = _stride_or(b, 2, k), _stride_or(b, 0, 0)
+    snb = _stride_or(scale_b, 2, kb)
+    _check_ld(op, "a.stride(0)", lda, k, 16)
+    _check_ld(op, "b.stride(2)", ldb, k, 16)
+    if sbe % 16 != 0:
+        raise RuntimeError(f"{op}: expected b.stride(0) to be a multiple of 16 (16-byte aligned experts), got {sbe}")
+    if lds < m:
+        raise RuntimeError(f"{op}: expected scale_a.stride(1) >= {m} (column-major), got {lds}")
+    if snb < kb:
+        raise RuntimeError(f"{op}: expected scale_b.stride(2) >= {kb} (column-major per expert), got {snb}")
+    _check_int32(op, "M", m)
+    _check_int32(op, "N", n)
+    _check_int32(op, "K", k)
+    _check_int32(op, "the scale_a offsets (scale_a.stride(1) * (K/128 - 1) + M)", lds * (kb - 1) + m)
+    _check_int32(op, "the scale_b offsets (scale_b.stride(2) * (N/128 - 1) + K/128)", snb * (nb - 1) + kb)
+    return m, n
+
+
+def check_blockwise_grouped_mm_2d2d(a, scale_a, b, scale_b, offs, out_dtype):
+    """The checks of :func:`blockwise_grouped_mm_2d2d`; returns (E, N, K)."""
+    op = OP_2D2D
+    _check_common(op, a, scale_a, b, scale_b, offs, 2, out_dtype)
+    n, m = a.shape
+    k = b.shape[1]
+    e = offs.numel()
+    mb = _cdiv(m, BW_BLOCK)
+    if b.shape[0] != m:
+        raise RuntimeError(f"{op}: expected b of shape (M, K) with M = {m} (the columns of a), got {list(b.shape)}")
+    _check_shape(op, "scale_a", scale_a, (n, mb))
+    _check_shape(op, "scale_b", scale_b, (mb, k))
+    _check_unit_stride(op, "a", a, 1, "row-major")
+    _check_unit_stride(op, "scale_a", scale_a, 0, "column-major")
+    _check_unit_stride(op, "b", b, 0, "column-major")
+    _check_unit_stride(op, "scale_b", scale_b, 1, "row-major")
+    if k % 8 != 0:
+        raise RuntimeError(f"{op}: expected K (the columns of b) to be a multiple of 8 (16-byte bf16 output rows), got {k}")
+    m16 = _cdiv(m, 16) * 16
+    lda, lds = _stride_or(a, 0, m16), _stride_or(scale_a, 1, n)
+    ldb, sbr = _stride_or(b, 1, m16), _stride_or(scale_b, 0, k)
+    _check_ld(op, "a.stride(0)", lda, m, 16)
+    _check_ld(op, "b.stride(1)", ldb, m, 16)
+    if lds < n:
+        raise RuntimeError(f"{op}: expected scale_a.stride(1) >= {n} (column-major), got {lds}")
+    if sbr < k:
+        raise RuntimeError(f"{op}: expected scale_b.stride(0) >= {k} (row-major), got {sbr}")
+    _check_int32(op, "M", m)
+    _check_int32(op, "N", n)
+    _check_int32(op, "K", k)
+    _check_int32(op, "the scale_a offsets (scale_a.stride(1) * (M/128 - 1) + N)", lds * (mb - 1) + n)
+    _check_int32(op, "the scale_b offsets (scale_b.stride(0) * (M/128 - 1) + K)", sbr * (mb - 1) + k)
+    return e, n, k
+
+
+def _check_device(op, a):
+    """The real op needs a CUDA tensor (the fakes accept any device)."""
+    if a.device.type != "cuda":
+        raise RuntimeError(
+            f"{op}: expected CUDA tensors on a GPU of compute capability 9.0 (Hopper; there is no "
+            f"{a.device.type} kernel: see moe_fp8_ext.blockwise_gemm.available), got device {a.device}"
+        )
+
+
+# ---- blockwise_grouped_mm_2d3d ------------------------------------------------------------
+
+
+def blockwise_grouped_mm_2d3d(a: Tensor, scale_a: Tensor, b: Tensor, scale_b: Tensor, offs: Tensor,
+                              out_dtype: torch.dtype = torch.bfloat16) -> Tensor:
+    """Grouped ``a @ b[g]`` over token groups of rows (forward and dgrad of a grouped
+    linear), FP8 with DeepSeek blockwise scales; returns out (M, N) bf16 row-major.
+
+    * ``a`` (M, K) float8_e4m3fn row-major, ``scale_a`` (M, ceil(K/128)) float32
+      column-major (strides (1, M)): 1x128 blocks (``quantize_blockwise_act_lhs``);
+    * ``b`` (E, K, N) float8_e4m3fn column-major per expert (strides (K·N, 1, K)),
+      ``scale_b`` (E, ceil(K/128), ceil(N/128)) float32 column-major per expert: 128x128
+      tiles (``quantize_blockwise_weight_rhs`` of an (E, K, N) weight);
+    * ``offs`` int32 (E,) cumulative group ends (DESIGN §3): any group sizes, empty
+      groups allowed; rows past ``offs[-1]`` come out zero.
+
+    Needs K % 16 == 0 and N % 8 == 0 (16-byte rows for TMA); a partial last K block and a
+    partial last N tile are fine. fp32 accumulation; bf16 output only."""
+    check_blockwise_grouped_mm_2d3d(a, scale_a, b, scale_b, offs, out_dtype)
+    _check_device(OP_2D3D, a)
+    return _ops.blockwise_grouped_mm_2d3d(a, scale_a, b, scale_b, offs, out_dtype)
+
+
+@torch.library.register_fake("moe_fp8::blockwise_grouped_mm_2d3d")
+def _(a, scale_a, b, scale_b, offs, out_dtype):
+    m, n = check_blockwise_grouped_mm_2d3d(a, scale_a, b, scale_b, offs, out_dtype)
+    return a.new_empty((m, n), dtype=torch.bfloat16)
+
+
+# ---- blockwise_grouped_mm_2d2d ------------------------------------------------------------
+
+
+def blockwise_grouped_mm_2d2d(a: Tensor, scale_a: Tensor, b: Tensor, scale_b: Tensor, offs: Tensor,
+                              out_dtype: torch.dtype = torch.bfloat16) -> Tensor:
+    """Grouped ``a[:, tokens of g] @ b[tokens of g, :]`` contracting over token groups
+    (the weight gradient of a grouped linear), FP8 with per-row / per-column scales in
+    blocks of 128 tokens; returns out (E, N, K) bf16 row-major.
+
+    * ``a`` (N, M) float8_e4m3fn row-major, ``scale_a`` (N, ceil(M/128)) float32
+      column-major (strides (1, N)) (``quantize_blockwise_act_transposed_lhs`` of
+      grad_out (M, N) with ``offs``);
+    * ``b`` (M, K) float8_e4m3fn column-major (strides (1, M)), ``scale_b``
+      (ceil(M/128), K) float32 row-major (``quantize_blockwise_act_rhs`` of the input
+      (M, K) with ``offs``);
+    * ``offs`` int32 (E,) cumulative group ends along the M tokens: every non-empty group
+      starts at a multiple of 128 (its last block may be partial). An empty group gives
+      ``out[g] = 0``; on a GPU a group that starts elsewhere is treated as empty (with
+      ``MOE_FP8_DEBUG=1`` it is an error).
+
+    Needs K % 8 == 0 (16-byte bf16 output rows) and 16-byte aligned rows of a and columns
+    of b (M % 16 == 0 for contiguous operands). bf16 output only."""
+    check_blockwise_grouped_mm_2d2d(a, scale_a, b, scale_b, offs, out_dtype)
+    _check_device(OP_2D2D, a)
+    return _ops.blockwise_grouped_mm_2d2d(a, scale_a, b, scale_b, offs, out_dtype)
+
+
+@torch.library.register_fake("moe_fp8::blockwise_grouped_mm_2d2d")
+def _(a, scale_a, b, scale_b, offs, out_dtype):
+    e, n, k = check_blockwise_grouped_mm_2d2d(a, scale_a, b, scale_b, offs, out_dtype)
+    return a.new_empty((e, n, k), dtype=torch.bfloat16)

@@ -1,0 +1,479 @@
+"""The FP8 blockwise grouped GEMMs for Hopper (DESIGN §6, csrc/gemm/blockwise_grouped_sm90.cu):
+blockwise_grouped_mm_2d3d (forward / dgrad) and blockwise_grouped_mm_2d2d (wgrad).
+
+- everywhere (CI has no GPU): the argument checks of the wrappers and of the fakes
+  ("<op>: expected X, got Y", the same from both), the fakes' output shapes and dtypes
+  on meta tensors, ``available()`` answering False without an sm90 GPU, and a clear
+  error for CPU tensors;
+- on an sm90 GPU only (skipped elsewhere): the result against a dequantized fp32
+  grouped GEMM for random shapes (empty groups, one group, odd group sizes, partial
+  last K block and N tile, rows past the last group), operands straight from the
+  quantization ops of moe_fp8_ext.blockwise, into poisoned memory; opcheck;
+  torch.compile(fullgraph=True); CUDA-graph capture (no host sync); garbage offs
+  (decreasing, negative, past M, misaligned wgrad groups) that must not fault.
+
+Tolerance, against the fp32 GEMM of the dequantized operands (the same products and
+the same per-block scales, so only rounding differs):
+  |out - ref| <= 2^-8 |ref| + 2^-11 (|A| @ |B|)
+2^-8: the bf16 output (round to nearest: 2^-9 relative) with margin. 2^-11 of the sum of
+absolute products: Hopper's FP8 tensor cores accumulate each 128-deep block with about
+14 bits of mantissa before CUTLASS promotes it to fp32 (DeepSeek-V3 §3.3.2), and fp32
+sums in a different order; a wrong scale or a wrong group gives errors of order |ref|.
+"""
+
+import re
+
+import pytest
+import torch
+
+import moe_fp8_ext
+from moe_fp8_ext import blockwise_gemm as bg
+from conftest import graph_matches_eager, offs_from_sizes, poison, random_offs
+
+E4M3 = torch.float8_e4m3fn
+BLOCK = 128
+HAS_SM90 = bg.available()
+requires_sm90 = pytest.mark.skipif(not HAS_SM90, reason="needs an NVIDIA GPU of compute capability 9.0 and the sm_90a build")
+mm_2d3d = bg.blockwise_grouped_mm_2d3d
+mm_2d2d = bg.blockwise_grouped_mm_2d2d
+
+
+def cdiv(a, b):
+    return -(-a // b)
+
+
+# ---- operands --------------------------------------------------------------------------
+
+def col_major(shape, dtype, device):
+    """(..., r, c) column-major per matrix."""
+    *lead, r, c = shape
+    return torch.empty(*lead, c, r, dtype=dtype, device=device).transpose(-1, -2)
+
+
+def operands_2d3d(m, k, n, e, device="meta"):
+    """Empty operands of the 2d3d op in its layouts (for checks and fakes)."""
+    a = torch.empty(m, k, dtype=E4M3, device=device)
+    sa = col_major((m, cdiv(k, BLOCK)), torch.float32, device)
+    b = col_major((e, k, n), E4M3, device)
+    sb = col_major((e, cdiv(k, BLOCK), cdiv(n, BLOCK)), torch.float32, device)
+    offs = torch.zeros(e, dtype=torch.int32, device=device)
+    return [a, sa, b, sb, offs]
+
+
+def operands_2d2d(m, n, k, e, device="meta"):
+    a = torch.empty(n, m, dtype=E4M3, device=device)
+    sa = col_major((n, cdiv(m, BLOCK)), torch.float32, device)
+    b = col_major((m, k), E4M3, device)
+    sb = torch.empty(cdiv(m, BLOCK), k, dtype=torch.float32, device=device)
+    offs = torch.zeros(e, dtype=torch.int32, device=device)
+    return [a, sa, b, sb, offs]
+
+
+def quantized_2d3d(x, w):
+    """x (M, K), w (E, K, N) high precision -> the 2d3d operands, from the quantization ops."""
+    a, sa = moe_fp8_ext.quantize_blockwise_act_lhs(x, E4M3)
+    b, sb = moe_fp8_ext.quantize_blockwise_weight_rhs(w, E4M3)
+    return a, sa, b, sb
+
+
+def quantized_2d2d(grad, x, offs):
+    """grad (M, N), x (M, K) -> the wgrad operands, blocks restarting at each group."""
+    a, sa = moe_fp8_ext.quantize_blockwise_act_transposed_lhs(grad, E4M3, offs)
+    b, sb = moe_fp8_ext.quantize_blockwise_act_rhs(x, E4M3, offs)
+    return a, sa, b, sb
+
+
+def expand(s, dims, sizes):
+    """Scales repeated over their 128-element blocks along `dims`, cut to `sizes`."""
+    for d, n in zip(dims, sizes):
+        s = s.repeat_interleave(BLOCK, dim=d).narrow(d, 0, n)
+    return s
+
+
+def dequant_2d3d(a, sa, b, sb):
+    m, k = a.shape
+    n = b.shape[2]
+    ad = a.float() * expand(sa.float(), [1], [k])
+    bd = b.float() * expand(sb.float(), [1, 2], [k, n])
+    return ad, bd
+
+
+def dequant_2d2d(a, sa, b, sb):
+    n, m = a.shape
+    k = b.shape[1]
+    return a.float() * expand(sa.float(), [1], [m]), b.float() * expand(sb.float(), [0], [m])
+
+
+def ranges(offs, m):
+    ends = offs.tolist()
+    out, start = [], 0
+    for e in ends:
+        e = min(max(e, 0), m)
+        s = start
+        out.append((s, max(e, s)))
+        start = e
+    return out
+
+
+def reference_2d3d(a, sa, b, sb, offs):
+    """fp32 grouped GEMM of the dequantized operands, and |A| @ |B| for the tolerance
+    (rows past the last group: zero)."""
+    ad, bd = dequant_2d3d(a, sa, b, sb)
+    m, n = a.shape[0], b.shape[2]
+    ref = torch.zeros(m, n, dtype=torch.float32, device=a.device)
+    mag = torch.zeros_like(ref)
+    for g, (s, e) in enumerate(ranges(offs, m)):
+        if e > s:
+            ref[s:e] = ad[s:e] @ bd[g]
+            mag[s:e] = ad[s:e].abs() @ bd[g].abs()
+    return ref, mag
+
+
+def reference_2d2d(a, sa, b, sb, offs):
+    ad, bd = dequant_2d2d(a, sa, b, sb)
+    m = a.shape[1]
+    e = offs.numel()
+    ref = torch.zeros(e, a.shape[0], b.shape[1], dtype=torch.float32, device=a.device)
+    mag = torch.zeros_like(ref)
+    for g, (s, t) in enumerate(ranges(offs, m)):
+        if t > s:
+            ref[g] = ad[:, s:t] @ bd[s:t]
+            mag[g] = ad[:, s:t].abs() @ bd[s:t].abs()
+    return ref, mag
+
+
+def assert_close_to_reference(out, ref, mag):
+    """The tolerance of the module docstring; out must also be finite (poisoned memory
+    reads as NaN: an unwritten element fails here)."""
+    assert out.dtype == torch.bfloat16 and out.shape == ref.shape, (out.dtype, out.shape, ref.shape)
+    o = out.float()
+    assert bool(torch.isfinite(o).all()), f"{int((~torch.isfinite(o)).sum())} non-finite outputs (unwritten?)"
+    err = (o - ref).abs()
+    bound = 2.0**-8 * ref.abs() + 2.0**-11 * mag + 1e-30
+    bad = err > bound
+    if bool(bad.any()):
+        i = bad.nonzero()[0].tolist()
+        raise AssertionError(f"{int(bad.sum())} of {out.numel()} outputs outside the tolerance; first at {i}: "
+                             f"{float(o[tuple(i)])!r} vs {float(ref[tuple(i)])!r} (bound {float(bound[tuple(i)])!r})")
+
+
+# ---- everywhere: checks and fakes ---------------------------------------------------------
+
+def test_available_is_false_without_sm90():
+    if HAS_SM90:
+        assert bg.available("cuda")
+    assert not bg.available("cpu")
+    if not torch.cuda.is_available():
+        assert not bg.available()
+
+
+def test_fake_shapes_meta():
+    out = torch.ops.moe_fp8.blockwise_grouped_mm_2d3d(*operands_2d3d(300, 256, 384, 4), torch.bfloat16)
+    assert out.shape == (300, 384) and out.dtype == torch.bfloat16 and out.device.type == "meta"
+    out = torch.ops.moe_fp8.blockwise_grouped_mm_2d2d(*operands_2d2d(640, 200, 136, 5), torch.bfloat16)
+    assert out.shape == (5, 200, 136) and out.dtype == torch.bfloat16
+
+
+def test_fake_empty_sizes():
+    assert torch.ops.moe_fp8.blockwise_grouped_mm_2d3d(*operands_2d3d(0, 128, 64, 3), torch.bfloat16).shape == (0, 64)
+    assert torch.ops.moe_fp8.blockwise_grouped_mm_2d3d(*operands_2d3d(5, 0, 64, 0), torch.bfloat16).shape == (5, 64)
+    assert torch.ops.moe_fp8.blockwise_grouped_mm_2d2d(*operands_2d2d(0, 16, 8, 2), torch.bfloat16).shape == (2, 16, 8)
+
+
+def _edit(ops, i, t):
+    ops = list(ops)
+    ops[i] = t
+    return ops
+
+
+BAD_2D3D = [
+    # (what, operands -> operands, out_dtype, message)
+    ("a rank", lambda o: _edit(o, 0, o[0][0]), torch.bfloat16, "expected a to be a 2-D tensor, got 1-D"),
+    ("a dtype", lambda o: _edit(o, 0, o[0].to(torch.float8_e5m2)), torch.bfloat16, "expected a of dtype float8_e4m3fn"),
+    ("b dtype", lambda o: _edit(o, 2, o[2].to(torch.bfloat16)), torch.bfloat16, "expected b of dtype float8_e4m3fn"),
+    ("scale dtype", lambda o: _edit(o, 1, o[1].double()), torch.bfloat16, "expected scale_a of dtype float32"),
+    ("offs dtype", lambda o: _edit(o, 4, o[4].long()), torch.bfloat16, "expected offs of dtype int32"),
+    ("out dtype", lambda o: o, torch.float16, "expected out_dtype bfloat16, got Half"),
+    ("b K", lambda o: _edit(o, 2, col_major((4, 128, 384), E4M3, "meta")), torch.bfloat16,
+     "expected b of shape (E, K, N) with K = 256"),
+    ("scale_a shape", lambda o: _edit(o, 1, col_major((300, 3), torch.float32, "meta")), torch.bfloat16,
+     "expected scale_a of shape [300, 2], got [300, 3]"),
+    ("scale_b shape", lambda o: _edit(o, 3, col_major((4, 2, 2), torch.float32, "meta")), torch.bfloat16,
+     "expected scale_b of shape [4, 2, 3], got [4, 2, 2]"),
+    ("offs groups", lambda o: _edit(o, 4, torch.zeros(3, dtype=torch.int32, device="meta")), torch.bfloat16,
+     "expected offs of shape (4,) (one group per expert of b), got (3,)"),
+    ("a layout", lambda o: _edit(o, 0, col_major((300, 256), E4M3, "meta")), torch.bfloat16,
+     "expected a row-major (stride(1) == 1)"),
+    ("scale_a layout", lambda o: _edit(o, 1, torch.empty(300, 2, device="meta")), torch.bfloat16,
+     "expected scale_a column-major (stride(0) == 1)"),
+    ("b layout", lambda o: _edit(o, 2, torch.empty(4, 256, 384, dtype=E4M3, device="meta")), torch.bfloat16,
+     "expected b column-major per expert (stride(1) == 1)"),
+    ("scale_b layout", lambda o: _edit(o, 3, torch.empty(4, 2, 3, device="meta")), torch.bfloat16,
+     "expected scale_b column-major per expert (stride(1) == 1)"),
+    ("a row stride", lambda o: _edit(o, 0, torch.empty(300, 264, dtype=E4M3, device="meta")[:, :256]), torch.bfloat16,
+     "expected a.stride(0) to be at least 256 and a multiple of 16"),
+]
+
+
+@pytest.mark.parametrize("what, edit, out_dtype, msg", BAD_2D3D, ids=[c[0] for c in BAD_2D3D])
+def test_checks_2d3d(what, edit, out_dtype, msg):
+    ops = edit(operands_2d3d(300, 256, 384, 4))
+    # the fake (meta tensors) and the wrapper run the same checks
+    with pytest.raises(RuntimeError, match=re.escape("blockwise_grouped_mm_2d3d: " + msg)):
+        torch.ops.moe_fp8.blockwise_grouped_mm_2d3d(*ops, out_dtype)
+    with pytest.raises(RuntimeError, match="blockwise_grouped_mm_2d3d: expected"):
+        mm_2d3d(*ops, out_dtype)
+
+
+def test_checks_2d3d_divisibility():
+    with pytest.raises(RuntimeError, match=r"expected K \(the columns of a\) to be a multiple of 16"):
+        torch.ops.moe_fp8.blockwise_grouped_mm_2d3d(*operands_2d3d(64, 200, 128, 2), torch.bfloat16)
+    with pytest.raises(RuntimeError, match=r"expected N \(the columns of b\) to be a multiple of 8"):
+        torch.ops.moe_fp8.blockwise_grouped_mm_2d3d(*operands_2d3d(64, 256, 100, 2), torch.bfloat16)
+
+
+def test_checks_device_mismatch():
+    ops = operands_2d3d(64, 128, 128, 2, device="cpu")
+    ops[4] = ops[4].to("meta")
+    with pytest.raises(RuntimeError, match=r"blockwise_grouped_mm_2d3d: expected offs on cpu \(the device of a\), got meta"):
+        mm_2d3d(*ops)
+
+
+def test_cpu_is_a_clear_error():
+    with pytest.raises(RuntimeError, match="blockwise_grouped_mm_2d3d: expected CUDA tensors"):
+        mm_2d3d(*operands_2d3d(64, 128, 128, 2, device="cpu"))
+    with pytest.raises(RuntimeError, match="blockwise_grouped_mm_2d2d: expected CUDA tensors"):
+        mm_2d2d(*operands_2d2d(256, 64, 64, 2, device="cpu"))
+
+
+BAD_2D2D = [
+    ("b rows", lambda o: _edit(o, 2, col_major((512, 136), E4M3, "meta")), torch.bfloat16,
+     "expected b of shape (M, K) with M = 640"),
+    ("scale_a shape", lambda o: _edit(o, 1, col_major((200, 4), torch.float32, "meta")), torch.bfloat16,
+     "expected scale_a of shape [200, 5], got [200, 4]"),
+    ("scale_b shape", lambda o: _edit(o, 3, torch.empty(5, 128, device="meta")), torch.bfloat16,
+     "expected scale_b of shape [5, 136], got [5, 128]"),
+    ("a layout", lambda o: _edit(o, 0, col_major((200, 640), E4M3, "meta")), torch.bfloat16,
+     "expected a row-major (stride(1) == 1)"),
+    ("b layout", lambda o: _edit(o, 2, torch.empty(640, 136, dtype=E4M3, device="meta")), torch.bfloat16,
+     "expected b column-major (stride(0) == 1)"),
+    ("scale_b layout", lambda o: _edit(o, 3, col_major((5, 136), torch.float32, "meta")), torch.bfloat16,
+     "expected scale_b row-major (stride(1) == 1)"),
+    ("K", lambda o: _edit(_edit(o, 2, col_major((640, 132), E4M3, "meta")), 3, torch.empty(5, 132, device="meta")),
+     torch.bfloat16, "expected K (the columns of b) to be a multiple of 8"),
+    ("out dtype", lambda o: o, torch.float32, "expected out_dtype bfloat16, got Float"),
+]
+
+
+@pytest.mark.parametrize("what, edit, out_dtype, msg", BAD_2D2D, ids=[c[0] for c in BAD_2D2D])
+def test_checks_2d2d(what, edit, out_dtype, msg):
+    ops = edit(operands_2d2d(640, 200, 136, 5))
+    pattern = re.escape("blockwise_grouped_mm_2d2d: " + msg)
+    with pytest.raises(RuntimeError, match=pattern):
+        torch.ops.moe_fp8.blockwise_grouped_mm_2d2d(*ops, out_dtype)
+    with pytest.raises(RuntimeError, match=pattern):
+        mm_2d2d(*ops, out_dtype)
+
+
+def test_checks_2d2d_row_alignment():
+    # contiguous operands with M % 16 != 0: rows of a / columns of b not 16-byte aligned
+    with pytest.raises(RuntimeError, match=r"expected a.stride\(0\) to be at least 200 and a multiple of 16"):
+        torch.ops.moe_fp8.blockwise_grouped_mm_2d2d(*operands_2d2d(200, 64, 64, 2), torch.bfloat16)
+
+
+# ---- sm90 GPU: numerics ---------------------------------------------------------------------
+
+def draw_2d3d(m, k, n, e, offs, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(m, k, generator=g) * torch.exp2(torch.randint(-4, 5, (m, 1), generator=g).float())).bfloat16()
+    w = (torch.randn(e, k, n, generator=g) * 0.05).bfloat16()
+    return quantized_2d3d(x.cuda(), w.cuda()) + (offs.cuda(),)
+
+
+# (M, K, N, E, group sizes or None for random)
+CASES_2D3D = [
+    (512, 256, 384, 4, None),
+    (1000, 384, 256, 7, None),           # random sizes, some empty
+    (333, 128, 128, 1, [333]),           # one group
+    (260, 256, 256, 5, [1, 3, 127, 0, 129]),  # odd sizes, an empty group
+    (300, 144, 136, 3, [100, 0, 150]),   # partial last K block (144 = 128 + 16), N not a multiple of 128, 50 tail rows
+    (640, 400, 200, 4, [0, 0, 640, 0]),  # empty first groups, partial K and N
+    (2048, 1024, 1024, 8, None),         # several tiles a group, several K blocks
+]
+
+
+@requires_sm90
+@pytest.mark.gpu
+@pytest.mark.parametrize("m, k, n, e, sizes", CASES_2D3D)
+def test_2d3d_matches_dequantized_reference(m, k, n, e, sizes):
+    offs = random_offs(m, e, tail=m // 10) if sizes is None else offs_from_sizes(sizes)
+    a, sa, b, sb, offs = draw_2d3d(m, k, n, e, offs, seed=m + k)
+    poison("cuda")
+    out = mm_2d3d(a, sa, b, sb, offs)
+    ref, mag = reference_2d3d(a, sa, b, sb, offs)
+    assert_close_to_reference(out, ref, mag)  # rows past the last group: zero in ref
+
+
+@requires_sm90
+@pytest.mark.gpu
+def test_2d3d_dgrad_operands():
+    """dgrad: grad_out (M, N) 1x128 along N, w^T from quantize_blockwise_weight_transposed_rhs."""
+    m, k, n, e = 700, 256, 384, 3
+    offs = offs_from_sizes([300, 0, 400]).cuda()
+    grad = torch.randn(m, n, device="cuda").bfloat16()
+    w = (torch.randn(e, k, n, device="cuda") * 0.05).bfloat16()
+    a, sa = moe_fp8_ext.quantize_blockwise_act_lhs(grad, E4M3)
+    b, sb = moe_fp8_ext.quantize_blockwise_weight_transposed_rhs(w, E4M3)  # (E, N, K) column-major
+    poison("cuda")
+    out = mm_2d3d(a, sa, b, sb, offs)
+    assert out.shape == (m, k)
+    ref, mag = reference_2d3d(a, sa, b, sb, offs)
+    assert_close_to_reference(out, ref, mag)
+
+
+def draw_2d2d(m, n, k, offs, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    grad = torch.randn(m, n, generator=g).bfloat16().cuda()
+    x = (torch.randn(m, k, generator=g) * torch.exp2(torch.randint(-4, 5, (1, k), generator=g).float())).bfloat16().cuda()
+    offs = offs.cuda()
+    return quantized_2d2d(grad, x, offs) + (offs,)
+
+
+def sizes_at_128(sizes, last):
+    """Group sizes: multiples of 128 except the last non-empty one (+ `last`)."""
+    return [s * BLOCK for s in sizes[:-1]] + [sizes[-1] * BLOCK + last]
+
+
+CASES_2D2D = [
+    # (M, N, K, group sizes)
+    (1024, 256, 384, sizes_at_128([2, 0, 3, 3], 0)),
+    (1008, 200, 136, sizes_at_128([1, 4, 0, 2], 80)),   # N and K not multiples of 128, partial last block, tail rows
+    (512, 128, 128, sizes_at_128([4], 0)),              # one group
+    (768, 384, 256, sizes_at_128([0, 0, 6], 0)),        # empty groups first
+    (4096, 512, 1024, sizes_at_128([8, 8, 0, 8, 8], 0)),
+]
+
+
+@requires_sm90
+@pytest.mark.gpu
+@pytest.mark.parametrize("m, n, k, sizes", CASES_2D2D)
+def test_2d2d_matches_dequantized_reference(m, n, k, sizes):
+    offs = offs_from_sizes(sizes)
+    a, sa, b, sb, offs = draw_2d2d(m, n, k, offs, seed=m + n)
+    poison("cuda")
+    out = mm_2d2d(a, sa, b, sb, offs)
+    ref, mag = reference_2d2d(a, sa, b, sb, offs)
+    assert_close_to_reference(out, ref, mag)  # empty groups: zero
+
+
+@requires_sm90
+@pytest.mark.gpu
+def test_2d2d_random_groups():
+    m, n, k, e = 2560, 256, 512, 6
+    offs = random_offs(m, e, alignment=BLOCK)
+    a, sa, b, sb, offs = draw_2d2d(m, n, k, offs, seed=3)
+    poison("cuda")
+    out = mm_2d2d(a, sa, b, sb, offs)
+    assert_close_to_reference(out, *reference_2d2d(a, sa, b, sb, offs))
+
+
+# ---- sm90 GPU: graphs, compile, opcheck, garbage offs --------------------------------------
+
+def _gpu_2d3d():
+    return draw_2d3d(260, 256, 256, 5, offs_from_sizes([1, 3, 127, 0, 100]), seed=5)
+
+
+def _gpu_2d2d():
+    return draw_2d2d(640, 128, 256, offs_from_sizes(sizes_at_128([1, 0, 2, 1], 40)), seed=6)
+
+
+# torch.library.opcheck cases (test_op_coverage.py reads OPCHECK_CASES). The ops have
+# CUDA kernels only: the cases run on an sm90 GPU (the checks and fakes run everywhere above).
+OPCHECK_CASES = [
+    ("blockwise_grouped_mm_2d3d", lambda d: (*_gpu_2d3d(), torch.bfloat16)),
+    ("blockwise_grouped_mm_2d2d", lambda d: (*_gpu_2d2d(), torch.bfloat16)),
+]
+
+
+@requires_sm90
+@pytest.mark.gpu
+@pytest.mark.parametrize("op, args", OPCHECK_CASES, ids=[op for op, _ in OPCHECK_CASES])
+def test_opcheck(op, args):
+    # test_schema is left out: its mutation check multiplies the inputs, and torch has
+    # no fp8 mul (the other utils: fake tensor, autograd registration, aot dispatch)
+    utils = ("test_faketensor", "test_autograd_registration", "test_aot_dispatch_dynamic")
+    torch.library.opcheck(getattr(torch.ops.moe_fp8, op).default, args("cuda"), test_utils=utils)
+
+
+@requires_sm90
+@pytest.mark.gpu
+def test_compile_fullgraph():
+    a, sa, b, sb, offs = _gpu_2d3d()
+    a2, sa2, b2, sb2, offs2 = _gpu_2d2d()
+
+    def step(a, sa, b, sb, offs, a2, sa2, b2, sb2, offs2):
+        y = mm_2d3d(a, sa, b, sb, offs)
+        w = mm_2d2d(a2, sa2, b2, sb2, offs2)
+        return y * 2, w.sum(0)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(step, fullgraph=True)
+    got = compiled(a, sa, b, sb, offs, a2, sa2, b2, sb2, offs2)
+    want = step(a, sa, b, sb, offs, a2, sa2, b2, sb2, offs2)
+    for x, y in zip(got, want):
+        torch.testing.assert_close(x, y, rtol=0, atol=0)
+
+
+@requires_sm90
+@pytest.mark.gpu
+def test_cuda_graph_capture():
+    """Both ops captured in a CUDA graph replay bit-equal to eager (no host sync)."""
+    a, sa, b, sb, offs = _gpu_2d3d()
+    a2, sa2, b2, sb2, offs2 = _gpu_2d2d()
+    graph_matches_eager(lambda: (mm_2d3d(a, sa, b, sb, offs), mm_2d2d(a2, sa2, b2, sb2, offs2)))
+
+
+@requires_sm90
+@pytest.mark.gpu
+def test_deterministic():
+    a, sa, b, sb, offs = _gpu_2d3d()
+    assert torch.equal(mm_2d3d(a, sa, b, sb, offs), mm_2d3d(a, sa, b, sb, offs))
+
+
+GARBAGE_OFFS = [
+    [200, 100, 260, 50, 260],       # decreasing
+    [-5, 300, 1 << 30, -(1 << 30), 7],  # negative and far past M
+    [260, 260, 260, 260, 260],      # everything in the first group
+    [3, 5, 7, 9, 2**31 - 1],
+]
+
+
+@requires_sm90
+@pytest.mark.gpu
+@pytest.mark.parametrize("bad", GARBAGE_OFFS)
+def test_garbage_offs_do_not_fault(bad):
+    """Bad offs on a GPU: clamped into [0, M] by the table kernel (DESIGN §3). The result
+    is whatever the clamped groups give, but nothing is read or written out of bounds;
+    a fault would surface at the synchronize (and poison the CUDA context for the rest)."""
+    a, sa, b, sb, _ = _gpu_2d3d()
+    offs = torch.tensor(bad, dtype=torch.int32, device="cuda")
+    out = mm_2d3d(a, sa, b, sb, offs)
+    a2, sa2, b2, sb2, _ = _gpu_2d2d()
+    offs2 = torch.tensor(bad[:4], dtype=torch.int32, device="cuda")
+    w = mm_2d2d(a2, sa2, b2, sb2, offs2)  # wgrad: misaligned group starts count as empty
+    torch.cuda.synchronize()
+    assert out.shape == (260, 256) and w.shape == (4, 128, 256)
+    # a well-formed call still works after the garbage
+    a, sa, b, sb, offs = _gpu_2d3d()
+    assert_close_to_reference(mm_2d3d(a, sa, b, sb, offs), *reference_2d3d(a, sa, b, sb, offs))
+
+
+@requires_sm90
+@pytest.mark.gpu
+def test_2d2d_misaligned_group_is_zero():
+    """A wgrad group that does not start at a multiple of 128 (bad offs) is empty: zeros."""
+    a, sa, b, sb, _ = _gpu_2d2d()
+    offs = torch.tensor([100, 300, 640, 640], dtype=torch.int32, device="cuda")
+    poison("cuda")
+    out = mm_2d2d(a, sa, b, sb, offs)
+    assert bool((out[1:].float() == 0).all()) and bool(torch.isfinite(out[0].float()).all())
