@@ -41,7 +41,8 @@ weight in each orientation (``WeightCache.nbytes()``), i.e. about the size of th
 bf16 weights themselves, kept until the next optimizer step or ``clear()``. Turn it off
 with ``GroupedExperts(..., reuse_weights=False)`` or ``weight_cache=None``.
 Under ``torch.compile`` the cache is bypassed (plain recompute: the version counter is
-not traceable), and so it is for weights that are views made per call (FSDP2's
+not traceable; with torch < 2.13 a compiled call runs three grouped_mm calls, see
+``COMPILE_COMPOSITE``), and so it is for weights that are views made per call (FSDP2's
 ``to_local()`` of a DTensor, a ``w.bfloat16()`` cast): their identity changes every
 call, so nothing is ever reused from them (never stale, no gain).
 """
@@ -52,10 +53,11 @@ from typing import Dict, Optional, Tuple, Union
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.torch_version import TorchVersion
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from . import ops, token_groups
-from .grouped_mm import _check_offs_content, _debug, _gemm_out_dtype, _zero_tail
+from .grouped_mm import _check_offs_content, _debug, _gemm_out_dtype, _zero_tail, grouped_mm
 from .recipes import FLOAT_DTYPES, Recipe, get_recipe
 
 __all__ = ["GroupedExperts", "WeightCache", "clear_weight_caches", "experts"]
@@ -161,9 +163,13 @@ class _Experts(torch.autograd.Function):
         hidden = w1.shape[1]
         ctx.hidden = hidden
         ctx.shapes = (x.shape, w1.shape, w3.shape, w2.shape)
-        ctx.no_groups = offs.shape[0] == 0
-        if ctx.no_groups:  # no experts: every row is past offs[-1] (static: no sync)
+        if offs.shape[0] == 0:  # no experts: every row is past offs[-1] (static: no sync)
+            ctx.no_groups = True
             return x.new_zeros(x.shape)
+        # A plain bool, set on each branch: `ctx.no_groups = offs.shape[0] == 0` was
+        # traced as a symbolic value under torch 2.11's compile and read as true in the
+        # backward (every gradient zero).
+        ctx.no_groups = False
         tag = (recipe, fp8_dtype)
         gemm_dtype = _gemm_out_dtype(recipe, backend, torch.bfloat16, x.dtype)
         ctx.gemm_dtype = gemm_dtype
@@ -224,6 +230,21 @@ class _Experts(torch.autograd.Function):
             grad_w1 = grad_w13[:, :hidden].to(ctx.dtypes[1]) if need_w1 else None
             grad_w3 = grad_w13[:, hidden:].to(ctx.dtypes[2]) if need_w3 else None
         return grad_x, grad_w1, grad_w3, grad_w2, None, None, None, None, None, None
+
+
+# torch.compile of the fused Function returns zero gradients with torch 2.11 (CPU and
+# CUDA, aot_eager; inductor fails to compile it): found on the H100 with torch 2.11,
+# not isolated yet. torch 2.13 compiles it correctly. Before 2.13, a compiled call
+# runs the same FFN as three grouped_mm calls (their compiled backward is tested on
+# 2.11): the same math up to fp8 rounding, without the fusion.
+COMPILE_COMPOSITE = TorchVersion(torch.__version__) < "2.13"
+
+
+def _composite(x, w1, w3, w2, offs, recipe, fp8_dtype, pad_groups):
+    def mm(a, w):
+        return grouped_mm(a, w.transpose(-2, -1), offs, recipe=recipe, fp8_dtype=fp8_dtype, pad_groups=pad_groups)
+
+    return mm(F.silu(mm(x, w1)) * mm(x, w3), w2).to(x.dtype)
 
 
 def _check(x, w1, w3, w2, offs, recipe: Recipe, backend: str, fp8_dtype):
@@ -295,6 +316,8 @@ def experts(
         offs = torch.cummax(offs.clamp(0, x.shape[0]), 0).values.to(torch.int32)
     if torch.compiler.is_compiling():
         weight_cache = None
+        if COMPILE_COMPOSITE:
+            return _composite(x, w1, w3, w2, offs, r, f8, pad_groups)
     if pad_groups and r.alignment > 1 and r.pads_token_groups(backend) and offs.shape[0] > 0:
         x_p, starts, ends = token_groups.pad_token_groups(x, offs, r.alignment)
         out_p = _Experts.apply(x_p, w1, w3, w2, ends, r, f8, backend, False, weight_cache)

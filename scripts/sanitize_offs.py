@@ -89,6 +89,23 @@ for t in (xm, xm[:, 32:], xm.t().contiguous().t()):
 attempt(moe_fp8_ext.quantize_mxfp8_experts, torch.randn(3, 64, 130, device="cuda"), "rceil", True)
 attempt(moe_fp8_ext.quantize_mxfp8_experts, torch.randn(3, 130, 64, device="cuda").transpose(1, 2), "rceil", True)
 attempt(moe_fp8_ext.to_blocked_scales, torch.ones(3, 130, 5, dtype=torch.uint8, device="cuda").view(torch.float8_e8m0fnu))
+# The blockwise grouped GEMMs (sm90 only): their per-group problem table is built on the
+# device from the same garbage offs (clamped; a wgrad group not starting at a multiple of
+# 128 is treated as empty).
+from moe_fp8_ext import blockwise_gemm  # noqa: E402
+
+if blockwise_gemm.available():
+    e4 = torch.float8_e4m3fn
+    xa, sa = moe_fp8_ext.quantize_blockwise_act_lhs(xm[:, :96].contiguous(), e4)
+    for offs in ([700, -5, 100, 2**31 - 1, 30, -2**31], [1000 * 3] * 3, [-1] * 5, [960, 32, 1000, 0, 7, 128]):
+        o = torch.tensor(offs, dtype=torch.int32, device="cuda")
+        w = torch.randn(o.numel(), 96, 64, device="cuda", dtype=torch.bfloat16)
+        qb, sb = moe_fp8_ext.quantize_blockwise_weight_rhs(w, e4)
+        attempt(blockwise_gemm.blockwise_grouped_mm_2d3d, xa, sa, qb, sb, o, torch.bfloat16)
+        g = torch.randn(1024, 64, device="cuda", dtype=torch.bfloat16)
+        qg, sg = moe_fp8_ext.quantize_blockwise_act_transposed_lhs(g, e4)
+        qx, sx = moe_fp8_ext.quantize_blockwise_act_rhs(torch.randn(1024, 96, device="cuda", dtype=torch.bfloat16), e4)
+        attempt(blockwise_gemm.blockwise_grouped_mm_2d2d, qg, sg, qx, sx, o, torch.bfloat16)
 print("sanitize_offs: MXFP8/blockwise/swizzle calls refused with a clear error:", dict(refused))
 torch.cuda.synchronize()
 

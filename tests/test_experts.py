@@ -3,9 +3,12 @@ CPU (emulated GEMMs) and, when there is one, the GPU: numerics against an fp32
 autograd reference, the same math as three grouped_mm calls, token-group edge cases,
 weight reuse and its invalidation, torch.compile, and bad arguments."""
 
+import importlib
+
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.torch_version import TorchVersion
 
 import moe_fp8_ext
 from moe_fp8_ext.experts import GroupedExperts, WeightCache, clear_weight_caches, experts
@@ -214,9 +217,32 @@ def test_compile_fullgraph(device):
     # AOT autograd decomposes silu / silu_backward into primitive ops whose bf16
     # rounding can differ from the fused eager kernels by an ulp (seen on CUDA), and an
     # ulp can move an fp8 code: equal up to that, not bit for bit.
-    assert sqnr(eager_out, out) > 40
-    for a, b in zip(eager_grads, grads):
-        assert sqnr(a, b) > 35
+    got = [sqnr(eager_out, out)] + [sqnr(a, b) for a, b in zip(eager_grads, grads)]
+    print("compiled vs eager SQNR (out, x, w1, w3, w2):", [round(v, 1) for v in got])
+    assert got[0] > 40 and min(got[1:]) > 35, got
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("composite", [False, True])
+def test_compile_fullgraph_both_paths(device, composite, monkeypatch, request):
+    """Compiled fwd+bwd against eager, through the fused Function and through the
+    three-grouped_mm path that torch < 2.13 takes under compile (forced either way):
+    gradients must be real (the failure this guards against was all-zero gradients)."""
+    mod = importlib.import_module("moe_fp8_ext.experts")  # (the package attribute is the function)
+    if not composite and TorchVersion(torch.__version__) < "2.13":
+        # The torch bug COMPILE_COMPOSITE works around: seen on torch 2.11 (H100 and its
+        # CPU), all-zero gradients. Strict: a torch that fixes it makes this XPASS.
+        request.node.add_marker(pytest.mark.xfail(strict=True, reason="torch < 2.13 compiles the fused Function wrongly"))
+
+    monkeypatch.setattr(mod, "COMPILE_COMPOSITE", composite)
+    x, w1, w3, w2, offs, grad = make(2, 64, 64, 80, device, offs=[48, 80])
+    eager_out, eager_grads = run(experts, (x, w1, w3, w2, offs), grad)
+    torch._dynamo.reset()
+    out, grads = run(torch.compile(lambda *a: experts(*a), fullgraph=True, backend="aot_eager"),
+                     (x, w1, w3, w2, offs), grad)
+    torch._dynamo.reset()
+    got = [sqnr(eager_out, out)] + [sqnr(a, b) for a, b in zip(eager_grads, grads)]
+    assert got[0] > 35 and min(got[1:]) > 30, got
 
 
 @pytest.mark.parametrize("bad, match", [
