@@ -137,11 +137,6 @@ def _cached(cache: Optional[WeightCache], name, weights, tag, make):
 # ---- the function ----------------------------------------------------------------------
 
 
-def _w13_t(w1: Tensor, w3: Tensor) -> Tensor:
-    """B_t of the fused W1/W3 GEMM: (E, D, 2H), the concatenation along N."""
-    return torch.cat([w1, w3], dim=1).transpose(-2, -1)
-
-
 def _swiglu(h13: Tensor, hidden: int) -> Tensor:
     h1, h3 = h13[:, :hidden], h13[:, hidden:]
     return F.silu(h1) * h3
@@ -166,10 +161,7 @@ class _Experts(torch.autograd.Function):
         if offs.shape[0] == 0:  # no experts: every row is past offs[-1] (static: no sync)
             ctx.no_groups = True
             return x.new_zeros(x.shape)
-        # A plain bool, set on each branch: `ctx.no_groups = offs.shape[0] == 0` was
-        # traced as a symbolic value under torch 2.11's compile and read as true in the
-        # backward (every gradient zero).
-        ctx.no_groups = False
+        ctx.no_groups = False  # a plain bool on each branch, as grouped_mm sets it
         tag = (recipe, fp8_dtype)
         gemm_dtype = _gemm_out_dtype(recipe, backend, torch.bfloat16, x.dtype)
         ctx.gemm_dtype = gemm_dtype
@@ -220,9 +212,7 @@ class _Experts(torch.autograd.Function):
                 rhs = _cached(cache, name, (w,), tag, lambda w=w: recipe.rhs_bwd({"B_t": w.transpose(-2, -1)}, f8))
                 g = grad_h13[:, half * hidden:(half + 1) * hidden]
                 part = recipe.mm_2d3d(recipe.lhs(g, f8), rhs, offs, dtype, backend)
-                # out of place: an in-place add on a GEMM result inside this backward
-                # lost the gradient under torch.compile (aot_eager, torch 2.11 and 2.13)
-                grad_x = part if grad_x is None else grad_x + part
+                grad_x = part if grad_x is None else grad_x + part  # out of place (traced backward)
                 del part
             grad_x = _zero_tail(grad_x, offs).to(ctx.dtypes[0])
         if need_w1 or need_w3:
@@ -234,7 +224,7 @@ class _Experts(torch.autograd.Function):
 
 # torch.compile of the fused Function returns zero gradients with torch 2.11 (CPU and
 # CUDA, aot_eager; inductor fails to compile it): found on the H100 with torch 2.11,
-# not isolated yet. torch 2.13 compiles it correctly. Before 2.13, a compiled call
+# not isolated yet (an out-of-place sum and a plain-bool ctx flag did not change it). torch 2.13 compiles it correctly. Before 2.13, a compiled call
 # runs the same FFN as three grouped_mm calls (their compiled backward is tested on
 # 2.11): the same math up to fp8 rounding, without the fusion.
 COMPILE_COMPOSITE = TorchVersion(torch.__version__) < "2.13"
