@@ -1,9 +1,10 @@
 """python -m moe_fp8_ext: train a small MoE expert layer in bf16 and in fp8.
 
-Trains the experts' SwiGLU FFN (three grouped GEMMs per step, forward and backward)
-on a regression task with each recipe, on the GPU if there is one (else on the CPU at
-a small size, with an fp32 baseline), and prints the step time of each, the speedup,
-the final losses and the SQNR of one fp8 forward against bf16.
+Trains a ``moe_fp8_ext.GroupedExperts`` layer (the SwiGLU experts, torchtitan's layout
+and forward) on a regression task with each recipe, on the GPU if there is one (else
+on the CPU at a small size, with an fp32 baseline), and prints the step time and peak
+memory of each, the speedup, the final losses and the SQNR of one fp8 forward against
+the baseline. ``--recipe`` picks the fp8 recipe (fp8_rowwise, fp8_blockwise, mxfp8).
 `--check` instead runs every quantization op and verifies it bit for bit against
 moe_fp8_ext.reference, with timings.
 """
@@ -46,21 +47,24 @@ def _same(out, want):
     return True
 
 
-def _train(recipe, device, dtype, tokens, dim, hidden, experts, steps, offs, label):
-    from moe_fp8_ext.moe import MoEExperts
-
+def _train(recipe, device, dtype, tokens, dim, hidden, experts, steps, counts, label):
     torch.manual_seed(0)
-    model = MoEExperts(experts, dim, hidden, recipe, dtype, device)
+    model = moe_fp8_ext.GroupedExperts(dim, hidden, experts, recipe=recipe, reuse_weights=False, dtype=dtype,
+                                       device=device)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     g = torch.Generator(device=device).manual_seed(1)
     teacher = torch.randn(dim, dim, device=device, generator=g) / dim**0.5
     times, loss = [], None
     tty = sys.stdout.isatty()
+    if device == "cuda":
+        torch.cuda.synchronize()  # host-sync-ok: the demo times and prints
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
     for step in range(steps):
         x = torch.randn(tokens, dim, device=device, generator=g)
         y = torch.tanh(x @ teacher)
         t0 = time.perf_counter()
-        out = model(x.to(dtype), offs)
+        out = model(x.to(dtype), counts)
         loss = torch.nn.functional.mse_loss(out.float(), y)
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -72,12 +76,13 @@ def _train(recipe, device, dtype, tokens, dim, hidden, experts, steps, offs, lab
         # gets a plain line every tenth of the run instead of one "\r" line per step.
         if step % max(1, steps // (50 if tty else 10)) == 0 or step == steps - 1:
             done = (step + 1) * 30 // steps
-            line = f"  {label:<12} [{'#' * done}{'.' * (30 - done)}] {step + 1}/{steps} loss {loss.item():.4f}"  # host-sync-ok: the demo times and prints
+            line = f"  {label:<14} [{'#' * done}{'.' * (30 - done)}] {step + 1}/{steps} loss {loss.item():.4f}"  # host-sync-ok: the demo times and prints
             print("\r" + line if tty else line, end="" if tty else "\n", flush=True)
     if tty:
         print()
     step_ms = 1000 * sorted(times[steps // 5:])[len(times[steps // 5:]) // 2]  # median after warm-up
-    return model, step_ms, loss.item()  # host-sync-ok: the demo times and prints
+    peak = (torch.cuda.max_memory_allocated() - base) / 2**20 if device == "cuda" else None
+    return model, step_ms, loss.item(), peak  # host-sync-ok: the demo times and prints
 
 
 def train_demo(args):
@@ -91,20 +96,27 @@ def train_demo(args):
     where = torch.cuda.get_device_name() if gpu else "the CPU (no GPU found: small sizes, fp32 baseline)"
     print(f"moe_fp8_ext: training an MoE expert FFN on {where}")
     print(f"tokens={tokens} dim={dim} hidden={hidden} experts={experts} steps={steps}; "
-          f"fp8 GEMM path: {moe_fp8_ext.grouped_mm_backend(device)}\n")
+          f"{args.recipe} GEMM path: {moe_fp8_ext.grouped_mm_backend(device, args.recipe)}\n")
     offs = balanced_offs(tokens, experts, device=device)
+    counts = torch.diff(offs, prepend=offs.new_zeros(1))  # tokens per expert, as a router gives them
     base_name = "bf16" if gpu else "fp32"
-    m_base, t_base, l_base = _train("bf16", device, dtype, tokens, dim, hidden, experts, steps, offs, base_name)
-    m_fp8, t_fp8, l_fp8 = _train("fp8_rowwise", device, dtype, tokens, dim, hidden, experts, steps, offs, "fp8_rowwise")
+    fp8 = args.recipe
+    m_base, t_base, l_base, p_base = _train("bf16", device, dtype, tokens, dim, hidden, experts, steps, counts, base_name)
+    m_fp8, t_fp8, l_fp8, p_fp8 = _train(fp8, device, dtype, tokens, dim, hidden, experts, steps, counts, fp8)
     with torch.no_grad():
         x = torch.randn(tokens, dim, device=device).to(dtype)
         m_fp8.load_state_dict(m_base.state_dict())
-        ref_out, fp8_out = m_base(x, offs).float(), m_fp8(x, offs).float()
+        ref_out, fp8_out = m_base(x, counts).float(), m_fp8(x, counts).float()
         sqnr = (20 * torch.log10(ref_out.norm() / (ref_out - fp8_out).norm())).item()  # host-sync-ok: the demo times and prints
-    print(f"\n{'recipe':<12} {'step ms':>9} {'final loss':>11}")
-    print(f"{base_name:<12} {t_base:9.2f} {l_base:11.4f}")
-    print(f"{'fp8_rowwise':<12} {t_fp8:9.2f} {l_fp8:11.4f}")
-    print(f"\nspeedup {t_base / t_fp8:.2f}x; SQNR of one fp8 forward against {base_name}: {sqnr:.1f} dB")
+
+    def mib(p):
+        return "n/a" if p is None else f"{p:.0f}"
+
+    print(f"\n{'recipe':<14} {'step ms':>9} {'peak MiB':>9} {'final loss':>11}")
+    print(f"{base_name:<14} {t_base:9.2f} {mib(p_base):>9} {l_base:11.4f}")
+    print(f"{fp8:<14} {t_fp8:9.2f} {mib(p_fp8):>9} {l_fp8:11.4f}")
+    print(f"\nspeedup {t_base / t_fp8:.2f}x; SQNR of one fp8 forward against {base_name}: {sqnr:.1f} dB"
+          + ("" if gpu else " (peak memory is measured on a GPU only)"))
     return 0
 
 
@@ -119,6 +131,8 @@ def main(argv=None):
     p.add_argument("--fp8-dtype", choices=["e4m3fn", "e4m3fnuz"], default=None, help="default: the platform's")
     p.add_argument("--device", choices=["cuda", "cpu"], default=None, help="default: cuda when available")
     p.add_argument("--iters", type=int, default=20, help="timing iterations for --check")
+    p.add_argument("--recipe", choices=["fp8_rowwise", "fp8_blockwise", "mxfp8"], default="fp8_rowwise",
+                   help="the fp8 recipe trained against the baseline (default fp8_rowwise)")
     args = p.parse_args(argv)
     if not args.check:
         return train_demo(args)
