@@ -40,7 +40,12 @@ entry either. What is NOT seen: writes through ``w.data`` (or under
 weight in each orientation (``WeightCache.nbytes()``), i.e. about the size of the
 bf16 weights themselves, kept until the next optimizer step or ``clear()``. Turn it off
 with ``GroupedExperts(..., reuse_weights=False)`` or ``weight_cache=None``.
-Under ``torch.compile`` the cache is bypassed (plain recompute: the version counter is
+Under FSDP2 (``fully_shard`` on the layer) the layer bypasses its cache: the
+all-gather writes the unsharded weights without bumping their version counter. When
+``fully_shard`` wraps a parent module instead, the layer cannot tell: pass
+``reuse_weights=False`` there (what ``integrations.torchtitan.convert`` does by default)
+or call :func:`clear_weight_caches` after writing the sharded weights outside an
+optimizer step. Under ``torch.compile`` the cache is bypassed (plain recompute: the version counter is
 not traceable; with torch < 2.13 a compiled call runs three grouped_mm calls, see
 ``COMPILE_COMPOSITE``), and so it is for weights that are views made per call (FSDP2's
 ``to_local()`` of a DTensor, a ``w.bfloat16()`` cast): their identity changes every
@@ -319,6 +324,20 @@ def experts(
 # ---- the module ------------------------------------------------------------------------
 
 
+def _fsdp_managed(module: torch.nn.Module) -> bool:
+    """Whether FSDP2's ``fully_shard`` was applied to ``module`` itself. FSDP2 all-gathers
+    the unsharded weights into the same parameter objects without bumping their version
+    counter (seen on torch 2.13), so the reuse key cannot see a weight that changed
+    between optimizer steps (a checkpoint load into the sharded parameters): the layer
+    then quantizes every call."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # a torch without distributed
+        return False
+    return isinstance(module, FSDPModule)
+
+
+
 class GroupedExperts(torch.nn.Module):
     """E SwiGLU experts with torchtitan's layout: w1 and w3 (E, hidden, dim), w2
     (E, dim, hidden); ``forward(x, num_tokens_per_expert)`` for tokens sorted by
@@ -347,7 +366,8 @@ class GroupedExperts(torch.nn.Module):
 
     def forward(self, x: Tensor, num_tokens_per_expert: Tensor) -> Tensor:
         offs = torch.cumsum(num_tokens_per_expert, dim=0, dtype=torch.int32)
-        return experts(x, self.w1, self.w3, self.w2, offs, recipe=self.recipe, weight_cache=self.weight_cache)
+        cache = None if _fsdp_managed(self) else self.weight_cache
+        return experts(x, self.w1, self.w3, self.w2, offs, recipe=self.recipe, weight_cache=cache)
 
     def extra_repr(self) -> str:
         return (f"dim={self.dim}, hidden_dim={self.hidden_dim}, num_experts={self.num_experts}, "

@@ -178,6 +178,36 @@ def test_weight_reuse_never_stale(device):
     assert torch.equal(layer(x, counts), fresh())
 
 
+def test_fsdp2_bypasses_the_cache(tmp_path):
+    """FSDP2 (fully_shard, one CPU rank over gloo): the layer trains like the unsharded
+    one and never uses its cache (FSDP2's all-gather does not bump the weights' version
+    counters, so reuse could not see a changed weight)."""
+    dist = pytest.importorskip("torch.distributed")
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is not available")
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
+    try:
+        ref = GroupedExperts(64, 32, 2, dtype=torch.float32)
+        layer = GroupedExperts(64, 32, 2, dtype=torch.float32)
+        layer.load_state_dict(ref.state_dict())
+        fully_shard(layer, mesh=init_device_mesh("cpu", (1,)))
+        x = torch.randn(40, 64)
+        counts = torch.tensor([25, 15])
+        for _ in range(2):
+            want = ref(x, counts)
+            want.sum().backward()
+            out = layer(x, counts)
+            out.sum().backward()
+            assert torch.equal(out, want)
+        assert layer.weight_cache.hits == 0 and layer.weight_cache.misses == 0
+        assert torch.equal(layer.w1.grad.full_tensor(), ref.w1.grad)
+    finally:
+        dist.destroy_process_group()
+
+
 def test_reuse_off():
     layer = GroupedExperts(32, 32, 2, reuse_weights=False, dtype=torch.bfloat16)
     assert layer.weight_cache is None

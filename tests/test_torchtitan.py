@@ -58,7 +58,7 @@ def test_convert_keeps_parameters_and_matches(device):
     moe = copy.deepcopy(ref)
     params = dict(moe.named_parameters())
     keys = list(moe.state_dict())
-    assert convert(moe, "fp8_rowwise") == 1
+    assert convert(moe, "fp8_rowwise", reuse_weights=True) == 1
     inner = moe.routed_experts.inner_experts
     assert type(inner).__name__ == "Fp8GroupedExperts" and isinstance(inner, tt_moe.GroupedExperts)
     assert isinstance(inner.moe_fp8_weight_cache, WeightCache)
@@ -81,6 +81,7 @@ def test_convert_keeps_parameters_and_matches(device):
 
     # bf16 through our layer: torchtitan's own math up to summation order
     assert convert(moe, "bf16") == 1
+    assert inner.moe_fp8_weight_cache is None  # off by default (FSDP2: see convert's docs)
     out_b, gx_b, _ = fwd_bwd(moe, x, grad)
     assert sqnr(out_ref, out_b) > 35 and sqnr(gx_ref, gx_b) > 35
     assert unconvert(moe) == 1 and type(moe.routed_experts.inner_experts) is tt_moe.GroupedExperts

@@ -13,10 +13,14 @@ any size work, so torchtitan's dispatcher needs no padding swap.
 
 Weights: torchtitan casts them to bf16 per call (``w.bfloat16()``); the converted
 forward quantizes the parameters directly (fp32 or bf16, the kernels read both), so no
-bf16 copy is made. DTensor parameters (FSDP2, expert parallelism) are used through
-``to_local()`` as torchtitan does; their weight-reuse cache then never hits (a new
-local view each call: plain recompute, never stale). ``reuse_weights`` (default True)
-keeps a :class:`moe_fp8_ext.experts.WeightCache` per converted module.
+bf16 copy is made. DTensor parameters (expert parallelism) are used through ``to_local()``
+as torchtitan does. ``reuse_weights`` (default **False**) keeps a
+:class:`moe_fp8_ext.experts.WeightCache` per converted module: off by default because
+torchtitan trains under FSDP2, whose all-gather rewrites the unsharded weights without
+bumping their version counter, so a weight changed outside an optimizer step (a
+checkpoint load) could be served stale. Turn it on without FSDP2, or with FSDP2 when the
+weights change only through optimizer steps (every ``torch.optim`` step empties the
+caches).
 """
 
 from typing import Union
@@ -54,7 +58,7 @@ def _converted_class(cls):
     return _CONVERTED[cls]
 
 
-def convert(model: torch.nn.Module, recipe: Union[str, Recipe] = "fp8_rowwise", *, reuse_weights: bool = True) -> int:
+def convert(model: torch.nn.Module, recipe: Union[str, Recipe] = "fp8_rowwise", *, reuse_weights: bool = False) -> int:
     """Convert every torchtitan ``GroupedExperts`` in ``model`` (the model itself
     included) to run :func:`moe_fp8_ext.experts` with ``recipe``; returns how many were
     converted. Converting again changes the recipe. Raises ImportError when torchtitan
