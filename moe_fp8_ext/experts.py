@@ -62,7 +62,15 @@ from torch.torch_version import TorchVersion
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from . import ops, token_groups
-from .grouped_mm import _check_offs_content, _debug, _gemm_out_dtype, _zero_tail, grouped_mm
+from .grouped_mm import (
+    _gemm_out_dtype,
+    _zero_tail,
+    check_offs_where_cheap,
+    device_offs,
+    grouped_mm,
+    pads_wgrad,
+    resolve_fp8_dtype,
+)
 from .recipes import FLOAT_DTYPES, Recipe, get_recipe
 
 __all__ = ["GroupedExperts", "WeightCache", "clear_weight_caches", "experts"]
@@ -265,15 +273,7 @@ def _check(x, w1, w3, w2, offs, recipe: Recipe, backend: str, fp8_dtype):
     # (shapes only: weights on the meta device, no copy).
     recipe.check_inputs(x, torch.empty((e, dim, 2 * hidden), dtype=w1.dtype, device="meta"))
     recipe.check_inputs(x.new_empty((0, hidden)), torch.empty((e, hidden, dim), dtype=w2.dtype, device="meta"))
-    fp8_dtypes = recipe.fp8_dtypes(backend, x.device)
-    if fp8_dtype is None:
-        return recipe.default_fp8_dtype(x.device)
-    if not isinstance(fp8_dtype, torch.dtype):
-        raise TypeError(f"experts: expected fp8_dtype to be a torch.dtype or None, got {fp8_dtype!r}")
-    if fp8_dtype not in fp8_dtypes:
-        raise ValueError(f"experts: expected fp8_dtype in {fp8_dtypes} for recipe {recipe.name!r} on {x.device} "
-                         f"(backend {backend!r}), got {fp8_dtype}")
-    return fp8_dtype
+    return resolve_fp8_dtype("experts", recipe, backend, x.device, fp8_dtype)
 
 
 def experts(
@@ -305,10 +305,8 @@ def experts(
     f8 = _check(x, w1, w3, w2, offs, r, backend, fp8_dtype)
     if not isinstance(pad_groups, bool):
         raise TypeError(f"experts: expected pad_groups to be a bool, got {type(pad_groups).__name__}")
-    if (offs.device.type == "cpu" or _debug()) and not torch.compiler.is_compiling():
-        _check_offs_content(offs, x.shape[0])
-    if offs.device.type != "cpu" and offs.shape[0] > 0:
-        offs = torch.cummax(offs.clamp(0, x.shape[0]), 0).values.to(torch.int32)
+    check_offs_where_cheap(offs, x.shape[0], "experts", "x")
+    offs = device_offs(offs, x.shape[0])
     if torch.compiler.is_compiling():
         weight_cache = None
         if COMPILE_COMPOSITE:
@@ -317,8 +315,7 @@ def experts(
         x_p, starts, ends = token_groups.pad_token_groups(x, offs, r.alignment)
         out_p = _Experts.apply(x_p, w1, w3, w2, ends, r, f8, backend, False, weight_cache)
         return token_groups.unpad_token_groups(out_p, offs, starts, x.shape[0])
-    pad_wgrad = r.alignment > 1 and (pad_groups or x.shape[0] % r.alignment != 0)
-    return _Experts.apply(x, w1, w3, w2, offs, r, f8, backend, pad_wgrad, weight_cache)
+    return _Experts.apply(x, w1, w3, w2, offs, r, f8, backend, pads_wgrad(r, pad_groups, x.shape[0]), weight_cache)
 
 
 # ---- the module ------------------------------------------------------------------------

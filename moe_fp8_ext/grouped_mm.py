@@ -135,15 +135,56 @@ def _check_tensor(name: str, x) -> None:
         raise TypeError(f"grouped_mm: expected {name} to be a torch.Tensor, got {_type_name(x)}")
 
 
-def _check_offs_content(offs: Tensor, num_tokens: int) -> None:
+def _check_offs_content(offs: Tensor, num_tokens: int, op: str = "grouped_mm", operand: str = "A") -> None:
     """offs in [0, num_tokens], non-decreasing (DESIGN §3). Called on CPU tensors, and on
     GPU ones with MOE_FP8_DEBUG=1 only (it syncs)."""
     o = offs.cpu().tolist()  # host-sync-ok: a CPU tensor, or MOE_FP8_DEBUG only
     for g, end in enumerate(o):
         if not 0 <= end <= num_tokens:
-            raise ValueError(f"grouped_mm: expected offs[{g}] in [0, {num_tokens}] (A has {num_tokens} rows), got {end}")
+            raise ValueError(f"{op}: expected offs[{g}] in [0, {num_tokens}] ({operand} has {num_tokens} rows), got {end}")
         if g and end < o[g - 1]:
-            raise ValueError(f"grouped_mm: expected non-decreasing offs, got offs[{g}] = {end} < offs[{g - 1}] = {o[g - 1]}")
+            raise ValueError(f"{op}: expected non-decreasing offs, got offs[{g}] = {end} < offs[{g - 1}] = {o[g - 1]}")
+
+
+def check_offs_where_cheap(offs: Tensor, num_tokens: int, op: str = "grouped_mm", operand: str = "A") -> None:
+    """offs content: on the CPU always (no sync), on a GPU only with MOE_FP8_DEBUG=1.
+    Not while tracing (the values are not known then); the ops check it at run time."""
+    if (offs.device.type == "cpu" or _debug()) and not torch.compiler.is_compiling():
+        _check_offs_content(offs, num_tokens, op, operand)
+
+
+def device_offs(offs: Tensor, num_tokens: int) -> Tensor:
+    """offs content is unchecked on a GPU (a check would sync): make it a valid,
+    non-decreasing table in [0, num_tokens] on the device (the same values for valid
+    offs), so that no content reaches torch's grouped GEMMs, whose device-side assert on
+    a negative group size kills the CUDA context (DESIGN §3: bad offs never corrupt)."""
+    if offs.device.type == "cpu" or offs.shape[0] == 0:
+        return offs
+    return torch.cummax(offs.clamp(0, num_tokens), 0).values.to(torch.int32)
+
+
+def pads_wgrad(recipe: Recipe, pad_groups: bool, num_tokens: int) -> bool:
+    """Whether the weight gradient's operands take the padded layout. Its GEMM reads them
+    column-major with the token count as the row stride, which must be a multiple of 16
+    bytes: an M that is not (rows past offs[-1]) takes the padded layout even with
+    aligned groups. M is static: no sync."""
+    return recipe.alignment > 1 and (pad_groups or num_tokens % recipe.alignment != 0)
+
+
+def resolve_fp8_dtype(op: str, recipe: Recipe, backend: str, device: torch.device, fp8_dtype):
+    """``fp8_dtype`` checked against what ``recipe`` takes on ``backend`` (None: the
+    recipe's default for ``device``)."""
+    fp8_dtypes = recipe.fp8_dtypes(backend, device)
+    if fp8_dtype is None:
+        return recipe.default_fp8_dtype(device)
+    if not isinstance(fp8_dtype, torch.dtype):
+        raise TypeError(f"{op}: expected fp8_dtype to be a torch.dtype or None, got {fp8_dtype!r} ({_type_name(fp8_dtype)})")
+    if not fp8_dtypes:
+        raise ValueError(f"{op}: expected fp8_dtype None for recipe {recipe.name!r} (it does not quantize), got {fp8_dtype}")
+    if fp8_dtype not in fp8_dtypes:
+        raise ValueError(f"{op}: expected fp8_dtype in {fp8_dtypes} for recipe {recipe.name!r} on {device} "
+                         f"(backend {backend!r}), got {fp8_dtype}")
+    return fp8_dtype
 
 
 def _check_debug_alignment(offs: Tensor, recipe: Recipe) -> None:
@@ -187,21 +228,8 @@ def _check_args(A, B_t, offs, recipe: Recipe, backend: str, out_dtype, fp8_dtype
         raise ValueError(f"grouped_mm: expected out_dtype in {supported} for recipe {recipe.name!r} on {A.device} "
                          f"(backend {backend!r}), got {out_dtype}")
 
-    fp8_dtypes = recipe.fp8_dtypes(backend, A.device)
-    if fp8_dtype is None:
-        fp8_dtype = recipe.default_fp8_dtype(A.device)
-    elif not isinstance(fp8_dtype, torch.dtype):
-        raise TypeError(f"grouped_mm: expected fp8_dtype to be a torch.dtype or None, got {fp8_dtype!r} ({_type_name(fp8_dtype)})")
-    elif not fp8_dtypes:
-        raise ValueError(f"grouped_mm: expected fp8_dtype None for recipe {recipe.name!r} (it does not quantize), got {fp8_dtype}")
-    elif fp8_dtype not in fp8_dtypes:
-        raise ValueError(f"grouped_mm: expected fp8_dtype in {fp8_dtypes} for recipe {recipe.name!r} on {A.device} "
-                         f"(backend {backend!r}), got {fp8_dtype}")
-
-    # offs content: on the CPU always (no sync), on a GPU only with MOE_FP8_DEBUG=1.
-    # Not while tracing (the values are not known then); the ops check it at run time.
-    if (offs.device.type == "cpu" or _debug()) and not torch.compiler.is_compiling():
-        _check_offs_content(offs, A.shape[0])
+    fp8_dtype = resolve_fp8_dtype("grouped_mm", recipe, backend, A.device, fp8_dtype)
+    check_offs_where_cheap(offs, A.shape[0])
     if not pad_groups and recipe.alignment > 1 and _debug():
         _check_debug_alignment(offs, recipe)
     return out_dtype, fp8_dtype
@@ -253,19 +281,10 @@ def grouped_mm(
         _check_tensor(name, x)
     backend = r.backend(A.device)
     out_dtype, f8 = _check_args(A, B_t, offs, r, backend, out_dtype, fp8_dtype, pad_groups)
-    if offs.device.type != "cpu" and offs.shape[0] > 0:
-        # offs content is unchecked on a GPU (a check would sync): make it a valid,
-        # non-decreasing table in [0, M] on the device (the same values for valid offs),
-        # so that no content reaches torch's grouped GEMMs, whose device-side assert on a
-        # negative group size kills the CUDA context (DESIGN §3: bad offs never corrupt).
-        offs = torch.cummax(offs.clamp(0, A.shape[0]), 0).values.to(torch.int32)
+    offs = device_offs(offs, A.shape[0])
     if pad_groups and r.alignment > 1 and r.pads_token_groups(backend) and offs.shape[0] > 0:
         # Pad the input, run the aligned path, unpad the output (all differentiable).
         A_p, starts, ends = token_groups.pad_token_groups(A, offs, r.alignment)
         out_p = _GroupedMM.apply(A_p, B_t, ends, r, out_dtype, f8, backend, False)
         return token_groups.unpad_token_groups(out_p, offs, starts, A.shape[0])
-    # The weight-gradient GEMM reads its operands column-major, with the token count as
-    # the row stride, which must be a multiple of 16 bytes: an M that is not (rows past
-    # offs[-1]) takes the padded layout even with aligned groups. M is static: no sync.
-    pad_wgrad = r.alignment > 1 and (pad_groups or A.shape[0] % r.alignment != 0)
-    return _GroupedMM.apply(A, B_t, offs, r, out_dtype, f8, backend, pad_wgrad)
+    return _GroupedMM.apply(A, B_t, offs, r, out_dtype, f8, backend, pads_wgrad(r, pad_groups, A.shape[0]))
