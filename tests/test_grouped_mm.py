@@ -167,19 +167,25 @@ def test_compile_fullgraph_forward_backward(device, case):
         torch.testing.assert_close(comp, eager, rtol=1e-2, atol=1e-2)  # same quantized math; fusion may reorder fp32 sums
 
 
-def train(recipe, dtype, steps=50, device="cpu"):
+def train(recipe, dtype, steps=50, device="cpu", layer=False):
+    """Loss curve of the MoE SwiGLU FFN on a regression task: three grouped_mm calls
+    (MoEExperts), or with ``layer`` the fused moe_fp8_ext.GroupedExperts."""
     torch.manual_seed(0)
     experts, dim, hidden, tokens = 4, 64, 128, 256
-    model = MoEExperts(experts, dim, hidden, recipe, dtype, device)
+    if layer:
+        model = moe_fp8_ext.GroupedExperts(dim, hidden, experts, recipe=recipe, dtype=dtype, device=device)
+    else:
+        model = MoEExperts(experts, dim, hidden, recipe, dtype, device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     g = torch.Generator().manual_seed(1)
     teacher = torch.randn(dim, dim, generator=g) / dim**0.5
     offs = make_offs([64, 48, 96, 48], device)
+    groups = torch.diff(offs, prepend=offs.new_zeros(1)) if layer else offs  # the layer takes tokens per expert
     losses = []
     for _ in range(steps):
         x = torch.randn(tokens, dim, generator=g)
         y = torch.tanh(x @ teacher)
-        out = model(x.to(dtype).to(device), offs)
+        out = model(x.to(dtype).to(device), groups)
         loss = F.mse_loss(out.float(), y.to(device))
         opt.zero_grad()
         loss.backward()
@@ -188,14 +194,19 @@ def train(recipe, dtype, steps=50, device="cpu"):
     return losses
 
 
-def test_fp8_training_tracks_high_precision():
-    # CPU: the baseline runs in fp32 (this CPU has no bf16 grouped GEMM); the fp8 run
-    # feeds the same fp32 activations through fp8 quantization.
-    base = train("bf16", torch.float32)
-    fp8 = train("fp8_rowwise", torch.float32)
+@pytest.mark.parametrize("layer", [False, True], ids=["grouped_mm", "GroupedExperts"])
+@pytest.mark.parametrize("recipe", ["fp8_rowwise", "mxfp8", "fp8_blockwise"])
+def test_fp8_training_tracks_high_precision(recipe, layer):
+    # 50 steps of the MoE SwiGLU FFN (unaligned groups) on the CPU, through three
+    # grouped_mm calls or the fused experts layer. The baseline runs in fp32 (this CPU
+    # has no bf16 grouped GEMM); the fp8 run feeds the same fp32 activations through fp8
+    # quantization. fp8 noise moves individual steps a little; the curve must stay
+    # within 5% of the baseline at every step.
+    base = train("bf16", torch.float32, layer=layer)
+    fp8 = train(recipe, torch.float32, layer=layer)
     assert base[-1] < 0.8 * base[0], "the model must actually learn"
-    # fp8 noise moves individual steps a little; the curve must stay within 5%.
     rel = [abs(f - b) / b for f, b in zip(fp8, base)]
+    print(f"{recipe} vs fp32 loss: max relative gap {max(rel):.4f}; final {fp8[-1]:.4f} vs {base[-1]:.4f}")
     assert max(rel) < 0.05, max(rel)
 
 
@@ -934,17 +945,6 @@ def test_mxfp8_gemm_call_binds_torch_api():
         recipes.scaled_grouped_mm_mxfp8(qa, qb, sa, sb, offs, torch.bfloat16)
 
 
-def test_mxfp8_training_tracks_high_precision():
-    # 50 steps of the MoE SwiGLU FFN (K, N in {64, 128}; unaligned groups) on the CPU:
-    # the mxfp8 loss curve stays within 5% of the high-precision one at every step.
-    base = train("bf16", torch.float32)
-    mx = train("mxfp8", torch.float32)
-    assert base[-1] < 0.8 * base[0], "the model must actually learn"
-    rel = [abs(f - b) / b for f, b in zip(mx, base)]
-    print(f"mxfp8 vs fp32 loss: max relative gap {max(rel):.4f}; final {mx[-1]:.4f} vs {base[-1]:.4f}")
-    assert max(rel) < 0.05, max(rel)
-
-
 @requires_cuda
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] == 10,
@@ -1062,41 +1062,3 @@ def test_blockwise_backend_and_errors():
     out = moe_fp8_ext.grouped_mm(a, b_t, offs, recipe="fp8_blockwise", fp8_dtype=torch.float8_e4m3fnuz)
     assert out.shape == (64, 64) and torch.isfinite(out).all()
 
-
-def test_blockwise_training_tracks_high_precision():
-    # 50 steps of the MoE SwiGLU FFN (unaligned groups) on the CPU, as for the other
-    # recipes: the fp8_blockwise loss curve stays within 5% of fp32's at every step.
-    base = train("bf16", torch.float32)
-    bw = train("fp8_blockwise", torch.float32)
-    assert base[-1] < 0.8 * base[0], "the model must actually learn"
-    rel = [abs(f - b) / b for f, b in zip(bw, base)]
-    print(f"fp8_blockwise vs fp32 loss: max relative gap {max(rel):.4f}; final {bw[-1]:.4f} vs {base[-1]:.4f}")
-    assert max(rel) < 0.05, max(rel)
-
-
-def test_experts_layer_training_tracks_high_precision():
-    # The same 50 steps through moe_fp8_ext.GroupedExperts (the fused SwiGLU layer) with
-    # each fp8 recipe: within 5% of the fp32 curve at every step.
-    def train_layer(recipe):
-        torch.manual_seed(0)
-        layer = moe_fp8_ext.GroupedExperts(64, 128, 4, recipe=recipe, dtype=torch.float32)
-        opt = torch.optim.AdamW(layer.parameters(), lr=1e-2)
-        g = torch.Generator().manual_seed(1)
-        teacher = torch.randn(64, 64, generator=g) / 8
-        counts = torch.tensor([64, 48, 96, 48])
-        losses = []
-        for _ in range(50):
-            x = torch.randn(256, 64, generator=g)
-            loss = F.mse_loss(layer(x, counts).float(), torch.tanh(x @ teacher))
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            losses.append(loss.item())
-        return losses
-
-    base = train_layer("bf16")
-    assert base[-1] < 0.8 * base[0], "the model must actually learn"
-    for recipe in ("fp8_rowwise", "fp8_blockwise", "mxfp8"):
-        rel = max(abs(f - b) / b for f, b in zip(train_layer(recipe), base))
-        print(f"GroupedExperts {recipe} vs fp32: max relative loss gap {rel:.4f}")
-        assert rel < 0.05, (recipe, rel)
