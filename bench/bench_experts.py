@@ -33,6 +33,38 @@ def bf16_layer(x, w1, w3, w2, offs):
     return mm(F.silu(mm(x, w1)) * mm(x, w3), w2)
 
 
+def problem(m, d, h, e, seed=0):
+    """One experts step on the GPU: x (m, d) and w1, w3 (e, h, d), w2 (e, d, h) bf16
+    leaves (weights ~ N(0, 1/fan_in)), balanced group ends, an output gradient."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(m, d, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
+    w1 = (torch.randn(e, h, d, device="cuda", dtype=torch.bfloat16, generator=g) * d ** -0.5).requires_grad_()
+    w3 = (torch.randn(e, h, d, device="cuda", dtype=torch.bfloat16, generator=g) * d ** -0.5).requires_grad_()
+    w2 = (torch.randn(e, d, h, device="cuda", dtype=torch.bfloat16, generator=g) * h ** -0.5).requires_grad_()
+    offs = balanced_offs(m, e, device="cuda")
+    grad = torch.randn(m, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    return x, w1, w3, w2, offs, grad
+
+
+def step_parser(doc):
+    """The command line of the per-step scripts (scripts/profile_experts.py,
+    scripts/memory_experts.py): a shape (tokens dim hidden experts) and --recipe."""
+    p = argparse.ArgumentParser(description=doc)
+    p.add_argument("shape", nargs="*", type=int, default=[65536, 2048, 1408, 64])
+    p.add_argument("--recipe", default="fp8_rowwise")
+    return p
+
+
+def steps(args):
+    """{name: one forward + backward} for the bf16 module and ``args.recipe`` on
+    ``args.shape``, and the shape."""
+    m, d, h, e = args.shape
+    x, w1, w3, w2, offs, grad = problem(m, d, h, e)
+    impls = {"bf16": bf16_layer, args.recipe: lambda *t: experts(*t, recipe=args.recipe)}
+    return {name: (lambda fn=fn: torch.autograd.grad(fn(x, w1, w3, w2, offs), (x, w1, w3, w2), grad))
+            for name, fn in impls.items()}, (m, d, h, e)
+
+
 def three_grouped_mm(x, w1, w3, w2, offs):
     def mm(a, w):
         return moe_fp8_ext.grouped_mm(a, w.transpose(-2, -1), offs)
@@ -67,13 +99,7 @@ def main():
     shapes = SHAPES[:1] if args.quick else SHAPES
     rows = []
     for m, d, h, e in shapes:
-        g = torch.Generator(device="cuda").manual_seed(0)
-        x = torch.randn(m, d, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
-        w1 = (torch.randn(e, h, d, device="cuda", dtype=torch.bfloat16, generator=g) * d ** -0.5).requires_grad_()
-        w3 = (torch.randn(e, h, d, device="cuda", dtype=torch.bfloat16, generator=g) * d ** -0.5).requires_grad_()
-        w2 = (torch.randn(e, d, h, device="cuda", dtype=torch.bfloat16, generator=g) * h ** -0.5).requires_grad_()
-        offs = balanced_offs(m, e, device="cuda")
-        grad = torch.randn(m, d, device="cuda", dtype=torch.bfloat16, generator=g)
+        x, w1, w3, w2, offs, grad = problem(m, d, h, e)
         params = (x, w1, w3, w2)
         cache = WeightCache()
         impls = {

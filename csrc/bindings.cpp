@@ -51,6 +51,17 @@ TORCH_LIBRARY(moe_fp8, m) {
   m.def("from_blocked_scales_m_groups(Tensor b, Tensor offs, SymInt cols) -> Tensor");
   m.def("from_blocked_scales_k_groups(Tensor b, Tensor offs, SymInt rows, SymInt cols) -> Tensor");
 
+  // ---- SwiGLU (DESIGN §10): h = silu(h1) * h3 of h13 = [h1 | h3], its gradient, each
+  // optionally fused with the FP8 rowwise quantization of its result (q and (M, 1)
+  // scales exactly as quantize_rowwise gives for the written values).
+  // Implementations: swiglu/swiglu_cpu.cpp (CPU) and swiglu/swiglu.cu (CUDA).
+  m.def("swiglu(Tensor h13) -> Tensor");
+  m.def("swiglu_quantize_rowwise(Tensor h13, ScalarType fp8_dtype, bool pow2_scale=True) -> (Tensor, Tensor)");
+  m.def("swiglu_backward(Tensor grad_h, Tensor h13) -> Tensor");
+  m.def(
+      "swiglu_backward_quantize_rowwise(Tensor grad_h, Tensor h13, ScalarType fp8_dtype, bool pow2_scale=True)"
+      " -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+
   // ---- FP8 blockwise recipe (DESIGN §6): fp32 decode scales per 1x128 / 128x1 block ----
   // Implementations: blockwise/blockwise_cpu.cpp (CPU) and blockwise/blockwise.cu (CUDA).
   // act_lhs: q (M, K) row-major, scale (M, ceil(K/128)) column-major. act_rhs: q (M, K)

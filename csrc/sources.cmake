@@ -30,10 +30,13 @@ set(MOE_FP8_SOURCE_TABLE
   "blockwise/blockwise_cpu.cpp       CPU"
   "grouping/grouping_ops.cpp         CPU"
   "grouping/grouping_cpu.cpp         CPU"
+  "swiglu/swiglu_ops.cpp             CPU"
+  "swiglu/swiglu_cpu.cpp             CPU"
   "rowwise/rowwise.cu                GPU   cuda,hip"
   "mxfp8/mxfp8.cu                    GPU   cuda,hip"
   "mxfp8/swizzle.cu                  GPU   cuda,hip"
   "blockwise/blockwise.cu            GPU   cuda,hip"
   "grouping/grouping.cu              GPU   cuda,hip"
+  "swiglu/swiglu.cu                  GPU   cuda,hip"
   "gemm/blockwise_grouped_sm90.cu    GPU   90a    cutlass"
 )

@@ -52,6 +52,7 @@ from .ops import (
     zero_rows_past_groups_,
 )
 from .platform import build_info, default_fp8_dtype
+from .swiglu import swiglu, swiglu_backward, swiglu_backward_quantize_rowwise, swiglu_quantize_rowwise
 from .token_groups import pad_token_groups, permute_and_pad, unpad_token_groups, unpermute
 
 __all__ = [
@@ -87,6 +88,10 @@ __all__ = [
     "quantize_mxfp8_rowwise",
     "quantize_rowwise",
     "scatter_rows",
+    "swiglu",
+    "swiglu_backward",
+    "swiglu_backward_quantize_rowwise",
+    "swiglu_quantize_rowwise",
     "to_blocked_scales",
     "to_blocked_scales_k_groups",
     "to_blocked_scales_m_groups",

@@ -17,15 +17,24 @@ rounding) it:
   being saved, and dSwiGLU is computed from h13. A bf16 torchtitan ``GroupedExperts``
   keeps x, h1, silu(h1), h3 and h (2·M·D + 8·M·hidden bytes); this keeps 2·M·D +
   4·M·hidden;
+- fuses SwiGLU into quantization (:mod:`moe_fp8_ext.swiglu`, through
+  ``Recipe.lhs_swiglu`` / ``lhs_swiglu_backward``): the forward reads h13 once and, for
+  fp8_rowwise, writes only h's fp8 operand (h is never written in bf16); the backward
+  reads grad_h and h13 once and writes grad_h13 and both halves' fp8 operands;
+- frees as it goes: the backward drops each operand once its GEMM is issued, frees
+  h13 once dSwiGLU has read it (h13 is then kept on ctx, not in ``save_for_backward``,
+  so a second backward over one forward raises; under saved-tensor hooks, i.e.
+  activation checkpointing or offloading, and under torch.compile it is saved
+  normally), and sums the two input-gradient GEMMs in place: the step's peak is at or
+  below the bf16 module's on issue 15's shapes (bench/RESULTS.md);
 - reuses quantized weights while the weights are unchanged (:class:`WeightCache`):
   gradient-accumulation micro-batches and activation-checkpoint recompute quantize
   each weight once per optimizer step instead of once per call.
 
 Not done yet (DESIGN §10 lists them): the one-read kernels that write a tensor's
-rowwise and colwise fp8 together, SwiGLU fused into the quantization of h and dSwiGLU
-into that of grad_h13, and fp8 (instead of bf16) saved activations. The layer is
-recipe-agnostic: any registered recipe runs through the :class:`~moe_fp8_ext.recipes.
-Recipe` contract.
+rowwise and colwise fp8 together, the joint-amax two-weight kernel for one dgrad GEMM,
+and fp8 (instead of bf16) saved activations. The layer is recipe-agnostic: any
+registered recipe runs through the :class:`~moe_fp8_ext.recipes.Recipe` contract.
 
 Weight reuse, precisely. A cache entry is the quantized operand of one weight (W13 in
 the forward and backward orientations, W2 likewise) with the key (the weight tensor
@@ -72,6 +81,7 @@ from .grouped_mm import (
     resolve_fp8_dtype,
 )
 from .recipes import FLOAT_DTYPES, Recipe, get_recipe
+from .swiglu import swiglu, swiglu_backward
 
 __all__ = ["GroupedExperts", "WeightCache", "clear_weight_caches", "experts"]
 
@@ -150,17 +160,17 @@ def _cached(cache: Optional[WeightCache], name, weights, tag, make):
 # ---- the function ----------------------------------------------------------------------
 
 
-def _swiglu(h13: Tensor, hidden: int) -> Tensor:
-    h1, h3 = h13[:, :hidden], h13[:, hidden:]
-    return F.silu(h1) * h3
-
-
-def _swiglu_backward(grad_h: Tensor, h13: Tensor, hidden: int) -> Tensor:
-    """d(silu(h1)·h3) -> grad_h13 (M, 2H) in h13's dtype, the ops autograd runs for the
-    bf16 module (aten's fused silu_backward computes in fp32 inside)."""
-    h1, h3 = h13[:, :hidden], h13[:, hidden:]
-    grad_h1 = torch.ops.aten.silu_backward(grad_h * h3, h1)
-    return torch.cat([grad_h1, grad_h * F.silu(h1)], dim=1)
+def _may_free_early() -> bool:
+    """Whether the forward may keep h13 outside ``save_for_backward`` so that the
+    backward can free it half way (autograd's docs allow intermediates on ctx). Not
+    under torch.compile, and not while saved-tensor hooks are active (activation
+    checkpointing, offloading: they must see every saved tensor)."""
+    if torch.compiler.is_compiling():
+        return False
+    try:
+        return torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+    except (AttributeError, TypeError, RuntimeError):  # a torch without the query
+        return False
 
 
 class _Experts(torch.autograd.Function):
@@ -181,10 +191,18 @@ class _Experts(torch.autograd.Function):
         rhs13 = _cached(cache, "w13_fwd", (w1, w3), tag, lambda: recipe.rhs_fwd_cat(
             [w1.transpose(-2, -1), w3.transpose(-2, -1)], fp8_dtype))
         h13 = _zero_tail(recipe.mm_2d3d(recipe.lhs(x, fp8_dtype), rhs13, offs, gemm_dtype, backend), offs)
-        h = _swiglu(h13, hidden)
+        h_op = recipe.lhs_swiglu(h13, fp8_dtype)  # fused: h13 read once (rowwise: h never written in bf16)
         rhs2 = _cached(cache, "w2_fwd", (w2,), tag, lambda: recipe.rhs_fwd(w2.transpose(-2, -1), fp8_dtype))
-        out = _zero_tail(recipe.mm_2d3d(recipe.lhs(h, fp8_dtype), rhs2, offs, gemm_dtype, backend), offs)
-        ctx.save_for_backward(x, w1, w3, w2, offs, h13)
+        out = _zero_tail(recipe.mm_2d3d(h_op, rhs2, offs, gemm_dtype, backend), offs)
+        del h_op
+        if _may_free_early():
+            # h13 (the largest saved tensor) is held in a box the backward empties once
+            # dSwiGLU has read it: the step's peak is in the backward, after that point.
+            ctx.save_for_backward(x, w1, w3, w2, offs)
+            ctx.h13_box = [h13]
+        else:
+            ctx.save_for_backward(x, w1, w3, w2, offs, h13)
+            ctx.h13_box = None
         return out.to(x.dtype)
 
     @staticmethod
@@ -193,7 +211,16 @@ class _Experts(torch.autograd.Function):
             grads = tuple(grad_out.new_zeros(s, dtype=d) if need else None
                           for s, d, need in zip(ctx.shapes, ctx.dtypes, ctx.needs_input_grad))
             return grads + (None,) * 6
-        x, w1, w3, w2, offs, h13 = ctx.saved_tensors
+        if ctx.h13_box is None:
+            x, w1, w3, w2, offs, h13 = ctx.saved_tensors
+        else:
+            x, w1, w3, w2, offs = ctx.saved_tensors
+            if not ctx.h13_box:
+                raise RuntimeError(
+                    "experts: backward ran twice over one forward (retain_graph=True): the layer frees its W13 "
+                    "output during the first backward to lower the step's peak memory; run the forward again, or "
+                    "run it under torch.autograd.graph.saved_tensors_hooks (the layer then keeps it)")
+            h13 = ctx.h13_box.pop()
         recipe, f8, backend, cache, hidden = ctx.recipe, ctx.fp8_dtype, ctx.backend, ctx.cache, ctx.hidden
         tag = (recipe, f8)
         need_x, need_w1, need_w3, need_w2 = ctx.needs_input_grad[:4]
@@ -202,34 +229,54 @@ class _Experts(torch.autograd.Function):
         if ctx.pad_wgrad:
             starts, wgrad_offs = ops.padded_group_offsets(offs, x.shape[0], recipe.alignment)
 
-        def wgrad(grad, a, b_dtype):  # -> (E, N, K) for B_t (E, K, N)
-            grad_t, a_op = recipe.wgrad_operands(grad, {"A": a}, offs, f8, starts)
-            dtype = _gemm_out_dtype(recipe, backend, b_dtype, grad.dtype)
-            return recipe.mm_2d2d(grad_t, a_op, wgrad_offs, dtype, backend)
+        def wgrad_operands(grad, a):
+            return recipe.wgrad_operands(grad, {"A": a}, offs, f8, starts)
 
-        # W2: grad_h = grad_out @ W2 (dgrad), grad_w2 = grad_out^T @ h per group.
-        h = _swiglu(h13, hidden)
+        def wgrad(operands, b_dtype, grad_dtype):  # -> (E, N, K) for B_t (E, K, N)
+            dtype = _gemm_out_dtype(recipe, backend, b_dtype, grad_dtype)
+            return recipe.mm_2d2d(*operands, wgrad_offs, dtype, backend)
+
+        # Every operand is dropped as soon as its GEMM is issued (the peak of the step
+        # is here, not in the forward): the weights' backward operands, h, grad_h13 once
+        # its wgrad operands exist.
+        # W2: grad_h = grad_out @ W2 (dgrad), grad_w2 = grad_out^T @ h per group (h
+        # recomputed from h13 by the fused SwiGLU kernel: one read of h13).
         rhs2 = _cached(cache, "w2_bwd", (w2,), tag, lambda: recipe.rhs_bwd({"B_t": w2.transpose(-2, -1)}, f8))
         grad_h = _zero_tail(recipe.mm_2d3d(recipe.lhs(grad_out, f8), rhs2, offs, ctx.gemm_dtype, backend), offs)
-        grad_w2 = wgrad(grad_out, h, ctx.dtypes[3]).to(ctx.dtypes[3]) if need_w2 else None
-        del h
-        grad_h13 = _swiglu_backward(grad_h, h13, hidden)
-        del grad_h
+        del rhs2
+        grad_w2 = None
+        if need_w2:
+            grad_w2 = wgrad(wgrad_operands(grad_out, swiglu(h13)), ctx.dtypes[3], grad_out.dtype).to(ctx.dtypes[3])
         grad_x = grad_w1 = grad_w3 = None
         if need_x:
-            # Two GEMMs over the halves of grad_h13, summed: one GEMM over the whole
+            # dSwiGLU fused with the quantization of both halves of grad_h13 (rowwise:
+            # one kernel). Two GEMMs over the halves, summed: one GEMM over the whole
             # would need W13's backward operand, whose scales span both halves (a bf16
             # concatenation of w1 and w3: a weight-sized copy and transient).
+            grad_h13, lhs1, lhs3 = recipe.lhs_swiglu_backward(grad_h, h13, f8)
+            del grad_h, h13
             dtype = _gemm_out_dtype(recipe, backend, ctx.dtypes[0], grad_h13.dtype)
-            for half, (name, w) in enumerate((("w1_bwd", w1), ("w3_bwd", w3))):
-                rhs = _cached(cache, name, (w,), tag, lambda w=w: recipe.rhs_bwd({"B_t": w.transpose(-2, -1)}, f8))
-                g = grad_h13[:, half * hidden:(half + 1) * hidden]
-                part = recipe.mm_2d3d(recipe.lhs(g, f8), rhs, offs, dtype, backend)
-                grad_x = part if grad_x is None else grad_x + part  # out of place (traced backward)
-                del part
+            rhs = _cached(cache, "w1_bwd", (w1,), tag, lambda: recipe.rhs_bwd({"B_t": w1.transpose(-2, -1)}, f8))
+            grad_x = recipe.mm_2d3d(lhs1, rhs, offs, dtype, backend)
+            del lhs1, rhs
+            rhs = _cached(cache, "w3_bwd", (w3,), tag, lambda: recipe.rhs_bwd({"B_t": w3.transpose(-2, -1)}, f8))
+            part = recipe.mm_2d3d(lhs3, rhs, offs, dtype, backend)
+            del lhs3, rhs
+            # In place in eager mode (three (M, dim) tensors at once were the step's peak);
+            # out of place under compile (an in-place op here dropped gradients with torch
+            # 2.11, as in _zero_tail).
+            grad_x = grad_x + part if torch.compiler.is_compiling() else grad_x.add_(part)
+            del part
             grad_x = _zero_tail(grad_x, offs).to(ctx.dtypes[0])
+        else:
+            grad_h13 = swiglu_backward(grad_h, h13)
+            del grad_h, h13
         if need_w1 or need_w3:
-            grad_w13 = wgrad(grad_h13, x, ctx.dtypes[1])  # (E, 2H, D)
+            operands = wgrad_operands(grad_h13, x)
+            grad_dtype = grad_h13.dtype
+            del grad_h13
+            grad_w13 = wgrad(operands, ctx.dtypes[1], grad_dtype)  # (E, 2H, D)
+            del operands
             grad_w1 = grad_w13[:, :hidden].to(ctx.dtypes[1]) if need_w1 else None
             grad_w3 = grad_w13[:, hidden:].to(ctx.dtypes[2]) if need_w3 else None
         return grad_x, grad_w1, grad_w3, grad_w2, None, None, None, None, None, None

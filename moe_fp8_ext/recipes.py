@@ -28,6 +28,7 @@ from torch import Tensor
 from . import blockwise as _bw
 from . import mxfp8 as _mx
 from . import ops
+from . import swiglu as _sw
 from .mxfp8 import MX_BLOCK
 from .platform import default_fp8_dtype
 
@@ -147,6 +148,22 @@ class Recipe:
     def wgrad_operands(self, grad_out: Tensor, saved: Dict[str, Tensor], offs: Tensor, fp8_dtype,
                        padded_starts: Optional[Tensor]) -> Tuple[Operand, Operand]:
         raise NotImplementedError
+
+    # ---- the experts layer's SwiGLU (DESIGN §10) -----------------------------------
+    def lhs_swiglu(self, h13: Tensor, fp8_dtype) -> Operand:
+        """``lhs(silu(h1) * h3)`` for ``h13 = [h1 | h3]``: the left operand of the W2
+        forward GEMM. Default: the fused SwiGLU kernel, then ``lhs``; a recipe whose
+        ``lhs`` the SwiGLU kernel can compute on the way overrides it (one read of h13,
+        h never written)."""
+        return self.lhs(_sw.swiglu(h13), fp8_dtype)
+
+    def lhs_swiglu_backward(self, grad_h: Tensor, h13: Tensor, fp8_dtype) -> Tuple[Tensor, Operand, Operand]:
+        """``(grad_h13, lhs(grad_h1), lhs(grad_h3))``: the gradient through the SwiGLU
+        (kept for the weight gradient) and the left operands of the two dgrad GEMMs.
+        Default: the fused kernel, then ``lhs`` of each half."""
+        g13 = _sw.swiglu_backward(grad_h, h13)
+        hidden = h13.shape[1] // 2
+        return g13, self.lhs(g13[:, :hidden], fp8_dtype), self.lhs(g13[:, hidden:], fp8_dtype)
 
     # ---- GEMMs ---------------------------------------------------------------------
     def mm_2d3d(self, lhs: Operand, rhs: Operand, offs: Tensor, out_dtype: torch.dtype, backend: str) -> Tensor:
@@ -274,6 +291,14 @@ class Fp8Rowwise(Recipe):
     def rhs_bwd(self, saved, fp8_dtype):
         q, s = ops.quantize_experts_bwd(saved["B_t"], fp8_dtype, self.pow2_scale)  # (E, N, K) column-major
         return q, s.squeeze(1)
+
+    def lhs_swiglu(self, h13, fp8_dtype):
+        q, s = _sw.swiglu_quantize_rowwise(h13, fp8_dtype, self.pow2_scale)  # = lhs(swiglu(h13)), bit for bit
+        return q, s.squeeze(-1)
+
+    def lhs_swiglu_backward(self, grad_h, h13, fp8_dtype):
+        g13, q1, s1, q3, s3 = _sw.swiglu_backward_quantize_rowwise(grad_h, h13, fp8_dtype, self.pow2_scale)
+        return g13, (q1, s1.squeeze(-1)), (q3, s3.squeeze(-1))
 
     def wgrad_operands(self, grad_out, saved, offs, fp8_dtype, padded_starts):
         A = saved["A"]

@@ -399,3 +399,80 @@ def quantize_blockwise_weight_transposed_rhs(w: Tensor, fp8_dtype: torch.dtype) 
     (torchao's triton_fp8_blockwise_weight_quant_transposed_rhs layouts)."""
     q, dec = _bw_tiles(w, fp8_dtype)
     return q.transpose(-2, -1), column_major(dec.transpose(-2, -1))
+
+
+# ---- SwiGLU (DESIGN §10): silu(h1) * h3 and its gradient, csrc/swiglu/swiglu.h's math ---
+# fp32 tensor-tensor operations only (each rounded once, as the kernels' f_mul / f_add /
+# f_div), so the reference, the CPU twin and the GPU kernel agree to the bit.
+
+_EXP_HI, _EXP_LO = 88.72283935546875, -87.3365478515625
+_EXP_POLY = (1.98412698e-4, 1.38888889e-3, 8.33333377e-3, 4.16666679e-2, 1.66666672e-1, 0.5, 1.0, 1.0)
+
+
+def _c(x: Tensor, v: float) -> Tensor:
+    return torch.full_like(x, v)
+
+
+def exp_f32(x: Tensor) -> Tensor:
+    """swiglu.h's exp_f32: exp of fp32 x to within 2 ulp from +, *, - alone; 0 below
+    -87.34 (where 1 + exp(x) is 1), +Inf above 88.72, NaN kept."""
+    x = x.float()
+    magic = torch.where(x < 0, _c(x, -12582912.0), _c(x, 12582912.0))
+    t = x * _c(x, 1.44269502162933349609375)
+    n = (t + magic) - magic
+    r = (x - n * _c(x, 0.693359375)) - n * _c(x, -2.12194440e-4)
+    p = _c(x, _EXP_POLY[0])
+    for coef in _EXP_POLY[1:]:
+        p = p * r + _c(x, coef)
+    ni = torch.nan_to_num(n).clamp(-126, 128).to(torch.int32)
+    a = torch.div(ni, 2, rounding_mode="trunc")
+    b = ni - a
+    two = lambda e: ((e + 127) << 23).view(torch.float32)  # noqa: E731
+    y = (p * two(a)) * two(b)
+    y = torch.where(x < _EXP_LO, torch.zeros_like(x), y)
+    return torch.where(x < _EXP_HI, y, torch.where(torch.isnan(x), x, _c(x, float("inf"))))
+
+
+def silu_f32(x: Tensor) -> Tensor:
+    x = x.float()
+    return x / (_c(x, 1.0) + exp_f32(-x))
+
+
+def silu_backward_f32(g: Tensor, x: Tensor) -> Tensor:
+    g, x = g.float(), x.float()
+    one = _c(x, 1.0)
+    sig = one / (one + exp_f32(-x))
+    return (g * sig) * (one + x * (one - sig))
+
+
+def _round_as(v: Tensor, dtype: torch.dtype) -> Tensor:
+    return v.to(dtype).float()
+
+
+def swiglu(h13: Tensor) -> Tensor:
+    """h = R(R(silu(h1)) * h3) for h13 = [h1 | h3] (R: round to h13's dtype)."""
+    hidden = h13.shape[1] // 2
+    h1, h3 = h13[:, :hidden].float(), h13[:, hidden:].float()
+    return (_round_as(silu_f32(h1), h13.dtype) * h3).to(h13.dtype)
+
+
+def swiglu_backward(grad_h: Tensor, h13: Tensor) -> Tensor:
+    """grad_h13 = [R(silu_backward(R(g h3), h1)) | R(g R(silu(h1)))] in h13's dtype."""
+    hidden = h13.shape[1] // 2
+    dt = h13.dtype
+    g, h1, h3 = grad_h.float(), h13[:, :hidden].float(), h13[:, hidden:].float()
+    grad_h1 = silu_backward_f32(_round_as(g * h3, dt), h1).to(dt)
+    grad_h3 = (g * _round_as(silu_f32(h1), dt)).to(dt)
+    return torch.cat([grad_h1, grad_h3], dim=1)
+
+
+def swiglu_quantize_rowwise(h13: Tensor, fp8_dtype: torch.dtype, pow2_scale: bool = True):
+    return quantize_rowwise(swiglu(h13), fp8_dtype, pow2_scale)
+
+
+def swiglu_backward_quantize_rowwise(grad_h: Tensor, h13: Tensor, fp8_dtype: torch.dtype, pow2_scale: bool = True):
+    gh13 = swiglu_backward(grad_h, h13)
+    hidden = h13.shape[1] // 2
+    q1, s1 = quantize_rowwise(gh13[:, :hidden], fp8_dtype, pow2_scale)
+    q3, s3 = quantize_rowwise(gh13[:, hidden:], fp8_dtype, pow2_scale)
+    return gh13, q1, s1, q3, s3

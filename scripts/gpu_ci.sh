@@ -67,6 +67,10 @@ if [ "$tests" = 1 ]; then
   if command -v compute-sanitizer >/dev/null && [ -z "${PYTORCH_ROCM_ARCH:-}" ]; then
     compute-sanitizer --tool memcheck --error-exitcode 1 $PY scripts/sanitize_offs.py 2>&1 | tee "$OUT/sanitizer.log" | tail -5
     test ${PIPESTATUS[0]} -eq 0
+    # the SwiGLU kernels take no offs: their GPU tests (vector, scalar, long rows, empty)
+    compute-sanitizer --tool memcheck --error-exitcode 1 $PY -m pytest tests/test_swiglu.py -q -k cuda 2>&1 |
+      tee -a "$OUT/sanitizer.log" | tail -3
+    test ${PIPESTATUS[0]} -eq 0
   else
     echo "compute-sanitizer not found; skipped"
   fi
@@ -83,8 +87,8 @@ fi
 case "$bench" in
   full) $PY bench/calibrate.py && $PY bench/bench_rowwise.py && $PY bench/bench_mxfp8.py && $PY bench/bench_blockwise.py &&
         $PY bench/bench_blockwise_gemm.py && $PY bench/bench_grouped_mm.py && $PY bench/bench_grouped_mm.py --recipes &&
-        $PY bench/bench_experts.py && $PY bench/bench_gemms.py && $PY bench/bench_host.py && $PY bench/bench_token_groups.py ;;
+        $PY bench/bench_swiglu.py && $PY bench/bench_experts.py && $PY bench/bench_gemms.py && $PY bench/bench_host.py && $PY bench/bench_token_groups.py ;;
   quick) $PY bench/bench_rowwise.py --quick && $PY bench/bench_mxfp8.py --quick && $PY bench/bench_blockwise.py --quick &&
          $PY bench/bench_blockwise_gemm.py --quick && $PY bench/bench_grouped_mm.py --quick &&
-         $PY bench/bench_experts.py --quick && $PY bench/bench_gemms.py --quick && $PY bench/bench_token_groups.py --quick ;;
+         $PY bench/bench_swiglu.py && $PY bench/bench_experts.py --quick && $PY bench/bench_gemms.py --quick && $PY bench/bench_token_groups.py --quick ;;
 esac

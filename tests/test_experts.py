@@ -8,6 +8,7 @@ import importlib
 import pytest
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch.torch_version import TorchVersion
 
 import moe_fp8_ext
@@ -124,6 +125,34 @@ def test_fp32_inputs_and_fp8_dtypes(device):
             continue  # the real GEMM takes the platform's fp8 only
         out = experts(x, w1, w3, w2, offs, fp8_dtype=f8)
         assert out.dtype == torch.float32 and sqnr(ref_out, out) > 20
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_saved_w13_output_freed_in_backward(device):
+    """The W13 output is freed half way through the backward (the peak is there): a
+    second backward over the same forward raises a clear error instead of reading
+    freed memory; under saved-tensor hooks (activation checkpointing, offloading) the
+    layer saves it normally, so checkpointing gives the same gradients and a
+    retain_graph backward can run twice."""
+    x, w1, w3, w2, offs, grad = make(4, 64, 32, 100, device, offs=[10, 40, 40, 100])
+    out, grads = run(experts, (x, w1, w3, w2, offs), grad)
+    leaves = [t.detach().clone().requires_grad_() for t in (x, w1, w3, w2)]
+    y = experts(*leaves, offs)
+    y.backward(grad, retain_graph=True)
+    with pytest.raises(RuntimeError, match="backward ran twice over one forward"):
+        y.backward(grad)
+    leaves = [t.detach().clone().requires_grad_() for t in (x, w1, w3, w2)]
+    ckpt = torch.utils.checkpoint.checkpoint(lambda *t: experts(*t, offs), *leaves, use_reentrant=False)
+    ckpt.backward(grad)
+    assert torch.equal(ckpt, out) and all(torch.equal(t.grad, g) for t, g in zip(leaves, grads))
+    leaves = [t.detach().clone().requires_grad_() for t in (x, w1, w3, w2)]
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+        y = experts(*leaves, offs)
+    for _ in range(2):
+        for t in leaves:
+            t.grad = None
+        y.backward(grad, retain_graph=True)
+        assert all(torch.equal(t.grad, g) for t, g in zip(leaves, grads))
 
 
 # ---- weight reuse ----------------------------------------------------------------------

@@ -269,3 +269,51 @@ inline int max_dynamic_smem_per_block(int device) {
 #ifndef MOE_FP8_HW_E4M3FN_SATFINITE
 #define MOE_FP8_HW_E4M3FN_SATFINITE 0
 #endif
+
+namespace moe_fp8 {
+
+// fp32 multiply, add and divide rounded once each and never contracted into a fused
+// multiply-add, on host and device alike (code that must give the same bits on the
+// CPU and the GPU, e.g. swiglu.h). nvcc contracts a * b + c unless the _rn intrinsics
+// are used; clang (HIP device code, clang host builds) honours the pragma; host GCC
+// builds compile with -ffp-contract=off (CMakeLists.txt).
+MOE_FP8_HD float f_mul(float a, float b) {
+#if defined(__CUDA_ARCH__) && !defined(USE_ROCM)
+  return __fmul_rn(a, b);
+#else
+#if defined(__clang__)
+#pragma clang fp contract(off)
+#endif
+  return a * b;
+#endif
+}
+
+MOE_FP8_HD float f_add(float a, float b) {
+#if defined(__CUDA_ARCH__) && !defined(USE_ROCM)
+  return __fadd_rn(a, b);
+#else
+#if defined(__clang__)
+#pragma clang fp contract(off)
+#endif
+  return a + b;
+#endif
+}
+
+// 1 / a rounded once (the same bits as f_div(1, a), cheaper on CUDA).
+MOE_FP8_HD float f_rcp(float a) {
+#if defined(__CUDA_ARCH__) && !defined(USE_ROCM)
+  return __frcp_rn(a);
+#else
+  return 1.0f / a;
+#endif
+}
+
+MOE_FP8_HD float f_div(float a, float b) {
+#if defined(__CUDA_ARCH__) && !defined(USE_ROCM)
+  return __fdiv_rn(a, b);
+#else
+  return a / b;
+#endif
+}
+
+}  // namespace moe_fp8

@@ -1,0 +1,171 @@
+// SwiGLU family (DESIGN §10): the elementwise halves of the experts layer's FFN,
+// h = silu(h1) * h3 and its gradient, fused with the FP8 rowwise quantization of
+// their result. Plain data and the scalar math shared bit for bit by the CPU loops
+// and the GPU kernels. No torch, no CUDA headers.
+//
+// The math is the bf16 module's (torchtitan: F.silu(x w1) * (x w3)), rounded where
+// it rounds: every intermediate that autograd would materialize is rounded to the
+// input dtype (round-to-nearest-even), the rest is fp32:
+//   forward   s = R(silu(h1)),  h = R(s * h3)
+//   backward  gs = R(g * h3),   grad_h1 = R(silu_backward(gs, h1)),  grad_h3 = R(g * s)
+// with silu(x) = x / (1 + exp(-x)) and silu_backward(g, x) = (g * sig) * (1 + x * (1 - sig)),
+// sig = 1 / (1 + exp(-x)), as aten writes them. exp is ours (exp_f32 below): fp32
+// additions, multiplications, divisions and reciprocals only, each rounded on its own (no fused
+// multiply-add), so the CPU, the GPU and reference.py agree to the bit. It is within
+// 2 ulp of the exact exp; against torch's own silu the bf16 results differ by at most
+// one bf16 ulp, and rarely.
+#pragma once
+
+#include <cstdint>
+
+#include "../core/numerics.h"
+#include "../core/portability.h"
+
+namespace moe_fp8 {
+
+// One launch: rows of h13 = [h1 | h3] (hidden columns each, unit column stride).
+// Forward: out = h (rows, hidden) when non-null; with `quant`, q[0] / scale[0] the
+// rowwise fp8 of h. Backward: out = grad_h13 (rows, 2 hidden) when non-null; with
+// `quant`, q[i] / scale[i] the rowwise fp8 of half i of grad_h13. (A flag, not the
+// pointers: an empty q has a null data pointer, and its rows still get scales.)
+// Strides are in elements (q: bytes, row-major with row stride = hidden).
+struct SwigluArgs {
+  const void* h13 = nullptr;
+  int64_t h13_stride = 0;
+  const void* grad = nullptr;  // grad_h (rows, hidden), backward only
+  int64_t grad_stride = 0;
+  void* out = nullptr;
+  int64_t out_stride = 0;
+  uint8_t* q[2] = {nullptr, nullptr};
+  float* scale[2] = {nullptr, nullptr};
+  int64_t rows = 0;
+  int64_t hidden = 0;
+  bool backward = false;
+  bool quant = false;
+  bool pow2 = true;
+};
+
+// ---- fp32 arithmetic with one rounding per operation (f_mul, f_add, f_div: portability.h)
+
+MOE_FP8_HD float f_sub(float a, float b) { return f_add(a, -b); }
+
+// Round to nearest, ties to even, of |x| < 2^22 (the range exp_f32 calls it on).
+MOE_FP8_HD float f_rint(float x) {
+  const float magic = x < 0.0f ? -12582912.0f : 12582912.0f;  // 1.5 * 2^23
+  return f_sub(f_add(x, magic), magic);
+}
+
+// exp(x) for the sigmoid's 1 + exp(-x): n = rint(x log2 e), r = x - n ln2 (ln2 in two
+// parts, the first exact in n * hi), a degree-7 Taylor polynomial of exp(r) on
+// |r| <= ln2/2 (truncation 6e-9 relative), scaled by 2^n in two exact steps. Below
+// -87.3 it returns 0 (1 + exp(x) is 1 there), above 88.72 +Inf, NaN stays NaN.
+MOE_FP8_HD float exp_f32(float x) {
+  if (!(x < 88.72283935546875f)) return x != x ? x : bits_float(0x7F800000u);  // +Inf, NaN stays NaN
+  if (x < -87.3365478515625f) return 0.0f;
+  const float n = f_rint(f_mul(x, 1.44269502162933349609375f));
+  const float r = f_sub(f_sub(x, f_mul(n, 0.693359375f)), f_mul(n, -2.12194440e-4f));
+  float p = 1.98412698e-4f;  // 1/5040
+  p = f_add(f_mul(p, r), 1.38888889e-3f);  // 1/720
+  p = f_add(f_mul(p, r), 8.33333377e-3f);  // 1/120
+  p = f_add(f_mul(p, r), 4.16666679e-2f);  // 1/24
+  p = f_add(f_mul(p, r), 1.66666672e-1f);  // 1/6
+  p = f_add(f_mul(p, r), 0.5f);
+  p = f_add(f_mul(p, r), 1.0f);
+  p = f_add(f_mul(p, r), 1.0f);
+  const int ni = static_cast<int>(n);  // in [-126, 128]
+  const int a = ni / 2, b = ni - a;    // each in [-63, 64]: 2^a, 2^b are normal floats
+  return f_mul(f_mul(p, bits_float(static_cast<uint32_t>(a + 127) << 23)),
+               bits_float(static_cast<uint32_t>(b + 127) << 23));
+}
+
+// d = 1 + exp(-x), the denominator of both silu(x) = x / d and sigmoid(x) = 1 / d.
+MOE_FP8_HD float sigmoid_denominator(float x) { return f_add(1.0f, exp_f32(-x)); }
+
+MOE_FP8_HD float silu_f32(float x) { return f_div(x, sigmoid_denominator(x)); }
+
+// silu_backward for the denominator d of x (computed once per element by the caller).
+MOE_FP8_HD float silu_backward_f32(float g, float x, float d) {
+  const float sig = f_rcp(d);
+  return f_mul(f_mul(g, sig), f_add(1.0f, f_mul(x, f_sub(1.0f, sig))));
+}
+
+// ---- rounding to the input dtype (bits), as torch's casts do ---------------------------
+
+MOE_FP8_HD uint16_t float_to_bf16_bits(float f) {
+  const uint32_t u = float_bits(f);
+  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return 0x7FC0u;  // c10's NaN
+  return static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+MOE_FP8_HD uint16_t float_to_half_bits(float f) {
+  const uint32_t u = float_bits(f);
+  const uint32_t sign = (u >> 16) & 0x8000u;
+  const uint32_t a = u & 0x7FFFFFFFu;
+  if (a > 0x7F800000u) return static_cast<uint16_t>(sign | 0x7E00u);
+  if (a >= 0x477FF000u) return static_cast<uint16_t>(sign | 0x7C00u);  // rounds to Inf
+  if (a >= 0x38800000u) return static_cast<uint16_t>(sign | rne_shift(a - (112u << 23), 13));
+  const int e = static_cast<int>(a >> 23);  // fp16 subnormal: units of 2^-24
+  const int shift = 126 - e;
+  return static_cast<uint16_t>(sign | ((e == 0 || shift > 31) ? 0u : rne_shift((a & 0x7FFFFFu) | 0x800000u, shift)));
+}
+
+MOE_FP8_HD float half_bits_float(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  const uint32_t e = (h >> 10) & 0x1Fu, m = h & 0x3FFu;
+  if (e == 0x1F) return bits_float(sign | 0x7F800000u | (m << 13));
+  if (e != 0) return bits_float(sign | ((e + 112u) << 23) | (m << 13));
+  return m == 0 ? bits_float(sign) : (sign ? -1.0f : 1.0f) * static_cast<float>(m) * 5.9604644775390625e-8f;
+}
+
+// Storage of one input element as bits (bf16/fp16) or a float, and its rounding.
+template <InputKind K>
+struct SwigluElem;
+
+template <>
+struct SwigluElem<InputKind::kBF16> {
+  using storage = uint16_t;
+  static MOE_FP8_HD float to_float(uint16_t b) { return bits_float(static_cast<uint32_t>(b) << 16); }
+  static MOE_FP8_HD uint16_t from_float(float f) { return float_to_bf16_bits(f); }
+};
+
+template <>
+struct SwigluElem<InputKind::kFP16> {
+  using storage = uint16_t;
+  static MOE_FP8_HD float to_float(uint16_t b) { return half_bits_float(b); }
+  static MOE_FP8_HD uint16_t from_float(float f) { return float_to_half_bits(f); }
+};
+
+template <>
+struct SwigluElem<InputKind::kFP32> {
+  using storage = float;
+  static MOE_FP8_HD float to_float(float f) { return f; }
+  static MOE_FP8_HD float from_float(float f) { return f; }
+};
+
+// h = R(R(silu(h1)) * h3).
+template <InputKind K>
+MOE_FP8_HD typename SwigluElem<K>::storage swiglu_elem(typename SwigluElem<K>::storage h1,
+                                                       typename SwigluElem<K>::storage h3) {
+  using E = SwigluElem<K>;
+  const float s = E::to_float(E::from_float(silu_f32(E::to_float(h1))));
+  return E::from_float(f_mul(s, E::to_float(h3)));
+}
+
+// (grad_h1, grad_h3) of h = R(silu(h1)) * h3 for the incoming gradient g.
+template <InputKind K>
+MOE_FP8_HD void swiglu_backward_elem(typename SwigluElem<K>::storage g, typename SwigluElem<K>::storage h1,
+                                     typename SwigluElem<K>::storage h3, typename SwigluElem<K>::storage* gh1,
+                                     typename SwigluElem<K>::storage* gh3) {
+  using E = SwigluElem<K>;
+  const float gf = E::to_float(g), x = E::to_float(h1);
+  const float d = sigmoid_denominator(x);
+  const float gs = E::to_float(E::from_float(f_mul(gf, E::to_float(h3))));
+  *gh1 = E::from_float(silu_backward_f32(gs, x, d));
+  const float s = E::to_float(E::from_float(f_div(x, d)));
+  *gh3 = E::from_float(f_mul(gf, s));
+}
+
+// The runners of one device (CPU loops in swiglu_cpu.cpp, kernels in swiglu.cu),
+// gathered in a SwigluKernels table (swiglu_ops.h): run(in, fp8 format, args, device).
+
+}  // namespace moe_fp8

@@ -1,0 +1,250 @@
+// The SwiGLU family's GPU kernel and launcher (DESIGN §10). Raw pointers, sizes and a
+// stream only (no torch headers), so the file can be compile-checked for any target
+// and hipified as is.
+//
+// One shape: a warp (rows up to 1024 bf16 per half) or a thread block (longer rows) per
+// row at a time, grid-stride over rows. A thread computes kVec consecutive outputs of
+// each half per vector (16-byte loads of h13 and grad_h) and keeps up to kSwigluRegs of
+// them in registers; with quantization the row's amax is reduced over the warp or
+// block, then the cached outputs are encoded. The
+// written bf16 values and the fp8 codes come from the same rounded values, so q is
+// quantize_rowwise of the written tensor, bit for bit.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+
+#include "../core/dispatch.h"
+#include "../core/numerics.h"
+#include "../core/portability.h"
+#include "../core/reduce.cuh"
+#include "../core/vec.cuh"
+#include "swiglu.h"
+
+namespace moe_fp8 {
+
+template <InputKind K, int kVec>
+struct SwigluVecs {
+  using T = typename SwigluElem<K>::storage;
+  Array<T, kVec> o[2];  // forward: o[0] = h; backward: grad_h1, grad_h3
+};
+
+// One vector's inputs: h1, h3 and (backward) g.
+template <InputKind K, int kVec>
+struct SwigluIn {
+  using T = typename SwigluElem<K>::storage;
+  Array<T, kVec> h1, h3, g;
+};
+
+template <InputKind K, bool kBwd, int kVec>
+MOE_FP8_DEVICE SwigluIn<K, kVec> swiglu_load(const SwigluArgs& a, int64_t row, int64_t v) {
+  using T = typename SwigluElem<K>::storage;
+  const T* hr = static_cast<const T*>(a.h13) + row * a.h13_stride + v * kVec;
+  SwigluIn<K, kVec> in;
+  in.h1 = load_elems<T, kVec>(hr, 1);
+  in.h3 = load_elems<T, kVec>(hr + a.hidden, 1);
+  if constexpr (kBwd) in.g = load_elems<T, kVec>(static_cast<const T*>(a.grad) + row * a.grad_stride + v * kVec, 1);
+  return in;
+}
+
+template <InputKind K, bool kBwd, int kVec>
+MOE_FP8_DEVICE SwigluVecs<K, kVec> swiglu_compute(const SwigluIn<K, kVec>& in) {
+  SwigluVecs<K, kVec> r;
+#pragma unroll
+  for (int i = 0; i < kVec; ++i) {
+    if constexpr (kBwd) {
+      swiglu_backward_elem<K>(in.g.v[i], in.h1.v[i], in.h3.v[i], &r.o[0].v[i], &r.o[1].v[i]);
+    } else {
+      r.o[0].v[i] = swiglu_elem<K>(in.h1.v[i], in.h3.v[i]);
+    }
+  }
+  return r;
+}
+
+template <InputKind K, bool kBwd, int kVec>
+MOE_FP8_DEVICE void swiglu_store(const SwigluArgs& a, int64_t row, int64_t v, const SwigluVecs<K, kVec>& r) {
+  using T = typename SwigluElem<K>::storage;
+  if (a.out == nullptr) return;
+  T* orow = static_cast<T*>(a.out) + row * a.out_stride + v * kVec;
+  store_elems<T, kVec>(orow, r.o[0]);
+  if constexpr (kBwd) store_elems<T, kVec>(orow + a.hidden, r.o[1]);
+}
+
+// The backward's outputs as written by swiglu_store (grad_h13 must be written).
+template <InputKind K, int kVec>
+MOE_FP8_DEVICE SwigluVecs<K, kVec> swiglu_reload(const SwigluArgs& a, int64_t row, int64_t v) {
+  using T = typename SwigluElem<K>::storage;
+  const T* orow = static_cast<const T*>(a.out) + row * a.out_stride + v * kVec;
+  SwigluVecs<K, kVec> r;
+  r.o[0] = load_elems<T, kVec>(orow, 1);
+  r.o[1] = load_elems<T, kVec>(orow + a.hidden, 1);
+  return r;
+}
+
+template <InputKind K, Fp8Format F, bool kBwd, int kVec>
+MOE_FP8_DEVICE void swiglu_store_q(const SwigluArgs& a, int64_t row, int64_t v, const SwigluVecs<K, kVec>& r,
+                                   const float (&encode)[2]) {
+#pragma unroll
+  for (int h = 0; h < (kBwd ? 2 : 1); ++h) {
+    store_elems<uint8_t, kVec>(a.q[h] + row * a.hidden + v * kVec, quantize_elems<F, DeviceInput<K>>(r.o[h], encode[h]));
+  }
+}
+
+constexpr int kSwigluRegs = 4;
+// At most 256 threads a block, so that a thread may hold up to 255 registers (the
+// register cache of a backward row is ~80 of them; 1024-thread bounds cap it at 64 and
+// spill).
+constexpr int kSwigluMaxThreads = 256;
+
+// kQuant: also the rowwise fp8 of each output half (F the format). kWarpRow: a warp per
+// row (rows of at most kSwigluRegs * warp-size vectors: the amax is a warp shuffle, no
+// block barrier), else a block per row. A thread issues all its loads of a row before
+// any store (a store between them would serialize them: the compiler cannot move a
+// load above a store that may alias it). Prefetching the next row while this one is
+// reduced and encoded measured slower on an H100 (more registers, fewer warps). The
+// forward keeps its outputs in registers for the encode pass; the backward re-reads the
+// grad_h13 it has just written. Vectors past the register cache (rows longer than
+// kSwigluRegs * kSwigluMaxThreads vectors) are read and computed where they are used,
+// twice in a quantizing forward.
+template <InputKind K, Fp8Format F, bool kBwd, bool kQuant, int kVec, bool kWarpRow>
+__global__ void __launch_bounds__(kSwigluMaxThreads) swiglu_rows_kernel(SwigluArgs a) {
+  using In = DeviceInput<K>;
+  constexpr int kHalves = kBwd ? 2 : 1;
+  __shared__ uint32_t s_red[kHalves][kMaxWarpsPerBlock + 1];
+  const int64_t nvec = a.hidden / kVec;
+  const int lanes = kWarpRow ? kWarpSize : static_cast<int>(blockDim.x);
+  const int lane = kWarpRow ? static_cast<int>(threadIdx.x) % kWarpSize : static_cast<int>(threadIdx.x);
+  const int64_t rows_per_block = kWarpRow ? blockDim.x / kWarpSize : 1;
+  const int64_t step = static_cast<int64_t>(gridDim.x) * rows_per_block;
+  const int64_t cached = static_cast<int64_t>(kSwigluRegs) * lanes;
+  SwigluIn<K, kVec> in[kSwigluRegs];
+  auto load_row = [&](int64_t row) {
+#pragma unroll
+    for (int j = 0; j < kSwigluRegs; ++j) {
+      const int64_t v = lane + static_cast<int64_t>(j) * lanes;
+      if (row < a.rows && v < nvec) in[j] = swiglu_load<K, kBwd, kVec>(a, row, v);
+    }
+  };
+  int64_t row = static_cast<int64_t>(blockIdx.x) * rows_per_block + (kWarpRow ? threadIdx.x / kWarpSize : 0);
+  // Block rows: every thread of a block runs the same trip count (block_max barriers).
+  for (; row < a.rows; row += step) {
+    load_row(row);  // all of this thread's loads of the row in flight together, before any store
+    SwigluVecs<K, kVec> out[kSwigluRegs];
+    uint32_t amax[2] = {0u, 0u};
+#pragma unroll
+    for (int j = 0; j < kSwigluRegs; ++j) {
+      const int64_t v = lane + static_cast<int64_t>(j) * lanes;
+      if (v < nvec) {
+        const SwigluVecs<K, kVec> r = swiglu_compute<K, kBwd, kVec>(in[j]);
+        swiglu_store<K, kBwd, kVec>(a, row, v, r);
+        if constexpr (kQuant) {
+#pragma unroll
+          for (int h = 0; h < kHalves; ++h) amax[h] = amax_bits_of<In>(r.o[h], amax[h]);
+          if constexpr (!kBwd) out[j] = r;
+        }
+      }
+    }
+    for (int64_t v = lane + cached; v < nvec; v += lanes) {
+      const SwigluVecs<K, kVec> r = swiglu_compute<K, kBwd, kVec>(swiglu_load<K, kBwd, kVec>(a, row, v));
+      swiglu_store<K, kBwd, kVec>(a, row, v, r);
+      if constexpr (kQuant) {
+#pragma unroll
+        for (int h = 0; h < kHalves; ++h) amax[h] = amax_bits_of<In>(r.o[h], amax[h]);
+      }
+    }
+    if constexpr (kQuant) {
+      float encode[2];
+#pragma unroll
+      for (int h = 0; h < kHalves; ++h) {
+        const uint32_t m = kWarpRow ? warp_max_from(amax[h], 1) : block_max(amax[h], s_red[h]);
+        const QuantScale sc = scale_from_amax_bits(m, Fp8Spec<F>::kMax, a.pow2);
+        encode[h] = sc.encode;
+        if (lane == 0) a.scale[h][row] = sc.decode;
+      }
+      if constexpr (kBwd) {
+        // Encode what this thread has just written (grad_h13, an L1/L2 hit, visible to
+        // the thread that wrote it): no register cache, so as many warps as the plain
+        // kernel.
+        for (int64_t v = lane; v < nvec; v += lanes) {
+          swiglu_store_q<K, F, kBwd, kVec>(a, row, v, swiglu_reload<K, kVec>(a, row, v), encode);
+        }
+      } else {
+#pragma unroll
+        for (int j = 0; j < kSwigluRegs; ++j) {
+          const int64_t v = lane + static_cast<int64_t>(j) * lanes;
+          if (v < nvec) swiglu_store_q<K, F, kBwd, kVec>(a, row, v, out[j], encode);
+        }
+        for (int64_t v = lane + cached; v < nvec; v += lanes) {
+          swiglu_store_q<K, F, kBwd, kVec>(a, row, v, swiglu_compute<K, kBwd, kVec>(swiglu_load<K, kBwd, kVec>(a, row, v)),
+                                           encode);
+        }
+      }
+    }
+  }
+}
+
+// Whether every access of the vector path is aligned (kVec elements of T = 16 bytes).
+template <typename T, int kVec>
+inline bool swiglu_vector_ok(const SwigluArgs& a) {
+  auto aligned = [](const void* p) { return p == nullptr || reinterpret_cast<uintptr_t>(p) % 16 == 0; };
+  bool ok = a.hidden % kVec == 0 && a.h13_stride % kVec == 0 && aligned(a.h13) && aligned(a.out) && aligned(a.grad);
+  if (a.grad != nullptr) ok = ok && a.grad_stride % kVec == 0;
+  if (a.out != nullptr) ok = ok && a.out_stride % kVec == 0;
+  for (int h = 0; h < 2; ++h) {
+    ok = ok && (a.q[h] == nullptr || reinterpret_cast<uintptr_t>(a.q[h]) % kVec == 0);
+  }
+  return ok;
+}
+
+// Rows of at most kSwigluRegs * warp-size vectors (1024 bf16 elements per half on
+// CUDA) take a warp each, kWarpRowsPerBlock rows a block; longer rows a block each,
+// sized so that the row fits the register cache (at most kSwigluMaxThreads threads).
+constexpr int kWarpRowsPerBlock = 8;
+
+template <InputKind K, Fp8Format F, bool kBwd, bool kQuant, int kVec>
+int launch_swiglu_vec(const SwigluArgs& a, gpuStream_t stream) {
+  const int64_t nvec = a.hidden / kVec;
+  if (nvec <= int64_t{kSwigluRegs} * kWarpSize) {
+    const dim3 block(kWarpRowsPerBlock * kWarpSize);
+    const dim3 grid(static_cast<unsigned>(std::min<int64_t>(ceil_div(a.rows, kWarpRowsPerBlock), int64_t{1} << 20)));
+    return launch_kernel(swiglu_rows_kernel<K, F, kBwd, kQuant, kVec, true>, grid, block, 0, stream, 1, a);
+  }
+  const int64_t want = round_up(ceil_div(nvec, kSwigluRegs), kWarpSize);
+  const dim3 block(static_cast<unsigned>(std::min<int64_t>(want, kSwigluMaxThreads)));
+  const dim3 grid(static_cast<unsigned>(std::min<int64_t>(a.rows, int64_t{1} << 20)));
+  return launch_kernel(swiglu_rows_kernel<K, F, kBwd, kQuant, kVec, false>, grid, block, 0, stream, 1, a);
+}
+
+template <InputKind K, Fp8Format F, bool kBwd, bool kQuant>
+int launch_swiglu_t(const SwigluArgs& a, gpuStream_t stream) {
+  using T = typename SwigluElem<K>::storage;
+  constexpr int kVec = 16 / sizeof(T);
+  if (swiglu_vector_ok<T, kVec>(a)) return launch_swiglu_vec<K, F, kBwd, kQuant, kVec>(a, stream);
+  return launch_swiglu_vec<K, F, kBwd, kQuant, 1>(a, stream);
+}
+
+// The whole family: runtime (input kind, fp8 format, direction, quantize) to the
+// kernel instantiation. Without quantization the format is not used. A block_max
+// reuses its shared words row after row safely: a thread writes them for the next row
+// only after the barrier that every thread reaches after reading this row's result.
+inline int launch_swiglu(InputKind in, Fp8Format fmt, const SwigluArgs& a, gpuStream_t stream) {
+  if (a.rows == 0 || (a.hidden == 0 && !a.quant)) return 0;
+  // The quantizing backward encodes from the grad_h13 it writes: it must be given one
+  // (an empty grad_h13, hidden == 0, has a null pointer and nothing to encode).
+  if (a.backward && a.quant && a.out == nullptr && a.hidden > 0) return 1;
+  const bool quant = a.quant;
+  int err = 0;
+  dispatch_input_fp8(in, quant ? fmt : Fp8Format::kE4M3FN, [&](auto kc, auto fc) {
+    constexpr InputKind K = decltype(kc)::value;
+    constexpr Fp8Format F = decltype(fc)::value;
+    constexpr Fp8Format kAny = Fp8Format::kE4M3FN;  // one instantiation without quantization
+    if (a.backward) {
+      err = quant ? launch_swiglu_t<K, F, true, true>(a, stream) : launch_swiglu_t<K, kAny, true, false>(a, stream);
+    } else {
+      err = quant ? launch_swiglu_t<K, F, false, true>(a, stream) : launch_swiglu_t<K, kAny, false, false>(a, stream);
+    }
+  });
+  return err;
+}
+
+}  // namespace moe_fp8

@@ -1,0 +1,129 @@
+// Torch glue of the SwiGLU family (DESIGN §10), shared by the CPU and CUDA
+// registrations: input checks ("<op>: expected X, got Y"), output allocation (h and
+// grad_h13 contiguous in the input dtype; q row-major, scales (M, 1) fp32 as
+// quantize_rowwise returns them) and the mapping onto one SwigluArgs launch.
+#include <ATen/ATen.h>
+
+#include <tuple>
+
+#include "../core/op_checks.h"
+#include "../quant/quant_glue.h"
+#include "swiglu_ops.h"
+
+namespace moe_fp8 {
+namespace {
+
+// h13 (M, 2H) with a unit column stride (other layouts are copied first).
+at::Tensor checked_h13(const at::Tensor& h13, const char* op) {
+  check_rank(h13, 2, op, "h13");
+  input_kind(h13, op, "h13");
+  TORCH_CHECK(h13.size(1) % 2 == 0, op, ": expected h13 with an even number of columns [h1 | h3], got ",
+              h13.size(1));
+  return (h13.size(1) <= 1 || h13.stride(1) == 1) ? h13 : h13.contiguous();
+}
+
+at::Tensor checked_grad(const at::Tensor& grad_h, const at::Tensor& h13, const char* op) {
+  check_rank(grad_h, 2, op, "grad_h");
+  TORCH_CHECK(grad_h.scalar_type() == h13.scalar_type(), op, ": expected grad_h of h13's dtype ",
+              h13.scalar_type(), ", got ", grad_h.scalar_type());
+  TORCH_CHECK(grad_h.device() == h13.device(), op, ": expected grad_h on ", h13.device(), " (the device of h13), got ",
+              grad_h.device());
+  TORCH_CHECK(grad_h.size(0) == h13.size(0) && 2 * grad_h.size(1) == h13.size(1), op,
+              ": expected grad_h of shape (", h13.size(0), ", ", h13.size(1) / 2, ") for h13 of shape (",
+              h13.size(0), ", ", h13.size(1), "), got (", grad_h.size(0), ", ", grad_h.size(1), ")");
+  return (grad_h.size(1) <= 1 || grad_h.stride(1) == 1) ? grad_h : grad_h.contiguous();
+}
+
+SwigluArgs base_args(const at::Tensor& h13, const char* op) {
+  TORCH_CHECK(h13.size(0) < (int64_t{1} << 31), op, ": expected fewer than 2^31 rows, got ", h13.size(0));
+  SwigluArgs a;
+  a.h13 = h13.data_ptr();
+  a.h13_stride = h13.stride(0);
+  a.rows = h13.size(0);
+  a.hidden = h13.size(1) / 2;
+  return a;
+}
+
+void set_out(SwigluArgs& a, const at::Tensor& out) {
+  a.out = out.data_ptr();
+  a.out_stride = out.size(1);
+}
+
+void set_quant(SwigluArgs& a, int half, const at::Tensor& q, const at::Tensor& scale, bool pow2) {
+  a.q[half] = static_cast<uint8_t*>(q.data_ptr());
+  a.scale[half] = scale.data_ptr<float>();
+  a.pow2 = pow2;
+  a.quant = true;
+}
+
+void run(const SwigluKernels& k, const at::Tensor& h13, Fp8Format fmt, const SwigluArgs& a, const char* op) {
+  // Quantizing empty rows still writes their scales (amax 0, as quantize_rowwise).
+  if (a.rows == 0 || (a.hidden == 0 && !a.quant)) return;
+  k.run(input_kind(h13, op, "h13"), fmt, a, h13.device().index());
+}
+
+}  // namespace
+
+at::Tensor swiglu(const SwigluKernels& k, const at::Tensor& h13_in) {
+  constexpr const char* op = "swiglu";
+  const at::Tensor h13 = checked_h13(h13_in, op);
+  at::Tensor h = at::empty({h13.size(0), h13.size(1) / 2}, h13.options());
+  SwigluArgs a = base_args(h13, op);
+  set_out(a, h);
+  run(k, h13, Fp8Format::kE4M3FN, a, op);
+  return h;
+}
+
+std::tuple<at::Tensor, at::Tensor> swiglu_quantize_rowwise(const SwigluKernels& k, const at::Tensor& h13_in,
+                                                           at::ScalarType fp8_dtype, bool pow2_scale) {
+  constexpr const char* op = "swiglu_quantize_rowwise";
+  const at::Tensor h13 = checked_h13(h13_in, op);
+  const Fp8Format fmt = fp8_format(fp8_dtype, op);
+  const int64_t M = h13.size(0), H = h13.size(1) / 2;
+  at::Tensor q = at::empty({M, H}, h13.options().dtype(fp8_dtype));
+  at::Tensor scale = at::empty({M, 1}, h13.options().dtype(at::kFloat));
+  SwigluArgs a = base_args(h13, op);
+  set_quant(a, 0, q, scale, pow2_scale);
+  run(k, h13, fmt, a, op);
+  return {q, scale};
+}
+
+at::Tensor swiglu_backward(const SwigluKernels& k, const at::Tensor& grad_in, const at::Tensor& h13_in) {
+  constexpr const char* op = "swiglu_backward";
+  const at::Tensor h13 = checked_h13(h13_in, op);
+  const at::Tensor grad = checked_grad(grad_in, h13, op);
+  at::Tensor grad_h13 = at::empty({h13.size(0), h13.size(1)}, h13.options());
+  SwigluArgs a = base_args(h13, op);
+  a.backward = true;
+  a.grad = grad.data_ptr();
+  a.grad_stride = grad.stride(0);
+  set_out(a, grad_h13);
+  run(k, h13, Fp8Format::kE4M3FN, a, op);
+  return grad_h13;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> swiglu_backward_quantize_rowwise(
+    const SwigluKernels& k, const at::Tensor& grad_in, const at::Tensor& h13_in, at::ScalarType fp8_dtype,
+    bool pow2_scale) {
+  constexpr const char* op = "swiglu_backward_quantize_rowwise";
+  const at::Tensor h13 = checked_h13(h13_in, op);
+  const at::Tensor grad = checked_grad(grad_in, h13, op);
+  const Fp8Format fmt = fp8_format(fp8_dtype, op);
+  const int64_t M = h13.size(0), H = h13.size(1) / 2;
+  at::Tensor grad_h13 = at::empty({M, 2 * H}, h13.options());
+  at::Tensor q[2], scale[2];
+  SwigluArgs a = base_args(h13, op);
+  a.backward = true;
+  a.grad = grad.data_ptr();
+  a.grad_stride = grad.stride(0);
+  set_out(a, grad_h13);
+  for (int h = 0; h < 2; ++h) {
+    q[h] = at::empty({M, H}, h13.options().dtype(fp8_dtype));
+    scale[h] = at::empty({M, 1}, h13.options().dtype(at::kFloat));
+    set_quant(a, h, q[h], scale[h], pow2_scale);
+  }
+  run(k, h13, fmt, a, op);
+  return {grad_h13, q[0], scale[0], q[1], scale[1]};
+}
+
+}  // namespace moe_fp8
