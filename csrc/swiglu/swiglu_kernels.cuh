@@ -3,12 +3,12 @@
 // and hipified as is.
 //
 // One shape: a warp (rows up to 1024 bf16 per half) or a thread block (longer rows) per
-// row at a time, grid-stride over rows. A thread computes kVec consecutive outputs of
-// each half per vector (16-byte loads of h13 and grad_h) and keeps up to kSwigluRegs of
-// them in registers; with quantization the row's amax is reduced over the warp or
-// block, then the cached outputs are encoded. The
-// written bf16 values and the fp8 codes come from the same rounded values, so q is
-// quantize_rowwise of the written tensor, bit for bit.
+// row at a time, grid-stride over rows. A thread loads up to kSwigluRegs vectors of the
+// row (16-byte loads of h13 and grad_h) and computes kVec consecutive outputs of each
+// half per vector; with quantization the row's amax is reduced over the warp or block,
+// then the outputs are encoded (the forward's from registers, the backward's re-read
+// from the grad_h13 it wrote). The written values and the fp8 codes come from the same
+// rounded values, so q is quantize_rowwise of the written tensor, bit for bit.
 #pragma once
 
 #include <algorithm>
