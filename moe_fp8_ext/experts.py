@@ -241,9 +241,11 @@ class _Experts(torch.autograd.Function):
         # its wgrad operands exist.
         # W2: grad_h = grad_out @ W2 (dgrad), grad_w2 = grad_out^T @ h per group (h
         # recomputed from h13 by the fused SwiGLU kernel: one read of h13).
-        rhs2 = _cached(cache, "w2_bwd", (w2,), tag, lambda: recipe.rhs_bwd({"B_t": w2.transpose(-2, -1)}, f8))
-        grad_h = _zero_tail(recipe.mm_2d3d(recipe.lhs(grad_out, f8), rhs2, offs, ctx.gemm_dtype, backend), offs)
-        del rhs2
+        need_w13 = need_w1 or need_w3
+        if need_x or need_w13:  # grad_h feeds only the gradients below W2
+            rhs2 = _cached(cache, "w2_bwd", (w2,), tag, lambda: recipe.rhs_bwd({"B_t": w2.transpose(-2, -1)}, f8))
+            grad_h = _zero_tail(recipe.mm_2d3d(recipe.lhs(grad_out, f8), rhs2, offs, ctx.gemm_dtype, backend), offs)
+            del rhs2
         grad_w2 = None
         if need_w2:
             grad_w2 = wgrad(wgrad_operands(grad_out, swiglu(h13)), ctx.dtypes[3], grad_out.dtype).to(ctx.dtypes[3])
@@ -268,10 +270,10 @@ class _Experts(torch.autograd.Function):
             grad_x = grad_x + part if torch.compiler.is_compiling() else grad_x.add_(part)
             del part
             grad_x = _zero_tail(grad_x, offs).to(ctx.dtypes[0])
-        else:
+        elif need_w13:
             grad_h13 = swiglu_backward(grad_h, h13)
             del grad_h, h13
-        if need_w1 or need_w3:
+        if need_w13:
             operands = wgrad_operands(grad_h13, x)
             grad_dtype = grad_h13.dtype
             del grad_h13

@@ -155,6 +155,20 @@ def test_saved_w13_output_freed_in_backward(device):
         assert all(torch.equal(t.grad, g) for t, g in zip(leaves, grads))
 
 
+@pytest.mark.parametrize("needs", [(3,), (0,), (1,), (1, 2), (0, 3)])
+def test_partial_gradients(needs):
+    """Only some inputs require grad (frozen experts, a frozen input): the gradients that
+    are asked for equal those of a full backward, the others stay None."""
+    x, w1, w3, w2, offs, grad = make(4, 64, 32, 100, "cpu", offs=[10, 40, 40, 100])
+    _, full = run(experts, (x, w1, w3, w2, offs), grad)
+    leaves = [t.detach().clone().requires_grad_(i in needs) for i, t in enumerate((x, w1, w3, w2))]
+    experts(*leaves, offs).backward(grad)
+    for i, t in enumerate(leaves):
+        assert (t.grad is None) != (i in needs)
+        if i in needs:
+            assert torch.equal(t.grad, full[i])
+
+
 # ---- weight reuse ----------------------------------------------------------------------
 
 

@@ -207,11 +207,9 @@ def _cuda_same_as_cpu(h13, g, f8, pow2=True):
         gpu = fn(*[a.cuda() for a in args])
         cpu = fn(*[a.cpu() for a in args])
         gpu, cpu = (gpu, cpu) if isinstance(gpu, tuple) else ((gpu,), (cpu,))
-        for a, b in zip(gpu, cpu):
+        for a, b in zip(gpu, cpu):  # codes; values and scales bit for bit (NaN matches NaN)
             if a.dtype in (torch.float8_e4m3fn, torch.float8_e4m3fnuz, torch.float8_e5m2):
                 assert_fp8_equal(a, b)
-            elif a.shape[-1] == 1 and a.dtype == torch.float32 and b.shape == a.shape and len(gpu) > 1 and a is not gpu[0]:
-                assert_scale_equal(a, b)
             else:
                 assert_same(a, b)
 
