@@ -49,6 +49,8 @@ def check(m, hidden, h13, g):
     assert ((g13.float() - want.float()).abs() <= want.float().abs() * 2 ** -7).all()
     rq, rs = moe_fp8_ext.quantize_rowwise(g13[:, hidden:], F8)
     assert torch.equal(q3.view(torch.uint8), rq.view(torch.uint8)) and torch.equal(s3, rs)
+    *_, h_again = moe_fp8_ext.swiglu_backward_quantize_rowwise_with_h(g, h13, F8)
+    assert torch.equal(h_again, h)
 
 
 def main():
@@ -67,6 +69,10 @@ def main():
              10 * mh),
             ("swiglu_backward + 2 quantize_rowwise", lambda: moe_fp8_ext.swiglu_backward_quantize_rowwise(g, h13, F8),
              lambda: unfused_bwd_q(g, h13, hidden), 12 * mh + 8 * m),
+            # the experts backward's: and h for W2's gradient (unfused: + swiglu's ops)
+            ("swiglu_backward + 2 quantize_rowwise + h",
+             lambda: moe_fp8_ext.swiglu_backward_quantize_rowwise_with_h(g, h13, F8),
+             lambda: (unfused_bwd_q(g, h13, hidden), F.silu(h13[:, :hidden]) * h13[:, hidden:]), 14 * mh + 8 * m),
         ]
         for name, ours, unfused, nbytes in cases:
             t, tu, tc = bench_us(ours), bench_us(unfused), copy_us(nbytes)

@@ -45,6 +45,7 @@ from .ops import (
     permute_indices,
     quantize_experts_bwd,
     quantize_experts_fwd,
+    quantize_experts_fwd_cat,
     quantize_jagged_colwise,
     quantize_jagged_colwise_dual,
     quantize_rowwise,
@@ -52,7 +53,13 @@ from .ops import (
     zero_rows_past_groups_,
 )
 from .platform import build_info, default_fp8_dtype
-from .swiglu import swiglu, swiglu_backward, swiglu_backward_quantize_rowwise, swiglu_quantize_rowwise
+from .swiglu import (
+    swiglu,
+    swiglu_backward,
+    swiglu_backward_quantize_rowwise,
+    swiglu_backward_quantize_rowwise_with_h,
+    swiglu_quantize_rowwise,
+)
 from .token_groups import pad_token_groups, permute_and_pad, unpad_token_groups, unpermute
 
 __all__ = [
@@ -81,6 +88,7 @@ __all__ = [
     "quantize_blockwise_weight_transposed_rhs",
     "quantize_experts_bwd",
     "quantize_experts_fwd",
+    "quantize_experts_fwd_cat",
     "quantize_jagged_colwise",
     "quantize_jagged_colwise_dual",
     "quantize_mxfp8_colwise",
@@ -91,6 +99,7 @@ __all__ = [
     "swiglu",
     "swiglu_backward",
     "swiglu_backward_quantize_rowwise",
+    "swiglu_backward_quantize_rowwise_with_h",
     "swiglu_quantize_rowwise",
     "to_blocked_scales",
     "to_blocked_scales_k_groups",

@@ -13,14 +13,15 @@ rounding) it:
   would need a backward weight operand whose scales span both weights (a bf16
   concatenation of w1 and w3, the size of the weights, every step);
 - saves less for backward: x and the W13 output h13 (bf16), nothing else. h =
-  silu(h1)·h3 is recomputed from h13 in backward (an elementwise pass) instead of
-  being saved, and dSwiGLU is computed from h13. A bf16 torchtitan ``GroupedExperts``
+  silu(h1)·h3 is recomputed from h13 in backward instead of being saved (by the
+  dSwiGLU kernel, on the same read of h13). A bf16 torchtitan ``GroupedExperts``
   keeps x, h1, silu(h1), h3 and h (2·M·D + 8·M·hidden bytes); this keeps 2·M·D +
   4·M·hidden;
 - fuses SwiGLU into quantization (:mod:`moe_fp8_ext.swiglu`, through
-  ``Recipe.lhs_swiglu`` / ``lhs_swiglu_backward``): the forward reads h13 once and, for
-  fp8_rowwise, writes only h's fp8 operand (h is never written in bf16); the backward
-  reads grad_h and h13 once and writes grad_h13 and both halves' fp8 operands;
+  ``Recipe.lhs_swiglu`` / ``lhs_swiglu_backward_with_h``): the forward reads h13 once
+  and, for fp8_rowwise, writes only h's fp8 operand (h is never written in bf16); the
+  backward reads grad_h and h13 once and writes grad_h13, both halves' fp8 operands and
+  h (for W2's weight gradient);
 - frees as it goes: the backward drops each operand once its GEMM is issued, frees
   h13 once dSwiGLU has read it (h13 is then kept on ctx, not in ``save_for_backward``,
   so a second backward over one forward raises; under saved-tensor hooks, i.e.
@@ -239,25 +240,38 @@ class _Experts(torch.autograd.Function):
         # Every operand is dropped as soon as its GEMM is issued (the peak of the step
         # is here, not in the forward): the weights' backward operands, h, grad_h13 once
         # its wgrad operands exist.
-        # W2: grad_h = grad_out @ W2 (dgrad), grad_w2 = grad_out^T @ h per group (h
-        # recomputed from h13 by the fused SwiGLU kernel: one read of h13).
+        # W2 dgrad: grad_h = grad_out @ W2. dSwiGLU from grad_h and h13 (one read of h13),
+        # fused with the quantization of both halves of grad_h13 and, when W2 needs a
+        # gradient, writing h = swiglu(h13) for it (no second read of h13); h13 is freed
+        # after it. Two dgrad GEMMs over the halves, summed: one GEMM over the whole would
+        # need W13's backward operand, whose scales span both halves (a bf16
+        # concatenation of w1 and w3: a weight-sized copy and transient).
         need_w13 = need_w1 or need_w3
+        grad_h13 = lhs1 = lhs3 = h = None
         if need_x or need_w13:  # grad_h feeds only the gradients below W2
             rhs2 = _cached(cache, "w2_bwd", (w2,), tag, lambda: recipe.rhs_bwd({"B_t": w2.transpose(-2, -1)}, f8))
             grad_h = _zero_tail(recipe.mm_2d3d(recipe.lhs(grad_out, f8), rhs2, offs, ctx.gemm_dtype, backend), offs)
             del rhs2
+            if need_x and need_w2:
+                grad_h13, lhs1, lhs3, h = recipe.lhs_swiglu_backward_with_h(grad_h, h13, f8)
+            elif need_x:
+                grad_h13, lhs1, lhs3 = recipe.lhs_swiglu_backward(grad_h, h13, f8)
+            else:
+                grad_h13 = swiglu_backward(grad_h, h13)
+            del grad_h
+            if not need_w13:
+                grad_h13 = None
+        if need_w2 and h is None:
+            h = swiglu(h13)
+        h13 = None
+        # W2 wgrad: grad_w2 = grad_out^T @ h per group.
         grad_w2 = None
         if need_w2:
-            grad_w2 = wgrad(wgrad_operands(grad_out, swiglu(h13)), ctx.dtypes[3], grad_out.dtype).to(ctx.dtypes[3])
+            grad_w2 = wgrad(wgrad_operands(grad_out, h), ctx.dtypes[3], grad_out.dtype).to(ctx.dtypes[3])
+            del h
         grad_x = grad_w1 = grad_w3 = None
         if need_x:
-            # dSwiGLU fused with the quantization of both halves of grad_h13 (rowwise:
-            # one kernel). Two GEMMs over the halves, summed: one GEMM over the whole
-            # would need W13's backward operand, whose scales span both halves (a bf16
-            # concatenation of w1 and w3: a weight-sized copy and transient).
-            grad_h13, lhs1, lhs3 = recipe.lhs_swiglu_backward(grad_h, h13, f8)
-            del grad_h, h13
-            dtype = _gemm_out_dtype(recipe, backend, ctx.dtypes[0], grad_h13.dtype)
+            dtype = _gemm_out_dtype(recipe, backend, ctx.dtypes[0], ctx.gemm_dtype)  # grad_h13's dtype
             rhs = _cached(cache, "w1_bwd", (w1,), tag, lambda: recipe.rhs_bwd({"B_t": w1.transpose(-2, -1)}, f8))
             grad_x = recipe.mm_2d3d(lhs1, rhs, offs, dtype, backend)
             del lhs1, rhs
@@ -270,9 +284,6 @@ class _Experts(torch.autograd.Function):
             grad_x = grad_x + part if torch.compiler.is_compiling() else grad_x.add_(part)
             del part
             grad_x = _zero_tail(grad_x, offs).to(ctx.dtypes[0])
-        elif need_w13:
-            grad_h13 = swiglu_backward(grad_h, h13)
-            del grad_h, h13
         if need_w13:
             operands = wgrad_operands(grad_h13, x)
             grad_dtype = grad_h13.dtype

@@ -6,7 +6,7 @@ default) every scale is an exact power of two. ``fp8_dtype=None`` picks
 :func:`moe_fp8_ext.default_fp8_dtype`.
 """
 
-from typing import Optional, Tuple
+from typing import Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -198,6 +198,44 @@ def _experts_fake(b_t, fp8_dtype, rdim, op):
 @torch.library.register_fake("moe_fp8::quantize_experts_fwd")
 def _(b_t, fp8_dtype, pow2_scale=True):
     return _experts_fake(b_t, fp8_dtype, 1, "quantize_experts_fwd")
+
+
+def check_quantize_experts_cat(b_ts, fp8_dtype, op="quantize_experts_fwd_cat"):
+    """Each weight (E, K, N_i) as quantize_experts_fwd takes it, all of one dtype,
+    device, E and K (rowwise_ops.cpp's rules, in its words)."""
+    _require(isinstance(b_ts, (list, tuple)) and len(b_ts) > 0,
+             lambda: f"{op}: expected at least one weight, got none")
+    check_fp8_dtype(op, fp8_dtype)
+    b0 = b_ts[0]
+    for i, b in enumerate(b_ts):
+        check_quantize_experts(b, fp8_dtype, 1, op)
+        _require(b.dtype == b0.dtype and b.device == b0.device,
+                 lambda: f"{op}: expected every weight of one dtype and device, got {_dtype_name(b0.dtype)} on "
+                         f"{b0.device} and {_dtype_name(b.dtype)} on {b.device} (weight {i})")
+        _require(b.shape[0] == b0.shape[0] and b.shape[1] == b0.shape[1],
+                 lambda: f"{op}: expected every weight of shape (E, K, N_i) with the E and K of the first, "
+                         f"({b0.shape[0]}, {b0.shape[1]}, .), got ({b.shape[0]}, {b.shape[1]}, {b.shape[2]}) "
+                         f"(weight {i})")
+
+
+def quantize_experts_fwd_cat(b_ts: Sequence[Tensor], fp8_dtype: Optional[torch.dtype] = None,
+                             pow2_scale: bool = True) -> Tuple[Tensor, Tensor]:
+    """``quantize_experts_fwd`` of the concatenation of the weights ``b_ts`` (each
+    (E, K, N_i)) along N, written straight into one operand (no copy of the weights or
+    of their fp8 codes): ``q`` (E, K, ΣN_i) column-major per expert and ``scale``
+    (E, 1, ΣN_i), each weight's part bit for bit its own ``quantize_experts_fwd`` (the
+    scales never span two weights). The experts layer's W1/W3 operand."""
+    check_quantize_experts_cat(b_ts, fp8_dtype)
+    return _ops.quantize_experts_fwd_cat(list(b_ts), _dtype(fp8_dtype, b_ts[0]), pow2_scale)
+
+
+@torch.library.register_fake("moe_fp8::quantize_experts_fwd_cat")
+def _(b_ts, fp8_dtype, pow2_scale=True):
+    check_quantize_experts_cat(b_ts, fp8_dtype)
+    e, k = b_ts[0].shape[0], b_ts[0].shape[1]
+    n = sum(b.shape[2] for b in b_ts)
+    q = b_ts[0].new_empty_strided((e, k, n), (k * n, 1, k), dtype=fp8_dtype)
+    return q, b_ts[0].new_empty((e, 1, n), dtype=torch.float32)
 
 
 def quantize_experts_bwd(b_t: Tensor, fp8_dtype: Optional[torch.dtype] = None, pow2_scale: bool = True) -> Tuple[Tensor, Tensor]:

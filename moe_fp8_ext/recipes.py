@@ -165,6 +165,13 @@ class Recipe:
         hidden = h13.shape[1] // 2
         return g13, self.lhs(g13[:, :hidden], fp8_dtype), self.lhs(g13[:, hidden:], fp8_dtype)
 
+    def lhs_swiglu_backward_with_h(self, grad_h: Tensor, h13: Tensor,
+                                   fp8_dtype) -> Tuple[Tensor, Operand, Operand, Tensor]:
+        """``lhs_swiglu_backward`` and h = ``silu(h1) * h3`` (the operand of W2's weight
+        gradient). Default: the two kernels; a recipe with a kernel that writes h on the
+        way overrides it (h13 read once instead of twice)."""
+        return (*self.lhs_swiglu_backward(grad_h, h13, fp8_dtype), _sw.swiglu(h13))
+
     # ---- GEMMs ---------------------------------------------------------------------
     def mm_2d3d(self, lhs: Operand, rhs: Operand, offs: Tensor, out_dtype: torch.dtype, backend: str) -> Tensor:
         raise NotImplementedError
@@ -282,11 +289,10 @@ class Fp8Rowwise(Recipe):
         return q, s.squeeze(1)
 
     def rhs_fwd_cat(self, b_ts, fp8_dtype):
-        # One scale per (expert, output column) over K: the parts quantize alone, with
-        # the bits of the concatenation; the fp8 data is concatenated (half the bytes).
-        parts = [self.rhs_fwd(b, fp8_dtype) for b in b_ts]
-        q = torch.cat([p[0].transpose(-2, -1) for p in parts], dim=1).transpose(-2, -1)  # (E, K, N) col-major
-        return q, torch.cat([p[1] for p in parts], dim=1)
+        # One scale per (expert, output column) over K: each part quantizes alone, with
+        # the bits of the concatenation, written in place into the one operand.
+        q, s = ops.quantize_experts_fwd_cat(b_ts, fp8_dtype, self.pow2_scale)
+        return q, s.squeeze(1)
 
     def rhs_bwd(self, saved, fp8_dtype):
         q, s = ops.quantize_experts_bwd(saved["B_t"], fp8_dtype, self.pow2_scale)  # (E, N, K) column-major
@@ -299,6 +305,10 @@ class Fp8Rowwise(Recipe):
     def lhs_swiglu_backward(self, grad_h, h13, fp8_dtype):
         g13, q1, s1, q3, s3 = _sw.swiglu_backward_quantize_rowwise(grad_h, h13, fp8_dtype, self.pow2_scale)
         return g13, (q1, s1.squeeze(-1)), (q3, s3.squeeze(-1))
+
+    def lhs_swiglu_backward_with_h(self, grad_h, h13, fp8_dtype):
+        g13, q1, s1, q3, s3, h = _sw.swiglu_backward_quantize_rowwise_with_h(grad_h, h13, fp8_dtype, self.pow2_scale)
+        return g13, (q1, s1.squeeze(-1)), (q3, s3.squeeze(-1)), h
 
     def wgrad_operands(self, grad_out, saved, offs, fp8_dtype, padded_starts):
         A = saved["A"]

@@ -71,6 +71,10 @@ if [ "$tests" = 1 ]; then
     compute-sanitizer --tool memcheck --error-exitcode 1 $PY -m pytest tests/test_swiglu.py -q -k cuda 2>&1 |
       tee -a "$OUT/sanitizer.log" | tail -3
     test ${PIPESTATUS[0]} -eq 0
+    # the weights written into slices of one operand (quantize_experts_fwd_cat)
+    compute-sanitizer --tool memcheck --error-exitcode 1 $PY -m pytest tests/test_rowwise.py -q -k "fwd_cat and cuda" \
+      2>&1 | tee -a "$OUT/sanitizer.log" | tail -3
+    test ${PIPESTATUS[0]} -eq 0
   else
     echo "compute-sanitizer not found; skipped"
   fi

@@ -94,6 +94,14 @@ def test_quantized_equals_quantize_rowwise_of_the_values(f8, pow2, dtype):
             rq, rs = moe_fp8_ext.quantize_rowwise(half, f8, pow2)
             assert_fp8_equal(qh, rq)
             assert_scale_equal(sh, rs)
+        # with h: the same five outputs and the forward value, each bit for bit
+        with_h = moe_fp8_ext.swiglu_backward_quantize_rowwise_with_h(g, h13, f8, pow2)
+        for got, want in zip(with_h, (gh13, q1, s1, q3, s3, h)):
+            if got.dtype == f8:
+                assert_fp8_equal(got, want)
+            else:
+                assert_same(got, want)
+        assert_same(with_h[5], ref.swiglu(h13))
 
 
 def test_exp_within_two_ulp():
@@ -138,6 +146,7 @@ def test_bad_arguments():
         (lambda: moe_fp8_ext.swiglu_backward(g.float(), h13), "h13's dtype BFloat16, got Float"),
         (lambda: moe_fp8_ext.swiglu_backward(g[:3], h13), r"grad_h of shape \(4, 3\)"),
         (lambda: moe_fp8_ext.swiglu_quantize_rowwise(h13, torch.int8), "fp8_dtype"),
+        (lambda: moe_fp8_ext.swiglu_backward_quantize_rowwise_with_h(g[:, :2], h13), r"grad_h of shape \(4, 3\)"),
     ]
     for fn, match in cases:
         with pytest.raises(RuntimeError, match=match):
@@ -147,6 +156,8 @@ def test_bad_arguments():
         torch.ops.moe_fp8.swiglu(torch.randn(4, 5))
     with pytest.raises(RuntimeError, match="h13's dtype BFloat16, got Float"):
         torch.ops.moe_fp8.swiglu_backward(g.float(), h13)
+    with pytest.raises(RuntimeError, match="swiglu_backward_quantize_rowwise_with_h: expected grad_h of h13's dtype"):
+        torch.ops.moe_fp8.swiglu_backward_quantize_rowwise_with_h(g.float(), h13, torch.float8_e4m3fn)
 
 
 # ---- opcheck and torch.compile --------------------------------------------------------
@@ -166,6 +177,7 @@ OPCHECK_CASES = [
     ("swiglu_quantize_rowwise", lambda d: (_h(d), torch.float8_e4m3fn, True)),
     ("swiglu_backward", lambda d: (_g(d), _h(d))),
     ("swiglu_backward_quantize_rowwise", lambda d: (_g(d), _h(d), torch.float8_e4m3fnuz, False)),
+    ("swiglu_backward_quantize_rowwise_with_h", lambda d: (_g(d), _h(d), torch.float8_e4m3fn, True)),
 ]
 
 
@@ -184,7 +196,8 @@ def test_compile_fullgraph(device):
         q, s = moe_fp8_ext.swiglu_quantize_rowwise(h13, f8)
         gh13 = moe_fp8_ext.swiglu_backward(g, h13)
         _, q1, s1, q3, s3 = moe_fp8_ext.swiglu_backward_quantize_rowwise(g, h13, f8)
-        return h * 2, q.float() * s, gh13 + 1, q1.float() * s1 + q3.float() * s3
+        *_, h_again = moe_fp8_ext.swiglu_backward_quantize_rowwise_with_h(g, h13, f8)
+        return h * 2, q.float() * s, gh13 + 1, q1.float() * s1 + q3.float() * s3, h_again - h
 
     h13, g = _h(device), _g(device)
     eager = step(h13, g)
@@ -203,6 +216,7 @@ def _cuda_same_as_cpu(h13, g, f8, pow2=True):
         (moe_fp8_ext.swiglu_backward, (g, h13)),
         (lambda *a: moe_fp8_ext.swiglu_quantize_rowwise(*a, f8, pow2), (h13,)),
         (lambda *a: moe_fp8_ext.swiglu_backward_quantize_rowwise(*a, f8, pow2), (g, h13)),
+        (lambda *a: moe_fp8_ext.swiglu_backward_quantize_rowwise_with_h(*a, f8, pow2), (g, h13)),
     ):
         gpu = fn(*[a.cuda() for a in args])
         cpu = fn(*[a.cpu() for a in args])

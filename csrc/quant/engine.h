@@ -23,8 +23,10 @@
 namespace moe_fp8 {
 
 // Row r of the reduction reads x + (r / rows_inner) * stride_outer
-// + (r % rows_inner) * stride_inner + k * stride_col for k < cols; q is [rows, cols]
-// row-major. The scale of (row r, block j) goes to `scale` at segment r / rows_inner,
+// + (r % rows_inner) * stride_inner + k * stride_col for k < cols; its codes go to
+// q + (r / rows_inner) * q_stride_outer + (r % rows_inner) * cols (bytes; q_stride_outer
+// 0 means rows_inner * cols: q is [rows, cols] row-major; larger, each segment's rows
+// are a slice of a wider buffer, e.g. one weight of a concatenation). The scale of (row r, block j) goes to `scale` at segment r / rows_inner,
 // set r % rows_inner, block j (whole-set: j = 0). With M-group blocked scales, `offs`
 // (the token groups of the rows) and `group_starts` (each group's first row in the
 // blocked matrix) place every row's scales; with at most kRowsLocalGroups groups
@@ -42,11 +44,17 @@ struct RowsArgs {
   int64_t stride_outer = 0;
   int64_t stride_inner = 0;
   int64_t stride_col = 1;
+  int64_t q_stride_outer = 0;
   ScaleOut scale;
   const int32_t* offs = nullptr;
   const int32_t* group_starts = nullptr;
   int groups = 0;
 };
+
+// Byte offset in q of the codes of the row at (segment `outer`, row `inner`).
+MOE_FP8_HD int64_t rows_q_offset(const RowsArgs& a, int64_t outer, int64_t inner) {
+  return outer * (a.q_stride_outer != 0 ? a.q_stride_outer : a.rows_inner * a.cols) + inner * a.cols;
+}
 
 // One operand of a "cols" launch. Element (b, r, c) of x is at
 // x + b*sb + r*sr + c*sc (elements); its fp8 code goes to q + b*q_sb + c*q_sc + r

@@ -51,7 +51,7 @@ void rows(const RowsArgs& a) {
   at::parallel_for(0, a.rows, 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const T* xr = x + (r / a.rows_inner) * a.stride_outer + (r % a.rows_inner) * a.stride_inner;
-      uint8_t* qr = a.q + r * a.cols;
+      uint8_t* qr = a.q + rows_q_offset(a, r / a.rows_inner, r % a.rows_inner);
       for (int64_t j = 0; j < nblocks; ++j) {
         const int64_t k0 = j * block, k1 = std::min(a.cols, k0 + block);
         uint32_t amax = 0;

@@ -54,6 +54,8 @@ MOE_FP8_DEVICE const T* row_ptr_at(const T* x, const RowsArgs& a, RowPos p) {
   return x + static_cast<int64_t>(p.outer) * a.stride_outer + static_cast<int64_t>(p.inner) * a.stride_inner;
 }
 
+MOE_FP8_DEVICE uint8_t* q_row_at(const RowsArgs& a, RowPos p) { return a.q + rows_q_offset(a, p.outer, p.inner); }
+
 // Whole-set scale of a row (thread 0 writes it).
 template <class Rule, class Layout>
 MOE_FP8_DEVICE void store_row_scale(const RowsArgs& a, RowPos p, typename Rule::stored_t v) {
@@ -131,14 +133,14 @@ __global__ void __launch_bounds__(1024) quantize_rows_kernel(RowsArgs a) {
     int64_t next = r + gridDim.x;
     const RowPos next_pos = row_pos(a, next < a.rows ? next : r);
     if (next < a.rows) load_row<K, kVec>(row_ptr_at(x, a, next_pos), nvec, a.stride_col, buf1);
-    encode_row<K, F, Rule, Layout, kVec>(row_ptr_at(x, a, pos), a.q + r * a.cols, a, pos, nvec, buf0, s_red);
+    encode_row<K, F, Rule, Layout, kVec>(row_ptr_at(x, a, pos), q_row_at(a, pos), a, pos, nvec, buf0, s_red);
     if (next >= a.rows) break;
     r = next;
     pos = next_pos;
     next = r + gridDim.x;
     const RowPos after = row_pos(a, next < a.rows ? next : r);
     if (next < a.rows) load_row<K, kVec>(row_ptr_at(x, a, after), nvec, a.stride_col, buf0);
-    encode_row<K, F, Rule, Layout, kVec>(row_ptr_at(x, a, pos), a.q + r * a.cols, a, pos, nvec, buf1, s_red);
+    encode_row<K, F, Rule, Layout, kVec>(row_ptr_at(x, a, pos), q_row_at(a, pos), a, pos, nvec, buf1, s_red);
     if (next >= a.rows) break;
     r = next;
     pos = after;
@@ -239,7 +241,7 @@ __global__ void __launch_bounds__(1024) quantize_rows_blocks_by_row_kernel(RowsA
   for (int64_t r = blockIdx.x; r < a.rows; r += gridDim.x) {
     const RowPos pos = row_pos(a, r);
     const T* xr = row_ptr_at(x, a, pos);
-    uint8_t* qr = a.q + r * a.cols;
+    uint8_t* qr = q_row_at(a, pos);
     const int64_t row_base = rows_scale_row_base<Layout>(a, pos.inner);
     for (int64_t c0 = 0; c0 < chunks_per_row; c0 += step) {  // uniform over the block: lanes shuffle
       Array<T, G::kChunk> v[kBlockUnroll];
@@ -410,8 +412,8 @@ __global__ void __launch_bounds__(1024) quantize_rows_pipelined_kernel(RowsArgs 
     async_copy_wait<kRowsStages - 1>();
     __syncthreads();
     const uint4* words = ring + (i % kRowsStages) * ring_vecs;
-    uint8_t* qr = a.q + r * a.cols;
     const RowPos pos = row_pos(a, r);
+    uint8_t* qr = q_row_at(a, pos);
     if constexpr (kBlock != kWholeSet) {
       rows_block_step<K, F, Rule, kBlock>(words, nvec, qr, a, [&](int64_t blk, typename Rule::stored_t v) {
         store_scale<Rule>(a.scale, Layout::index(a.scale, pos.outer, pos.inner, blk, 0, 0), v);
@@ -621,7 +623,7 @@ __global__ void __launch_bounds__(kTileThreads) quantize_rows_blocked_kernel(Row
       w[v] = valid ? stage[i % kTileStages][j * TG::kSliceVecs + ring_slot(lane * kRingVecsPerLane + v)]
                    : make_uint4(0, 0, 0, 0);
     }
-    const auto sc = encode_ring_unit<K, F, Rule, kBlock>(w, r >= 0 ? a.q + r * a.cols : a.q, k0, a.cols, r >= 0);
+    const auto sc = encode_ring_unit<K, F, Rule, kBlock>(w, r >= 0 ? q_row_at(a, row_pos(a, r)) : a.q, k0, a.cols, r >= 0);
     const bool octet = u < p.units;
     if (octet && lane % G::kLanes == 0) {
       // the block's byte in its sector: row j's word at 16 * (j % 2) + 4 * (j / 2)
@@ -689,7 +691,7 @@ __global__ void __launch_bounds__(kBlockThreads) quantize_rows_blocks_kernel(Row
       const bool leader = (base + u * stride) % kLanes == 0;
       const int64_t row_base = row[u] >= 0 && leader ? rows_scale_row_base<Layout>(a, pos[u].inner) : -1;
       encode_block_chunk<K, F, Rule, kBlock, Layout, kVecPath>(v[u], k0[u], row[u] >= 0, leader,
-                                                               a.q + (row[u] >= 0 ? row[u] : 0) * a.cols, a, pos[u],
+                                                               q_row_at(a, pos[u]), a, pos[u],
                                                                row_base);
     }
   }
@@ -737,7 +739,7 @@ int launch_quantize_rows(const RowsArgs& a, gpuStream_t stream) {
   // octet-tile kernel on the vector path; the other kernels write the blocks only,
   // after a memset).
   const bool vec = rows_vector_ok<T>(a);
-  const bool qvec = vec && reinterpret_cast<uintptr_t>(a.q) % 16 == 0;
+  const bool qvec = vec && reinterpret_cast<uintptr_t>(a.q) % 16 == 0 && a.q_stride_outer % 16 == 0;
   const bool ring_ok = vec && a.cols * static_cast<int64_t>(sizeof(T)) <= kRowsMaxStageBytes &&
                        (kBlock == kWholeSet ||
                         (qvec && ceil_div(a.cols, RowsBlockGeometry<K, kBlock, true>::kChunk) >= kBlockRowMinChunks));

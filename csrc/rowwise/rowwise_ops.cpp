@@ -59,20 +59,18 @@ ColsOperand cols_operand(const at::Tensor& x, int64_t sb, int64_t sr, int64_t sc
 }
 
 // Expert weights b (E, ., .) reduced over dim `rdim` (1 or 2) for every (e, c) of the
-// other dim: q (E, R, C) with strides (R*C, 1, R), i.e. memory [e][c][r] so that each
-// reduction run is contiguous (column-major per expert), and scale (E, 1, C). The
-// "rows" shape applies when R is the contiguous dimension of b, "cols" otherwise.
-std::tuple<at::Tensor, at::Tensor> quantize_per_expert(const QuantKernels& k, const at::Tensor& b, int rdim,
-                                                       at::ScalarType fp8_dtype, bool pow2, const char* op) {
-  check_rank(b, 3, op, "b_t");
-  input_kind(b, op, "b_t");
-  fp8_format(fp8_dtype, op);
+// other dim, into q (E, R, C) with strides (q_E, 1, R), i.e. memory [e][c][r] so that
+// each reduction run is contiguous (column-major per expert), and scale (E, 1, C) with
+// strides (s_E, ., 1). q_E = R * C and s_E = C for a tensor of its own; larger for one
+// weight's slice of a concatenation along C. The "rows" shape applies when R is the
+// contiguous dimension of b, "cols" otherwise.
+void quantize_per_expert_into(const QuantKernels& k, const at::Tensor& b, int rdim, at::ScalarType fp8_dtype,
+                              bool pow2, const at::Tensor& q, const at::Tensor& scale, const char* op) {
   const int cdim = 3 - rdim;
   const int64_t E = b.size(0), R = b.size(rdim), C = b.size(cdim);
   const int64_t s_r = b.stride(rdim), s_c = b.stride(cdim);
-  at::Tensor q = at::empty_strided({E, R, C}, {R * C, 1, R}, b.options().dtype(fp8_dtype));
-  at::Tensor scale = at::empty({E, 1, C}, b.options().dtype(at::kFloat));
-  if (E == 0 || C == 0) return {q, scale};
+  if (E == 0 || C == 0) return;
+  const int64_t scale_extent = (E - 1) * scale.stride(0) + C;  // the view's last scale + 1
   if (s_r == 1 && R > 1) {
     RowsArgs a;
     a.rows = E * C;
@@ -81,16 +79,30 @@ std::tuple<at::Tensor, at::Tensor> quantize_per_expert(const QuantKernels& k, co
     a.stride_outer = b.stride(0);
     a.stride_inner = s_c;
     a.stride_col = 1;
-    a.scale = linear_scales(scale, C);
+    a.q_stride_outer = q.stride(0);
+    a.scale = linear_scales(scale, scale.stride(0));
+    a.scale.numel = scale_extent;
     run_rows(k, b, fp8_dtype, pow2, a, q, op);
-    return {q, scale};
+    return;
   }
   TORCH_CHECK(E <= 65535, op, ": expected at most 65535 experts, got ", E);
   ColsArgs a;
-  a.op[0] = cols_operand(b, b.stride(0), s_r, s_c, C, q, R * C, R, scale, C);
+  a.op[0] = cols_operand(b, b.stride(0), s_r, s_c, C, q, q.stride(0), R, scale, scale.stride(0));
+  a.op[0].scale.numel = scale_extent;
   a.rows = R;
   a.num_segments = static_cast<int>(E);
   run_cols(k, b, fp8_dtype, pow2, a, R, op);
+}
+
+std::tuple<at::Tensor, at::Tensor> quantize_per_expert(const QuantKernels& k, const at::Tensor& b, int rdim,
+                                                       at::ScalarType fp8_dtype, bool pow2, const char* op) {
+  check_rank(b, 3, op, "b_t");
+  input_kind(b, op, "b_t");
+  fp8_format(fp8_dtype, op);
+  const int64_t E = b.size(0), R = b.size(rdim), C = b.size(3 - rdim);
+  at::Tensor q = at::empty_strided({E, R, C}, {R * C, 1, R}, b.options().dtype(fp8_dtype));
+  at::Tensor scale = at::empty({E, 1, C}, b.options().dtype(at::kFloat));
+  quantize_per_expert_into(k, b, rdim, fp8_dtype, pow2, q, scale, op);
   return {q, scale};
 }
 
@@ -130,6 +142,38 @@ std::tuple<at::Tensor, at::Tensor> quantize_rowwise(const QuantKernels& k, const
 std::tuple<at::Tensor, at::Tensor> quantize_experts_fwd(const QuantKernels& k, const at::Tensor& b_t,
                                                         at::ScalarType fp8_dtype, bool pow2_scale) {
   return quantize_per_expert(k, b_t, /*rdim=K*/ 1, fp8_dtype, pow2_scale, "quantize_experts_fwd");
+}
+
+std::tuple<at::Tensor, at::Tensor> quantize_experts_fwd_cat(const QuantKernels& k, at::TensorList b_ts,
+                                                            at::ScalarType fp8_dtype, bool pow2_scale) {
+  constexpr const char* op = "quantize_experts_fwd_cat";
+  TORCH_CHECK(!b_ts.empty(), op, ": expected at least one weight, got none");
+  fp8_format(fp8_dtype, op);
+  const at::Tensor& b0 = b_ts[0];
+  int64_t n_total = 0;
+  for (size_t i = 0; i < b_ts.size(); ++i) {
+    const at::Tensor& b = b_ts[i];
+    check_rank(b, 3, op, "b_t");
+    input_kind(b, op, "b_t");
+    TORCH_CHECK(b.scalar_type() == b0.scalar_type() && b.device() == b0.device(), op,
+                ": expected every weight of one dtype and device, got ", b0.scalar_type(), " on ", b0.device(),
+                " and ", b.scalar_type(), " on ", b.device(), " (weight ", i, ")");
+    TORCH_CHECK(b.size(0) == b0.size(0) && b.size(1) == b0.size(1), op,
+                ": expected every weight of shape (E, K, N_i) with the E and K of the first, (", b0.size(0), ", ",
+                b0.size(1), ", .), got (", b.size(0), ", ", b.size(1), ", ", b.size(2), ") (weight ", i, ")");
+    n_total += b.size(2);
+  }
+  const int64_t E = b0.size(0), K = b0.size(1);
+  at::Tensor q = at::empty_strided({E, K, n_total}, {K * n_total, 1, K}, b0.options().dtype(fp8_dtype));
+  at::Tensor scale = at::empty({E, 1, n_total}, b0.options().dtype(at::kFloat));
+  int64_t n0 = 0;
+  for (const at::Tensor& b : b_ts) {
+    const int64_t n = b.size(2);
+    quantize_per_expert_into(k, b, /*rdim=K*/ 1, fp8_dtype, pow2_scale, q.narrow(2, n0, n), scale.narrow(2, n0, n),
+                             op);
+    n0 += n;
+  }
+  return {q, scale};
 }
 
 std::tuple<at::Tensor, at::Tensor> quantize_experts_bwd(const QuantKernels& k, const at::Tensor& b_t,

@@ -24,6 +24,10 @@ std::tuple<at::Tensor, at::Tensor> quantize_rowwise(const QuantKernels& k, const
                                                     at::ScalarType fp8_dtype, bool pow2_scale);
 std::tuple<at::Tensor, at::Tensor> quantize_experts_fwd(const QuantKernels& k, const at::Tensor& b_t,
                                                         at::ScalarType fp8_dtype, bool pow2_scale);
+// quantize_experts_fwd of each weight, written into one (E, K, sum N_i) column-major q
+// and (E, 1, sum N_i) scale: the operand of the concatenation, without a copy.
+std::tuple<at::Tensor, at::Tensor> quantize_experts_fwd_cat(const QuantKernels& k, at::TensorList b_ts,
+                                                            at::ScalarType fp8_dtype, bool pow2_scale);
 std::tuple<at::Tensor, at::Tensor> quantize_experts_bwd(const QuantKernels& k, const at::Tensor& b_t,
                                                         at::ScalarType fp8_dtype, bool pow2_scale);
 // padded_starts (with alignment): write q in the padded layout of pad_token_groups
@@ -47,6 +51,9 @@ struct RowwiseOn {
   static std::tuple<at::Tensor, at::Tensor> experts_fwd(const at::Tensor& b, at::ScalarType t, bool pow2) {
     return quantize_experts_fwd(K, b, t, pow2);
   }
+  static std::tuple<at::Tensor, at::Tensor> experts_fwd_cat(at::TensorList b, at::ScalarType t, bool pow2) {
+    return quantize_experts_fwd_cat(K, b, t, pow2);
+  }
   static std::tuple<at::Tensor, at::Tensor> experts_bwd(const at::Tensor& b, at::ScalarType t, bool pow2) {
     return quantize_experts_bwd(K, b, t, pow2);
   }
@@ -62,6 +69,7 @@ struct RowwiseOn {
   static void register_impls(torch::Library& m) {
     m.impl("quantize_rowwise", TORCH_FN(rowwise));
     m.impl("quantize_experts_fwd", TORCH_FN(experts_fwd));
+    m.impl("quantize_experts_fwd_cat", TORCH_FN(experts_fwd_cat));
     m.impl("quantize_experts_bwd", TORCH_FN(experts_bwd));
     m.impl("quantize_jagged_colwise", TORCH_FN(jagged));
     m.impl("quantize_jagged_colwise_dual", TORCH_FN(jagged_dual));

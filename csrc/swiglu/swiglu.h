@@ -26,7 +26,8 @@ namespace moe_fp8 {
 // One launch: rows of h13 = [h1 | h3] (hidden columns each, unit column stride).
 // Forward: out = h (rows, hidden) when non-null; with `quant`, q[0] / scale[0] the
 // rowwise fp8 of h. Backward: out = grad_h13 (rows, 2 hidden) when non-null; with
-// `quant`, q[i] / scale[i] the rowwise fp8 of half i of grad_h13. (A flag, not the
+// `quant`, q[i] / scale[i] the rowwise fp8 of half i of grad_h13; h_out = h (rows,
+// hidden) when non-null (the recomputed forward value, for the W2 weight gradient). (A flag, not the
 // pointers: an empty q has a null data pointer, and its rows still get scales.)
 // Strides are in elements (q: bytes, row-major with row stride = hidden).
 struct SwigluArgs {
@@ -36,6 +37,8 @@ struct SwigluArgs {
   int64_t grad_stride = 0;
   void* out = nullptr;
   int64_t out_stride = 0;
+  void* h_out = nullptr;  // backward only
+  int64_t h_out_stride = 0;
   uint8_t* q[2] = {nullptr, nullptr};
   float* scale[2] = {nullptr, nullptr};
   int64_t rows = 0;
@@ -151,18 +154,21 @@ MOE_FP8_HD typename SwigluElem<K>::storage swiglu_elem(typename SwigluElem<K>::s
   return E::from_float(f_mul(s, E::to_float(h3)));
 }
 
-// (grad_h1, grad_h3) of h = R(silu(h1)) * h3 for the incoming gradient g.
+// (grad_h1, grad_h3) of h = R(silu(h1)) * h3 for the incoming gradient g, and, when h
+// is non-null, h itself (the forward value, bit for bit swiglu_elem's: the backward of
+// W2 needs it).
 template <InputKind K>
 MOE_FP8_HD void swiglu_backward_elem(typename SwigluElem<K>::storage g, typename SwigluElem<K>::storage h1,
                                      typename SwigluElem<K>::storage h3, typename SwigluElem<K>::storage* gh1,
-                                     typename SwigluElem<K>::storage* gh3) {
+                                     typename SwigluElem<K>::storage* gh3, typename SwigluElem<K>::storage* h) {
   using E = SwigluElem<K>;
-  const float gf = E::to_float(g), x = E::to_float(h1);
+  const float gf = E::to_float(g), x = E::to_float(h1), x3 = E::to_float(h3);
   const float d = sigmoid_denominator(x);
-  const float gs = E::to_float(E::from_float(f_mul(gf, E::to_float(h3))));
+  const float gs = E::to_float(E::from_float(f_mul(gf, x3)));
   *gh1 = E::from_float(silu_backward_f32(gs, x, d));
   const float s = E::to_float(E::from_float(f_div(x, d)));
   *gh3 = E::from_float(f_mul(gf, s));
+  if (h != nullptr) *h = E::from_float(f_mul(s, x3));
 }
 
 // The runners of one device (CPU loops in swiglu_cpu.cpp, kernels in swiglu.cu),

@@ -24,9 +24,11 @@ void run_rows(const SwigluArgs& a) {
     for (int64_t r = begin; r < end; ++r) {
       const T* h = static_cast<const T*>(a.h13) + r * a.h13_stride;
       const T* g = a.backward ? static_cast<const T*>(a.grad) + r * a.grad_stride : nullptr;
+      T* h_out = a.h_out != nullptr ? static_cast<T*>(a.h_out) + r * a.h_out_stride : nullptr;
       for (int64_t c = 0; c < a.hidden; ++c) {
         if (a.backward) {
-          swiglu_backward_elem<K>(g[c], h[c], h[a.hidden + c], &row[c], &row[a.hidden + c]);
+          swiglu_backward_elem<K>(g[c], h[c], h[a.hidden + c], &row[c], &row[a.hidden + c],
+                                  h_out != nullptr ? &h_out[c] : nullptr);
         } else {
           row[c] = swiglu_elem<K>(h[c], h[a.hidden + c]);
         }

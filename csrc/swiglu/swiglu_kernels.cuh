@@ -6,8 +6,8 @@
 // row at a time, grid-stride over rows. A thread loads up to kSwigluRegs vectors of the
 // row (16-byte loads of h13 and grad_h) and computes kVec consecutive outputs of each
 // half per vector; with quantization the row's amax is reduced over the warp or block,
-// then the outputs are encoded (the forward's from registers, the backward's re-read
-// from the grad_h13 it wrote). The written values and the fp8 codes come from the same
+// then the outputs are encoded (the forward's from a shared-memory copy of h, the
+// backward's re-read from the grad_h13 it wrote). The written values and the fp8 codes come from the same
 // rounded values, so q is quantize_rowwise of the written tensor, bit for bit.
 #pragma once
 
@@ -27,6 +27,7 @@ template <InputKind K, int kVec>
 struct SwigluVecs {
   using T = typename SwigluElem<K>::storage;
   Array<T, kVec> o[2];  // forward: o[0] = h; backward: grad_h1, grad_h3
+  Array<T, kVec> h;     // backward: the forward value (stored only with a.h_out)
 };
 
 // One vector's inputs: h1, h3 and (backward) g.
@@ -47,13 +48,16 @@ MOE_FP8_DEVICE SwigluIn<K, kVec> swiglu_load(const SwigluArgs& a, int64_t row, i
   return in;
 }
 
-template <InputKind K, bool kBwd, int kVec>
+// kH: the backward also computes h (a compile-time choice: computing it for a store
+// decided at run time cost the plain backward registers and occupancy on an H100).
+template <InputKind K, bool kBwd, int kVec, bool kH = false>
 MOE_FP8_DEVICE SwigluVecs<K, kVec> swiglu_compute(const SwigluIn<K, kVec>& in) {
   SwigluVecs<K, kVec> r;
 #pragma unroll
   for (int i = 0; i < kVec; ++i) {
     if constexpr (kBwd) {
-      swiglu_backward_elem<K>(in.g.v[i], in.h1.v[i], in.h3.v[i], &r.o[0].v[i], &r.o[1].v[i]);
+      swiglu_backward_elem<K>(in.g.v[i], in.h1.v[i], in.h3.v[i], &r.o[0].v[i], &r.o[1].v[i],
+                              kH ? &r.h.v[i] : nullptr);
     } else {
       r.o[0].v[i] = swiglu_elem<K>(in.h1.v[i], in.h3.v[i]);
     }
@@ -61,9 +65,10 @@ MOE_FP8_DEVICE SwigluVecs<K, kVec> swiglu_compute(const SwigluIn<K, kVec>& in) {
   return r;
 }
 
-template <InputKind K, bool kBwd, int kVec>
+template <InputKind K, bool kBwd, int kVec, bool kH = false>
 MOE_FP8_DEVICE void swiglu_store(const SwigluArgs& a, int64_t row, int64_t v, const SwigluVecs<K, kVec>& r) {
   using T = typename SwigluElem<K>::storage;
+  if constexpr (kH) store_elems<T, kVec>(static_cast<T*>(a.h_out) + row * a.h_out_stride + v * kVec, r.h);
   if (a.out == nullptr) return;
   T* orow = static_cast<T*>(a.out) + row * a.out_stride + v * kVec;
   store_elems<T, kVec>(orow, r.o[0]);
@@ -102,13 +107,15 @@ constexpr int kSwigluMaxThreads = 256;
 // any store (a store between them would serialize them: the compiler cannot move a
 // load above a store that may alias it). Prefetching the next row while this one is
 // reduced and encoded measured slower on an H100 (more registers, fewer warps). The
-// forward keeps its outputs in registers for the encode pass; the backward re-reads the
-// grad_h13 it has just written. Vectors past the register cache (rows longer than
+// forward keeps its outputs in shared memory for the encode pass (a register copy
+// cost occupancy: 99 registers a thread); the backward re-reads the grad_h13 it has
+// just written. Vectors past the register cache (rows longer than
 // kSwigluRegs * kSwigluMaxThreads vectors) are read and computed where they are used,
 // twice in a quantizing forward.
-template <InputKind K, Fp8Format F, bool kBwd, bool kQuant, int kVec, bool kWarpRow>
+template <InputKind K, Fp8Format F, bool kBwd, bool kQuant, int kVec, bool kWarpRow, bool kH>
 __global__ void __launch_bounds__(kSwigluMaxThreads) swiglu_rows_kernel(SwigluArgs a) {
   using In = DeviceInput<K>;
+  using T = typename SwigluElem<K>::storage;
   constexpr int kHalves = kBwd ? 2 : 1;
   __shared__ uint32_t s_red[kHalves][kMaxWarpsPerBlock + 1];
   const int64_t nvec = a.hidden / kVec;
@@ -118,6 +125,12 @@ __global__ void __launch_bounds__(kSwigluMaxThreads) swiglu_rows_kernel(SwigluAr
   const int64_t step = static_cast<int64_t>(gridDim.x) * rows_per_block;
   const int64_t cached = static_cast<int64_t>(kSwigluRegs) * lanes;
   SwigluIn<K, kVec> in[kSwigluRegs];
+  // The quantizing forward's cache of h: this row's (warp rows: this warp's row's)
+  // cached vectors in dynamic shared memory, each read back only by the thread that
+  // wrote it (no barrier).
+  extern __shared__ uint4 s_dyn[];
+  Array<T, kVec>* h_cache = reinterpret_cast<Array<T, kVec>*>(s_dyn) +
+                            (kWarpRow ? static_cast<int64_t>(threadIdx.x / kWarpSize) * cached : 0);
   auto load_row = [&](int64_t row) {
 #pragma unroll
     for (int j = 0; j < kSwigluRegs; ++j) {
@@ -129,24 +142,23 @@ __global__ void __launch_bounds__(kSwigluMaxThreads) swiglu_rows_kernel(SwigluAr
   // Block rows: every thread of a block runs the same trip count (block_max barriers).
   for (; row < a.rows; row += step) {
     load_row(row);  // all of this thread's loads of the row in flight together, before any store
-    SwigluVecs<K, kVec> out[kSwigluRegs];
     uint32_t amax[2] = {0u, 0u};
 #pragma unroll
     for (int j = 0; j < kSwigluRegs; ++j) {
       const int64_t v = lane + static_cast<int64_t>(j) * lanes;
       if (v < nvec) {
-        const SwigluVecs<K, kVec> r = swiglu_compute<K, kBwd, kVec>(in[j]);
-        swiglu_store<K, kBwd, kVec>(a, row, v, r);
+        const SwigluVecs<K, kVec> r = swiglu_compute<K, kBwd, kVec, kH>(in[j]);
+        swiglu_store<K, kBwd, kVec, kH>(a, row, v, r);
         if constexpr (kQuant) {
 #pragma unroll
           for (int h = 0; h < kHalves; ++h) amax[h] = amax_bits_of<In>(r.o[h], amax[h]);
-          if constexpr (!kBwd) out[j] = r;
+          if constexpr (!kBwd) h_cache[v] = r.o[0];
         }
       }
     }
     for (int64_t v = lane + cached; v < nvec; v += lanes) {
-      const SwigluVecs<K, kVec> r = swiglu_compute<K, kBwd, kVec>(swiglu_load<K, kBwd, kVec>(a, row, v));
-      swiglu_store<K, kBwd, kVec>(a, row, v, r);
+      const SwigluVecs<K, kVec> r = swiglu_compute<K, kBwd, kVec, kH>(swiglu_load<K, kBwd, kVec>(a, row, v));
+      swiglu_store<K, kBwd, kVec, kH>(a, row, v, r);
       if constexpr (kQuant) {
 #pragma unroll
         for (int h = 0; h < kHalves; ++h) amax[h] = amax_bits_of<In>(r.o[h], amax[h]);
@@ -172,7 +184,11 @@ __global__ void __launch_bounds__(kSwigluMaxThreads) swiglu_rows_kernel(SwigluAr
 #pragma unroll
         for (int j = 0; j < kSwigluRegs; ++j) {
           const int64_t v = lane + static_cast<int64_t>(j) * lanes;
-          if (v < nvec) swiglu_store_q<K, F, kBwd, kVec>(a, row, v, out[j], encode);
+          if (v < nvec) {
+            SwigluVecs<K, kVec> r;
+            r.o[0] = h_cache[v];
+            swiglu_store_q<K, F, kBwd, kVec>(a, row, v, r, encode);
+          }
         }
         for (int64_t v = lane + cached; v < nvec; v += lanes) {
           swiglu_store_q<K, F, kBwd, kVec>(a, row, v, swiglu_compute<K, kBwd, kVec>(swiglu_load<K, kBwd, kVec>(a, row, v)),
@@ -187,9 +203,11 @@ __global__ void __launch_bounds__(kSwigluMaxThreads) swiglu_rows_kernel(SwigluAr
 template <typename T, int kVec>
 inline bool swiglu_vector_ok(const SwigluArgs& a) {
   auto aligned = [](const void* p) { return p == nullptr || reinterpret_cast<uintptr_t>(p) % 16 == 0; };
-  bool ok = a.hidden % kVec == 0 && a.h13_stride % kVec == 0 && aligned(a.h13) && aligned(a.out) && aligned(a.grad);
+  bool ok = a.hidden % kVec == 0 && a.h13_stride % kVec == 0 && aligned(a.h13) && aligned(a.out) && aligned(a.grad) &&
+            aligned(a.h_out);
   if (a.grad != nullptr) ok = ok && a.grad_stride % kVec == 0;
   if (a.out != nullptr) ok = ok && a.out_stride % kVec == 0;
+  if (a.h_out != nullptr) ok = ok && a.h_out_stride % kVec == 0;
   for (int h = 0; h < 2; ++h) {
     ok = ok && (a.q[h] == nullptr || reinterpret_cast<uintptr_t>(a.q[h]) % kVec == 0);
   }
@@ -201,26 +219,33 @@ inline bool swiglu_vector_ok(const SwigluArgs& a) {
 // sized so that the row fits the register cache (at most kSwigluMaxThreads threads).
 constexpr int kWarpRowsPerBlock = 8;
 
-template <InputKind K, Fp8Format F, bool kBwd, bool kQuant, int kVec>
+template <InputKind K, Fp8Format F, bool kBwd, bool kQuant, int kVec, bool kH>
 int launch_swiglu_vec(const SwigluArgs& a, gpuStream_t stream) {
+  using T = typename SwigluElem<K>::storage;
   const int64_t nvec = a.hidden / kVec;
+  // The quantizing forward's h cache: kSwigluRegs vectors a thread (at most 16 KB a block).
+  auto cache_bytes = [&](int64_t threads) -> size_t {
+    return kQuant && !kBwd ? static_cast<size_t>(threads * kSwigluRegs) * sizeof(Array<T, kVec>) : 0;
+  };
   if (nvec <= int64_t{kSwigluRegs} * kWarpSize) {
     const dim3 block(kWarpRowsPerBlock * kWarpSize);
     const dim3 grid(static_cast<unsigned>(std::min<int64_t>(ceil_div(a.rows, kWarpRowsPerBlock), int64_t{1} << 20)));
-    return launch_kernel(swiglu_rows_kernel<K, F, kBwd, kQuant, kVec, true>, grid, block, 0, stream, 1, a);
+    return launch_kernel(swiglu_rows_kernel<K, F, kBwd, kQuant, kVec, true, kH>, grid, block, cache_bytes(block.x),
+                         stream, 1, a);
   }
   const int64_t want = round_up(ceil_div(nvec, kSwigluRegs), kWarpSize);
   const dim3 block(static_cast<unsigned>(std::min<int64_t>(want, kSwigluMaxThreads)));
   const dim3 grid(static_cast<unsigned>(std::min<int64_t>(a.rows, int64_t{1} << 20)));
-  return launch_kernel(swiglu_rows_kernel<K, F, kBwd, kQuant, kVec, false>, grid, block, 0, stream, 1, a);
+  return launch_kernel(swiglu_rows_kernel<K, F, kBwd, kQuant, kVec, false, kH>, grid, block, cache_bytes(block.x), stream,
+                       1, a);
 }
 
-template <InputKind K, Fp8Format F, bool kBwd, bool kQuant>
+template <InputKind K, Fp8Format F, bool kBwd, bool kQuant, bool kH = false>
 int launch_swiglu_t(const SwigluArgs& a, gpuStream_t stream) {
   using T = typename SwigluElem<K>::storage;
   constexpr int kVec = 16 / sizeof(T);
-  if (swiglu_vector_ok<T, kVec>(a)) return launch_swiglu_vec<K, F, kBwd, kQuant, kVec>(a, stream);
-  return launch_swiglu_vec<K, F, kBwd, kQuant, 1>(a, stream);
+  if (swiglu_vector_ok<T, kVec>(a)) return launch_swiglu_vec<K, F, kBwd, kQuant, kVec, kH>(a, stream);
+  return launch_swiglu_vec<K, F, kBwd, kQuant, 1, kH>(a, stream);
 }
 
 // The whole family: runtime (input kind, fp8 format, direction, quantize) to the
@@ -232,6 +257,8 @@ inline int launch_swiglu(InputKind in, Fp8Format fmt, const SwigluArgs& a, gpuSt
   // The quantizing backward encodes from the grad_h13 it writes: it must be given one
   // (an empty grad_h13, hidden == 0, has a null pointer and nothing to encode).
   if (a.backward && a.quant && a.out == nullptr && a.hidden > 0) return 1;
+  // h comes with the quantizing backward only (the one op that asks for it).
+  if (a.h_out != nullptr && !(a.backward && a.quant)) return 1;
   const bool quant = a.quant;
   int err = 0;
   dispatch_input_fp8(in, quant ? fmt : Fp8Format::kE4M3FN, [&](auto kc, auto fc) {
@@ -239,7 +266,9 @@ inline int launch_swiglu(InputKind in, Fp8Format fmt, const SwigluArgs& a, gpuSt
     constexpr Fp8Format F = decltype(fc)::value;
     constexpr Fp8Format kAny = Fp8Format::kE4M3FN;  // one instantiation without quantization
     if (a.backward) {
-      err = quant ? launch_swiglu_t<K, F, true, true>(a, stream) : launch_swiglu_t<K, kAny, true, false>(a, stream);
+      if (!quant) err = launch_swiglu_t<K, kAny, true, false>(a, stream);
+      else if (a.h_out != nullptr) err = launch_swiglu_t<K, F, true, true, true>(a, stream);
+      else err = launch_swiglu_t<K, F, true, true>(a, stream);
     } else {
       err = quant ? launch_swiglu_t<K, F, false, true>(a, stream) : launch_swiglu_t<K, kAny, false, false>(a, stream);
     }

@@ -102,10 +102,12 @@ at::Tensor swiglu_backward(const SwigluKernels& k, const at::Tensor& grad_in, co
   return grad_h13;
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> swiglu_backward_quantize_rowwise(
+namespace {
+
+// grad_h13 and the rowwise fp8 of its halves; with `h`, also the forward value h.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_quantize(
     const SwigluKernels& k, const at::Tensor& grad_in, const at::Tensor& h13_in, at::ScalarType fp8_dtype,
-    bool pow2_scale) {
-  constexpr const char* op = "swiglu_backward_quantize_rowwise";
+    bool pow2_scale, at::Tensor* h, const char* op) {
   const at::Tensor h13 = checked_h13(h13_in, op);
   const at::Tensor grad = checked_grad(grad_in, h13, op);
   const Fp8Format fmt = fp8_format(fp8_dtype, op);
@@ -117,13 +119,35 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> swiglu_ba
   a.grad = grad.data_ptr();
   a.grad_stride = grad.stride(0);
   set_out(a, grad_h13);
-  for (int h = 0; h < 2; ++h) {
-    q[h] = at::empty({M, H}, h13.options().dtype(fp8_dtype));
-    scale[h] = at::empty({M, 1}, h13.options().dtype(at::kFloat));
-    set_quant(a, h, q[h], scale[h], pow2_scale);
+  if (h != nullptr) {
+    *h = at::empty({M, H}, h13.options());
+    a.h_out = h->data_ptr();
+    a.h_out_stride = H;
+  }
+  for (int half = 0; half < 2; ++half) {
+    q[half] = at::empty({M, H}, h13.options().dtype(fp8_dtype));
+    scale[half] = at::empty({M, 1}, h13.options().dtype(at::kFloat));
+    set_quant(a, half, q[half], scale[half], pow2_scale);
   }
   run(k, h13, fmt, a, op);
   return {grad_h13, q[0], scale[0], q[1], scale[1]};
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> swiglu_backward_quantize_rowwise(
+    const SwigluKernels& k, const at::Tensor& grad_in, const at::Tensor& h13_in, at::ScalarType fp8_dtype,
+    bool pow2_scale) {
+  return backward_quantize(k, grad_in, h13_in, fp8_dtype, pow2_scale, nullptr, "swiglu_backward_quantize_rowwise");
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
+swiglu_backward_quantize_rowwise_with_h(const SwigluKernels& k, const at::Tensor& grad_in, const at::Tensor& h13_in,
+                                        at::ScalarType fp8_dtype, bool pow2_scale) {
+  at::Tensor h;
+  auto [g13, q1, s1, q3, s3] =
+      backward_quantize(k, grad_in, h13_in, fp8_dtype, pow2_scale, &h, "swiglu_backward_quantize_rowwise_with_h");
+  return {g13, q1, s1, q3, s3, h};
 }
 
 }  // namespace moe_fp8
