@@ -37,6 +37,11 @@ def unfused_bwd_q(g, h13, hidden):
     return g13, moe_fp8_ext.quantize_rowwise(g13[:, :hidden], F8), moe_fp8_ext.quantize_rowwise(g13[:, hidden:], F8)
 
 
+def unfused_bwd_h_q(g, h13, hidden):
+    g13 = unfused_bwd(g, h13, hidden)
+    return g13, moe_fp8_ext.quantize_rowwise(g13, F8), F.silu(h13[:, :hidden]) * h13[:, hidden:]
+
+
 def check(m, hidden, h13, g):
     h = moe_fp8_ext.swiglu(h13)
     want = F.silu(h13[:, :hidden]) * h13[:, hidden:]
@@ -49,8 +54,10 @@ def check(m, hidden, h13, g):
     assert ((g13.float() - want.float()).abs() <= want.float().abs() * 2 ** -7).all()
     rq, rs = moe_fp8_ext.quantize_rowwise(g13[:, hidden:], F8)
     assert torch.equal(q3.view(torch.uint8), rq.view(torch.uint8)) and torch.equal(s3, rs)
-    *_, h_again = moe_fp8_ext.swiglu_backward_quantize_rowwise_with_h(g, h13, F8)
-    assert torch.equal(h_again, h)
+    g13_again, q, s, h_again = moe_fp8_ext.swiglu_backward_with_h_quantize_rowwise(g, h13, F8)
+    rq, rs = moe_fp8_ext.quantize_rowwise(g13, F8)
+    assert torch.equal(h_again, h) and torch.equal(g13_again, g13)
+    assert torch.equal(q.view(torch.uint8), rq.view(torch.uint8)) and torch.equal(s, rs)
 
 
 def main():
@@ -69,10 +76,11 @@ def main():
              10 * mh),
             ("swiglu_backward + 2 quantize_rowwise", lambda: moe_fp8_ext.swiglu_backward_quantize_rowwise(g, h13, F8),
              lambda: unfused_bwd_q(g, h13, hidden), 12 * mh + 8 * m),
-            # the experts backward's: and h for W2's gradient (unfused: + swiglu's ops)
-            ("swiglu_backward + 2 quantize_rowwise + h",
-             lambda: moe_fp8_ext.swiglu_backward_quantize_rowwise_with_h(g, h13, F8),
-             lambda: (unfused_bwd_q(g, h13, hidden), F.silu(h13[:, :hidden]) * h13[:, hidden:]), 14 * mh + 8 * m),
+            # the experts backward's: grad_h13 quantized as a whole, and h for W2's
+            # gradient (unfused: + swiglu's ops)
+            ("swiglu_backward + h + quantize_rowwise",
+             lambda: moe_fp8_ext.swiglu_backward_with_h_quantize_rowwise(g, h13, F8),
+             lambda: unfused_bwd_h_q(g, h13, hidden), 14 * mh + 4 * m),
         ]
         for name, ours, unfused, nbytes in cases:
             t, tu, tc = bench_us(ours), bench_us(unfused), copy_us(nbytes)

@@ -22,6 +22,7 @@ TORCH_LIBRARY(moe_fp8, m) {
   m.def("quantize_experts_fwd_cat(Tensor[] b_ts, ScalarType fp8_dtype, bool pow2_scale=True) -> (Tensor, Tensor)");
 
   m.def("quantize_experts_bwd(Tensor b_t, ScalarType fp8_dtype, bool pow2_scale=True) -> (Tensor, Tensor)");
+  m.def("quantize_experts_bwd_cat(Tensor[] b_ts, ScalarType fp8_dtype, bool pow2_scale=True) -> (Tensor, Tensor)");
 
   m.def(
       "quantize_jagged_colwise(Tensor x, Tensor offs, ScalarType fp8_dtype, bool pow2_scale=True,"
@@ -62,10 +63,11 @@ TORCH_LIBRARY(moe_fp8, m) {
   m.def(
       "swiglu_backward_quantize_rowwise(Tensor grad_h, Tensor h13, ScalarType fp8_dtype, bool pow2_scale=True)"
       " -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
-  // The same and h = swiglu(h13) (the W2 weight gradient's operand) from the same read.
+  // swiglu_backward, the rowwise fp8 of grad_h13 as a whole (= quantize_rowwise(grad_h13))
+  // and h = swiglu(h13) (the W2 weight gradient's operand) from one read of h13.
   m.def(
-      "swiglu_backward_quantize_rowwise_with_h(Tensor grad_h, Tensor h13, ScalarType fp8_dtype, "
-      "bool pow2_scale=True) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
+      "swiglu_backward_with_h_quantize_rowwise(Tensor grad_h, Tensor h13, ScalarType fp8_dtype, "
+      "bool pow2_scale=True) -> (Tensor, Tensor, Tensor, Tensor)");
 
   // ---- FP8 blockwise recipe (DESIGN §6): fp32 decode scales per 1x128 / 128x1 block ----
   // Implementations: blockwise/blockwise_cpu.cpp (CPU) and blockwise/blockwise.cu (CUDA).

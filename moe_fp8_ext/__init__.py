@@ -44,6 +44,7 @@ from .ops import (
     padded_rows,
     permute_indices,
     quantize_experts_bwd,
+    quantize_experts_bwd_cat,
     quantize_experts_fwd,
     quantize_experts_fwd_cat,
     quantize_jagged_colwise,
@@ -57,7 +58,7 @@ from .swiglu import (
     swiglu,
     swiglu_backward,
     swiglu_backward_quantize_rowwise,
-    swiglu_backward_quantize_rowwise_with_h,
+    swiglu_backward_with_h_quantize_rowwise,
     swiglu_quantize_rowwise,
 )
 from .token_groups import pad_token_groups, permute_and_pad, unpad_token_groups, unpermute
@@ -87,6 +88,7 @@ __all__ = [
     "quantize_blockwise_weight_rhs",
     "quantize_blockwise_weight_transposed_rhs",
     "quantize_experts_bwd",
+    "quantize_experts_bwd_cat",
     "quantize_experts_fwd",
     "quantize_experts_fwd_cat",
     "quantize_jagged_colwise",
@@ -99,7 +101,7 @@ __all__ = [
     "swiglu",
     "swiglu_backward",
     "swiglu_backward_quantize_rowwise",
-    "swiglu_backward_quantize_rowwise_with_h",
+    "swiglu_backward_with_h_quantize_rowwise",
     "swiglu_quantize_rowwise",
     "to_blocked_scales",
     "to_blocked_scales_k_groups",

@@ -8,37 +8,40 @@ token groups, as ONE differentiable function that owns the whole FFN.
 Against three :func:`~moe_fp8_ext.grouped_mm` calls (same recipe, same math up to fp8
 rounding) it:
 
-- runs W1 and W3 as one grouped GEMM (N = 2·hidden) in the forward: x is quantized
-  once; the input gradient is two GEMMs (grad_h1 W1 + grad_h3 W3), because one GEMM
-  would need a backward weight operand whose scales span both weights (a bf16
-  concatenation of w1 and w3, the size of the weights, every step);
+- runs W1 and W3 as one grouped GEMM (N = 2·hidden) in the forward (x quantized once,
+  both weights quantized straight into one operand) and, for fp8_rowwise
+  (``Recipe.joint_w13_dgrad``), the input gradient as one GEMM too, grad_h13 [W1; W3]
+  (K = 2·hidden): one scale per row of grad_h13 and per (expert, column) of [W1; W3]
+  spans both halves, each operand written by one kernel that reads w1 and w3 (or both
+  halves of grad_h13) in place. Other recipes run two GEMMs over the halves, summed;
 - saves less for backward: x and the W13 output h13 (bf16), nothing else. h =
   silu(h1)·h3 is recomputed from h13 in backward instead of being saved (by the
   dSwiGLU kernel, on the same read of h13). A bf16 torchtitan ``GroupedExperts``
   keeps x, h1, silu(h1), h3 and h (2·M·D + 8·M·hidden bytes); this keeps 2·M·D +
   4·M·hidden;
 - fuses SwiGLU into quantization (:mod:`moe_fp8_ext.swiglu`, through
-  ``Recipe.lhs_swiglu`` / ``lhs_swiglu_backward_with_h``): the forward reads h13 once
+  ``Recipe.lhs_swiglu`` / ``lhs_swiglu_backward_joint``): the forward reads h13 once
   and, for fp8_rowwise, writes only h's fp8 operand (h is never written in bf16); the
-  backward reads grad_h and h13 once and writes grad_h13, both halves' fp8 operands and
-  h (for W2's weight gradient);
+  backward reads grad_h and h13 once and writes grad_h13, its fp8 operand and h (for
+  W2's weight gradient);
 - frees as it goes: the backward drops each operand once its GEMM is issued, frees
   h13 once dSwiGLU has read it (h13 is then kept on ctx, not in ``save_for_backward``,
   so a second backward over one forward raises; under saved-tensor hooks, i.e.
   activation checkpointing or offloading, and under torch.compile it is saved
-  normally), and sums the two input-gradient GEMMs in place: the step's peak is at or
-  below the bf16 module's on issue 15's shapes (bench/RESULTS.md);
+  normally), and (two-GEMM recipes) sums the input-gradient GEMMs in place: the step's
+  peak is at or below the bf16 module's on issue 15's shapes (bench/RESULTS.md);
 - reuses quantized weights while the weights are unchanged (:class:`WeightCache`):
   gradient-accumulation micro-batches and activation-checkpoint recompute quantize
   each weight once per optimizer step instead of once per call.
 
 Not done yet (DESIGN §10 lists them): the one-read kernels that write a tensor's
-rowwise and colwise fp8 together, the joint-amax two-weight kernel for one dgrad GEMM,
-and fp8 (instead of bf16) saved activations. The layer is recipe-agnostic: any
+rowwise and colwise fp8 together (and a weight's two orientations), and fp8 (instead
+of bf16) saved activations. The layer is recipe-agnostic: any
 registered recipe runs through the :class:`~moe_fp8_ext.recipes.Recipe` contract.
 
 Weight reuse, precisely. A cache entry is the quantized operand of one weight (W13 in
-the forward and backward orientations, W2 likewise) with the key (the weight tensor
+the forward and backward orientations, W2 likewise; W1 and W3 backward apart for a
+recipe without ``joint_w13_dgrad``) with the key (the weight tensor
 itself, its ``_version``, data pointer, shape, strides, dtype, recipe, fp8 dtype). Any
 in-place write to the weight through autograd-visible ops (an optimizer step, ``w.add_``,
 ``w.copy_``, ``load_state_dict``) bumps ``_version`` and the next call requantizes;
@@ -241,18 +244,22 @@ class _Experts(torch.autograd.Function):
         # is here, not in the forward): the weights' backward operands, h, grad_h13 once
         # its wgrad operands exist.
         # W2 dgrad: grad_h = grad_out @ W2. dSwiGLU from grad_h and h13 (one read of h13),
-        # fused with the quantization of both halves of grad_h13 and, when W2 needs a
-        # gradient, writing h = swiglu(h13) for it (no second read of h13); h13 is freed
-        # after it. Two dgrad GEMMs over the halves, summed: one GEMM over the whole would
-        # need W13's backward operand, whose scales span both halves (a bf16
-        # concatenation of w1 and w3: a weight-sized copy and transient).
+        # fused with the quantization of grad_h13 and, when W2 needs a gradient, writing
+        # h = swiglu(h13) for it (no second read of h13); h13 is freed after it. The input
+        # gradient through W1 and W3: one GEMM, grad_h13 @ [W1; W3], where the recipe
+        # makes both operands without a copy (joint_w13_dgrad: fp8_rowwise, one scale per
+        # row of grad_h13 and per (expert, column) of [W1; W3] over both halves); else two
+        # GEMMs over the halves, summed.
         need_w13 = need_w1 or need_w3
-        grad_h13 = lhs1 = lhs3 = h = None
+        joint = need_x and recipe.joint_w13_dgrad
+        grad_h13 = lhs13 = lhs1 = lhs3 = h = None
         if need_x or need_w13:  # grad_h feeds only the gradients below W2
             rhs2 = _cached(cache, "w2_bwd", (w2,), tag, lambda: recipe.rhs_bwd({"B_t": w2.transpose(-2, -1)}, f8))
             grad_h = _zero_tail(recipe.mm_2d3d(recipe.lhs(grad_out, f8), rhs2, offs, ctx.gemm_dtype, backend), offs)
             del rhs2
-            if need_x and need_w2:
+            if joint:
+                grad_h13, lhs13, h = recipe.lhs_swiglu_backward_joint(grad_h, h13, f8)
+            elif need_x and need_w2:
                 grad_h13, lhs1, lhs3, h = recipe.lhs_swiglu_backward_with_h(grad_h, h13, f8)
             elif need_x:
                 grad_h13, lhs1, lhs3 = recipe.lhs_swiglu_backward(grad_h, h13, f8)
@@ -268,21 +275,27 @@ class _Experts(torch.autograd.Function):
         grad_w2 = None
         if need_w2:
             grad_w2 = wgrad(wgrad_operands(grad_out, h), ctx.dtypes[3], grad_out.dtype).to(ctx.dtypes[3])
-            del h
+        h = None
         grad_x = grad_w1 = grad_w3 = None
         if need_x:
             dtype = _gemm_out_dtype(recipe, backend, ctx.dtypes[0], ctx.gemm_dtype)  # grad_h13's dtype
-            rhs = _cached(cache, "w1_bwd", (w1,), tag, lambda: recipe.rhs_bwd({"B_t": w1.transpose(-2, -1)}, f8))
-            grad_x = recipe.mm_2d3d(lhs1, rhs, offs, dtype, backend)
-            del lhs1, rhs
-            rhs = _cached(cache, "w3_bwd", (w3,), tag, lambda: recipe.rhs_bwd({"B_t": w3.transpose(-2, -1)}, f8))
-            part = recipe.mm_2d3d(lhs3, rhs, offs, dtype, backend)
-            del lhs3, rhs
-            # In place in eager mode (three (M, dim) tensors at once were the step's peak);
-            # out of place under compile (an in-place op here dropped gradients with torch
-            # 2.11, as in _zero_tail).
-            grad_x = grad_x + part if torch.compiler.is_compiling() else grad_x.add_(part)
-            del part
+            if joint:
+                rhs = _cached(cache, "w13_bwd", (w1, w3), tag, lambda: recipe.rhs_bwd_cat(
+                    [w1.transpose(-2, -1), w3.transpose(-2, -1)], f8))
+                grad_x = recipe.mm_2d3d(lhs13, rhs, offs, dtype, backend)
+                del lhs13, rhs
+            else:
+                rhs = _cached(cache, "w1_bwd", (w1,), tag, lambda: recipe.rhs_bwd({"B_t": w1.transpose(-2, -1)}, f8))
+                grad_x = recipe.mm_2d3d(lhs1, rhs, offs, dtype, backend)
+                del lhs1, rhs
+                rhs = _cached(cache, "w3_bwd", (w3,), tag, lambda: recipe.rhs_bwd({"B_t": w3.transpose(-2, -1)}, f8))
+                part = recipe.mm_2d3d(lhs3, rhs, offs, dtype, backend)
+                del lhs3, rhs
+                # In place in eager mode (three (M, dim) tensors at once were the step's
+                # peak); out of place under compile (an in-place op here dropped gradients
+                # with torch 2.11, as in _zero_tail).
+                grad_x = grad_x + part if torch.compiler.is_compiling() else grad_x.add_(part)
+                del part
             grad_x = _zero_tail(grad_x, offs).to(ctx.dtypes[0])
         if need_w13:
             operands = wgrad_operands(grad_h13, x)

@@ -200,15 +200,17 @@ def _(b_t, fp8_dtype, pow2_scale=True):
     return _experts_fake(b_t, fp8_dtype, 1, "quantize_experts_fwd")
 
 
-def check_quantize_experts_cat(b_ts, fp8_dtype, op="quantize_experts_fwd_cat"):
-    """Each weight (E, K, N_i) as quantize_experts_fwd takes it, all of one dtype,
-    device, E and K (rowwise_ops.cpp's rules, in its words)."""
+def check_quantize_experts_cat(b_ts, fp8_dtype, op="quantize_experts_fwd_cat", rdim=1):
+    """Each weight (E, K, N_i) as quantize_experts_fwd (rdim 1) or _bwd (rdim 2) takes
+    it, all of one dtype, device, E and K (rowwise_ops.cpp's rules, in its words)."""
     _require(isinstance(b_ts, (list, tuple)) and len(b_ts) > 0,
              lambda: f"{op}: expected at least one weight, got none")
+    if rdim == 2:
+        _require(len(b_ts) <= 2, lambda: f"{op}: expected one or two weights, got {len(b_ts)}")
     check_fp8_dtype(op, fp8_dtype)
     b0 = b_ts[0]
     for i, b in enumerate(b_ts):
-        check_quantize_experts(b, fp8_dtype, 1, op)
+        check_quantize_experts(b, fp8_dtype, rdim, op)
         _require(b.dtype == b0.dtype and b.device == b0.device,
                  lambda: f"{op}: expected every weight of one dtype and device, got {_dtype_name(b0.dtype)} on "
                          f"{b0.device} and {_dtype_name(b.dtype)} on {b.device} (weight {i})")
@@ -236,6 +238,28 @@ def _(b_ts, fp8_dtype, pow2_scale=True):
     n = sum(b.shape[2] for b in b_ts)
     q = b_ts[0].new_empty_strided((e, k, n), (k * n, 1, k), dtype=fp8_dtype)
     return q, b_ts[0].new_empty((e, 1, n), dtype=torch.float32)
+
+
+def quantize_experts_bwd_cat(b_ts: Sequence[Tensor], fp8_dtype: Optional[torch.dtype] = None,
+                             pow2_scale: bool = True) -> Tuple[Tensor, Tensor]:
+    """``quantize_experts_bwd`` of the concatenation of one or two weights ``b_ts``
+    (each (E, K, N_i)) along N, the reduced dimension, so each (e, k) scale spans both:
+    ``q`` (E, ΣN_i, K) column-major per expert and ``scale`` (E, 1, K), bit for bit
+    ``quantize_experts_bwd(torch.cat(b_ts, dim=2))``. Two weights of one layout with N
+    strided (the transposes of row-major (E, N_i, K) weights, e.g. torchtitan's w1 and
+    w3) are read in place; other layouts quantize a copy. The experts layer's backward
+    operand of W1 and W3 together (one input-gradient GEMM)."""
+    check_quantize_experts_cat(b_ts, fp8_dtype, "quantize_experts_bwd_cat", 2)
+    return _ops.quantize_experts_bwd_cat(list(b_ts), _dtype(fp8_dtype, b_ts[0]), pow2_scale)
+
+
+@torch.library.register_fake("moe_fp8::quantize_experts_bwd_cat")
+def _(b_ts, fp8_dtype, pow2_scale=True):
+    check_quantize_experts_cat(b_ts, fp8_dtype, "quantize_experts_bwd_cat", 2)
+    e, k = b_ts[0].shape[0], b_ts[0].shape[1]
+    n = sum(b.shape[2] for b in b_ts)
+    q = b_ts[0].new_empty_strided((e, n, k), (n * k, 1, n), dtype=fp8_dtype)
+    return q, b_ts[0].new_empty((e, 1, k), dtype=torch.float32)
 
 
 def quantize_experts_bwd(b_t: Tensor, fp8_dtype: Optional[torch.dtype] = None, pow2_scale: bool = True) -> Tuple[Tensor, Tensor]:

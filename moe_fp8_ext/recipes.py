@@ -168,9 +168,26 @@ class Recipe:
     def lhs_swiglu_backward_with_h(self, grad_h: Tensor, h13: Tensor,
                                    fp8_dtype) -> Tuple[Tensor, Operand, Operand, Tensor]:
         """``lhs_swiglu_backward`` and h = ``silu(h1) * h3`` (the operand of W2's weight
-        gradient). Default: the two kernels; a recipe with a kernel that writes h on the
-        way overrides it (h13 read once instead of twice)."""
+        gradient): the two kernels."""
         return (*self.lhs_swiglu_backward(grad_h, h13, fp8_dtype), _sw.swiglu(h13))
+
+    # Whether the experts layer runs the input gradient through W1 and W3 as ONE GEMM
+    # (grad_h13 @ [W1; W3], operands from lhs_swiglu_backward_joint and rhs_bwd_cat),
+    # instead of two GEMMs summed. A recipe sets it where both operands come without a
+    # copy (its scales may then span both halves).
+    joint_w13_dgrad = False
+
+    def lhs_swiglu_backward_joint(self, grad_h: Tensor, h13: Tensor, fp8_dtype) -> Tuple[Tensor, Operand, Tensor]:
+        """``(grad_h13, lhs(grad_h13), h)``: the gradient through the SwiGLU, the left
+        operand of the one input-gradient GEMM against W1 and W3 together, and h for
+        W2's weight gradient. Default: the two kernels, then ``lhs``."""
+        g13 = _sw.swiglu_backward(grad_h, h13)
+        return g13, self.lhs(g13, fp8_dtype), _sw.swiglu(h13)
+
+    def rhs_bwd_cat(self, b_ts, fp8_dtype) -> Operand:
+        """``rhs_bwd`` of the weights ``b_ts`` (each (E, K, N_i)) concatenated along N,
+        the contraction of the input gradient. Default: of a concatenated copy."""
+        return self.rhs_bwd({"B_t": torch.cat(b_ts, dim=2)}, fp8_dtype)
 
     # ---- GEMMs ---------------------------------------------------------------------
     def mm_2d3d(self, lhs: Operand, rhs: Operand, offs: Tensor, out_dtype: torch.dtype, backend: str) -> Tensor:
@@ -306,9 +323,17 @@ class Fp8Rowwise(Recipe):
         g13, q1, s1, q3, s3 = _sw.swiglu_backward_quantize_rowwise(grad_h, h13, fp8_dtype, self.pow2_scale)
         return g13, (q1, s1.squeeze(-1)), (q3, s3.squeeze(-1))
 
-    def lhs_swiglu_backward_with_h(self, grad_h, h13, fp8_dtype):
-        g13, q1, s1, q3, s3, h = _sw.swiglu_backward_quantize_rowwise_with_h(grad_h, h13, fp8_dtype, self.pow2_scale)
-        return g13, (q1, s1.squeeze(-1)), (q3, s3.squeeze(-1)), h
+    # One scale per row of grad_h13 and per (expert, column) of [W1; W3] over both
+    # halves: written by one kernel each, no copy.
+    joint_w13_dgrad = True
+
+    def lhs_swiglu_backward_joint(self, grad_h, h13, fp8_dtype):
+        g13, q, s, h = _sw.swiglu_backward_with_h_quantize_rowwise(grad_h, h13, fp8_dtype, self.pow2_scale)
+        return g13, (q, s.squeeze(-1)), h
+
+    def rhs_bwd_cat(self, b_ts, fp8_dtype):
+        q, s = ops.quantize_experts_bwd_cat(b_ts, fp8_dtype, self.pow2_scale)  # (E, ΣN, K) column-major
+        return q, s.squeeze(1)
 
     def wgrad_operands(self, grad_out, saved, offs, fp8_dtype, padded_starts):
         A = saved["A"]

@@ -24,7 +24,7 @@ from .ops import _dtype, _dtype_name, _require, check_fp8_dtype, check_quant_inp
 
 _ops = torch.ops.moe_fp8
 
-__all__ = ["swiglu", "swiglu_backward", "swiglu_backward_quantize_rowwise", "swiglu_backward_quantize_rowwise_with_h",
+__all__ = ["swiglu", "swiglu_backward", "swiglu_backward_quantize_rowwise", "swiglu_backward_with_h_quantize_rowwise",
            "swiglu_quantize_rowwise"]
 
 
@@ -125,27 +125,28 @@ def _(grad_h, h13, fp8_dtype, pow2_scale=True):
     return h13.new_empty(h13.shape), q[0], s[0], q[1], s[1]
 
 
-def swiglu_backward_quantize_rowwise_with_h(
-        grad_h: Tensor, h13: Tensor, fp8_dtype: Optional[torch.dtype] = None,
-        pow2_scale: bool = True) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """``swiglu_backward_quantize_rowwise`` and ``swiglu(h13)`` from the same read of h13:
-    (grad_h13, q1, scale1, q3, scale3, h), each bit for bit what the separate ops return.
-    The experts backward needs h for W2's weight gradient; this writes it instead of
-    reading h13 a second time."""
-    op = "swiglu_backward_quantize_rowwise_with_h"
+
+def swiglu_backward_with_h_quantize_rowwise(grad_h: Tensor, h13: Tensor, fp8_dtype: Optional[torch.dtype] = None,
+                                            pow2_scale: bool = True) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``swiglu_backward``, the rowwise fp8 of grad_h13 as a whole and ``swiglu(h13)``
+    from one read of h13: (grad_h13, q, scale, h) with ``(q, scale) =
+    quantize_rowwise(grad_h13)`` (one scale per row over both halves: the left operand
+    of ONE input-gradient GEMM against W1 and W3 together) and h bit for bit
+    ``swiglu(h13)`` (the operand of W2's weight gradient, which the experts backward
+    would otherwise recompute from h13)."""
+    op = "swiglu_backward_with_h_quantize_rowwise"
     check_h13(op, h13)
     check_grad(op, grad_h, h13)
     check_fp8_dtype(op, fp8_dtype)
-    return _ops.swiglu_backward_quantize_rowwise_with_h(grad_h, h13, _dtype(fp8_dtype, h13), pow2_scale)
+    return _ops.swiglu_backward_with_h_quantize_rowwise(grad_h, h13, _dtype(fp8_dtype, h13), pow2_scale)
 
 
-@torch.library.register_fake("moe_fp8::swiglu_backward_quantize_rowwise_with_h")
+@torch.library.register_fake("moe_fp8::swiglu_backward_with_h_quantize_rowwise")
 def _(grad_h, h13, fp8_dtype, pow2_scale=True):
-    op = "swiglu_backward_quantize_rowwise_with_h"
+    op = "swiglu_backward_with_h_quantize_rowwise"
     check_h13(op, h13)
     check_grad(op, grad_h, h13)
     check_fp8_dtype(op, fp8_dtype)
     m, hidden = h13.shape[0], h13.shape[1] // 2
-    q = [h13.new_empty((m, hidden), dtype=fp8_dtype) for _ in range(2)]
-    s = [h13.new_empty((m, 1), dtype=torch.float32) for _ in range(2)]
-    return h13.new_empty(h13.shape), q[0], s[0], q[1], s[1], h13.new_empty((m, hidden))
+    return (h13.new_empty(h13.shape), h13.new_empty(h13.shape, dtype=fp8_dtype),
+            h13.new_empty((m, 1), dtype=torch.float32), h13.new_empty((m, hidden)))

@@ -72,7 +72,7 @@ if [ "$tests" = 1 ]; then
       tee -a "$OUT/sanitizer.log" | tail -3
     test ${PIPESTATUS[0]} -eq 0
     # the weights written into slices of one operand (quantize_experts_fwd_cat)
-    compute-sanitizer --tool memcheck --error-exitcode 1 $PY -m pytest tests/test_rowwise.py -q -k "fwd_cat and cuda" \
+    compute-sanitizer --tool memcheck --error-exitcode 1 $PY -m pytest tests/test_rowwise.py -q -k "_cat and cuda" \
       2>&1 | tee -a "$OUT/sanitizer.log" | tail -3
     test ${PIPESTATUS[0]} -eq 0
   else

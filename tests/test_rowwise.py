@@ -112,6 +112,32 @@ def test_quantize_experts_fwd_cat(device, in_dtype, fp8_dtype, pow2, shape, ns):
         assert_scale_equal(s, rs)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("in_dtype", IN_DTYPES)
+@pytest.mark.parametrize("fp8_dtype", FP8_DTYPES)
+@pytest.mark.parametrize("pow2", [True, False])
+@pytest.mark.parametrize("shape, ns", [((2, 769), (33, 5)), ((3, 64), (130, 130)), ((4, 17), (5,)),
+                                       ((2, 32), (0, 48)), ((0, 8), (8, 8)), ((1, 1), (1, 1)), ((2, 48), (40, 24)),
+                                       ((2, 769), (40, 40))])
+def test_quantize_experts_bwd_cat(device, in_dtype, fp8_dtype, pow2, shape, ns):
+    # = quantize_experts_bwd of the concatenation along N (the reduced dim: scales span
+    # both weights). Same-layout pairs with N strided are read in place (the split
+    # "cols" launch), the others reduce a copy: both checked.
+    e, k = shape
+    for rot in range(3):
+        parts = [list(layouts_3d(e, k, n, in_dtype, device))[(rot + i * (rot != 1)) % 3] for i, n in enumerate(ns)]
+        # outliers in the second part only, so a scale that does not span both fails
+        if len(parts) == 2 and parts[1].numel():
+            parts[1] = parts[1] * 64
+        poison(device)
+        q, s = moe_fp8_ext.quantize_experts_bwd_cat(parts, fp8_dtype, pow2)
+        rq, rs = ref.quantize_experts_bwd(torch.cat([p.cpu() for p in parts], dim=2), fp8_dtype, pow2)
+        assert q.shape == (e, sum(ns), k) and s.shape == (e, 1, k)
+        assert q.transpose(1, 2).is_contiguous()
+        assert_fp8_equal(q, rq)
+        assert_scale_equal(s, rs)
+
+
 # ---- jagged column-wise ---------------------------------------------------------------
 
 JAGGED_CASES = [  # (M, D, G, tail rows past offs[-1])
@@ -172,6 +198,8 @@ offs2 = torch.tensor([4, 8], dtype=torch.int32)
         (lambda: moe_fp8_ext.quantize_experts_fwd(x2d, F8), "quantize_experts_fwd: expected b_t to be a 3-D tensor, got 2-D"),
         (lambda: moe_fp8_ext.quantize_experts_bwd(torch.randn(2, 2, 2, dtype=torch.float64), F8), "quantize_experts_bwd: expected b_t of dtype bfloat16, float16 or float32, got Double"),
         (lambda: moe_fp8_ext.quantize_experts_fwd_cat([], F8), "quantize_experts_fwd_cat: expected at least one weight, got none"),
+        (lambda: moe_fp8_ext.quantize_experts_bwd_cat([torch.randn(2, 8, 4)] * 3, F8), "quantize_experts_bwd_cat: expected one or two weights, got 3"),
+        (lambda: moe_fp8_ext.quantize_experts_bwd_cat([torch.randn(2, 8, 4), torch.randn(2, 4, 4)], F8), "quantize_experts_bwd_cat: expected every weight of shape (E, K, N_i) with the E and K of the first, (2, 8, .), got (2, 4, 4) (weight 1)"),
         (lambda: moe_fp8_ext.quantize_experts_fwd_cat([torch.randn(2, 8, 4), torch.randn(2, 4, 4)], F8), "quantize_experts_fwd_cat: expected every weight of shape (E, K, N_i) with the E and K of the first, (2, 8, .), got (2, 4, 4) (weight 1)"),
         (lambda: moe_fp8_ext.quantize_experts_fwd_cat([torch.randn(2, 8, 4), torch.randn(2, 8, 4, dtype=torch.bfloat16)], F8), "quantize_experts_fwd_cat: expected every weight of one dtype and device, got Float on cpu and BFloat16 on cpu (weight 1)"),
         (lambda: moe_fp8_ext.quantize_jagged_colwise(x2d, offs2.long(), F8), "quantize_jagged_colwise: expected offs of dtype int32, got Long"),
@@ -192,11 +220,15 @@ def test_bad_inputs(call, message):
 def test_bad_inputs_cat_same_words_in_cpp():
     # the C++ op (no wrapper in front) refuses with the wrapper's words (an empty list
     # does not reach it: the dispatcher needs a tensor argument)
-    for args, message in (([torch.randn(2, 8, 4), torch.randn(3, 8, 4)], "(2, 8, .), got (3, 8, 4) (weight 1)"),
-                          ([torch.randn(2, 8, 4), torch.randn(2, 8, 4).half()], "got Float on cpu and Half on cpu (weight 1)")):
-        with pytest.raises(RuntimeError) as e:
-            torch.ops.moe_fp8.quantize_experts_fwd_cat(args, F8)
-        assert "quantize_experts_fwd_cat: expected" in str(e.value) and message in str(e.value)
+    for op in ("quantize_experts_fwd_cat", "quantize_experts_bwd_cat"):
+        for args, message in (
+                ([torch.randn(2, 8, 4), torch.randn(3, 8, 4)], "(2, 8, .), got (3, 8, 4) (weight 1)"),
+                ([torch.randn(2, 8, 4), torch.randn(2, 8, 4).half()], "got Float on cpu and Half on cpu (weight 1)")):
+            with pytest.raises(RuntimeError) as e:
+                getattr(torch.ops.moe_fp8, op)(args, F8)
+            assert f"{op}: expected" in str(e.value) and message in str(e.value)
+    with pytest.raises(RuntimeError, match="quantize_experts_bwd_cat: expected one or two weights, got 3"):
+        torch.ops.moe_fp8.quantize_experts_bwd_cat([torch.randn(2, 8, 4)] * 3, F8)
 
 
 @requires_cuda
@@ -228,6 +260,7 @@ OPCHECK_CASES = [
     ("quantize_experts_fwd", lambda d: (_w(d), F8, True)),
     ("quantize_experts_bwd", lambda d: (_w(d).transpose(1, 2), F8, True)),
     ("quantize_experts_fwd_cat", lambda d: ([_w(d), _w(d)[:, :, :16].transpose(1, 2).contiguous().transpose(1, 2)], F8, True)),
+    ("quantize_experts_bwd_cat", lambda d: ([_w(d).transpose(1, 2).contiguous().transpose(1, 2)] * 2, F8, True)),
     ("quantize_jagged_colwise", lambda d: (_x(d), _offs(d), F8, True)),
     ("quantize_jagged_colwise_dual", lambda d: (_x(d), _x(d)[:, :16], _offs(d), F8, True)),
 ]
@@ -245,9 +278,10 @@ def test_compile_fullgraph(device):
         qa, sa = moe_fp8_ext.quantize_rowwise(a, F8)
         qw, sw = moe_fp8_ext.quantize_experts_fwd(w, F8)
         qc, sc = moe_fp8_ext.quantize_experts_fwd_cat([w, w * 2], F8)
+        qb, sb = moe_fp8_ext.quantize_experts_bwd_cat([w, w * 2], F8)
         qg, sg, qx, sx = moe_fp8_ext.quantize_jagged_colwise_dual(a, a * 2, offs, F8)
         # Some surrounding math so that the ops sit inside a real graph.
-        return qa.float() * sa, qw.float() * sw, sg + sx, qg.float().sum() + qx.float().sum(), qc.float() * sc
+        return qa.float() * sa, qw.float() * sw, sg + sx, qg.float().sum() + qx.float().sum(), qc.float() * sc, qb.float() * sb
 
     a = randn((64, 48), torch.bfloat16, device)
     w = randn((3, 32, 48), torch.bfloat16, device)
@@ -282,6 +316,11 @@ def test_experts_large(fp8_dtype, shape, transposed):
     poison("cuda")
     cpu = moe_fp8_ext.quantize_experts_fwd_cat([w.cpu(), w[:, :, : n // 2].cpu() * 3], fp8_dtype)
     check(gpu, cpu)
+    w3 = w * 3  # the same layout as w: read in place by the split "cols" launch
+    poison("cuda")
+    gpu = moe_fp8_ext.quantize_experts_bwd_cat([w, w3], fp8_dtype)
+    check(gpu, moe_fp8_ext.quantize_experts_bwd_cat([w.cpu(), w3.cpu()], fp8_dtype))
+    check(gpu, moe_fp8_ext.quantize_experts_bwd(torch.cat([w, w3], dim=2), fp8_dtype))
 
 
 @requires_cuda

@@ -94,14 +94,18 @@ def test_quantized_equals_quantize_rowwise_of_the_values(f8, pow2, dtype):
             rq, rs = moe_fp8_ext.quantize_rowwise(half, f8, pow2)
             assert_fp8_equal(qh, rq)
             assert_scale_equal(sh, rs)
-        # with h: the same five outputs and the forward value, each bit for bit
-        with_h = moe_fp8_ext.swiglu_backward_quantize_rowwise_with_h(g, h13, f8, pow2)
-        for got, want in zip(with_h, (gh13, q1, s1, q3, s3, h)):
-            if got.dtype == f8:
-                assert_fp8_equal(got, want)
-            else:
-                assert_same(got, want)
-        assert_same(with_h[5], ref.swiglu(h13))
+        # with h, the whole row quantized: grad_h13, quantize_rowwise(grad_h13) and the
+        # forward value, each bit for bit
+        g13, q, s, h_again = moe_fp8_ext.swiglu_backward_with_h_quantize_rowwise(g, h13, f8, pow2)
+        assert_same(g13, gh13)
+        rq, rs = moe_fp8_ext.quantize_rowwise(gh13, f8, pow2)
+        assert_fp8_equal(q, rq)
+        assert_scale_equal(s, rs)
+        rq, rs = ref.quantize_rowwise(gh13, f8, pow2)
+        assert_fp8_equal(q, rq)
+        assert_scale_equal(s, rs)
+        assert_same(h_again, h)
+        assert_same(h_again, ref.swiglu(h13))
 
 
 def test_exp_within_two_ulp():
@@ -146,7 +150,7 @@ def test_bad_arguments():
         (lambda: moe_fp8_ext.swiglu_backward(g.float(), h13), "h13's dtype BFloat16, got Float"),
         (lambda: moe_fp8_ext.swiglu_backward(g[:3], h13), r"grad_h of shape \(4, 3\)"),
         (lambda: moe_fp8_ext.swiglu_quantize_rowwise(h13, torch.int8), "fp8_dtype"),
-        (lambda: moe_fp8_ext.swiglu_backward_quantize_rowwise_with_h(g[:, :2], h13), r"grad_h of shape \(4, 3\)"),
+        (lambda: moe_fp8_ext.swiglu_backward_with_h_quantize_rowwise(g[:, :2], h13), r"grad_h of shape \(4, 3\)"),
     ]
     for fn, match in cases:
         with pytest.raises(RuntimeError, match=match):
@@ -156,8 +160,8 @@ def test_bad_arguments():
         torch.ops.moe_fp8.swiglu(torch.randn(4, 5))
     with pytest.raises(RuntimeError, match="h13's dtype BFloat16, got Float"):
         torch.ops.moe_fp8.swiglu_backward(g.float(), h13)
-    with pytest.raises(RuntimeError, match="swiglu_backward_quantize_rowwise_with_h: expected grad_h of h13's dtype"):
-        torch.ops.moe_fp8.swiglu_backward_quantize_rowwise_with_h(g.float(), h13, torch.float8_e4m3fn)
+    with pytest.raises(RuntimeError, match="swiglu_backward_with_h_quantize_rowwise: expected grad_h of h13's dtype"):
+        torch.ops.moe_fp8.swiglu_backward_with_h_quantize_rowwise(g.float(), h13, torch.float8_e4m3fn)
 
 
 # ---- opcheck and torch.compile --------------------------------------------------------
@@ -177,7 +181,7 @@ OPCHECK_CASES = [
     ("swiglu_quantize_rowwise", lambda d: (_h(d), torch.float8_e4m3fn, True)),
     ("swiglu_backward", lambda d: (_g(d), _h(d))),
     ("swiglu_backward_quantize_rowwise", lambda d: (_g(d), _h(d), torch.float8_e4m3fnuz, False)),
-    ("swiglu_backward_quantize_rowwise_with_h", lambda d: (_g(d), _h(d), torch.float8_e4m3fn, True)),
+    ("swiglu_backward_with_h_quantize_rowwise", lambda d: (_g(d), _h(d), torch.float8_e4m3fn, True)),
 ]
 
 
@@ -196,7 +200,7 @@ def test_compile_fullgraph(device):
         q, s = moe_fp8_ext.swiglu_quantize_rowwise(h13, f8)
         gh13 = moe_fp8_ext.swiglu_backward(g, h13)
         _, q1, s1, q3, s3 = moe_fp8_ext.swiglu_backward_quantize_rowwise(g, h13, f8)
-        *_, h_again = moe_fp8_ext.swiglu_backward_quantize_rowwise_with_h(g, h13, f8)
+        *_, h_again = moe_fp8_ext.swiglu_backward_with_h_quantize_rowwise(g, h13, f8)
         return h * 2, q.float() * s, gh13 + 1, q1.float() * s1 + q3.float() * s3, h_again - h
 
     h13, g = _h(device), _g(device)
@@ -216,7 +220,7 @@ def _cuda_same_as_cpu(h13, g, f8, pow2=True):
         (moe_fp8_ext.swiglu_backward, (g, h13)),
         (lambda *a: moe_fp8_ext.swiglu_quantize_rowwise(*a, f8, pow2), (h13,)),
         (lambda *a: moe_fp8_ext.swiglu_backward_quantize_rowwise(*a, f8, pow2), (g, h13)),
-        (lambda *a: moe_fp8_ext.swiglu_backward_quantize_rowwise_with_h(*a, f8, pow2), (g, h13)),
+        (lambda *a: moe_fp8_ext.swiglu_backward_with_h_quantize_rowwise(*a, f8, pow2), (g, h13)),
     ):
         gpu = fn(*[a.cuda() for a in args])
         cpu = fn(*[a.cpu() for a in args])

@@ -67,12 +67,22 @@ MOE_FP8_DEVICE int tile_offset(int r, int b) {
 MOE_FP8_DEVICE uint32_t ceil_div_u32(uint32_t a, uint32_t b) { return (a + b - 1) / b; }
 MOE_FP8_DEVICE uint32_t round_up_u32(uint32_t a, uint32_t b) { return ceil_div_u32(a, b) * b; }
 
+// The block's input rows: row r at lo + r * sr, or, from `split` on, at
+// hi + (r - split) * sr (ColsOperand::x_hi; split = INT64_MAX without one).
+template <typename T>
+struct ColsRows {
+  const T* lo;
+  const T* hi;
+  int64_t split;
+  MOE_FP8_DEVICE const T* row(int64_t r, int64_t sr) const { return r < split ? lo + r * sr : hi + (r - split) * sr; }
+};
+
 // Copies rows [lo, lo + n) of the block's slice (columns from the block's first) into
 // tile rows [0, n) and waits. The vector path moves 16 bytes per thread and row
 // (8 threads a row); the scalar path one element of any stride.
 template <typename T, bool kVec>
-MOE_FP8_DEVICE void stage_rows(const T* xblk, int64_t sr, int64_t sc, int64_t lo, int n, int64_t valid_cols,
-                               uint8_t* tile) {
+MOE_FP8_DEVICE void stage_rows(const ColsRows<T>& xblk, int64_t sr, int64_t sc, int64_t lo, int n,
+                               int64_t valid_cols, uint8_t* tile) {
   constexpr int kTileCols = kColsTileBytes / static_cast<int>(sizeof(T));
   if constexpr (kVec) {
     constexpr int kPerRow = kColsTileBytes / 16;
@@ -81,7 +91,7 @@ MOE_FP8_DEVICE void stage_rows(const T* xblk, int64_t sr, int64_t sc, int64_t lo
     if (tx * kElems >= valid_cols) return;  // the block's columns past the operand (vector path: whole chunks)
     (void)sc;
     for (int i = threadIdx.x / kPerRow; i < n; i += kColsThreads / kPerRow) {
-      async_copy_16(tile + tile_offset(i, tx * 16), xblk + (lo + i) * sr + tx * kElems);
+      async_copy_16(tile + tile_offset(i, tx * 16), xblk.row(lo + i, sr) + tx * kElems);
     }
     async_copy_wait_all();
   } else {
@@ -89,13 +99,13 @@ MOE_FP8_DEVICE void stage_rows(const T* xblk, int64_t sr, int64_t sc, int64_t lo
     const int tx = threadIdx.x % kTileCols;
     const int ty = threadIdx.x / kTileCols;
     if (tx >= valid_cols) return;
-    const T* xc = xblk + tx * sc;
+    const int64_t col = tx * sc;
     for (int i0 = 0; i0 < n; i0 += kRowsPerStep * kColsUnroll) {
       T v[kColsUnroll];
 #pragma unroll
       for (int u = 0; u < kColsUnroll; ++u) {
         const int i = i0 + ty + u * kRowsPerStep;
-        if (i < n) v[u] = xc[(lo + i) * sr];
+        if (i < n) v[u] = xblk.row(lo + i, sr)[col];
       }
 #pragma unroll
       for (int u = 0; u < kColsUnroll; ++u) {
@@ -231,7 +241,10 @@ __global__ void __launch_bounds__(kColsThreads, kColsMinBlocks) quantize_cols_ke
   const int64_t my_start = seg.start + my_off;
   const int my_len = std::max(0, std::min(static_cast<int>(seg.end - seg.start) - my_off, my_qlen));
   const int64_t valid_cols = seg.zero_fill ? 0 : op.cols - c0;
-  const T* xblk = static_cast<const T*>(op.x) + seg.batch * op.sb + c0 * op.sc;
+  const int64_t blk_off = seg.batch * op.sb + c0 * op.sc;
+  const ColsRows<T> xblk{static_cast<const T*>(op.x) + blk_off,
+                         op.x_hi == nullptr ? nullptr : static_cast<const T*>(op.x_hi) + blk_off,
+                         op.x_hi == nullptr ? INT64_MAX : op.row_split};
 
   const int tid = threadIdx.x;
   const int rb = tid % kColsRowBlocks;
@@ -364,7 +377,7 @@ template <typename T>
 inline bool cols_vector_ok(const ColsOperand& op) {
   constexpr int64_t n = 16 / sizeof(T);
   return op.sc == 1 && op.cols % n == 0 && op.sr % n == 0 && op.sb % n == 0 &&
-         reinterpret_cast<uintptr_t>(op.x) % 16 == 0;
+         reinterpret_cast<uintptr_t>(op.x) % 16 == 0 && reinterpret_cast<uintptr_t>(op.x_hi) % 16 == 0;
 }
 
 struct ColsLaunchPlan {

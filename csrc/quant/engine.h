@@ -59,9 +59,14 @@ MOE_FP8_HD int64_t rows_q_offset(const RowsArgs& a, int64_t outer, int64_t inner
 // One operand of a "cols" launch. Element (b, r, c) of x is at
 // x + b*sb + r*sr + c*sc (elements); its fp8 code goes to q + b*q_sb + c*q_sc + r
 // (bytes, so every reduction set is contiguous in q); the scale of (segment s,
-// column c, block j) goes to `scale` at segment s, set c, block j.
+// column c, block j) goes to `scale` at segment s, set c, block j. With `x_hi`, the
+// rows from `row_split` on come from a second tensor of the same strides: element
+// (b, r, c), r >= row_split, is at x_hi + b*sb + (r - row_split)*sr + c*sc (two weights
+// concatenated along the reduced dimension, reduced together without a copy).
 struct ColsOperand {
   const void* x = nullptr;
+  const void* x_hi = nullptr;
+  int64_t row_split = 0;
   int64_t sb = 0, sr = 0, sc = 1;
   int64_t cols = 0;
   uint8_t* q = nullptr;

@@ -80,6 +80,11 @@ void cols(const ColsArgs& a) {
         const int64_t c = task % op.cols;
         const Segment seg = resolve_segment(a, seg_id);
         const T* xc = static_cast<const T*>(op.x) + seg.batch * op.sb + c * op.sc;
+        const T* xc_hi = op.x_hi == nullptr ? nullptr : static_cast<const T*>(op.x_hi) + seg.batch * op.sb + c * op.sc;
+        auto at = [&](int64_t row) {  // input row `row` of this column
+          return static_cast<float>(xc_hi != nullptr && row >= op.row_split ? xc_hi[(row - op.row_split) * op.sr]
+                                                                            : xc[row * op.sr]);
+        };
         // q rows of this segment: its input rows first, then padding (a zero row
         // encoded with the block's scale, so NaN in a NaN block, as quantizing the
         // padded copy gives and the GPU kernel does) or the tail (zeros).
@@ -97,12 +102,12 @@ void cols(const ColsArgs& a) {
           const int64_t r0 = j * block, r1 = std::min(seg.q_len, r0 + block);
           uint32_t amax = 0;
           for (int64_t r = r0; r < std::min(r1, n); ++r) {
-            amax = std::max(amax, abs_bits(static_cast<float>(xc[(seg.start + r) * op.sr])));
+            amax = std::max(amax, abs_bits(at(seg.start + r)));
           }
           const auto sc = Rule::template from_amax_bits<F>(amax);
           store_scale<Rule>(op.scale, Layout::index(op.scale, seg_id, c, j, 0, col_base, group_cols), sc.stored);
           for (int64_t r = r0; r < std::min(r1, n); ++r) {
-            qc[r] = encode_fp8<F>(scale_clamp(static_cast<float>(xc[(seg.start + r) * op.sr]), sc.encode, kMax));
+            qc[r] = encode_fp8<F>(scale_clamp(at(seg.start + r), sc.encode, kMax));
           }
           const uint8_t pad = encode_fp8<F>(scale_clamp(0.0f, sc.encode, kMax));
           for (int64_t r = std::max(r0, n); r < r1; ++r) qc[r] = pad;

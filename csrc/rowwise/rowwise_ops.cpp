@@ -176,6 +176,44 @@ std::tuple<at::Tensor, at::Tensor> quantize_experts_fwd_cat(const QuantKernels& 
   return {q, scale};
 }
 
+std::tuple<at::Tensor, at::Tensor> quantize_experts_bwd_cat(const QuantKernels& k, at::TensorList b_ts,
+                                                            at::ScalarType fp8_dtype, bool pow2_scale) {
+  constexpr const char* op = "quantize_experts_bwd_cat";
+  TORCH_CHECK(b_ts.size() == 1 || b_ts.size() == 2, op, ": expected one or two weights, got ", b_ts.size());
+  fp8_format(fp8_dtype, op);
+  for (const at::Tensor& b : b_ts) {
+    check_rank(b, 3, op, "b_t");
+    input_kind(b, op, "b_t");
+  }
+  if (b_ts.size() == 1) return quantize_per_expert(k, b_ts[0], /*rdim=N*/ 2, fp8_dtype, pow2_scale, op);
+  const at::Tensor &b0 = b_ts[0], &b1 = b_ts[1];
+  TORCH_CHECK(b1.scalar_type() == b0.scalar_type() && b1.device() == b0.device(), op,
+              ": expected every weight of one dtype and device, got ", b0.scalar_type(), " on ", b0.device(), " and ",
+              b1.scalar_type(), " on ", b1.device(), " (weight 1)");
+  TORCH_CHECK(b1.size(0) == b0.size(0) && b1.size(1) == b0.size(1), op,
+              ": expected every weight of shape (E, K, N_i) with the E and K of the first, (", b0.size(0), ", ",
+              b0.size(1), ", .), got (", b1.size(0), ", ", b1.size(1), ", ", b1.size(2), ") (weight 1)");
+  const int64_t E = b0.size(0), K = b0.size(1), N0 = b0.size(2), N = N0 + b1.size(2);
+  // The reduction over N spans both weights: one "cols" launch whose rows from N0 on
+  // come from the second (same strides, N strided). Other layouts reduce a copy.
+  const bool same_strides = b0.stride(0) == b1.stride(0) && b0.stride(1) == b1.stride(1) &&
+                            b0.stride(2) == b1.stride(2);
+  if (!same_strides || b0.stride(2) == 1 || N0 == 0 || b1.size(2) == 0 || E > 65535) {
+    return quantize_per_expert(k, at::cat({b0, b1}, 2), /*rdim=N*/ 2, fp8_dtype, pow2_scale, op);
+  }
+  at::Tensor q = at::empty_strided({E, N, K}, {N * K, 1, N}, b0.options().dtype(fp8_dtype));
+  at::Tensor scale = at::empty({E, 1, K}, b0.options().dtype(at::kFloat));
+  if (E == 0 || K == 0) return {q, scale};
+  ColsArgs a;
+  a.op[0] = cols_operand(b0, b0.stride(0), b0.stride(2), b0.stride(1), K, q, N * K, N, scale, K);
+  a.op[0].x_hi = b1.data_ptr();
+  a.op[0].row_split = N0;
+  a.rows = N;
+  a.num_segments = static_cast<int>(E);
+  run_cols(k, b0, fp8_dtype, pow2_scale, a, N, op);
+  return {q, scale};
+}
+
 std::tuple<at::Tensor, at::Tensor> quantize_experts_bwd(const QuantKernels& k, const at::Tensor& b_t,
                                                         at::ScalarType fp8_dtype, bool pow2_scale) {
   return quantize_per_expert(k, b_t, /*rdim=N*/ 2, fp8_dtype, pow2_scale, "quantize_experts_bwd");

@@ -30,6 +30,11 @@ std::tuple<at::Tensor, at::Tensor> quantize_experts_fwd_cat(const QuantKernels& 
                                                             at::ScalarType fp8_dtype, bool pow2_scale);
 std::tuple<at::Tensor, at::Tensor> quantize_experts_bwd(const QuantKernels& k, const at::Tensor& b_t,
                                                         at::ScalarType fp8_dtype, bool pow2_scale);
+// quantize_experts_bwd of the concatenation of one or two weights (E, K, N_i) along N,
+// the reduced dimension (each (e, k) scale spans both): q (E, sum N_i, K) column-major,
+// scale (E, 1, K). Two weights of one layout with N strided are read in place.
+std::tuple<at::Tensor, at::Tensor> quantize_experts_bwd_cat(const QuantKernels& k, at::TensorList b_ts,
+                                                            at::ScalarType fp8_dtype, bool pow2_scale);
 // padded_starts (with alignment): write q in the padded layout of pad_token_groups
 // (DESIGN §8) straight from the unpadded x.
 std::tuple<at::Tensor, at::Tensor> quantize_jagged_colwise(const QuantKernels& k, const at::Tensor& x,
@@ -54,6 +59,9 @@ struct RowwiseOn {
   static std::tuple<at::Tensor, at::Tensor> experts_fwd_cat(at::TensorList b, at::ScalarType t, bool pow2) {
     return quantize_experts_fwd_cat(K, b, t, pow2);
   }
+  static std::tuple<at::Tensor, at::Tensor> experts_bwd_cat(at::TensorList b, at::ScalarType t, bool pow2) {
+    return quantize_experts_bwd_cat(K, b, t, pow2);
+  }
   static std::tuple<at::Tensor, at::Tensor> experts_bwd(const at::Tensor& b, at::ScalarType t, bool pow2) {
     return quantize_experts_bwd(K, b, t, pow2);
   }
@@ -70,6 +78,7 @@ struct RowwiseOn {
     m.impl("quantize_rowwise", TORCH_FN(rowwise));
     m.impl("quantize_experts_fwd", TORCH_FN(experts_fwd));
     m.impl("quantize_experts_fwd_cat", TORCH_FN(experts_fwd_cat));
+    m.impl("quantize_experts_bwd_cat", TORCH_FN(experts_bwd_cat));
     m.impl("quantize_experts_bwd", TORCH_FN(experts_bwd));
     m.impl("quantize_jagged_colwise", TORCH_FN(jagged));
     m.impl("quantize_jagged_colwise_dual", TORCH_FN(jagged_dual));

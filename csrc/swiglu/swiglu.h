@@ -26,8 +26,10 @@ namespace moe_fp8 {
 // One launch: rows of h13 = [h1 | h3] (hidden columns each, unit column stride).
 // Forward: out = h (rows, hidden) when non-null; with `quant`, q[0] / scale[0] the
 // rowwise fp8 of h. Backward: out = grad_h13 (rows, 2 hidden) when non-null; with
-// `quant`, q[i] / scale[i] the rowwise fp8 of half i of grad_h13; h_out = h (rows,
-// hidden) when non-null (the recomputed forward value, for the W2 weight gradient). (A flag, not the
+// `quant`, q[i] / scale[i] the rowwise fp8 of half i of grad_h13, or with `joint` of
+// grad_h13 as a whole (one scale per row over both halves: q[1] = q[0] + hidden,
+// scale[1] = scale[0]); h_out = h (rows, hidden) when non-null (the recomputed forward
+// value, for the W2 weight gradient). q rows are q_stride bytes apart. (A flag, not the
 // pointers: an empty q has a null data pointer, and its rows still get scales.)
 // Strides are in elements (q: bytes, row-major with row stride = hidden).
 struct SwigluArgs {
@@ -40,11 +42,13 @@ struct SwigluArgs {
   void* h_out = nullptr;  // backward only
   int64_t h_out_stride = 0;
   uint8_t* q[2] = {nullptr, nullptr};
+  int64_t q_stride = 0;
   float* scale[2] = {nullptr, nullptr};
   int64_t rows = 0;
   int64_t hidden = 0;
   bool backward = false;
   bool quant = false;
+  bool joint = false;
   bool pow2 = true;
 };
 

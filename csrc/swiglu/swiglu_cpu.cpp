@@ -37,13 +37,15 @@ void run_rows(const SwigluArgs& a) {
         std::copy(row.begin(), row.begin() + halves * a.hidden, static_cast<T*>(a.out) + r * a.out_stride);
       }
       if (!quant) continue;
+      uint32_t amax_all = 0;  // joint: one scale over the whole row
+      for (int64_t c = 0; c < halves * a.hidden; ++c) amax_all = std::max(amax_all, abs_bits(E::to_float(row[c])));
       for (int half = 0; half < halves; ++half) {
         const T* v = row.data() + half * a.hidden;
         uint32_t amax = 0;
         for (int64_t c = 0; c < a.hidden; ++c) amax = std::max(amax, abs_bits(E::to_float(v[c])));
-        const QuantScale sc = scale_from_amax_bits(amax, kMax, a.pow2);
+        const QuantScale sc = scale_from_amax_bits(a.joint ? amax_all : amax, kMax, a.pow2);
         a.scale[half][r] = sc.decode;
-        uint8_t* q = a.q[half] + r * a.hidden;
+        uint8_t* q = a.q[half] + r * a.q_stride;
         for (int64_t c = 0; c < a.hidden; ++c) q[c] = encode_fp8<F>(scale_clamp(E::to_float(v[c]), sc.encode, kMax));
       }
     }

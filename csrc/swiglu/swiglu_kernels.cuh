@@ -91,7 +91,7 @@ MOE_FP8_DEVICE void swiglu_store_q(const SwigluArgs& a, int64_t row, int64_t v, 
                                    const float (&encode)[2]) {
 #pragma unroll
   for (int h = 0; h < (kBwd ? 2 : 1); ++h) {
-    store_elems<uint8_t, kVec>(a.q[h] + row * a.hidden + v * kVec, quantize_elems<F, DeviceInput<K>>(r.o[h], encode[h]));
+    store_elems<uint8_t, kVec>(a.q[h] + row * a.q_stride + v * kVec, quantize_elems<F, DeviceInput<K>>(r.o[h], encode[h]));
   }
 }
 
@@ -165,6 +165,9 @@ __global__ void __launch_bounds__(kSwigluMaxThreads) swiglu_rows_kernel(SwigluAr
       }
     }
     if constexpr (kQuant) {
+      if constexpr (kBwd) {
+        if (a.joint) amax[0] = amax[1] = umax(amax[0], amax[1]);  // one scale over the whole row
+      }
       float encode[2];
 #pragma unroll
       for (int h = 0; h < kHalves; ++h) {
@@ -211,6 +214,7 @@ inline bool swiglu_vector_ok(const SwigluArgs& a) {
   for (int h = 0; h < 2; ++h) {
     ok = ok && (a.q[h] == nullptr || reinterpret_cast<uintptr_t>(a.q[h]) % kVec == 0);
   }
+  if (a.quant) ok = ok && a.q_stride % kVec == 0;
   return ok;
 }
 

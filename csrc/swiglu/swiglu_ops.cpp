@@ -49,8 +49,10 @@ void set_out(SwigluArgs& a, const at::Tensor& out) {
   a.out_stride = out.size(1);
 }
 
+// q (M, hidden) row-major and scale (M, 1) of one half.
 void set_quant(SwigluArgs& a, int half, const at::Tensor& q, const at::Tensor& scale, bool pow2) {
   a.q[half] = static_cast<uint8_t*>(q.data_ptr());
+  a.q_stride = a.hidden;
   a.scale[half] = scale.data_ptr<float>();
   a.pow2 = pow2;
   a.quant = true;
@@ -104,10 +106,12 @@ at::Tensor swiglu_backward(const SwigluKernels& k, const at::Tensor& grad_in, co
 
 namespace {
 
-// grad_h13 and the rowwise fp8 of its halves; with `h`, also the forward value h.
+// grad_h13 with the rowwise fp8 of each half (joint = false: (q1, s1, q3, s3)) or of the
+// whole (joint: q (M, 2H), s (M, 1) in the first pair, the second pair undefined);
+// with `h`, also the forward value h.
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_quantize(
     const SwigluKernels& k, const at::Tensor& grad_in, const at::Tensor& h13_in, at::ScalarType fp8_dtype,
-    bool pow2_scale, at::Tensor* h, const char* op) {
+    bool pow2_scale, bool joint, at::Tensor* h, const char* op) {
   const at::Tensor h13 = checked_h13(h13_in, op);
   const at::Tensor grad = checked_grad(grad_in, h13, op);
   const Fp8Format fmt = fp8_format(fp8_dtype, op);
@@ -124,10 +128,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_
     a.h_out = h->data_ptr();
     a.h_out_stride = H;
   }
-  for (int half = 0; half < 2; ++half) {
-    q[half] = at::empty({M, H}, h13.options().dtype(fp8_dtype));
-    scale[half] = at::empty({M, 1}, h13.options().dtype(at::kFloat));
-    set_quant(a, half, q[half], scale[half], pow2_scale);
+  if (joint) {
+    q[0] = at::empty({M, 2 * H}, h13.options().dtype(fp8_dtype));
+    scale[0] = at::empty({M, 1}, h13.options().dtype(at::kFloat));
+    set_quant(a, 0, q[0], scale[0], pow2_scale);
+    set_quant(a, 1, q[0], scale[0], pow2_scale);
+    a.q[1] = a.q[0] == nullptr ? nullptr : a.q[0] + H;
+    a.q_stride = 2 * H;
+    a.joint = true;
+  } else {
+    for (int half = 0; half < 2; ++half) {
+      q[half] = at::empty({M, H}, h13.options().dtype(fp8_dtype));
+      scale[half] = at::empty({M, 1}, h13.options().dtype(at::kFloat));
+      set_quant(a, half, q[half], scale[half], pow2_scale);
+    }
   }
   run(k, h13, fmt, a, op);
   return {grad_h13, q[0], scale[0], q[1], scale[1]};
@@ -138,16 +152,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> swiglu_backward_quantize_rowwise(
     const SwigluKernels& k, const at::Tensor& grad_in, const at::Tensor& h13_in, at::ScalarType fp8_dtype,
     bool pow2_scale) {
-  return backward_quantize(k, grad_in, h13_in, fp8_dtype, pow2_scale, nullptr, "swiglu_backward_quantize_rowwise");
+  return backward_quantize(k, grad_in, h13_in, fp8_dtype, pow2_scale, false, nullptr,
+                           "swiglu_backward_quantize_rowwise");
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
-swiglu_backward_quantize_rowwise_with_h(const SwigluKernels& k, const at::Tensor& grad_in, const at::Tensor& h13_in,
-                                        at::ScalarType fp8_dtype, bool pow2_scale) {
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> swiglu_backward_with_h_quantize_rowwise(
+    const SwigluKernels& k, const at::Tensor& grad_in, const at::Tensor& h13_in, at::ScalarType fp8_dtype,
+    bool pow2_scale) {
   at::Tensor h;
-  auto [g13, q1, s1, q3, s3] =
-      backward_quantize(k, grad_in, h13_in, fp8_dtype, pow2_scale, &h, "swiglu_backward_quantize_rowwise_with_h");
-  return {g13, q1, s1, q3, s3, h};
+  auto [g13, q, s, unused_q, unused_s] = backward_quantize(k, grad_in, h13_in, fp8_dtype, pow2_scale, true, &h,
+                                                           "swiglu_backward_with_h_quantize_rowwise");
+  return {g13, q, s, h};
 }
 
 }  // namespace moe_fp8

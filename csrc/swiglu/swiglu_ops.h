@@ -27,9 +27,9 @@ at::Tensor swiglu_backward(const SwigluKernels& k, const at::Tensor& grad_h, con
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> swiglu_backward_quantize_rowwise(
     const SwigluKernels& k, const at::Tensor& grad_h, const at::Tensor& h13, at::ScalarType fp8_dtype,
     bool pow2_scale);
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
-swiglu_backward_quantize_rowwise_with_h(const SwigluKernels& k, const at::Tensor& grad_h, const at::Tensor& h13,
-                                        at::ScalarType fp8_dtype, bool pow2_scale);
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> swiglu_backward_with_h_quantize_rowwise(
+    const SwigluKernels& k, const at::Tensor& grad_h, const at::Tensor& h13, at::ScalarType fp8_dtype,
+    bool pow2_scale);
 
 template <const SwigluKernels& K>
 struct SwigluOn {
@@ -43,16 +43,17 @@ struct SwigluOn {
                                                                                       at::ScalarType t, bool pow2) {
     return swiglu_backward_quantize_rowwise(K, g, h13, t, pow2);
   }
-  static std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_q_h(
-      const at::Tensor& g, const at::Tensor& h13, at::ScalarType t, bool pow2) {
-    return swiglu_backward_quantize_rowwise_with_h(K, g, h13, t, pow2);
+  static std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_h_q(const at::Tensor& g,
+                                                                          const at::Tensor& h13, at::ScalarType t,
+                                                                          bool pow2) {
+    return swiglu_backward_with_h_quantize_rowwise(K, g, h13, t, pow2);
   }
   static void register_impls(torch::Library& m) {
     m.impl("swiglu", TORCH_FN(fwd));
     m.impl("swiglu_quantize_rowwise", TORCH_FN(fwd_q));
     m.impl("swiglu_backward", TORCH_FN(bwd));
     m.impl("swiglu_backward_quantize_rowwise", TORCH_FN(bwd_q));
-    m.impl("swiglu_backward_quantize_rowwise_with_h", TORCH_FN(bwd_q_h));
+    m.impl("swiglu_backward_with_h_quantize_rowwise", TORCH_FN(bwd_h_q));
   }
 };
 
