@@ -18,13 +18,8 @@ import moe_fp8_ext
 from moe_fp8_ext.moe import MoEExperts, balanced_offs
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from common import GROUPED_MM_SHAPES, bench_us, fmt, linear_problem, peak_mib, print_table, sqnr, try_peer  # noqa: E402
-
-
-def torchao_gmm():
-    from torchao.prototype.moe_training.fp8_grouped_mm import _to_fp8_rowwise_then_scaled_grouped_mm
-
-    return lambda a, b_t, offs: _to_fp8_rowwise_then_scaled_grouped_mm(a, b_t, offs, torch.bfloat16, torch.float8_e4m3fn, False)
+from common import (  # noqa: E402
+    GROUPED_MM_SHAPES, bench_us, fmt, linear_problem, peak_mib, print_table, sqnr, torchao_gmm, try_peer)
 
 
 def bench_linear(shapes):

@@ -30,6 +30,15 @@ def copy_us(total_bytes: int) -> float:
     return _copy_cache[n]
 
 
+def torchao_gmm():
+    """torchao 0.18's FP8 rowwise grouped GEMM (the autograd function torchtitan's FP8
+    MoE path calls): (A, B_t, offs) -> bf16, e4m3fn, scales not rounded to powers of 2."""
+    from torchao.prototype.moe_training.fp8_grouped_mm import _to_fp8_rowwise_then_scaled_grouped_mm
+
+    return lambda a, b_t, offs: _to_fp8_rowwise_then_scaled_grouped_mm(a, b_t, offs, torch.bfloat16,
+                                                                       torch.float8_e4m3fn, False)
+
+
 def try_peer(make: Callable[[], Callable[[], object]]) -> Optional[Callable[[], object]]:
     """A peer's callable, or None when it cannot run here (not installed, refuses
     the shape); the reason is printed once."""

@@ -49,6 +49,12 @@ def check_grad(op: str, grad_h, h13) -> None:
                      f"({h13.shape[0]}, {h13.shape[1]}), got ({grad_h.shape[0]}, {grad_h.shape[1]})")
 
 
+def check_backward_quant(op: str, grad_h, h13, fp8_dtype) -> None:
+    check_h13(op, h13)
+    check_grad(op, grad_h, h13)
+    check_fp8_dtype(op, fp8_dtype)
+
+
 # ---- forward ---------------------------------------------------------------------------
 
 
@@ -106,24 +112,17 @@ def swiglu_backward_quantize_rowwise(grad_h: Tensor, h13: Tensor, fp8_dtype: Opt
     """``swiglu_backward`` and the rowwise fp8 of each half, in one pass:
     (grad_h13, q1, scale1, q3, scale3) with ``(q1, scale1) = quantize_rowwise(grad_h13[:, :hidden])``
     and ``(q3, scale3)`` the same of the second half, bit for bit."""
-    op = "swiglu_backward_quantize_rowwise"
-    check_h13(op, h13)
-    check_grad(op, grad_h, h13)
-    check_fp8_dtype(op, fp8_dtype)
+    check_backward_quant("swiglu_backward_quantize_rowwise", grad_h, h13, fp8_dtype)
     return _ops.swiglu_backward_quantize_rowwise(grad_h, h13, _dtype(fp8_dtype, h13), pow2_scale)
 
 
 @torch.library.register_fake("moe_fp8::swiglu_backward_quantize_rowwise")
 def _(grad_h, h13, fp8_dtype, pow2_scale=True):
-    op = "swiglu_backward_quantize_rowwise"
-    check_h13(op, h13)
-    check_grad(op, grad_h, h13)
-    check_fp8_dtype(op, fp8_dtype)
+    check_backward_quant("swiglu_backward_quantize_rowwise", grad_h, h13, fp8_dtype)
     m, hidden = h13.shape[0], h13.shape[1] // 2
     q = [h13.new_empty((m, hidden), dtype=fp8_dtype) for _ in range(2)]
     s = [h13.new_empty((m, 1), dtype=torch.float32) for _ in range(2)]
     return h13.new_empty(h13.shape), q[0], s[0], q[1], s[1]
-
 
 
 def swiglu_backward_with_h_quantize_rowwise(grad_h: Tensor, h13: Tensor, fp8_dtype: Optional[torch.dtype] = None,
@@ -134,19 +133,13 @@ def swiglu_backward_with_h_quantize_rowwise(grad_h: Tensor, h13: Tensor, fp8_dty
     of ONE input-gradient GEMM against W1 and W3 together) and h bit for bit
     ``swiglu(h13)`` (the operand of W2's weight gradient, which the experts backward
     would otherwise recompute from h13)."""
-    op = "swiglu_backward_with_h_quantize_rowwise"
-    check_h13(op, h13)
-    check_grad(op, grad_h, h13)
-    check_fp8_dtype(op, fp8_dtype)
+    check_backward_quant("swiglu_backward_with_h_quantize_rowwise", grad_h, h13, fp8_dtype)
     return _ops.swiglu_backward_with_h_quantize_rowwise(grad_h, h13, _dtype(fp8_dtype, h13), pow2_scale)
 
 
 @torch.library.register_fake("moe_fp8::swiglu_backward_with_h_quantize_rowwise")
 def _(grad_h, h13, fp8_dtype, pow2_scale=True):
-    op = "swiglu_backward_with_h_quantize_rowwise"
-    check_h13(op, h13)
-    check_grad(op, grad_h, h13)
-    check_fp8_dtype(op, fp8_dtype)
+    check_backward_quant("swiglu_backward_with_h_quantize_rowwise", grad_h, h13, fp8_dtype)
     m, hidden = h13.shape[0], h13.shape[1] // 2
     return (h13.new_empty(h13.shape), h13.new_empty(h13.shape, dtype=fp8_dtype),
             h13.new_empty((m, 1), dtype=torch.float32), h13.new_empty((m, hidden)))
