@@ -26,13 +26,13 @@ namespace moe_fp8 {
 // + (r % rows_inner) * stride_inner + k * stride_col for k < cols; its codes go to
 // q + (r / rows_inner) * q_stride_outer + (r % rows_inner) * cols (bytes; q_stride_outer
 // 0 means rows_inner * cols: q is [rows, cols] row-major; larger, each segment's rows
-// are a slice of a wider buffer, e.g. one weight of a concatenation). The scale of (row r, block j) goes to `scale` at segment r / rows_inner,
-// set r % rows_inner, block j (whole-set: j = 0). With M-group blocked scales, `offs`
-// (the token groups of the rows) and `group_starts` (each group's first row in the
-// blocked matrix) place every row's scales; with at most kRowsLocalGroups groups
-// group_starts may be null (the kernels derive the starts from offs). A rows launch
-// with blocked scales writes the whole scale buffer, its padding zeros included (the
-// buffer may be uninitialized).
+// are a slice of a wider buffer, e.g. one weight of a concatenation). The scale of
+// (row r, block j) goes to `scale` at segment r / rows_inner, set r % rows_inner,
+// block j (whole-set: j = 0). With M-group blocked scales, `offs` (the token groups of
+// the rows) and `group_starts` (each group's first row in the blocked matrix) place
+// every row's scales; with at most kRowsLocalGroups groups group_starts may be null
+// (the kernels derive the starts from offs). A rows launch with blocked scales writes
+// the whole scale buffer, its padding zeros included (the buffer may be uninitialized).
 constexpr int kRowsLocalGroups = 1024;
 
 struct RowsArgs {
