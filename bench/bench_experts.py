@@ -59,11 +59,15 @@ def step_parser(doc):
 
 
 def steps(args):
-    """{name: one forward + backward} for the bf16 module and ``args.recipe`` on
-    ``args.shape``, and the shape."""
+    """{name: one forward + backward} for the bf16 module, ``args.recipe`` and (with
+    ``args.reuse``) ``args.recipe`` with its quantized weights reused (a call that hits
+    the cache for every weight: 3 of 4 micro-batches) on ``args.shape``, and the shape."""
     m, d, h, e = args.shape
     x, w1, w3, w2, offs, grad = problem(m, d, h, e)
     impls = {"bf16": bf16_layer, args.recipe: lambda *t: experts(*t, recipe=args.recipe)}
+    if getattr(args, "reuse", False):
+        cache = WeightCache()
+        impls[args.recipe + ", weights reused"] = lambda *t: experts(*t, recipe=args.recipe, weight_cache=cache)
     return {name: (lambda fn=fn: torch.autograd.grad(fn(x, w1, w3, w2, offs), (x, w1, w3, w2), grad))
             for name, fn in impls.items()}, (m, d, h, e)
 

@@ -144,6 +144,10 @@ class WeightCache:
             self.hits += 1
             return hit[2]
         self.misses += 1
+        # Drop the stale operand before making its replacement: both alive at once were a
+        # weight-sized transient on top of the step (and allocator churn on an H100).
+        self._entries.pop(name, None)
+        hit = None
         operand = make()
         self._entries[name] = (key, tuple(weakref.ref(w) for w in weights), operand)
         return operand
