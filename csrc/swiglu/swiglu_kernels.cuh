@@ -5,10 +5,11 @@
 // One shape: a warp (rows up to 1024 bf16 per half) or a thread block (longer rows) per
 // row at a time, grid-stride over rows. A thread loads up to kSwigluRegs vectors of the
 // row (16-byte loads of h13 and grad_h) and computes kVec consecutive outputs of each
-// half per vector; with quantization the row's amax is reduced over the warp or block,
-// then the outputs are encoded (the forward's from a shared-memory copy of h, the
-// backward's re-read from the grad_h13 it wrote). The written values and the fp8 codes come from the same
-// rounded values, so q is quantize_rowwise of the written tensor, bit for bit.
+// half per vector; with quantization the row's amax is reduced over the warp or block
+// (over both halves together for a joint scale), then the outputs are encoded (the
+// forward's from a shared-memory copy of h, the backward's re-read from the grad_h13 it
+// wrote). The written values and the fp8 codes come from the same rounded values, so q
+// is quantize_rowwise of the written tensor, bit for bit.
 #pragma once
 
 #include <algorithm>
@@ -111,7 +112,8 @@ constexpr int kSwigluMaxThreads = 256;
 // cost occupancy: 99 registers a thread); the backward re-reads the grad_h13 it has
 // just written. Vectors past the register cache (rows longer than
 // kSwigluRegs * kSwigluMaxThreads vectors) are read and computed where they are used,
-// twice in a quantizing forward.
+// twice in a quantizing forward. kH: the quantizing backward also writes h (a.h_out).
+// The forward's cache is measured on an H100: 69 registers and 1.15-1.2x faster.
 template <InputKind K, Fp8Format F, bool kBwd, bool kQuant, int kVec, bool kWarpRow, bool kH>
 __global__ void __launch_bounds__(kSwigluMaxThreads) swiglu_rows_kernel(SwigluArgs a) {
   using In = DeviceInput<K>;
