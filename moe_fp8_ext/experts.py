@@ -147,7 +147,7 @@ class WeightCache:
         # Drop the stale operand before making its replacement: both alive at once were a
         # weight-sized transient on top of the step (and allocator churn on an H100).
         self._entries.pop(name, None)
-        hit = None
+        hit = None  # the local held the stale operand too
         operand = make()
         self._entries[name] = (key, tuple(weakref.ref(w) for w in weights), operand)
         return operand

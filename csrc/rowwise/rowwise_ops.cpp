@@ -144,11 +144,11 @@ std::tuple<at::Tensor, at::Tensor> quantize_experts_fwd(const QuantKernels& k, c
   return quantize_per_expert(k, b_t, /*rdim=K*/ 1, fp8_dtype, pow2_scale, "quantize_experts_fwd");
 }
 
-std::tuple<at::Tensor, at::Tensor> quantize_experts_fwd_cat(const QuantKernels& k, at::TensorList b_ts,
-                                                            at::ScalarType fp8_dtype, bool pow2_scale) {
-  constexpr const char* op = "quantize_experts_fwd_cat";
-  TORCH_CHECK(!b_ts.empty(), op, ": expected at least one weight, got none");
-  fp8_format(fp8_dtype, op);
+namespace {
+
+// The weights of a concatenation along N (b_ts non-empty): each (E, K, N_i) as the
+// per-expert ops take it, all of one dtype, device, E and K. Returns the sum of N_i.
+int64_t check_cat_weights(at::TensorList b_ts, const char* op) {
   const at::Tensor& b0 = b_ts[0];
   int64_t n_total = 0;
   for (size_t i = 0; i < b_ts.size(); ++i) {
@@ -163,6 +163,18 @@ std::tuple<at::Tensor, at::Tensor> quantize_experts_fwd_cat(const QuantKernels& 
                 b0.size(1), ", .), got (", b.size(0), ", ", b.size(1), ", ", b.size(2), ") (weight ", i, ")");
     n_total += b.size(2);
   }
+  return n_total;
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> quantize_experts_fwd_cat(const QuantKernels& k, at::TensorList b_ts,
+                                                            at::ScalarType fp8_dtype, bool pow2_scale) {
+  constexpr const char* op = "quantize_experts_fwd_cat";
+  TORCH_CHECK(!b_ts.empty(), op, ": expected at least one weight, got none");
+  fp8_format(fp8_dtype, op);
+  const int64_t n_total = check_cat_weights(b_ts, op);
+  const at::Tensor& b0 = b_ts[0];
   const int64_t E = b0.size(0), K = b0.size(1);
   at::Tensor q = at::empty_strided({E, K, n_total}, {K * n_total, 1, K}, b0.options().dtype(fp8_dtype));
   at::Tensor scale = at::empty({E, 1, n_total}, b0.options().dtype(at::kFloat));
@@ -181,19 +193,10 @@ std::tuple<at::Tensor, at::Tensor> quantize_experts_bwd_cat(const QuantKernels& 
   constexpr const char* op = "quantize_experts_bwd_cat";
   TORCH_CHECK(b_ts.size() == 1 || b_ts.size() == 2, op, ": expected one or two weights, got ", b_ts.size());
   fp8_format(fp8_dtype, op);
-  for (const at::Tensor& b : b_ts) {
-    check_rank(b, 3, op, "b_t");
-    input_kind(b, op, "b_t");
-  }
+  const int64_t N = check_cat_weights(b_ts, op);
   if (b_ts.size() == 1) return quantize_per_expert(k, b_ts[0], /*rdim=N*/ 2, fp8_dtype, pow2_scale, op);
   const at::Tensor &b0 = b_ts[0], &b1 = b_ts[1];
-  TORCH_CHECK(b1.scalar_type() == b0.scalar_type() && b1.device() == b0.device(), op,
-              ": expected every weight of one dtype and device, got ", b0.scalar_type(), " on ", b0.device(), " and ",
-              b1.scalar_type(), " on ", b1.device(), " (weight 1)");
-  TORCH_CHECK(b1.size(0) == b0.size(0) && b1.size(1) == b0.size(1), op,
-              ": expected every weight of shape (E, K, N_i) with the E and K of the first, (", b0.size(0), ", ",
-              b0.size(1), ", .), got (", b1.size(0), ", ", b1.size(1), ", ", b1.size(2), ") (weight 1)");
-  const int64_t E = b0.size(0), K = b0.size(1), N0 = b0.size(2), N = N0 + b1.size(2);
+  const int64_t E = b0.size(0), K = b0.size(1), N0 = b0.size(2);
   // The reduction over N spans both weights: one "cols" launch whose rows from N0 on
   // come from the second (same strides, N strided). Other layouts reduce a copy.
   const bool same_strides = b0.stride(0) == b1.stride(0) && b0.stride(1) == b1.stride(1) &&

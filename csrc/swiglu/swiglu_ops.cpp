@@ -132,8 +132,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_
     q[0] = at::empty({M, 2 * H}, h13.options().dtype(fp8_dtype));
     scale[0] = at::empty({M, 1}, h13.options().dtype(at::kFloat));
     set_quant(a, 0, q[0], scale[0], pow2_scale);
-    set_quant(a, 1, q[0], scale[0], pow2_scale);
-    a.q[1] = a.q[0] == nullptr ? nullptr : a.q[0] + H;
+    a.q[1] = a.q[0] == nullptr ? nullptr : a.q[0] + H;  // the second half of each q row
+    a.scale[1] = a.scale[0];
     a.q_stride = 2 * H;
     a.joint = true;
   } else {
