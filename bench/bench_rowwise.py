@@ -102,10 +102,65 @@ def bench_jagged(shapes):
     return print_table("quantize_jagged_colwise_dual (grad_out (M, N), A (M, K), G groups)", HEADER, rows, "bench_rowwise.md")
 
 
+def bench_dual(shapes):
+    """Both operands of an experts layer's weights (quantize_experts_dual_cat) with its
+    opt-in one-read kernel (MOE_FP8_DUAL_L2_BYTES="l2"; "forced": no L2 limit, where "l2"
+    takes the two ops) against the two ops (the default) and torchao's two 3-D kernels
+    per weight."""
+    import os
+
+    rows = []
+    header = ["weights (E, dim, hidden)", "dual µs", "GB/s", "% of copy", "forced µs", "two ops µs", "vs two ops",
+              "torchao µs", "vs torchao"]
+    old_env = os.environ.get("MOE_FP8_DUAL_L2_BYTES")
+    for e, dim, hidden in shapes:
+        w13 = [(torch.randn(e, hidden, dim, device="cuda", dtype=torch.bfloat16) * 0.02).transpose(1, 2) for _ in range(2)]
+        w2 = [(torch.randn(e, dim, hidden, device="cuda", dtype=torch.bfloat16) * 0.02).transpose(1, 2)]
+        for name, parts in (("W1+W3", w13), ("W2", w2)):
+            cat = torch.cat(parts, dim=2)
+            k, n = parts[0].shape[1], sum(p.shape[2] for p in parts)
+            nbytes = e * k * n * 4 + e * (k + n) * 4  # bf16 in, two fp8 out, the scales
+            times = {}
+            for setting in ("l2", str(1 << 50)):
+                os.environ["MOE_FP8_DUAL_L2_BYTES"] = setting
+                out = moe_fp8_ext.quantize_experts_dual_cat(parts, F8)
+                check(out[:2], ref.quantize_experts_fwd(cat, F8))
+                check(out[2:], ref.quantize_experts_bwd(cat, F8))
+                del out
+                times[setting] = bench_us(lambda: moe_fp8_ext.quantize_experts_dual_cat(parts, F8))
+            os.environ.pop("MOE_FP8_DUAL_L2_BYTES")
+            del cat
+            t, forced = times["l2"], times[str(1 << 50)]
+            two = bench_us(lambda: (moe_fp8_ext.quantize_experts_fwd_cat(parts, F8),
+                                    moe_fp8_ext.quantize_experts_bwd_cat(parts, F8)))
+            c = copy_us(nbytes)
+
+            def ao_fn():
+                k = torchao_kernels()[0]
+                fns = [(k.triton_fp8_colwise_3d_scale_and_cast, k.triton_fp8_rowwise_3d_transpose_rhs)]
+                return lambda: [f(b, F8, round_scales_to_power_of_2=True) for b in parts for f in fns[0]]
+
+            ao = try_peer(ao_fn)
+            t_ao = bench_us(ao) if ao else None
+            rows.append([f"{name} ({e}, {dim}, {hidden})", fmt(t), fmt(nbytes / t / 1e3, "{:.0f}"),
+                         fmt(100 * c / t, "{:.0f}%"), fmt(forced), fmt(two), fmt(two / t, "{:.2f}x"), fmt(t_ao),
+                         fmt(t_ao and t_ao / t, "{:.2f}x")])
+        del w13, w2
+    if old_env is not None:
+        os.environ["MOE_FP8_DUAL_L2_BYTES"] = old_env
+    return print_table("quantize_experts_dual_cat (both operands of W1+W3 and of W2, one read)", header, rows,
+                       "bench_rowwise.md")
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--quick", action="store_true", help="first shape of each table only")
+    p.add_argument("--dual", action="store_true", help="the dual-orientation weight table only")
     args = p.parse_args()
+    dual = [(8, 7168, 2048), (16, 5120, 1536), (64, 2048, 1408), (128, 2048, 768)]
+    if args.dual:
+        bench_dual(dual[:1] if args.quick else dual)
+        return
     rowwise = [(16384, 7168), (16384, 2048), (65536, 7168), (131072, 2048)]
     experts = [(8, 7168, 2048), (16, 5120, 1536), (64, 2048, 1408)]
     jagged = [(16384, 7168, 2048, 8), (32768, 5120, 1536, 16), (65536, 2048, 1408, 64)]
@@ -114,6 +169,7 @@ def main():
     bench_rowwise(rowwise)
     bench_experts(experts)
     bench_jagged(jagged)
+    bench_dual(dual[:1] if args.quick else dual)
 
 
 if __name__ == "__main__":

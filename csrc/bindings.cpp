@@ -23,6 +23,7 @@ TORCH_LIBRARY(moe_fp8, m) {
 
   m.def("quantize_experts_bwd(Tensor b_t, ScalarType fp8_dtype, bool pow2_scale=True) -> (Tensor, Tensor)");
   m.def("quantize_experts_bwd_cat(Tensor[] b_ts, ScalarType fp8_dtype, bool pow2_scale=True) -> (Tensor, Tensor)");
+  m.def("quantize_experts_dual_cat(Tensor[] b_ts, ScalarType fp8_dtype, bool pow2_scale=True) -> (Tensor, Tensor, Tensor, Tensor)");
 
   m.def(
       "quantize_jagged_colwise(Tensor x, Tensor offs, ScalarType fp8_dtype, bool pow2_scale=True,"

@@ -34,10 +34,14 @@ rounding) it:
   gradient-accumulation micro-batches and activation-checkpoint recompute quantize
   each weight once per optimizer step instead of once per call.
 
+A weight's two orientations from one read (``quantize_experts_dual_cat``) is opt-in
+(``MOE_FP8_DUAL_L2_BYTES=l2``; DESIGN §10 says why it is off by default): where it runs
+(``Recipe.reads_weights_once``), the forward makes each weight's backward operand with
+its forward one and keeps it on ctx until the backward uses it (or in the cache).
 Not done yet (DESIGN §10 lists them): the one-read kernels that write a tensor's
-rowwise and colwise fp8 together (and a weight's two orientations), and fp8 (instead
-of bf16) saved activations. The layer is recipe-agnostic: any
-registered recipe runs through the :class:`~moe_fp8_ext.recipes.Recipe` contract.
+rowwise and colwise fp8 together, and fp8 (instead of bf16) saved activations. The
+layer is recipe-agnostic: any registered recipe runs through the
+:class:`~moe_fp8_ext.recipes.Recipe` contract.
 
 Weight reuse, precisely. A cache entry is the quantized operand of one weight (W13 in
 the forward and backward orientations, W2 likewise; W1 and W3 backward apart for a
@@ -152,6 +156,15 @@ class WeightCache:
         self._entries[name] = (key, tuple(weakref.ref(w) for w in weights), operand)
         return operand
 
+    def discard(self, name: str) -> None:
+        self._entries.pop(name, None)
+
+    def put(self, name: str, weights: Tuple[Tensor, ...], tag: tuple, operand) -> None:
+        """Keep ``operand`` as ``name`` of ``weights`` (made together with another entry:
+        the backward operand of a weight read once for both), not counted as a lookup."""
+        key = tuple(_weight_key(w) for w in weights) + tag
+        self._entries[name] = (key, tuple(weakref.ref(w) for w in weights), operand)
+
 
 def _tensors(x):
     if isinstance(x, Tensor):
@@ -196,11 +209,32 @@ class _Experts(torch.autograd.Function):
         tag = (recipe, fp8_dtype)
         gemm_dtype = _gemm_out_dtype(recipe, backend, torch.bfloat16, x.dtype)
         ctx.gemm_dtype = gemm_dtype
-        rhs13 = _cached(cache, "w13_fwd", (w1, w3), tag, lambda: recipe.rhs_fwd_cat(
-            [w1.transpose(-2, -1), w3.transpose(-2, -1)], fp8_dtype))
+        # A weight whose two operands come from one read (Recipe.reads_weights_once) gets
+        # its backward operand here, with the forward one: kept in the cache, or on ctx
+        # until the backward uses it (only where ctx may hold it: see _may_free_early).
+        need_x, need_w13 = ctx.needs_input_grad[0], ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
+        box = ctx.bwd_box = {} if cache is not None or _may_free_early() else None
+
+        def weight_fwd(name, weights, parts, needs_bwd):
+            def make():
+                if box is not None and needs_bwd and recipe.reads_weights_once(parts):
+                    if cache is not None:
+                        cache.discard(name + "_bwd")  # (as get() drops a stale entry first)
+                    fwd, box[name] = recipe.rhs_dual_cat(parts, fp8_dtype)
+                    return fwd
+                return recipe.rhs_fwd_cat(parts, fp8_dtype) if len(parts) > 1 else recipe.rhs_fwd(parts[0], fp8_dtype)
+
+            fwd = _cached(cache, name + "_fwd", weights, tag, make)
+            if cache is not None and name in box:
+                cache.put(name + "_bwd", weights, tag, box.pop(name))
+            return fwd
+
+        # (W13's backward operand: the joint input-gradient GEMM's, rhs_bwd_cat)
+        rhs13 = weight_fwd("w13", (w1, w3), [w1.transpose(-2, -1), w3.transpose(-2, -1)],
+                           need_x and recipe.joint_w13_dgrad)
         h13 = _zero_tail(recipe.mm_2d3d(recipe.lhs(x, fp8_dtype), rhs13, offs, gemm_dtype, backend), offs)
         h_op = recipe.lhs_swiglu(h13, fp8_dtype)  # fused: h13 read once (rowwise: h never written in bf16)
-        rhs2 = _cached(cache, "w2_fwd", (w2,), tag, lambda: recipe.rhs_fwd(w2.transpose(-2, -1), fp8_dtype))
+        rhs2 = weight_fwd("w2", (w2,), [w2.transpose(-2, -1)], need_x or need_w13)
         out = _zero_tail(recipe.mm_2d3d(h_op, rhs2, offs, gemm_dtype, backend), offs)
         del h_op
         if _may_free_early():
@@ -258,7 +292,9 @@ class _Experts(torch.autograd.Function):
         joint = need_x and recipe.joint_w13_dgrad
         grad_h13 = lhs13 = lhs1 = lhs3 = h = None
         if need_x or need_w13:  # grad_h feeds only the gradients below W2
-            rhs2 = _cached(cache, "w2_bwd", (w2,), tag, lambda: recipe.rhs_bwd({"B_t": w2.transpose(-2, -1)}, f8))
+            rhs2 = ctx.bwd_box.pop("w2", None) if ctx.bwd_box else None  # made by the forward, else cache or now
+            if rhs2 is None:
+                rhs2 = _cached(cache, "w2_bwd", (w2,), tag, lambda: recipe.rhs_bwd({"B_t": w2.transpose(-2, -1)}, f8))
             grad_h = _zero_tail(recipe.mm_2d3d(recipe.lhs(grad_out, f8), rhs2, offs, ctx.gemm_dtype, backend), offs)
             del rhs2
             if joint:
@@ -284,8 +320,10 @@ class _Experts(torch.autograd.Function):
         if need_x:
             dtype = _gemm_out_dtype(recipe, backend, ctx.dtypes[0], ctx.gemm_dtype)  # grad_h13's dtype
             if joint:
-                rhs = _cached(cache, "w13_bwd", (w1, w3), tag, lambda: recipe.rhs_bwd_cat(
-                    [w1.transpose(-2, -1), w3.transpose(-2, -1)], f8))
+                rhs = ctx.bwd_box.pop("w13", None) if ctx.bwd_box else None
+                if rhs is None:
+                    rhs = _cached(cache, "w13_bwd", (w1, w3), tag, lambda: recipe.rhs_bwd_cat(
+                        [w1.transpose(-2, -1), w3.transpose(-2, -1)], f8))
                 grad_x = recipe.mm_2d3d(lhs13, rhs, offs, dtype, backend)
                 del lhs13, rhs
             else:

@@ -6,6 +6,7 @@ default) every scale is an exact power of two. ``fp8_dtype=None`` picks
 :func:`moe_fp8_ext.default_fp8_dtype`.
 """
 
+import os
 from typing import Optional, Sequence, Tuple
 
 import torch
@@ -260,6 +261,61 @@ def _(b_ts, fp8_dtype, pow2_scale=True):
     n = sum(b.shape[2] for b in b_ts)
     q = b_ts[0].new_empty_strided((e, n, k), (n * k, 1, n), dtype=fp8_dtype)
     return q, b_ts[0].new_empty((e, 1, k), dtype=torch.float32)
+
+
+def _check_dual_cat(b_ts, fp8_dtype):
+    for rdim in (1, 2):  # the rules of both ops it may run
+        check_quantize_experts_cat(b_ts, fp8_dtype, "quantize_experts_dual_cat", rdim)
+    _require(len(b_ts) <= 2, lambda: f"quantize_experts_dual_cat: expected one or two weights, got {len(b_ts)}")
+
+
+def dual_cat_reads_once(b_ts: Sequence[Tensor]) -> bool:
+    """Whether ``quantize_experts_dual_cat(b_ts)`` runs the one-read kernel (the rule of
+    rowwise_ops.cpp, in Python: tests/test_rowwise.py checks the two agree)."""
+    if not 1 <= len(b_ts) <= 2 or not b_ts[0].is_cuda or b_ts[0].element_size() != 2:
+        return False
+    e, k = b_ts[0].shape[0], b_ts[0].shape[1]
+    n = sum(b.shape[2] for b in b_ts)
+    if e == 0 or k == 0 or n % 16 or k % 16:
+        return False
+    for b in b_ts:
+        if b.shape[2] == 0 or b.stride(1) != 1 or b.stride(0) % 8 or b.stride(2) % 8 or b.data_ptr() % 16:
+            return False
+    env = os.environ.get("MOE_FP8_DUAL_L2_BYTES")
+    if env == "l2":
+        budget = torch.cuda.get_device_properties(b_ts[0].device).L2_cache_size * 3 // 5
+    else:
+        budget = int(env) if env is not None and env.isdigit() else 0  # unset: off (see the op)
+    return 2 * n * k * b_ts[0].element_size() <= budget
+
+
+def quantize_experts_dual_cat(b_ts: Sequence[Tensor], fp8_dtype: Optional[torch.dtype] = None,
+                              pow2_scale: bool = True) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Both operands of one or two weights ``b_ts`` (each (E, K, N_i)) at once:
+    ``(q_fwd, s_fwd, q_bwd, s_bwd)``, bit for bit ``quantize_experts_fwd_cat(b_ts)``
+    followed by ``quantize_experts_bwd_cat(b_ts)``. The experts layer's weight operands.
+
+    Opt-in one-read kernel (DESIGN §10): with ``MOE_FP8_DUAL_L2_BYTES`` set ("l2": three
+    fifths of L2, i.e. 16 MB a matrix on an H100; or a byte count), weights on a GPU
+    stored (E, N_i, K) with K contiguous (``b_t = W.transpose(-2, -1)``, torchtitan's
+    layout), bf16 or fp16, N and K multiples of 16, whose two experts' matrices fit the
+    budget are read from DRAM once: a tile is read again from L2 once its expert's amaxes
+    are complete. Measured 1.12-1.40x faster than the two ops on an H100 where it applies,
+    but off by default: GPU tests that force it saw an unexplained intermittent mismatch
+    (bench/RESULTS.md). Anything else, and the default, runs the two ops."""
+    _check_dual_cat(b_ts, fp8_dtype)
+    return _ops.quantize_experts_dual_cat(list(b_ts), _dtype(fp8_dtype, b_ts[0]), pow2_scale)
+
+
+@torch.library.register_fake("moe_fp8::quantize_experts_dual_cat")
+def _(b_ts, fp8_dtype, pow2_scale=True):
+    _check_dual_cat(b_ts, fp8_dtype)
+    e, k = b_ts[0].shape[0], b_ts[0].shape[1]
+    n = sum(b.shape[2] for b in b_ts)
+    q_fwd = b_ts[0].new_empty_strided((e, k, n), (k * n, 1, k), dtype=fp8_dtype)
+    q_bwd = b_ts[0].new_empty_strided((e, n, k), (n * k, 1, n), dtype=fp8_dtype)
+    f32 = torch.float32
+    return q_fwd, b_ts[0].new_empty((e, 1, n), dtype=f32), q_bwd, b_ts[0].new_empty((e, 1, k), dtype=f32)
 
 
 def quantize_experts_bwd(b_t: Tensor, fp8_dtype: Optional[torch.dtype] = None, pow2_scale: bool = True) -> Tuple[Tensor, Tensor]:

@@ -189,6 +189,16 @@ class Recipe:
         the contraction of the input gradient. Default: of a concatenated copy."""
         return self.rhs_bwd({"B_t": torch.cat(b_ts, dim=2)}, fp8_dtype)
 
+    def reads_weights_once(self, b_ts) -> bool:
+        """Whether ``rhs_dual_cat(b_ts)`` reads the weights once for both operands (then
+        the experts layer makes a weight's backward operand with its forward one).
+        Default: no."""
+        return False
+
+    def rhs_dual_cat(self, b_ts, fp8_dtype) -> Tuple[Operand, Operand]:
+        """``(rhs_fwd_cat(b_ts), rhs_bwd_cat(b_ts))``. Default: the two calls."""
+        return self.rhs_fwd_cat(b_ts, fp8_dtype), self.rhs_bwd_cat(b_ts, fp8_dtype)
+
     # ---- GEMMs ---------------------------------------------------------------------
     def mm_2d3d(self, lhs: Operand, rhs: Operand, offs: Tensor, out_dtype: torch.dtype, backend: str) -> Tensor:
         raise NotImplementedError
@@ -334,6 +344,13 @@ class Fp8Rowwise(Recipe):
     def rhs_bwd_cat(self, b_ts, fp8_dtype):
         q, s = ops.quantize_experts_bwd_cat(b_ts, fp8_dtype, self.pow2_scale)  # (E, ΣN, K) column-major
         return q, s.squeeze(1)
+
+    def reads_weights_once(self, b_ts):
+        return ops.dual_cat_reads_once(b_ts)
+
+    def rhs_dual_cat(self, b_ts, fp8_dtype):
+        qf, sf, qb, sb = ops.quantize_experts_dual_cat(b_ts, fp8_dtype, self.pow2_scale)
+        return (qf, sf.squeeze(1)), (qb, sb.squeeze(1))
 
     def wgrad_operands(self, grad_out, saved, offs, fp8_dtype, padded_starts):
         A = saved["A"]

@@ -13,6 +13,7 @@ from torch.torch_version import TorchVersion
 
 import moe_fp8_ext
 from moe_fp8_ext.experts import GroupedExperts, WeightCache, clear_weight_caches, experts
+from moe_fp8_ext.recipes import get_recipe
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
@@ -187,12 +188,51 @@ def test_weight_reuse_hits_and_is_exact(device):
         out = layer(xl, counts)
         out.backward(grad)
         outs.append((out.detach(), xl.grad))
-    # w13 fwd and bwd (fp8_rowwise: one dgrad GEMM against [W1; W3]), w2 fwd and bwd
-    assert cache.misses == 4 and cache.hits == 8, (cache.misses, cache.hits)
+    # w13 fwd and bwd (fp8_rowwise: one dgrad GEMM against [W1; W3]), w2 fwd and bwd;
+    # where one read makes both (the GPU's dual kernel) the forward's miss makes the
+    # backward operand too, and the backward's first lookup hits
+    once = get_recipe("fp8_rowwise").reads_weights_once([layer.w2.transpose(1, 2)])
+    assert (cache.misses, cache.hits) == ((2, 10) if once else (4, 8))
     assert cache.nbytes() > 0
     fresh = experts(x, w1, w3, w2, offs)
     for out, gx in outs:
         assert torch.equal(out, fresh) and torch.equal(gx, outs[0][1])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("cached", [False, True])
+@pytest.mark.parametrize("dual_kernel", ["off", "l2"])
+def test_backward_operands_made_in_forward(device, cached, dual_kernel, monkeypatch):
+    # A recipe that reads a weight once for both operands (Recipe.reads_weights_once:
+    # fp8_rowwise's opt-in dual kernel on a GPU; forced here so that the CPU, and the
+    # GPU with the kernel off, run the path too) makes the backward operands in the
+    # forward: the same bits as making them in the backward, kept on ctx (no cache)
+    # until used and then dropped, or in the cache.
+    if dual_kernel == "off":
+        monkeypatch.delenv("MOE_FP8_DUAL_L2_BYTES", raising=False)
+    else:
+        monkeypatch.setenv("MOE_FP8_DUAL_L2_BYTES", dual_kernel)
+    x, w1, w3, w2, offs, grad = make(3, 48, 64, 100, device, offs=[10, 60, 100])
+    recipe = type(get_recipe("fp8_rowwise"))
+    results = []
+    for once in (False, True):
+        monkeypatch.setattr(recipe, "reads_weights_once", lambda self, b_ts, once=once: once)
+        leaves = [t.clone().requires_grad_() for t in (x, w1, w3, w2)]
+        cache = WeightCache() if cached else None
+        out = experts(*leaves, offs, weight_cache=cache)
+        box = out.grad_fn.bwd_box
+        if cached:
+            assert box == {} and (cache.misses, cache.hits) == (2, 0)
+            assert len(cache._entries) == (4 if once else 2)
+        else:
+            assert sorted(box) == (["w13", "w2"] if once else [])
+        out.backward(grad)
+        assert box == {}
+        if cached:
+            assert (cache.misses, cache.hits) == ((2, 2) if once else (4, 0))
+        results.append([out.detach()] + [t.grad for t in leaves])
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -202,6 +202,9 @@ offs2 = torch.tensor([4, 8], dtype=torch.int32)
         (lambda: moe_fp8_ext.quantize_experts_bwd_cat([torch.randn(2, 8, 4), torch.randn(2, 4, 4)], F8), "quantize_experts_bwd_cat: expected every weight of shape (E, K, N_i) with the E and K of the first, (2, 8, .), got (2, 4, 4) (weight 1)"),
         (lambda: moe_fp8_ext.quantize_experts_fwd_cat([torch.randn(2, 8, 4), torch.randn(2, 4, 4)], F8), "quantize_experts_fwd_cat: expected every weight of shape (E, K, N_i) with the E and K of the first, (2, 8, .), got (2, 4, 4) (weight 1)"),
         (lambda: moe_fp8_ext.quantize_experts_fwd_cat([torch.randn(2, 8, 4), torch.randn(2, 8, 4, dtype=torch.bfloat16)], F8), "quantize_experts_fwd_cat: expected every weight of one dtype and device, got Float on cpu and BFloat16 on cpu (weight 1)"),
+        (lambda: moe_fp8_ext.quantize_experts_dual_cat([torch.randn(2, 8, 4)] * 3, F8), "quantize_experts_dual_cat: expected one or two weights, got 3"),
+        (lambda: moe_fp8_ext.quantize_experts_dual_cat([], F8), "quantize_experts_dual_cat: expected at least one weight, got none"),
+        (lambda: moe_fp8_ext.quantize_experts_dual_cat([torch.randn(2, 8, 4), torch.randn(2, 4, 4)], F8), "quantize_experts_dual_cat: expected every weight of shape (E, K, N_i) with the E and K of the first, (2, 8, .), got (2, 4, 4) (weight 1)"),
         (lambda: moe_fp8_ext.quantize_jagged_colwise(x2d, offs2.long(), F8), "quantize_jagged_colwise: expected offs of dtype int32, got Long"),
         (lambda: moe_fp8_ext.quantize_jagged_colwise(x2d, offs2.view(2, 1), F8), "quantize_jagged_colwise: expected offs to be a 1-D tensor, got 2-D"),
         (lambda: moe_fp8_ext.quantize_jagged_colwise(x2d, torch.tensor([6, 4], dtype=torch.int32), F8), "quantize_jagged_colwise: expected non-decreasing offs, got offs[1] = 4 < offs[0] = 6"),
@@ -220,15 +223,16 @@ def test_bad_inputs(call, message):
 def test_bad_inputs_cat_same_words_in_cpp():
     # the C++ op (no wrapper in front) refuses with the wrapper's words (an empty list
     # does not reach it: the dispatcher needs a tensor argument)
-    for op in ("quantize_experts_fwd_cat", "quantize_experts_bwd_cat"):
+    for op in ("quantize_experts_fwd_cat", "quantize_experts_bwd_cat", "quantize_experts_dual_cat"):
         for args, message in (
                 ([torch.randn(2, 8, 4), torch.randn(3, 8, 4)], "(2, 8, .), got (3, 8, 4) (weight 1)"),
                 ([torch.randn(2, 8, 4), torch.randn(2, 8, 4).half()], "got Float on cpu and Half on cpu (weight 1)")):
             with pytest.raises(RuntimeError) as e:
                 getattr(torch.ops.moe_fp8, op)(args, F8)
             assert f"{op}: expected" in str(e.value) and message in str(e.value)
-    with pytest.raises(RuntimeError, match="quantize_experts_bwd_cat: expected one or two weights, got 3"):
-        torch.ops.moe_fp8.quantize_experts_bwd_cat([torch.randn(2, 8, 4)] * 3, F8)
+    for op in ("quantize_experts_bwd_cat", "quantize_experts_dual_cat"):
+        with pytest.raises(RuntimeError, match=f"{op}: expected one or two weights, got 3"):
+            getattr(torch.ops.moe_fp8, op)([torch.randn(2, 8, 4)] * 3, F8)
 
 
 @requires_cuda
@@ -236,6 +240,67 @@ def test_bad_inputs_cat_same_words_in_cpp():
 def test_offs_on_other_device():
     with pytest.raises(RuntimeError, match="quantize_jagged_colwise: expected offs on cuda:0 \\(the device of x\\), got cpu"):
         moe_fp8_ext.quantize_jagged_colwise(x2d.cuda(), offs2, F8)
+
+
+def weight_parts(e, k, ns, dtype, device, layout):
+    """b_t = W_i^T (E, K, N_i) of weights W_i (E, N_i, K): "titan" row-major W_i (the
+    dual kernel's layout: K contiguous), or every part in another layout (fallback)."""
+    parts = []
+    for i, n in enumerate(ns):
+        if layout == "titan":
+            b = randn((e, n, k), dtype, device).transpose(1, 2)
+        else:
+            b = list(layouts_3d(e, k, n, dtype, device))[(i + (layout == "permuted")) * 2 % 3]
+        parts.append(b * 64 if i == 1 else b)  # outliers in one part: a scale over both must see them
+    return parts
+
+
+def check_dual(parts, fp8_dtype, pow2):
+    poison(parts[0].device.type)
+    out = moe_fp8_ext.quantize_experts_dual_cat(parts, fp8_dtype, pow2)
+    cat = torch.cat([p.cpu() for p in parts], dim=2)
+    e, k, n = cat.shape
+    assert out[0].shape == (e, k, n) and out[1].shape == (e, 1, n)
+    assert out[2].shape == (e, n, k) and out[3].shape == (e, 1, k)
+    check(out[:2], ref.quantize_experts_fwd(cat, fp8_dtype, pow2))
+    check(out[2:], ref.quantize_experts_bwd(cat, fp8_dtype, pow2))
+    return out
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("in_dtype", IN_DTYPES)
+@pytest.mark.parametrize("fp8_dtype", FP8_DTYPES)
+@pytest.mark.parametrize("pow2", [True, False])
+@pytest.mark.parametrize("shape, ns", [((3, 144), (48, 80)), ((2, 272), (136, 120)), ((1, 16), (16,)),
+                                       ((5, 160), (400,)), ((2, 48), (0, 32)), ((0, 32), (16, 16)),
+                                       ((2, 33), (40, 24)), ((2, 32), (20, 12))])
+@pytest.mark.parametrize("layout", ["titan", "other", "permuted"])
+@pytest.mark.parametrize("dual", ["off", "l2"])
+def test_quantize_experts_dual_cat(device, in_dtype, fp8_dtype, pow2, shape, ns, layout, dual, monkeypatch):
+    # = (quantize_experts_fwd, quantize_experts_bwd) of the concatenation along N, bit
+    # for bit. On a GPU with the kernel opted in, the "titan" layout with N, K multiples
+    # of 16 runs it (tiles partial in both dims, a part boundary inside a tile: 136,
+    # column maxima over several row tiles: 400); the rest, the default and the CPU, the
+    # two ops.
+    if dual == "off":
+        monkeypatch.delenv("MOE_FP8_DUAL_L2_BYTES", raising=False)
+    else:
+        monkeypatch.setenv("MOE_FP8_DUAL_L2_BYTES", dual)
+    check_dual(weight_parts(*shape, ns, in_dtype, device, layout), fp8_dtype, pow2)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("in_dtype", [torch.bfloat16, torch.float16])
+def test_quantize_experts_dual_cat_special_values(device, in_dtype):
+    # NaN, +-Inf, all-zero rows and columns, -0: the amax of a row or a column sees them
+    # exactly as the single ops do.
+    w = randn((3, 64, 144), in_dtype, device)
+    w[0, 5, 7] = float("nan")
+    w[1, :, 3] = 0.0
+    w[1, 9, :] = -0.0
+    w[2, 60, 100] = float("inf")
+    w[2, 61, 101] = -float("inf")
+    check_dual([w.transpose(1, 2), (w * 3).transpose(1, 2)], F8, True)
 
 
 # ---- opcheck and torch.compile --------------------------------------------------------
@@ -261,6 +326,8 @@ OPCHECK_CASES = [
     ("quantize_experts_bwd", lambda d: (_w(d).transpose(1, 2), F8, True)),
     ("quantize_experts_fwd_cat", lambda d: ([_w(d), _w(d)[:, :, :16].transpose(1, 2).contiguous().transpose(1, 2)], F8, True)),
     ("quantize_experts_bwd_cat", lambda d: ([_w(d).transpose(1, 2).contiguous().transpose(1, 2)] * 2, F8, True)),
+    ("quantize_experts_dual_cat", lambda d: ([_w(d).transpose(1, 2), _w(d)[:, :16].transpose(1, 2)], F8, True)),
+    ("quantize_experts_dual_cat", lambda d: ([_w(d)[:, :, :16]], F8, False)),
     ("quantize_jagged_colwise", lambda d: (_x(d), _offs(d), F8, True)),
     ("quantize_jagged_colwise_dual", lambda d: (_x(d), _x(d)[:, :16], _offs(d), F8, True)),
 ]
@@ -274,21 +341,24 @@ def test_opcheck(device, op, args):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_compile_fullgraph(device):
-    def step(a, w, offs):
+    def step(a, w, wt, offs):
         qa, sa = moe_fp8_ext.quantize_rowwise(a, F8)
         qw, sw = moe_fp8_ext.quantize_experts_fwd(w, F8)
         qc, sc = moe_fp8_ext.quantize_experts_fwd_cat([w, w * 2], F8)
         qb, sb = moe_fp8_ext.quantize_experts_bwd_cat([w, w * 2], F8)
+        qd, sd, qe, se = moe_fp8_ext.quantize_experts_dual_cat([wt, wt * 2], F8)
         qg, sg, qx, sx = moe_fp8_ext.quantize_jagged_colwise_dual(a, a * 2, offs, F8)
         # Some surrounding math so that the ops sit inside a real graph.
-        return qa.float() * sa, qw.float() * sw, sg + sx, qg.float().sum() + qx.float().sum(), qc.float() * sc, qb.float() * sb
+        return (qa.float() * sa, qw.float() * sw, sg + sx, qg.float().sum() + qx.float().sum(), qc.float() * sc,
+                qb.float() * sb, qd.float() * sd, qe.float() * se)
 
     a = randn((64, 48), torch.bfloat16, device)
     w = randn((3, 32, 48), torch.bfloat16, device)
+    wt = randn((3, 48, 32), torch.bfloat16, device).transpose(1, 2)
     offs = torch.tensor([16, 16, 40, 64], dtype=torch.int32, device=device)
     torch._dynamo.reset()
     compiled = torch.compile(step, fullgraph=True)
-    for got, want in zip(compiled(a, w, offs), step(a, w, offs)):
+    for got, want in zip(compiled(a, w, wt, offs), step(a, w, wt, offs)):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
@@ -321,6 +391,81 @@ def test_experts_large(fp8_dtype, shape, transposed):
     gpu = moe_fp8_ext.quantize_experts_bwd_cat([w, w3], fp8_dtype)
     check(gpu, moe_fp8_ext.quantize_experts_bwd_cat([w.cpu(), w3.cpu()], fp8_dtype))
     check(gpu, moe_fp8_ext.quantize_experts_bwd(torch.cat([w, w3], dim=2), fp8_dtype))
+
+
+def _dual_kernel_ran(parts, fp8_dtype):
+    """Whether quantize_experts_dual_cat launched the dual kernel (profiler names)."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        moe_fp8_ext.quantize_experts_dual_cat(parts, fp8_dtype)
+        torch.cuda.synchronize()
+    return any("quantize_dual_kernel" in e.key for e in prof.key_averages())
+
+
+@requires_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8_dtype", FP8_DTYPES)
+@pytest.mark.parametrize("e, k, n", [(64, 2048, 1408), (128, 2048, 768), (16, 1536, 5120), (40, 1040, 272),
+                                     (3, 256, 144)])
+@pytest.mark.parametrize("budget", ["l2", "two", "all"])
+def test_dual_large(fp8_dtype, e, k, n, budget, monkeypatch):
+    # The opt-in dual kernel on W1 and W3 (E, n, k) and W2 (E, k, n) of an experts
+    # layer, in torchtitan's layout: bit for bit the two GPU ops (each equal to the CPU
+    # op, test_experts_large), and the CPU op itself on the smaller shapes, with the lag
+    # each budget allows: three fifths of L2 (the shapes that fit it), two experts in L2
+    # (lag 1: each expert's second pass right behind its first) and no limit (the lag
+    # from the resident blocks alone; all E at (3, ...)). On an H100 (the session of
+    # 2026-11-22) two of these 30 cases failed in each of two runs, different ones each
+    # time, "two" budgets both: unexplained, hence the kernel is off by default.
+    w1, w3 = (randn((e, n, k), torch.bfloat16, "cuda") * 0.02 for _ in range(2))
+    w2 = randn((e, k, n), torch.bfloat16, "cuda") * 0.02
+    for parts in ([w1.transpose(1, 2), (w3 * 8).transpose(1, 2)], [w2.transpose(1, 2)]):
+        matrix = sum(p.shape[2] for p in parts) * k * 2
+        if budget == "l2" and 2 * matrix > 0.6 * torch.cuda.get_device_properties(0).L2_cache_size:
+            continue  # past that budget: the two ops, tested elsewhere
+        monkeypatch.setenv("MOE_FP8_DUAL_L2_BYTES", budget if budget == "l2" else
+                           str(2 * matrix if budget == "two" else (e + 1) * matrix))
+        poison("cuda")
+        got = moe_fp8_ext.quantize_experts_dual_cat(parts, fp8_dtype)
+        check(got, moe_fp8_ext.quantize_experts_fwd_cat(parts, fp8_dtype) +
+              moe_fp8_ext.quantize_experts_bwd_cat(parts, fp8_dtype))
+        if e * k * n < 2**24:
+            check(got, moe_fp8_ext.quantize_experts_dual_cat([p.cpu() for p in parts], fp8_dtype))
+        assert moe_fp8_ext.ops.dual_cat_reads_once(parts), "the predicate says the kernel does not run"
+        assert _dual_kernel_ran(parts, fp8_dtype), "the profiler saw no dual kernel"
+
+
+@requires_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["titan", "other", "permuted"])
+@pytest.mark.parametrize("shape, ns", [((3, 144), (48, 80)), ((2, 33), (40, 24)), ((2, 48), (0, 32)), ((5, 160), (400,))])
+def test_dual_predicate_matches_kernel(layout, shape, ns, monkeypatch):
+    # ops.dual_cat_reads_once (what the experts layer asks) says what the op does
+    monkeypatch.setenv("MOE_FP8_DUAL_L2_BYTES", "l2")
+    parts = weight_parts(*shape, ns, torch.bfloat16, "cuda", layout)
+    assert moe_fp8_ext.ops.dual_cat_reads_once(parts) == _dual_kernel_ran(parts, F8)
+    half = [p.half() for p in parts]
+    assert moe_fp8_ext.ops.dual_cat_reads_once(half) == _dual_kernel_ran(half, F8)
+    assert not moe_fp8_ext.ops.dual_cat_reads_once([p.float() for p in parts])
+
+
+@requires_cuda
+@pytest.mark.gpu
+def test_dual_budget_gate(monkeypatch):
+    # The budget decides: unset or 0 leaves the kernel off (the two ops, the same bits);
+    # an expert whose two matrices do not fit runs the two ops.
+    w = randn((4, 256, 512), torch.bfloat16, "cuda").transpose(1, 2)
+    want = moe_fp8_ext.quantize_experts_dual_cat([w.cpu()], F8)
+    monkeypatch.delenv("MOE_FP8_DUAL_L2_BYTES", raising=False)
+    assert not _dual_kernel_ran([w], F8) and not moe_fp8_ext.ops.dual_cat_reads_once([w])
+    for budget, ran in (("0", False), (str(2 * 256 * 512 * 2 - 1), False), (str(2 * 256 * 512 * 2), True),
+                        ("l2", True)):
+        monkeypatch.setenv("MOE_FP8_DUAL_L2_BYTES", budget)
+        check(moe_fp8_ext.quantize_experts_dual_cat([w], F8), want)
+        assert _dual_kernel_ran([w], F8) == ran == moe_fp8_ext.ops.dual_cat_reads_once([w]), budget
+    monkeypatch.setenv("MOE_FP8_DUAL_L2_BYTES", "lots")
+    with pytest.raises(RuntimeError, match='expected MOE_FP8_DUAL_L2_BYTES to be "l2" or a byte count, got "lots"'):
+        moe_fp8_ext.quantize_experts_dual_cat([w], F8)
 
 
 @requires_cuda

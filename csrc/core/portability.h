@@ -114,6 +114,56 @@ MOE_FP8_DEVICE void async_copy_16(void* smem_dst, const void* gmem_src) {
 #endif
 }
 
+// L2 eviction priorities (sm80+ CUDA; 0 and ignored elsewhere): a policy for data that
+// is not read again soon (evict first) or is (evict last), for the two calls below.
+MOE_FP8_DEVICE uint64_t l2_policy(bool keep) {
+  uint64_t p = 0;
+#if !defined(USE_ROCM) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  if (keep) {
+    asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;\n" : "=l"(p));
+  } else {
+    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(p));
+  }
+#else
+  (void)keep;
+#endif
+  return p;
+}
+
+// async_copy_16 with an L2 eviction policy.
+MOE_FP8_DEVICE void async_copy_16_hint(void* smem_dst, const void* gmem_src, uint64_t policy) {
+#if !defined(USE_ROCM) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem_dst));
+  asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem_src), "l"(policy)
+               : "memory");
+#else
+  (void)policy;
+  *static_cast<uint4*>(smem_dst) = *static_cast<const uint4*>(gmem_src);
+#endif
+}
+
+// 16- and 8-byte global stores with an L2 eviction policy.
+MOE_FP8_DEVICE void store_16_hint(void* gmem_dst, uint4 v, uint64_t policy) {
+#if !defined(USE_ROCM) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("st.global.L2::cache_hint.v4.u32 [%0], {%1, %2, %3, %4}, %5;\n" ::"l"(gmem_dst), "r"(v.x), "r"(v.y),
+               "r"(v.z), "r"(v.w), "l"(policy)
+               : "memory");
+#else
+  (void)policy;
+  *static_cast<uint4*>(gmem_dst) = v;
+#endif
+}
+
+MOE_FP8_DEVICE void store_8_hint(void* gmem_dst, uint2 v, uint64_t policy) {
+#if !defined(USE_ROCM) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("st.global.L2::cache_hint.v2.u32 [%0], {%1, %2}, %3;\n" ::"l"(gmem_dst), "r"(v.x), "r"(v.y), "l"(policy)
+               : "memory");
+#else
+  (void)policy;
+  *static_cast<uint2*>(gmem_dst) = v;
+#endif
+}
+
 MOE_FP8_DEVICE void async_copy_wait_all() {
 #if !defined(USE_ROCM) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   asm volatile("cp.async.wait_all;\n" ::: "memory");
@@ -132,6 +182,52 @@ template <int kPending>
 MOE_FP8_DEVICE void async_copy_wait() {
 #if !defined(USE_ROCM) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
+#endif
+}
+
+// A short pause in a spin-wait loop (a block waiting for another block's flag).
+MOE_FP8_DEVICE void spin_pause() {
+#if defined(USE_ROCM)
+  __builtin_amdgcn_s_sleep(1);
+#elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 700
+  __nanosleep(64);
+#endif
+}
+
+// A load served by L2 (not a possibly stale L1 line): for words other blocks wrote
+// with atomics, read after a flag.
+MOE_FP8_DEVICE uint32_t load_l2(const uint32_t* p) {
+#if defined(USE_ROCM)
+  return *static_cast<const volatile uint32_t*>(p);
+#else
+  return __ldcg(p);
+#endif
+}
+
+// A flag between blocks: a release add (every write the block made before a barrier
+// is visible to whoever acquires the new value) and an acquire load.
+MOE_FP8_DEVICE void atomic_add_release(uint32_t* p, uint32_t v) {
+#if defined(USE_ROCM)
+  __hip_atomic_fetch_add(p, v, __ATOMIC_RELEASE, __HIP_MEMORY_SCOPE_AGENT);
+#elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 700
+  asm volatile("red.release.gpu.global.add.u32 [%0], %1;\n" ::"l"(p), "r"(v) : "memory");
+#else
+  __threadfence();
+  atomicAdd(p, v);
+#endif
+}
+
+MOE_FP8_DEVICE uint32_t load_acquire(const uint32_t* p) {
+#if defined(USE_ROCM)
+  return __hip_atomic_load(p, __ATOMIC_ACQUIRE, __HIP_MEMORY_SCOPE_AGENT);
+#elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 700
+  uint32_t v;
+  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
+  return v;
+#else
+  const uint32_t v = *static_cast<const volatile uint32_t*>(p);
+  __threadfence();
+  return v;
 #endif
 }
 
@@ -243,6 +339,16 @@ inline bool supports_clusters(int device) {
   int major = 0;
   return cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess && major >= 9;
 #endif
+}
+
+inline int64_t l2_cache_bytes(int device) {
+  int bytes = 0;
+#if defined(USE_ROCM)
+  const bool ok = hipDeviceGetAttribute(&bytes, hipDeviceAttributeL2CacheSize, device) == hipSuccess;
+#else
+  const bool ok = cudaDeviceGetAttribute(&bytes, cudaDevAttrL2CacheSize, device) == cudaSuccess;
+#endif
+  return ok && bytes > 0 ? bytes : 0;
 }
 
 inline int max_dynamic_smem_per_block(int device) {

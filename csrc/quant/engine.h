@@ -218,6 +218,45 @@ struct TilesArgs {
   int num_out = 1;
 };
 
+// The "dual" shape (FP8 rowwise weights, DESIGN §10): for each expert's matrix X
+// (rows x cols, columns contiguous), X quantized with one scale per row and X^T with
+// one scale per column, from one DRAM read (quant/dual_kernel.cuh).
+struct DualArgs {
+  // Rows [0, row_split) of expert e are x[0] + e * x_se[0] + r * x_sr[0]; rows from
+  // row_split on come from x[1] (row r - row_split). Columns are contiguous.
+  const void* x[2] = {nullptr, nullptr};
+  int64_t x_se[2] = {0, 0};
+  int64_t x_sr[2] = {0, 0};
+  int64_t row_split = 0;
+  int64_t experts = 0, rows = 0, cols = 0;
+  uint8_t* q_rows = nullptr;  // (E, rows, cols) row-major
+  float* s_rows = nullptr;    // (E, rows)
+  uint8_t* q_cols = nullptr;  // (E, cols, rows) row-major
+  float* s_cols = nullptr;    // (E, cols)
+  // Zeroed by the caller (dual_work_words): amax bits of the rows (E * rows) and
+  // columns (E * cols), first-pass tiles done per expert (E), the ticket counter (1).
+  uint32_t* work = nullptr;
+  int64_t lag = 1;  // experts between a tile's two passes (dual_kernel.cuh), 1..E
+};
+
+inline int64_t dual_work_words(int64_t experts, int64_t rows, int64_t cols) {
+  return experts * (rows + cols) + experts + 1;
+}
+
+// Whether the kernel takes these sizes: 2-byte inputs, columns contiguous with rows
+// and experts 16-byte aligned, rows and columns multiples of 16 (whole 16-byte output
+// chunks). The caller checks the L2 budget.
+inline bool dual_kernel_ok(const DualArgs& a, int elem_size) {
+  if (elem_size != 2 || a.experts <= 0 || a.rows <= 0 || a.cols <= 0) return false;
+  if (a.rows % 16 != 0 || a.cols % 16 != 0) return false;
+  const int parts = a.row_split < a.rows ? 2 : 1;
+  for (int p = 0; p < parts; ++p) {
+    if (a.x[p] == nullptr || reinterpret_cast<uintptr_t>(a.x[p]) % 16 != 0) return false;
+    if (a.x_se[p] % 8 != 0 || a.x_sr[p] % 8 != 0) return false;
+  }
+  return true;
+}
+
 // Which policies a launch uses, as runtime values; each recipe's .cu and CPU file map
 // the combinations it instantiates (dispatch_quant below) and reject the rest.
 struct QuantSpec {
@@ -233,6 +272,11 @@ struct QuantKernels {
   void (*rows)(InputKind in, Fp8Format fmt, const QuantSpec& spec, const RowsArgs& a, int device);
   void (*cols)(InputKind in, Fp8Format fmt, const QuantSpec& spec, const ColsArgs& a, int64_t expected_segment_rows,
                int device);
+  // The dual shape, where a device has it (nullptr elsewhere: the two launches above).
+  // dual_budget: the bytes of input one dual launch may keep in L2 (an expert is taken
+  // when two fit); dual: one launch over a zeroed a.work (dual_work_words).
+  int64_t (*dual_budget)(int device) = nullptr;
+  void (*dual)(InputKind in, Fp8Format fmt, bool pow2, const DualArgs& a, int device) = nullptr;
 };
 
 // One device's runner of the tiles shape for a recipe's scale rules (blockwise: the

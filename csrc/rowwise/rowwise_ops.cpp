@@ -217,6 +217,52 @@ std::tuple<at::Tensor, at::Tensor> quantize_experts_bwd_cat(const QuantKernels& 
   return {q, scale};
 }
 
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_experts_dual_cat(const QuantKernels& k,
+                                                                                    at::TensorList b_ts,
+                                                                                    at::ScalarType fp8_dtype,
+                                                                                    bool pow2_scale) {
+  constexpr const char* op = "quantize_experts_dual_cat";
+  TORCH_CHECK(b_ts.size() == 1 || b_ts.size() == 2, op, ": expected one or two weights, got ", b_ts.size());
+  const Fp8Format fmt = fp8_format(fp8_dtype, op);
+  const int64_t N = check_cat_weights(b_ts, op);
+  const at::Tensor& b0 = b_ts[0];
+  const int64_t E = b0.size(0), K = b0.size(1);
+  // One read for both orientations where the device has the dual kernel and two
+  // experts' [W1; W3] fit its L2 budget: each weight W_i (E, N_i, K) contiguous in K
+  // (b_t = W_i^T), as a torchtitan weight is.
+  if (k.dual != nullptr && E > 0 && K > 0 && 2 * N * K * b0.element_size() <= k.dual_budget(b0.get_device())) {
+    DualArgs a;
+    a.experts = E;
+    a.rows = N;
+    a.cols = K;
+    a.row_split = b_ts[0].size(2);
+    bool parts_ok = true;  // every part non-empty, K contiguous
+    for (size_t i = 0; i < b_ts.size(); ++i) {
+      parts_ok = parts_ok && b_ts[i].size(2) > 0 && b_ts[i].stride(1) == 1;
+      a.x[i] = b_ts[i].data_ptr();
+      a.x_se[i] = b_ts[i].stride(0);
+      a.x_sr[i] = b_ts[i].stride(2);
+    }
+    if (parts_ok && dual_kernel_ok(a, b0.element_size())) {
+      at::Tensor q_fwd = at::empty_strided({E, K, N}, {K * N, 1, K}, b0.options().dtype(fp8_dtype));
+      at::Tensor s_fwd = at::empty({E, 1, N}, b0.options().dtype(at::kFloat));
+      at::Tensor q_bwd = at::empty_strided({E, N, K}, {N * K, 1, N}, b0.options().dtype(fp8_dtype));
+      at::Tensor s_bwd = at::empty({E, 1, K}, b0.options().dtype(at::kFloat));
+      at::Tensor work = at::zeros({dual_work_words(E, N, K)}, b0.options().dtype(at::kInt));
+      a.q_rows = static_cast<uint8_t*>(q_fwd.data_ptr());
+      a.s_rows = s_fwd.data_ptr<float>();
+      a.q_cols = static_cast<uint8_t*>(q_bwd.data_ptr());
+      a.s_cols = s_bwd.data_ptr<float>();
+      a.work = reinterpret_cast<uint32_t*>(work.data_ptr<int32_t>());
+      k.dual(input_kind(b0, op, "b_t"), fmt, pow2_scale, a, b0.get_device());
+      return {q_fwd, s_fwd, q_bwd, s_bwd};
+    }
+  }
+  auto [q_fwd, s_fwd] = quantize_experts_fwd_cat(k, b_ts, fp8_dtype, pow2_scale);
+  auto [q_bwd, s_bwd] = quantize_experts_bwd_cat(k, b_ts, fp8_dtype, pow2_scale);
+  return {q_fwd, s_fwd, q_bwd, s_bwd};
+}
+
 std::tuple<at::Tensor, at::Tensor> quantize_experts_bwd(const QuantKernels& k, const at::Tensor& b_t,
                                                         at::ScalarType fp8_dtype, bool pow2_scale) {
   return quantize_per_expert(k, b_t, /*rdim=N*/ 2, fp8_dtype, pow2_scale, "quantize_experts_bwd");

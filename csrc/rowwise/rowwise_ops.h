@@ -35,6 +35,13 @@ std::tuple<at::Tensor, at::Tensor> quantize_experts_bwd(const QuantKernels& k, c
 // scale (E, 1, K). Two weights of one layout with N strided are read in place.
 std::tuple<at::Tensor, at::Tensor> quantize_experts_bwd_cat(const QuantKernels& k, at::TensorList b_ts,
                                                             at::ScalarType fp8_dtype, bool pow2_scale);
+// (quantize_experts_fwd_cat(b_ts), quantize_experts_bwd_cat(b_ts)) bit for bit: both
+// orientations of one or two weights, from one read where the device has the dual
+// kernel and the layout suits it (DESIGN §10), else the two ops.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_experts_dual_cat(const QuantKernels& k,
+                                                                                    at::TensorList b_ts,
+                                                                                    at::ScalarType fp8_dtype,
+                                                                                    bool pow2_scale);
 // padded_starts (with alignment): write q in the padded layout of pad_token_groups
 // (DESIGN §8) straight from the unpadded x.
 std::tuple<at::Tensor, at::Tensor> quantize_jagged_colwise(const QuantKernels& k, const at::Tensor& x,
@@ -62,6 +69,10 @@ struct RowwiseOn {
   static std::tuple<at::Tensor, at::Tensor> experts_bwd_cat(at::TensorList b, at::ScalarType t, bool pow2) {
     return quantize_experts_bwd_cat(K, b, t, pow2);
   }
+  static std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> experts_dual_cat(at::TensorList b,
+                                                                                    at::ScalarType t, bool pow2) {
+    return quantize_experts_dual_cat(K, b, t, pow2);
+  }
   static std::tuple<at::Tensor, at::Tensor> experts_bwd(const at::Tensor& b, at::ScalarType t, bool pow2) {
     return quantize_experts_bwd(K, b, t, pow2);
   }
@@ -79,6 +90,7 @@ struct RowwiseOn {
     m.impl("quantize_experts_fwd", TORCH_FN(experts_fwd));
     m.impl("quantize_experts_fwd_cat", TORCH_FN(experts_fwd_cat));
     m.impl("quantize_experts_bwd_cat", TORCH_FN(experts_bwd_cat));
+    m.impl("quantize_experts_dual_cat", TORCH_FN(experts_dual_cat));
     m.impl("quantize_experts_bwd", TORCH_FN(experts_bwd));
     m.impl("quantize_jagged_colwise", TORCH_FN(jagged));
     m.impl("quantize_jagged_colwise_dual", TORCH_FN(jagged_dual));

@@ -1,0 +1,329 @@
+// A weight's two rowwise orientations from one DRAM read (DESIGN §10): for each
+// expert's matrix X (rows x cols, columns contiguous; the rows may come from two
+// tensors, [W1; W3]), q_rows = X quantized with one scale per row (over its columns)
+// and q_cols = X^T quantized with one scale per column (over its rows), written
+// transposed. Bit for bit what quantize_experts_fwd_cat and quantize_experts_bwd_cat
+// of the same weights write. Raw pointers, sizes and a stream only (no torch
+// headers), so the file compile-checks for any target and hipifies as is.
+//
+// Both scales need a whole row and a whole column before the first byte can be
+// written, so every tile is visited twice: pass A reads it from DRAM and folds its
+// row and column maxima into the expert's amax arrays (unsigned atomic max of the
+// abs bits: NaN-propagating, order-free, so the result is the plain amax); pass B,
+// once every pass-A tile of the expert is done, reads it again, from L2, and writes
+// both outputs. One persistent launch orders the work by a ticket counter:
+//   A(0) .. A(L-1), A(L) B(0), A(L+1) B(1), ..., A(E-1) B(E-1-L), B(E-L) .. B(E-1)
+// (each X(e) the T tiles of expert e), so an expert is re-read while the L that follow
+// it are read for the first time: the launcher picks the lag L from the number of
+// resident blocks and keeps L + 1 experts within the L2 budget. A block holds its
+// current ticket and the next two (the next tile's input is in flight meanwhile) and
+// waits only in its current one, for first-pass tiles below it: the lowest unfinished
+// ticket is always some running block's current one, and it does not wait. No
+// deadlock, whatever the grid size. L2 hints: the second pass's read and both outputs
+// are marked evict-first, so that the first pass's reads stay until they are re-read.
+//
+// Tile 128 x 128 (2-byte inputs, 32 KB), 256 threads, two blocks an SM; thread t works
+// on rows 8 * (t / 16) .. +7 of columns 8 * (t % 16) .. +7 (a half-warp: one 256-byte
+// tile row per access). The next tile's input arrives by asynchronous copies into the other of two
+// shared-memory stages while this one is worked on. q_rows leaves straight from the
+// registers (a half-warp: 128 contiguous bytes of a row), q_cols through a swizzled
+// shared-memory tile in 16-byte stores, 128 bytes a row.
+#pragma once
+
+#include <cstdint>
+
+#include "../core/numerics.h"
+#include "../core/portability.h"
+#include "../core/reduce.cuh"
+#include "../core/vec.cuh"
+#include "engine.h"
+
+namespace moe_fp8 {
+
+constexpr int kDualTile = 128;
+constexpr int kDualThreads = 256;
+constexpr int kDualChunks = kDualTile / 8;  // 8-column chunks (and 8-row groups) a tile
+
+// Ticket u -> (second pass?, expert, tile) in the order above.
+struct DualTask {
+  bool second;
+  int expert, tile;
+};
+
+// (32-bit: the launcher keeps the ticket count below 2^31; a 64-bit division costs tens
+// of instructions, and this runs twice a tile.)
+MOE_FP8_HD DualTask dual_task(int u, int tiles, int experts, int lag) {
+  const int head = lag * tiles;
+  if (u < head) return {false, u / tiles, u % tiles};
+  const int v = u - head, body = 2 * tiles * (experts - lag);
+  if (v < body) {
+    const int j = lag + v / (2 * tiles), w = v % (2 * tiles);
+    return w < tiles ? DualTask{false, j, w} : DualTask{true, j - lag, w - tiles};
+  }
+  const int t = v - body;
+  return {true, experts - lag + t / tiles, t % tiles};
+}
+
+// Element j (0..7) of eight 2-byte values in a uint4, as a float.
+template <InputKind K>
+MOE_FP8_DEVICE float dual_elem(const uint4& v, int j) {
+  const uint32_t w = j < 4 ? (j < 2 ? v.x : v.y) : (j < 6 ? v.z : v.w);
+  return DeviceInput<K>::to_float(static_cast<uint16_t>((j % 2) ? (w >> 16) : (w & 0xFFFFu)));
+}
+
+template <Fp8Format F>
+MOE_FP8_DEVICE uint2 dual_pack8(const float (&f)[8], float s) {
+  uint32_t w[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const uint32_t lo = scaled_fp8x2<F>(f[4 * h], f[4 * h + 1], s);
+    const uint32_t hi = scaled_fp8x2<F>(f[4 * h + 2], f[4 * h + 3], s);
+    w[h] = lo | (hi << 16);
+  }
+  return make_uint2(w[0], w[1]);
+}
+
+constexpr int kDualStageBytes = kDualTile * kDualTile * 2;  // one 2-byte input tile
+constexpr int kDualSmemBytes = 2 * kDualStageBytes + kDualTile * kDualTile;  // two stages, the q_cols tile
+
+// The input tile of ticket u into a stage ([128 rows][256 bytes]), with asynchronous copies (zeros
+// past the matrix).
+MOE_FP8_DEVICE void dual_issue(const DualArgs& a, int u, int total, int tiles, int tiles_c, uint8_t* stage, int rg,
+                               int cc) {
+  if (u >= total) return;
+  const DualTask task = dual_task(u, tiles, static_cast<int>(a.experts), static_cast<int>(a.lag));
+  // L2: the second pass's read is the last use of the tile (evicted first); the first
+  // pass's keeps the normal priority (an evict-last hint measured no better).
+  const uint64_t policy = l2_policy(false);
+  const int64_t e = task.expert;
+  const int64_t r0 = static_cast<int64_t>(task.tile / tiles_c) * kDualTile;
+  const int64_t c = static_cast<int64_t>(task.tile % tiles_c) * kDualTile + 8 * cc;
+#pragma unroll
+  for (int k = 0; k < 8; ++k) {
+    const int64_t r = r0 + 8 * rg + k;
+    uint8_t* dst = stage + (8 * rg + k) * (2 * kDualTile) + 16 * cc;
+    if (r < a.rows && c < a.cols) {
+      // (no dynamic index into the parameter arrays: that makes a stack copy)
+      const uint16_t* p = r < a.row_split
+                              ? static_cast<const uint16_t*>(a.x[0]) + e * a.x_se[0] + r * a.x_sr[0] + c
+                              : static_cast<const uint16_t*>(a.x[1]) + e * a.x_se[1] + (r - a.row_split) * a.x_sr[1] + c;
+      if (task.second) {
+        async_copy_16_hint(dst, p, policy);
+      } else {
+        async_copy_16(dst, p);
+      }
+    } else {
+      *reinterpret_cast<uint4*>(dst) = make_uint4(0u, 0u, 0u, 0u);  // past the matrix: never the amax
+    }
+  }
+}
+
+// Max over the 16 lanes of a half-warp (the column chunks of one row group).
+MOE_FP8_DEVICE uint32_t dual_max16(uint32_t m) {
+#pragma unroll
+  for (int s = 1; s < kDualChunks; s <<= 1) m = umax(m, warp_shfl_xor(m, s));
+  return m;
+}
+
+template <InputKind K, Fp8Format F, class Rule>
+__global__ void __launch_bounds__(kDualThreads, 2) quantize_dual_kernel(DualArgs a, int tiles_r, int tiles_c) {
+  static_assert(sizeof(typename DeviceInput<K>::storage) == 2, "the dual kernel reads 2-byte inputs");
+  extern __shared__ uint4 smem_dual[];
+  uint8_t* stages = reinterpret_cast<uint8_t*>(smem_dual);     // [2][128 rows][256 bytes]
+  uint8_t* q_cols_tile = stages + 2 * kDualStageBytes;         // [128 columns][16 slots of 8 rows], swizzled
+  // Pass A: a column's max per row-group pair (per warp); pass B: the tile's row and
+  // column multipliers.
+  __shared__ uint4 s_colmax[kDualThreads / 32][kDualTile / 4];
+  __shared__ float4 s_enc[2][kDualTile / 4];  // [0]: rows, [1]: columns
+  __shared__ int s_ticket[3];
+  const int tiles = tiles_r * tiles_c, total = 2 * static_cast<int>(a.experts) * tiles;
+  uint32_t* amax_rows = a.work;
+  uint32_t* amax_cols = amax_rows + a.experts * a.rows;
+  uint32_t* done = amax_cols + a.experts * a.cols;
+  uint32_t* ticket = done + a.experts;
+  const int cc = threadIdx.x % kDualChunks, rg = threadIdx.x / kDualChunks;
+  // Tickets run two ahead: the current tile, the next (its copy in flight while this
+  // one is worked on), and the one after (its number arriving meanwhile).
+  if (threadIdx.x == 0) {
+    s_ticket[0] = static_cast<int>(atomicAdd(ticket, 1u));
+    s_ticket[1] = static_cast<int>(atomicAdd(ticket, 1u));
+  }
+  __syncthreads();
+  dual_issue(a, s_ticket[0], total, tiles, tiles_c, stages, rg, cc);
+  async_copy_commit();
+  for (int it = 0;; ++it) {
+    const int u = s_ticket[it % 3];
+    if (u >= total) break;  // (every later ticket is past the end too)
+    dual_issue(a, s_ticket[(it + 1) % 3], total, tiles, tiles_c, stages + ((it + 1) & 1) * kDualStageBytes, rg, cc);
+    async_copy_commit();
+    uint32_t after_next = 0;
+    if (threadIdx.x == 0) after_next = atomicAdd(ticket, 1u);  // stored at the end of the iteration
+    const DualTask task = dual_task(u, tiles, static_cast<int>(a.experts), static_cast<int>(a.lag));
+    const int64_t e = task.expert;
+    const int64_t r0 = static_cast<int64_t>(task.tile / tiles_c) * kDualTile;
+    const int64_t c0 = static_cast<int64_t>(task.tile % tiles_c) * kDualTile;
+    if (task.second && threadIdx.x == 0) {
+      while (load_acquire(done + e) < static_cast<uint32_t>(tiles)) spin_pause();
+    }
+    async_copy_wait<1>();  // this thread's part of the current stage has landed
+    __syncthreads();       // ... and every thread's; the expert's amaxes are final (pass B)
+    const uint8_t* in = stages + (it & 1) * kDualStageBytes + (8 * rg) * (2 * kDualTile) + 16 * cc;
+    if (!task.second) {
+      // Pass A, as fp32 amax bits. Rows: over this thread's eight columns, then the 16
+      // chunks of its half-warp; columns: over its eight rows, the other row group of
+      // its warp (16 lanes away), then the eight warps through shared memory.
+      uint32_t rmax[8], cmax[8];
+      if constexpr (K == InputKind::kBF16) {
+        // On the bf16 patterns, two at a time: |x| is the pattern without its sign bit,
+        // and for non-negative bf16 the unsigned order is the order of the fp32 bits it
+        // widens to (NaN above +Inf), so packed 16-bit maxima give the amax bits.
+        uint32_t cm[4] = {0u, 0u, 0u, 0u};
+#pragma unroll
+        for (int k = 0; k < 8; ++k) {
+          const uint4 v = *reinterpret_cast<const uint4*>(in + k * (2 * kDualTile));
+          const uint32_t w[4] = {v.x & 0x7FFF7FFFu, v.y & 0x7FFF7FFFu, v.z & 0x7FFF7FFFu, v.w & 0x7FFF7FFFu};
+          const uint32_t rm = umax_u16x2(umax_u16x2(w[0], w[1]), umax_u16x2(w[2], w[3]));
+#pragma unroll
+          for (int j = 0; j < 4; ++j) cm[j] = umax_u16x2(cm[j], w[j]);
+          rmax[k] = umax(rm & 0xFFFFu, rm >> 16) << 16;
+        }
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          cmax[2 * j] = cm[j] << 16;
+          cmax[2 * j + 1] = cm[j] & 0xFFFF0000u;
+        }
+      } else {
+        // fp16: on the widened values (the fp32 bits of a NaN are not ordered as its
+        // fp16 pattern), as the single ops reduce them.
+#pragma unroll
+        for (int j = 0; j < 8; ++j) cmax[j] = 0;
+#pragma unroll
+        for (int k = 0; k < 8; ++k) {
+          const uint4 v = *reinterpret_cast<const uint4*>(in + k * (2 * kDualTile));
+          rmax[k] = 0;
+#pragma unroll
+          for (int j = 0; j < 8; ++j) {
+            const uint32_t b = abs_bits(dual_elem<K>(v, j));
+            cmax[j] = umax(cmax[j], b);
+            rmax[k] = umax(rmax[k], b);
+          }
+        }
+      }
+      uint32_t mine = 0;  // lane cc < 8: the max of row 8 rg + cc
+#pragma unroll
+      for (int k = 0; k < 8; ++k) {
+        const uint32_t m = dual_max16(rmax[k]);
+        mine = cc == k ? m : mine;
+      }
+      if (cc < 8 && r0 + 8 * rg + cc < a.rows) atomicMax(amax_rows + e * a.rows + r0 + 8 * rg + cc, mine);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) cmax[j] = umax(cmax[j], warp_shfl_xor(cmax[j], kDualChunks));
+      if (rg % 2 == 0) {
+        s_colmax[rg / 2][2 * cc] = make_uint4(cmax[0], cmax[1], cmax[2], cmax[3]);
+        s_colmax[rg / 2][2 * cc + 1] = make_uint4(cmax[4], cmax[5], cmax[6], cmax[7]);
+      }
+      __syncthreads();
+      if (threadIdx.x < kDualTile && c0 + threadIdx.x < a.cols) {
+        uint32_t m = 0;
+#pragma unroll
+        for (int w = 0; w < kDualThreads / 32; ++w) m = umax(m, reinterpret_cast<const uint32_t*>(s_colmax[w])[threadIdx.x]);
+        atomicMax(amax_cols + e * a.cols + c0 + threadIdx.x, m);
+      }
+      __syncthreads();  // every atomic of the tile is issued (the release below is cumulative)
+      if (threadIdx.x == 0) atomic_add_release(done + e, 1u);
+    } else {
+      // Pass B. The multipliers of the tile's 128 rows and 128 columns, one a thread (the
+      // amax arrays through L2: other blocks wrote them with atomics), and their scales.
+      {
+        const int i = threadIdx.x % kDualTile;
+        const bool col = threadIdx.x >= kDualTile;
+        const int64_t n = col ? a.cols : a.rows, at = (col ? c0 : r0) + i;
+        const uint32_t* amax = col ? amax_cols + e * a.cols : amax_rows + e * a.rows;
+        const auto sc = Rule::template from_amax_bits<F>(at < n ? load_l2(amax + at) : 0u);
+        reinterpret_cast<float*>(s_enc[col ? 1 : 0])[i] = sc.encode;
+        if (at < n && (col ? r0 : c0) == 0) (col ? a.s_cols + e * a.cols : a.s_rows + e * a.rows)[at] = sc.stored;
+      }
+      __syncthreads();
+      const float4 er0 = s_enc[0][2 * rg], er1 = s_enc[0][2 * rg + 1];
+      const float4 ec0 = s_enc[1][2 * cc], ec1 = s_enc[1][2 * cc + 1];
+      const float enc_r[8] = {er0.x, er0.y, er0.z, er0.w, er1.x, er1.y, er1.z, er1.w};
+      const float enc_c[8] = {ec0.x, ec0.y, ec0.z, ec0.w, ec1.x, ec1.y, ec1.z, ec1.w};
+      // Both outputs, two rows at a time.
+      const uint64_t out_policy = l2_policy(false);  // not read again here: evicted first, before the inputs
+      const int64_t c = c0 + 8 * cc;                 // this thread's first column
+      uint8_t* qr = a.q_rows + (e * a.rows + r0 + 8 * rg) * a.cols + c;
+      uint32_t wc[8][2];  // q_cols: column j's bytes of this thread's eight rows
+#pragma unroll
+      for (int k = 0; k < 8; k += 2) {
+        const uint4 v0 = *reinterpret_cast<const uint4*>(in + k * (2 * kDualTile));
+        const uint4 v1 = *reinterpret_cast<const uint4*>(in + (k + 1) * (2 * kDualTile));
+        float f0[8], f1[8];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          f0[j] = dual_elem<K>(v0, j);
+          f1[j] = dual_elem<K>(v1, j);
+        }
+        // q_rows straight out: a half-warp stores 128 contiguous bytes of one row.
+        if (r0 + 8 * rg + k < a.rows && c < a.cols) store_8_hint(qr + k * a.cols, dual_pack8<F>(f0, enc_r[k]), out_policy);
+        if (r0 + 8 * rg + k + 1 < a.rows && c < a.cols) {
+          store_8_hint(qr + (k + 1) * a.cols, dual_pack8<F>(f1, enc_r[k + 1]), out_policy);
+        }
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          const uint32_t two = scaled_fp8x2<F>(f0[j], f1[j], enc_c[j]);
+          if (k % 4 == 0) {
+            wc[j][k / 4] = two;
+          } else {
+            wc[j][k / 4] |= two << 16;
+          }
+        }
+      }
+      // Column row c holds 16 eight-byte slots (row groups), slot g at g ^ (c / 8 % 16):
+      // the 16 column chunks of a half-warp's store hit 16 different slots.
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        *reinterpret_cast<uint2*>(q_cols_tile + (8 * cc + j) * kDualTile + 8 * (rg ^ cc)) = make_uint2(wc[j][0], wc[j][1]);
+      }
+      __syncthreads();
+      // q_cols out: 16-byte chunks, eight threads a 128-byte row. A chunk (slots 2 ch,
+      // 2 ch + 1) is physical chunk ch ^ (s / 2), its halves swapped when s is odd.
+      uint8_t* qc = a.q_cols + (e * a.cols + c0) * a.rows + r0;
+      constexpr int kOutChunks = kDualTile / 16;
+#pragma unroll
+      for (int n = 0; n < kDualTile * kOutChunks / kDualThreads; ++n) {
+        const int idx = threadIdx.x + n * kDualThreads;
+        const int row = idx / kOutChunks, ch = idx % kOutChunks;
+        if (c0 + row < a.cols && r0 + 16 * ch < a.rows) {
+          const int sw = (row / 8) % kDualChunks;
+          uint4 q = *reinterpret_cast<const uint4*>(q_cols_tile + row * kDualTile + 16 * (ch ^ (sw / 2)));
+          if (sw % 2) q = make_uint4(q.z, q.w, q.x, q.y);
+          store_16_hint(qc + row * a.rows + 16 * ch, q, out_policy);
+        }
+      }
+    }
+    if (threadIdx.x == 0) s_ticket[(it + 2) % 3] = static_cast<int>(after_next);
+    __syncthreads();  // the stage, the q_cols tile and s_enc are free again; the ticket after next is visible
+  }
+  async_copy_wait<0>();
+}
+
+template <InputKind K, Fp8Format F, class Rule>
+int launch_quantize_dual(DualArgs a, int64_t resident, int64_t l2_budget, gpuStream_t stream) {
+  const int64_t tiles_r = ceil_div(a.rows, kDualTile), tiles_c = ceil_div(a.cols, kDualTile);
+  const int64_t tiles = tiles_r * tiles_c;
+  // 32-bit tickets, with room for the two each block takes past the end
+  if (2 * a.experts * tiles + 3 * resident >= (int64_t{1} << 31)) return -1;
+  const int64_t expert_bytes = a.rows * a.cols * 2;
+  // Enough lag that the blocks of one expert's second pass seldom wait for its first,
+  // no more than the L2 budget holds.
+  int64_t lag = ceil_div(resident, tiles);
+  const int64_t fit = l2_budget / expert_bytes - 1;
+  lag = lag > fit ? fit : lag;
+  lag = lag < 1 ? 1 : (lag > a.experts ? a.experts : lag);
+  a.lag = lag;
+  const int64_t blocks = resident < 2 * a.experts * tiles ? resident : 2 * a.experts * tiles;
+  return launch_kernel(quantize_dual_kernel<K, F, Rule>, dim3(static_cast<unsigned>(blocks)), dim3(kDualThreads),
+                       kDualSmemBytes, stream, 1, a, static_cast<int>(tiles_r), static_cast<int>(tiles_c));
+}
+
+}  // namespace moe_fp8
