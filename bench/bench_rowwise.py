@@ -136,9 +136,9 @@ def bench_dual(shapes):
             c = copy_us(nbytes)
 
             def ao_fn():
-                k = torchao_kernels()[0]
-                fns = [(k.triton_fp8_colwise_3d_scale_and_cast, k.triton_fp8_rowwise_3d_transpose_rhs)]
-                return lambda: [f(b, F8, round_scales_to_power_of_2=True) for b in parts for f in fns[0]]
+                kernels = torchao_kernels()[0]
+                fns = (kernels.triton_fp8_colwise_3d_scale_and_cast, kernels.triton_fp8_rowwise_3d_transpose_rhs)
+                return lambda: [f(b, F8, round_scales_to_power_of_2=True) for b in parts for f in fns]
 
             ao = try_peer(ao_fn)
             t_ao = bench_us(ao) if ao else None

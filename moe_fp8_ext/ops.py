@@ -232,13 +232,21 @@ def quantize_experts_fwd_cat(b_ts: Sequence[Tensor], fp8_dtype: Optional[torch.d
     return _ops.quantize_experts_fwd_cat(list(b_ts), _dtype(fp8_dtype, b_ts[0]), pow2_scale)
 
 
+def _cat_outputs(b_ts, fp8_dtype, bwd):
+    """Empty (q, scale) of quantize_experts_fwd_cat (bwd=False) or _bwd_cat: the fakes."""
+    e, k = b_ts[0].shape[0], b_ts[0].shape[1]
+    n = sum(b.shape[2] for b in b_ts)
+    if bwd:
+        q = b_ts[0].new_empty_strided((e, n, k), (n * k, 1, n), dtype=fp8_dtype)
+    else:
+        q = b_ts[0].new_empty_strided((e, k, n), (k * n, 1, k), dtype=fp8_dtype)
+    return q, b_ts[0].new_empty((e, 1, k if bwd else n), dtype=torch.float32)
+
+
 @torch.library.register_fake("moe_fp8::quantize_experts_fwd_cat")
 def _(b_ts, fp8_dtype, pow2_scale=True):
     check_quantize_experts_cat(b_ts, fp8_dtype)
-    e, k = b_ts[0].shape[0], b_ts[0].shape[1]
-    n = sum(b.shape[2] for b in b_ts)
-    q = b_ts[0].new_empty_strided((e, k, n), (k * n, 1, k), dtype=fp8_dtype)
-    return q, b_ts[0].new_empty((e, 1, n), dtype=torch.float32)
+    return _cat_outputs(b_ts, fp8_dtype, bwd=False)
 
 
 def quantize_experts_bwd_cat(b_ts: Sequence[Tensor], fp8_dtype: Optional[torch.dtype] = None,
@@ -257,16 +265,12 @@ def quantize_experts_bwd_cat(b_ts: Sequence[Tensor], fp8_dtype: Optional[torch.d
 @torch.library.register_fake("moe_fp8::quantize_experts_bwd_cat")
 def _(b_ts, fp8_dtype, pow2_scale=True):
     check_quantize_experts_cat(b_ts, fp8_dtype, "quantize_experts_bwd_cat", 2)
-    e, k = b_ts[0].shape[0], b_ts[0].shape[1]
-    n = sum(b.shape[2] for b in b_ts)
-    q = b_ts[0].new_empty_strided((e, n, k), (n * k, 1, n), dtype=fp8_dtype)
-    return q, b_ts[0].new_empty((e, 1, k), dtype=torch.float32)
+    return _cat_outputs(b_ts, fp8_dtype, bwd=True)
 
 
 def _check_dual_cat(b_ts, fp8_dtype):
-    for rdim in (1, 2):  # the rules of both ops it may run
+    for rdim in (1, 2):  # the rules of both ops it may run (rdim 2: one or two weights)
         check_quantize_experts_cat(b_ts, fp8_dtype, "quantize_experts_dual_cat", rdim)
-    _require(len(b_ts) <= 2, lambda: f"quantize_experts_dual_cat: expected one or two weights, got {len(b_ts)}")
 
 
 def dual_cat_reads_once(b_ts: Sequence[Tensor]) -> bool:
@@ -310,12 +314,7 @@ def quantize_experts_dual_cat(b_ts: Sequence[Tensor], fp8_dtype: Optional[torch.
 @torch.library.register_fake("moe_fp8::quantize_experts_dual_cat")
 def _(b_ts, fp8_dtype, pow2_scale=True):
     _check_dual_cat(b_ts, fp8_dtype)
-    e, k = b_ts[0].shape[0], b_ts[0].shape[1]
-    n = sum(b.shape[2] for b in b_ts)
-    q_fwd = b_ts[0].new_empty_strided((e, k, n), (k * n, 1, k), dtype=fp8_dtype)
-    q_bwd = b_ts[0].new_empty_strided((e, n, k), (n * k, 1, n), dtype=fp8_dtype)
-    f32 = torch.float32
-    return q_fwd, b_ts[0].new_empty((e, 1, n), dtype=f32), q_bwd, b_ts[0].new_empty((e, 1, k), dtype=f32)
+    return _cat_outputs(b_ts, fp8_dtype, bwd=False) + _cat_outputs(b_ts, fp8_dtype, bwd=True)
 
 
 def quantize_experts_bwd(b_t: Tensor, fp8_dtype: Optional[torch.dtype] = None, pow2_scale: bool = True) -> Tuple[Tensor, Tensor]:

@@ -86,6 +86,14 @@ MOE_FP8_DEVICE Array<uint8_t, N> quantize_elems(const Array<T, N>& a, float s) {
   return out;
 }
 
+// Element j (0..7) of eight 2-byte values packed in a uint4 (one 16-byte load), as a
+// float.
+template <InputKind K>
+MOE_FP8_DEVICE float uint4_elem(const uint4& v, int j) {
+  const uint32_t w = j < 4 ? (j < 2 ? v.x : v.y) : (j < 6 ? v.z : v.w);
+  return DeviceInput<K>::to_float(static_cast<uint16_t>((j % 2) ? (w >> 16) : (w & 0xFFFFu)));
+}
+
 template <class In, typename T, int N>
 MOE_FP8_DEVICE uint32_t amax_bits_of(const Array<T, N>& a, uint32_t m) {
 #pragma unroll

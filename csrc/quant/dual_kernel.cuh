@@ -64,13 +64,6 @@ MOE_FP8_HD DualTask dual_task(int u, int tiles, int experts, int lag) {
   return {true, experts - lag + t / tiles, t % tiles};
 }
 
-// Element j (0..7) of eight 2-byte values in a uint4, as a float.
-template <InputKind K>
-MOE_FP8_DEVICE float dual_elem(const uint4& v, int j) {
-  const uint32_t w = j < 4 ? (j < 2 ? v.x : v.y) : (j < 6 ? v.z : v.w);
-  return DeviceInput<K>::to_float(static_cast<uint16_t>((j % 2) ? (w >> 16) : (w & 0xFFFFu)));
-}
-
 template <Fp8Format F>
 MOE_FP8_DEVICE uint2 dual_pack8(const float (&f)[8], float s) {
   uint32_t w[2];
@@ -203,7 +196,7 @@ __global__ void __launch_bounds__(kDualThreads, 2) quantize_dual_kernel(DualArgs
           rmax[k] = 0;
 #pragma unroll
           for (int j = 0; j < 8; ++j) {
-            const uint32_t b = abs_bits(dual_elem<K>(v, j));
+            const uint32_t b = abs_bits(uint4_elem<K>(v, j));
             cmax[j] = umax(cmax[j], b);
             rmax[k] = umax(rmax[k], b);
           }
@@ -260,8 +253,8 @@ __global__ void __launch_bounds__(kDualThreads, 2) quantize_dual_kernel(DualArgs
         float f0[8], f1[8];
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
-          f0[j] = dual_elem<K>(v0, j);
-          f1[j] = dual_elem<K>(v1, j);
+          f0[j] = uint4_elem<K>(v0, j);
+          f1[j] = uint4_elem<K>(v1, j);
         }
         // q_rows straight out: a half-warp stores 128 contiguous bytes of one row.
         if (r0 + 8 * rg + k < a.rows && c < a.cols) store_8_hint(qr + k * a.cols, dual_pack8<F>(f0, enc_r[k]), out_policy);

@@ -85,13 +85,6 @@ constexpr int kTileFragCols = 8;  // 2-byte columns of a fragment: one 16-byte l
 constexpr int kTileRowGroups = kTile / kTileFragRows;
 static_assert(kTileRowGroups * (kTile / kTileFragCols) == kTilesThreads, "one fragment a thread");
 
-// Element (i, j) of a fragment row (eight 2-byte values in a uint4) as a float.
-template <InputKind K>
-MOE_FP8_DEVICE float tile_elem(const uint4& v, int j) {
-  const uint32_t w = j < 4 ? (j < 2 ? v.x : v.y) : (j < 6 ? v.z : v.w);
-  return DeviceInput<K>::to_float(static_cast<uint16_t>((j % 2) ? (w >> 16) : (w & 0xFFFFu)));
-}
-
 // Byte offset of (row r, byte b) in the staged fp8 tile of the vector kernel.
 MOE_FP8_DEVICE int qtile_offset(int r, int b) { return r * kTile + ((((b >> 4) ^ ((r >> 3) & 7)) << 4) | (b & 15)); }
 
@@ -120,7 +113,7 @@ __global__ void __launch_bounds__(kTilesThreads) quantize_tiles_vec_kernel(Tiles
 #pragma unroll
   for (int r = 0; r < kTileFragRows; ++r) {
 #pragma unroll
-    for (int c = 0; c < kTileFragCols; ++c) amax = umax(amax, abs_bits(tile_elem<K>(v[r], c)));
+    for (int c = 0; c < kTileFragCols; ++c) amax = umax(amax, abs_bits(uint4_elem<K>(v[r], c)));
   }
   amax = block_max(amax, s_red);
   const auto sc = Rule::template from_amax_bits<F>(amax);
@@ -136,8 +129,8 @@ __global__ void __launch_bounds__(kTilesThreads) quantize_tiles_vec_kernel(Tiles
         uint32_t w[2];
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-          const uint16_t lo = scaled_fp8x2<F>(tile_elem<K>(v[4 * h], c), tile_elem<K>(v[4 * h + 1], c), sc.encode);
-          const uint16_t hi = scaled_fp8x2<F>(tile_elem<K>(v[4 * h + 2], c), tile_elem<K>(v[4 * h + 3], c), sc.encode);
+          const uint16_t lo = scaled_fp8x2<F>(uint4_elem<K>(v[4 * h], c), uint4_elem<K>(v[4 * h + 1], c), sc.encode);
+          const uint16_t hi = scaled_fp8x2<F>(uint4_elem<K>(v[4 * h + 2], c), uint4_elem<K>(v[4 * h + 3], c), sc.encode);
           w[h] = static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16);
         }
         uint8_t* dst = qt + (fc + c) * o.q_sc + fr;
@@ -157,8 +150,8 @@ __global__ void __launch_bounds__(kTilesThreads) quantize_tiles_vec_kernel(Tiles
         uint32_t w[2];
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-          const uint16_t lo = scaled_fp8x2<F>(tile_elem<K>(v[r], 4 * h), tile_elem<K>(v[r], 4 * h + 1), sc.encode);
-          const uint16_t hi = scaled_fp8x2<F>(tile_elem<K>(v[r], 4 * h + 2), tile_elem<K>(v[r], 4 * h + 3), sc.encode);
+          const uint16_t lo = scaled_fp8x2<F>(uint4_elem<K>(v[r], 4 * h), uint4_elem<K>(v[r], 4 * h + 1), sc.encode);
+          const uint16_t hi = scaled_fp8x2<F>(uint4_elem<K>(v[r], 4 * h + 2), uint4_elem<K>(v[r], 4 * h + 3), sc.encode);
           w[h] = static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16);
         }
         *reinterpret_cast<uint2*>(qs + qtile_offset(fr + r, fc)) = make_uint2(w[0], w[1]);
