@@ -104,9 +104,9 @@ def bench_jagged(shapes):
 
 def bench_dual(shapes):
     """Both operands of an experts layer's weights (quantize_experts_dual_cat) with its
-    opt-in one-read kernel (MOE_FP8_DUAL_L2_BYTES="l2"; "forced": no L2 limit, where "l2"
-    takes the two ops) against the two ops (the default) and torchao's two 3-D kernels
-    per weight."""
+    one-read kernel (the default L2 budget, MOE_FP8_DUAL_L2_BYTES="l2"; "forced": no L2
+    limit, where "l2" takes the two ops) against the two ops and torchao's two 3-D
+    kernels per weight."""
     import os
 
     rows = []

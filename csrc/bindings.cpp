@@ -5,6 +5,8 @@
 #include <torch/library.h>
 #include <torch/version.h>
 
+#include "quant/engine.h"
+
 // Set by CMakeLists.txt: the GPU backend ("cuda", "hip" or "" for CPU only), its
 // compiler version and the architectures built.
 #ifndef MOE_FP8_GPU_BACKEND
@@ -108,7 +110,25 @@ TORCH_LIBRARY(moe_fp8, m) {
   m.def("scatter_rows(Tensor y, Tensor indices, SymInt num_rows) -> Tensor");
 }
 
+#if defined(MOE_FP8_WITH_CUDA)
+namespace moe_fp8 {
+extern const QuantKernels kRowwiseCuda;  // rowwise/rowwise.cu
+}  // namespace moe_fp8
+#endif
+
 namespace {
+
+// The L2 budget of quantize_experts_dual_cat's one-read kernel on GPU `device` (0: never,
+// and always 0 without GPU kernels): what the op decides with, so that Python code
+// (ops.dual_cat_reads_once) asks rather than repeats the rule.
+int64_t dual_l2_budget(int device) {
+#if defined(MOE_FP8_WITH_CUDA)
+  return moe_fp8::kRowwiseCuda.dual_budget(device);
+#else
+  (void)device;
+  return 0;
+#endif
+}
 
 pybind11::dict build_info() {
   const std::string backend = MOE_FP8_GPU_BACKEND;
@@ -129,4 +149,5 @@ pybind11::dict build_info() {
 PYBIND11_MODULE(_C, m) {
   m.doc() = "moe_fp8_ext compiled kernels; the ops live in torch.ops.moe_fp8";
   m.def("build_info", &build_info, "Build configuration: torch version, GPU backend version and compiled archs");
+  m.def("dual_l2_budget", &dual_l2_budget, "L2 bytes the one-read dual weight kernel may use on a GPU (0: never)");
 }

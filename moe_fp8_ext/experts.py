@@ -34,8 +34,8 @@ rounding) it:
   gradient-accumulation micro-batches and activation-checkpoint recompute quantize
   each weight once per optimizer step instead of once per call.
 
-A weight's two orientations from one read (``quantize_experts_dual_cat``) is opt-in
-(``MOE_FP8_DUAL_L2_BYTES=l2``; DESIGN §10 says why it is off by default): where it runs
+A weight's two orientations come from one read (``quantize_experts_dual_cat``) where
+an expert's matrix fits the L2 budget (``MOE_FP8_DUAL_L2_BYTES``, DESIGN §10): there
 (``Recipe.reads_weights_once``), the forward makes each weight's backward operand with
 its forward one and keeps it on ctx until the backward uses it (or in the cache).
 Not done yet (DESIGN §10 lists them): the one-read kernels that write a tensor's

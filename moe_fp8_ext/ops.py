@@ -6,12 +6,12 @@ default) every scale is an exact power of two. ``fp8_dtype=None`` picks
 :func:`moe_fp8_ext.default_fp8_dtype`.
 """
 
-import os
 from typing import Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
 
+from . import _C
 from .platform import default_fp8_dtype
 
 _ops = torch.ops.moe_fp8
@@ -275,7 +275,8 @@ def _check_dual_cat(b_ts, fp8_dtype):
 
 def dual_cat_reads_once(b_ts: Sequence[Tensor]) -> bool:
     """Whether ``quantize_experts_dual_cat(b_ts)`` runs the one-read kernel (the rule of
-    rowwise_ops.cpp, in Python: tests/test_rowwise.py checks the two agree)."""
+    rowwise_ops.cpp in Python, with the budget asked of the extension, which reads
+    ``MOE_FP8_DUAL_L2_BYTES``; tests/test_rowwise.py checks the two agree)."""
     if not 1 <= len(b_ts) <= 2 or not b_ts[0].is_cuda or b_ts[0].element_size() != 2:
         return False
     e, k = b_ts[0].shape[0], b_ts[0].shape[1]
@@ -285,12 +286,7 @@ def dual_cat_reads_once(b_ts: Sequence[Tensor]) -> bool:
     for b in b_ts:
         if b.shape[2] == 0 or b.stride(1) != 1 or b.stride(0) % 8 or b.stride(2) % 8 or b.data_ptr() % 16:
             return False
-    env = os.environ.get("MOE_FP8_DUAL_L2_BYTES")
-    if env == "l2":
-        budget = torch.cuda.get_device_properties(b_ts[0].device).L2_cache_size * 3 // 5
-    else:
-        budget = int(env) if env is not None and env.isdigit() else 0  # unset: off (see the op)
-    return 2 * n * k * b_ts[0].element_size() <= budget
+    return 2 * n * k * b_ts[0].element_size() <= _C.dual_l2_budget(b_ts[0].get_device())
 
 
 def quantize_experts_dual_cat(b_ts: Sequence[Tensor], fp8_dtype: Optional[torch.dtype] = None,
@@ -299,14 +295,13 @@ def quantize_experts_dual_cat(b_ts: Sequence[Tensor], fp8_dtype: Optional[torch.
     ``(q_fwd, s_fwd, q_bwd, s_bwd)``, bit for bit ``quantize_experts_fwd_cat(b_ts)``
     followed by ``quantize_experts_bwd_cat(b_ts)``. The experts layer's weight operands.
 
-    Opt-in one-read kernel (DESIGN §10): with ``MOE_FP8_DUAL_L2_BYTES`` set ("l2": three
-    fifths of L2, i.e. 16 MB a matrix on an H100; or a byte count), weights on a GPU
-    stored (E, N_i, K) with K contiguous (``b_t = W.transpose(-2, -1)``, torchtitan's
-    layout), bf16 or fp16, N and K multiples of 16, whose two experts' matrices fit the
-    budget are read from DRAM once: a tile is read again from L2 once its expert's amaxes
-    are complete. Measured 1.12-1.40x faster than the two ops on an H100 where it applies,
-    but off by default: GPU tests that force it saw an unexplained intermittent mismatch
-    (bench/RESULTS.md). Anything else, and the default, runs the two ops."""
+    One-read kernel (DESIGN §10): weights on a GPU stored (E, N_i, K) with K contiguous
+    (``b_t = W.transpose(-2, -1)``, torchtitan's layout), bf16 or fp16, N and K multiples
+    of 16, whose two experts' matrices fit the L2 budget are read from DRAM once: a tile
+    is read again from L2 once its expert's amaxes are complete. The budget is
+    ``MOE_FP8_DUAL_L2_BYTES``: unset or "l2" = three fifths of L2 (16 MB a matrix on an
+    H100), a byte count, or 0 = never. Measured 1.12-1.40x faster than the two ops on an
+    H100 where it applies (bench/RESULTS.md). Anything else runs the two ops."""
     _check_dual_cat(b_ts, fp8_dtype)
     return _ops.quantize_experts_dual_cat(list(b_ts), _dtype(fp8_dtype, b_ts[0]), pow2_scale)
 

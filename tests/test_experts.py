@@ -201,14 +201,14 @@ def test_weight_reuse_hits_and_is_exact(device):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("cached", [False, True])
-@pytest.mark.parametrize("dual_kernel", ["off", "l2"])
+@pytest.mark.parametrize("dual_kernel", ["0", "default"])
 def test_backward_operands_made_in_forward(device, cached, dual_kernel, monkeypatch):
     # A recipe that reads a weight once for both operands (Recipe.reads_weights_once:
-    # fp8_rowwise's opt-in dual kernel on a GPU; forced here so that the CPU, and the
-    # GPU with the kernel off, run the path too) makes the backward operands in the
+    # fp8_rowwise's dual kernel on a GPU by default; forced here so that the CPU, and
+    # the GPU with the kernel off, run the path too) makes the backward operands in the
     # forward: the same bits as making them in the backward, kept on ctx (no cache)
     # until used and then dropped, or in the cache.
-    if dual_kernel == "off":
+    if dual_kernel == "default":
         monkeypatch.delenv("MOE_FP8_DUAL_L2_BYTES", raising=False)
     else:
         monkeypatch.setenv("MOE_FP8_DUAL_L2_BYTES", dual_kernel)

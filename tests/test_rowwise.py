@@ -275,14 +275,14 @@ def check_dual(parts, fp8_dtype, pow2):
                                        ((5, 160), (400,)), ((2, 48), (0, 32)), ((0, 32), (16, 16)),
                                        ((2, 33), (40, 24)), ((2, 32), (20, 12))])
 @pytest.mark.parametrize("layout", ["titan", "other", "permuted"])
-@pytest.mark.parametrize("dual", ["off", "l2"])
+@pytest.mark.parametrize("dual", ["default", "0"])
 def test_quantize_experts_dual_cat(device, in_dtype, fp8_dtype, pow2, shape, ns, layout, dual, monkeypatch):
     # = (quantize_experts_fwd, quantize_experts_bwd) of the concatenation along N, bit
-    # for bit. On a GPU with the kernel opted in, the "titan" layout with N, K multiples
-    # of 16 runs it (tiles partial in both dims, a part boundary inside a tile: 136,
-    # column maxima over several row tiles: 400); the rest, the default and the CPU, the
-    # two ops.
-    if dual == "off":
+    # for bit. On a GPU by default, the "titan" layout with N, K multiples of 16 runs
+    # the dual kernel (tiles partial in both dims, a part boundary inside a tile: 136,
+    # column maxima over several row tiles: 400); the rest, the kernel switched off
+    # ("0") and the CPU, the two ops.
+    if dual == "default":
         monkeypatch.delenv("MOE_FP8_DUAL_L2_BYTES", raising=False)
     else:
         monkeypatch.setenv("MOE_FP8_DUAL_L2_BYTES", dual)
@@ -410,25 +410,41 @@ def _dual_kernel_ran(parts, fp8_dtype, tries=2):
     return False
 
 
+# GPUs whose blocks can have the dual kernel's 85 KB of shared memory (the others, e.g.
+# sm_86/89 and AMD MI300, always run the two ops: test_dual_budget_gate).
+DUAL_GPU = (torch.cuda.is_available() and torch.version.hip is None
+            and torch.cuda.get_device_capability() in ((8, 0), (9, 0), (10, 0)))
+requires_dual_gpu = pytest.mark.skipif(not DUAL_GPU, reason="no dual kernel on this machine")
+
+
+def test_dual_budget_without_gpu_kernels():
+    # the budget the Python predicate asks for: 0 (never) in a build without GPU kernels
+    info = moe_fp8_ext.build_info()
+    if info["cuda"] or info["hip"]:
+        pytest.skip("a GPU build")
+    assert moe_fp8_ext._C.dual_l2_budget(0) == 0
+
+
 @requires_cuda
+@requires_dual_gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize("fp8_dtype", FP8_DTYPES)
 @pytest.mark.parametrize("e, k, n", [(64, 2048, 1408), (128, 2048, 768), (16, 1536, 5120), (40, 1040, 272),
                                      (3, 256, 144)])
 @pytest.mark.parametrize("budget", ["l2", "two", "all"])
 def test_dual_large(fp8_dtype, e, k, n, budget, monkeypatch):
-    # The opt-in dual kernel on W1 and W3 (E, n, k) and W2 (E, k, n) of an experts
-    # layer, in torchtitan's layout: bit for bit the two GPU ops (each equal to the CPU
-    # op, test_experts_large), and the CPU op itself on the smaller shapes, with the lag
-    # each budget allows: three fifths of L2 (the shapes that fit it), two experts in L2
-    # (lag 1: each expert's second pass right behind its first) and no limit (the lag
-    # from the resident blocks alone; all E at (3, ...)). On an H100 (the session of
-    # 2026-11-22) two of these 30 cases failed in each of two runs, different ones each
-    # time, "two" budgets both: unexplained, hence the kernel is off by default.
+    # The dual kernel on W1 and W3 (E, n, k) and W2 (E, k, n) of an experts layer, in
+    # torchtitan's layout: bit for bit the two GPU ops (each equal to the CPU op,
+    # test_experts_large), and the CPU op itself on the smaller shapes, with the lag each
+    # budget allows: three fifths of L2 (the shapes that fit it), two experts in L2 (lag
+    # 1: each expert's second pass right behind its first) and no limit (the lag from the
+    # resident blocks alone; all E at (3, ...)). (The failures once blamed on the kernel
+    # were this test's: it sized W2's budget with k for K, too small at (16, 1536, 5120),
+    # so the op rightly ran the two ops and the predicate rightly said so.)
     w1, w3 = (randn((e, n, k), torch.bfloat16, "cuda") * 0.02 for _ in range(2))
     w2 = randn((e, k, n), torch.bfloat16, "cuda") * 0.02
     for parts in ([w1.transpose(1, 2), (w3 * 8).transpose(1, 2)], [w2.transpose(1, 2)]):
-        matrix = sum(p.shape[2] for p in parts) * k * 2
+        matrix = parts[0].shape[1] * sum(p.shape[2] for p in parts) * 2  # one expert's K x N, 2 bytes
         if budget == "l2" and 2 * matrix > 0.6 * torch.cuda.get_device_properties(0).L2_cache_size:
             continue  # past that budget: the two ops, tested elsewhere
         monkeypatch.setenv("MOE_FP8_DUAL_L2_BYTES", budget if budget == "l2" else
@@ -441,6 +457,36 @@ def test_dual_large(fp8_dtype, e, k, n, budget, monkeypatch):
             check(got, moe_fp8_ext.quantize_experts_dual_cat([p.cpu() for p in parts], fp8_dtype))
         assert moe_fp8_ext.ops.dual_cat_reads_once(parts), "the predicate says the kernel does not run"
         assert _dual_kernel_ran(parts, fp8_dtype), "the profiler saw no dual kernel"
+
+
+@requires_cuda
+@requires_dual_gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("e, k, ns", [(40, 1040, (272, 272)), (16, 5120, (1536,)), (130, 256, (64, 80))])
+def test_dual_repeated(e, k, ns, monkeypatch):
+    # The cross-block protocol (per-expert amaxes by atomics, a release/acquire counter
+    # per expert) under many launches: each budget from lag 1 (two experts in L2) to no
+    # limit, 40 launches each, every one checked against the two ops' bits, and its
+    # outputs poisoned (0xFF) before they are freed, so that the next launch, which gets
+    # the same blocks back from the allocator, shows any element it does not write.
+    parts = [(randn((e, n, k), torch.bfloat16, "cuda") * (0.02 * (i + 1))).transpose(1, 2) for i, n in enumerate(ns)]
+    parts[0][e // 2, 7, 3] = 1.0  # an outlier in one expert: its scales differ from the rest
+    want = [t.view(torch.uint8) if t.element_size() == 1 else t
+            for t in moe_fp8_ext.quantize_experts_fwd_cat(parts, F8) + moe_fp8_ext.quantize_experts_bwd_cat(parts, F8)]
+    matrix = k * sum(ns) * 2
+    bad = []
+    for budget in (2 * matrix, 3 * matrix, 8 * matrix, 1 << 50):
+        monkeypatch.setenv("MOE_FP8_DUAL_L2_BYTES", str(budget))
+        assert moe_fp8_ext.ops.dual_cat_reads_once(parts)
+        for rep in range(40):
+            got = moe_fp8_ext.quantize_experts_dual_cat(parts, F8)
+            for i, (g, w) in enumerate(zip(got, want)):
+                g = g.view(torch.uint8) if g.element_size() == 1 else g
+                if not torch.equal(g, w):
+                    bad.append((budget, rep, i))
+                g.view(torch.uint8).fill_(0xFF)
+            del got
+    assert not bad, f"{len(bad)} mismatching outputs (budget, launch, output): {bad[:8]}"
 
 
 @requires_cuda
@@ -460,12 +506,20 @@ def test_dual_predicate_matches_kernel(layout, shape, ns, monkeypatch):
 @requires_cuda
 @pytest.mark.gpu
 def test_dual_budget_gate(monkeypatch):
-    # The budget decides: unset or 0 leaves the kernel off (the two ops, the same bits);
-    # an expert whose two matrices do not fit runs the two ops.
+    # The budget decides: unset means "l2"; 0 leaves the kernel off (the two ops, the
+    # same bits); an expert whose two matrices do not fit runs the two ops.
     w = randn((4, 256, 512), torch.bfloat16, "cuda").transpose(1, 2)
     want = moe_fp8_ext.quantize_experts_dual_cat([w.cpu()], F8)
     monkeypatch.delenv("MOE_FP8_DUAL_L2_BYTES", raising=False)
-    assert not _dual_kernel_ran([w], F8) and not moe_fp8_ext.ops.dual_cat_reads_once([w])
+    # the default budget, where a block can have the kernel's 85 KB of shared memory
+    # (NVIDIA sm_80, sm_90, sm_100; not sm_86/89 nor AMD MI300, which get 0: the two ops)
+    big_smem = torch.version.hip is None and torch.cuda.get_device_capability() in ((8, 0), (9, 0), (10, 0))
+    l2 = torch.cuda.get_device_properties(0).L2_cache_size
+    assert moe_fp8_ext._C.dual_l2_budget(0) == (l2 * 3 // 5 if big_smem else 0)
+    if not big_smem:
+        pytest.skip("no dual kernel on this GPU")
+    check(moe_fp8_ext.quantize_experts_dual_cat([w], F8), want)
+    assert _dual_kernel_ran([w], F8) and moe_fp8_ext.ops.dual_cat_reads_once([w])
     for budget, ran in (("0", False), (str(2 * 256 * 512 * 2 - 1), False), (str(2 * 256 * 512 * 2), True),
                         ("l2", True)):
         monkeypatch.setenv("MOE_FP8_DUAL_L2_BYTES", budget)

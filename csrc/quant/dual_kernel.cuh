@@ -78,6 +78,13 @@ MOE_FP8_DEVICE uint2 dual_pack8(const float (&f)[8], float s) {
 
 constexpr int kDualStageBytes = kDualTile * kDualTile * 2;  // one 2-byte input tile
 constexpr int kDualSmemBytes = 2 * kDualStageBytes + kDualTile * kDualTile;  // two stages, the q_cols tile
+// The kernel's static shared memory (s_colmax, s_enc, s_ticket below): with the dynamic
+// part, what a device must give one block (dual_smem_ok).
+constexpr int kDualStaticSmemBytes = 16 * (kDualThreads / 32) * (kDualTile / 4) + 16 * 2 * (kDualTile / 4) + 4 * 3;
+
+inline bool dual_smem_ok(int device) {
+  return max_dynamic_smem_per_block(device) >= kDualSmemBytes + kDualStaticSmemBytes;
+}
 
 // The input tile of ticket u into a stage ([128 rows][256 bytes]), with asynchronous copies (zeros
 // past the matrix).

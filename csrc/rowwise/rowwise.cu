@@ -14,19 +14,19 @@
 namespace moe_fp8 {
 namespace {
 
-// Opt-in: MOE_FP8_DUAL_L2_BYTES sets the budget ("l2": three fifths of L2, what the H100
-// measurements used; a byte count; unset or 0: never the dual kernel). Off by default
-// until an intermittent mismatch seen in GPU tests is explained (DESIGN §10); the two
-// ops it replaces give the same bits.
+// The L2 budget of the dual kernel: MOE_FP8_DUAL_L2_BYTES unset or "l2" = three fifths of
+// L2 (what the H100 measurements used), a byte count, or 0 = never the dual kernel (the
+// two ops it replaces, the same bits). 0 too on a device whose blocks cannot have the
+// kernel's 85 KB of shared memory (AMD MI300: 64 KB).
 int64_t dual_budget(int device) {
   const char* v = std::getenv("MOE_FP8_DUAL_L2_BYTES");
-  if (v == nullptr) return 0;
-  if (std::string(v) == "l2") return l2_cache_bytes(device) * 3 / 5;
+  const bool fits = dual_smem_ok(device);
+  if (v == nullptr || std::string(v) == "l2") return fits ? l2_cache_bytes(device) * 3 / 5 : 0;
   char* end = nullptr;
   const long long n = std::strtoll(v, &end, 10);
   TORCH_CHECK(end != v && *end == '\0' && n >= 0,
               "moe_fp8: expected MOE_FP8_DUAL_L2_BYTES to be \"l2\" or a byte count, got \"", v, "\"");
-  return n;
+  return fits ? n : 0;
 }
 
 template <InputKind K, Fp8Format F, class Rule>
