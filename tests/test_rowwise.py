@@ -410,10 +410,10 @@ def _dual_kernel_ran(parts, fp8_dtype, tries=2):
     return False
 
 
-# GPUs whose blocks can have the dual kernel's 85 KB of shared memory (the others, e.g.
-# sm_86/89 and AMD MI300, always run the two ops: test_dual_budget_gate).
-DUAL_GPU = (torch.cuda.is_available() and torch.version.hip is None
-            and torch.cuda.get_device_capability() in ((8, 0), (9, 0), (10, 0)))
+# GPUs whose blocks can have the dual kernel's 85 KB of shared memory: NVIDIA from sm_80
+# on (99 KB and more); the others (AMD MI300: 64 KB) always run the two ops
+# (test_dual_budget_gate).
+DUAL_GPU = torch.cuda.is_available() and torch.version.hip is None and torch.cuda.get_device_capability() >= (8, 0)
 requires_dual_gpu = pytest.mark.skipif(not DUAL_GPU, reason="no dual kernel on this machine")
 
 
@@ -512,11 +512,10 @@ def test_dual_budget_gate(monkeypatch):
     want = moe_fp8_ext.quantize_experts_dual_cat([w.cpu()], F8)
     monkeypatch.delenv("MOE_FP8_DUAL_L2_BYTES", raising=False)
     # the default budget, where a block can have the kernel's 85 KB of shared memory
-    # (NVIDIA sm_80, sm_90, sm_100; not sm_86/89 nor AMD MI300, which get 0: the two ops)
-    big_smem = torch.version.hip is None and torch.cuda.get_device_capability() in ((8, 0), (9, 0), (10, 0))
+    # (DUAL_GPU); elsewhere 0: the two ops
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
-    assert moe_fp8_ext._C.dual_l2_budget(0) == (l2 * 3 // 5 if big_smem else 0)
-    if not big_smem:
+    assert moe_fp8_ext._C.dual_l2_budget(0) == (l2 * 3 // 5 if DUAL_GPU else 0)
+    if not DUAL_GPU:
         pytest.skip("no dual kernel on this GPU")
     check(moe_fp8_ext.quantize_experts_dual_cat([w], F8), want)
     assert _dual_kernel_ran([w], F8) and moe_fp8_ext.ops.dual_cat_reads_once([w])
