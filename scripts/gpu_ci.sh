@@ -6,8 +6,8 @@
 #   scripts/gpu_ci.sh [--no-bench] [--quick-bench] [--bench-only] [--ep]
 # --bench-only: build (a no-op when built), then only the benchmarks; $BENCHES picks
 # them (default: all), e.g. BENCHES="bench_token_groups bench_grouped_mm".
-# --ep (a machine with two or more GPUs): build, then only the expert-parallel example
-# under torchrun on two GPUs and its test.
+# --ep (a machine with two or more GPUs): build, then only the two-GPU examples under
+# torchrun (expert parallelism, FSDP2 over the experts layer) and their tests.
 # Tables and logs go to $OUT (default ./.out). Wheels in ./.whl (the peers torchao and
 # torchtitan with its import chain, and nvidia-cutlass for the blockwise GEMM's headers
 # on a machine without network) are installed into a private folder first when present.
@@ -53,6 +53,8 @@ bash scripts/diag_toolchain.sh
 if [ "$ep" = 1 ]; then
   echo "== expert parallel on $($PY -c 'import torch; print(torch.cuda.device_count())') GPUs"
   $PY -m torch.distributed.run --standalone --nproc-per-node=2 examples/expert_parallel.py 2>&1 | tee "$OUT/expert_parallel.log"
+  test ${PIPESTATUS[0]} -eq 0
+  $PY -m torch.distributed.run --standalone --nproc-per-node=2 examples/fsdp2_experts.py 2>&1 | tee -a "$OUT/expert_parallel.log"
   test ${PIPESTATUS[0]} -eq 0
   $PY -m pytest tests/test_expert_parallel.py -q -rs 2>&1 | tee -a "$OUT/expert_parallel.log" | tail -5
   test ${PIPESTATUS[0]} -eq 0
