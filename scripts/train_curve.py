@@ -26,30 +26,10 @@ from moe_fp8_ext.moe import balanced_offs
 def titan_moe(dim, hidden, experts, top_k, device):
     """torchtitan's MoE layer, bf16, weights ~ N(0, 1/fan_in); None without torchtitan."""
     try:
-        import torchtitan.models.common.moe as tt_moe
-        from torchtitan.models.common.feed_forward import FeedForward
-        from torchtitan.models.common.linear import Linear
-        from torchtitan.models.common.token_dispatcher import LocalTokenDispatcher
+        from moe_fp8_ext.integrations.torchtitan import build_moe
+        return build_moe(dim, hidden, experts, top_k, device=device)
     except ImportError:
         return None
-
-    def lin(i, o):
-        return Linear.Config(in_features=i, out_features=o, bias=False)
-
-    cfg = tt_moe.MoE.Config(
-        num_experts=experts,
-        routed_experts=tt_moe.RoutedExperts.Config(
-            inner_experts=tt_moe.GroupedExperts.Config(dim=dim, hidden_dim=hidden, num_experts=experts),
-            token_dispatcher=LocalTokenDispatcher.Config(num_experts=experts, top_k=top_k)),
-        router=tt_moe.TokenChoiceTopKRouter.Config(num_experts=experts, gate=lin(dim, experts), top_k=top_k),
-        shared_experts=FeedForward.Config(w1=lin(dim, hidden), w2=lin(hidden, dim), w3=lin(dim, hidden)),
-    )
-    moe = cfg.build()
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for p in moe.parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * p.shape[-1] ** -0.5)
-    return moe.to(device=device, dtype=torch.bfloat16)
 
 
 class OurLayer(torch.nn.Module):

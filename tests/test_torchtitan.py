@@ -11,6 +11,7 @@ import torch
 tt_moe = pytest.importorskip("torchtitan.models.common.moe")
 
 from moe_fp8_ext.experts import WeightCache  # noqa: E402
+from moe_fp8_ext.integrations.torchtitan import build_moe as titan_moe  # noqa: E402
 from moe_fp8_ext.integrations.torchtitan import convert, unconvert  # noqa: E402
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -22,27 +23,7 @@ def sqnr(ref, x):
 
 
 def build_moe(e=8, dim=128, hidden=64, top_k=2, device="cpu", seed=0):
-    from torchtitan.models.common.feed_forward import FeedForward
-    from torchtitan.models.common.linear import Linear
-    from torchtitan.models.common.token_dispatcher import LocalTokenDispatcher
-
-    def lin(i, o):
-        return Linear.Config(in_features=i, out_features=o, bias=False)
-
-    cfg = tt_moe.MoE.Config(
-        num_experts=e,
-        routed_experts=tt_moe.RoutedExperts.Config(
-            inner_experts=tt_moe.GroupedExperts.Config(dim=dim, hidden_dim=hidden, num_experts=e),
-            token_dispatcher=LocalTokenDispatcher.Config(num_experts=e, top_k=top_k)),
-        router=tt_moe.TokenChoiceTopKRouter.Config(num_experts=e, gate=lin(dim, e), top_k=top_k),
-        shared_experts=FeedForward.Config(w1=lin(dim, hidden), w2=lin(hidden, dim), w3=lin(dim, hidden)),
-    )
-    moe = cfg.build()
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in moe.parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * p.shape[-1] ** -0.5)
-    return moe.to(device=device, dtype=torch.bfloat16)
+    return titan_moe(dim, hidden, e, top_k, device=device, seed=seed)
 
 
 def fwd_bwd(moe, x, grad):

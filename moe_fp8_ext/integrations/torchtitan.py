@@ -89,3 +89,33 @@ def unconvert(model: torch.nn.Module) -> int:
             del module.moe_fp8_recipe, module.moe_fp8_weight_cache
             n += 1
     return n
+
+
+def build_moe(dim: int, hidden: int, experts: int, top_k: int = 2, *, device="cpu", dtype=torch.bfloat16,
+              seed: int = 0) -> torch.nn.Module:
+    """A torchtitan 0.3.0 ``MoE`` layer (top-k router, LocalTokenDispatcher,
+    GroupedExperts, shared experts) built from torchtitan's own configs, every weight
+    drawn from N(0, 1/fan_in) with ``seed``: the unconverted layer that the tests and
+    ``scripts/train_curve.py`` convert."""
+    import torchtitan.models.common.moe as tt_moe
+    from torchtitan.models.common.feed_forward import FeedForward
+    from torchtitan.models.common.linear import Linear
+    from torchtitan.models.common.token_dispatcher import LocalTokenDispatcher
+
+    def lin(i, o):
+        return Linear.Config(in_features=i, out_features=o, bias=False)
+
+    cfg = tt_moe.MoE.Config(
+        num_experts=experts,
+        routed_experts=tt_moe.RoutedExperts.Config(
+            inner_experts=tt_moe.GroupedExperts.Config(dim=dim, hidden_dim=hidden, num_experts=experts),
+            token_dispatcher=LocalTokenDispatcher.Config(num_experts=experts, top_k=top_k)),
+        router=tt_moe.TokenChoiceTopKRouter.Config(num_experts=experts, gate=lin(dim, experts), top_k=top_k),
+        shared_experts=FeedForward.Config(w1=lin(dim, hidden), w2=lin(hidden, dim), w3=lin(dim, hidden)),
+    )
+    moe = cfg.build()
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * p.shape[-1] ** -0.5)
+    return moe.to(device=device, dtype=dtype)
