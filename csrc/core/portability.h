@@ -35,9 +35,11 @@ namespace moe_fp8 {
 #if defined(USE_ROCM)
 // Wave64 on CDNA (MI300/MI350); kernels size their reductions from this.
 constexpr int kWarpSize = 64;
+constexpr bool kRocm = true;  // for run-time defaults that differ (no #ifdef outside this file)
 using gpuStream_t = hipStream_t;
 #else
 constexpr int kWarpSize = 32;
+constexpr bool kRocm = false;
 using gpuStream_t = cudaStream_t;
 #endif
 

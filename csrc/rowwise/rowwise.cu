@@ -22,9 +22,7 @@ namespace {
 int64_t dual_budget(int device) {
   const char* v = std::getenv("MOE_FP8_DUAL_L2_BYTES");
   const bool fits = dual_smem_ok(device);
-#if defined(USE_ROCM)
-  if (v == nullptr) return 0;
-#endif
+  if (v == nullptr && kRocm) return 0;
   if (v == nullptr || std::string(v) == "l2") return fits ? l2_cache_bytes(device) * 3 / 5 : 0;
   char* end = nullptr;
   const long long n = std::strtoll(v, &end, 10);
