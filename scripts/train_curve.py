@@ -20,7 +20,6 @@ import torch
 import torch.nn.functional as F
 
 import moe_fp8_ext
-from moe_fp8_ext.moe import balanced_offs
 
 
 def titan_moe(dim, hidden, experts, top_k, device):
