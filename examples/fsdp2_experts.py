@@ -102,9 +102,9 @@ def main():
 if __name__ == "__main__":
     code = main()
     # Leave without the interpreter's teardown: with torch 2.13 on the CPU (gloo), the
-    # destructors run at exit after FSDP2 aborted the process ("terminate called without
-    # an active exception", SIGABRT) in about a third of the runs, after the result
-    # above was printed. Nothing is left to flush or free.
+    # destructors that run at exit after this FSDP2 run aborted the process ("terminate
+    # called without an active exception", SIGABRT) in about a third of the runs, after
+    # the result above was printed. Nothing is left to flush or free.
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
