@@ -220,14 +220,15 @@ class _Experts(torch.autograd.Function):
                 if box is not None and needs_bwd and recipe.reads_weights_once(parts):
                     if cache is not None:
                         cache.discard(name + "_bwd")  # (as get() drops a stale entry first)
-                    fwd, box[name] = recipe.rhs_dual_cat(parts, fp8_dtype)
+                    fwd, bwd = recipe.rhs_dual_cat(parts, fp8_dtype)
+                    if cache is not None:
+                        cache.put(name + "_bwd", weights, tag, bwd)
+                    else:
+                        box[name] = bwd
                     return fwd
                 return recipe.rhs_fwd_cat(parts, fp8_dtype) if len(parts) > 1 else recipe.rhs_fwd(parts[0], fp8_dtype)
 
-            fwd = _cached(cache, name + "_fwd", weights, tag, make)
-            if cache is not None and name in box:
-                cache.put(name + "_bwd", weights, tag, box.pop(name))
-            return fwd
+            return _cached(cache, name + "_fwd", weights, tag, make)
 
         # (W13's backward operand: the joint input-gradient GEMM's, rhs_bwd_cat)
         rhs13 = weight_fwd("w13", (w1, w3), [w1.transpose(-2, -1), w3.transpose(-2, -1)],
@@ -266,6 +267,14 @@ class _Experts(torch.autograd.Function):
         recipe, f8, backend, cache, hidden = ctx.recipe, ctx.fp8_dtype, ctx.backend, ctx.cache, ctx.hidden
         tag = (recipe, f8)
         need_x, need_w1, need_w3, need_w2 = ctx.needs_input_grad[:4]
+
+        def weight_bwd(name, weights, make):
+            """A weight's backward operand: the one the forward made with its forward
+            operand (kept on ctx; with a cache it is in the cache), else the cache's or
+            ``make()``."""
+            rhs = ctx.bwd_box.pop(name, None) if ctx.bwd_box else None
+            return rhs if rhs is not None else _cached(cache, name + "_bwd", weights, tag, make)
+
         grad_out = grad_out.contiguous()
         starts, wgrad_offs = None, offs
         if ctx.pad_wgrad:
@@ -292,9 +301,7 @@ class _Experts(torch.autograd.Function):
         joint = need_x and recipe.joint_w13_dgrad
         grad_h13 = lhs13 = lhs1 = lhs3 = h = None
         if need_x or need_w13:  # grad_h feeds only the gradients below W2
-            rhs2 = ctx.bwd_box.pop("w2", None) if ctx.bwd_box else None  # made by the forward, else cache or now
-            if rhs2 is None:
-                rhs2 = _cached(cache, "w2_bwd", (w2,), tag, lambda: recipe.rhs_bwd({"B_t": w2.transpose(-2, -1)}, f8))
+            rhs2 = weight_bwd("w2", (w2,), lambda: recipe.rhs_bwd({"B_t": w2.transpose(-2, -1)}, f8))
             grad_h = _zero_tail(recipe.mm_2d3d(recipe.lhs(grad_out, f8), rhs2, offs, ctx.gemm_dtype, backend), offs)
             del rhs2
             if joint:
@@ -320,10 +327,8 @@ class _Experts(torch.autograd.Function):
         if need_x:
             dtype = _gemm_out_dtype(recipe, backend, ctx.dtypes[0], ctx.gemm_dtype)  # grad_h13's dtype
             if joint:
-                rhs = ctx.bwd_box.pop("w13", None) if ctx.bwd_box else None
-                if rhs is None:
-                    rhs = _cached(cache, "w13_bwd", (w1, w3), tag, lambda: recipe.rhs_bwd_cat(
-                        [w1.transpose(-2, -1), w3.transpose(-2, -1)], f8))
+                rhs = weight_bwd("w13", (w1, w3), lambda: recipe.rhs_bwd_cat(
+                    [w1.transpose(-2, -1), w3.transpose(-2, -1)], f8))
                 grad_x = recipe.mm_2d3d(lhs13, rhs, offs, dtype, backend)
                 del lhs13, rhs
             else:
