@@ -627,6 +627,12 @@ def test_large_same_as_cpu(rounding, blocked):
     offs32 = random_offs(8192, 64, alignment=32, generator=torch.Generator().manual_seed(2))
     if blocked:
         same_as_cpu(lambda t, o: moe_fp8_ext.quantize_mxfp8_rowwise(t, rounding, True, o), x, offs)
+        # above kRowsLocalGroups (1024) groups the kernel reads the op's start table
+        many = random_offs(8192, 1500, generator=torch.Generator().manual_seed(3))
+        same_as_cpu(lambda t, o: moe_fp8_ext.quantize_mxfp8_rowwise(t, rounding, True, o), x[:, :256], many)
+        # K groups: each warp sums the widths of the groups before its own, 32 a step
+        many32 = random_offs(8192, 200, alignment=32, generator=torch.Generator().manual_seed(4))
+        same_as_cpu(lambda t, o: moe_fp8_ext.quantize_mxfp8_colwise(t, rounding, True, o), x[:, :300], many32)
     same_as_cpu(lambda t, o: moe_fp8_ext.quantize_mxfp8_colwise(t, rounding, blocked, o), x, offs32)
     for a in ALIGNMENTS:
         starts, _ = moe_fp8_ext.padded_group_offsets(offs, 8192, a)
@@ -682,11 +688,13 @@ def scale_bytes(shape, dtype=E8, device="cpu", seed=0):
 
 
 def swz_layouts(shape, dtype, device):
-    """Contiguous, transposed (column-major) and strided views of the same shape."""
+    """Contiguous, transposed (column-major) and strided views of the same shape, and the
+    first columns of a row-major tensor 4 columns wider (rows padded: 32-bit loads)."""
     yield scale_bytes(shape, dtype, device, 1)
     yield scale_bytes(shape[:-2] + shape[-2:][::-1], dtype, device, 2).transpose(-2, -1)
     wide = shape[:-1] + (2 * shape[-1] + 1,)
     yield scale_bytes(wide, dtype, device, 3)[..., 1::2]
+    yield scale_bytes(shape[:-1] + (shape[-1] + 4,), dtype, device, 4)[..., : shape[-1]]
 
 
 def same_bytes(got, want):
@@ -765,9 +773,11 @@ def _k_covered(sizes, cols):
 @pytest.mark.parametrize("rows", [1, 100, 128, 130, 300])
 @pytest.mark.parametrize("sizes", K_GROUP_SIZES + K_GROUP_ANY + [random_sizes(9600, 300, seed=8, multiple=32)],
                          ids=lambda s: f"G{len(s)}-{sum(s)}")
-@pytest.mark.parametrize("extra_cols", [0, 3])
+@pytest.mark.parametrize("extra_cols", [0, 3, "to4"])
 def test_to_blocked_scales_k_groups(device, rows, sizes, extra_cols):
-    cols = -(-sum(sizes) // 32) + extra_cols
+    # "to4": cols a multiple of 4, so groups starting at any column take the 32-bit loads
+    cols = -(-sum(sizes) // 32)
+    cols += -cols % 4 if extra_cols == "to4" else extra_cols
     offs = offs_from_sizes(sizes, device) if sizes else torch.zeros(0, dtype=torch.int32, device=device)
     for s in swz_layouts((rows, cols), E8, device):
         b = to_blk_k(s, offs)

@@ -41,7 +41,7 @@ MOE_FP8_DEVICE void block_padded_offsets(const int32_t* offs, int groups, int64_
 __global__ void __launch_bounds__(1024) padded_offsets_kernel(const int32_t* __restrict__ offs, int groups,
                                                               int64_t rows, int64_t alignment, int32_t* pstart,
                                                               int32_t* pend) {
-  __shared__ int64_t s_tmp[1024];
+  __shared__ int64_t s_tmp[kMaxWarpsPerBlock];
   block_padded_offsets(offs, groups, rows, alignment, pstart, pend, s_tmp);
 }
 
@@ -50,7 +50,7 @@ __global__ void __launch_bounds__(1024) padded_offsets_kernel(const int32_t* __r
 template <typename V, RowMapKind kKind>
 __global__ void __launch_bounds__(kGroupingThreads) copy_rows_kernel(RowCopy c, RowMapArgs m, bool tables_in_smem) {
   extern __shared__ int32_t s_tables[];  // [groups] offs, [groups] padded starts (tables_in_smem)
-  __shared__ int64_t s_tmp[kGroupingThreads];
+  __shared__ int64_t s_tmp[kMaxWarpsPerBlock];
   GroupLayout l = m.layout;
   if (kKind != RowMapKind::kGather && tables_in_smem) {
     int32_t* s_offs = s_tables;
@@ -104,7 +104,7 @@ __global__ void __launch_bounds__(kGroupingThreads) copy_rows_kernel(RowCopy c, 
 // and ends, and all blocks fill the index slots.
 __global__ void __launch_bounds__(1024) permute_indices_kernel(PermuteArgs p) {
   extern __shared__ int32_t s_perm[];
-  __shared__ int64_t s_tmp[1024];
+  __shared__ int64_t s_tmp[kMaxWarpsPerBlock];
   const int E = p.experts, R = p.ranks, n = E * R;
   int32_t* s_cnt = s_perm;          // [n] rank-major counts, negatives as 0
   int32_t* s_start = s_cnt + n;     // [n] first source row of (rank, expert)

@@ -174,8 +174,13 @@ std::tuple<at::Tensor, at::Tensor> quantize_mxfp8_colwise(const QuantKernels& k,
     scale = e8m0_scales({round_up(K, 128), width}, x, true);
     s = blocked_scales(scale, 0, width, BlockedGroups::kKGroups);
     s.padded_rows = round_up(K, 128);
-    gstarts = group_starts(*offs, M, std::max<int64_t>(a.alignment, 128));  // rows; the kernel divides
-    a.group_starts = gstarts.data_ptr<int32_t>();
+    // Unpadded groups: the kernel sums the groups' widths itself (cols_col_base_gpu; on
+    // the CPU blocked_group_start), so no table launch. Padded groups take their
+    // starts from the padded offsets (rows; the kernel divides).
+    if (a.padded) {
+      gstarts = group_starts(*offs, M, std::max<int64_t>(a.alignment, 128));
+      a.group_starts = gstarts.data_ptr<int32_t>();
+    }
   }
   run_jagged_cols(k, in, Fp8Format::kE4M3FN, spec, a, x, q, q_rows, s);
   return {q, scale};

@@ -29,6 +29,9 @@ constexpr int kSwizzleBlock = 32;  // tokens per scale (K groups: offs are in to
 // tables: 48 KB); above it the op passes a scratch buffer of 3G + 1 int32 that a
 // one-block kernel fills first.
 constexpr int kSwizzleSmemGroups = 4096;
+// The largest blocked buffer (bytes) the to_blocked ops write: 2^31 tiles of 512 bytes,
+// so the GPU's tile arithmetic stays 32-bit.
+constexpr int64_t kSwizzleMaxBlockedBytes = (int64_t(1) << 31) * 512 - 1;
 
 enum class SwizzleGroups : int {
   kNone = 0,     // one matrix (R, C) or E of them (E, R, C), each blocked on its own
@@ -59,7 +62,10 @@ struct SwizzleArgs {
   SwizzleGroups groups = SwizzleGroups::kNone;
   const int32_t* offs = nullptr;  // kMGroups, kKGroups
   int num_groups = 0;
-  bool vec4 = false;  // to_blocked: 4 bytes of a row may be read as one aligned uint32
+  // to_blocked: 4 valid bytes of a row may be read through the aligned 32-bit words that
+  // hold them: sc == 1, sr, se and the base 4-aligned, and (K groups, whose first
+  // columns are any column) C a multiple of 4, so those words never pass a row's end.
+  bool vec4 = false;
 };
 
 // ---- group tables -----------------------------------------------------------------
@@ -103,6 +109,17 @@ MOE_FP8_HD int swizzle_first_gt(const int32_t* v, int n, int64_t x) { return swi
 
 // ---- to_blocked: one 16-byte row of a 128x4 tile ------------------------------------
 
+// The 4 bytes at p as one word (little-endian), from the aligned word(s) holding them:
+// one load when p is 4-aligned, else two and a funnel shift. The caller guarantees
+// that both aligned words are inside the tensor (SwizzleArgs::vec4).
+MOE_FP8_HD uint32_t swizzle_load4(const uint8_t* p) {
+  const uintptr_t m = reinterpret_cast<uintptr_t>(p) & 3;
+  const uint32_t* w = reinterpret_cast<const uint32_t*>(p - m);
+  if (m == 0) return w[0];
+  const uint64_t both = (static_cast<uint64_t>(w[1]) << 32) | w[0];
+  return static_cast<uint32_t>(both >> (8 * m));
+}
+
 // out[i * 4 + j] = plain (row0 + 32 i, col0 + j) of the matrix at src (sr, sc), or 0
 // outside [0, rows) x [0, cols).
 MOE_FP8_HD void swizzle_gather16(const uint8_t* src, int64_t sr, int64_t sc, int64_t row0, int64_t rows,
@@ -115,7 +132,7 @@ MOE_FP8_HD void swizzle_gather16(const uint8_t* src, int64_t sr, int64_t sc, int
     }
     const uint8_t* p = src + r * sr + col0 * sc;
     if (vec4 && col0 + 4 <= cols) {
-      const uint32_t w = *reinterpret_cast<const uint32_t*>(p);
+      const uint32_t w = swizzle_load4(p);
       for (int j = 0; j < 4; ++j) out[i * 4 + j] = static_cast<uint8_t>(w >> (8 * j));
     } else {
       for (int j = 0; j < 4; ++j) out[i * 4 + j] = col0 + j < cols ? p[j * sc] : 0;
@@ -124,41 +141,47 @@ MOE_FP8_HD void swizzle_gather16(const uint8_t* src, int64_t sr, int64_t sc, int
 }
 
 // The 16 bytes [16 u, 16 u + 16) of the blocked buffer (those past its end are 0 and
-// not stored by the caller).
+// not stored by the caller). Tile arithmetic is 32-bit (the ops keep the buffer under
+// kSwizzleMaxBlockedBytes, so tile counts fit): a 64-bit division by a runtime value
+// is a long software sequence on a GPU, and this runs once per 16 bytes.
 MOE_FP8_HD void swizzle_to_blocked_chunk(const SwizzleArgs& a, const SwizzleTables& t, int64_t u, uint8_t out[16]) {
-  const int64_t tile = u / 32;      // 512-byte tile of the buffer
-  const int64_t rr = u % 32;        // its row r % 32
-  const int64_t tcols = a.blocked_cols / 4;
+  const uint32_t tile = static_cast<uint32_t>(u / 32);  // 512-byte tile of the buffer
+  const int64_t rr = u % 32;                            // its row r % 32
+  const uint32_t tcols = static_cast<uint32_t>(a.blocked_cols / 4);
   if (a.groups == SwizzleGroups::kNone) {
-    const int64_t per = round_up(a.R, 128) / 128 * tcols;  // tiles per matrix
-    const int64_t e = tile / per, lt = tile % per;
-    swizzle_gather16(a.plain_in + e * a.se, a.sr, a.sc, (lt / tcols) * 128 + rr, a.R, (lt % tcols) * 4, a.C, a.vec4,
-                     out);
+    const uint32_t per = static_cast<uint32_t>(round_up(a.R, 128) / 128) * tcols;  // tiles per matrix
+    const uint32_t e = tile / per, lt = tile - e * per;
+    const uint32_t band = lt / tcols, quad = lt - band * tcols;
+    swizzle_gather16(a.plain_in + e * a.se, a.sr, a.sc, int64_t{band} * 128 + rr, a.R, int64_t{quad} * 4, a.C,
+                     a.vec4, out);
     return;
   }
   if (a.groups == SwizzleGroups::kMGroups) {
-    const int64_t row = (tile / tcols) * 128;  // blocked row of the tile
+    const uint32_t band = tile / tcols, quad = tile - band * tcols;
+    const int64_t row = int64_t{band} * 128;  // blocked row of the tile
     const int g = swizzle_last_le(t.start, t.groups, row);
     int64_t lo = 0, hi = 0;
     if (g >= 0 && row < t.start[g + 1]) swizzle_group(t, g, &lo, &hi);
     const int64_t local = row - (g >= 0 ? t.start[g] : 0);
-    swizzle_gather16(a.plain_in + lo * a.sr, a.sr, a.sc, local + rr, hi - lo, (tile % tcols) * 4, a.C, a.vec4, out);
+    swizzle_gather16(a.plain_in + lo * a.sr, a.sr, a.sc, local + rr, hi - lo, int64_t{quad} * 4, a.C, a.vec4, out);
     return;
   }
   // K groups: tiles run down a group's ceil128(R)/128 tile rows per 4 block columns.
-  const int64_t trows = round_up(a.R, 128) / 128;
-  const int64_t quad = tile / trows;  // which 4 block columns of the buffer
-  const int g = swizzle_last_le(t.start, t.groups, quad * 4);
-  int64_t lo = 0, hi = 0, w = 4, lt = 0;
-  if (g >= 0 && quad * 4 < t.start[g + 1]) {
+  const uint32_t trows = static_cast<uint32_t>(round_up(a.R, 128) / 128);
+  const uint32_t quad = tile / trows;  // which 4 block columns of the buffer
+  const int g = swizzle_last_le(t.start, t.groups, int64_t{quad} * 4);
+  int64_t lo = 0, hi = 0;
+  uint32_t gcols = 1, lt = 0;
+  if (g >= 0 && int64_t{quad} * 4 < t.start[g + 1]) {
     swizzle_group(t, g, &lo, &hi);
-    w = t.start[g + 1] - t.start[g];
-    lt = tile - trows * (t.start[g] / 4);
+    const uint32_t w = static_cast<uint32_t>(t.start[g + 1] - t.start[g]) / 4;
+    gcols = w > 0 ? w : 1;  // a width under 4 only from start clamped at INT32_MAX (bad offs)
+    lt = tile - trows * static_cast<uint32_t>(t.start[g] / 4);
   }
   const int64_t n = hi > lo ? ceil_div(hi - lo, kSwizzleBlock) : 0;
-  const int64_t gcols = w / 4;
-  swizzle_gather16(a.plain_in + (lo / kSwizzleBlock) * a.sc, a.sr, a.sc, (lt / gcols) * 128 + rr, a.R,
-                   (lt % gcols) * 4, n, a.vec4, out);
+  const uint32_t band = lt / gcols, lq = lt - band * gcols;
+  swizzle_gather16(a.plain_in + (lo / kSwizzleBlock) * a.sc, a.sr, a.sc, int64_t{band} * 128 + rr, a.R,
+                   int64_t{lq} * 4, n, a.vec4, out);
 }
 
 // ---- from_blocked: one byte of the plain output --------------------------------------

@@ -2,8 +2,9 @@
 // sizes and a stream.
 //
 // to_blocked: one thread per 16 bytes of the blocked buffer (one row r % 32 of a
-// 128x4 tile: 4 rows x 4 columns gathered from the plain matrix), a grid-stride loop,
-// 16-byte stores; the whole buffer is written once, padding included (no memset).
+// 128x4 tile: 4 rows x 4 columns gathered from the plain matrix), in the warp order of
+// swizzle_chunk_of, a grid-stride loop, 16-byte stores; the whole buffer is written
+// once, padding included (no memset).
 // from_blocked: one thread per 4 bytes of the plain output.
 // Token groups: each block builds the group tables (clamped ends, prefix of the padded
 // sizes, K-group reach) from offs in shared memory before its loop, so there is one
@@ -14,45 +15,12 @@
 #include <cstdint>
 
 #include "../core/portability.h"
+#include "../core/scan.cuh"
 #include "swizzle.h"
 
 namespace moe_fp8 {
 
 constexpr int kSwizzleThreads = 256;
-
-// Block-wide inclusive scan (op: sum or max) of value_of(i), i in [0, n), into out
-// (exclusive sums when `exclusive`), int64 running values stored as int32 clamped to
-// INT32_MAX. Every thread of the block calls it; s_tmp holds blockDim.x values.
-template <bool kMax, typename Fn>
-MOE_FP8_DEVICE int64_t swizzle_block_scan(Fn value_of, int n, int32_t* out, bool exclusive, int64_t* s_tmp) {
-  const int t = static_cast<int>(threadIdx.x), nt = static_cast<int>(blockDim.x);
-  const int per = (n + nt - 1) / nt;
-  const int lo = min(n, t * per), hi = min(n, lo + per);
-  int64_t acc = 0;
-  for (int i = lo; i < hi; ++i) {
-    const int64_t v = value_of(i);
-    acc = kMax ? (v > acc ? v : acc) : acc + v;
-  }
-  s_tmp[t] = acc;
-  __syncthreads();
-  for (int off = 1; off < nt; off <<= 1) {
-    const int64_t v = t >= off ? s_tmp[t - off] : 0;
-    __syncthreads();
-    s_tmp[t] = kMax ? (v > s_tmp[t] ? v : s_tmp[t]) : s_tmp[t] + v;
-    __syncthreads();
-  }
-  int64_t run = t > 0 ? s_tmp[t - 1] : 0;
-  const int64_t total = s_tmp[nt - 1];
-  for (int i = lo; i < hi; ++i) {
-    const int64_t v = value_of(i);
-    const int64_t next = kMax ? (v > run ? v : run) : run + v;
-    const int64_t w = exclusive ? run : next;
-    out[i] = static_cast<int32_t>(w < INT32_MAX ? w : INT32_MAX);
-    run = next;
-  }
-  __syncthreads();
-  return total;
-}
 
 // The tables of swizzle.h for a's groups into ends[G], start[G + 1], reach[G] (reach
 // only when `with_reach`), by the whole block.
@@ -66,7 +34,7 @@ MOE_FP8_DEVICE void swizzle_block_tables(const SwizzleArgs& a, int32_t* ends, in
   t.ends = ends;
   t.groups = G;
   const SwizzleGroups kind = a.groups;
-  const int64_t total = swizzle_block_scan<false>(
+  const int64_t total = block_scan<false>(
       [&](int g) {
         int64_t lo, hi;
         swizzle_group(t, g, &lo, &hi);
@@ -75,7 +43,7 @@ MOE_FP8_DEVICE void swizzle_block_tables(const SwizzleArgs& a, int32_t* ends, in
       G, start, true, s_tmp);
   if (threadIdx.x == 0) start[G] = static_cast<int32_t>(total < INT32_MAX ? total : INT32_MAX);
   if (with_reach) {
-    swizzle_block_scan<true>(
+    block_scan<true>(
         [&](int g) {
           int64_t lo, hi;
           swizzle_group(t, g, &lo, &hi);
@@ -88,7 +56,7 @@ MOE_FP8_DEVICE void swizzle_block_tables(const SwizzleArgs& a, int32_t* ends, in
 
 // Builds the tables (3G + 1 int32: ends, start, reach) in global memory: one block.
 __global__ void __launch_bounds__(1024) swizzle_tables_kernel(SwizzleArgs a, int32_t* tables, bool with_reach) {
-  __shared__ int64_t s_tmp[1024];
+  __shared__ int64_t s_tmp[kMaxWarpsPerBlock];
   const int G = a.num_groups;
   swizzle_block_tables(a, tables, tables + G, tables + 2 * G + 1, with_reach, s_tmp);
 }
@@ -110,17 +78,36 @@ MOE_FP8_DEVICE SwizzleTables swizzle_tables(const SwizzleArgs& a, const int32_t*
   return t;
 }
 
+// to_blocked's thread order. Chunk u (16 bytes: row u % 32 of tile u / 32) gathers 4
+// bytes from each of 4 rows 32 apart. A warp takes 8 consecutive tiles x 4 consecutive
+// rows of them: consecutive tiles are (mostly) consecutive column quads of the same
+// rows, so each load instruction reads 4 rows x 32 contiguous bytes, and each store
+// instruction writes 8 runs of 64 contiguous bytes. (One warp per tile, the plain
+// order, reads 32 rows per load: 8x the sectors.)
+MOE_FP8_HD int64_t swizzle_to_blocked_work(int64_t chunks) {
+  const int64_t tiles = (chunks + 31) / 32;
+  return (tiles + 7) / 8 * 8 * 32;
+}
+MOE_FP8_DEVICE int64_t swizzle_chunk_of(int64_t v) {
+  const int64_t tile = (v >> 8) * 8 + (v & 7);   // 8 tiles per 256 threads
+  const int64_t row = ((v >> 5) & 7) * 4 + ((v >> 3) & 3);  // warp (v >> 5) & 7: rows 4w..4w+3
+  return tile * 32 + row;
+}
+
 template <SwizzleGroups kGroups>
 __global__ void __launch_bounds__(kSwizzleThreads) to_blocked_kernel(SwizzleArgs a, const int32_t* tables) {
   extern __shared__ int32_t s_tables[];
-  __shared__ int64_t s_tmp[kSwizzleThreads];
+  __shared__ int64_t s_tmp[kMaxWarpsPerBlock];
   a.groups = kGroups;
   SwizzleTables t;
   if (kGroups != SwizzleGroups::kNone) t = swizzle_tables(a, tables, false, s_tables, s_tmp);
   (void)s_tmp;
   const int64_t chunks = (a.blocked_bytes + 15) / 16;
-  for (int64_t u = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; u < chunks;
-       u += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+  const int64_t work = swizzle_to_blocked_work(chunks);
+  for (int64_t v = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; v < work;
+       v += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t u = swizzle_chunk_of(v);
+    if (u >= chunks) continue;
     alignas(16) uint8_t out[16];
     swizzle_to_blocked_chunk(a, t, u, out);
     uint8_t* d = a.blocked_out + u * 16;
@@ -135,7 +122,7 @@ __global__ void __launch_bounds__(kSwizzleThreads) to_blocked_kernel(SwizzleArgs
 template <SwizzleGroups kGroups>
 __global__ void __launch_bounds__(kSwizzleThreads) from_blocked_kernel(SwizzleArgs a, const int32_t* tables) {
   extern __shared__ int32_t s_tables[];
-  __shared__ int64_t s_tmp[kSwizzleThreads];
+  __shared__ int64_t s_tmp[kMaxWarpsPerBlock];
   a.groups = kGroups;
   SwizzleTables t;
   if (kGroups != SwizzleGroups::kNone) t = swizzle_tables(a, tables, kGroups == SwizzleGroups::kKGroups, s_tables, s_tmp);
@@ -162,7 +149,8 @@ inline int swizzle_grid(int64_t work) {
 
 template <SwizzleGroups kGroups>
 inline int launch_swizzle_kind(const SwizzleArgs& a, bool to_blocked, int32_t* scratch, gpuStream_t stream) {
-  const int64_t work = to_blocked ? (a.blocked_bytes + 15) / 16 : (a.E * a.R * a.C + 3) / 4;
+  const int64_t work =
+      to_blocked ? swizzle_to_blocked_work((a.blocked_bytes + 15) / 16) : (a.E * a.R * a.C + 3) / 4;
   if (work == 0) return 0;
   const int32_t* tables = nullptr;
   size_t smem = 0;

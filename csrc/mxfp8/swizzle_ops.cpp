@@ -54,7 +54,11 @@ at::Tensor scratch_for(int64_t groups, const at::Tensor& like) {
 }
 
 at::Tensor run_to_blocked(const SwizzleKernels& k, SwizzleArgs a, const at::Tensor& s, at::IntArrayRef shape,
-                          const at::Tensor& offs) {
+                          const at::Tensor& offs, const char* op) {
+  int64_t bytes = 1;
+  for (const int64_t d : shape) bytes *= d;  // check_alloc: no overflow
+  TORCH_CHECK(bytes <= kSwizzleMaxBlockedBytes, op, ": expected at most ", kSwizzleMaxBlockedBytes,
+              " bytes of blocked scales, got ", bytes);
   at::Tensor out = at::empty(shape, s.options());
   a.blocked_out = static_cast<uint8_t*>(out.data_ptr());
   a.blocked_bytes = out.numel();
@@ -100,8 +104,8 @@ at::Tensor to_blocked_scales(const SwizzleKernels& k, const at::Tensor& s) {
   const int64_t Rp = ceil128(a.R), Cp = ceil4(a.C);
   check_alloc({a.E, Rp, Cp}, 1, op, "the blocked scales");
   a.blocked_cols = Cp;
-  if (s.dim() == 2) return run_to_blocked(k, a, s, {Rp, Cp}, at::Tensor());
-  return run_to_blocked(k, a, s, {a.E, Rp * Cp}, at::Tensor());
+  if (s.dim() == 2) return run_to_blocked(k, a, s, {Rp, Cp}, at::Tensor(), op);
+  return run_to_blocked(k, a, s, {a.E, Rp * Cp}, at::Tensor(), op);
 }
 
 at::Tensor to_blocked_scales_m_groups(const SwizzleKernels& k, const at::Tensor& s, const at::Tensor& offs) {
@@ -117,7 +121,7 @@ at::Tensor to_blocked_scales_m_groups(const SwizzleKernels& k, const at::Tensor&
   a.groups = SwizzleGroups::kMGroups;
   a.blocked_cols = ceil4(a.C);
   check_alloc({rows, a.blocked_cols}, 1, op, "the blocked scales");
-  return run_to_blocked(k, a, s, {rows, a.blocked_cols}, offs);
+  return run_to_blocked(k, a, s, {rows, a.blocked_cols}, offs, op);
 }
 
 at::Tensor to_blocked_scales_k_groups(const SwizzleKernels& k, const at::Tensor& s, const at::Tensor& offs) {
@@ -129,11 +133,11 @@ at::Tensor to_blocked_scales_k_groups(const SwizzleKernels& k, const at::Tensor&
   checked_padded_rows(C, G, 4, op);
   check_offs(offs, s, checked_mul(C, kSwizzleBlock, op, "the tokens (32 * s.size(1))"), op);
   SwizzleArgs a = plain_source(s);
-  a.vec4 = false;  // a group's first column is any column
+  a.vec4 = a.vec4 && C % 4 == 0;  // a group's first column is any column (swizzle_load4)
   a.groups = SwizzleGroups::kKGroups;
   a.blocked_cols = ceil4(C) + 4 * G;
   check_alloc({ceil128(R), a.blocked_cols}, 1, op, "the blocked scales");
-  return run_to_blocked(k, a, s, {ceil128(R), a.blocked_cols}, offs);
+  return run_to_blocked(k, a, s, {ceil128(R), a.blocked_cols}, offs, op);
 }
 
 at::Tensor from_blocked_scales(const SwizzleKernels& k, const at::Tensor& b, int64_t rows, int64_t cols) {

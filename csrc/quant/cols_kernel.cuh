@@ -49,7 +49,9 @@ constexpr int kColsRowBlocks = kColsThreads / kColsColGroups;
 constexpr int kColsPassRows = kColsRowBlocks * kColsFragRows;  // rows one pass of the block covers
 constexpr int kColsUnroll = 4;  // loads in flight per thread on the scalar (strided) path
 constexpr int kColsMaxCluster = 8;
-constexpr int kColsMinBlocks = 4;  // 64 registers: no spills in any instantiation (ptxas -v, sm_90a and sm_100a)
+// 64 registers. ptxas -v, sm_90a: only the strided blocked paths and the fp32 FLOOR
+// linear vector path spill (4-24 bytes).
+constexpr int kColsMinBlocks = 4;
 static_assert(kColsThreads % kColsColGroups == 0 && kColsRowBlocks <= 16, "row blocks are lanes of one warp");
 
 template <InputKind K>
@@ -206,6 +208,31 @@ struct ColsAmax {
   }
 };
 
+// cols_scale_col_base on the GPU. K-group blocked scales without a group_starts table
+// (unpadded groups: the op passes none): each warp sums the blocked widths of the
+// groups before seg_id, 32 groups a step (blocked_group_start's sum, the same clamped
+// ranges), so no table launch precedes the kernel. Called by every thread of the
+// block with the same segment.
+template <class Layout>
+MOE_FP8_DEVICE int64_t cols_col_base_gpu(const ColsArgs& a, const ScaleOut& s, int seg_id, const Segment& seg,
+                                         int block) {
+  if (!Layout::kBlocked || s.groups != BlockedGroups::kKGroups || a.group_starts != nullptr) {
+    return cols_scale_col_base<Layout>(a, s, seg_id, seg, block);
+  }
+  uint64_t sum = 0;
+  for (int j = static_cast<int>(threadIdx.x % 32); j < seg_id; j += 32) {
+    int64_t lo, hi;
+    group_range(a.offs, j, a.rows, &lo, &hi);
+    sum += static_cast<uint64_t>(round_up(ceil_div(hi - lo, static_cast<int64_t>(s.block)), int64_t{4}));
+  }
+  for (int m = 16; m >= 1; m >>= 1) {
+    const uint32_t lo = warp_shfl_xor(static_cast<uint32_t>(sum), m);
+    const uint32_t hi = warp_shfl_xor(static_cast<uint32_t>(sum >> 32), m);
+    sum += (static_cast<uint64_t>(hi) << 32) | lo;
+  }
+  return static_cast<int64_t>(sum);
+}
+
 template <InputKind K, Fp8Format F, class Rule, int kBlock, class Layout, bool kVec>
 __global__ void __launch_bounds__(kColsThreads, kColsMinBlocks) quantize_cols_kernel(ColsArgs a, int cluster, int cache_rows) {
   using In = DeviceInput<K>;
@@ -262,8 +289,16 @@ __global__ void __launch_bounds__(kColsThreads, kColsMinBlocks) quantize_cols_ke
 #pragma unroll
     for (int c = 0; c < kC; ++c) col_ok[c] = c0 + cg * kC + c < op.cols;
     // The tail segment (past the groups) has no scales and no entry in group_starts.
-    const int64_t col_base = seg.zero_fill ? 0 : cols_scale_col_base<Layout>(a, op.scale, seg_id, seg, kBlock);
+    const int64_t col_base = seg.zero_fill ? 0 : cols_col_base_gpu<Layout>(a, op.scale, seg_id, seg, kBlock);
     const int64_t group_cols = round_up(ceil_div(seg.q_len, kBlock), 4);  // a K group's own blocked width
+    // This thread's kC columns S + c (S a multiple of kC, which divides 32) share a
+    // 32-row group of a blocked matrix, so the scale of (S + c, block blk) is at
+    // index(S, 0) + 16 c + 512 (blk / 4) + blk % 4: BlockedScales::index with its
+    // 64-bit per-column part resolved once here (per scale it spilled registers under
+    // the 64-register bound and cost 18% more instructions than linear scales).
+    static_assert(32 % kC == 0, "a thread's columns share a 32-row group");
+    const int64_t scale_base =
+        Layout::kBlocked ? Layout::index(op.scale, seg_id, c0 + cg * kC, 0, 0, col_base, group_cols) : 0;
     uint8_t* qblk = op.q + seg.batch * op.q_sb + (c0 + cg * kC) * op.q_sc + seg.q_start + my_off;
     const int qchunks = static_cast<int>(ceil_div_u32(my_qlen, cache_rows));
     for (int ch = 0; ch < qchunks; ++ch) {
@@ -287,8 +322,11 @@ __global__ void __launch_bounds__(kColsThreads, kColsMinBlocks) quantize_cols_ke
           if (!col_ok[c]) continue;
           const auto sc = Rule::template from_amax_bits<F>(amax.column_bits(c));
           if (rb % kLanes == 0 && !seg.zero_fill) {  // the tail past the groups has no scales
-            store_scale<Rule>(op.scale, Layout::index(op.scale, seg_id, c0 + cg * kC + c, blk, 0, col_base, group_cols),
-                              sc.stored);
+            const int64_t at =
+                Layout::kBlocked
+                    ? scale_base + 16 * c + 512 * (static_cast<int32_t>(blk) / 4) + static_cast<int32_t>(blk) % 4
+                    : Layout::index(op.scale, seg_id, c0 + cg * kC + c, blk, 0, col_base, group_cols);
+            store_scale<Rule>(op.scale, at, sc.stored);
           }
           store_fragment_run<K, F>(f, c, seg.zero_fill ? 0.0f : sc.encode, qblk + c * op.q_sc + base + r0, nq - r0);
         }

@@ -541,7 +541,7 @@ __global__ void __launch_bounds__(kTileThreads) quantize_rows_blocked_kernel(Row
   __shared__ uint4 sectors[TG::kSliceSectors * 2];
   __shared__ uint32_t s_red[kMaxWarpsPerBlock + 1];
   __shared__ int32_t s_starts[kRowsLocalGroups];
-  __shared__ int64_t s_scan[TG::kThreads];
+  __shared__ int64_t s_scan[kMaxWarpsPerBlock];
   const T* x = static_cast<const T*>(a.x);
   const int j = static_cast<int>(threadIdx.x) / TG::kRowLanes;   // this lane's octet row
   const int lane = static_cast<int>(threadIdx.x) % TG::kRowLanes;
@@ -550,16 +550,21 @@ __global__ void __launch_bounds__(kTileThreads) quantize_rows_blocked_kernel(Row
   // follow the octets as units of eight consecutive rows.
   // Without group_starts (at most kRowsLocalGroups groups) the groups' first blocked
   // rows are summed here from the clamped sizes, as blocked_group_start does.
+  // The blocked rows past the groups' (from `used`, a multiple of 128, up to the static
+  // bound M + 128 G) hold no scales: they are zeroed by plain 16-byte stores, not
+  // walked as octet units (up to 128 G rows of the pipeline for nothing).
   int64_t tail_start = a.rows;
   const int32_t* starts = a.group_starts;
+  uint32_t units = p.units;  // octet units walked (M groups: those of the groups' rows)
   if (a.scale.groups == BlockedGroups::kMGroups) {
     uint32_t end = 0;
     for (int64_t g = threadIdx.x; g < a.groups; g += blockDim.x) {
       end = umax(end, static_cast<uint32_t>(clamp_offset(a.offs[g], a.rows_inner)));
     }
     tail_start = block_max(end, s_red);
+    int64_t used = 0;
     if (starts == nullptr && a.groups <= kRowsLocalGroups) {
-      block_exclusive_scan(
+      used = block_exclusive_scan(
           [&](int g) {
             int64_t lo, hi;
             group_range(a.offs, g, a.rows_inner, &lo, &hi);
@@ -567,14 +572,31 @@ __global__ void __launch_bounds__(kTileThreads) quantize_rows_blocked_kernel(Row
           },
           a.groups, s_starts, s_scan);
       starts = s_starts;
+    } else if (starts != nullptr && a.groups > 0) {
+      int64_t lo, hi;
+      group_range(a.offs, a.groups - 1, a.rows_inner, &lo, &hi);
+      used = starts[a.groups - 1] + round_up(hi - lo, int64_t{128});
+    }
+    const int64_t seg_rows = static_cast<int64_t>(p.seg_octets) * 8;
+    used = used < 0 ? 0 : (used < seg_rows ? used : seg_rows);  // bad offs: stay in the buffer
+    units = static_cast<uint32_t>(used / 8) * p.slices;
+    uint8_t* sp = static_cast<uint8_t*>(a.scale.ptr);
+    const int64_t step = 16 * static_cast<int64_t>(gridDim.x) * blockDim.x;
+    for (int64_t i = used * a.scale.padded_cols + 16 * (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x);
+         i < a.scale.numel; i += step) {
+      if (i + 16 <= a.scale.numel) {
+        *reinterpret_cast<uint4*>(sp + i) = make_uint4(0, 0, 0, 0);
+      } else {  // the buffer ends inside a 16-byte run (its size is a multiple of 4)
+        for (int64_t k = i; k + 4 <= a.scale.numel; k += 4) *reinterpret_cast<uint32_t*>(sp + k) = 0;
+      }
     }
   }
-  const int64_t total = p.units + ceil_div(a.rows - tail_start, int64_t{8}) * p.slices;
+  const int64_t total = units + ceil_div(a.rows - tail_start, int64_t{8}) * p.slices;
   // Unit u: this lane's reduction row (-1: none) and the slice; called for the CTA's
   // units in order.
   GroupCursor cursor;
   auto unit_row = [&](int64_t u, uint32_t* slice) -> int64_t {
-    if (u < p.units) {
+    if (u < units) {
       const uint32_t oct = static_cast<uint32_t>(u) / p.slices;
       *slice = static_cast<uint32_t>(u) - oct * p.slices;
       const uint32_t seg = p.segments == 1 ? 0u : oct / p.seg_octets;
@@ -582,8 +604,8 @@ __global__ void __launch_bounds__(kTileThreads) quantize_rows_blocked_kernel(Row
           blocked_row_source(a, starts, octet_row(oct - seg * p.seg_octets, static_cast<uint32_t>(j)), &cursor);
       return src < 0 ? -1 : seg * a.rows_inner + src;
     }
-    const int64_t k = (u - p.units) / p.slices;
-    *slice = static_cast<uint32_t>(u - p.units - k * p.slices);
+    const int64_t k = (u - units) / p.slices;
+    *slice = static_cast<uint32_t>(u - units - k * p.slices);
     const int64_t r = tail_start + 8 * k + j;
     return r < a.rows ? r : -1;
   };
@@ -624,7 +646,7 @@ __global__ void __launch_bounds__(kTileThreads) quantize_rows_blocked_kernel(Row
                    : make_uint4(0, 0, 0, 0);
     }
     const auto sc = encode_ring_unit<K, F, Rule, kBlock>(w, r >= 0 ? q_row_at(a, row_pos(a, r)) : a.q, k0, a.cols, r >= 0);
-    const bool octet = u < p.units;
+    const bool octet = u < units;
     if (octet && lane % G::kLanes == 0) {
       // the block's byte in its sector: row j's word at 16 * (j % 2) + 4 * (j / 2)
       const int b = lane / G::kLanes;
