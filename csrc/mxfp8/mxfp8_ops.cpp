@@ -5,7 +5,8 @@
 // The layout's padding of blocked scales (rows past R, columns past C, the gaps between
 // token groups, the static tail) must read as zero scales: a rows launch writes it
 // (engine.h), a cols launch writes only the scales of real blocks, so its buffer is
-// allocated zeroed.
+// allocated zeroed. Linear scales of a cols launch over unpadded token groups are all
+// written (the tail past the groups gets zero scales).
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 
@@ -37,8 +38,9 @@ void check_multiple_of_block(int64_t n, const char* op, const char* what) {
   TORCH_CHECK(n % kMxBlock == 0, op, ": expected ", what, " to be a multiple of ", kMxBlock, ", got ", n);
 }
 
-// E8M0 scales (stored as bytes): zeroed when blocked or when some columns may have no
-// block (token-group tails), uninitialized otherwise (every element is written).
+// E8M0 scales (stored as bytes): zeroed when some elements have no block (the padding
+// of blocked layouts, gaps of padded token groups), uninitialized otherwise (every
+// element is written).
 at::Tensor e8m0_scales(at::IntArrayRef shape, const at::Tensor& like, bool zeroed) {
   const auto opts = like.options().dtype(at::kByte);
   at::Tensor s = zeroed ? at::zeros(shape, opts) : at::empty(shape, opts);
@@ -164,7 +166,10 @@ std::tuple<at::Tensor, at::Tensor> quantize_mxfp8_colwise(const QuantKernels& k,
   at::Tensor scale;
   ScaleOut s;
   if (!blocked) {
-    scale = e8m0_scales({K, C}, x, a.jagged);
+    // Unpadded groups: the launch writes every scale (the tail's as zeros, and the
+    // groups cover every block column before it); padded ones may leave gaps.
+    scale = e8m0_scales({K, C}, x, a.jagged && a.padded);
+    a.tail_scales = a.jagged && !a.padded;
     s = linear_scales(scale, 0, C);
   } else if (!a.jagged) {
     scale = e8m0_scales({round_up(K, 128), round_up(C, 4)}, x, true);

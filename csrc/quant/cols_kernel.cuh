@@ -288,8 +288,10 @@ __global__ void __launch_bounds__(kColsThreads, kColsMinBlocks) quantize_cols_ke
     bool col_ok[kC];
 #pragma unroll
     for (int c = 0; c < kC; ++c) col_ok[c] = c0 + cg * kC + c < op.cols;
-    // The tail segment (past the groups) has no scales and no entry in group_starts.
-    const int64_t col_base = seg.zero_fill ? 0 : cols_col_base_gpu<Layout>(a, op.scale, seg_id, seg, kBlock);
+    // The tail segment (past the groups) has no scales (and no entry in group_starts)
+    // unless the op asks for zero linear ones (ColsArgs::tail_scales).
+    const bool scales = !seg.zero_fill || (!Layout::kBlocked && a.tail_scales);
+    const int64_t col_base = scales ? cols_col_base_gpu<Layout>(a, op.scale, seg_id, seg, kBlock) : 0;
     const int64_t group_cols = round_up(ceil_div(seg.q_len, kBlock), 4);  // a K group's own blocked width
     // This thread's kC columns S + c (S a multiple of kC, which divides 32) share a
     // 32-row group of a blocked matrix, so the scale of (S + c, block blk) is at
@@ -321,12 +323,12 @@ __global__ void __launch_bounds__(kColsThreads, kColsMinBlocks) quantize_cols_ke
         for (int c = 0; c < kC; ++c) {
           if (!col_ok[c]) continue;
           const auto sc = Rule::template from_amax_bits<F>(amax.column_bits(c));
-          if (rb % kLanes == 0 && !seg.zero_fill) {  // the tail past the groups has no scales
+          if (rb % kLanes == 0 && scales) {
             const int64_t at =
                 Layout::kBlocked
                     ? scale_base + 16 * c + 512 * (static_cast<int32_t>(blk) / 4) + static_cast<int32_t>(blk) % 4
                     : Layout::index(op.scale, seg_id, c0 + cg * kC + c, blk, 0, col_base, group_cols);
-            store_scale<Rule>(op.scale, at, sc.stored);
+            store_scale<Rule>(op.scale, at, seg.zero_fill ? typename Rule::stored_t{} : sc.stored);
           }
           store_fragment_run<K, F>(f, c, seg.zero_fill ? 0.0f : sc.encode, qblk + c * op.q_sc + base + r0, nq - r0);
         }

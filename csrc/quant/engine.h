@@ -102,6 +102,9 @@ struct ColsArgs {
   int64_t alignment = 1;
   int64_t q_rows = 0;
   const int32_t* group_starts = nullptr;
+  // Linear block scales: the tail segment's blocks get zero scales (the op then need
+  // not zero the buffer: unpadded groups of whole blocks leave no other gap).
+  bool tail_scales = false;
 };
 
 // Input rows [start, end) of one batch, written to q rows [q_start, q_start + q_len);

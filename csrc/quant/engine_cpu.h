@@ -91,6 +91,15 @@ void cols(const ColsArgs& a) {
         uint8_t* qc = op.q + seg.batch * op.q_sb + c * op.q_sc + seg.q_start;
         if (seg.zero_fill) {
           std::memset(qc, 0, static_cast<size_t>(seg.q_len));
+          if constexpr (kBlock != kWholeSet && !Layout::kBlocked) {
+            if (a.tail_scales) {  // zero scales for the tail's blocks (ColsArgs::tail_scales)
+              const int64_t col_base = cols_scale_col_base<Layout>(a, op.scale, seg_id, seg, kBlock);
+              for (int64_t j = 0; j < ceil_div(seg.q_len, int64_t{kBlock}); ++j) {
+                store_scale<Rule>(op.scale, Layout::index(op.scale, seg_id, c, j, 0, col_base),
+                                  typename Rule::stored_t{});
+              }
+            }
+          }
           continue;
         }
         const int64_t n = seg.end - seg.start;
