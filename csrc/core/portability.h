@@ -252,25 +252,31 @@ MOE_FP8_DEVICE T* cluster_map_shared(T* smem_ptr, unsigned) { return smem_ptr; }
 
 // Host side: launch a kernel with an optional cluster shape along y and a
 // dynamic shared-memory size above the 48 KB default. Returns the launch error.
+// Host side: let `kernel` take smem_bytes of dynamic shared memory (static shared
+// memory counts against the default 48 KB too: opt in for any dynamic size). Returns
+// the error.
+template <typename... KArgs>
+inline int allow_dynamic_smem(void (*kernel)(KArgs...), size_t smem_bytes) {
+  if (smem_bytes == 0) return 0;
+#if defined(USE_ROCM)
+  return static_cast<int>(hipFuncSetAttribute(reinterpret_cast<const void*>(kernel),
+                                              hipFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem_bytes)));
+#else
+  return static_cast<int>(
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem_bytes)));
+#endif
+}
+
 template <typename... KArgs, typename... Args>
 inline int launch_kernel(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem_bytes,
                          gpuStream_t stream, int cluster_y, Args&&... args) {
+  const int err = allow_dynamic_smem(kernel, smem_bytes);
+  if (err != 0) return err;
 #if defined(USE_ROCM)
   (void)cluster_y;  // callers pass 1 on ROCm (no clusters); see supports_clusters()
-  if (smem_bytes > 0) {
-    const hipError_t e = hipFuncSetAttribute(reinterpret_cast<const void*>(kernel),
-                                             hipFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem_bytes));
-    if (e != hipSuccess) return static_cast<int>(e);
-  }
   hipLaunchKernelGGL(kernel, grid, block, smem_bytes, stream, std::forward<Args>(args)...);
   return static_cast<int>(hipGetLastError());
 #else
-  // Static shared memory counts against the default 48 KB too: opt in for any dynamic size.
-  if (smem_bytes > 0) {
-    cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         static_cast<int>(smem_bytes));
-    if (e != cudaSuccess) return static_cast<int>(e);
-  }
   if (cluster_y <= 1) {
     kernel<<<grid, block, smem_bytes, stream>>>(std::forward<Args>(args)...);
     return static_cast<int>(cudaGetLastError());
