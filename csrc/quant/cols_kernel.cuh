@@ -210,9 +210,9 @@ struct ColsAmax {
 
 // cols_scale_col_base on the GPU. K-group blocked scales without a group_starts table
 // (unpadded groups: the op passes none): each warp sums the blocked widths of the
-// groups before seg_id, 32 groups a step (blocked_group_start's sum, the same clamped
-// ranges), so no table launch precedes the kernel. Called by every thread of the
-// block with the same segment.
+// groups before seg_id, a warp's width of groups a step (blocked_group_start's sum,
+// the same clamped ranges), so no table launch precedes the kernel. Called by every
+// thread of the block with the same segment.
 template <class Layout>
 MOE_FP8_DEVICE int64_t cols_col_base_gpu(const ColsArgs& a, const ScaleOut& s, int seg_id, const Segment& seg,
                                          int block) {
@@ -220,12 +220,12 @@ MOE_FP8_DEVICE int64_t cols_col_base_gpu(const ColsArgs& a, const ScaleOut& s, i
     return cols_scale_col_base<Layout>(a, s, seg_id, seg, block);
   }
   uint64_t sum = 0;
-  for (int j = static_cast<int>(threadIdx.x % 32); j < seg_id; j += 32) {
+  for (int j = static_cast<int>(threadIdx.x % kWarpSize); j < seg_id; j += kWarpSize) {
     int64_t lo, hi;
     group_range(a.offs, j, a.rows, &lo, &hi);
     sum += static_cast<uint64_t>(round_up(ceil_div(hi - lo, static_cast<int64_t>(s.block)), int64_t{4}));
   }
-  for (int m = 16; m >= 1; m >>= 1) {
+  for (int m = kWarpSize / 2; m >= 1; m >>= 1) {
     const uint32_t lo = warp_shfl_xor(static_cast<uint32_t>(sum), m);
     const uint32_t hi = warp_shfl_xor(static_cast<uint32_t>(sum >> 32), m);
     sum += (static_cast<uint64_t>(hi) << 32) | lo;
