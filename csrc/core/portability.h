@@ -59,6 +59,21 @@ MOE_FP8_DEVICE uint32_t warp_shfl(uint32_t v, int src_lane) {
 #endif
 }
 
+// 64-bit values through the 32-bit shuffles above, as two halves.
+MOE_FP8_DEVICE int64_t warp_shfl_i64(int64_t v, int src_lane) {
+  const uint64_t u = static_cast<uint64_t>(v);
+  const uint32_t lo = warp_shfl(static_cast<uint32_t>(u), src_lane);
+  const uint32_t hi = warp_shfl(static_cast<uint32_t>(u >> 32), src_lane);
+  return static_cast<int64_t>((static_cast<uint64_t>(hi) << 32) | lo);
+}
+
+MOE_FP8_DEVICE int64_t warp_shfl_xor_i64(int64_t v, int lane_mask) {
+  const uint64_t u = static_cast<uint64_t>(v);
+  const uint32_t lo = warp_shfl_xor(static_cast<uint32_t>(u), lane_mask);
+  const uint32_t hi = warp_shfl_xor(static_cast<uint32_t>(u >> 32), lane_mask);
+  return static_cast<int64_t>((static_cast<uint64_t>(hi) << 32) | lo);
+}
+
 MOE_FP8_DEVICE float half_bits_to_float(uint16_t bits) {
   return __half2float(__ushort_as_half(bits));
 }
@@ -250,8 +265,6 @@ template <typename T>
 MOE_FP8_DEVICE T* cluster_map_shared(T* smem_ptr, unsigned) { return smem_ptr; }
 #endif
 
-// Host side: launch a kernel with an optional cluster shape along y and a
-// dynamic shared-memory size above the 48 KB default. Returns the launch error.
 // Host side: let `kernel` take smem_bytes of dynamic shared memory (static shared
 // memory counts against the default 48 KB too: opt in for any dynamic size). Returns
 // the error.
@@ -267,6 +280,8 @@ inline int allow_dynamic_smem(void (*kernel)(KArgs...), size_t smem_bytes) {
 #endif
 }
 
+// Host side: launch a kernel with an optional cluster shape along y and a
+// dynamic shared-memory size above the 48 KB default. Returns the launch error.
 template <typename... KArgs, typename... Args>
 inline int launch_kernel(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem_bytes,
                          gpuStream_t stream, int cluster_y, Args&&... args) {

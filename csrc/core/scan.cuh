@@ -12,13 +12,6 @@ namespace moe_fp8 {
 
 MOE_FP8_DEVICE int64_t scan_combine(bool is_max, int64_t a, int64_t b) { return is_max ? (a > b ? a : b) : a + b; }
 
-MOE_FP8_DEVICE int64_t warp_shfl_i64(int64_t v, int src_lane) {
-  const uint64_t u = static_cast<uint64_t>(v);
-  const uint32_t lo = warp_shfl(static_cast<uint32_t>(u), src_lane);
-  const uint32_t hi = warp_shfl(static_cast<uint32_t>(u >> 32), src_lane);
-  return static_cast<int64_t>((static_cast<uint64_t>(hi) << 32) | lo);
-}
-
 // Scan of one value per thread in thread order (sum, or max of values >= 0): shuffles
 // within each warp, then one warp scans the warp totals, so two barriers whatever the
 // block size (a Hillis-Steele pass over shared memory takes two per step). Returns

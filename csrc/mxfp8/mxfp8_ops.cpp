@@ -158,7 +158,8 @@ std::tuple<at::Tensor, at::Tensor> quantize_mxfp8_colwise(const QuantKernels& k,
     }
   }
   // Blocked K-groups: the groups' scale columns start at the padded offsets of
-  // max(alignment, 128) rows (int32, group_starts); checked before any allocation.
+  // max(alignment, 128) rows (int32: from group_starts, or summed by the kernel for
+  // unpadded groups); checked before any allocation.
   if (blocked && a.jagged) checked_padded_rows(M, a.num_segments, std::max<int64_t>(a.alignment, 128), op);
   a.q_rows = q_rows;
   at::Tensor q = at::empty_strided({q_rows, K}, {1, std::max<int64_t>(q_rows, 1)}, x.options().dtype(at::kFloat8_e4m3fn));

@@ -55,8 +55,7 @@ at::Tensor scratch_for(int64_t groups, const at::Tensor& like) {
 
 at::Tensor run_to_blocked(const SwizzleKernels& k, SwizzleArgs a, const at::Tensor& s, at::IntArrayRef shape,
                           const at::Tensor& offs, const char* op) {
-  int64_t bytes = 1;
-  for (const int64_t d : shape) bytes *= d;  // check_alloc: no overflow
+  const int64_t bytes = c10::multiply_integers(shape);  // no overflow: check_alloc
   TORCH_CHECK(bytes <= kSwizzleMaxBlockedBytes, op, ": expected at most ", kSwizzleMaxBlockedBytes,
               " bytes of blocked scales, got ", bytes);
   at::Tensor out = at::empty(shape, s.options());

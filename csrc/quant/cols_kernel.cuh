@@ -219,18 +219,14 @@ MOE_FP8_DEVICE int64_t cols_col_base_gpu(const ColsArgs& a, const ScaleOut& s, i
   if (!Layout::kBlocked || s.groups != BlockedGroups::kKGroups || a.group_starts != nullptr) {
     return cols_scale_col_base<Layout>(a, s, seg_id, seg, block);
   }
-  uint64_t sum = 0;
+  int64_t sum = 0;
   for (int j = static_cast<int>(threadIdx.x % kWarpSize); j < seg_id; j += kWarpSize) {
     int64_t lo, hi;
     group_range(a.offs, j, a.rows, &lo, &hi);
-    sum += static_cast<uint64_t>(round_up(ceil_div(hi - lo, static_cast<int64_t>(s.block)), int64_t{4}));
+    sum += blocked_group_extent(s, lo, hi);
   }
-  for (int m = kWarpSize / 2; m >= 1; m >>= 1) {
-    const uint32_t lo = warp_shfl_xor(static_cast<uint32_t>(sum), m);
-    const uint32_t hi = warp_shfl_xor(static_cast<uint32_t>(sum >> 32), m);
-    sum += (static_cast<uint64_t>(hi) << 32) | lo;
-  }
-  return static_cast<int64_t>(sum);
+  for (int m = kWarpSize / 2; m >= 1; m >>= 1) sum += warp_shfl_xor_i64(sum, m);
+  return sum;
 }
 
 template <InputKind K, Fp8Format F, class Rule, int kBlock, class Layout, bool kVec>

@@ -138,6 +138,13 @@ struct BlockedScales {
 
 enum class ScaleLayoutKind : int { kLinear = 0, kBlocked = 1 };
 
+// The padded extent of a token group of rows [a, b) in a grouped blocked layout: rows
+// for M groups (ceil128 of its size), block columns for K groups (ceil4 of its blocks).
+MOE_FP8_HD int64_t blocked_group_extent(const ScaleOut& s, int64_t a, int64_t b) {
+  return s.groups == BlockedGroups::kMGroups ? round_up(b - a, int64_t{128})
+                                             : round_up(ceil_div(b - a, static_cast<int64_t>(s.block)), int64_t{4});
+}
+
 // The blocked start of token group g (rows for M groups, block columns for K groups):
 // the sum of the padded extents of the groups before it, from the clamped offs.
 MOE_FP8_HD int64_t blocked_group_start(const ScaleOut& s, const int32_t* offs, int g, int64_t rows) {
@@ -146,7 +153,7 @@ MOE_FP8_HD int64_t blocked_group_start(const ScaleOut& s, const int32_t* offs, i
   for (int j = 0; j < g; ++j) {
     int64_t a, b;
     group_range(offs, j, rows, &a, &b);
-    start += s.groups == BlockedGroups::kMGroups ? round_up(b - a, 128) : round_up(ceil_div(b - a, s.block), 4);
+    start += blocked_group_extent(s, a, b);
   }
   return start;
 }

@@ -550,9 +550,9 @@ __global__ void __launch_bounds__(kTileThreads) quantize_rows_blocked_kernel(Row
   // follow the octets as units of eight consecutive rows.
   // Without group_starts (at most kRowsLocalGroups groups) the groups' first blocked
   // rows are summed here from the clamped sizes, as blocked_group_start does.
-  // The blocked rows past the groups' (from `used`, a multiple of 128, up to the static
-  // bound M + 128 G) hold no scales: they are zeroed by plain 16-byte stores, not
-  // walked as octet units (up to 128 G rows of the pipeline for nothing).
+  // The blocked rows past the groups' padded rows (from `used`, a multiple of 128, up to
+  // the static bound M + 128 G) hold no scales: they are zeroed by plain 16-byte stores,
+  // not walked as octet units (up to 128 G rows of the pipeline for nothing).
   int64_t tail_start = a.rows;
   const int32_t* starts = a.group_starts;
   uint32_t units = p.units;  // octet units walked (M groups: those of the groups' rows)
@@ -568,14 +568,14 @@ __global__ void __launch_bounds__(kTileThreads) quantize_rows_blocked_kernel(Row
           [&](int g) {
             int64_t lo, hi;
             group_range(a.offs, g, a.rows_inner, &lo, &hi);
-            return round_up(hi - lo, int64_t{128});
+            return blocked_group_extent(a.scale, lo, hi);
           },
           a.groups, s_starts, s_scan);
       starts = s_starts;
     } else if (starts != nullptr && a.groups > 0) {
       int64_t lo, hi;
       group_range(a.offs, a.groups - 1, a.rows_inner, &lo, &hi);
-      used = starts[a.groups - 1] + round_up(hi - lo, int64_t{128});
+      used = starts[a.groups - 1] + blocked_group_extent(a.scale, lo, hi);
     }
     const int64_t seg_rows = static_cast<int64_t>(p.seg_octets) * 8;
     used = used < 0 ? 0 : (used < seg_rows ? used : seg_rows);  // bad offs: stay in the buffer
