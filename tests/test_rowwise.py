@@ -618,6 +618,44 @@ def test_cols_plan_override_same_bits(monkeypatch, plan):
     same_as_cpu(moe_fp8_ext.quantize_experts_bwd, w_t, torch.float8_e4m3fn)
 
 
+def _bytes(t):
+    return t.contiguous().view(torch.uint8)
+
+
+@requires_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("plan", ["1,128", "3,128", "2,384", "5,256", "64,512"])
+def test_cols_block_plan_override_same_bits(monkeypatch, plan):
+    # Block mode (MXFP8 blocks of 32, blockwise blocks of 128) under any plan: the CPU
+    # op's bytes, for unaligned-to-the-slice groups, an empty group, blocked and plain
+    # scales, the padded layout, and more slices than a segment has blocks.
+    monkeypatch.setenv("MOE_FP8_COLS_BLOCK_PLAN", plan)
+    m = 4096 + 640
+    offs = torch.tensor([0, 96, 1056, 1056, 3200, m], dtype=torch.int32)
+    x = randn((m, 200), torch.bfloat16, "cuda")
+    calls = [
+        lambda t, o: moe_fp8_ext.quantize_mxfp8_colwise(t, "rceil", False, o),
+        lambda t, o: moe_fp8_ext.quantize_mxfp8_colwise(t, "floor", True, o),
+        lambda t, o: moe_fp8_ext.quantize_blockwise_act_rhs(t, torch.float8_e4m3fn),
+        lambda t, o: moe_fp8_ext.quantize_blockwise_act_transposed_lhs(
+            t, torch.float8_e4m3fn, offs=o, padded_starts=moe_fp8_ext.padded_group_offsets(o, m, 128)[0], alignment=128),
+    ]
+    for call in calls:
+        gpu = call(x, offs.cuda())
+        cpu = call(x.cpu(), offs)
+        for g, c in zip(gpu, cpu):
+            assert g.shape == c.shape and torch.equal(_bytes(g).cpu(), _bytes(c)), plan
+
+
+@requires_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("plan", ["0,128", "65,128", "2,64", "2,100", "2", "2,128x", "1,100096"])
+def test_cols_block_plan_override_rejects_bad_values(monkeypatch, plan):
+    monkeypatch.setenv("MOE_FP8_COLS_BLOCK_PLAN", plan)
+    with pytest.raises(RuntimeError, match="MOE_FP8_COLS_BLOCK_PLAN"):
+        moe_fp8_ext.quantize_mxfp8_colwise(randn((64, 64), torch.bfloat16, "cuda"))
+
+
 @requires_cuda
 @pytest.mark.gpu
 @pytest.mark.parametrize("plan", ["3,64", "2,12", "0,64", "2", "2,64x", "1,100000"])

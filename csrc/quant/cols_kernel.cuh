@@ -432,8 +432,15 @@ constexpr int64_t kColsSmemBudget = 72 * 1024;
 
 // Block mode (blocks of 32 or 128 rows) needs no cross-block exchange: the blocks of
 // a segment slice (about kColsBlockSliceRows rows, whole scale blocks) run as
-// independent thread blocks, each in chunks of whole 128-row passes.
-constexpr int64_t kColsBlockSliceRows = 2048;
+// independent thread blocks, each in chunks of up to kColsBlockCacheRows rows (whole
+// 128-row passes). Measured on H100 (bench/sweep_cols.py --block, bench/RESULTS.md):
+// short slices in many blocks beat long ones here, unlike the whole-set reduction
+// above. Against 2048-row slices with a 512-row cache, the previous plan: MXFP8
+// colwise over 2048-row groups 75-79% -> 82-84% of a copy, MXFP8 expert weights
+// (transposing) 80-88% -> 89-90%, blockwise act_rhs 81-85% -> 90-91%; 256- and
+// 512-row caches, and 1024-row slices, measured no better than 384 rows.
+constexpr int64_t kColsBlockSliceRows = 512;
+constexpr int64_t kColsBlockCacheRows = 384;
 inline ColsLaunchPlan plan_cols_launch(int64_t expected_rows, int num_segments, int max_smem_bytes,
                                        bool clusters, int block = kWholeSet) {
   const int64_t budget = std::min<int64_t>(max_smem_bytes - 8192, kColsSmemBudget);
@@ -446,7 +453,7 @@ inline ColsLaunchPlan plan_cols_launch(int64_t expected_rows, int num_segments, 
     int64_t slices = std::max<int64_t>(ceil_div(std::max<int64_t>(expected_rows, 1), kColsBlockSliceRows), 1);
     slices = std::min<int64_t>(slices, std::max<int64_t>(65535 / std::max(num_segments, 1), 1));
     const int64_t slice_rows = round_up(ceil_div(std::max<int64_t>(expected_rows, 1), slices), kColsPassRows);
-    return {static_cast<int>(slices), static_cast<int>(std::min<int64_t>(slice_rows, pass_rows))};
+    return {static_cast<int>(slices), static_cast<int>(std::min({slice_rows, pass_rows, kColsBlockCacheRows}))};
   }
   int cluster = 1;
   if (clusters) {

@@ -34,6 +34,20 @@ inline ColsLaunchPlan cols_plan_override(const char* v, int device) {
   return {cluster, rows};
 }
 
+// MOE_FP8_COLS_BLOCK_PLAN="slices,rows" does the same for block mode (blocks of 32 or
+// 128 rows: MXFP8 and blockwise colwise): independent slices per segment (1 to 64)
+// and rows staged at a time (a multiple of one 128-row pass).
+inline ColsLaunchPlan cols_block_plan_override(const char* v, int device) {
+  int slices = 0, rows = 0;
+  char tail = 0;
+  const bool parsed = std::sscanf(v, "%d,%d%c", &slices, &rows, &tail) == 2;
+  TORCH_CHECK(parsed && slices >= 1 && slices <= 64 && rows > 0 && rows % kColsPassRows == 0 &&
+                  static_cast<int64_t>(rows) * kColsTileBytes <= max_dynamic_smem_per_block(device) - 8192,
+              "moe_fp8: expected MOE_FP8_COLS_BLOCK_PLAN=\"slices,rows\" with slices in [1, 64] and rows a positive ",
+              "multiple of ", kColsPassRows, " that fits shared memory, got \"", v, "\"");
+  return {slices, rows};
+}
+
 template <class Rules, class Blocks, class Layouts>
 void run_rows(InputKind in, Fp8Format fmt, const QuantSpec& spec, const RowsArgs& a, int device) {
   TORCH_CHECK(a.rows <= INT32_MAX, "moe_fp8: expected at most 2^31-1 reduction rows, got ", a.rows);
@@ -60,11 +74,13 @@ void run_cols(InputKind in, Fp8Format fmt, const QuantSpec& spec, const ColsArgs
   TORCH_CHECK(segments <= 65535, "moe_fp8: expected at most 65534 groups, got ", a.num_segments);
   ColsLaunchPlan plan = plan_cols_launch(expected_segment_rows, segments, max_dynamic_smem_per_block(device),
                                          supports_clusters(device), spec.block);
-  const char* override_plan = std::getenv("MOE_FP8_COLS_PLAN");
-  if (override_plan != nullptr && spec.block == kWholeSet) {
-    plan = cols_plan_override(override_plan, device);
-    TORCH_CHECK(static_cast<int64_t>(segments) * plan.cluster <= 65535, "moe_fp8: MOE_FP8_COLS_PLAN cluster ",
-                plan.cluster, " is too large for ", segments, " segments");
+  const bool whole = spec.block == kWholeSet;
+  const char* override_plan = std::getenv(whole ? "MOE_FP8_COLS_PLAN" : "MOE_FP8_COLS_BLOCK_PLAN");
+  if (override_plan != nullptr) {
+    plan = whole ? cols_plan_override(override_plan, device) : cols_block_plan_override(override_plan, device);
+    TORCH_CHECK(static_cast<int64_t>(segments) * plan.cluster <= 65535, "moe_fp8: ",
+                whole ? "MOE_FP8_COLS_PLAN cluster " : "MOE_FP8_COLS_BLOCK_PLAN slices ", plan.cluster,
+                " is too large for ", segments, " segments");
   }
   int err = 0;
   const bool ran = dispatch_engine<Rules, Blocks, Layouts>(in, fmt, spec, [&](auto kin, auto kfmt, auto rule, auto block,
