@@ -546,6 +546,36 @@ __global__ void __launch_bounds__(kTileThreads) quantize_rows_blocked_kernel(Row
   const int j = static_cast<int>(threadIdx.x) / TG::kRowLanes;   // this lane's octet row
   const int lane = static_cast<int>(threadIdx.x) % TG::kRowLanes;
   const int64_t slice_cols = static_cast<int64_t>(TG::kSliceVecs) * G::kVec;
+  auto issue = [&](int64_t r, uint32_t slice, int st) {
+    {
+      const int64_t c0 = slice * slice_cols;
+      if (r >= 0) {
+        const T* xr = row_ptr_at(x, a, row_pos(a, r));
+#pragma unroll
+        for (int i = 0; i < kRingVecsPerLane; ++i) {
+          const int v = lane + i * TG::kRowLanes;
+          if (c0 + static_cast<int64_t>(v) * G::kVec < a.cols) {
+            async_copy_16(&stage[st][j * TG::kSliceVecs + ring_slot(v)], xr + c0 + static_cast<int64_t>(v) * G::kVec);
+          }
+        }
+      }
+    }
+    async_copy_commit();  // every thread commits every time, so group counts agree
+  };
+  // M groups: this block's first unit is loaded before the prologue below (a cold read
+  // of offs, the scan, the tail zeroing), on the guess that it lies in group 0, where
+  // blocked row = reduction row; a thread whose guess was wrong reloads after it.
+  const bool mgroups = a.scale.groups == BlockedGroups::kMGroups;
+  int64_t guess = -1;
+  uint32_t guess_slice = 0;
+  if (mgroups) {
+    const uint32_t u0 = blockIdx.x;
+    const uint32_t oct = u0 / p.slices;
+    const int64_t br = oct < p.seg_octets ? int64_t{octet_row(oct, static_cast<uint32_t>(j))} : a.rows;
+    guess = br < a.rows ? br : -1;
+    guess_slice = u0 - oct * p.slices;
+    issue(guess, guess_slice, 0);
+  }
   // M groups: the reduction rows past every group (from the largest clamped group end)
   // follow the octets as units of eight consecutive rows.
   // Without group_starts (at most kRowsLocalGroups groups) the groups' first blocked
@@ -556,7 +586,7 @@ __global__ void __launch_bounds__(kTileThreads) quantize_rows_blocked_kernel(Row
   int64_t tail_start = a.rows;
   const int32_t* starts = a.group_starts;
   uint32_t units = p.units;  // octet units walked (M groups: those of the groups' rows)
-  if (a.scale.groups == BlockedGroups::kMGroups) {
+  if (mgroups) {
     uint32_t end = 0;
     for (int64_t g = threadIdx.x; g < a.groups; g += blockDim.x) {
       end = umax(end, static_cast<uint32_t>(clamp_offset(a.offs[g], a.rows_inner)));
@@ -609,27 +639,18 @@ __global__ void __launch_bounds__(kTileThreads) quantize_rows_blocked_kernel(Row
     const int64_t r = tail_start + 8 * k + j;
     return r < a.rows ? r : -1;
   };
-  auto issue = [&](int64_t r, uint32_t slice, int st) {
-    {
-      const int64_t c0 = slice * slice_cols;
-      if (r >= 0) {
-        const T* xr = row_ptr_at(x, a, row_pos(a, r));
-#pragma unroll
-        for (int i = 0; i < kRingVecsPerLane; ++i) {
-          const int v = lane + i * TG::kRowLanes;
-          if (c0 + static_cast<int64_t>(v) * G::kVec < a.cols) {
-            async_copy_16(&stage[st][j * TG::kSliceVecs + ring_slot(v)], xr + c0 + static_cast<int64_t>(v) * G::kVec);
-          }
-        }
-      }
-    }
-    async_copy_commit();  // every thread commits every time, so group counts agree
-  };
   static_assert(kTileStages == 2, "the loop below keeps one unit ahead");
   int64_t u = blockIdx.x;
   uint32_t slice = 0;
   int64_t r = u < total ? unit_row(u, &slice) : -1;
-  issue(r, slice, 0);
+  if (!mgroups) {
+    issue(r, slice, 0);
+  } else if (r >= 0 && (r != guess || slice != guess_slice)) {
+    async_copy_wait_all();  // the guessed copies land before this stage is refilled
+    issue(r, slice, 0);
+  } else {
+    async_copy_commit();  // (a guessed row of padding or past the work is never read)
+  }
   for (int64_t i = 0; u < total; ++i, u += gridDim.x) {
     uint32_t next_slice = 0;
     const int64_t next_r = u + gridDim.x < total ? unit_row(u + gridDim.x, &next_slice) : -1;
