@@ -453,7 +453,8 @@ inline ColsLaunchPlan plan_cols_launch(int64_t expected_rows, int num_segments, 
     int64_t slices = std::max<int64_t>(ceil_div(std::max<int64_t>(expected_rows, 1), kColsBlockSliceRows), 1);
     slices = std::min<int64_t>(slices, std::max<int64_t>(65535 / std::max(num_segments, 1), 1));
     const int64_t slice_rows = round_up(ceil_div(std::max<int64_t>(expected_rows, 1), slices), kColsPassRows);
-    return {static_cast<int>(slices), static_cast<int>(std::min<int64_t>(slice_rows, std::min<int64_t>(pass_rows, kColsBlockCacheRows)))};
+    const int64_t cache_rows = std::min<int64_t>(slice_rows, std::min<int64_t>(pass_rows, kColsBlockCacheRows));
+    return {static_cast<int>(slices), static_cast<int>(cache_rows)};
   }
   int cluster = 1;
   if (clusters) {

@@ -20,32 +20,27 @@ namespace engine_cuda {
 
 // MOE_FP8_COLS_PLAN="cluster,rows" replaces the launch plan of the whole-set
 // transposing kernel, for tuning sweeps (bench/sweep_cols.py); results are the same
-// for any valid plan, only the speed changes.
-inline ColsLaunchPlan cols_plan_override(const char* v, int device) {
-  int cluster = 0, rows = 0;
+// for any valid plan, only the speed changes. MOE_FP8_COLS_BLOCK_PLAN="slices,rows"
+// does the same for block mode (blocks of 32 or 128 rows: MXFP8 and blockwise
+// colwise): independent slices per segment (1 to 64) and rows staged at a time (a
+// multiple of one 128-row pass).
+inline ColsLaunchPlan cols_plan_override(const char* v, int device, bool block_mode) {
+  int first = 0, rows = 0;
   char tail = 0;
-  const bool parsed = std::sscanf(v, "%d,%d%c", &cluster, &rows, &tail) == 2;
-  const int max_cluster = supports_clusters(device) ? kColsMaxCluster : 1;
-  TORCH_CHECK(parsed && cluster >= 1 && cluster <= max_cluster && (cluster & (cluster - 1)) == 0 && rows > 0 &&
-                  rows % kColsFragRows == 0 &&
-                  static_cast<int64_t>(rows) * kColsTileBytes <= max_dynamic_smem_per_block(device) - 8192,
-              "moe_fp8: expected MOE_FP8_COLS_PLAN=\"cluster,rows\" with cluster a power of two up to ", max_cluster,
-              " and rows a positive multiple of ", kColsFragRows, " that fits shared memory, got \"", v, "\"");
-  return {cluster, rows};
-}
-
-// MOE_FP8_COLS_BLOCK_PLAN="slices,rows" does the same for block mode (blocks of 32 or
-// 128 rows: MXFP8 and blockwise colwise): independent slices per segment (1 to 64)
-// and rows staged at a time (a multiple of one 128-row pass).
-inline ColsLaunchPlan cols_block_plan_override(const char* v, int device) {
-  int slices = 0, rows = 0;
-  char tail = 0;
-  const bool parsed = std::sscanf(v, "%d,%d%c", &slices, &rows, &tail) == 2;
-  TORCH_CHECK(parsed && slices >= 1 && slices <= 64 && rows > 0 && rows % kColsPassRows == 0 &&
-                  static_cast<int64_t>(rows) * kColsTileBytes <= max_dynamic_smem_per_block(device) - 8192,
-              "moe_fp8: expected MOE_FP8_COLS_BLOCK_PLAN=\"slices,rows\" with slices in [1, 64] and rows a positive ",
-              "multiple of ", kColsPassRows, " that fits shared memory, got \"", v, "\"");
-  return {slices, rows};
+  const bool parsed = std::sscanf(v, "%d,%d%c", &first, &rows, &tail) == 2;
+  const bool rows_fit = static_cast<int64_t>(rows) * kColsTileBytes <= max_dynamic_smem_per_block(device) - 8192;
+  if (block_mode) {
+    TORCH_CHECK(parsed && first >= 1 && first <= 64 && rows > 0 && rows % kColsPassRows == 0 && rows_fit,
+                "moe_fp8: expected MOE_FP8_COLS_BLOCK_PLAN=\"slices,rows\" with slices in [1, 64] and rows a positive ",
+                "multiple of ", kColsPassRows, " that fits shared memory, got \"", v, "\"");
+  } else {
+    const int max_cluster = supports_clusters(device) ? kColsMaxCluster : 1;
+    TORCH_CHECK(parsed && first >= 1 && first <= max_cluster && (first & (first - 1)) == 0 && rows > 0 &&
+                    rows % kColsFragRows == 0 && rows_fit,
+                "moe_fp8: expected MOE_FP8_COLS_PLAN=\"cluster,rows\" with cluster a power of two up to ", max_cluster,
+                " and rows a positive multiple of ", kColsFragRows, " that fits shared memory, got \"", v, "\"");
+  }
+  return {first, rows};
 }
 
 template <class Rules, class Blocks, class Layouts>
@@ -77,7 +72,7 @@ void run_cols(InputKind in, Fp8Format fmt, const QuantSpec& spec, const ColsArgs
   const bool whole = spec.block == kWholeSet;
   const char* override_plan = std::getenv(whole ? "MOE_FP8_COLS_PLAN" : "MOE_FP8_COLS_BLOCK_PLAN");
   if (override_plan != nullptr) {
-    plan = whole ? cols_plan_override(override_plan, device) : cols_block_plan_override(override_plan, device);
+    plan = cols_plan_override(override_plan, device, !whole);
     TORCH_CHECK(static_cast<int64_t>(segments) * plan.cluster <= 65535, "moe_fp8: ",
                 whole ? "MOE_FP8_COLS_PLAN cluster " : "MOE_FP8_COLS_BLOCK_PLAN slices ", plan.cluster,
                 " is too large for ", segments, " segments");
