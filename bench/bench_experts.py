@@ -5,7 +5,10 @@ torch autograd), ours = moe_fp8_ext.experts (fp8_rowwise) without and with weigh
 once), the previous way, three moe_fp8_ext.grouped_mm calls, and the peer: the same
 torchtitan math with torchao 0.18's FP8 rowwise grouped GEMM in each of the three
 calls (what torchtitan's FP8 MoE conversion runs). Peak memory of one fwd+bwd above
-the inputs, and the bytes saved for backward, bf16 vs ours. Eager; with --compile also
+the weights, and the activation bytes saved for backward (x included: in a model the
+layer's input is the permuted tokens, an activation only the layer keeps alive), bf16
+vs ours; for both, x enters the step as a fresh tensor (a clone), as the permuted tokens
+do, so a layer that does not save it lets it go after the forward. Eager; with --compile also
 torch.compile'd (our layer runs as three grouped_mm calls under compile with torch <
 2.13, see moe_fp8_ext.experts.COMPILE_COMPOSITE).
 
@@ -88,9 +91,9 @@ def three_grouped_mm(x, w1, w3, w2, offs):
 
 
 def saved_bytes(fn, *args):
-    """Bytes of the tensors autograd keeps for backward (distinct storages, the inputs
-    and parameters excluded)."""
-    seen, inputs = {}, {a.untyped_storage().data_ptr() for a in args if isinstance(a, torch.Tensor)}
+    """Bytes of the tensors autograd keeps for backward (distinct storages, the weights
+    and offs excluded; x counts: it is an activation)."""
+    seen, inputs = {}, {a.untyped_storage().data_ptr() for a in args[1:] if isinstance(a, torch.Tensor)}
 
     def pack(t):
         p = t.untyped_storage().data_ptr()
@@ -134,7 +137,7 @@ def main():
         q_out, q_dx = sqnr(outs["bf16"][0], outs["ours"][0]), sqnr(outs["bf16"][1], outs["ours"][1])
         assert q_out > 20 and q_dx > 20, (q_out, q_dx)
         del outs
-        saved = {n: saved_bytes(impls[n], x, w1, w3, w2, offs) / 2**20 for n in ("bf16", "ours")}
+        saved = {n: saved_bytes(impls[n], x.clone(), w1, w3, w2, offs) / 2**20 for n in ("bf16", "ours")}
         for mode in ("eager", "compiled") if args.compile else ("eager",):
             fns = impls if mode == "eager" else {
                 n: torch.compile(f) for n, f in impls.items() if n != "reuse"}
@@ -154,7 +157,7 @@ def main():
                     t[name] = bench_us(step4) / 4 / 1000
                 else:
                     t[name] = bench_us(step) / 1000
-                    mem[name] = peak_mib(step)
+                    mem[name] = peak_mib(lambda f=f: torch.autograd.grad(f(x.clone(), w1, w3, w2, offs), params, grad))
             rows.append([f"({m}, {d}, {h}, {e})", mode, fmt(t["bf16"], "{:.2f}"), fmt(t["ours"], "{:.2f}"),
                          fmt(t["bf16"] / t["ours"], "{:.2f}x"), fmt(t.get("reuse"), "{:.2f}"),
                          fmt(t.get("reuse") and t["bf16"] / t["reuse"], "{:.2f}x"), fmt(t["3x"], "{:.2f}"),

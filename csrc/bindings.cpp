@@ -35,6 +35,10 @@ TORCH_LIBRARY(moe_fp8, m) {
       "quantize_jagged_colwise_dual(Tensor x1, Tensor x2, Tensor offs, ScalarType fp8_dtype,"
       " bool pow2_scale=True, Tensor? padded_starts=None, int alignment=16) -> (Tensor, Tensor, Tensor, Tensor)");
 
+  m.def(
+      "quantize_rowwise_jagged_dual(Tensor x, Tensor offs, ScalarType fp8_dtype, bool pow2_scale=True,"
+      " Tensor? padded_starts=None, int alignment=16) -> (Tensor, Tensor, Tensor, Tensor)");
+
   // ---- MXFP8 recipe (DESIGN §7): e4m3fn data, E8M0 scales per 32 elements ---------
   // Implementations: mxfp8/mxfp8_cpu.cpp (CPU) and mxfp8/mxfp8.cu (CUDA).
   m.def("quantize_mxfp8_rowwise(Tensor x, str rounding=\"rceil\", bool blocked=False, Tensor? offs=None) -> (Tensor, Tensor)");

@@ -14,11 +14,18 @@ rounding) it:
   (K = 2·hidden): one scale per row of grad_h13 and per (expert, column) of [W1; W3]
   spans both halves, each operand written by one kernel that reads w1 and w3 (or both
   halves of grad_h13) in place. Other recipes run two GEMMs over the halves, summed;
-- saves less for backward: x and the W13 output h13 (bf16), nothing else. h =
-  silu(h1)·h3 is recomputed from h13 in backward instead of being saved (by the
-  dSwiGLU kernel, on the same read of h13). A bf16 torchtitan ``GroupedExperts``
-  keeps x, h1, silu(h1), h3 and h (2·M·D + 8·M·hidden bytes); this keeps 2·M·D +
-  4·M·hidden;
+- makes x's two fp8 operands together, and grad_out's (``Recipe.keeps_fp8_activations``;
+  fp8_rowwise: ``quantize_rowwise_jagged_dual``): the rowwise one of the forward (dgrad)
+  GEMM and the per-group colwise one of the weight gradient, in the padded layout. By
+  default that is the two quantizations; ``MOE_FP8_ONE_READ_ACTIVATIONS=1`` makes both
+  from one DRAM read where a mean token group fits the L2 budget, which on the H100
+  measured 0.89-0.93x the two ops' speed (bench/RESULTS.md), hence off;
+- saves less for backward: x's fp8 weight-gradient operand (M·D bytes and a (G, D)
+  scale; x itself where the recipe cannot, or W1/W3 need no gradient) and the W13
+  output h13 (bf16), nothing else. h = silu(h1)·h3 is recomputed from h13 in backward
+  instead of being saved (by the dSwiGLU kernel, on the same read of h13). A bf16
+  torchtitan ``GroupedExperts`` keeps x, h1, silu(h1), h3 and h (2·M·D + 8·M·hidden
+  bytes); this keeps M·D + 4·M·hidden;
 - fuses SwiGLU into quantization (:mod:`moe_fp8_ext.swiglu`, through
   ``Recipe.lhs_swiglu`` / ``lhs_swiglu_backward_joint``): the forward reads h13 once
   and, for fp8_rowwise, writes only h's fp8 operand (h is never written in bf16); the
@@ -38,9 +45,7 @@ A weight's two orientations come from one read (``quantize_experts_dual_cat``) w
 an expert's matrix fits the L2 budget (``MOE_FP8_DUAL_L2_BYTES``, DESIGN §10): there
 (``Recipe.reads_weights_once``), the forward makes each weight's backward operand with
 its forward one and keeps it on ctx until the backward uses it (or in the cache).
-Not done yet (DESIGN §10 lists them): the one-read kernels that write a tensor's
-rowwise and colwise fp8 together, and fp8 (instead of bf16) saved activations. The
-layer is recipe-agnostic: any registered recipe runs through the
+The layer is recipe-agnostic: any registered recipe runs through the
 :class:`~moe_fp8_ext.recipes.Recipe` contract.
 
 Weight reuse, precisely. A cache entry is the quantized operand of one weight (W13 in
@@ -233,18 +238,33 @@ class _Experts(torch.autograd.Function):
         # (W13's backward operand: the joint input-gradient GEMM's, rhs_bwd_cat)
         rhs13 = weight_fwd("w13", (w1, w3), [w1.transpose(-2, -1), w3.transpose(-2, -1)],
                            need_x and recipe.joint_w13_dgrad)
-        h13 = _zero_tail(recipe.mm_2d3d(recipe.lhs(x, fp8_dtype), rhs13, offs, gemm_dtype, backend), offs)
+        # x's two fp8 operands made together (Recipe.keeps_fp8_activations): the W13
+        # GEMM's, and W13's weight-gradient one, saved instead of x (half its bytes).
+        ctx.fp8_saved = recipe.keeps_fp8_activations and pad_wgrad and need_w13
+        kept = []
+        if ctx.fp8_saved:
+            starts, wgrad_offs = ops.padded_group_offsets(offs, x.shape[0], recipe.alignment)
+            lhs_x, x_op = recipe.lhs_with_wgrad_operand(x, offs, fp8_dtype, starts)
+            kept = [starts, wgrad_offs, *x_op]
+            del x_op
+        else:
+            lhs_x = recipe.lhs(x, fp8_dtype)
+        h13 = _zero_tail(recipe.mm_2d3d(lhs_x, rhs13, offs, gemm_dtype, backend), offs)
+        del lhs_x
         h_op = recipe.lhs_swiglu(h13, fp8_dtype)  # fused: h13 read once (rowwise: h never written in bf16)
         rhs2 = weight_fwd("w2", (w2,), [w2.transpose(-2, -1)], need_x or need_w13)
         out = _zero_tail(recipe.mm_2d3d(h_op, rhs2, offs, gemm_dtype, backend), offs)
         del h_op
+        ctx.num_tokens = x.shape[0]
+        saved = [None if ctx.fp8_saved else x, w1, w3, w2, offs, *kept]
+        ctx.kept = len(kept)
         if _may_free_early():
             # h13 (the largest saved tensor) is held in a box the backward empties once
             # dSwiGLU has read it: the step's peak is in the backward, after that point.
-            ctx.save_for_backward(x, w1, w3, w2, offs)
+            ctx.save_for_backward(*saved)
             ctx.h13_box = [h13]
         else:
-            ctx.save_for_backward(x, w1, w3, w2, offs, h13)
+            ctx.save_for_backward(*saved, h13)
             ctx.h13_box = None
         return out.to(x.dtype)
 
@@ -254,10 +274,11 @@ class _Experts(torch.autograd.Function):
             grads = tuple(grad_out.new_zeros(s, dtype=d) if need else None
                           for s, d, need in zip(ctx.shapes, ctx.dtypes, ctx.needs_input_grad))
             return grads + (None,) * 6
+        x, w1, w3, w2, offs, *rest = ctx.saved_tensors
+        kept, rest = rest[:ctx.kept], rest[ctx.kept:]
         if ctx.h13_box is None:
-            x, w1, w3, w2, offs, h13 = ctx.saved_tensors
+            (h13,) = rest
         else:
-            x, w1, w3, w2, offs = ctx.saved_tensors
             if not ctx.h13_box:
                 raise RuntimeError(
                     "experts: backward ran twice over one forward (retain_graph=True): the layer frees its W13 "
@@ -277,8 +298,11 @@ class _Experts(torch.autograd.Function):
 
         grad_out = grad_out.contiguous()
         starts, wgrad_offs = None, offs
-        if ctx.pad_wgrad:
-            starts, wgrad_offs = ops.padded_group_offsets(offs, x.shape[0], recipe.alignment)
+        if ctx.fp8_saved:
+            starts, wgrad_offs, *x_op = kept
+        elif ctx.pad_wgrad:
+            starts, wgrad_offs = ops.padded_group_offsets(offs, ctx.num_tokens, recipe.alignment)
+        del kept
 
         def wgrad_operands(grad, a):
             return recipe.wgrad_operands(grad, {"A": a}, offs, f8, starts)
@@ -300,10 +324,18 @@ class _Experts(torch.autograd.Function):
         need_w13 = need_w1 or need_w3
         joint = need_x and recipe.joint_w13_dgrad
         grad_h13 = lhs13 = lhs1 = lhs3 = h = None
+        # grad_out's two fp8 operands (W2's dgrad and wgrad ones) made together where both
+        # are needed and one read makes them (else the wgrad one when W2's wgrad runs: it
+        # would otherwise live through the dgrad GEMM and dSwiGLU, the step's peak).
+        g_op = None
         if need_x or need_w13:  # grad_h feeds only the gradients below W2
             rhs2 = weight_bwd("w2", (w2,), lambda: recipe.rhs_bwd({"B_t": w2.transpose(-2, -1)}, f8))
-            grad_h = _zero_tail(recipe.mm_2d3d(recipe.lhs(grad_out, f8), rhs2, offs, ctx.gemm_dtype, backend), offs)
-            del rhs2
+            if need_w2 and ctx.pad_wgrad and recipe.keeps_fp8_activations and recipe.reads_activations_once():
+                lhs_g, g_op = recipe.lhs_with_wgrad_operand(grad_out, offs, f8, starts)
+            else:
+                lhs_g = recipe.lhs(grad_out, f8)
+            grad_h = _zero_tail(recipe.mm_2d3d(lhs_g, rhs2, offs, ctx.gemm_dtype, backend), offs)
+            del rhs2, lhs_g
             if joint:
                 grad_h13, lhs13, h = recipe.lhs_swiglu_backward_joint(grad_h, h13, f8)
             elif need_x and need_w2:
@@ -321,7 +353,13 @@ class _Experts(torch.autograd.Function):
         # W2 wgrad: grad_w2 = grad_out^T @ h per group.
         grad_w2 = None
         if need_w2:
-            grad_w2 = wgrad(wgrad_operands(grad_out, h), ctx.dtypes[3], grad_out.dtype).to(ctx.dtypes[3])
+            if g_op is not None:
+                operands = recipe.wgrad_operands_from(g_op, recipe.wgrad_operand(h, offs, f8, starts))
+            else:
+                operands = wgrad_operands(grad_out, h)
+            g_op = None
+            grad_w2 = wgrad(operands, ctx.dtypes[3], grad_out.dtype).to(ctx.dtypes[3])
+            del operands
         h = None
         grad_x = grad_w1 = grad_w3 = None
         if need_x:
@@ -345,7 +383,11 @@ class _Experts(torch.autograd.Function):
                 del part
             grad_x = _zero_tail(grad_x, offs).to(ctx.dtypes[0])
         if need_w13:
-            operands = wgrad_operands(grad_h13, x)
+            if ctx.fp8_saved:
+                operands = recipe.wgrad_operands_from(recipe.wgrad_operand(grad_h13, offs, f8, starts), tuple(x_op))
+                x_op = None
+            else:
+                operands = wgrad_operands(grad_h13, x)
             grad_dtype = grad_h13.dtype
             del grad_h13
             grad_w13 = wgrad(operands, ctx.dtypes[1], grad_dtype)  # (E, 2H, D)

@@ -88,9 +88,21 @@ class _GroupedMM(torch.autograd.Function):
             ctx.names, ctx.no_groups = (), True
             return A.new_zeros((A.shape[0], B_t.shape[2]), dtype=out_dtype)
         ctx.no_groups = False
-        lhs = recipe.lhs(A, fp8_dtype)
+        # A's weight-gradient operand made with its forward one and kept instead of A
+        # (Recipe.keeps_fp8_activations: fp8 saved activations) where B needs a gradient
+        # and the wgrad operands take the padded layout.
+        ctx.fp8_saved = recipe.keeps_fp8_activations and pad_wgrad and ctx.needs_input_grad[1]
+        if ctx.fp8_saved:
+            starts, wgrad_offs = ops.padded_group_offsets(offs, A.shape[0], recipe.alignment)
+            lhs, a_op = recipe.lhs_with_wgrad_operand(A, offs, fp8_dtype, starts)
+        else:
+            lhs = recipe.lhs(A, fp8_dtype)
         rhs = recipe.rhs_fwd(B_t, fp8_dtype)
         saved = recipe.save_for_backward(A, B_t, lhs, rhs)
+        if ctx.fp8_saved:
+            saved["A"] = None
+            saved.update({f"A_wgrad{i}": t for i, t in enumerate(a_op)}, starts=starts, wgrad_offs=wgrad_offs)
+            ctx.a_op_len = len(a_op)
         ctx.names = tuple(saved)
         ctx.save_for_backward(offs, *saved.values())
         return _zero_tail(recipe.mm_2d3d(lhs, rhs, offs, out_dtype, backend), offs)
@@ -108,18 +120,31 @@ class _GroupedMM(torch.autograd.Function):
         saved = dict(zip(ctx.names, values))
         grad_out = grad_out.contiguous()
         grad_A = grad_B_t = None
+        # Unaligned groups (pad_groups) or an M that is not a multiple of the alignment:
+        # both wgrad operands go straight into the padded layout.
+        starts, wgrad_offs = None, offs
+        if ctx.fp8_saved:
+            starts, wgrad_offs = saved["starts"], saved["wgrad_offs"]
+        elif need_b and ctx.pad_wgrad:
+            starts, wgrad_offs = ops.padded_group_offsets(offs, ctx.num_tokens, recipe.alignment)
+        g_op = None  # grad_out's wgrad operand, made with its dgrad one
         if need_a:
-            lhs = recipe.lhs(grad_out, f8)
+            if need_b and ctx.fp8_saved and recipe.reads_activations_once():
+                lhs, g_op = recipe.lhs_with_wgrad_operand(grad_out, offs, f8, starts)
+            else:
+                lhs = recipe.lhs(grad_out, f8)
             rhs = recipe.rhs_bwd(saved, f8)
             dtype = _gemm_out_dtype(recipe, backend, ctx.a_dtype, grad_out.dtype)
             grad_A = _zero_tail(recipe.mm_2d3d(lhs, rhs, offs, dtype, backend), offs).to(ctx.a_dtype)
+            del lhs, rhs
         if need_b:
-            # Unaligned groups (pad_groups) or an M that is not a multiple of the
-            # alignment: both operands go straight into the padded layout.
-            starts, wgrad_offs = None, offs
-            if ctx.pad_wgrad:
-                starts, wgrad_offs = ops.padded_group_offsets(offs, ctx.num_tokens, recipe.alignment)
-            grad_t, a = recipe.wgrad_operands(grad_out, saved, offs, f8, starts)
+            if ctx.fp8_saved:
+                if g_op is None:
+                    g_op = recipe.wgrad_operand(grad_out, offs, f8, starts)
+                a_op = tuple(saved[f"A_wgrad{i}"] for i in range(ctx.a_op_len))
+                grad_t, a = recipe.wgrad_operands_from(g_op, a_op)
+            else:
+                grad_t, a = recipe.wgrad_operands(grad_out, saved, offs, f8, starts)
             dtype = _gemm_out_dtype(recipe, backend, ctx.b_dtype, grad_out.dtype)
             grad_B = recipe.mm_2d2d(grad_t, a, wgrad_offs, dtype, backend).to(ctx.b_dtype)  # (E, N, K)
             grad_B_t = grad_B.transpose(-2, -1)

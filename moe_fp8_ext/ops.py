@@ -436,6 +436,42 @@ def _(x1, x2, offs, fp8_dtype, pow2_scale=True, padded_starts=None, alignment=16
     return q1, s1, q2, s2
 
 
+def check_quantize_rowwise_jagged_dual(x, offs, fp8_dtype, padded_starts, alignment):
+    return check_quantize_jagged_colwise(x, offs, fp8_dtype, padded_starts, alignment,
+                                         op="quantize_rowwise_jagged_dual")
+
+
+def quantize_rowwise_jagged_dual(
+    x: Tensor,
+    offs: Tensor,
+    fp8_dtype: Optional[torch.dtype] = None,
+    pow2_scale: bool = True,
+    padded_starts: Optional[Tensor] = None,
+    alignment: int = 16,
+) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``(*quantize_rowwise(x), *quantize_jagged_colwise(x, offs, ...))``, bit for bit:
+    the operand of a token-grouped tensor's forward (or dgrad) GEMM and its operand of
+    the weight-gradient GEMM, ``(q_rows, scale_rows, q_cols, scale_cols)``.
+
+    On a GPU that has the kernel (CUDA; DESIGN §10) and with ``padded_starts`` (the
+    padded layout the recipes use), both come from ONE read of ``x``: each group is
+    read from DRAM once for its amaxes and again, from L2, for both outputs, so it
+    needs a mean group (M/G rows) whose bf16 bytes fit twice in the L2 budget of
+    ``MOE_FP8_DUAL_L2_BYTES``; larger groups, fp32 input, or no padded layout run the
+    two ops (the same bits).
+    """
+    check_quantize_rowwise_jagged_dual(x, offs, fp8_dtype, padded_starts, alignment)
+    return _ops.quantize_rowwise_jagged_dual(x, offs, _dtype(fp8_dtype, x), pow2_scale, padded_starts, alignment)
+
+
+@torch.library.register_fake("moe_fp8::quantize_rowwise_jagged_dual")
+def _(x, offs, fp8_dtype, pow2_scale=True, padded_starts=None, alignment=16):
+    rows = check_quantize_rowwise_jagged_dual(x, offs, fp8_dtype, padded_starts, alignment)
+    m, k = x.shape
+    q_cols, s_cols = _jagged_outputs(x, offs, fp8_dtype, rows)
+    return x.new_empty((m, k), dtype=fp8_dtype), x.new_empty((m, 1), dtype=torch.float32), q_cols, s_cols
+
+
 # ---- token groups (DESIGN §8) ----------------------------------------------------------
 # Raw ops; the differentiable versions are in moe_fp8_ext.token_groups. Each op's
 # argument checks are one function, run by its wrapper (before any shape is read) and

@@ -19,6 +19,7 @@ inputs' dtype, the baseline).
 """
 
 import dataclasses
+import os
 from typing import Any, Dict, Optional, Tuple
 
 import torch
@@ -148,6 +149,33 @@ class Recipe:
     def wgrad_operands(self, grad_out: Tensor, saved: Dict[str, Tensor], offs: Tensor, fp8_dtype,
                        padded_starts: Optional[Tensor]) -> Tuple[Operand, Operand]:
         raise NotImplementedError
+
+    # Whether grouped_mm and the experts layer make a token-grouped tensor's
+    # weight-gradient operand together with its forward (or dgrad) one
+    # (lhs_with_wgrad_operand) and keep that fp8 operand for the backward instead of the
+    # tensor: fp8 saved activations (DESIGN §10).
+    keeps_fp8_activations = False
+
+    def wgrad_operand(self, x: Tensor, offs: Tensor, fp8_dtype, padded_starts: Optional[Tensor]) -> Operand:
+        """One tensor's operand of the weight-gradient GEMM (x (M, D) contracted over the
+        tokens of each group), for :meth:`wgrad_operands_from`."""
+        raise NotImplementedError
+
+    def wgrad_operands_from(self, grad: Operand, a: Operand) -> Tuple[Operand, Operand]:
+        """``wgrad_operands`` from the two tensors' :meth:`wgrad_operand`."""
+        raise NotImplementedError
+
+    def lhs_with_wgrad_operand(self, x: Tensor, offs: Tensor, fp8_dtype,
+                               padded_starts: Optional[Tensor]) -> Tuple[Operand, Operand]:
+        """``(lhs(x), wgrad_operand(x, ...))``. Default: the two calls."""
+        return self.lhs(x, fp8_dtype), self.wgrad_operand(x, offs, fp8_dtype, padded_starts)
+
+    def reads_activations_once(self) -> bool:
+        """Whether :meth:`lhs_with_wgrad_operand` reads its tensor once (then the
+        backward makes grad_out's two operands together although the wgrad one then
+        lives through the dgrad GEMM; otherwise it makes the wgrad one when it is
+        needed). Default: no."""
+        return False
 
     # ---- the experts layer's SwiGLU (DESIGN §10) -----------------------------------
     def lhs_swiglu(self, h13: Tensor, fp8_dtype) -> Operand:
@@ -354,13 +382,34 @@ class Fp8Rowwise(Recipe):
 
     def wgrad_operands(self, grad_out, saved, offs, fp8_dtype, padded_starts):
         A = saved["A"]
-        layout = dict(padded_starts=padded_starts, alignment=self.alignment)
         if grad_out.dtype == A.dtype:
+            layout = dict(padded_starts=padded_starts, alignment=self.alignment)
             qg, sg, qa, sa = ops.quantize_jagged_colwise_dual(grad_out, A, offs, fp8_dtype, self.pow2_scale, **layout)
-        else:
-            qg, sg = ops.quantize_jagged_colwise(grad_out, offs, fp8_dtype, self.pow2_scale, **layout)
-            qa, sa = ops.quantize_jagged_colwise(A, offs, fp8_dtype, self.pow2_scale, **layout)
+            return self.wgrad_operands_from((qg, sg), (qa, sa))
+        return self.wgrad_operands_from(self.wgrad_operand(grad_out, offs, fp8_dtype, padded_starts),
+                                        self.wgrad_operand(A, offs, fp8_dtype, padded_starts))
+
+    # (q (M, D) column-major, scale (G, D)) per tensor; the GEMM takes grad_out's transposed.
+    keeps_fp8_activations = True
+
+    def wgrad_operand(self, x, offs, fp8_dtype, padded_starts):
+        return ops.quantize_jagged_colwise(x, offs, fp8_dtype, self.pow2_scale, padded_starts=padded_starts,
+                                           alignment=self.alignment)
+
+    def wgrad_operands_from(self, grad, a):
+        (qg, sg), (qa, sa) = grad, a
         return (qg.t(), sg), (qa, sa)
+
+    def reads_activations_once(self):
+        # (read when called: a trace-time constant under torch.compile)
+        return os.environ.get("MOE_FP8_ONE_READ_ACTIVATIONS") == "1"
+
+    def lhs_with_wgrad_operand(self, x, offs, fp8_dtype, padded_starts):
+        # The two quantizations, or one read of x where that kernel is switched on
+        # (MOE_FP8_ONE_READ_ACTIVATIONS=1); the same bits either way.
+        qr, sr, qc, sc = ops.quantize_rowwise_jagged_dual(x, offs, fp8_dtype, self.pow2_scale, padded_starts,
+                                                          self.alignment)
+        return (qr, sr.squeeze(-1)), (qc, sc)
 
     def mm_2d3d(self, lhs, rhs, offs, out_dtype, backend):
         (qa, sa), (qb, sb) = lhs, rhs

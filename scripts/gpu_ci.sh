@@ -50,6 +50,7 @@ echo "built in $(( $(date +%s) - start )) s"
 $PY -c "import moe_fp8_ext, torch; print(moe_fp8_ext.build_info(), torch.cuda.get_device_name())"
 
 bash scripts/diag_toolchain.sh
+$PY scripts/check_sass.py  # a known ptxas miscompile (odd descriptor registers), before any kernel runs
 if [ "$ep" = 1 ]; then
   echo "== expert parallel on $($PY -c 'import torch; print(torch.cuda.device_count())') GPUs"
   $PY -m torch.distributed.run --standalone --nproc-per-node=2 examples/expert_parallel.py 2>&1 | tee "$OUT/expert_parallel.log"

@@ -156,6 +156,27 @@ def test_saved_w13_output_freed_in_backward(device):
         assert all(torch.equal(t.grad, g) for t, g in zip(leaves, grads))
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("frozen_w13", [False, True])
+def test_saves_fp8_x_instead_of_x(device, frozen_w13):
+    """fp8_rowwise makes x's weight-gradient operand with its forward one (one read of x)
+    and saves that (fp8, the padded layout) instead of the bf16 x; with W1 and W3
+    frozen no weight gradient needs x's operand, and the layer saves x as before."""
+    x, w1, w3, w2, offs, grad = make(4, 64, 32, 100, device, offs=[10, 40, 40, 100])
+    leaves = [t.detach().clone().requires_grad_(not (frozen_w13 and i in (1, 2))) for i, t in enumerate((x, w1, w3, w2))]
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        y = experts(*leaves, offs)
+    rows = moe_fp8_ext.padded_rows(100, 4, 16)
+    fp8_x = [t for t in saved if t.dtype == torch.float8_e4m3fn and t.shape == (rows, 32)]
+    bf16_x = [t for t in saved if t.dtype == x.dtype and t.shape == x.shape and t.data_ptr() == leaves[0].data_ptr()]
+    assert (len(fp8_x), len(bf16_x)) == ((0, 1) if frozen_w13 else (1, 0))
+    y.backward(grad)
+    _, full = run(experts, (x, w1, w3, w2, offs), grad)
+    for t, g in zip(leaves, full):
+        assert t.grad is None if not t.requires_grad else torch.equal(t.grad, g)
+
+
 @pytest.mark.parametrize("needs", [(3,), (0,), (1,), (1, 2), (0, 3)])
 def test_partial_gradients(needs):
     """Only some inputs require grad (frozen experts, a frozen input): the gradients that

@@ -136,6 +136,24 @@ def test_unaligned_groups_match_explicit_padding(device):
         torch.testing.assert_close(fused, explicit, rtol=2**-7, atol=1e-5)  # one bf16 ulp
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("needs_b", [True, False])
+def test_saves_fp8_a_instead_of_a(device, needs_b):
+    # fp8_rowwise makes A's weight-gradient operand with its forward one (one read) and
+    # saves it instead of A when B needs a gradient; otherwise A is kept as before.
+    offs = make_offs([40, 0, 70], device)
+    a = randn((120, 64), torch.bfloat16, device).requires_grad_()
+    b_t = (randn((3, 64, 32), torch.bfloat16, device) * 0.02).requires_grad_(needs_b)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        out = moe_fp8_ext.grouped_mm(a, b_t, offs)
+    fp8_a = [t for t in saved if t.dtype == F8 and t.shape == (moe_fp8_ext.padded_rows(120, 3, 16), 64)]
+    bf16_a = [t for t in saved if t.dtype == a.dtype and t.data_ptr() == a.data_ptr()]
+    assert (len(fp8_a), len(bf16_a)) == ((1, 0) if needs_b else (0, 1))
+    out.float().sum().backward()
+    assert a.grad is not None and (b_t.grad is not None) == needs_b
+
+
 def test_needs_only_weight_grad():
     offs = make_offs([32, 32], "cpu")
     a = randn((64, 32), torch.bfloat16)

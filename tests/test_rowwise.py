@@ -303,6 +303,142 @@ def test_quantize_experts_dual_cat_special_values(device, in_dtype):
     check_dual([w.transpose(1, 2), (w * 3).transpose(1, 2)], F8, True)
 
 
+# ---- rowwise + jagged colwise from one read (DESIGN §10) ------------------------------
+
+ROWWISE_JAGGED_DUAL_CASES = [  # (M, D, G, tail rows past offs[-1], alignment)
+    (300, 72, 4, 0, 16),  # a partial column tile
+    (1000, 256, 7, 33, 16),  # tail rows (rowwise only)
+    (777, 136, 1, 0, 16),  # G = 1, an odd group end
+    (2048, 64, 64, 0, 16),  # many small groups
+    (513, 1040, 3, 5, 32),  # rows over nine column tiles, alignment 32
+    (200, 48, 300, 0, 16),  # more groups than rows: most empty
+    (0, 16, 3, 0, 16),  # no rows
+    (64, 0, 2, 0, 16),  # no columns
+    (96, 24, 0, 0, 16),  # no groups
+]
+
+
+def _dual_layouts(m, d, dtype, device):
+    """Row-major; rows strided by d + 8 elements (what the kernel takes); column-major
+    (the two ops)."""
+    yield randn((m, d), dtype, device)
+    yield randn((m, d + 8), dtype, device)[:, :d]
+    yield randn((d, m), dtype, device).t()
+
+
+def check_rowwise_jagged_dual(x, offs, fp8_dtype, pow2, alignment, padded=True):
+    starts = None
+    if padded:
+        starts, _ = moe_fp8_ext.padded_group_offsets(offs, x.shape[0], alignment)
+    poison(x.device.type)
+    out = moe_fp8_ext.quantize_rowwise_jagged_dual(x, offs, fp8_dtype, pow2, starts, alignment)
+    xc, oc = x.cpu(), offs.cpu()
+    check(out[:2], ref.quantize_rowwise(xc, fp8_dtype, pow2))
+    if padded:
+        check(out[2:], ref.quantize_jagged_colwise_padded(xc, oc, alignment, fp8_dtype, pow2))
+    else:
+        check(out[2:], ref.quantize_jagged_colwise(xc, oc, fp8_dtype, pow2))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("in_dtype", IN_DTYPES)
+@pytest.mark.parametrize("fp8_dtype", FP8_DTYPES)
+@pytest.mark.parametrize("pow2", [True, False])
+@pytest.mark.parametrize("case", ROWWISE_JAGGED_DUAL_CASES)
+@pytest.mark.parametrize("budget", ["off", "default", "tight", "huge", "0"])
+def test_quantize_rowwise_jagged_dual(device, in_dtype, fp8_dtype, pow2, case, budget, monkeypatch):
+    # = (quantize_rowwise, quantize_jagged_colwise in the padded layout), bit for bit.
+    # On a GPU, with the one-read kernel switched on (MOE_FP8_ONE_READ_ACTIVATIONS=1),
+    # the 2-byte inputs with rows 16-byte aligned run it under an L2 budget that holds
+    # two mean groups: "default" (three fifths of L2), "tight" exactly two (lag 1: each
+    # group's second pass right after its first), "huge" any (the lag the grid wants);
+    # "off" (the default switch), "0" and the CPU run the two ops.
+    m, d, g, tail, alignment = case
+    if device == "cpu" and budget != "off":
+        pytest.skip("the budget only picks the GPU path")
+    if budget == "off":
+        monkeypatch.delenv("MOE_FP8_ONE_READ_ACTIVATIONS", raising=False)
+    else:
+        monkeypatch.setenv("MOE_FP8_ONE_READ_ACTIVATIONS", "1")
+    if budget in ("off", "default"):
+        monkeypatch.delenv("MOE_FP8_DUAL_L2_BYTES", raising=False)
+    else:
+        tight = 2 * -(-m // max(g, 1)) * d * 2
+        monkeypatch.setenv("MOE_FP8_DUAL_L2_BYTES", {"tight": str(tight), "huge": str(1 << 40), "0": "0"}[budget])
+    offs = random_offs(m, g, empty_frac=0.25, tail=tail).to(device)
+    for x in _dual_layouts(m, d, in_dtype, device):
+        check_rowwise_jagged_dual(x, offs, fp8_dtype, pow2, alignment)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_quantize_rowwise_jagged_dual_unpadded(device):
+    # Without padded_starts: the two ops (the kernel writes the padded layout only).
+    offs = random_offs(480, 5, alignment=16).to(device)
+    check_rowwise_jagged_dual(randn((480, 64), torch.bfloat16, device), offs, F8, True, 16, padded=False)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("in_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("budget", ["huge", "tight"])
+def test_quantize_rowwise_jagged_dual_special_values(device, in_dtype, budget, monkeypatch):
+    # NaN, +-Inf, a zero column inside a group, a zero row, -0: a row's amax and a
+    # (group, column) amax see them exactly as the single ops do.
+    monkeypatch.setenv("MOE_FP8_ONE_READ_ACTIVATIONS", "1")
+    monkeypatch.setenv("MOE_FP8_DUAL_L2_BYTES", str(1 << 40 if budget == "huge" else 2 * 100 * 200 * 2))
+    x = randn((500, 200), in_dtype, device)
+    offs = torch.tensor([90, 90, 260, 400], dtype=torch.int32, device=device)
+    x[5, 7] = float("nan")
+    x[100:260, 3] = 0.0
+    x[270, :] = -0.0
+    x[300, 100] = float("inf")
+    x[301, 101] = -float("inf")
+    x[450, 10] = float("nan")  # a tail row: its row scale only
+    check_rowwise_jagged_dual(x, offs, F8, True, 16)
+
+
+@requires_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(65536, 2048, 64), (16384, 5120, 16), (16384, 2048, 128)])
+def test_quantize_rowwise_jagged_dual_large(shape, monkeypatch):
+    # The benchmark shapes, skewed groups (some larger than the mean, re-read partly from
+    # DRAM: still the same bits).
+    monkeypatch.setenv("MOE_FP8_ONE_READ_ACTIVATIONS", "1")
+    m, d, g = shape
+    offs = random_offs(m, g, skew=1.0, empty_frac=0.1).cuda()
+    check_rowwise_jagged_dual(randn((m, d), torch.bfloat16, "cuda"), offs, F8, True, 16)
+
+
+@requires_cuda
+@pytest.mark.gpu
+def test_quantize_rowwise_jagged_dual_is_one_kernel(monkeypatch):
+    # Switched on, the one-read path really runs: one plan launch and one dual launch,
+    # no rows or cols kernel; by default, or with the budget at 0, the two ops' kernels.
+    x = randn((4096, 512), torch.bfloat16, "cuda")
+    offs = random_offs(4096, 16).cuda()
+    starts, _ = moe_fp8_ext.padded_group_offsets(offs, 4096, 16)
+
+    def kernels():
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            moe_fp8_ext.quantize_rowwise_jagged_dual(x, offs, F8, True, starts, 16)
+            torch.cuda.synchronize()
+        return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+    monkeypatch.delenv("MOE_FP8_DUAL_L2_BYTES", raising=False)
+    monkeypatch.delenv("MOE_FP8_ONE_READ_ACTIVATIONS", raising=False)
+    names = kernels()
+    assert not any("quantize_dual_kernel" in n for n in names), names
+    monkeypatch.setenv("MOE_FP8_ONE_READ_ACTIVATIONS", "1")
+    names = kernels()
+    assert any("quantize_dual_kernel" in n for n in names), names
+    assert not any("quantize_rows" in n or "quantize_cols" in n for n in names), names
+    monkeypatch.setenv("MOE_FP8_DUAL_L2_BYTES", "0")
+    names = kernels()
+    assert not any("quantize_dual_kernel" in n for n in names), names
+    monkeypatch.setenv("MOE_FP8_ONE_READ_ACTIVATIONS", "yes")
+    with pytest.raises(RuntimeError, match='expected MOE_FP8_ONE_READ_ACTIVATIONS to be "0" or "1", got "yes"'):
+        moe_fp8_ext.quantize_rowwise_jagged_dual(x, offs, F8, True, starts, 16)
+
+
 # ---- opcheck and torch.compile --------------------------------------------------------
 
 def _x(d):
@@ -315,6 +451,10 @@ def _w(d):
 
 def _offs(d):
     return torch.tensor([16, 16, 40, 64], dtype=torch.int32, device=d)
+
+
+def _starts(d):
+    return moe_fp8_ext.padded_group_offsets(_offs(d), 64, 16)[0]
 
 
 # (op name in torch.ops.moe_fp8, device -> args): schema, fake tensor and AOT dispatch
@@ -330,6 +470,8 @@ OPCHECK_CASES = [
     ("quantize_experts_dual_cat", lambda d: ([_w(d)[:, :, :16]], F8, False)),
     ("quantize_jagged_colwise", lambda d: (_x(d), _offs(d), F8, True)),
     ("quantize_jagged_colwise_dual", lambda d: (_x(d), _x(d)[:, :16], _offs(d), F8, True)),
+    ("quantize_rowwise_jagged_dual", lambda d: (_x(d), _offs(d), F8, True, _starts(d), 16)),
+    ("quantize_rowwise_jagged_dual", lambda d: (_x(d), _offs(d), F8, False)),
 ]
 
 
@@ -348,9 +490,11 @@ def test_compile_fullgraph(device):
         qb, sb = moe_fp8_ext.quantize_experts_bwd_cat([w, w * 2], F8)
         qd, sd, qe, se = moe_fp8_ext.quantize_experts_dual_cat([wt, wt * 2], F8)
         qg, sg, qx, sx = moe_fp8_ext.quantize_jagged_colwise_dual(a, a * 2, offs, F8)
+        starts, _ = moe_fp8_ext.padded_group_offsets(offs, a.shape[0], 16)
+        qr, sr, qj, sj = moe_fp8_ext.quantize_rowwise_jagged_dual(a * 3, offs, F8, True, starts, 16)
         # Some surrounding math so that the ops sit inside a real graph.
         return (qa.float() * sa, qw.float() * sw, sg + sx, qg.float().sum() + qx.float().sum(), qc.float() * sc,
-                qb.float() * sb, qd.float() * sd, qe.float() * se)
+                qb.float() * sb, qd.float() * sd, qe.float() * se, qr.float() * sr, qj.float().sum() + sj.sum())
 
     a = randn((64, 48), torch.bfloat16, device)
     w = randn((3, 32, 48), torch.bfloat16, device)
@@ -471,22 +615,53 @@ def test_dual_repeated(e, k, ns, monkeypatch):
     # the same blocks back from the allocator, shows any element it does not write.
     parts = [(randn((e, n, k), torch.bfloat16, "cuda") * (0.02 * (i + 1))).transpose(1, 2) for i, n in enumerate(ns)]
     parts[0][e // 2, 7, 3] = 1.0  # an outlier in one expert: its scales differ from the rest
-    want = [t.view(torch.uint8) if t.element_size() == 1 else t
-            for t in moe_fp8_ext.quantize_experts_fwd_cat(parts, F8) + moe_fp8_ext.quantize_experts_bwd_cat(parts, F8)]
+    want = moe_fp8_ext.quantize_experts_fwd_cat(parts, F8) + moe_fp8_ext.quantize_experts_bwd_cat(parts, F8)
     matrix = k * sum(ns) * 2
-    bad = []
     for budget in (2 * matrix, 3 * matrix, 8 * matrix, 1 << 50):
         monkeypatch.setenv("MOE_FP8_DUAL_L2_BYTES", str(budget))
         assert moe_fp8_ext.ops.dual_cat_reads_once(parts)
-        for rep in range(40):
-            got = moe_fp8_ext.quantize_experts_dual_cat(parts, F8)
+    check_repeated(lambda: moe_fp8_ext.quantize_experts_dual_cat(parts, F8), want,
+                   (2 * matrix, 3 * matrix, 8 * matrix, 1 << 50), 40, monkeypatch)
+
+
+def check_repeated(call, want, budgets, reps, monkeypatch):
+    """call() under each L2 budget, reps times, every output against want's bits, each
+    poisoned (0xFF) before it is freed."""
+    def raw(t):
+        return t.view(torch.uint8) if t.element_size() == 1 else t
+
+    want = [raw(t) for t in want]
+    bad = []
+    for budget in budgets:
+        monkeypatch.setenv("MOE_FP8_DUAL_L2_BYTES", str(budget))
+        for rep in range(reps):
+            got = call()
             for i, (g, w) in enumerate(zip(got, want)):
-                g = g.view(torch.uint8) if g.element_size() == 1 else g
-                if not torch.equal(g, w):
+                if not torch.equal(raw(g), w):
                     bad.append((budget, rep, i))
-                g.view(torch.uint8).fill_(0xFF)
+                raw(g).view(torch.uint8).fill_(0xFF)
             del got
     assert not bad, f"{len(bad)} mismatching outputs (budget, launch, output): {bad[:8]}"
+
+
+@requires_cuda
+@requires_dual_gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("m, d, g", [(20000, 1040, 40), (8192, 512, 130), (65536, 256, 8)])
+def test_rowwise_jagged_dual_repeated(m, d, g, monkeypatch):
+    # The one-read activation kernel's cross-block protocol (per-row and per-(group,
+    # column) amaxes by atomics, a counter per group, the plan's ticket table) under many
+    # launches: budgets from lag 1 to no limit, 30 launches each against the two ops'
+    # bits, outputs poisoned before they are freed (as test_dual_repeated).
+    x = randn((m, d), torch.bfloat16, "cuda")
+    offs = random_offs(m, g, skew=1.0, tail=m // 50).cuda()
+    starts, _ = moe_fp8_ext.padded_group_offsets(offs, m, 16)
+    monkeypatch.setenv("MOE_FP8_ONE_READ_ACTIVATIONS", "1")
+    want = moe_fp8_ext.quantize_rowwise(x, F8) + moe_fp8_ext.quantize_jagged_colwise(x, offs, F8, padded_starts=starts,
+                                                                                    alignment=16)
+    group = -(-m // g) * d * 2
+    check_repeated(lambda: moe_fp8_ext.quantize_rowwise_jagged_dual(x, offs, F8, True, starts, 16), want,
+                   (2 * group, 3 * group, 1 << 50), 30, monkeypatch)
 
 
 @requires_cuda

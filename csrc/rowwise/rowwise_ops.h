@@ -52,6 +52,13 @@ std::tuple<at::Tensor, at::Tensor> quantize_jagged_colwise(const QuantKernels& k
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_jagged_colwise_dual(
     const QuantKernels& k, const at::Tensor& x1, const at::Tensor& x2, const at::Tensor& offs,
     at::ScalarType fp8_dtype, bool pow2_scale, const std::optional<at::Tensor>& padded_starts, int64_t alignment);
+// (quantize_rowwise(x), quantize_jagged_colwise(x, offs, ...)) bit for bit: the
+// operands of a token-grouped tensor's forward or dgrad GEMM and of its weight-gradient
+// GEMM, from one read where the device has the jagged dual kernel (the padded layout,
+// DESIGN §10), else the two ops.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_rowwise_jagged_dual(
+    const QuantKernels& k, const at::Tensor& x, const at::Tensor& offs, at::ScalarType fp8_dtype, bool pow2_scale,
+    const std::optional<at::Tensor>& padded_starts, int64_t alignment);
 
 // Binds one device's runners to the ops and registers them for that device's
 // dispatch key.
@@ -85,6 +92,11 @@ struct RowwiseOn {
       const std::optional<at::Tensor>& starts, int64_t align) {
     return quantize_jagged_colwise_dual(K, x1, x2, offs, t, pow2, starts, align);
   }
+  static std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> rowwise_jagged_dual(
+      const at::Tensor& x, const at::Tensor& offs, at::ScalarType t, bool pow2, const std::optional<at::Tensor>& starts,
+      int64_t align) {
+    return quantize_rowwise_jagged_dual(K, x, offs, t, pow2, starts, align);
+  }
   static void register_impls(torch::Library& m) {
     m.impl("quantize_rowwise", TORCH_FN(rowwise));
     m.impl("quantize_experts_fwd", TORCH_FN(experts_fwd));
@@ -94,6 +106,7 @@ struct RowwiseOn {
     m.impl("quantize_experts_bwd", TORCH_FN(experts_bwd));
     m.impl("quantize_jagged_colwise", TORCH_FN(jagged));
     m.impl("quantize_jagged_colwise_dual", TORCH_FN(jagged_dual));
+    m.impl("quantize_rowwise_jagged_dual", TORCH_FN(rowwise_jagged_dual));
   }
 };
 
