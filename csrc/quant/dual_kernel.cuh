@@ -89,14 +89,6 @@ MOE_FP8_DEVICE uint2 dual_pack8(const float (&f)[8], float s) {
 
 constexpr int kDualStageBytes = kDualTile * kDualTile * 2;  // one 2-byte input tile
 constexpr int kDualSmemBytes = 2 * kDualStageBytes + kDualTile * kDualTile;  // two stages, the q_cols tile
-// The kernel's static shared memory (s_colmax, s_enc, s_ticket below): with the dynamic
-// part, what a device must give one block (dual_smem_ok).
-constexpr int kDualStaticSmemBytes = 16 * (kDualThreads / 32) * (kDualTile / 4) + 16 * 2 * (kDualTile / 4) + 4 * 3;
-
-inline bool dual_smem_ok(int device) {
-  return max_dynamic_smem_per_block(device) >= kDualSmemBytes + kDualStaticSmemBytes;
-}
-
 // One tile of one pass, resolved from its ticket by a schedule (below): where its input
 // rows are, which outputs and amax words it owns, and what it waits for. Indices are
 // tile-local: input row i (< nr) is row r0 + i of the schedule's row space, column j
@@ -123,6 +115,16 @@ struct DualJob {
   int64_t q_cols_stride;
   MOE_FP8_DEVICE const uint16_t* row(int i) const { return i < split ? x_lo + i * sr_lo : x_hi + (i - split) * sr_hi; }
 };
+
+// The kernel's static shared memory (s_colmax, s_enc, s_ticket, s_job below; the
+// weight schedule's s_job is one entry, the jagged one's three): with the dynamic part,
+// what a device must give one block (dual_smem_ok).
+constexpr int kDualStaticSmemBytes = 16 * (kDualThreads / 32) * (kDualTile / 4) + 16 * 2 * (kDualTile / 4) + 4 * 3 +
+                                     3 * static_cast<int>(sizeof(DualJob));
+
+inline bool dual_smem_ok(int device) {
+  return max_dynamic_smem_per_block(device) >= kDualSmemBytes + kDualStaticSmemBytes;
+}
 
 // The input tile of a job into a stage ([128 rows][256 bytes]), with asynchronous
 // copies (zeros past the valid rows and columns).

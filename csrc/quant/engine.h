@@ -300,7 +300,9 @@ inline bool dual_jagged_ok(const DualJaggedArgs& a, int elem_size, int64_t l2_bu
   if (elem_size != 2 || a.rows <= 0 || a.cols <= 0 || a.groups <= 0 || a.padded_starts == nullptr) return false;
   if (a.cols % 8 != 0 || a.x_sr % 8 != 0 || reinterpret_cast<uintptr_t>(a.x) % 16 != 0) return false;
   if (a.alignment % 16 != 0 || a.padded_rows % 16 != 0) return false;
-  if (a.rows >= INT32_MAX || a.padded_rows >= INT32_MAX) return false;  // set rows in int32
+  // Set rows in int32, and a tile's first row (a set's start plus its q_cols rows,
+  // whatever offs and padded_starts hold) too.
+  if (a.rows + a.padded_rows >= INT32_MAX) return false;
   if (2 * ceil_div(a.rows, a.groups) * a.cols * 2 > l2_budget) return false;
   const int64_t tiles_c = ceil_div(a.cols, 128);
   const int64_t row_tiles = (a.rows + a.groups * a.alignment) / 128 + a.groups + 1 +
