@@ -19,7 +19,7 @@ rounding) it:
   GEMM and the per-group colwise one of the weight gradient, in the padded layout. By
   default that is the two quantizations; ``MOE_FP8_ONE_READ_ACTIVATIONS=1`` makes both
   from one DRAM read where a mean token group fits the L2 budget, which on the H100
-  measured 0.89-0.93x the two ops' speed (bench/RESULTS.md), hence off;
+  measured 0.87-0.93x the two ops' speed (bench/RESULTS.md), hence off;
 - saves less for backward: x's fp8 weight-gradient operand (M·D bytes and a (G, D)
   scale; x itself where the recipe cannot, or W1/W3 need no gradient) and the W13
   output h13 (bf16), nothing else. h = silu(h1)·h3 is recomputed from h13 in backward

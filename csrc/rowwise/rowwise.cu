@@ -35,7 +35,7 @@ int64_t dual_budget(int device) {
 
 // The L2 budget of the jagged dual kernel (an activation's rowwise and per-group colwise
 // fp8 from one read): dual_budget where MOE_FP8_ONE_READ_ACTIVATIONS is "1", else 0 (the
-// two ops, the same bits). Off by default: on the H100 it measured 0.89-0.93x the two
+// two ops, the same bits). Off by default: on the H100 it measured 0.87-0.93x the two
 // ops' speed (bench/RESULTS.md).
 int64_t dual_jagged_budget(int device) {
   const char* v = std::getenv("MOE_FP8_ONE_READ_ACTIVATIONS");
