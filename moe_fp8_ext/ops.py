@@ -155,11 +155,15 @@ def quantize_rowwise(x: Tensor, fp8_dtype: Optional[torch.dtype] = None, pow2_sc
     return _ops.quantize_rowwise(x, _dtype(fp8_dtype, x), pow2_scale)
 
 
+def _rowwise_outputs(x, fp8_dtype):
+    m, k = x.shape
+    return x.new_empty((m, k), dtype=fp8_dtype), x.new_empty((m, 1), dtype=torch.float32)
+
+
 @torch.library.register_fake("moe_fp8::quantize_rowwise")
 def _(x, fp8_dtype, pow2_scale=True):
     check_quantize_rowwise(x, fp8_dtype)
-    m, k = x.shape
-    return x.new_empty((m, k), dtype=fp8_dtype), x.new_empty((m, 1), dtype=torch.float32)
+    return _rowwise_outputs(x, fp8_dtype)
 
 
 MAX_EXPERTS_COLS = 65535  # experts of the "cols" shape: one grid dimension
@@ -453,12 +457,14 @@ def quantize_rowwise_jagged_dual(
     the operand of a token-grouped tensor's forward (or dgrad) GEMM and its operand of
     the weight-gradient GEMM, ``(q_rows, scale_rows, q_cols, scale_cols)``.
 
-    On a GPU that has the kernel (CUDA; DESIGN §10) and with ``padded_starts`` (the
-    padded layout the recipes use), both come from ONE read of ``x``: each group is
-    read from DRAM once for its amaxes and again, from L2, for both outputs, so it
-    needs a mean group (M/G rows) whose bf16 bytes fit twice in the L2 budget of
+    By default this runs the two ops. With ``MOE_FP8_ONE_READ_ACTIVATIONS=1``, on a GPU
+    that has the kernel (CUDA; DESIGN §10) and with ``padded_starts`` (the padded
+    layout the recipes use), both come from ONE read of ``x``: each group is read from
+    DRAM once for its amaxes and again, from L2, for both outputs, so it needs a mean
+    group (M/G rows) whose bf16 bytes fit twice in the L2 budget of
     ``MOE_FP8_DUAL_L2_BYTES``; larger groups, fp32 input, or no padded layout run the
-    two ops (the same bits).
+    two ops (the same bits). Off by default: on the H100 it measured 0.87-0.93x the
+    two ops' speed (bench/RESULTS.md).
     """
     check_quantize_rowwise_jagged_dual(x, offs, fp8_dtype, padded_starts, alignment)
     return _ops.quantize_rowwise_jagged_dual(x, offs, _dtype(fp8_dtype, x), pow2_scale, padded_starts, alignment)
@@ -467,9 +473,7 @@ def quantize_rowwise_jagged_dual(
 @torch.library.register_fake("moe_fp8::quantize_rowwise_jagged_dual")
 def _(x, offs, fp8_dtype, pow2_scale=True, padded_starts=None, alignment=16):
     rows = check_quantize_rowwise_jagged_dual(x, offs, fp8_dtype, padded_starts, alignment)
-    m, k = x.shape
-    q_cols, s_cols = _jagged_outputs(x, offs, fp8_dtype, rows)
-    return x.new_empty((m, k), dtype=fp8_dtype), x.new_empty((m, 1), dtype=torch.float32), q_cols, s_cols
+    return (*_rowwise_outputs(x, fp8_dtype), *_jagged_outputs(x, offs, fp8_dtype, rows))
 
 
 # ---- token groups (DESIGN §8) ----------------------------------------------------------

@@ -48,6 +48,9 @@ def main():
         print("check_sass: no cuobjdump (CUDA toolkit or triton): skipped")
         return 0
     sass = subprocess.run([tool, "-sass", lib], capture_output=True, text=True).stdout
+    if not sass:
+        print(f"check_sass: {tool} printed no SASS for {lib}")
+        return 1
     bad, kernel = {}, None
     odd = re.compile(r"desc\[UR(\d+)\]")
     for line in sass.splitlines():
@@ -56,9 +59,6 @@ def main():
         for m in odd.finditer(line):
             if int(m.group(1)) % 2:
                 bad.setdefault(kernel, line.strip())
-    if not sass:
-        print(f"check_sass: {tool} printed no SASS for {lib}")
-        return 1
     for k, line in bad.items():
         print(f"check_sass: odd descriptor register in {k}:\n    {line}")
     print(f"check_sass: {len(bad)} kernel(s) with an odd descriptor register in {lib}")

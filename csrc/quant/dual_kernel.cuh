@@ -102,9 +102,8 @@ struct DualJob {
   int nr, nc, nq;           // valid input rows, columns; q_cols rows to write (>= nr: zero rows past nr)
   uint32_t need;            // first-pass tiles of the tile's set (expert or group)
   uint32_t* done;           // that set's counter of finished first-pass tiles
-  const uint16_t* x_lo;     // element (i, 0) at x_lo + i * sr_lo for i < split, else
-  const uint16_t* x_hi;     //   x_hi + (i - split) * sr_hi
-  int64_t sr_lo, sr_hi, split;
+  const uint16_t* x;        // element (i, 0) at x + i * sr: for dual_issue (the weight
+  int64_t sr;               //   schedule issues its copies itself and leaves them unset)
   uint32_t* amax_rows;      // of row i at [i]
   uint32_t* amax_cols;      // of column j at [j]
   float* s_rows;            // [i]
@@ -113,7 +112,6 @@ struct DualJob {
   int64_t q_rows_stride;
   uint8_t* q_cols;          // (j, q row i) at q_cols + j * q_cols_stride + i
   int64_t q_cols_stride;
-  MOE_FP8_DEVICE const uint16_t* row(int i) const { return i < split ? x_lo + i * sr_lo : x_hi + (i - split) * sr_hi; }
 };
 
 // The kernel's static shared memory (s_colmax, s_enc, s_ticket, s_job below; the
@@ -140,7 +138,7 @@ MOE_FP8_DEVICE void dual_issue(const DualJob& j, uint8_t* stage, int rg, int cc)
     const int i = 8 * rg + k;
     uint8_t* dst = stage + i * (2 * kDualTile) + 16 * cc;
     if (i < j.nr && 8 * cc < j.nc) {
-      async_copy_16(dst, j.row(i) + 8 * cc);
+      async_copy_16(dst, j.x + i * j.sr + 8 * cc);
     } else {
       *reinterpret_cast<uint4*>(dst) = make_uint4(0u, 0u, 0u, 0u);  // not an input: never the amax
     }
@@ -441,15 +439,6 @@ struct DualExpertsSchedule {
     uint32_t* amax_rows = a.work;
     uint32_t* amax_cols = amax_rows + a.experts * a.rows;
     j.done = amax_cols + a.experts * a.cols + e;
-    // (no dynamic index into the parameter arrays: that makes a stack copy)
-    j.x_lo = static_cast<const uint16_t*>(a.x[0]) + e * a.x_se[0] + r0 * a.x_sr[0] + c0;
-    j.sr_lo = a.x_sr[0];
-    j.split = a.row_split - r0;
-    j.x_hi = a.row_split < a.rows ? static_cast<const uint16_t*>(a.x[1]) + e * a.x_se[1] + c0 +
-                                        (r0 > a.row_split ? (r0 - a.row_split) * a.x_sr[1] : 0)
-                                  : nullptr;
-    j.sr_hi = a.x_sr[1];
-    if (j.split < 0) j.split = 0;  // the whole tile in the second part: x_hi is its row 0
     j.amax_rows = amax_rows + e * a.rows + r0;
     j.amax_cols = amax_cols + e * a.cols + c0;
     j.s_rows = a.s_rows + e * a.rows + r0;
@@ -565,11 +554,8 @@ struct DualJaggedSchedule {
     j.nq = nq < 0 ? 0 : (nq > kDualTile ? kDualTile : nq);
     j.need = static_cast<uint32_t>(set_tiles()[s]);
     j.done = done() + s;
-    j.x_lo = static_cast<const uint16_t*>(a.x) + r0 * a.x_sr + c0;
-    j.x_hi = nullptr;
-    j.sr_lo = a.x_sr;
-    j.sr_hi = 0;
-    j.split = kDualTile;
+    j.x = static_cast<const uint16_t*>(a.x) + r0 * a.x_sr + c0;
+    j.sr = a.x_sr;
     j.amax_rows = amax_rows() + r0;
     j.amax_cols = amax_cols() + (tail ? 0 : s * a.cols) + c0;
     j.s_rows = a.s_rows + r0;
