@@ -100,6 +100,11 @@ TORCH_LIBRARY(moe_fp8, m) {
   m.def("blockwise_grouped_mm_2d3d(Tensor a, Tensor scale_a, Tensor b, Tensor scale_b, Tensor offs, ScalarType out_dtype) -> Tensor");
   m.def("blockwise_grouped_mm_2d2d(Tensor a, Tensor scale_a, Tensor b, Tensor scale_b, Tensor offs, ScalarType out_dtype) -> Tensor");
 
+  // ---- FP8 rowwise grouped GEMMs (DESIGN §5), Hopper: gemm/rowwise_grouped_sm90*.cu (CUDA only) -----
+  // config: -1 picks by shape; 0.. forces one (rowwise_grouped_sm90.cuh), for sweeps.
+  m.def("rowwise_grouped_mm_2d3d(Tensor a, Tensor scale_a, Tensor b, Tensor scale_b, Tensor offs, ScalarType out_dtype, int config=-1) -> Tensor");
+  m.def("rowwise_grouped_mm_2d2d(Tensor a, Tensor scale_a, Tensor b, Tensor scale_b, Tensor offs, ScalarType out_dtype, int config=-1) -> Tensor");
+
   // ---- token groups (DESIGN §8): sync-free padding and expert-parallel permutation -
   // impls: grouping/grouping_cpu.cpp (CPU) and grouping/grouping.cu (CUDA).
   m.def("pad_token_groups(Tensor x, Tensor offs, int alignment) -> (Tensor, Tensor, Tensor)");

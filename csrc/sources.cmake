@@ -39,4 +39,8 @@ set(MOE_FP8_SOURCE_TABLE
   "grouping/grouping.cu              GPU   cuda,hip"
   "swiglu/swiglu.cu                  GPU   cuda,hip"
   "gemm/blockwise_grouped_sm90.cu    GPU   90a    cutlass"
+  "gemm/rowwise_grouped_sm90.cu          GPU   90a    cutlass"
+  "gemm/rowwise_grouped_sm90_cfg0.cu     GPU   90a    cutlass"
+  "gemm/rowwise_grouped_sm90_cfg1.cu     GPU   90a    cutlass"
+  "gemm/rowwise_grouped_sm90_cfg2.cu     GPU   90a    cutlass"
 )

@@ -17,6 +17,7 @@ if importlib.util.find_spec(__name__ + "._C") is None:
     )
 from . import _C  # noqa: F401,E402  (registers torch.ops.moe_fp8.*)
 from . import blockwise_gemm  # noqa: F401,E402  (the GEMMs' fakes, for torch.compile)
+from . import rowwise_gemm  # noqa: F401,E402
 from .blockwise import (
     quantize_blockwise_act_lhs,
     quantize_blockwise_act_rhs,

@@ -29,6 +29,7 @@ from torch import Tensor
 from . import blockwise as _bw
 from . import mxfp8 as _mx
 from . import ops
+from . import rowwise_gemm as _rowwise_gemm
 from . import swiglu as _sw
 from .mxfp8 import MX_BLOCK
 from .platform import default_fp8_dtype
@@ -414,12 +415,16 @@ class Fp8Rowwise(Recipe):
     def mm_2d3d(self, lhs, rhs, offs, out_dtype, backend):
         (qa, sa), (qb, sb) = lhs, rhs
         if backend == "fp8_gemm":
+            if out_dtype == torch.bfloat16 and _rowwise_gemm.in_use(qa):
+                return torch.ops.moe_fp8.rowwise_grouped_mm_2d3d(qa, sa, qb, sb, offs, out_dtype)
             return scaled_grouped_mm_rowwise(qa, qb, sa, sb, offs, out_dtype)
         return emulated_grouped_mm_2d3d(qa.float() * sa[:, None], qb.float() * sb[:, None, :], offs).to(out_dtype)
 
     def mm_2d2d(self, grad_t, a, offs, out_dtype, backend):
         (qg_t, sg), (qa, sa) = grad_t, a  # (N, M), (E, N); (M, K), (E, K)
         if backend == "fp8_gemm":
+            if out_dtype == torch.bfloat16 and _rowwise_gemm.in_use(qa):
+                return torch.ops.moe_fp8.rowwise_grouped_mm_2d2d(qg_t, sg, qa, sa, offs, out_dtype)
             return scaled_grouped_mm_rowwise(qg_t, qa, sg.reshape(-1), sa.reshape(-1), offs, out_dtype)
         g, _ = row_groups(offs, qa.shape[0])
         return emulated_grouped_mm_2d2d(qg_t.float() * sg[g].t(), qa.float() * sa[g], offs).to(out_dtype)

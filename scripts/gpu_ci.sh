@@ -94,8 +94,8 @@ fi
 case "$bench" in
   full) $PY bench/calibrate.py && $PY bench/bench_rowwise.py && $PY bench/bench_mxfp8.py && $PY bench/bench_blockwise.py &&
         $PY bench/bench_blockwise_gemm.py && $PY bench/bench_grouped_mm.py && $PY bench/bench_grouped_mm.py --recipes &&
-        $PY bench/bench_swiglu.py && $PY bench/bench_experts.py && $PY bench/bench_gemms.py && $PY bench/bench_host.py && $PY bench/bench_token_groups.py ;;
+        $PY bench/bench_swiglu.py && $PY bench/bench_experts.py && $PY bench/bench_gemms.py && $PY bench/bench_rowwise_gemm.py && $PY bench/bench_host.py && $PY bench/bench_token_groups.py ;;
   quick) $PY bench/bench_rowwise.py --quick && $PY bench/bench_mxfp8.py --quick && $PY bench/bench_blockwise.py --quick &&
          $PY bench/bench_blockwise_gemm.py --quick && $PY bench/bench_grouped_mm.py --quick &&
-         $PY bench/bench_swiglu.py && $PY bench/bench_experts.py --quick && $PY bench/bench_gemms.py --quick && $PY bench/bench_token_groups.py --quick ;;
+         $PY bench/bench_swiglu.py && $PY bench/bench_experts.py --quick && $PY bench/bench_gemms.py --quick && $PY bench/bench_rowwise_gemm.py --quick && $PY bench/bench_token_groups.py --quick ;;
 esac

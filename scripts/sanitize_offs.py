@@ -118,6 +118,22 @@ if blockwise_gemm.available():
         qg, sg = moe_fp8_ext.quantize_blockwise_act_transposed_lhs(g, e4)
         qx, sx = moe_fp8_ext.quantize_blockwise_act_rhs(torch.randn(1024, 96, device="cuda", dtype=torch.bfloat16), e4)
         attempt(blockwise_gemm.blockwise_grouped_mm_2d2d, qg, sg, qx, sx, o, torch.bfloat16)
+# Our rowwise grouped GEMMs (sm90 only), the same garbage offs: clamped groups; a wgrad
+# group not starting at a multiple of 16 is treated as empty.
+from moe_fp8_ext import rowwise_gemm  # noqa: E402
+
+if rowwise_gemm.available():
+    e4 = torch.float8_e4m3fn
+    qa = torch.randn(1024, 96, device="cuda").to(e4)
+    for offs in ([700, -5, 100, 2**31 - 1, 30, -2**31], [1000 * 3] * 3, [-1] * 5, [960, 32, 1000, 0, 7, 128]):
+        o = torch.tensor(offs, dtype=torch.int32, device="cuda")
+        e = o.numel()
+        qb = torch.randn(e, 64, 96, device="cuda").to(e4).transpose(1, 2)
+        sa, sb = torch.rand(1024, device="cuda"), torch.rand(e, 64, device="cuda")
+        for config in (-1, 0, 3, 5):
+            attempt(rowwise_gemm.rowwise_grouped_mm_2d3d, qa, sa, qb, sb, o, torch.bfloat16, config)
+            attempt(rowwise_gemm.rowwise_grouped_mm_2d2d, torch.randn(64, 1024, device="cuda").to(e4), sb,
+                    qa.t().contiguous().t(), torch.rand(e, 96, device="cuda"), o, torch.bfloat16, config)
 print("sanitize_offs: MXFP8/blockwise/swizzle calls refused with a clear error:", dict(refused))
 torch.cuda.synchronize()
 

@@ -60,6 +60,7 @@
 #include "cutlass/gemm/kernel/gemm_universal.hpp"
 #pragma nv_diagnostic pop
 
+#include "grouped_gemm_common.h"
 #include "scale_layouts_from_args.cuh"
 
 // The CUTLASS kernels need nvcc 12.3+ (Hopper TMA descriptor updates on the device).
@@ -74,15 +75,7 @@ namespace {
 
 constexpr int64_t kBlock = 128;  // the recipe's block: 1x128 activations, 128x128 weights
 
-// A device attribute (a host query, no sync; ATen's CUDAContext would pull in cuSPARSE headers).
-int device_attr(cudaDeviceAttr attr, int device) {
-  int v = 0;
-  const cudaError_t err = cudaDeviceGetAttribute(&v, attr, device);
-  TORCH_CHECK(err == cudaSuccess, "moe_fp8: cudaDeviceGetAttribute failed: ", cudaGetErrorString(err));
-  return v;
-}
-
-int sm_count(int device) { return device_attr(cudaDevAttrMultiProcessorCount, device); }
+using namespace gemm_common;  // NOLINT: the shared checks and helpers
 
 #if MOE_FP8_BW_GEMM_SM90
 
@@ -188,13 +181,6 @@ GroupTables<G> carve_tables(at::Tensor& storage, int64_t groups, const at::Tenso
   take(t.layout_sfa, 9);
   take(t.layout_sfb, 10);
   return t;
-}
-
-// Zero elements [begin, end) of a bf16 buffer, 8 at a time (16-byte stores: every
-// range starts and ends at a multiple of 8 elements), strided over `threads` threads.
-__device__ __forceinline__ void zero_bf16(void* base, int64_t begin, int64_t end, int64_t thread, int64_t threads) {
-  uint4* v = static_cast<uint4*>(base);
-  for (int64_t i = begin / 8 + thread; i < end / 8; i += threads) v[i] = make_uint4(0, 0, 0, 0);
 }
 
 // ---- 2d3d tables: group g is rows [s, e) of a and out, expert g of b ----------------------
@@ -383,17 +369,7 @@ void launch_2d2d(Args2d2d p, const at::Tensor& like, const GpuLaunch& gpu, const
 
 // ---- the ops -----------------------------------------------------------------------------
 
-void check_hopper(const at::Tensor& a, const char* op) {
-  const int device = a.device().index();
-  const int major = device_attr(cudaDevAttrComputeCapabilityMajor, device);
-  const int minor = device_attr(cudaDevAttrComputeCapabilityMinor, device);
-  TORCH_CHECK(major == 9 && minor == 0, op,
-              ": expected a GPU of compute capability 9.0 (Hopper, sm_90a; the kernel is built for it only), got ",
-              major, ".", minor);
-#if !MOE_FP8_BW_GEMM_SM90
-  TORCH_CHECK(false, op, ": expected a build with the CUTLASS sm_90a kernels, got one without (nvcc too old)");
-#endif
-}
+void check_hopper(const at::Tensor& a, const char* op) { gemm_common::check_hopper(a, op, MOE_FP8_BW_GEMM_SM90); }
 
 void check_common(const char* op, const at::Tensor& a, const at::Tensor& scale_a, const at::Tensor& b,
                   const at::Tensor& scale_b, const at::Tensor& offs, int64_t b_rank, at::ScalarType out_dtype) {
@@ -414,32 +390,7 @@ void check_common(const char* op, const at::Tensor& a, const at::Tensor& scale_a
   TORCH_CHECK(out_dtype == at::kBFloat16, op, ": expected out_dtype bfloat16, got ", out_dtype);
 }
 
-void check_shape(const char* op, const char* name, const at::Tensor& t, c10::IntArrayRef expected) {
-  TORCH_CHECK(t.sizes() == expected, op, ": expected ", name, " of shape ", expected, ", got ", t.sizes());
-}
-
-// The stride of dim d, or `fallback` where it does not matter: dim d has one element,
-// or the tensor none.
-int64_t stride_or(const at::Tensor& t, int64_t d, int64_t fallback) {
-  return t.size(d) > 1 && t.numel() > 0 ? t.stride(d) : fallback;
-}
-
-void check_unit_stride(const char* op, const char* name, const at::Tensor& t, int64_t d, const char* layout) {
-  TORCH_CHECK(t.size(d) <= 1 || t.stride(d) == 1, op, ": expected ", name, " ", layout, " (stride(", d,
-              ") == 1), got strides ", t.strides());
-}
-
-void check_ld(const char* op, const char* what, int64_t ld, int64_t min, int64_t multiple) {
-  TORCH_CHECK(ld >= min && ld % multiple == 0, op, ": expected ", what, " to be at least ", min,
-              " and a multiple of ", multiple, " (16-byte rows for TMA), got ", ld);
-}
-
 void check_int32(const char* op, const char* what, int64_t v) { check_fits_int32(v, op, what); }
-
-void check_aligned(const char* op, const char* name, const at::Tensor& t) {
-  TORCH_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0, op, ": expected ", name,
-              " to start at a 16-byte aligned address (TMA), got storage offset ", t.storage_offset());
-}
 
 at::Tensor blockwise_grouped_mm_2d3d(const at::Tensor& a, const at::Tensor& scale_a, const at::Tensor& b,
                                      const at::Tensor& scale_b, const at::Tensor& offs, at::ScalarType out_dtype) {

@@ -1,0 +1,188 @@
+"""FP8 rowwise grouped GEMMs for Hopper (DESIGN §5): our CUTLASS kernels
+(csrc/gemm/rowwise_grouped_sm90*.cu) in place of ``torch._scaled_grouped_mm`` for the
+fp8_rowwise recipe. The same operands and math as PyTorch's kernel (fp8 e4m3 with fast
+accumulation, ``out = bf16((acc * scale_a) * scale_b)``), with a CUTLASS configuration
+picked per GEMM shape where PyTorch's kernel has one fixed heuristic; per-group sizes and
+pointers built on the GPU from ``offs`` (no host sync; CUDA-graph capturable).
+
+* :func:`rowwise_grouped_mm_2d3d` (forward, dgrad): ``out[rows of g] = (a[rows of g] *
+  scale_a[rows]) @ (b[g] * scale_b[g])``; a (M, K) float8_e4m3fn row-major, scale_a
+  (M,), b (E, K, N) float8_e4m3fn column-major per expert, scale_b (E, N); any group
+  sizes; rows past ``offs[-1]`` come out zero.
+* :func:`rowwise_grouped_mm_2d2d` (wgrad): ``out[g] = (a[:, tokens of g] * scale_a[g]) @
+  (b[tokens of g, :] * scale_b[g])``; a (N, M) row-major, scale_a (E, N), b (M, K)
+  column-major, scale_b (E, K); every non-empty group starts at a multiple of 16 tokens
+  (the padded layout of DESIGN §3); an empty group gives zeros.
+
+The recipe calls them where :func:`in_use` says so: a Hopper GPU (compute capability
+9.0) of a build with the sm_90a kernels, unless ``MOE_FP8_ROWWISE_GEMM=torch`` (then
+PyTorch's kernel, as before). Their fakes (below) let them trace under
+``torch.compile(fullgraph=True)``.
+"""
+
+import functools
+import os
+
+import torch
+from torch import Tensor
+
+from .blockwise_gemm import _check_int32, _check_ld, _check_shape, _check_unit_stride, _stride_or
+from .ops import INT32_MAX, _dtype_name, check_index, check_same_device, check_tensor
+
+_ops = torch.ops.moe_fp8
+OP_2D3D = "rowwise_grouped_mm_2d3d"
+OP_2D2D = "rowwise_grouped_mm_2d2d"
+CONFIGS = 6  # csrc/gemm/rowwise_grouped_sm90.cuh: MOE_FP8_RW_CONFIGS
+
+
+@functools.lru_cache(maxsize=None)
+def _built() -> bool:
+    return torch._C._dispatch_has_kernel_for_dispatch_key(f"moe_fp8::{OP_2D3D}", "CUDA")
+
+
+# A constant for torch.compile (dynamo cannot trace the dispatcher query; the answer
+# never changes in a process): the kernels are built and CUDA device `index` is a Hopper.
+@torch.compiler.assume_constant_result
+def _built_for(index: int) -> bool:
+    return _built() and torch.cuda.get_device_capability(index) == (9, 0)
+
+
+def available(device=None) -> bool:
+    """Whether our rowwise grouped GEMMs run on ``device`` (default: the current CUDA
+    device): an NVIDIA GPU of compute capability (9, 0) and a build with the sm_90a kernels."""
+    if torch.version.hip or not torch.cuda.is_available():
+        return False
+    dev = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
+    if dev.type != "cuda":
+        return False
+    return _built_for(dev.index if dev.index is not None else torch.cuda.current_device())
+
+
+def in_use(a: Tensor) -> bool:
+    """Whether the fp8_rowwise recipe runs its GEMMs on these kernels for operand ``a``:
+    :func:`available` on its device, e4m3fn, and not switched off
+    (``MOE_FP8_ROWWISE_GEMM=torch``; read at each call, a constant under torch.compile)."""
+    if os.environ.get("MOE_FP8_ROWWISE_GEMM", "") == "torch":
+        return False
+    return a.dtype == torch.float8_e4m3fn and a.device.type == "cuda" and available(a.device)
+
+
+def _check_common(op, a, scale_a, b, scale_b, offs, b_rank, out_dtype, config):
+    check_tensor(op, "a", a, dim=2)
+    check_tensor(op, "b", b, dim=b_rank)
+    check_tensor(op, "a", a, dtype=torch.float8_e4m3fn)
+    check_tensor(op, "b", b, dtype=torch.float8_e4m3fn)
+    check_tensor(op, "scale_a", scale_a, dtype=torch.float32)
+    check_tensor(op, "scale_b", scale_b, dtype=torch.float32)
+    check_index(op, "offs", offs)
+    check_same_device(op, "a", a, scale_a=scale_a, b=b, scale_b=scale_b, offs=offs)
+    if offs.numel() > INT32_MAX:
+        raise RuntimeError(f"{op}: expected at most 2^31-1 groups in offs, got {offs.numel()}")
+    if not isinstance(out_dtype, torch.dtype):
+        raise TypeError(f"{op}: expected out_dtype to be a torch.dtype, got {type(out_dtype).__name__}")
+    if out_dtype != torch.bfloat16:
+        raise RuntimeError(f"{op}: expected out_dtype bfloat16, got {_dtype_name(out_dtype)}")
+    if not isinstance(config, int) or not -1 <= config < CONFIGS:
+        raise RuntimeError(f"{op}: expected config -1 (the pick by shape) or in [0, {CONFIGS}), got {config}")
+
+
+def check_rowwise_grouped_mm_2d3d(a, scale_a, b, scale_b, offs, out_dtype, config=-1):
+    """The checks of :func:`rowwise_grouped_mm_2d3d` (those of the C++ op, in its
+    order); returns (M, N)."""
+    op = OP_2D3D
+    _check_common(op, a, scale_a, b, scale_b, offs, 3, out_dtype, config)
+    m, k = a.shape
+    e, n = b.shape[0], b.shape[2]
+    if b.shape[1] != k:
+        raise RuntimeError(f"{op}: expected b of shape (E, K, N) with K = {k} (the columns of a), got {list(b.shape)}")
+    _check_shape(op, "scale_a", scale_a, (m,))
+    _check_shape(op, "scale_b", scale_b, (e, n))
+    if offs.numel() != e:
+        raise RuntimeError(f"{op}: expected offs of shape ({e},) (one group per expert of b), got ({offs.numel()},)")
+    _check_unit_stride(op, "a", a, 1, "row-major")
+    _check_unit_stride(op, "scale_a", scale_a, 0, "contiguous")
+    _check_unit_stride(op, "b", b, 1, "column-major per expert")
+    _check_unit_stride(op, "scale_b", scale_b, 1, "row-major")
+    if k % 16:
+        raise RuntimeError(f"{op}: expected K (the columns of a) to be a multiple of 16 (16-byte rows for TMA), got {k}")
+    if n % 8:
+        raise RuntimeError(f"{op}: expected N (the columns of b) to be a multiple of 8 (16-byte bf16 output rows), "
+                           f"got {n}")
+    _check_ld(op, "a.stride(0)", _stride_or(a, 0, k), k, 16)
+    _check_ld(op, "b.stride(2)", _stride_or(b, 2, k), k, 16)
+    sbe = _stride_or(b, 0, 0)
+    if sbe % 16:
+        raise RuntimeError(f"{op}: expected b.stride(0) to be a multiple of 16 (16-byte aligned experts), got {sbe}")
+    _check_int32(op, "M", m)
+    _check_int32(op, "N", n)
+    _check_int32(op, "K", k)
+    return m, n
+
+
+def check_rowwise_grouped_mm_2d2d(a, scale_a, b, scale_b, offs, out_dtype, config=-1):
+    """The checks of :func:`rowwise_grouped_mm_2d2d`; returns (E, N, K)."""
+    op = OP_2D2D
+    _check_common(op, a, scale_a, b, scale_b, offs, 2, out_dtype, config)
+    n, m = a.shape
+    k, e = b.shape[1], offs.numel()
+    if b.shape[0] != m:
+        raise RuntimeError(f"{op}: expected b of shape (M, K) with M = {m} (the columns of a), got {list(b.shape)}")
+    _check_shape(op, "scale_a", scale_a, (e, n))
+    _check_shape(op, "scale_b", scale_b, (e, k))
+    _check_unit_stride(op, "a", a, 1, "row-major")
+    _check_unit_stride(op, "b", b, 0, "column-major")
+    _check_unit_stride(op, "scale_a", scale_a, 1, "row-major")
+    _check_unit_stride(op, "scale_b", scale_b, 1, "row-major")
+    if k % 8:
+        raise RuntimeError(f"{op}: expected K (the columns of b) to be a multiple of 8 (16-byte bf16 output rows), "
+                           f"got {k}")
+    m16 = -(-m // 16) * 16
+    _check_ld(op, "a.stride(0)", _stride_or(a, 0, m16), m, 16)
+    _check_ld(op, "b.stride(1)", _stride_or(b, 1, m16), m, 16)
+    _check_int32(op, "M", m)
+    _check_int32(op, "N", n)
+    _check_int32(op, "K", k)
+    return e, n, k
+
+
+def _check_device(op, a):
+    if not available(a.device):
+        raise RuntimeError(
+            f"{op}: expected CUDA tensors on a GPU of compute capability 9.0 (Hopper) in a build with the sm_90a "
+            f"kernels (see moe_fp8_ext.rowwise_gemm.available), got device {a.device}")
+
+
+def rowwise_grouped_mm_2d3d(a: Tensor, scale_a: Tensor, b: Tensor, scale_b: Tensor, offs: Tensor,
+                            out_dtype: torch.dtype = torch.bfloat16, config: int = -1) -> Tensor:
+    """Grouped ``a @ b[g]`` over token groups of rows (forward and dgrad of a grouped
+    linear), FP8 with rowwise decode scales; returns out (M, N) bf16 row-major. Operands
+    as the fp8_rowwise recipe makes them (``quantize_rowwise``, ``quantize_experts_fwd``
+    / ``_bwd``); needs K % 16 == 0 and N % 8 == 0. ``config``: -1 picks by shape, 0..5
+    forces one (for sweeps)."""
+    check_rowwise_grouped_mm_2d3d(a, scale_a, b, scale_b, offs, out_dtype, config)
+    _check_device(OP_2D3D, a)
+    return _ops.rowwise_grouped_mm_2d3d(a, scale_a, b, scale_b, offs, out_dtype, config)
+
+
+@torch.library.register_fake("moe_fp8::rowwise_grouped_mm_2d3d")
+def _(a, scale_a, b, scale_b, offs, out_dtype, config=-1):
+    m, n = check_rowwise_grouped_mm_2d3d(a, scale_a, b, scale_b, offs, out_dtype, config)
+    return a.new_empty((m, n), dtype=torch.bfloat16)
+
+
+def rowwise_grouped_mm_2d2d(a: Tensor, scale_a: Tensor, b: Tensor, scale_b: Tensor, offs: Tensor,
+                            out_dtype: torch.dtype = torch.bfloat16, config: int = -1) -> Tensor:
+    """Grouped ``a[:, tokens of g] @ b[tokens of g, :]`` contracting over token groups
+    (the weight gradient of a grouped linear), FP8 with per-(group, row) and
+    per-(group, column) decode scales; returns out (E, N, K) bf16. Operands as the
+    fp8_rowwise recipe makes them (``quantize_jagged_colwise`` with ``padded_starts``);
+    needs K % 8 == 0 and 16-byte aligned rows of a and columns of b."""
+    check_rowwise_grouped_mm_2d2d(a, scale_a, b, scale_b, offs, out_dtype, config)
+    _check_device(OP_2D2D, a)
+    return _ops.rowwise_grouped_mm_2d2d(a, scale_a, b, scale_b, offs, out_dtype, config)
+
+
+@torch.library.register_fake("moe_fp8::rowwise_grouped_mm_2d2d")
+def _(a, scale_a, b, scale_b, offs, out_dtype, config=-1):
+    e, n, k = check_rowwise_grouped_mm_2d2d(a, scale_a, b, scale_b, offs, out_dtype, config)
+    return a.new_empty((e, n, k), dtype=torch.bfloat16)
