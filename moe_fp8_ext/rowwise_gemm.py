@@ -64,7 +64,7 @@ def in_use(a: Tensor) -> bool:
     (``MOE_FP8_ROWWISE_GEMM=torch``; read at each call, a constant under torch.compile)."""
     if os.environ.get("MOE_FP8_ROWWISE_GEMM", "") == "torch":
         return False
-    return a.dtype == torch.float8_e4m3fn and a.device.type == "cuda" and available(a.device)
+    return a.dtype == torch.float8_e4m3fn and available(a.device)
 
 
 def _check_common(op, a, scale_a, b, scale_b, offs, b_rank, out_dtype, config):
@@ -84,6 +84,11 @@ def _check_common(op, a, scale_a, b, scale_b, offs, b_rank, out_dtype, config):
         raise RuntimeError(f"{op}: expected out_dtype bfloat16, got {_dtype_name(out_dtype)}")
     if not isinstance(config, int) or not -1 <= config < CONFIGS:
         raise RuntimeError(f"{op}: expected config -1 (the pick by shape) or in [0, {CONFIGS}), got {config}")
+
+
+def _check_out_bytes(op, e, n, k):
+    if e * n * k * 2 > 2**63 - 1:  # the C++ op's check_alloc of out
+        raise RuntimeError(f"{op}: expected out (E, N, K) = ({e}, {n}, {k}) to fit in int64 bytes")
 
 
 def check_rowwise_grouped_mm_2d3d(a, scale_a, b, scale_b, offs, out_dtype, config=-1):
@@ -142,6 +147,7 @@ def check_rowwise_grouped_mm_2d2d(a, scale_a, b, scale_b, offs, out_dtype, confi
     _check_int32(op, "M", m)
     _check_int32(op, "N", n)
     _check_int32(op, "K", k)
+    _check_out_bytes(op, e, n, k)
     return e, n, k
 
 

@@ -9,11 +9,13 @@ import test_blockwise
 import test_blockwise_gemm
 import test_mxfp8
 import test_rowwise
+import test_rowwise_gemm
 import test_swiglu
 import test_token_groups
 
 # The family files that hold opcheck cases: (op name, device -> args) in OPCHECK_CASES.
-FAMILIES = [test_blockwise, test_blockwise_gemm, test_mxfp8, test_rowwise, test_swiglu, test_token_groups]
+FAMILIES = [test_blockwise, test_blockwise_gemm, test_mxfp8, test_rowwise, test_rowwise_gemm, test_swiglu,
+            test_token_groups]
 
 
 def registered_ops():

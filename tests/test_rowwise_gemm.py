@@ -152,9 +152,19 @@ def test_in_use_traces_under_compile_fullgraph(monkeypatch):
     torch._dynamo.reset()
 
 
-def test_recipe_keeps_torch_gemm_where_ours_is_not_in_use(monkeypatch):
+def test_in_use_rules(monkeypatch):
+    # Where the kernels are available (pretended here), in_use takes e4m3fn operands
+    # unless MOE_FP8_ROWWISE_GEMM=torch; the recipe then keeps PyTorch's GEMM.
+    monkeypatch.setattr(rg, "available", lambda device=None: True)
+    monkeypatch.delenv("MOE_FP8_ROWWISE_GEMM", raising=False)
+    assert rg.in_use(torch.empty(1, dtype=E4M3))
+    assert not rg.in_use(torch.empty(1, dtype=torch.float8_e4m3fnuz))
+    assert not rg.in_use(torch.empty(1, dtype=torch.float8_e5m2))
     monkeypatch.setenv("MOE_FP8_ROWWISE_GEMM", "torch")
-    assert not rg.in_use(torch.empty(1, dtype=E4M3, device="cuda" if torch.cuda.is_available() else "cpu"))
+    assert not rg.in_use(torch.empty(1, dtype=E4M3))
+    monkeypatch.setattr(rg, "available", lambda device=None: False)
+    monkeypatch.delenv("MOE_FP8_ROWWISE_GEMM")
+    assert not rg.in_use(torch.empty(1, dtype=E4M3))
 
 
 # ---- on an sm90 GPU -----------------------------------------------------------------------
@@ -267,7 +277,8 @@ CASES_2D2D = [
 def test_2d2d_matches_reference(m, n, k, sizes, config):
     g = torch.Generator(device="cuda").manual_seed(m + n + k + config)
     e = len(sizes)
-    a, b = fp8(n, m, g=g), fp8(k, m, g=g).t()
+    r = -(-m // 16) * 16  # rows of a and columns of b: 16-byte aligned (TMA), M itself need not be
+    a, b = fp8(n, r, g=g)[:, :m], fp8(k, r, g=g)[:, :m].t()
     sa, sb = scales(e, n, g=g), scales(e, k, g=g)
     offs = offs_from_sizes(sizes, "cuda")
     poison("cuda")
@@ -327,17 +338,34 @@ def test_no_host_sync_graph_capture():
                                  rg.rowwise_grouped_mm_2d2d(ga, gsa, gb, gsb, woffs)))
 
 
-@requires_sm90
-@pytest.mark.gpu
-def test_opcheck():
+def _opcheck_2d3d():
     g = torch.Generator(device="cuda").manual_seed(4)
     a, b = fp8(256, 128, g=g), fp8(2, 64, 128, g=g).transpose(1, 2)
-    offs = offs_from_sizes([128, 128], "cuda")
-    torch.library.opcheck(torch.ops.moe_fp8.rowwise_grouped_mm_2d3d,
-                          (a, scales(256, g=g), b, scales(2, 64, g=g), offs, torch.bfloat16, -1))
-    ga, gb = fp8(64, 256, g=g), fp8(128, 256, g=g).t()
-    torch.library.opcheck(torch.ops.moe_fp8.rowwise_grouped_mm_2d2d,
-                          (ga, scales(2, 64, g=g), gb, scales(2, 128, g=g), offs, torch.bfloat16, -1))
+    return a, scales(256, g=g), b, scales(2, 64, g=g), offs_from_sizes([100, 156], "cuda"), torch.bfloat16, -1
+
+
+def _opcheck_2d2d():
+    g = torch.Generator(device="cuda").manual_seed(5)
+    a, b = fp8(64, 256, g=g), fp8(128, 256, g=g).t()
+    return a, scales(2, 64, g=g), b, scales(2, 128, g=g), offs_from_sizes([96, 160], "cuda"), torch.bfloat16, -1
+
+
+# torch.library.opcheck cases (test_op_coverage.py reads OPCHECK_CASES): CUDA kernels
+# only, run on an sm90 GPU (the checks and fakes run everywhere above).
+OPCHECK_CASES = [
+    ("rowwise_grouped_mm_2d3d", lambda d: _opcheck_2d3d()),
+    ("rowwise_grouped_mm_2d2d", lambda d: _opcheck_2d2d()),
+]
+
+
+@requires_sm90
+@pytest.mark.gpu
+@pytest.mark.parametrize("op, args", OPCHECK_CASES, ids=[op for op, _ in OPCHECK_CASES])
+def test_opcheck(op, args):
+    # test_schema is left out: its mutation check multiplies the inputs, and torch has
+    # no fp8 mul (as in test_blockwise_gemm)
+    utils = ("test_faketensor", "test_autograd_registration", "test_aot_dispatch_dynamic")
+    torch.library.opcheck(getattr(torch.ops.moe_fp8, op).default, args("cuda"), test_utils=utils)
 
 
 @requires_sm90

@@ -441,7 +441,8 @@ at::Tensor blockwise_grouped_mm_2d3d(const at::Tensor& a, const at::Tensor& scal
   p.scale_a = scale_a.data_ptr<float>();
   p.b = static_cast<const uint8_t*>(b.data_ptr());
   p.scale_b = scale_b.data_ptr<float>();
-  p.offs = offs.data_ptr<int32_t>();
+  const at::Tensor offs_c = offs.contiguous();  // the kernels index offs[g]: a strided view is copied
+  p.offs = offs_c.data_ptr<int32_t>();
   p.out = out.data_ptr();
   p.M = M;
   p.N = N;
@@ -516,7 +517,8 @@ at::Tensor blockwise_grouped_mm_2d2d(const at::Tensor& a, const at::Tensor& scal
   p.scale_a = scale_a.data_ptr<float>();
   p.b = static_cast<const uint8_t*>(b.data_ptr());
   p.scale_b = scale_b.data_ptr<float>();
-  p.offs = offs.data_ptr<int32_t>();
+  const at::Tensor offs_c = offs.contiguous();  // the kernels index offs[g]: a strided view is copied
+  p.offs = offs_c.data_ptr<int32_t>();
   p.out = out.data_ptr();
   p.M = M;
   p.N = N;

@@ -33,6 +33,7 @@
 #include "../core/op_checks.h"
 #include "grouped_gemm_common.h"
 
+#if MOE_FP8_RW_GEMM_SM90  // (else this file defines nothing)
 namespace moe_fp8 {
 namespace {
 
@@ -186,8 +187,8 @@ void check_common(const char* op, const at::Tensor& a, const at::Tensor& scale_a
               scale_a.scalar_type());
   TORCH_CHECK(scale_b.scalar_type() == at::kFloat, op, ": expected scale_b of dtype float32, got ",
               scale_b.scalar_type());
-  TORCH_CHECK(offs.scalar_type() == at::kInt, op, ": expected offs of dtype int32, got ", offs.scalar_type());
   check_rank(offs, 1, op, "offs");
+  TORCH_CHECK(offs.scalar_type() == at::kInt, op, ": expected offs of dtype int32, got ", offs.scalar_type());
   check_same_device(op, {"a", a}, {{"scale_a", scale_a}, {"b", b}, {"scale_b", scale_b}, {"offs", offs}});
   check_groups(offs, op);
   TORCH_CHECK(out_dtype == at::kBFloat16, op, ": expected out_dtype bfloat16, got ", out_dtype);
@@ -239,7 +240,8 @@ at::Tensor rowwise_grouped_mm_2d3d(const at::Tensor& a, const at::Tensor& scale_
   p.scale_a = scale_a.data_ptr<float>();
   p.b = static_cast<const uint8_t*>(b.data_ptr());
   p.scale_b = scale_b.data_ptr<float>();
-  p.offs = offs.data_ptr<int32_t>();
+  const at::Tensor offs_c = offs.contiguous();  // the kernels index offs[g]: a strided view is copied
+  p.offs = offs_c.data_ptr<int32_t>();
   p.out = out.data_ptr();
   p.M = M;
   p.N = N;
@@ -314,7 +316,8 @@ at::Tensor rowwise_grouped_mm_2d2d(const at::Tensor& a, const at::Tensor& scale_
   p.scale_a = scale_a.data_ptr<float>();
   p.b = static_cast<const uint8_t*>(b.data_ptr());
   p.scale_b = scale_b.data_ptr<float>();
-  p.offs = offs.data_ptr<int32_t>();
+  const at::Tensor offs_c = offs.contiguous();  // the kernels index offs[g]: a strided view is copied
+  p.offs = offs_c.data_ptr<int32_t>();
   p.out = out.data_ptr();
   p.M = M;
   p.N = N;
@@ -341,8 +344,14 @@ at::Tensor rowwise_grouped_mm_2d2d(const at::Tensor& a, const at::Tensor& scale_
 
 }  // namespace
 }  // namespace moe_fp8
+#endif  // MOE_FP8_RW_GEMM_SM90
 
+// Registered only in a build with the kernels: without them (nvcc before 12.3) the op
+// has no CUDA kernel, moe_fp8_ext.rowwise_gemm.available() says False and the recipe
+// keeps PyTorch's GEMM.
+#if MOE_FP8_RW_GEMM_SM90
 TORCH_LIBRARY_IMPL(moe_fp8, CUDA, m) {
   m.impl("rowwise_grouped_mm_2d3d", TORCH_FN(moe_fp8::rowwise_grouped_mm_2d3d));
   m.impl("rowwise_grouped_mm_2d2d", TORCH_FN(moe_fp8::rowwise_grouped_mm_2d2d));
 }
+#endif
