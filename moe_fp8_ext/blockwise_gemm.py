@@ -57,11 +57,15 @@ def available(device=None) -> bool:
 # C++ op; "<op>: expected X, got Y"). The content of offs is the kernel's to clamp.
 
 
-def _check_common(op, a, scale_a, b, scale_b, offs, b_rank, out_dtype):
+def _check_common(op, a, scale_a, b, scale_b, offs, b_rank, out_dtype, scale_ranks=True):
+    """The checks both Hopper grouped GEMM families share (also rowwise_gemm's, which
+    checks its scales' shapes later, ``scale_ranks=False``)."""
     check_tensor(op, "a", a, dim=2)
-    check_tensor(op, "scale_a", scale_a, dim=2)
+    if scale_ranks:
+        check_tensor(op, "scale_a", scale_a, dim=2)
     check_tensor(op, "b", b, dim=b_rank)
-    check_tensor(op, "scale_b", scale_b, dim=b_rank)
+    if scale_ranks:
+        check_tensor(op, "scale_b", scale_b, dim=b_rank)
     check_tensor(op, "a", a, dtype=torch.float8_e4m3fn)
     check_tensor(op, "b", b, dtype=torch.float8_e4m3fn)
     check_tensor(op, "scale_a", scale_a, dtype=torch.float32)

@@ -26,8 +26,8 @@ import os
 import torch
 from torch import Tensor
 
+from .blockwise_gemm import _check_common as _bw_check_common
 from .blockwise_gemm import _check_int32, _check_ld, _check_shape, _check_unit_stride, _stride_or
-from .ops import INT32_MAX, _dtype_name, check_index, check_same_device, check_tensor
 
 _ops = torch.ops.moe_fp8
 OP_2D3D = "rowwise_grouped_mm_2d3d"
@@ -68,20 +68,7 @@ def in_use(a: Tensor) -> bool:
 
 
 def _check_common(op, a, scale_a, b, scale_b, offs, b_rank, out_dtype, config):
-    check_tensor(op, "a", a, dim=2)
-    check_tensor(op, "b", b, dim=b_rank)
-    check_tensor(op, "a", a, dtype=torch.float8_e4m3fn)
-    check_tensor(op, "b", b, dtype=torch.float8_e4m3fn)
-    check_tensor(op, "scale_a", scale_a, dtype=torch.float32)
-    check_tensor(op, "scale_b", scale_b, dtype=torch.float32)
-    check_index(op, "offs", offs)
-    check_same_device(op, "a", a, scale_a=scale_a, b=b, scale_b=scale_b, offs=offs)
-    if offs.numel() > INT32_MAX:
-        raise RuntimeError(f"{op}: expected at most 2^31-1 groups in offs, got {offs.numel()}")
-    if not isinstance(out_dtype, torch.dtype):
-        raise TypeError(f"{op}: expected out_dtype to be a torch.dtype, got {type(out_dtype).__name__}")
-    if out_dtype != torch.bfloat16:
-        raise RuntimeError(f"{op}: expected out_dtype bfloat16, got {_dtype_name(out_dtype)}")
+    _bw_check_common(op, a, scale_a, b, scale_b, offs, b_rank, out_dtype, scale_ranks=False)
     if not isinstance(config, int) or not -1 <= config < CONFIGS:
         raise RuntimeError(f"{op}: expected config -1 (the pick by shape) or in [0, {CONFIGS}), got {config}")
 
