@@ -284,7 +284,7 @@ def test_2d2d_matches_reference(m, n, k, sizes, config):
     poison("cuda")
     out = rg.rowwise_grouped_mm_2d2d(a, sa, b, sb, offs, config=config)
     assert_close(out, *reference_2d2d(a, sa, b, sb, offs))
-    if config == -1 and n % 16 == 0 and k % 16 == 0:  # where PyTorch's kernel takes the operands
+    if config == -1 and m % 16 == 0 and n % 16 == 0 and k % 16 == 0:  # where PyTorch's kernel takes the operands
         want = torch._scaled_grouped_mm(a, b, sa.reshape(-1), sb.reshape(-1), offs=offs, out_dtype=torch.bfloat16,
                                         use_fast_accum=True)
         live = torch.tensor([s > 0 for s in sizes], device="cuda")  # empty groups: ours zero, PyTorch's unspecified

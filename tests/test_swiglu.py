@@ -237,10 +237,12 @@ def _cuda_same_as_cpu(h13, g, f8, pow2=True):
 @pytest.mark.parametrize("dtype", IN_DTYPES)
 @pytest.mark.parametrize("f8", F8S)
 def test_cuda_same_as_cpu(dtype, f8):
-    # vector path (hidden % vec == 0, aligned), scalar path (odd hidden; a misaligned
-    # slice), rows longer than the register cache (hidden 40000), empty shapes
-    for m, hidden, sl in ((300, 1408, None), (77, 136, None), (50, 333, None), (64, 40000, None), (31, 256, 1),
-                          (0, 64, None), (5, 0, None)):
+    # vector path (hidden % vec == 0, aligned): block rows (hidden 1408, and 6000 with
+    # blocks of 192 threads), warp rows (hidden 136, and 20000 rows of 128 in 2500
+    # blocks); scalar path (odd hidden; a misaligned slice), rows longer than the
+    # register cache (hidden 40000), empty shapes
+    for m, hidden, sl in ((300, 1408, None), (77, 136, None), (20000, 128, None), (40, 6000, None), (50, 333, None),
+                          (64, 40000, None), (31, 256, 1), (0, 64, None), (5, 0, None)):
         h13 = h13_data(m, hidden + (1 if sl else 0), dtype, seed=hidden)
         if sl:
             h13 = h13_data(m, hidden + 1, dtype, seed=hidden)[:, sl:sl + 2 * hidden]
