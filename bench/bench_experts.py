@@ -114,8 +114,11 @@ def main():
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--quick", action="store_true", help="the first shape only")
     p.add_argument("--compile", action="store_true", help="also torch.compile'd rows")
+    p.add_argument("--shapes", default=None, help="indices into SHAPES, comma-separated (e.g. 1,2)")
     args = p.parse_args()
     shapes = SHAPES[:1] if args.quick else SHAPES
+    if args.shapes:
+        shapes = [SHAPES[int(i)] for i in args.shapes.split(",")]
     rows = []
     for m, d, h, e in shapes:
         x, w1, w3, w2, offs, grad = problem(m, d, h, e)
