@@ -107,7 +107,10 @@ constexpr int kSwigluMaxThreads = 256;
 // block barrier), else a block per row. A thread issues all its loads of a row before
 // any store (a store between them would serialize them: the compiler cannot move a
 // load above a store that may alias it). Prefetching the next row while this one is
-// reduced and encoded measured slower on an H100 (more registers, fewer warps). The
+// reduced and encoded measured slower on an H100 (more registers, fewer warps), and so
+// did an async-copy ring of two row stages with persistent blocks (0.7-0.9x, 2026-11-23):
+// these kernels are bound by instruction issue (ncu: 76-85% of issue slots busy, DRAM
+// 38-62%), not by load latency, and the ring adds shared-memory instructions. The
 // forward keeps its outputs in shared memory for the encode pass (a register copy
 // cost occupancy: 99 registers a thread); the backward re-reads the grad_h13 it has
 // just written. Vectors past the register cache (rows longer than
