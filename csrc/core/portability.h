@@ -445,4 +445,19 @@ MOE_FP8_HD float f_div(float a, float b) {
 #endif
 }
 
+// fp32 to bf16 bits, round to nearest even (subnormals kept, overflow to Inf); a NaN's
+// result is unspecified (callers that keep NaNs check for them first). One cvt on sm80+
+// CUDA, the same rounding done on the bits elsewhere.
+MOE_FP8_HD uint16_t bf16_bits_rn(float f) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800 && !defined(USE_ROCM)
+  uint16_t b;
+  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(b) : "f"(f));
+  return b;
+#else
+  uint32_t u;
+  memcpy(&u, &f, sizeof(u));
+  return static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+#endif
+}
+
 }  // namespace moe_fp8

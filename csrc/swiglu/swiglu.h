@@ -98,21 +98,13 @@ MOE_FP8_HD float silu_backward_f32(float g, float x, float d) {
 
 // ---- rounding to the input dtype (bits), as torch's casts do ---------------------------
 
-// Round to nearest even on the bits (subnormals kept, overflow to Inf); NaN becomes
-// c10's 0x7FC0. On sm80+ CUDA one cvt instruction rounds the same way (IEEE round to
-// nearest even, no flush) and only its NaN differs (0x7FFF): the SwiGLU kernels are
-// bound by instruction issue (ncu on an H100: 76-85% of issue slots busy, DRAM at
-// 38-62%), and this conversion runs two to five times an element.
+// Round to nearest even (subnormals kept, overflow to Inf); NaN becomes c10's 0x7FC0.
+// bf16_bits_rn is one cvt on sm80+ CUDA: the SwiGLU kernels are bound by instruction
+// issue (ncu on an H100: 76-85% of issue slots busy, DRAM at 38-62%), and this
+// conversion runs two to five times an element.
 MOE_FP8_HD uint16_t float_to_bf16_bits(float f) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800 && !defined(USE_ROCM)
-  uint16_t b;
-  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(b) : "f"(f));
+  const uint16_t b = bf16_bits_rn(f);  // unconditionally: a select, not a branch
   return f != f ? static_cast<uint16_t>(0x7FC0u) : b;
-#else
-  const uint32_t u = float_bits(f);
-  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return 0x7FC0u;  // c10's NaN
-  return static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-#endif
 }
 
 MOE_FP8_HD uint16_t float_to_half_bits(float f) {
