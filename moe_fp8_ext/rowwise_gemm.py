@@ -28,6 +28,7 @@ from torch import Tensor
 
 from .blockwise_gemm import _check_common as _bw_check_common
 from .blockwise_gemm import _check_int32, _check_ld, _check_shape, _check_unit_stride, _stride_or
+from .ops import INT64_MAX
 
 _ops = torch.ops.moe_fp8
 OP_2D3D = "rowwise_grouped_mm_2d3d"
@@ -74,7 +75,7 @@ def _check_common(op, a, scale_a, b, scale_b, offs, b_rank, out_dtype, config):
 
 
 def _check_out_bytes(op, e, n, k):
-    if e * n * k * 2 > 2**63 - 1:  # the C++ op's check_alloc of out
+    if e * n * k * 2 > INT64_MAX:  # the C++ op's check_alloc of out
         raise RuntimeError(f"{op}: expected out (E, N, K) = ({e}, {n}, {k}) to fit in int64 bytes")
 
 
