@@ -53,7 +53,11 @@ def main():
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--quick", action="store_true", help="first shape of each table only")
     p.add_argument("--rounding", default="rceil", choices=["rceil", "floor"])
+    p.add_argument("--swizzles", action="store_true", help="the scale swizzle table only")
     args = p.parse_args()
+    if args.swizzles:
+        swizzle_table(args.quick)
+        return
     r = args.rounding
     rows_shapes = [(16384, 7168), (16384, 2048), (65536, 7168), (131072, 2048)]
     expert_shapes = [(8, 7168, 2048), (16, 5120, 1536), (64, 2048, 1408)]
@@ -135,17 +139,17 @@ def _scales(shape):
     return torch.randint(1, 255, shape, dtype=torch.uint8, device="cuda").view(torch.float8_e8m0fnu)
 
 
-def swizzle_table(quick):
+def swizzle_cases(quick=False):
     """to_blocked_scales_m_groups / _k_groups / per expert on the scale shapes of the
     quantization table, against triton_mx_block_rearrange_2d_M_groups /
-    _2d_K_groups / _per_group_3d on the same inputs. Bytes: scales read + blocked
-    written (padding included)."""
+    _2d_K_groups / _per_group_3d on the same inputs, each checked against the reference
+    (ours) and against ours (torchao's, on the common prefix). Yields (op, scales, G,
+    bytes: scales read + blocked written, padding included, ours, peer maker)."""
     m_cases = [(16384, 7168, 8), (65536, 7168, 32), (131072, 2048, 8), (65536, 2048, 256)]
     k_cases = [(7168, 16384, 8), (5120, 32768, 16), (2048, 65536, 64)]
     e_cases = [(8, 2048, 7168), (16, 1536, 5120), (64, 1408, 2048), (64, 2048, 1408)]
     if quick:
         m_cases, k_cases, e_cases = m_cases[:1], k_cases[:1], e_cases[:1]
-    out = []
     for m, k, g in m_cases:
         s = _scales((m, k // 32))
         offs = balanced_offs(m, g, device="cuda")
@@ -158,8 +162,8 @@ def swizzle_table(quick):
             same_prefix(b, f(s, offs))
             return lambda: f(s, offs)
 
-        out.append(swz_row("M-groups (rowwise A)", f"({m}, {k // 32})", g, s.numel() + b.numel(),
-                           lambda: moe_fp8_ext.to_blocked_scales_m_groups(s, offs), peer))
+        yield ("M-groups (rowwise A)", f"({m}, {k // 32})", g, s.numel() + b.numel(),
+               lambda s=s, offs=offs: moe_fp8_ext.to_blocked_scales_m_groups(s, offs), peer)
     for k, m, g in k_cases:
         s = _scales((k, m // 32))
         offs = (balanced_offs(m, g, device="cuda") // 32 * 32).to(torch.int32)
@@ -174,20 +178,25 @@ def swizzle_table(quick):
             same_prefix(b, f(s, blk_offs))
             return lambda: f(s, blk_offs)
 
-        out.append(swz_row("K-groups (colwise wgrad)", f"({k}, {m // 32})", g, s.numel() + b.numel(),
-                           lambda: moe_fp8_ext.to_blocked_scales_k_groups(s, offs), peer))
+        yield ("K-groups (colwise wgrad)", f"({k}, {m // 32})", g, s.numel() + b.numel(),
+               lambda s=s, offs=offs: moe_fp8_ext.to_blocked_scales_k_groups(s, offs), peer)
     for e, n, k in e_cases:
         s = _scales((e, n, k // 32))
         b = moe_fp8_ext.to_blocked_scales(s)
         assert torch.equal(b[0].view(torch.uint8).cpu(), ref.to_blocked(s[0].cpu()).view(torch.uint8).flatten())
+        assert torch.equal(b[-1].view(torch.uint8).cpu(), ref.to_blocked(s[-1].cpu()).view(torch.uint8).flatten())
 
         def peer(s=s, b=b):
             f = torchao_rearrange("triton_mx_block_rearrange_per_group_3d")
             same_prefix(b, f(s))
             return lambda: f(s)
 
-        out.append(swz_row("per expert (3-D)", f"({e}, {n}, {k // 32})", "-", s.numel() + b.numel(),
-                           lambda: moe_fp8_ext.to_blocked_scales(s), peer))
+        yield ("per expert (3-D)", f"({e}, {n}, {k // 32})", "-", s.numel() + b.numel(),
+               lambda s=s: moe_fp8_ext.to_blocked_scales(s), peer)
+
+
+def swizzle_table(quick):
+    out = [swz_row(*case) for case in swizzle_cases(quick)]
     print_table("MXFP8 scale swizzles (e8m0 -> blocked), vs torchao's Triton rearranges", SWZ_HEADER, out,
                 "bench_mxfp8_swizzle.md")
 

@@ -788,7 +788,7 @@ def test_to_blocked_scales_k_groups(device, rows, sizes, extra_cols):
 
 
 def test_swizzles_many_groups_global_tables():
-    # Above 4096 groups the GPU builds its group tables in a scratch buffer: the same bytes.
+    # Above 2048 groups the GPU builds its group tables in a scratch buffer: the same bytes.
     sizes = random_sizes(20000, 5000, seed=9)
     offs = offs_from_sizes(sizes)
     s = scale_bytes((sum(sizes) + 3, 4))
@@ -1034,7 +1034,9 @@ def test_swizzles_same_as_cpu():
     s3 = scale_bytes((64, 2048, 44), E8, "cuda")
     same_as_cpu(lambda t: (to_blk(t),), s3)
     same_as_cpu(lambda t: (to_blk(t),), s3.transpose(1, 2).contiguous().transpose(1, 2))
-    for g in (1, 8, 300, 5000):
+    # 2048 and 2049 groups: the last with its tables in shared memory, the first in a
+    # global scratch buffer (kSwizzleSmemGroups)
+    for g in (1, 8, 300, 2048, 2049, 5000):
         offs = random_offs(8192, g, generator=torch.Generator().manual_seed(g))
         s = scale_bytes((8192, 224), E8, "cuda")
         same_as_cpu(lambda t, o: (to_blk_m(t, o),), s, offs)

@@ -131,6 +131,19 @@ MOE_FP8_DEVICE void async_copy_16(void* smem_dst, const void* gmem_src) {
 #endif
 }
 
+// 4-byte global -> shared copy that bypasses registers (cp.async, sm80+ CUDA), or zeros
+// when !valid (no global read then): many in flight per thread without registers or
+// branches. Completed like async_copy_16. src must be 4-byte aligned when valid.
+MOE_FP8_DEVICE void async_copy_4_or_zero(uint32_t* smem_dst, const void* gmem_src, bool valid) {
+#if !defined(USE_ROCM) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem_dst));
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(gmem_src), "r"(valid ? 4 : 0)
+               : "memory");
+#else
+  *smem_dst = valid ? *static_cast<const uint32_t*>(gmem_src) : 0u;
+#endif
+}
+
 // L2 eviction priorities (sm80+ CUDA; 0 and ignored elsewhere): a policy for data that
 // is not read again soon (evict first) or is (evict last), for the two calls below.
 MOE_FP8_DEVICE uint64_t l2_policy(bool keep) {

@@ -26,9 +26,9 @@ namespace moe_fp8 {
 
 constexpr int kSwizzleBlock = 32;  // tokens per scale (K groups: offs are in tokens)
 // GPU: up to this many groups each block builds its tables in shared memory (3 int32
-// tables: 48 KB); above it the op passes a scratch buffer of 3G + 1 int32 that a
-// one-block kernel fills first.
-constexpr int kSwizzleSmemGroups = 4096;
+// tables: 24 KB, beside the to_blocked kernel's 17 KB stage); above it the op passes a
+// scratch buffer of 3G + 1 int32 that a one-block kernel fills first.
+constexpr int kSwizzleSmemGroups = 2048;
 // The largest blocked buffer (bytes) the to_blocked ops write: 2^31 tiles of 512 bytes,
 // so the GPU's tile arithmetic stays 32-bit.
 constexpr int64_t kSwizzleMaxBlockedBytes = (int64_t(1) << 31) * 512 - 1;
@@ -107,7 +107,7 @@ MOE_FP8_HD int swizzle_last_le(const int32_t* v, int n, int64_t x) {
 // First g in [0, G) with v[g] > x (v non-decreasing), or G.
 MOE_FP8_HD int swizzle_first_gt(const int32_t* v, int n, int64_t x) { return swizzle_last_le(v, n, x) + 1; }
 
-// ---- to_blocked: one 16-byte row of a 128x4 tile ------------------------------------
+// ---- to_blocked: runs of tiles ----------------------------------------------------------
 
 // The 4 bytes at p as one word (little-endian), from the aligned word(s) holding them:
 // one load when p is 4-aligned, else two and a funnel shift. The caller guarantees
@@ -120,68 +120,112 @@ MOE_FP8_HD uint32_t swizzle_load4(const uint8_t* p) {
   return static_cast<uint32_t>(both >> (8 * m));
 }
 
-// out[i * 4 + j] = plain (row0 + 32 i, col0 + j) of the matrix at src (sr, sc), or 0
-// outside [0, rows) x [0, cols).
-MOE_FP8_HD void swizzle_gather16(const uint8_t* src, int64_t sr, int64_t sc, int64_t row0, int64_t rows,
-                                 int64_t col0, int64_t cols, bool vec4, uint8_t out[16]) {
-  for (int i = 0; i < 4; ++i) {
-    const int64_t r = row0 + 32 * i;
-    if (r >= rows) {
-      for (int j = 0; j < 4; ++j) out[i * 4 + j] = 0;
-      continue;
-    }
-    const uint8_t* p = src + r * sr + col0 * sc;
-    if (vec4 && col0 + 4 <= cols) {
-      const uint32_t w = swizzle_load4(p);
-      for (int j = 0; j < 4; ++j) out[i * 4 + j] = static_cast<uint8_t>(w >> (8 * j));
-    } else {
-      for (int j = 0; j < 4; ++j) out[i * 4 + j] = col0 + j < cols ? p[j * sc] : 0;
-    }
+// Columns col0 .. col0 + 3 of a plain row (p: the row's column col0, column stride sc)
+// as one little-endian word, 0 past `cols`; one (or two, unaligned) word loads where
+// `vec4` allows, else byte by byte.
+MOE_FP8_HD uint32_t swizzle_load_quad(const uint8_t* p, int64_t sc, int64_t col0, int64_t cols, bool vec4) {
+  if (vec4 && col0 + 4 <= cols) return swizzle_load4(p);
+  uint32_t w = 0;
+  for (int j = 0; j < 4; ++j) {
+    if (col0 + j < cols) w |= static_cast<uint32_t>(p[j * sc]) << (8 * j);
   }
+  return w;
 }
 
-// The 16 bytes [16 u, 16 u + 16) of the blocked buffer (those past its end are 0 and
-// not stored by the caller). Tile arithmetic is 32-bit (the ops keep the buffer under
-// kSwizzleMaxBlockedBytes, so tile counts fit): a 64-bit division by a runtime value
-// is a long software sequence on a GPU, and this runs once per 16 bytes.
-MOE_FP8_HD void swizzle_to_blocked_chunk(const SwizzleArgs& a, const SwizzleTables& t, int64_t u, uint8_t out[16]) {
-  const uint32_t tile = static_cast<uint32_t>(u / 32);  // 512-byte tile of the buffer
-  const int64_t rr = u % 32;                            // its row r % 32
-  const uint32_t tcols = static_cast<uint32_t>(a.blocked_cols / 4);
-  if (a.groups == SwizzleGroups::kNone) {
-    const uint32_t per = static_cast<uint32_t>(round_up(a.R, 128) / 128) * tcols;  // tiles per matrix
-    const uint32_t e = tile / per, lt = tile - e * per;
-    const uint32_t band = lt / tcols, quad = lt - band * tcols;
-    swizzle_gather16(a.plain_in + e * a.se, a.sr, a.sc, int64_t{band} * 128 + rr, a.R, int64_t{quad} * 4, a.C,
-                     a.vec4, out);
-    return;
-  }
+// The to_blocked work is cut into runs: up to kSwizzleRunTiles consecutive 4-column
+// quads (a 512-byte tile each) of one tile row, 128 blocked rows. On the GPU a thread
+// block writes a run (swizzle_kernels.cuh); the CPU walks the same runs.
+constexpr int kSwizzleRunTiles = 32;
+
+// Run counts: kNone E x tile rows x runs of a tile row; M groups: the buffer's tile
+// rows (the last one may be partial) x runs; K groups: tile rows x runs over all
+// block-column quads of the buffer (a run may span groups; each quad finds its own).
+struct SwizzleRunPlan {
+  uint32_t tcols = 0;     // quads (tiles) of a tile row
+  uint32_t per_row = 0;   // runs of a tile row
+  uint32_t trows = 0;     // tile rows of one matrix (kNone, K groups) or of the buffer (M groups)
+  int64_t runs = 0;
+};
+
+MOE_FP8_HD SwizzleRunPlan swizzle_run_plan(const SwizzleArgs& a) {
+  SwizzleRunPlan p;
+  if (a.blocked_bytes <= 0 || a.blocked_cols <= 0) return p;
+  p.tcols = static_cast<uint32_t>(a.blocked_cols / 4);
+  p.per_row = (p.tcols + kSwizzleRunTiles - 1) / kSwizzleRunTiles;
   if (a.groups == SwizzleGroups::kMGroups) {
-    const uint32_t band = tile / tcols, quad = tile - band * tcols;
-    const int64_t row = int64_t{band} * 128;  // blocked row of the tile
-    const int g = swizzle_last_le(t.start, t.groups, row);
-    int64_t lo = 0, hi = 0;
-    if (g >= 0 && row < t.start[g + 1]) swizzle_group(t, g, &lo, &hi);
-    const int64_t local = row - (g >= 0 ? t.start[g] : 0);
-    swizzle_gather16(a.plain_in + lo * a.sr, a.sr, a.sc, local + rr, hi - lo, int64_t{quad} * 4, a.C, a.vec4, out);
-    return;
+    const int64_t rows = a.blocked_bytes / a.blocked_cols;  // M + 128 G (not a multiple of 128)
+    p.trows = static_cast<uint32_t>((rows + 127) / 128);
+    p.runs = int64_t{p.trows} * p.per_row;
+  } else {
+    p.trows = static_cast<uint32_t>(round_up(a.R, 128) / 128);
+    p.runs = (a.groups == SwizzleGroups::kNone ? a.E : 1) * int64_t{p.trows} * p.per_row;
   }
-  // K groups: tiles run down a group's ceil128(R)/128 tile rows per 4 block columns.
-  const uint32_t trows = static_cast<uint32_t>(round_up(a.R, 128) / 128);
-  const uint32_t quad = tile / trows;  // which 4 block columns of the buffer
-  const int g = swizzle_last_le(t.start, t.groups, int64_t{quad} * 4);
-  int64_t lo = 0, hi = 0;
-  uint32_t gcols = 1, lt = 0;
-  if (g >= 0 && int64_t{quad} * 4 < t.start[g + 1]) {
+  return p;
+}
+
+// One quad of the run: the plain rows it reads (`src` is the run's first row at column
+// 0 of the quad's matrix or group), its first column and the column count there, the
+// valid rows from src, and its tile of the buffer (-1: past the run).
+struct SwizzleRunQuad {
+  const uint8_t* src = nullptr;
+  int64_t col0 = 0, cols = 0, rows = 0;
+  int64_t tile = -1;
+  int64_t plain_col = 0;  // col0's column of the plain matrix (K groups: the group's first + col0)
+};
+
+MOE_FP8_HD SwizzleRunQuad swizzle_run_quad(const SwizzleArgs& a, const SwizzleTables& t, const SwizzleRunPlan& p,
+                                           uint32_t run, uint32_t qi) {
+  SwizzleRunQuad q;
+  const uint32_t row_run = run % p.per_row, band_all = run / p.per_row;
+  const uint32_t quad = row_run * kSwizzleRunTiles + qi;
+  if (a.groups == SwizzleGroups::kKGroups) {
+    // band_all is the tile row; quad counts block-column quads over the whole buffer
+    if (quad >= p.tcols) return q;
+    const int64_t row = int64_t{band_all} * 128;
+    q.rows = a.R - row < 128 ? a.R - row : 128;
+    const int g = swizzle_last_le(t.start, t.groups, int64_t{quad} * 4);
+    if (g >= 0 && int64_t{quad} * 4 < t.start[g + 1]) {
+      int64_t lo, hi;
+      swizzle_group(t, g, &lo, &hi);
+      const uint32_t w = static_cast<uint32_t>(t.start[g + 1] - t.start[g]) / 4;
+      const uint32_t gq = w > 0 ? w : 1;  // a width under 4 only from start clamped at INT32_MAX (bad offs)
+      const uint32_t first = static_cast<uint32_t>(t.start[g]) / 4, lq = quad - first;
+      q.src = a.plain_in + (lo / kSwizzleBlock) * a.sc + row * a.sr;
+      q.col0 = int64_t{lq} * 4;
+      q.cols = hi > lo ? ceil_div(hi - lo, kSwizzleBlock) : 0;
+      q.plain_col = lo / kSwizzleBlock + q.col0;
+      q.tile = int64_t{p.trows} * first + int64_t{band_all} * gq + lq;
+    } else {  // quads past every group: zero tiles, tile rows down each quad
+      q.src = a.plain_in;
+      q.tile = int64_t{quad} * p.trows + band_all;
+    }
+    return q;
+  }
+  if (quad >= p.tcols) return q;
+  q.col0 = int64_t{quad} * 4;
+  q.cols = a.C;
+  q.plain_col = q.col0;
+  q.tile = int64_t{band_all} * p.tcols + quad;
+  if (a.groups == SwizzleGroups::kNone) {
+    const uint32_t e = band_all / p.trows, band = band_all - e * p.trows;
+    const int64_t row = int64_t{band} * 128;
+    q.src = a.plain_in + e * a.se + row * a.sr;
+    q.rows = a.R - row < 128 ? a.R - row : 128;
+    return q;
+  }
+  // M groups: the group whose padded rows hold this tile row (none: padding, zeros)
+  const int64_t row = int64_t{band_all} * 128;
+  const int g = swizzle_last_le(t.start, t.groups, row);
+  q.src = a.plain_in;
+  if (g >= 0 && row < t.start[g + 1]) {
+    int64_t lo, hi;
     swizzle_group(t, g, &lo, &hi);
-    const uint32_t w = static_cast<uint32_t>(t.start[g + 1] - t.start[g]) / 4;
-    gcols = w > 0 ? w : 1;  // a width under 4 only from start clamped at INT32_MAX (bad offs)
-    lt = tile - trows * static_cast<uint32_t>(t.start[g] / 4);
+    const int64_t local = row - t.start[g];
+    const int64_t left = hi - lo - local;
+    q.src = a.plain_in + (lo + local) * a.sr;
+    q.rows = left < 0 ? 0 : (left < 128 ? left : 128);
   }
-  const int64_t n = hi > lo ? ceil_div(hi - lo, kSwizzleBlock) : 0;
-  const uint32_t band = lt / gcols, lq = lt - band * gcols;
-  swizzle_gather16(a.plain_in + (lo / kSwizzleBlock) * a.sc, a.sr, a.sc, int64_t{band} * 128 + rr, a.R,
-                   int64_t{lq} * 4, n, a.vec4, out);
+  return q;
 }
 
 // ---- from_blocked: one byte of the plain output --------------------------------------

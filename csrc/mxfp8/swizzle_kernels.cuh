@@ -1,10 +1,9 @@
 // GPU kernels of the MXFP8 scale swizzles (swizzle.h). Torch-free: raw pointers,
 // sizes and a stream.
 //
-// to_blocked: one thread per 16 bytes of the blocked buffer (one row r % 32 of a
-// 128x4 tile: 4 rows x 4 columns gathered from the plain matrix), in the warp order of
-// swizzle_chunk_of, a grid-stride loop, 16-byte stores; the whole buffer is written
-// once, padding included (no memset).
+// to_blocked: a thread block per run of up to 32 tiles of one tile row, staged through
+// shared memory (to_blocked_kernel below); the whole buffer is written once, padding
+// included (no memset).
 // from_blocked: one thread per 4 bytes of the plain output.
 // Token groups: each block builds the group tables (clamped ends, prefix of the padded
 // sizes, K-group reach) from offs in shared memory before its loop, so there is one
@@ -78,43 +77,100 @@ MOE_FP8_DEVICE SwizzleTables swizzle_tables(const SwizzleArgs& a, const int32_t*
   return t;
 }
 
-// to_blocked's thread order. Chunk u (16 bytes: row u % 32 of tile u / 32) gathers 4
-// bytes from each of 4 rows 32 apart. A warp takes 8 consecutive tiles x 4 consecutive
-// rows of them: consecutive tiles are (mostly) consecutive column quads of the same
-// rows, so each load instruction reads 4 rows x 32 contiguous bytes, and each store
-// instruction writes 8 runs of 64 contiguous bytes. (One warp per tile, the plain
-// order, reads 32 rows per load: 8x the sectors.)
-MOE_FP8_HD int64_t swizzle_to_blocked_work(int64_t chunks) {
-  const int64_t tiles = (chunks + 31) / 32;
-  return (tiles + 7) / 8 * 8 * 32;
-}
-MOE_FP8_DEVICE int64_t swizzle_chunk_of(int64_t v) {
-  const int64_t tile = (v >> 8) * 8 + (v & 7);   // 8 tiles per 256 threads
-  const int64_t row = ((v >> 5) & 7) * 4 + ((v >> 3) & 3);  // warp (v >> 5) & 7: rows 4w..4w+3
-  return tile * 32 + row;
-}
+// ---- to_blocked: runs of tiles staged in shared memory ----------------------------
+// A thread block writes one run: up to kSwizzleRunTiles consecutive 4-column quads of
+// one tile row (128 blocked rows) of the buffer, a tile (512 bytes) each. It first
+// copies the run's 128 plain rows x 4 bytes per quad into shared memory, a warp over
+// consecutive quads of one row (contiguous bytes of the plain row), with 4-byte
+// asynchronous copies: all sixteen of a thread's are in flight at once, and none
+// passes through a register. Then each warp writes whole tiles, a lane per 16-byte
+// tile row (4 rows 32 apart x 4 columns, gathered from shared memory): 512 contiguous
+// bytes a warp store. The input is read once, in whole sectors, and the whole buffer
+// is covered by runs, padding included, so it needs no memset.
+// A quad whose 4 bytes are not 4-aligned (K groups: a group's first column is any
+// column) is staged as the two aligned words holding them and shifted when written.
+// Without 32-bit access (SwizzleArgs::vec4: a strided or unaligned input), and for a
+// row's last quad when the row ends inside it, the bytes are read one by one.
+// (Before: a thread per 16 bytes gathering four words straight from global memory,
+// 48-71% of a copy on an H100; a first version of this kernel with register loads,
+// which ptxas serialized behind their branches, was slower still. bench/RESULTS.md.)
+constexpr int kSwizzleRunStride = kSwizzleRunTiles + 1;  // words per staged row: odd, so
+                                                          // neither phase has a bank conflict
+constexpr int kSwizzleRunRowsPerPass = kSwizzleThreads / kSwizzleRunTiles;
+static_assert(kSwizzleThreads % kSwizzleRunTiles == 0 && 128 % kSwizzleRunRowsPerPass == 0, "run geometry");
 
 template <SwizzleGroups kGroups>
-__global__ void __launch_bounds__(kSwizzleThreads) to_blocked_kernel(SwizzleArgs a, const int32_t* tables) {
+__global__ void __launch_bounds__(kSwizzleThreads) to_blocked_kernel(SwizzleArgs a, SwizzleRunPlan p,
+                                                                     const int32_t* tables) {
+  constexpr bool kShifts = kGroups == SwizzleGroups::kKGroups;  // unaligned quads exist
   extern __shared__ int32_t s_tables[];
   __shared__ int64_t s_tmp[kMaxWarpsPerBlock];
+  __shared__ uint32_t lo[128 * kSwizzleRunStride];
+  __shared__ uint32_t hi[kShifts ? 128 * kSwizzleRunStride : 1];
+  __shared__ int64_t s_tile[kSwizzleRunTiles];
+  __shared__ uint32_t s_fix[kSwizzleRunTiles];  // a quad's byte shift | its valid bytes << 8
   a.groups = kGroups;
   SwizzleTables t;
   if (kGroups != SwizzleGroups::kNone) t = swizzle_tables(a, tables, false, s_tables, s_tmp);
   (void)s_tmp;
-  const int64_t chunks = (a.blocked_bytes + 15) / 16;
-  const int64_t work = swizzle_to_blocked_work(chunks);
-  for (int64_t v = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; v < work;
-       v += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int64_t u = swizzle_chunk_of(v);
-    if (u >= chunks) continue;
-    alignas(16) uint8_t out[16];
-    swizzle_to_blocked_chunk(a, t, u, out);
-    uint8_t* d = a.blocked_out + u * 16;
-    if (u * 16 + 16 <= a.blocked_bytes) {
-      *reinterpret_cast<uint4*>(d) = *reinterpret_cast<const uint4*>(out);
-    } else {
-      for (int64_t j = 0; j < a.blocked_bytes - u * 16; ++j) d[j] = out[j];
+  const uint32_t qi = threadIdx.x % kSwizzleRunTiles;
+  const SwizzleRunQuad q = swizzle_run_quad(a, t, p, blockIdx.x, qi);
+  const int64_t left = q.tile >= 0 ? q.cols - q.col0 : 0;
+  const uint32_t nb = left <= 0 ? 0u : (left < 4 ? static_cast<uint32_t>(left) : 4u);  // valid bytes
+  // Word access: the aligned words holding the nb bytes lie inside the row's C bytes.
+  const uint32_t shift = a.vec4 ? static_cast<uint32_t>(q.plain_col & 3) : 0u;
+  const int64_t first_word = q.plain_col - shift;
+  const bool two = shift + nb > 4;
+  const bool words = a.vec4 && nb > 0 && first_word + (two ? 8 : 4) <= a.C;
+  if (threadIdx.x < kSwizzleRunTiles) {
+    s_tile[qi] = q.tile;
+    s_fix[qi] = (words ? shift : 0u) | (nb << 8);
+  }
+  const int r0 = static_cast<int>(threadIdx.x) / kSwizzleRunTiles;
+  constexpr int kPasses = 128 / kSwizzleRunRowsPerPass;
+  if (words || nb == 0) {
+    const uint8_t* w0 = q.src + (first_word - q.plain_col + q.col0);  // sc == 1 here
+#pragma unroll
+    for (int k = 0; k < kPasses; ++k) {
+      const int rr = r0 + k * kSwizzleRunRowsPerPass;
+      const bool ok = nb > 0 && rr < q.rows;
+      const uint8_t* src = w0 + static_cast<int64_t>(rr) * a.sr;
+      async_copy_4_or_zero(&lo[rr * kSwizzleRunStride + qi], src, ok);
+      if (kShifts) async_copy_4_or_zero(&hi[rr * kSwizzleRunStride + qi], src + 4, ok && two);
+    }
+    async_copy_commit();
+  } else {
+    for (int k = 0; k < kPasses; ++k) {
+      const int rr = r0 + k * kSwizzleRunRowsPerPass;
+      lo[rr * kSwizzleRunStride + qi] =
+          rr < q.rows ? swizzle_load_quad(q.src + rr * a.sr + q.col0 * a.sc, a.sc, q.col0, q.cols, false) : 0u;
+      if (kShifts) hi[rr * kSwizzleRunStride + qi] = 0u;
+    }
+  }
+  async_copy_wait_all();
+  __syncthreads();
+  const int lane = static_cast<int>(threadIdx.x) % kWarpSize, warp = static_cast<int>(threadIdx.x) / kWarpSize;
+  for (int tq = warp; tq < kSwizzleRunTiles; tq += kSwizzleThreads / kWarpSize) {
+    const int64_t tile = s_tile[tq];
+    if (tile < 0) continue;
+    const uint32_t fix = s_fix[tq], sh = fix & 3u, n = fix >> 8;
+    const uint32_t mask = n >= 4 ? 0xFFFFFFFFu : (1u << (8 * n)) - 1u;
+    uint32_t v[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int at = (lane + 32 * i) * kSwizzleRunStride + tq;
+      uint32_t x = lo[at];
+      if (kShifts && sh != 0) x = static_cast<uint32_t>(((static_cast<uint64_t>(hi[at]) << 32) | x) >> (8 * sh));
+      v[i] = x & mask;
+    }
+    const int64_t off = tile * 512 + int64_t{lane} * 16;
+    if (off + 16 <= a.blocked_bytes) {
+      *reinterpret_cast<uint4*>(a.blocked_out + off) = make_uint4(v[0], v[1], v[2], v[3]);
+    } else {  // the static tail of an M-group buffer ends inside a tile
+#pragma unroll
+      for (int j = 0; j < 16; ++j) {
+        if (off + j < a.blocked_bytes) a.blocked_out[off + j] = static_cast<uint8_t>(v[j / 4] >> (8 * (j % 4)));
+      }
     }
   }
 }
@@ -149,8 +205,8 @@ inline int swizzle_grid(int64_t work) {
 
 template <SwizzleGroups kGroups>
 inline int launch_swizzle_kind(const SwizzleArgs& a, bool to_blocked, int32_t* scratch, gpuStream_t stream) {
-  const int64_t work =
-      to_blocked ? swizzle_to_blocked_work((a.blocked_bytes + 15) / 16) : (a.E * a.R * a.C + 3) / 4;
+  const SwizzleRunPlan plan = to_blocked ? swizzle_run_plan(a) : SwizzleRunPlan{};
+  const int64_t work = to_blocked ? plan.runs : (a.E * a.R * a.C + 3) / 4;
   if (work == 0) return 0;
   const int32_t* tables = nullptr;
   size_t smem = 0;
@@ -164,9 +220,10 @@ inline int launch_swizzle_kind(const SwizzleArgs& a, bool to_blocked, int32_t* s
       smem = (3 * static_cast<size_t>(a.num_groups) + 1) * sizeof(int32_t);
     }
   }
-  const dim3 grid(swizzle_grid(work)), block(kSwizzleThreads);
-  if (to_blocked) return launch_kernel(to_blocked_kernel<kGroups>, grid, block, smem, stream, 1, a, tables);
-  return launch_kernel(from_blocked_kernel<kGroups>, grid, block, smem, stream, 1, a, tables);
+  const dim3 block(kSwizzleThreads);
+  // one run a block: runs <= tiles < 2^31 (kSwizzleMaxBlockedBytes)
+  if (to_blocked) return launch_kernel(to_blocked_kernel<kGroups>, dim3(static_cast<uint32_t>(work)), block, smem, stream, 1, a, plan, tables);
+  return launch_kernel(from_blocked_kernel<kGroups>, dim3(swizzle_grid(work)), block, smem, stream, 1, a, tables);
 }
 
 inline int launch_swizzle(const SwizzleArgs& a, bool to_blocked, int32_t* scratch, gpuStream_t stream) {
