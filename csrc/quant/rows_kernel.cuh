@@ -307,6 +307,57 @@ MOE_FP8_DEVICE ScaleCode<typename Rule::stored_t> encode_ring_unit(const uint4 (
 #pragma unroll
   for (int m = 1; m < G::kLanes; m <<= 1) amax = umax(amax, warp_shfl_xor(amax, m));
   const auto sc = Rule::template from_amax_bits<F>(amax);
+  if constexpr (G::kElems == 32) {
+    // 16-bit inputs: 32 code bytes a lane, packed straight into eight words (h[0] the
+    // first 16 bytes, h[1] the last). Stored as two 16-byte stores, the warp's first
+    // store would write half of each lane's sector and the second the other half (every
+    // sector reached twice at L2). So lanes 2i and 2i + 1 (adjacent units of one row,
+    // `store` alike) swap one half, and each store of the pair writes one whole sector:
+    // the even lane writes its first half, then the odd lane's first; the odd lane the
+    // even lane's second half, then its own. Every lane shuffles (the callers keep the
+    // warp converged). Measured on an H100 against the two plain stores: act_lhs 2.5-7%
+    // faster (85-89% -> 89-92% of a copy), MXFP8 rowwise 0.5-1.7% (bench/RESULTS.md).
+    uint4 h[2];
+#pragma unroll
+    for (int j = 0; j < kRingVecsPerLane; ++j) {
+      const Array<T, G::kVec>& e = *reinterpret_cast<const Array<T, G::kVec>*>(&w[j]);
+      uint32_t word[2];
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        const uint32_t lo = scaled_fp8x2<F>(In::to_float(e.v[4 * i]), In::to_float(e.v[4 * i + 1]), sc.encode);
+        const uint32_t hi = scaled_fp8x2<F>(In::to_float(e.v[4 * i + 2]), In::to_float(e.v[4 * i + 3]), sc.encode);
+        word[i] = lo | (hi << 16);
+      }
+      uint32_t* hw = reinterpret_cast<uint32_t*>(&h[j / 2]);
+      hw[2 * (j % 2)] = word[0];
+      hw[2 * (j % 2) + 1] = word[1];
+    }
+    const bool odd = (threadIdx.x & 1u) != 0;
+    const uint4 send = odd ? h[0] : h[1];
+    const uint4 recv = make_uint4(warp_shfl_xor(send.x, 1), warp_shfl_xor(send.y, 1), warp_shfl_xor(send.z, 1),
+                                  warp_shfl_xor(send.w, 1));
+    const int64_t p0 = k0 - (odd ? 32 : 0);  // the pair's first element
+    if (store && cols % 16 == 0 && p0 + 64 <= cols) {
+      *reinterpret_cast<uint4*>(qr + (odd ? k0 - 16 : k0)) = odd ? recv : h[0];
+      *reinterpret_cast<uint4*>(qr + (odd ? k0 + 16 : k0 + 32)) = odd ? h[1] : recv;
+      return sc;
+    }
+    // a pair reaching past the row (or rows not 16-byte aligned): each lane its own
+    if (!store || k0 >= cols) return sc;
+    if (k0 + 32 <= cols && cols % 16 == 0) {  // 16-byte aligned in every row
+      *reinterpret_cast<uint4*>(qr + k0) = h[0];
+      *reinterpret_cast<uint4*>(qr + k0 + 16) = h[1];
+    } else {  // the row's last unit, partly past the row, or rows not 16-byte aligned
+#pragma unroll
+      for (int j = 0; j < kRingVecsPerLane; ++j) {
+        if (k0 + j * G::kVec < cols) {
+          const uint32_t* hw = reinterpret_cast<const uint32_t*>(&h[j / 2]);
+          *reinterpret_cast<uint2*>(qr + k0 + j * G::kVec) = make_uint2(hw[2 * (j % 2)], hw[2 * (j % 2) + 1]);
+        }
+      }
+    }
+    return sc;
+  }
   if (!store || k0 >= cols) return sc;
   Array<uint8_t, G::kElems> out;
 #pragma unroll
