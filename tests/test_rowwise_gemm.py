@@ -11,7 +11,7 @@ dgrad) and rowwise_grouped_mm_2d2d (wgrad).
   strided rows), outputs into poisoned memory; misaligned wgrad groups come out zero
   (an error with MOE_FP8_DEBUG=1); CUDA-graph capture (no host sync); opcheck; the
   recipe's GEMMs run on our kernels (profiler) and ``MOE_FP8_ROWWISE_GEMM=torch``
-  switches back.
+  switches back; the C++ op's argument checks give the fakes' messages.
 
 Tolerance against the fp32 GEMM of the dequantized operands (fast accumulation: the
 tensor cores' partial sums keep about 14 bits, never promoted):
@@ -120,6 +120,30 @@ def test_checks_2d2d(what, edit, msg):
         torch.ops.moe_fp8.rowwise_grouped_mm_2d2d(*ops, torch.bfloat16)
     with pytest.raises(RuntimeError, match="rowwise_grouped_mm_2d2d: expected"):
         rg.rowwise_grouped_mm_2d2d(*ops, torch.bfloat16)
+
+
+def _on_device(ops, device):
+    """The same shapes, strides and dtypes on `device` (contents unset: the checks read none)."""
+    return [torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device) for t in ops]
+
+
+@requires_sm90
+@pytest.mark.gpu
+@pytest.mark.parametrize("what, edit, out_dtype, config, msg", BAD_2D3D, ids=[c[0] for c in BAD_2D3D])
+def test_checks_2d3d_cuda_op(what, edit, out_dtype, config, msg):
+    # The C++ op's own checks (the tests above reach the fake on meta tensors): same message.
+    ops = _on_device(edit(operands_2d3d(300, 256, 384, 4)), "cuda")
+    with pytest.raises(RuntimeError, match=re.escape("rowwise_grouped_mm_2d3d: " + msg)):
+        torch.ops.moe_fp8.rowwise_grouped_mm_2d3d(*ops, out_dtype, config)
+
+
+@requires_sm90
+@pytest.mark.gpu
+@pytest.mark.parametrize("what, edit, msg", BAD_2D2D, ids=[c[0] for c in BAD_2D2D])
+def test_checks_2d2d_cuda_op(what, edit, msg):
+    ops = _on_device(edit(operands_2d2d(640, 200, 136, 5)), "cuda")
+    with pytest.raises(RuntimeError, match=re.escape("rowwise_grouped_mm_2d2d: " + msg)):
+        torch.ops.moe_fp8.rowwise_grouped_mm_2d2d(*ops, torch.bfloat16)
 
 
 def test_cpu_tensors_get_a_clear_error():
