@@ -26,8 +26,9 @@ namespace moe_fp8 {
 
 constexpr int kSwizzleBlock = 32;  // tokens per scale (K groups: offs are in tokens)
 // GPU: up to this many groups each block builds its tables in shared memory (3 int32
-// tables: 24 KB, beside the to_blocked kernel's 17 KB stage); above it the op passes a
-// scratch buffer of 3G + 1 int32 that a one-block kernel fills first.
+// tables: 24 KB, beside the to_blocked kernel's stage of 17 KB, 34 KB for K groups);
+// above it the op passes a scratch buffer of 3G + 1 int32 that a one-block kernel fills
+// first.
 constexpr int kSwizzleSmemGroups = 2048;
 // The largest blocked buffer (bytes) the to_blocked ops write: 2^31 tiles of 512 bytes,
 // so the GPU's tile arithmetic stays 32-bit.
@@ -184,7 +185,10 @@ MOE_FP8_HD SwizzleRunQuad swizzle_run_quad(const SwizzleArgs& a, const SwizzleTa
     const int64_t row = int64_t{band_all} * 128;
     q.rows = a.R - row < 128 ? a.R - row : 128;
     const int g = swizzle_last_le(t.start, t.groups, int64_t{quad} * 4);
-    if (g >= 0 && int64_t{quad} * 4 < t.start[g + 1]) {
+    // A group placed past the buffer (only from bad offs: the op's bound holds every
+    // valid layout) counts as past every group, so the tiles stay a one-to-one map of
+    // the buffer: every byte written once, whatever offs holds.
+    if (g >= 0 && int64_t{quad} * 4 < t.start[g + 1] && t.start[g + 1] <= int64_t{p.tcols} * 4) {
       int64_t lo, hi;
       swizzle_group(t, g, &lo, &hi);
       const uint32_t w = static_cast<uint32_t>(t.start[g + 1] - t.start[g]) / 4;
