@@ -1068,8 +1068,8 @@ def test_swizzles_bad_offs_stay_in_bounds(groups):
 @pytest.mark.parametrize("shape, offs", [((256, 64), [2048, 0, 2048, 0]), ((1000, 9), [288, 0, 288, 0, 288])])
 def test_swizzles_bad_offs_write_every_byte(shape, offs):
     # Decreasing offs make groups overlap, and the padded K groups could then reach past
-    # the buffer's static bound: every byte must still be written once (no 0xFF of the
-    # poison left; the scales are 1..254, padding 0), nothing past the buffer.
+    # the buffer's static bound: every byte must still be written (no 0xFF of the
+    # poison left; the scales are 1..254, padding 0).
     s = scale_bytes(shape, E8, "cuda")
     o = torch.tensor(offs, dtype=torch.int32, device="cuda")
     for fn in (to_blk_m, to_blk_k):
