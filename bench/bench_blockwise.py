@@ -17,7 +17,7 @@ import moe_fp8_ext
 from moe_fp8_ext import reference as ref
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from common import bench_us, copy_us, fmt, print_table, try_peer  # noqa: E402
+from common import bench_vs_copy_us, fmt, print_table, try_peer  # noqa: E402
 
 HEADER = ["op", "shape", "ours µs", "GB/s", "% of copy", "torchao µs", "% of copy", "vs torchao"]
 
@@ -47,12 +47,10 @@ def same_as_ours(theirs, ours):
 
 
 def row(name, shape, nbytes, ours, peer_make):
-    t = bench_us(ours)
-    c = copy_us(nbytes)
     peer = try_peer(peer_make) if peer_make else None
-    tp = bench_us(peer) if peer else None
+    t, c, tp, vs = bench_vs_copy_us(ours, nbytes, peer)
     return [name, shape, fmt(t), fmt(nbytes / t / 1e3, "{:.0f}"), fmt(100 * c / t, "{:.0f}%"), fmt(tp),
-            fmt(tp and 100 * c / tp, "{:.0f}%"), fmt(tp and tp / t, "{:.2f}x")]
+            fmt(tp and 100 * c / tp, "{:.0f}%"), fmt(vs, "{:.2f}x")]
 
 
 def peer_2d(name, x, ours_out, dtype):

@@ -15,19 +15,49 @@ def bench_us(fn: Callable[[], object], warmup_ms: int = 30, rep_ms: int = 200) -
     return 1000.0 * do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")
 
 
+def bench_interleaved_us(fns: Sequence[Callable[[], object]], rounds: int = 5, rep_ms: int = 60):
+    """Several callables measured in alternation: `rounds` short do_bench runs each
+    (fn 0, fn 1, ..., then again), so clock and thermal drift over the run reach every
+    callable alike (the same op timed twice back to back has differed by 5%). Returns
+    (median µs of each, median over the rounds of each one's time / fn 0's time of the
+    same round)."""
+    from statistics import median
+
+    runs = [[] for _ in fns]
+    for _ in range(rounds):
+        for i, fn in enumerate(fns):
+            runs[i].append(bench_us(fn, warmup_ms=10, rep_ms=rep_ms))
+    ratios = [median(t / t0 for t, t0 in zip(r, runs[0])) for r in runs]
+    return [median(r) for r in runs], ratios
+
+
+def copy_fn(total_bytes: int) -> Callable[[], object]:
+    """A device-to-device copy that reads and writes total_bytes in all (total_bytes / 2
+    each way): the bandwidth roofline for the same traffic."""
+    n = max(total_bytes // 2, 1)
+    src = torch.empty(n, dtype=torch.uint8, device="cuda").random_()
+    dst = torch.empty_like(src)
+    return lambda: dst.copy_(src)
+
+
+def bench_vs_copy_us(ours: Callable[[], object], total_bytes: int, peer: Optional[Callable[[], object]] = None):
+    """ours, a device copy of the same traffic (as copy_us) and the peer (if any), timed
+    in alternation (bench_interleaved_us). Returns (ours µs, copy µs, peer µs or None,
+    peer / ours: the median of the per-round ratios, or None)."""
+    fns = [ours, copy_fn(total_bytes)] + ([peer] if peer else [])
+    ts, ratios = bench_interleaved_us(fns)
+    return ts[0], ts[1], (ts[2] if peer else None), (ratios[2] if peer else None)
+
+
 _copy_cache = {}
 
 
 def copy_us(total_bytes: int) -> float:
     """Time of a device-to-device copy that reads and writes total_bytes in all
     (total_bytes / 2 each way), the bandwidth roofline for the same traffic."""
-    n = max(total_bytes // 2, 1)
-    if n not in _copy_cache:
-        src = torch.empty(n, dtype=torch.uint8, device="cuda").random_()
-        dst = torch.empty_like(src)
-        _copy_cache[n] = bench_us(lambda: dst.copy_(src))
-        del src, dst
-    return _copy_cache[n]
+    if total_bytes not in _copy_cache:
+        _copy_cache[total_bytes] = bench_us(copy_fn(total_bytes))
+    return _copy_cache[total_bytes]
 
 
 def torchao_gmm():

@@ -100,6 +100,7 @@ for t in (xm, xm[:, 32:], xm.t().contiguous().t()):
     attempt(moe_fp8_ext.quantize_blockwise_act_lhs, t, torch.float8_e4m3fnuz)
 attempt(moe_fp8_ext.quantize_mxfp8_experts, torch.randn(3, 64, 130, device="cuda"), "rceil", True)
 attempt(moe_fp8_ext.quantize_mxfp8_experts, torch.randn(3, 130, 64, device="cuda").transpose(1, 2), "rceil", True)
+attempt(moe_fp8_ext.quantize_mxfp8_experts, torch.randn(3, 256, 64, device="cuda").transpose(1, 2), "rceil", True)  # one blocked matrix
 attempt(moe_fp8_ext.to_blocked_scales, torch.ones(3, 130, 5, dtype=torch.uint8, device="cuda").view(torch.float8_e8m0fnu))
 # The blockwise grouped GEMMs (sm90 only): their per-group problem table is built on the
 # device from the same garbage offs (clamped; a wgrad group not starting at a multiple of

@@ -396,7 +396,7 @@ def test_colwise_padded(request, device, dtype, blocked, alignment, case):
 @pytest.mark.parametrize("dtype", IN_DTYPES)
 @pytest.mark.parametrize("rounding", ROUNDINGS)
 @pytest.mark.parametrize("blocked", [False, True])
-@pytest.mark.parametrize("shape", [(1, 32, 1), (3, 96, 7), (2, 128, 130), (1, 64, 300), (2, 0, 5), (0, 32, 8)])
+@pytest.mark.parametrize("shape", [(1, 32, 1), (3, 96, 7), (2, 128, 130), (1, 64, 300), (2, 0, 5), (0, 32, 8), (3, 64, 256)])
 def test_experts(device, dtype, rounding, blocked, shape):
     for b_t in layouts_3d(*shape, dtype, device):
         poison(device)
