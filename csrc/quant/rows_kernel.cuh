@@ -851,9 +851,10 @@ int launch_quantize_rows_blocked(const RowsArgs& a, gpuStream_t stream) {
   // Blocks an SM (launch bounds): the plain instance fits 9 in 48-56 registers without
   // spilling (the one kernel for both took 72, 7 an SM: +5.6% over plain scales at
   // (16384, 2048) on H100 against +1.0..2.3% now); the M-group one takes 72 for 7 (capped
-  // at 64 for 8 it spilled and ran 3-7% slower).
-  if (mgroups) return launch(quantize_rows_blocked_kernel<K, F, Rule, kBlock, true, 7>);
-  return launch(quantize_rows_blocked_kernel<K, F, Rule, kBlock, false, 9>);
+  // at 64 for 8 it spilled and ran 3-7% slower). ROCm: no target (hipcc reads the bound as
+  // waves an EU, which these kernels do not meet), as before the split.
+  if (mgroups) return launch(quantize_rows_blocked_kernel<K, F, Rule, kBlock, true, kRocm ? 1 : 7>);
+  return launch(quantize_rows_blocked_kernel<K, F, Rule, kBlock, false, kRocm ? 1 : 9>);
 }
 
 template <InputKind K, Fp8Format F, class Rule, int kBlock, class Layout>
