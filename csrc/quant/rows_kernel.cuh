@@ -830,7 +830,8 @@ int launch_quantize_rows_blocked(const RowsArgs& a, gpuStream_t stream) {
   // Per-expert matrices of whole tile rows, back to back, are one blocked matrix of all
   // the rows (the same bytes in the same places): one segment, so no unit divides by
   // the segment size.
-  if (segments > 1 && a.rows_inner % 128 == 0 && a.scale.seg_stride == seg_rows * cp) {
+  if (segments > 1 && a.rows == segments * a.rows_inner && a.rows_inner % 128 == 0 &&
+      a.scale.seg_stride == seg_rows * cp) {
     seg_rows = a.rows;
     segments = 1;
     p.seg_valid = a.rows;
