@@ -545,17 +545,19 @@ struct TilePlan {
 // tile o / 16, i = o % 16; j = 2 * (offset / 32) + parity.
 MOE_FP8_HD uint32_t octet_row(uint32_t o, uint32_t j) { return (o / 16) * 128 + (j / 2) * 32 + (o % 16) * 2 + (j % 2); }
 
-// M groups: the token group whose blocked rows hold blocked row br (the last group
-// starting at or before it), and its reduction rows. A lane's blocked rows only grow
-// from unit to unit, so after a binary search for the first one the group is found
-// by walking forward from the last one.
-struct GroupCursor {
-  int g = -1;  // -1: not placed yet
-  int32_t start = 0, end = 0;  // clamped int32 offsets
+// M groups: each token group's first blocked row (starts[g]), from group_starts or
+// from the block's own table in shared memory; one int32 of state a lane (the group
+// of its last unit), so that the M-group instance fits 64 registers (8 blocks an SM).
+struct GroupStarts {
+  const int32_t* global;  // a.group_starts, or null: `local` (shared memory)
+  const int32_t* local;
+  MOE_FP8_DEVICE int32_t operator[](int g) const { return global != nullptr ? global[g] : local[g]; }
 };
 
-MOE_FP8_HD void place_group(const RowsArgs& a, const int32_t* starts, int64_t br, GroupCursor* c) {
-  int g = c->g;
+// The token group whose blocked rows hold blocked row br (the last group starting at or
+// before it; 0 if none). A lane's blocked rows only grow from unit to unit, so after a
+// binary search for the first one (*g < 0) the group is found by walking forward.
+MOE_FP8_DEVICE int place_group(const RowsArgs& a, const GroupStarts& starts, int64_t br, int g) {
   if (g < 0) {
     int lo = 0, hi = a.groups - 1;
     while (lo < hi) {
@@ -563,45 +565,41 @@ MOE_FP8_HD void place_group(const RowsArgs& a, const int32_t* starts, int64_t br
       if (starts[mid] <= br) lo = mid;
       else hi = mid - 1;
     }
-    g = lo;
-  } else {
-    while (g + 1 < a.groups && starts[g + 1] <= br) ++g;
+    return lo;
   }
-  if (g != c->g) {
-    c->g = g;
-    int64_t lo, hi;
-    group_range(a.offs, g, a.rows_inner, &lo, &hi);
-    c->start = static_cast<int32_t>(lo);
-    c->end = static_cast<int32_t>(hi);
-  }
+  while (g + 1 < a.groups && starts[g + 1] <= br) ++g;
+  return g;
 }
 
 // The segment-local reduction row whose scales are blocked row br, or -1 (padding);
-// `starts`: each token group's first blocked row (M groups).
+// *g: the lane's group cursor (M groups).
 template <bool kMGroups>
-MOE_FP8_HD int64_t blocked_row_source(const RowsArgs& a, const TilePlan& p, const int32_t* starts, int64_t br,
-                                      GroupCursor* c) {
+MOE_FP8_DEVICE int64_t blocked_row_source(const RowsArgs& a, const TilePlan& p, const GroupStarts& starts, int64_t br,
+                                          int* g) {
   if constexpr (!kMGroups) return br < p.seg_valid ? br : -1;
   if (a.groups <= 0) return -1;
-  place_group(a, starts, br, c);
-  const int64_t i = br - starts[c->g];
-  return i >= 0 && i < c->end - c->start ? c->start + i : -1;
+  *g = place_group(a, starts, br, *g);
+  int64_t lo, hi;
+  group_range(a.offs, *g, a.rows_inner, &lo, &hi);  // cached: every lane of the block reads these
+  const int64_t i = br - starts[*g];
+  return i >= 0 && i < hi - lo ? lo + i : -1;
 }
 
 // kMGroups: the M-group layout (a.scale.groups == kMGroups), its own instance so that the
-// plain one carries none of its state.
+// plain one carries none of its state; a third stage takes its guessed first unit (below).
+// M groups without group_starts: the groups' first blocked rows in dynamic shared
+// memory (a.groups int32, at most kRowsLocalGroups).
 template <InputKind K, Fp8Format F, class Rule, int kBlock, bool kMGroups, int kMinBlocks>
 __global__ void __launch_bounds__(kTileThreads, kMinBlocks) quantize_rows_blocked_kernel(RowsArgs a, TilePlan p) {
   using TG = TileGeometry<K, kBlock>;
   using G = typename TG::G;
   using T = typename G::T;
   static_assert(sizeof(typename Rule::stored_t) == 1, "blocked scales are E8M0 bytes");
-  // M groups: a third stage takes the guessed first unit (below)
   __shared__ uint4 stage[kTileStages + (kMGroups ? 1 : 0)][8 * TG::kSliceVecs];
   __shared__ uint4 sectors[TG::kSliceSectors * 2];
   __shared__ uint32_t s_red[kMaxWarpsPerBlock + 1];
-  __shared__ int32_t s_starts[kRowsLocalGroups];
   __shared__ int64_t s_scan[kMaxWarpsPerBlock];
+  extern __shared__ int32_t s_group_starts[];
   const T* x = static_cast<const T*>(a.x);
   const int j = static_cast<int>(threadIdx.x) / TG::kRowLanes;   // this lane's octet row
   const int lane = static_cast<int>(threadIdx.x) % TG::kRowLanes;
@@ -626,20 +624,19 @@ __global__ void __launch_bounds__(kTileThreads, kMinBlocks) quantize_rows_blocke
   // of offs, the scan, the tail zeroing), into a stage of its own, on the guess that it
   // lies in group 0, where blocked row = reduction row. A row whose guess was wrong
   // loads its unit into stage 0 after the prologue, without waiting for the guessed
-  // copies (they land in their own stage, never read).
+  // copies (they land in their own stage, never read; the rows they bring into L2 are
+  // read soon by the blocks whose rows they are: with no guess at all the op ran 4-5%
+  // slower at (16384, 2048) on H100, even where every guess was wrong).
   // offs is read first, so that its latency overlaps the guessed copies.
   constexpr bool mgroups = kMGroups;
   const bool has_group = mgroups && static_cast<int>(threadIdx.x) < a.groups;
   const int32_t own_off = has_group ? a.offs[threadIdx.x] : 0;
-  int64_t guess = -1;
-  uint32_t guess_slice = 0;
+  int32_t guess = -1;  // rows <= INT32_MAX (run_rows)
   if constexpr (mgroups) {
-    const uint32_t u0 = blockIdx.x;
-    const uint32_t oct = u0 / p.slices;
+    const uint32_t oct = blockIdx.x / p.slices;
     const int64_t br = oct < p.seg_octets ? int64_t{octet_row(oct, static_cast<uint32_t>(j))} : a.rows;
-    guess = br < a.rows ? br : -1;
-    guess_slice = u0 - oct * p.slices;
-    issue(guess, guess_slice, kTileStages);
+    guess = br < a.rows ? static_cast<int32_t>(br) : -1;
+    issue(guess, blockIdx.x - oct * p.slices, kTileStages);
   }
   // M groups: the reduction rows past every group (from the largest clamped group end)
   // follow the octets as units of eight consecutive rows.
@@ -648,29 +645,29 @@ __global__ void __launch_bounds__(kTileThreads, kMinBlocks) quantize_rows_blocke
   // The blocked rows past the groups' padded rows (from `used`, a multiple of 128, up to
   // the static bound M + 128 G) hold no scales: they are zeroed by plain 16-byte stores,
   // not walked as octet units (up to 128 G rows of the pipeline for nothing).
-  int64_t tail_start = a.rows;
-  const int32_t* starts = a.group_starts;
+  // Unit counts and rows fit int32 here (the launcher's bound, run_rows' row check).
+  int32_t tail_start = static_cast<int32_t>(a.rows);
+  const GroupStarts starts{a.group_starts, s_group_starts};
   uint32_t units = p.units;  // octet units walked (M groups: those of the groups' rows)
   if constexpr (mgroups) {
     uint32_t end = has_group ? static_cast<uint32_t>(clamp_offset(own_off, a.rows_inner)) : 0u;
     for (int64_t g = threadIdx.x + blockDim.x; g < a.groups; g += blockDim.x) {
       end = umax(end, static_cast<uint32_t>(clamp_offset(a.offs[g], a.rows_inner)));
     }
-    tail_start = block_max(end, s_red);
+    tail_start = static_cast<int32_t>(block_max(end, s_red));
     int64_t used = 0;
-    if (starts == nullptr && a.groups <= kRowsLocalGroups) {
+    if (a.group_starts == nullptr) {  // at most kRowsLocalGroups groups (the launcher)
       used = block_exclusive_scan(
           [&](int g) {
             int64_t lo, hi;
             group_range(a.offs, g, a.rows_inner, &lo, &hi);
             return blocked_group_extent(a.scale, lo, hi);
           },
-          a.groups, s_starts, s_scan);
-      starts = s_starts;
-    } else if (starts != nullptr && a.groups > 0) {
+          a.groups, s_group_starts, s_scan);
+    } else if (a.groups > 0) {
       int64_t lo, hi;
       group_range(a.offs, a.groups - 1, a.rows_inner, &lo, &hi);
-      used = starts[a.groups - 1] + blocked_group_extent(a.scale, lo, hi);
+      used = a.group_starts[a.groups - 1] + blocked_group_extent(a.scale, lo, hi);
     }
     const int64_t seg_rows = static_cast<int64_t>(p.seg_octets) * 8;
     used = used < 0 ? 0 : (used < seg_rows ? used : seg_rows);  // bad offs: stay in the buffer
@@ -686,39 +683,55 @@ __global__ void __launch_bounds__(kTileThreads, kMinBlocks) quantize_rows_blocke
       }
     }
   }
-  const int64_t total = units + ceil_div(a.rows - tail_start, int64_t{8}) * p.slices;
+  // units, rows and the walk fit 32 bits (the launcher's bound, run_rows' row check)
+  // M groups: the walk's bounds live in shared memory, read where used (registers: the
+  // instance fits 8 blocks an SM)
+  __shared__ uint32_t s_walk[3];  // units, total, first tail row
+  if constexpr (mgroups) {
+    if (threadIdx.x == 0) {
+      s_walk[0] = units;
+      s_walk[1] = units + static_cast<uint32_t>(ceil_div(a.rows - tail_start, int64_t{8})) * p.slices;
+      s_walk[2] = static_cast<uint32_t>(tail_start);
+    }
+    __syncthreads();
+  }
+  auto walk = [&](int k) -> uint32_t {
+    if constexpr (mgroups) return static_cast<const volatile uint32_t*>(s_walk)[k];
+    return k == 0 ? p.units : (k == 1 ? p.units : static_cast<uint32_t>(a.rows));
+  };
   // Unit u: this lane's reduction row (-1: none) and the slice; called for the CTA's
   // units in order.
-  GroupCursor cursor;
-  auto unit_row = [&](int64_t u, uint32_t* slice) -> int64_t {
+  int cursor = -1;  // M groups: the group of this lane's last unit
+  auto unit_row = [&](uint32_t u, uint32_t* slice) -> int32_t {
+    const uint32_t oct = u / p.slices;
+    *slice = u - oct * p.slices;
+    const uint32_t units = walk(0);
     if (u < units) {
-      const uint32_t oct = static_cast<uint32_t>(u) / p.slices;
-      *slice = static_cast<uint32_t>(u) - oct * p.slices;
       const uint32_t seg = p.segments == 1 ? 0u : oct / p.seg_octets;
       const int64_t src =
           blocked_row_source<kMGroups>(a, p, starts, octet_row(oct - seg * p.seg_octets, static_cast<uint32_t>(j)), &cursor);
-      return src < 0 ? -1 : seg * a.rows_inner + src;
+      return src < 0 ? -1 : static_cast<int32_t>(seg * a.rows_inner + src);
     }
-    const int64_t k = (u - units) / p.slices;
-    *slice = static_cast<uint32_t>(u - units - k * p.slices);
-    const int64_t r = tail_start + 8 * k + j;
-    return r < a.rows ? r : -1;
+    // tail rows: units is a multiple of the slices
+    const int64_t r = walk(2) + 8 * static_cast<int64_t>(oct - units / p.slices) + j;
+    return r < a.rows ? static_cast<int32_t>(r) : -1;
   };
   static_assert(kTileStages == 2, "the loop below keeps one unit ahead");
-  int64_t u = blockIdx.x;
+  uint32_t u = blockIdx.x;
   uint32_t slice = 0;
-  int64_t r = u < total ? unit_row(u, &slice) : -1;
-  // the stage of the first unit: the guessed one when the guess holds (per octet row:
-  // a row of padding reads nothing, so its guess never matters)
-  const bool guessed = mgroups && r >= 0 && r == guess && slice == guess_slice;
+  int32_t r = u < walk(1) ? unit_row(u, &slice) : -1;
+  // The first unit's data: the guessed copies when the guess holds (per octet row: a row
+  // of padding reads nothing, so its guess never matters; the slice is the guessed one,
+  // blockIdx.x's, whenever blockIdx.x < units).
+  const bool guessed = mgroups && r >= 0 && r == guess && u < walk(0);
   if (guessed) {
     async_copy_commit();
   } else {
     issue(r, slice, 0);
   }
-  for (int64_t i = 0; u < total; ++i, u += gridDim.x) {
+  for (uint32_t i = 0; u < walk(1); ++i, u += gridDim.x) {
     uint32_t next_slice = 0;
-    const int64_t next_r = u + gridDim.x < total ? unit_row(u + gridDim.x, &next_slice) : -1;
+    const int32_t next_r = u + gridDim.x < walk(1) ? unit_row(u + gridDim.x, &next_slice) : -1;
     issue(next_r, next_slice, static_cast<int>((i + 1) % kTileStages));
     async_copy_wait<kTileStages - 1>();
     __syncthreads();
@@ -733,7 +746,7 @@ __global__ void __launch_bounds__(kTileThreads, kMinBlocks) quantize_rows_blocke
                    : make_uint4(0, 0, 0, 0);
     }
     const auto sc = encode_ring_unit<K, F, Rule, kBlock>(w, r >= 0 ? q_row_at(a, row_pos(a, r)) : a.q, k0, a.cols, r >= 0);
-    const bool octet = u < units;
+    const bool octet = u < walk(0);
     if (octet && lane % G::kLanes == 0) {
       // the block's byte in its sector: row j's word at 16 * (j % 2) + 4 * (j / 2)
       const int b = lane / G::kLanes;
@@ -844,17 +857,24 @@ int launch_quantize_rows_blocked(const RowsArgs& a, gpuStream_t stream) {
   p.seg_octets = static_cast<uint32_t>(seg_rows / 8);
   p.segments = static_cast<uint32_t>(segments);
   p.units = static_cast<uint32_t>(units);
+  // M groups without group_starts: the block's table of group starts (dynamic shared memory)
+  const size_t smem = mgroups && a.group_starts == nullptr ? static_cast<size_t>(a.groups) * sizeof(int32_t) : 0;
   auto launch = [&](auto kernel) {
-    const int64_t resident = static_cast<int64_t>(resident_blocks(kernel, TG::kThreads, 0)) * multiprocessor_count();
+    const int64_t resident = static_cast<int64_t>(resident_blocks(kernel, TG::kThreads, smem)) * multiprocessor_count();
     const dim3 grid(static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>(bound, resident))));
-    return launch_kernel(kernel, grid, dim3(TG::kThreads), 0, stream, 1, a, p);
+    return launch_kernel(kernel, grid, dim3(TG::kThreads), smem, stream, 1, a, p);
   };
   // Blocks an SM (launch bounds): the plain instance fits 9 in 48-56 registers without
   // spilling (the one kernel for both took 72, 7 an SM: +5.6% over plain scales at
-  // (16384, 2048) on H100 against +1.0..2.3% now); the M-group one takes 72 for 7 (capped
-  // at 64 for 8 it spilled and ran 3-7% slower). ROCm: no target (hipcc reads the bound as
-  // waves an EU, which these kernels do not meet), as before the split.
-  if (mgroups) return launch(quantize_rows_blocked_kernel<K, F, Rule, kBlock, true, kRocm ? 1 : 7>);
+  // (16384, 2048) on H100 against +1.0..2.3% now). The M-group instance fits 8 in 64
+  // (the walk's bounds in shared memory, 32-bit rows, its group starts in dynamic shared
+  // memory sized by the groups: 25 KB a block with the guess's stage). Against 7 an SM in
+  // 72 registers it ran 1-2 points faster over plain scales at every shape but (16384,
+  // 2048), where it was equal (H100, two interleaved runs); 9 an SM (56 registers, no
+  // spare stage: a wrong guess waits for its copies) was 1-4 points slower at the larger
+  // shapes. ROCm: no target (hipcc reads the bound as waves an EU, which these kernels do
+  // not meet), as before the split.
+  if (mgroups) return launch(quantize_rows_blocked_kernel<K, F, Rule, kBlock, true, kRocm ? 1 : 8>);
   return launch(quantize_rows_blocked_kernel<K, F, Rule, kBlock, false, kRocm ? 1 : 9>);
 }
 
