@@ -49,8 +49,10 @@ def same_as_ours(theirs, ours):
 def row(name, shape, nbytes, ours, peer_make):
     peer = try_peer(peer_make) if peer_make else None
     t, c, tp, vs = bench_vs_copy_us(ours, nbytes, peer)
-    return [name, shape, fmt(t), fmt(nbytes / t / 1e3, "{:.0f}"), fmt(100 * c / t, "{:.0f}%"), fmt(tp),
-            fmt(tp and 100 * c / tp, "{:.0f}%"), fmt(vs, "{:.2f}x")]
+    cells = [name, shape, fmt(t), fmt(nbytes / t / 1e3, "{:.0f}"), fmt(100 * c / t, "{:.0f}%"), fmt(tp),
+             fmt(tp and 100 * c / tp, "{:.0f}%"), fmt(vs, "{:.2f}x")]
+    print("  " + " | ".join(cells), flush=True)  # as it goes: the table prints at the end
+    return cells
 
 
 def peer_2d(name, x, ours_out, dtype):

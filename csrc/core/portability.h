@@ -133,11 +133,14 @@ MOE_FP8_DEVICE void async_copy_16(void* smem_dst, const void* gmem_src) {
 
 // 4-byte global -> shared copy that bypasses registers (cp.async, sm80+ CUDA), or zeros
 // when !valid (no global read then): many in flight per thread without registers or
-// branches. Completed like async_copy_16. src must be 4-byte aligned when valid.
+// branches. Completed like async_copy_16. src must be 4-byte aligned when valid; when
+// not, it is rounded down to 4 bytes (no byte is read, but cp.async takes an address
+// aligned to its copy size whatever the size it reads).
 MOE_FP8_DEVICE void async_copy_4_or_zero(uint32_t* smem_dst, const void* gmem_src, bool valid) {
 #if !defined(USE_ROCM) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem_dst));
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(gmem_src), "r"(valid ? 4 : 0)
+  const uintptr_t src = reinterpret_cast<uintptr_t>(gmem_src) & (valid ? ~uintptr_t{0} : ~uintptr_t{3});
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 4 : 0)
                : "memory");
 #else
   *smem_dst = valid ? *static_cast<const uint32_t*>(gmem_src) : 0u;

@@ -556,7 +556,7 @@ struct GroupStarts {
 
 // The token group whose blocked rows hold blocked row br (the last group starting at or
 // before it; 0 if none). A lane's blocked rows only grow from unit to unit, so after a
-// binary search for the first one (*g < 0) the group is found by walking forward.
+// binary search for the first one (g < 0) the group is found by walking forward from g.
 MOE_FP8_DEVICE int place_group(const RowsArgs& a, const GroupStarts& starts, int64_t br, int g) {
   if (g < 0) {
     int lo = 0, hi = a.groups - 1;
@@ -580,7 +580,7 @@ MOE_FP8_DEVICE int64_t blocked_row_source(const RowsArgs& a, const TilePlan& p, 
   if (a.groups <= 0) return -1;
   *g = place_group(a, starts, br, *g);
   int64_t lo, hi;
-  group_range(a.offs, *g, a.rows_inner, &lo, &hi);  // cached: every lane of the block reads these
+  group_range(a.offs, *g, a.rows_inner, &lo, &hi);  // L1 hits: every lane of the block reads these
   const int64_t i = br - starts[*g];
   return i >= 0 && i < hi - lo ? lo + i : -1;
 }
@@ -867,8 +867,9 @@ int launch_quantize_rows_blocked(const RowsArgs& a, gpuStream_t stream) {
   // Blocks an SM (launch bounds): the plain instance fits 9 in 48-56 registers without
   // spilling (the one kernel for both took 72, 7 an SM: +5.6% over plain scales at
   // (16384, 2048) on H100 against +1.0..2.3% now). The M-group instance fits 8 in 64
-  // (the walk's bounds in shared memory, 32-bit rows, its group starts in dynamic shared
-  // memory sized by the groups: 25 KB a block with the guess's stage). Against 7 an SM in
+  // (the walk's bounds in shared memory, 32-bit rows; a 4-byte spill in the 16-bit Rceil
+  // instances) and in shared memory up to about 760 groups (25 KB a block with the
+  // guess's stage, plus its group starts, 4 bytes a group; 7 an SM above). Against 7 an SM in
   // 72 registers it ran 1-2 points faster over plain scales at every shape but (16384,
   // 2048), where it was equal (H100, two interleaved runs); 9 an SM (56 registers, no
   // spare stage: a wrong guess waits for its copies) was 1-4 points slower at the larger
