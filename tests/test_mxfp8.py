@@ -627,7 +627,11 @@ def test_large_same_as_cpu(rounding, blocked):
     offs32 = random_offs(8192, 64, alignment=32, generator=torch.Generator().manual_seed(2))
     if blocked:
         same_as_cpu(lambda t, o: moe_fp8_ext.quantize_mxfp8_rowwise(t, rounding, True, o), x, offs)
-        # above kRowsLocalGroups (1024) groups the kernel reads the op's start table
+        # up to kRowsLocalGroups (1024) groups the kernel sums the starts into dynamic
+        # shared memory (4 bytes a group: 1000 groups take the 7-blocks-an-SM launch)
+        local = random_offs(8192, 1000, generator=torch.Generator().manual_seed(5))
+        same_as_cpu(lambda t, o: moe_fp8_ext.quantize_mxfp8_rowwise(t, rounding, True, o), x[:, :256], local)
+        # above kRowsLocalGroups groups the kernel reads the op's start table
         many = random_offs(8192, 1500, generator=torch.Generator().manual_seed(3))
         same_as_cpu(lambda t, o: moe_fp8_ext.quantize_mxfp8_rowwise(t, rounding, True, o), x[:, :256], many)
         # K groups: each warp sums the widths of the groups before its own, 32 a step
