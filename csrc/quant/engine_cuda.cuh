@@ -71,6 +71,12 @@ void run_cols(InputKind in, Fp8Format fmt, const QuantSpec& spec, const ColsArgs
                                          supports_clusters(device), spec.block);
   const bool whole = spec.block == kWholeSet;
   const char* override_plan = std::getenv(whole ? "MOE_FP8_COLS_PLAN" : "MOE_FP8_COLS_BLOCK_PLAN");
+  if (override_plan == nullptr && !whole && a.jagged && a.num_segments > 0) {
+    const int64_t elem = in == InputKind::kFP32 ? 4 : 2;
+    int64_t tiles = 0;
+    for (int i = 0; i < a.num_ops; ++i) tiles += ceil_div(a.op[i].cols * elem, int64_t{kColsTileBytes});
+    plan_cols_group_slices(segments, tiles, &plan);
+  }
   if (override_plan != nullptr) {
     plan = cols_plan_override(override_plan, device, !whole);
     TORCH_CHECK(static_cast<int64_t>(segments) * plan.cluster <= 65535, "moe_fp8: ",
