@@ -260,8 +260,8 @@ __global__ void __launch_bounds__(kColsThreads, kColsMinBlocks)
   // segment's first q row), so the slices of a segment are independent.
   constexpr int kSliceUnit = kBlock == kWholeSet ? kColsFragRows : kBlock;
   // Block mode over token groups (slice_rows > 0): each segment takes as many of its
-  // `cluster` blocks as slices of about slice_rows rows need (the rest get no rows), so
-  // a large group is spread over more blocks than a small one.
+  // `cluster` blocks as slices of about slice_rows rows need, at most all of them (the
+  // rest get no rows), so a large group is spread over more blocks than a small one.
   const int slices = slice_rows > 0 ? std::max(1, std::min(cluster, static_cast<int>(ceil_div_u32(q_len, slice_rows))))
                                     : cluster;
   const int chunk = static_cast<int>(round_up_u32(ceil_div_u32(q_len, slices), kSliceUnit));
@@ -475,8 +475,8 @@ inline ColsLaunchPlan plan_cols_launch(int64_t expected_rows, int num_segments, 
 // Block mode over token groups: the plan above gives every group the slices of the
 // mean group, so a group several times the mean has blocks that walk several times the
 // rows of the others' (router-like groups of up to 2464 rows at (65536, 2048, G=64):
-// two 1232-row slices). Instead each group gets up to twice the mean's slices (at
-// least one more), and uses as many as slices of about kColsBlockSliceRows rows need;
+// two slices of about 1232 rows). Instead each group gets up to twice the mean's
+// slices, and uses as many as slices of about kColsBlockSliceRows rows need;
 // its other blocks have no rows (quantize_cols_kernel). Only for narrow operands (at
 // most kColsGroupSlicesMaxTiles column tiles). Measured on H100 (same-run A/B against
 // the plan above, router-like groups): 2048 bf16 columns, MXFP8 colwise G=64 79% -> 82%
@@ -486,7 +486,7 @@ inline ColsLaunchPlan plan_cols_launch(int64_t expected_rows, int num_segments, 
 constexpr int64_t kColsGroupSlicesMaxTiles = 32;
 inline void plan_cols_group_slices(int segments, int64_t col_tiles, ColsLaunchPlan* plan) {
   if (col_tiles > kColsGroupSlicesMaxTiles) return;
-  const int64_t most = std::min<int64_t>(std::max(2 * plan->cluster, plan->cluster + 1), 65535 / std::max(segments, 1));
+  const int64_t most = std::min<int64_t>(2 * int64_t{plan->cluster}, 65535 / std::max(segments, 1));
   if (most <= plan->cluster) return;
   plan->cluster = static_cast<int>(most);
   plan->slice_rows = static_cast<int>(kColsBlockSliceRows);
