@@ -484,6 +484,13 @@ inline ColsLaunchPlan plan_cols_launch(int64_t expected_rows, int num_segments, 
 // and 7168 columns lost 2-7% (MXFP8 colwise G=8/16 84-85% -> 80-82%, act_rhs G=8 88% ->
 // 85%), so wider operands keep the plan above.
 constexpr int64_t kColsGroupSlicesMaxTiles = 32;
+
+// Column tiles of a launch (grid.x): tile_cols columns of each operand row a block, the
+// second operand's tiles after the first's.
+inline int64_t cols_launch_tiles(const ColsArgs& a, int64_t tile_cols) {
+  return ceil_div(a.op[0].cols, tile_cols) + (a.num_ops == 2 ? ceil_div(a.op[1].cols, tile_cols) : 0);
+}
+
 inline void plan_cols_group_slices(int segments, int64_t col_tiles, ColsLaunchPlan* plan) {
   if (col_tiles > kColsGroupSlicesMaxTiles) return;
   const int64_t most = std::min<int64_t>(2 * int64_t{plan->cluster}, 65535 / std::max(segments, 1));
@@ -496,8 +503,7 @@ template <InputKind K, Fp8Format F, class Rule, int kBlock, class Layout>
 int launch_quantize_cols(const ColsArgs& a, ColsLaunchPlan plan, gpuStream_t stream) {
   using T = typename DeviceInput<K>::storage;
   constexpr int kTileCols = kColsTileBytes / sizeof(T);
-  int64_t tiles = ceil_div(a.op[0].cols, kTileCols);
-  if (a.num_ops == 2) tiles += ceil_div(a.op[1].cols, kTileCols);
+  const int64_t tiles = cols_launch_tiles(a, kTileCols);
   if (tiles == 0) return 0;
   bool vec = cols_vector_ok<T>(a.op[0]);
   if (a.num_ops == 2) vec = vec && cols_vector_ok<T>(a.op[1]);

@@ -72,10 +72,8 @@ void run_cols(InputKind in, Fp8Format fmt, const QuantSpec& spec, const ColsArgs
   const bool whole = spec.block == kWholeSet;
   const char* override_plan = std::getenv(whole ? "MOE_FP8_COLS_PLAN" : "MOE_FP8_COLS_BLOCK_PLAN");
   if (override_plan == nullptr && !whole && a.jagged && a.num_segments > 0) {
-    const int64_t elem = in == InputKind::kFP32 ? 4 : 2;
-    int64_t tiles = 0;
-    for (int i = 0; i < a.num_ops; ++i) tiles += ceil_div(a.op[i].cols * elem, int64_t{kColsTileBytes});
-    plan_cols_group_slices(segments, tiles, &plan);
+    const int64_t tile_cols = kColsTileBytes / (in == InputKind::kFP32 ? 4 : 2);  // as ColsGeometry's
+    plan_cols_group_slices(segments, cols_launch_tiles(a, tile_cols), &plan);
   }
   if (override_plan != nullptr) {
     plan = cols_plan_override(override_plan, device, !whole);
