@@ -297,6 +297,8 @@ ROW_GROUP_CASES = [  # (M, K, G, tail rows past offs[-1])
     (300, 64, 9, 5),
     (257, 32, 1, 0),
     (64, 32, 0, 0),
+    (2000, 64, 32, 3),  # a warp's lanes of groups,
+    (2100, 32, 33, 0),  # and one group more
 ]
 
 

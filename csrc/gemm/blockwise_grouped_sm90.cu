@@ -327,13 +327,21 @@ void run_gemm(const GroupTables<G>& t, int groups, const at::Tensor& like, const
 // 128x128. Pingpong 64x128x128 (each warp group its own tile) measured 15-25% slower on
 // H100 for the benchmark shapes. The cluster is two CTAs that share one operand tile
 // through TMA multicast: 1x2 shares A across two N tiles, 2x1 shares B across two M
-// tiles. The scheduler rounds every group's tile grid up to the cluster, so the pick
-// avoids an odd tile count along the cluster's dimension where the host knows it (N,
-// and K for 2d2d; the groups' M is only on the device). On H100 (balanced groups):
-// N = 1408 (11 tiles) forward 838 TFLOP/s with 2x1 vs 751-812 with 1x2; even tile
-// counts 1x2 and 2x1 within noise.
-using FwdCluster12 = BlockwiseGemm<Shape<_128, _128, _128>, Shape<_1, _2, _1>, false, false>;
+// tiles. The scheduler rounds every group's tile grid up to the cluster.
+// - 2d3d (forward, dgrad): 2x1 where N has an odd number of tiles (1x2 would round every
+//   group up to one more), and where the mean group has at least 16 M tiles (2048 rows);
+//   else 1x2. Under 2x1 a group of an odd number of M tiles runs one tile row for
+//   nothing, which costs about 1 / (4 x its tiles) on average with router-like groups:
+//   under 2% from 16 tiles, against the 1-4% that 2x1's shared weight tiles saved there.
+//   Same-run A/B on H100 (seven interleaved rounds, bench/RESULTS.md), 2x1 against 1x2,
+//   router-like groups padded to 128: (16384, 7168, 2048, 8) forward -1.2%, dgrad -1.1%;
+//   (32768, 5120, 1536, 16) -3.9%, -1.0%; (65536, 2048, 1408, 64), 8 tiles a group, 34
+//   of 64 groups odd: forward (11 N tiles) -3.7%, dgrad +4.3%.
+// - 2d2d (wgrad): 1x2, unless K has an odd and N an even number of tiles (the groups'
+//   tokens are the contraction there, so both tile counts are known on the host). On
+//   the benchmark shapes, which all take 1x2, 2x1 ran 0.5% faster to 8% slower.
 using FwdCluster21 = BlockwiseGemm<Shape<_128, _128, _128>, Shape<_2, _1, _1>, false, false>;
+using FwdCluster12 = BlockwiseGemm<Shape<_128, _128, _128>, Shape<_1, _2, _1>, false, false>;
 using WgradCluster12 = BlockwiseGemm<Shape<_128, _128, _128>, Shape<_1, _2, _1>, false, true>;
 using WgradCluster21 = BlockwiseGemm<Shape<_128, _128, _128>, Shape<_2, _1, _1>, false, true>;
 
@@ -454,8 +462,8 @@ at::Tensor blockwise_grouped_mm_2d3d(const at::Tensor& a, const at::Tensor& scal
   p.snb = snb;
   p.sse = sse;
   p.groups = static_cast<int>(E);
-  // GEMM (M_g, N, K): an odd number of N tiles takes the 2x1 cluster (see the configurations).
-  if (ceil_div(N, kBlock) % 2 == 1) launch_2d3d<FwdCluster21>(p, a, gpu, op);
+  // GEMM (M_g, N, K): the cluster by N's tile count and the mean group (see the configurations).
+  if (NB % 2 == 1 || M >= 16 * kBlock * E) launch_2d3d<FwdCluster21>(p, a, gpu, op);
   else launch_2d3d<FwdCluster12>(p, a, gpu, op);
 #endif
   return out;
