@@ -329,10 +329,11 @@ void run_gemm(const GroupTables<G>& t, int groups, const at::Tensor& like, const
 // through TMA multicast: 1x2 shares A across two N tiles, 2x1 shares B across two M
 // tiles. The scheduler rounds every group's tile grid up to the cluster.
 // - 2d3d (forward, dgrad): 2x1 where N has an odd number of tiles (1x2 would round every
-//   group up to one more), and where the mean group has at least 16 M tiles (2048 rows);
-//   else 1x2. Under 2x1 a group of an odd number of M tiles runs one tile row for
-//   nothing, which costs about 1 / (4 x its tiles) on average with router-like groups:
-//   under 2% from 16 tiles, against the 1-4% that 2x1's shared weight tiles saved there.
+//   group up to one more), and where the mean group (M / E rows) has at least 16 M tiles
+//   (2048 rows); else 1x2. Under 2x1 a group of an odd number of M tiles runs one tile
+//   row for nothing: with router-like groups (about half of them odd) that is about
+//   1 / (2 n) of the work at n tiles a group, 3% at 16 and 6% at 8. At 16 tiles 2x1's
+//   shared weight tiles saved more than that (net 1-4% below), at 8 less (net +4.3%).
 //   Same-run A/B on H100 (seven interleaved rounds, bench/RESULTS.md), 2x1 against 1x2,
 //   router-like groups padded to 128: (16384, 7168, 2048, 8) forward -1.2%, dgrad -1.1%;
 //   (32768, 5120, 1536, 16) -3.9%, -1.0%; (65536, 2048, 1408, 64), 8 tiles a group, 34
