@@ -71,10 +71,8 @@ void run_cols(InputKind in, Fp8Format fmt, const QuantSpec& spec, const ColsArgs
                                          supports_clusters(device), spec.block);
   const bool whole = spec.block == kWholeSet;
   const char* override_plan = std::getenv(whole ? "MOE_FP8_COLS_PLAN" : "MOE_FP8_COLS_BLOCK_PLAN");
-  if (override_plan == nullptr && !whole && a.jagged && a.num_segments > 0) {
-    const int64_t tile_cols = kColsTileBytes / (in == InputKind::kFP32 ? 4 : 2);  // as ColsGeometry's
-    plan_cols_group_slices(segments, cols_launch_tiles(a, tile_cols), &plan);
-  }
+  // Block mode over token groups: slices sized by each group (narrow operands), unless overridden.
+  const bool group_slices = override_plan == nullptr && !whole && a.jagged && a.num_segments > 0;
   if (override_plan != nullptr) {
     plan = cols_plan_override(override_plan, device, !whole);
     TORCH_CHECK(static_cast<int64_t>(segments) * plan.cluster <= 65535, "moe_fp8: ",
@@ -84,8 +82,11 @@ void run_cols(InputKind in, Fp8Format fmt, const QuantSpec& spec, const ColsArgs
   int err = 0;
   const bool ran = dispatch_engine<Rules, Blocks, Layouts>(in, fmt, spec, [&](auto kin, auto kfmt, auto rule, auto block,
                                                                               auto layout) {
-    err = launch_quantize_cols<decltype(kin)::value, decltype(kfmt)::value, decltype(rule), decltype(block)::value,
-                               decltype(layout)>(a, plan, gpu.stream());
+    constexpr InputKind K = decltype(kin)::value;
+    ColsLaunchPlan p = plan;
+    if (group_slices) plan_cols_group_slices(segments, cols_launch_tiles(a, ColsGeometry<K>::kTileCols), &p);
+    err = launch_quantize_cols<K, decltype(kfmt)::value, decltype(rule), decltype(block)::value, decltype(layout)>(
+        a, p, gpu.stream());
   });
   TORCH_CHECK(ran, "moe_fp8: internal error: no GPU cols instantiation for this scale rule, block and layout");
   gpu.check(err, "cols quantization");
