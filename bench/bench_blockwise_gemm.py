@@ -7,7 +7,9 @@ the forward, dgrad and wgrad GEMMs of one grouped linear, beside
 * bf16 ``torch._grouped_mm`` on the same groups.
 
 Shapes (tokens M, dim K, hidden N, experts E), balanced groups of M / E tokens (multiples
-of 128). forward: (M, K) x (E, K, N) -> (M, N); dgrad: (M, N) x (E, N, K) -> (M, K);
+of 128): issue 14's three, then two of one group (one expert's tokens, as with few
+experts a GPU under expert parallelism), where the order of the tiles decides how often
+A is read from DRAM. forward: (M, K) x (E, K, N) -> (M, N); dgrad: (M, N) x (E, N, K) -> (M, K);
 wgrad: (N, M) x (M, K) grouped over the tokens -> (E, N, K). The operands come from
 the quantization ops (not timed). Correctness first: each output's SQNR against the
 bf16 result. Run: python bench/bench_blockwise_gemm.py [--quick]
@@ -25,6 +27,7 @@ sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from common import bench_interleaved_us, fmt, print_table, sqnr, try_peer  # noqa: E402
 
 SHAPES = [(16384, 7168, 2048, 8), (32768, 5120, 1536, 16), (65536, 2048, 1408, 64)]
+ONE_GROUP = [(16384, 7168, 2048, 1), (65536, 2048, 1408, 1)]
 E4M3 = torch.float8_e4m3fn
 
 
@@ -78,7 +81,7 @@ def main():
         return
     torch.manual_seed(0)
     rows = []
-    for m, k, n, e in SHAPES[:1] if args.quick else SHAPES:
+    for m, k, n, e in SHAPES[:1] if args.quick else SHAPES + ONE_GROUP:
         shape = f"({m}, {k}, {n}, {e})"
         flops = 2.0 * m * k * n
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)

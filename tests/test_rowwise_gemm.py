@@ -273,6 +273,24 @@ def test_2d3d_matches_reference(m, k, n, sizes, config):
 
 @requires_sm90
 @pytest.mark.gpu
+@pytest.mark.parametrize("config", [-1, 5])
+def test_2d3d_large_groups_tile_order(config):
+    """Groups whose mean A reaches 32 MiB take the tiles along N (rowwise_grouped_mm_2d3d):
+    that order, with partial M and N tiles and rows past the last group."""
+    g = torch.Generator(device="cuda").manual_seed(7 + config)
+    sizes, k, n = [16520, 16376], 2048, 264
+    m = sum(sizes) + 40
+    assert -(-m // len(sizes)) * k >= 32 << 20  # the pick's bound: this case is along N
+    a, b = fp8(m, k, g=g), fp8(len(sizes), n, k, g=g).transpose(1, 2)
+    sa, sb = scales(m, g=g), scales(len(sizes), n, g=g)
+    offs = offs_from_sizes(sizes, "cuda")
+    poison("cuda")
+    out = rg.rowwise_grouped_mm_2d3d(a, sa, b, sb, offs, config=config)
+    assert_close(out, *reference_2d3d(a, sa, b, sb, offs))
+
+
+@requires_sm90
+@pytest.mark.gpu
 def test_2d3d_strided_rows():
     g = torch.Generator(device="cuda").manual_seed(1)
     m, k, n, e = 500, 256, 256, 3

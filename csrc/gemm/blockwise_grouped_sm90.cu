@@ -40,6 +40,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 
 #include "../core/groups.h"
 #include "../core/launch.h"
@@ -61,6 +62,7 @@
 #pragma nv_diagnostic pop
 
 #include "grouped_gemm_common.h"
+#include "pipelined_promotion.cuh"
 #include "scale_layouts_from_args.cuh"
 
 // The CUTLASS kernels need nvcc 12.3+ (Hopper TMA descriptor updates on the device).
@@ -123,7 +125,7 @@ struct BlockwiseGemm {
       ElementB, cute::tuple<LayoutB*, ScaleLayoutB*>, kAlignAB, float, TileShape, ClusterShape,
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
       MainloopSchedule>::CollectiveOp;
-  using Mainloop = ScaleLayoutsFromArgs<CutlassMainloop>;
+  using Mainloop = PipelinedPromotion<ScaleLayoutsFromArgs<CutlassMainloop>>;
 
   using Kernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, Mainloop, Epilogue>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
@@ -283,7 +285,8 @@ __global__ void build_tables_2d2d(GroupTables<G> t, Args2d2d p) {
 // ---- running one grouped GEMM -----------------------------------------------------------
 
 template <class G>
-void run_gemm(const GroupTables<G>& t, int groups, const at::Tensor& like, const GpuLaunch& gpu, const char* op) {
+void run_gemm(const GroupTables<G>& t, int groups, bool raster_along_n, const at::Tensor& like, const GpuLaunch& gpu,
+              const char* op) {
   using Gemm = typename G::Gemm;
   typename Gemm::Arguments args;
   args.mode = cutlass::gemm::GemmUniversalMode::kGrouped;
@@ -304,8 +307,18 @@ void run_gemm(const GroupTables<G>& t, int groups, const at::Tensor& like, const
   args.epilogue.dC = nullptr;
   args.epilogue.ptr_D = t.d;
   args.epilogue.dD = t.stride_d;
-  // The scheduler's defaults for grouped problems: raster along M, no swizzle (along N and
-  // swizzles of 2 and 4 were within noise on H100).
+  // Tile order (2d3d). Along M, the scheduler's default, the CTAs in flight walk one
+  // N tile column of a group: each A tile is read again for every N tile, from DRAM once
+  // the group's A outgrows L2. Along N (swizzle 2: pairs of M tiles), they cover a few M
+  // tile rows in full: A is read once and the expert's weight stays in L2. Same-run A/B
+  // on H100 (bench/RESULTS.md), % of dense cuBLAS, along M -> along N swizzle 2: one group
+  // of (65536, 2048, 1408) 59 -> 91% forward, 64 -> 91% dgrad; 4 router-like groups
+  // 77 -> 93%, 83 -> 92%; the benchmark shapes -1..+4 points. The wgrad (2d2d) grid
+  // (N x K output tiles of a group, tokens the contraction) keeps the default.
+  if (raster_along_n) {
+    args.scheduler.raster_order = cutlass::gemm::kernel::detail::RasterOrderOptions::AlongN;
+    args.scheduler.max_swizzle_size = 2;
+  }
   args.hw_info.device_id = gpu.device();
   args.hw_info.sm_count = sm_count(gpu.device());
 
@@ -322,9 +335,9 @@ void run_gemm(const GroupTables<G>& t, int groups, const at::Tensor& like, const
 }
 
 // The configurations: cooperative 128x128x128 (both consumer warp groups on one tile,
-// 64 rows each). Larger tiles do not fit: the blockwise mainloop keeps two fp32
-// accumulators (the block's partial sum and the total), 2 x 64 registers a thread at
-// 128x128. Pingpong 64x128x128 (each warp group its own tile) measured 15-25% slower on
+// 64 rows each). Larger tiles do not fit: the mainloop keeps three fp32 accumulators
+// (the total and two k tiles' partial sums, pipelined_promotion.cuh), 3 x 64 registers a
+// thread at 128x128 (CUTLASS's own mainloop keeps two). Pingpong 64x128x128 (each warp group its own tile) measured 15-25% slower on
 // H100 for the benchmark shapes. The cluster is two CTAs that share one operand tile
 // through TMA multicast: 1x2 shares A across two N tiles, 2x1 shares B across two M
 // tiles. The scheduler rounds every group's tile grid up to the cluster.
@@ -356,7 +369,7 @@ void launch_2d3d(const Args2d3d& p, const at::Tensor& like, const GpuLaunch& gpu
                                            std::min<int64_t>(ceil_div(p.M * p.N / 8, kThreads), 2 * sm_count(gpu.device())));
   build_tables_2d3d<G><<<static_cast<unsigned>(blocks), kThreads, 0, gpu.stream()>>>(tables, p);
   gpu.check(static_cast<int>(cudaGetLastError()), op);
-  run_gemm<G>(tables, p.groups, like, gpu, op);
+  run_gemm<G>(tables, p.groups, /*raster_along_n=*/true, like, gpu, op);
 }
 
 template <class G>
@@ -371,7 +384,7 @@ void launch_2d2d(Args2d2d p, const at::Tensor& like, const GpuLaunch& gpu, const
   TORCH_CHECK(blocks <= kInt32Max, op, ": expected at most ", kInt32Max / 16, " groups, got ", p.groups);
   build_tables_2d2d<G><<<static_cast<unsigned>(blocks), kThreads, 0, gpu.stream()>>>(tables, p);
   gpu.check(static_cast<int>(cudaGetLastError()), op);
-  run_gemm<G>(tables, p.groups, like, gpu, op);
+  run_gemm<G>(tables, p.groups, /*raster_along_n=*/false, like, gpu, op);
 }
 
 #endif  // MOE_FP8_BW_GEMM_SM90

@@ -1,0 +1,186 @@
+// The consumer side of CUTLASS's Hopper grouped FP8 mainloop with blockwise scaling
+// (MainloopSm90ArrayTmaGmmaWarpSpecializedBlockwise, CUTLASS 4.2), rescheduled so that
+// the tensor cores do not wait for the promotion.
+//
+// CUTLASS's mma() runs each 128-deep k tile as: issue its GMMAs into a partial
+// accumulator, wait for ALL of them (warpgroup_wait<0>), then add partial x scale to
+// the total. While a warp group promotes, it has no GMMA in flight, and the next tile's
+// GMMAs start only after the promotion (on H100 at (65536, 2048, 1408, 64): tensor pipe
+// 56% busy against cuBLAS's 70%, 7x cuBLAS's gmma stalls; bench/RESULTS.md).
+//
+// Here the partial accumulator is double-buffered: tile t's GMMAs go into part[t % 2]
+// and are committed; then the warp group waits only for tile t - 1's group
+// (warpgroup_wait<1>), promotes part[(t - 1) % 2] (its scales read from its stage,
+// still held) and releases that stage, while tile t runs on the tensor cores. The math
+// is the same, element by element and in the same order (total += partial x scale, one
+// tile after another), so the result is bit for bit the one of the base mainloop. Cost:
+// one more partial accumulator, 64 fp32 registers a thread at a 128x128 cooperative tile
+// (2 x 64 rows); no spill in any of our instances (ptxas -v).
+//
+// Measured against the base mainloop (H100, four same-run A/Bs, bench/RESULTS.md): 2-4%
+// faster on the dgrad of (65536, 2048, 1408, 64), about even on the other GEMMs; so the
+// promotion was a small part of that shape's gap to cuBLAS.
+//
+// Stage accounting matches the base: mma() releases every stage but the last, which
+// the kernel's mma_tail() releases.
+#pragma once
+
+#include "cute/tensor.hpp"
+#include "cutlass/cutlass.h"
+
+namespace moe_fp8 {
+
+template <class Base>
+struct PipelinedPromotion : Base {
+  using typename Base::MainloopPipeline;
+  using typename Base::PipelineState;
+  using typename Base::TensorStorage;
+  using typename Base::Params;
+  using typename Base::TiledMma;
+  using typename Base::TileShape;
+  using typename Base::SmemLayoutA;
+  using typename Base::SmemLayoutB;
+  using typename Base::SmemLayoutSFA;
+  using typename Base::SmemLayoutSFB;
+  using Scale = typename Base::ElementBlockScale;
+  static constexpr int kScalesM = Base::ScaleMsPerTile;  // distinct scales of a tile along M
+  static constexpr int kScalesN = Base::ScaleNsPerTile;
+  // The base promotes at every k tile only when one scale block spans one k tile (the
+  // recipe's 128-deep blocks at a 128-deep tile); coarser K blocks would need its counter.
+  static_assert(Base::ScalePromotionInterval == cute::size<2>(TileShape{}) / cute::tile_size<2>(TiledMma{}),
+                "PipelinedPromotion: one scale block per k tile");
+
+  template <class FrgTensorC>
+  CUTLASS_DEVICE void mma(MainloopPipeline pipeline, PipelineState smem_pipe_read, FrgTensorC& accum,
+                          int k_tile_count, int thread_idx, TensorStorage& shared_tensors, Params const&) {
+    using namespace cute;
+    static_assert(is_rmem<FrgTensorC>::value, "the accumulator lives in registers");
+
+    Tensor sA = make_tensor(make_smem_ptr(shared_tensors.smem_A.data()), SmemLayoutA{});  // (BLK_M,BLK_K,PIPE)
+    Tensor sB = make_tensor(make_smem_ptr(shared_tensors.smem_B.data()), SmemLayoutB{});  // (BLK_N,BLK_K,PIPE)
+    // The scales viewed as (BLK_M, BLK_N, (BLK_K, PIPE)) with the other operand's mode
+    // broadcast, so that partition_C hands each thread the scales of its accumulators.
+    Tensor sSFA = make_tensor(
+        make_smem_ptr(shared_tensors.smem_SFA.data()),
+        make_layout(make_shape(shape<0>(SmemLayoutSFA{}), get<1>(TileShape{}),
+                               make_shape(shape<1>(SmemLayoutSFA{}), shape<2>(SmemLayoutSFA{}))),
+                    make_stride(stride<0>(SmemLayoutSFA{}), _0{},
+                                make_stride(stride<1>(SmemLayoutSFA{}), stride<2>(SmemLayoutSFA{})))));
+    Tensor sSFB = make_tensor(
+        make_smem_ptr(shared_tensors.smem_SFB.data()),
+        make_layout(make_shape(get<0>(TileShape{}), shape<0>(SmemLayoutSFB{}),
+                               make_shape(shape<1>(SmemLayoutSFB{}), shape<2>(SmemLayoutSFB{}))),
+                    make_stride(_0{}, stride<0>(SmemLayoutSFB{}),
+                                make_stride(stride<1>(SmemLayoutSFB{}), stride<2>(SmemLayoutSFB{})))));
+
+    constexpr int kWgThreads = cutlass::NumThreadsPerWarpGroup;
+    constexpr int kWarpGroups = size(TiledMma{}) / kWgThreads;
+    const Layout warp_groups = make_layout(Int<kWarpGroups>{}, Int<kWgThreads>{});
+    const int warp_group = __shfl_sync(0xffffffff, thread_idx / kWgThreads, 0);
+    TiledMma tiled_mma;
+    auto thread_mma = tiled_mma.get_slice(warp_groups(warp_group));
+    Tensor tCsSFA = tiled_mma.get_slice(thread_idx).partition_C(sSFA);  // (MMA,MMA_M,MMA_N,(MMA_K,PIPE))
+    Tensor tCsSFB = tiled_mma.get_slice(thread_idx).partition_C(sSFB);
+    Tensor tCrA = thread_mma.make_fragment_A(thread_mma.partition_A(sA));  // (MMA,MMA_M,MMA_K,PIPE)
+    Tensor tCrB = thread_mma.make_fragment_B(thread_mma.partition_B(sB));  // (MMA,MMA_N,MMA_K,PIPE)
+    CUTE_STATIC_ASSERT_V(size<1>(tCrA) == size<1>(accum));
+    CUTE_STATIC_ASSERT_V(size<1>(tCrB) == size<2>(accum));
+
+    // Two partial accumulators. A tile's scales are read from its stage when it is
+    // promoted (the stage is still held then), so that no scale is held in registers
+    // across a GMMA: the wgrad tiles have 2 x 32 distinct scales a thread.
+    Tensor part0 = make_fragment_like(accum);
+    Tensor part1 = make_fragment_like(accum);
+
+    clear(accum);
+    if (k_tile_count <= 0) return;
+
+    PipelineState smem_pipe_release = smem_pipe_read;
+    auto barrier_token = pipeline.consumer_try_wait(smem_pipe_read);
+    int issued = 0;
+
+    // Tile `issued`'s GMMAs into `part`, committed, not waited for.
+    auto issue = [&](auto& part) {
+      pipeline.consumer_wait(smem_pipe_read, barrier_token);
+      const int stage = smem_pipe_read.index();
+      tiled_mma.accumulate_ = GMMA::ScaleOut::Zero;
+      warpgroup_fence_operand(part);
+      warpgroup_arrive();
+      CUTLASS_PRAGMA_UNROLL
+      for (int k_block = 0; k_block < size<2>(tCrA); ++k_block) {
+        cute::gemm(tiled_mma, tCrA(_, _, k_block, stage), tCrB(_, _, k_block, stage), part);
+        tiled_mma.accumulate_ = GMMA::ScaleOut::One;
+      }
+      warpgroup_commit_batch();
+      warpgroup_fence_operand(part);
+      ++smem_pipe_read;
+      if (++issued < k_tile_count) barrier_token = pipeline.consumer_try_wait(smem_pipe_read);
+    };
+    // total += part x scale for the oldest tile not yet promoted (the stage of
+    // smem_pipe_release), once its GMMAs have completed: the base's expression
+    // (GmmaFP8Accumulation::scale_core with the scales multiplied first as the base does).
+    auto promote = [&](auto& part) {
+      const int stage = smem_pipe_release.index();
+      Tensor sfa = make_tensor_like<Scale>(tCsSFA(_, _, _, _0{}));
+      Tensor sfb = make_tensor_like<Scale>(tCsSFB(_, _, _, _0{}));
+      copy(tCsSFA(_, _, _, make_coord(_0{}, stage)), sfa);
+      copy(tCsSFB(_, _, _, make_coord(_0{}, stage)), sfb);
+      warpgroup_fence_operand(part);
+      warpgroup_fence_operand(accum);
+      if constexpr (kScalesM == 1 && kScalesN == 1) {
+        const Scale ab = sfa(_0{}) * sfb(_0{});
+        CUTLASS_PRAGMA_UNROLL
+        for (int i = 0; i < size(accum); ++i) accum(i) += part(i) * ab;
+      } else if constexpr (kScalesM > 1 && kScalesN == 1) {
+        const Scale b = sfb(_0{});
+        CUTLASS_PRAGMA_UNROLL
+        for (int i = 0; i < size(filter_zeros(sfa)); ++i) filter_zeros(sfa)(i) = filter_zeros(sfa)(i) * b;
+        CUTLASS_PRAGMA_UNROLL
+        for (int i = 0; i < size(accum); ++i) accum(i) += part(i) * sfa(i);
+      } else if constexpr (kScalesM == 1 && kScalesN > 1) {
+        const Scale a = sfa(_0{});
+        CUTLASS_PRAGMA_UNROLL
+        for (int i = 0; i < size(filter_zeros(sfb)); ++i) filter_zeros(sfb)(i) = filter_zeros(sfb)(i) * a;
+        CUTLASS_PRAGMA_UNROLL
+        for (int i = 0; i < size(accum); ++i) accum(i) += part(i) * sfb(i);
+      } else {
+        CUTLASS_PRAGMA_UNROLL
+        for (int i = 0; i < size(accum); ++i) accum(i) += part(i) * sfa(i) * sfb(i);
+      }
+      warpgroup_fence_operand(accum);
+    };
+    // After the next tile is issued: wait for the one before it, promote it and hand its
+    // stage back to the producer.
+    auto retire = [&](auto& part) {
+      warpgroup_wait<1>();
+      promote(part);
+      pipeline.consumer_release(smem_pipe_release);
+      ++smem_pipe_release;
+    };
+
+    // Tiles in pairs, even ones in part0, odd ones in part1 (the registers of the two
+    // partials are fixed, so the loop body names each one). The loop's one back edge
+    // carries part1 in flight; the last tile is waited for and promoted where the loop
+    // leaves, so that no path with a GMMA in flight joins one without (ptxas waits for
+    // the GMMA where such paths join: C7517, once a tile pair).
+    CUTLASS_PRAGMA_NO_UNROLL
+    for (int t = 0;; t += 2) {
+      issue(part0);  // tile t
+      if (t > 0) retire(part1);  // tile t - 1
+      if (t + 1 >= k_tile_count) {
+        warpgroup_wait<0>();
+        promote(part0);  // the last tile, t
+        break;
+      }
+      issue(part1);  // tile t + 1
+      retire(part0);  // tile t
+      if (t + 2 >= k_tile_count) {
+        warpgroup_wait<0>();
+        promote(part1);  // the last tile, t + 1
+        break;
+      }
+    }
+  }
+};
+
+}  // namespace moe_fp8
