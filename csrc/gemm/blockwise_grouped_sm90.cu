@@ -309,16 +309,15 @@ void run_gemm(const GroupTables<G>& t, int groups, bool raster_along_n, const at
   args.epilogue.dD = t.stride_d;
   // Tile order (2d3d). Along M, the scheduler's default, the CTAs in flight walk one
   // N tile column of a group: each A tile is read again for every N tile, from DRAM once
-  // the group's A outgrows L2. Along N (swizzle 2: pairs of M tiles), they cover a few M
-  // tile rows in full: A is read once and the expert's weight stays in L2. Same-run A/B
-  // on H100 (bench/RESULTS.md), % of dense cuBLAS, along M -> along N swizzle 2: one group
-  // of (65536, 2048, 1408) 59 -> 91% forward, 64 -> 91% dgrad; 4 router-like groups
-  // 77 -> 93%, 83 -> 92%; the benchmark shapes -1..+4 points. The wgrad (2d2d) grid
-  // (N x K output tiles of a group, tokens the contraction) keeps the default.
-  if (raster_along_n) {
-    args.scheduler.raster_order = cutlass::gemm::kernel::detail::RasterOrderOptions::AlongN;
-    args.scheduler.max_swizzle_size = 2;
-  }
+  // the group's A outgrows L2. Along N they cover a few M tile rows in full: A is read
+  // once and the expert's weight stays in L2. Same-run A/B on H100 (bench/RESULTS.md),
+  // % of dense cuBLAS, along M -> along N: one group of (65536, 2048, 1408) 59 -> 91%
+  // forward, 64 -> 91% dgrad; 4 router-like groups 77 -> 93%, 83 -> 92%; the benchmark
+  // shapes -1..+4 points. No swizzle: with the problem shapes on the device only, the
+  // grouped scheduler's grid is (SMs, 1) and it computes a swizzle of 1 whatever it is
+  // asked (measured: swizzles 2 and 8 gave the same times). The wgrad (2d2d) grid (N x K
+  // output tiles of a group, tokens the contraction) keeps the default.
+  if (raster_along_n) args.scheduler.raster_order = cutlass::gemm::kernel::detail::RasterOrderOptions::AlongN;
   args.hw_info.device_id = gpu.device();
   args.hw_info.sm_count = sm_count(gpu.device());
 

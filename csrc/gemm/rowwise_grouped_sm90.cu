@@ -249,10 +249,10 @@ at::Tensor rowwise_grouped_mm_2d3d(const at::Tensor& a, const at::Tensor& scale_
   at::Tensor storage;
   Tables tables = carve_tables(storage, E, a.options());
   // Tiles along N where the mean group's A (fp8 bytes) reaches 32 MiB. Same-run A/B on
-  // H100 (bench/RESULTS.md), along N swizzle 2 against along M, the default config:
-  // one group of (65536, 2048) x 1408 -15%, of (32768, 7168) x 4096 -11%; 4 groups of
-  // 16384 x 2048 (32 MiB) -8..-11%; 8 groups of 4096 x 7168 (28 MiB) equal; 4096 x 2048,
-  // 1024 x 2048 and 1024 x 5120 +2..4% (the benchmark shapes: along M).
+  // H100 (bench/RESULTS.md), along N against along M, the default config: one group of
+  // (65536, 2048) x 1408 -15%, of (32768, 7168) x 4096 -11%; 4 groups of 16384 x 2048
+  // (32 MiB) -8..-11%; 8 groups of 4096 x 7168 (28 MiB) about equal; 4096 x 2048,
+  // 1024 x 2048 and 1024 x 5120 0..+4% (the benchmark shapes: along M).
   tables.raster_along_n = ceil_div(M, E) * K >= (int64_t{32} << 20);
   constexpr int kThreads = 256;
   // Enough threads for the tables, and up to two blocks an SM for the zero tail.

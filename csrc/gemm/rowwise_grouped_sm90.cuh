@@ -153,13 +153,11 @@ void run_config(const Tables& t, int groups, int sm_count, const at::Tensor& lik
   args.epilogue.dC = nullptr;
   args.epilogue.ptr_D = t.d;
   args.epilogue.dD = t.stride_d;
-  // Along N (swizzle 2) the CTAs in flight cover a few M tile rows in full, so each A
-  // tile is read once; along M, the default, they walk N tile columns and A is read once
-  // per N tile, from DRAM once a group's A outgrows L2 (the pick: rowwise_grouped_mm_2d3d).
-  if (t.raster_along_n) {
-    args.scheduler.raster_order = cutlass::gemm::kernel::detail::RasterOrderOptions::AlongN;
-    args.scheduler.max_swizzle_size = 2;
-  }
+  // Along N the CTAs in flight cover a few M tile rows in full, so each A tile is read
+  // once; along M, the default, they walk N tile columns and A is read once per N tile,
+  // from DRAM once a group's A outgrows L2 (the pick: rowwise_grouped_mm_2d3d). No
+  // swizzle: with the problem shapes on the device only it is always 1 (blockwise GEMM).
+  if (t.raster_along_n) args.scheduler.raster_order = cutlass::gemm::kernel::detail::RasterOrderOptions::AlongN;
   args.hw_info.device_id = gpu.device();
   args.hw_info.sm_count = sm_count;
 
