@@ -336,8 +336,8 @@ void run_gemm(const GroupTables<G>& t, int groups, bool raster_along_n, const at
 // The configurations: cooperative 128x128x128 (both consumer warp groups on one tile,
 // 64 rows each). Larger tiles do not fit: the mainloop keeps three fp32 accumulators
 // (the total and two k tiles' partial sums, pipelined_promotion.cuh), 3 x 64 registers a
-// thread at 128x128 (CUTLASS's own mainloop keeps two). Pingpong 64x128x128 (each warp group its own tile) measured 15-25% slower on
-// H100 for the benchmark shapes. The cluster is two CTAs that share one operand tile
+// thread at 128x128 (CUTLASS's own mainloop keeps two). Pingpong 64x128x128 (each warp
+// group its own tile) measured 15-25% slower on H100 for the benchmark shapes. The cluster is two CTAs that share one operand tile
 // through TMA multicast: 1x2 shares A across two N tiles, 2x1 shares B across two M
 // tiles. The scheduler rounds every group's tile grid up to the cluster.
 // - 2d3d (forward, dgrad): 2x1 where N has an odd number of tiles (1x2 would round every
