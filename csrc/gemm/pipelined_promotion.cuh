@@ -25,6 +25,7 @@
 // the kernel's mma_tail() releases.
 #pragma once
 
+#include "../core/portability.h"
 #include "cute/tensor.hpp"
 #include "cutlass/cutlass.h"
 
@@ -76,7 +77,7 @@ struct PipelinedPromotion : Base {
     constexpr int kWgThreads = cutlass::NumThreadsPerWarpGroup;
     constexpr int kWarpGroups = size(TiledMma{}) / kWgThreads;
     const Layout warp_groups = make_layout(Int<kWarpGroups>{}, Int<kWgThreads>{});
-    const int warp_group = __shfl_sync(0xffffffff, thread_idx / kWgThreads, 0);
+    const int warp_group = static_cast<int>(warp_shfl(static_cast<uint32_t>(thread_idx / kWgThreads), 0));  // uniform
     TiledMma tiled_mma;
     auto thread_mma = tiled_mma.get_slice(warp_groups(warp_group));
     Tensor tCsSFA = tiled_mma.get_slice(thread_idx).partition_C(sSFA);  // (MMA,MMA_M,MMA_N,(MMA_K,PIPE))
