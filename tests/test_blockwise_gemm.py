@@ -316,6 +316,26 @@ def test_2d3d_matches_dequantized_reference(m, k, n, e, sizes):
 
 @requires_sm90
 @pytest.mark.gpu
+@pytest.mark.parametrize("n", [256, 384])  # clusters 1x2 and 2x1 (an odd number of N tiles)
+def test_2d3d_many_groups_store_paths(n):
+    """Many groups, so that a CTA changes group at nearly every tile and the epilogue
+    rewrites its store descriptor each time: whole tiles of groups on the 128-row grid,
+    a cluster's spare tile past a group (2x1), partial last tiles and starts off the grid,
+    in runs and interleaved. (An epilogue that stores whole tiles through one matrix
+    descriptor was tried against this test; bench/RESULTS.md.)"""
+    pattern = [128, 256, 0, 100, 384, 129, 128, 640, 1, 255, 256, 384, 0, 512, 127, 128]
+    sizes = pattern * 3
+    m = sum(sizes) + 77  # tail rows past the last group: zeros
+    offs = offs_from_sizes(sizes)
+    a, sa, b, sb, offs = draw_2d3d(m, 256, n, len(sizes), offs, seed=n)
+    poison("cuda")
+    out = mm_2d3d(a, sa, b, sb, offs)
+    ref, mag = reference_2d3d(a, sa, b, sb, offs)
+    assert_close_to_reference(out, ref, mag)
+
+
+@requires_sm90
+@pytest.mark.gpu
 def test_2d3d_dgrad_operands():
     """dgrad: grad_out (M, N) 1x128 along N, w^T from quantize_blockwise_weight_transposed_rhs."""
     m, k, n, e = 700, 256, 384, 3
