@@ -290,6 +290,14 @@ def draw_2d3d(m, k, n, e, offs, seed=0):
     return quantized_2d3d(x.cuda(), w.cuda()) + (offs.cuda(),)
 
 
+# Many groups, so that a CTA changes group at nearly every tile and the epilogue rewrites
+# its store descriptor each time: whole tiles of groups on the 128-row grid, a cluster's
+# spare tile past a group (2x1, N = 384: an odd number of N tiles), partial last tiles
+# and starts off the grid, in runs and interleaved; 77 tail rows past the last group.
+# (An epilogue that stores whole tiles through one matrix descriptor was tried against
+# these; bench/RESULTS.md.)
+MANY_GROUPS = [128, 256, 0, 100, 384, 129, 128, 640, 1, 255, 256, 384, 0, 512, 127, 128] * 3
+
 # (M, K, N, E, group sizes or None for random)
 CASES_2D3D = [
     (512, 256, 384, 4, None),
@@ -299,6 +307,8 @@ CASES_2D3D = [
     (300, 144, 136, 3, [100, 0, 150]),   # partial last K block (144 = 128 + 16), N not a multiple of 128, 50 tail rows
     (640, 400, 200, 4, [0, 0, 640, 0]),  # empty first groups, partial K and N
     (2048, 1024, 1024, 8, None),         # several tiles a group, several K blocks
+    (sum(MANY_GROUPS) + 77, 256, 256, len(MANY_GROUPS), MANY_GROUPS),  # cluster 1x2
+    (sum(MANY_GROUPS) + 77, 256, 384, len(MANY_GROUPS), MANY_GROUPS),  # cluster 2x1
 ]
 
 
@@ -312,26 +322,6 @@ def test_2d3d_matches_dequantized_reference(m, k, n, e, sizes):
     out = mm_2d3d(a, sa, b, sb, offs)
     ref, mag = reference_2d3d(a, sa, b, sb, offs)
     assert_close_to_reference(out, ref, mag)  # rows past the last group: zero in ref
-
-
-@requires_sm90
-@pytest.mark.gpu
-@pytest.mark.parametrize("n", [256, 384])  # clusters 1x2 and 2x1 (an odd number of N tiles)
-def test_2d3d_many_groups_store_paths(n):
-    """Many groups, so that a CTA changes group at nearly every tile and the epilogue
-    rewrites its store descriptor each time: whole tiles of groups on the 128-row grid,
-    a cluster's spare tile past a group (2x1), partial last tiles and starts off the grid,
-    in runs and interleaved. (An epilogue that stores whole tiles through one matrix
-    descriptor was tried against this test; bench/RESULTS.md.)"""
-    pattern = [128, 256, 0, 100, 384, 129, 128, 640, 1, 255, 256, 384, 0, 512, 127, 128]
-    sizes = pattern * 3
-    m = sum(sizes) + 77  # tail rows past the last group: zeros
-    offs = offs_from_sizes(sizes)
-    a, sa, b, sb, offs = draw_2d3d(m, 256, n, len(sizes), offs, seed=n)
-    poison("cuda")
-    out = mm_2d3d(a, sa, b, sb, offs)
-    ref, mag = reference_2d3d(a, sa, b, sb, offs)
-    assert_close_to_reference(out, ref, mag)
 
 
 @requires_sm90
