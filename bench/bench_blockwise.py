@@ -68,6 +68,7 @@ def main():
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--quick", action="store_true", help="first shape of each group only")
     p.add_argument("--fp8", default="e4m3fn", choices=["e4m3fn", "e4m3fnuz"])
+    p.add_argument("--ops", default="all", choices=["all", "act", "weight"], help="activation or weight ops only")
     args = p.parse_args()
     fp8 = getattr(torch, f"float8_{args.fp8}")
     act_shapes = [(16384, 7168), (32768, 5120), (65536, 2048), (131072, 2048)]
@@ -75,6 +76,10 @@ def main():
     expert_shapes = [(8, 2048, 7168), (16, 1536, 5120), (64, 1408, 2048)]  # (E, N, K): W of the forward
     if args.quick:
         act_shapes, weight_shapes, expert_shapes = act_shapes[:1], weight_shapes[:1], expert_shapes[:1]
+    if args.ops == "weight":
+        act_shapes = []
+    elif args.ops == "act":
+        weight_shapes, expert_shapes = [], []
     out = []
     for m, k in act_shapes:
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)

@@ -17,18 +17,6 @@
 
 namespace moe_fp8 {
 
-// Packed amax of 16-bit inputs (bf16/fp16), used by both kernel shapes: a running max
-// of the sign-cleared lanes, two a word. Clearing the sign makes the integer order the
-// |x| order with NaN above inf (as abs_bits does for floats), so the max lane
-// converted to float bits once at the end equals the per-element amax bits.
-MOE_FP8_DEVICE uint32_t amax16x2_add(uint32_t m, uint32_t w) { return umax_u16x2(m, w & 0x7FFF7FFFu); }
-
-// Float abs bits of lane `hi ? 1 : 0` of a packed amax word.
-template <class In>
-MOE_FP8_DEVICE uint32_t amax16x2_lane_bits(uint32_t m, bool hi) {
-  return abs_bits(In::to_float(static_cast<uint16_t>(hi ? (m >> 16) : (m & 0xFFFFu))));
-}
-
 template <class Rule>
 MOE_FP8_DEVICE void store_scale(const ScaleOut& s, int64_t index, typename Rule::stored_t v) {
   if (index >= 0 && index < s.numel) static_cast<typename Rule::stored_t*>(s.ptr)[index] = v;

@@ -11,14 +11,16 @@
 //
 // Vector kernel (2-byte inputs, 16-byte aligned rows): thread t holds the fragment of
 // rows 8 * (t % 16) .. +7 and columns 8 * (t / 16) .. +7 in registers, eight 16-byte
-// loads (the two half-warps read the two halves of each 32-byte sector). After the
-// block's amax, each output is written from the fragments:
+// loads (the two half-warps read the two halves of each 32-byte sector). The amax is
+// taken on the packed 16-bit values; after the block's max, each output is written
+// from the fragments:
 //   - an output contiguous along the tile's rows (q_sr == 1) gets one 8-byte run per
 //     fragment column, straight to global memory: a half-warp writes 128 contiguous
 //     bytes of one output column;
 //   - an output contiguous along the tile's columns (q_sc == 1) gets one 8-byte run
 //     per fragment row, staged in shared memory (16-byte chunk j of row r at
-//     j ^ ((r / 8) % 8)) and copied out in 16-byte stores, 128 bytes a row.
+//     j ^ ((r / 8) % 8)) and copied out in 16-byte stores, 128 bytes a row (8-byte
+//     stores for 8-byte aligned rows; bytes only for a partial tile's last chunk).
 // Scalar kernel (fp32, or any other strides): the tile is staged in shared memory
 // element by element (r * 128 + (c ^ (r % 32)): walking a column reads 32 banks) and
 // every output written walking its contiguous dimension.
@@ -84,66 +86,80 @@ constexpr int kTileFragRows = 8;  // rows of a vector-kernel fragment
 constexpr int kTileFragCols = 8;  // 2-byte columns of a fragment: one 16-byte load a row
 constexpr int kTileRowGroups = kTile / kTileFragRows;
 static_assert(kTileRowGroups * (kTile / kTileFragCols) == kTilesThreads, "one fragment a thread");
+// Four blocks an SM (64 registers): a block's loads, amax and stores run one after
+// another, so the SM overlaps them only across blocks. Uncapped, ptxas took 128-241
+// registers (one or two blocks an SM).
+constexpr int kTilesVecMinBlocks = 4;
 
 // Byte offset of (row r, byte b) in the staged fp8 tile of the vector kernel.
 MOE_FP8_DEVICE int qtile_offset(int r, int b) { return r * kTile + ((((b >> 4) ^ ((r >> 3) & 7)) << 4) | (b & 15)); }
 
 template <InputKind K, Fp8Format F, class Rule>
-__global__ void __launch_bounds__(kTilesThreads) quantize_tiles_vec_kernel(TilesArgs a, int64_t tiles_i,
-                                                                          int64_t tiles_j) {
+__global__ void __launch_bounds__(kTilesThreads, kTilesVecMinBlocks) quantize_tiles_vec_kernel(TilesArgs a, int64_t tiles_i,
+                                                                                             int64_t tiles_j) {
   using T = typename DeviceInput<K>::storage;
+  using In = DeviceInput<K>;
   static_assert(sizeof(T) == 2, "the vector kernel reads 2-byte inputs");
   __shared__ uint4 s_q[kTile * kTile / 16];  // one output's fp8 tile, swizzled (qtile_offset)
   __shared__ uint32_t s_red[kMaxWarpsPerBlock + 1];
   uint8_t* qs = reinterpret_cast<uint8_t*>(s_q);
-  const int64_t t = blockIdx.x;
-  const int64_t b = t / (tiles_i * tiles_j), i = (t / tiles_j) % tiles_i, j = t % tiles_j;
-  const int64_t r0 = i * kTile, c0 = j * kTile;
-  const int nr = static_cast<int>(a.rows - r0 < kTile ? a.rows - r0 : kTile);
-  const int nc = static_cast<int>(a.cols - c0 < kTile ? a.cols - c0 : kTile);
   const int rg = threadIdx.x % kTileRowGroups, ch = threadIdx.x / kTileRowGroups;
   const int fr = rg * kTileFragRows, fc = ch * kTileFragCols;  // the fragment's first row and column
-  const T* xf = static_cast<const T*>(a.x) + b * a.sb + (r0 + fr) * a.sr + c0 + fc;
-  uint4 v[kTileFragRows];
+  // A grid-stride loop over the tiles, launched with a block a tile (so one pass): the
+  // form ptxas fits in 64 registers without spilling (straight-line, it spilled 8-12
+  // bytes in the e4m3fn instances).
+  const int64_t tiles = a.batches * tiles_i * tiles_j;
+  for (int64_t t = blockIdx.x; t < tiles; t += gridDim.x) {
+    const int64_t b = t / (tiles_i * tiles_j), i = (t / tiles_j) % tiles_i, j = t % tiles_j;
+    const int64_t r0 = i * kTile, c0 = j * kTile;
+    const int nr = static_cast<int>(a.rows - r0 < kTile ? a.rows - r0 : kTile);
+    const int nc = static_cast<int>(a.cols - c0 < kTile ? a.cols - c0 : kTile);
+    const T* xf = static_cast<const T*>(a.x) + b * a.sb + (r0 + fr) * a.sr + c0 + fc;
+    uint4 v[kTileFragRows];
 #pragma unroll
-  for (int r = 0; r < kTileFragRows; ++r) {  // past the weight: zero, never the amax
-    v[r] = (fr + r < nr && fc < nc) ? *reinterpret_cast<const uint4*>(xf + r * a.sr) : make_uint4(0u, 0u, 0u, 0u);
-  }
-  uint32_t amax = 0;
+    for (int r = 0; r < kTileFragRows; ++r) {  // past the weight: zero, never the amax
+      v[r] = (fr + r < nr && fc < nc) ? *reinterpret_cast<const uint4*>(xf + r * a.sr) : make_uint4(0u, 0u, 0u, 0u);
+    }
+    // The packed 16-bit amax: no element is converted to float before the block's max,
+    // so none is held across it (converted all at once, they took 128-231 registers).
+    uint32_t m = 0;
 #pragma unroll
-  for (int r = 0; r < kTileFragRows; ++r) {
+    for (int r = 0; r < kTileFragRows; ++r) {
+      m = amax16x2_add(amax16x2_add(amax16x2_add(amax16x2_add(m, v[r].x), v[r].y), v[r].z), v[r].w);
+    }
+    const uint32_t amax = block_max(umax(amax16x2_lane_bits<In>(m, false), amax16x2_lane_bits<In>(m, true)), s_red);
+    const auto sc = Rule::template from_amax_bits<F>(amax);
+    // Each output written by its own copy of the code, so its fields are read from
+    // constant indices of the parameters.
+    const auto write = [&](const TileOut& o) {
+      if (threadIdx.x == 0) static_cast<typename Rule::stored_t*>(o.s)[b * o.s_sb + i * o.s_si + j * o.s_sj] = sc.stored;
+      uint8_t* qt = o.q + b * o.q_sb + r0 * o.q_sr + c0 * o.q_sc;
+      if (o.q_sr == 1) {  // runs down the columns: 8-byte runs straight from the fragments
+        const bool rows_whole = fr + kTileFragRows <= nr;
+        const bool vec = o.q_sc % 8 == 0 && reinterpret_cast<uintptr_t>(qt) % 8 == 0;
 #pragma unroll
-    for (int c = 0; c < kTileFragCols; ++c) amax = umax(amax, abs_bits(uint4_elem<K>(v[r], c)));
-  }
-  amax = block_max(amax, s_red);
-  const auto sc = Rule::template from_amax_bits<F>(amax);
-  const bool whole = nr == kTile && nc == kTile;
-  for (int k = 0; k < a.num_out; ++k) {
-    const TileOut& o = a.out[k];
-    if (threadIdx.x == 0) static_cast<typename Rule::stored_t*>(o.s)[b * o.s_sb + i * o.s_si + j * o.s_sj] = sc.stored;
-    uint8_t* qt = o.q + b * o.q_sb + r0 * o.q_sr + c0 * o.q_sc;
-    if (o.q_sr == 1) {  // runs down the columns, straight to global memory
-      const bool vec = whole && o.q_sc % 8 == 0 && reinterpret_cast<uintptr_t>(qt) % 8 == 0;
+        for (int c = 0; c < kTileFragCols; ++c) {
+          uint32_t w[2];
 #pragma unroll
-      for (int c = 0; c < kTileFragCols; ++c) {
-        uint32_t w[2];
+          for (int h = 0; h < 2; ++h) {
+            const uint16_t lo = scaled_fp8x2<F>(uint4_elem<K>(v[4 * h], c), uint4_elem<K>(v[4 * h + 1], c), sc.encode);
+            const uint16_t hi = scaled_fp8x2<F>(uint4_elem<K>(v[4 * h + 2], c), uint4_elem<K>(v[4 * h + 3], c), sc.encode);
+            w[h] = static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16);
+          }
+          uint8_t* dst = qt + (fc + c) * o.q_sc + fr;
+          if (fc + c >= nc) continue;
+          if (vec && rows_whole) {
+            *reinterpret_cast<uint2*>(dst) = make_uint2(w[0], w[1]);
+          } else {
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const uint16_t lo = scaled_fp8x2<F>(uint4_elem<K>(v[4 * h], c), uint4_elem<K>(v[4 * h + 1], c), sc.encode);
-          const uint16_t hi = scaled_fp8x2<F>(uint4_elem<K>(v[4 * h + 2], c), uint4_elem<K>(v[4 * h + 3], c), sc.encode);
-          w[h] = static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16);
-        }
-        uint8_t* dst = qt + (fc + c) * o.q_sc + fr;
-        if (vec) {
-          *reinterpret_cast<uint2*>(dst) = make_uint2(w[0], w[1]);
-        } else if (fc + c < nc) {
-#pragma unroll
-          for (int r = 0; r < kTileFragRows; ++r) {
-            if (fr + r < nr) dst[r] = static_cast<uint8_t>(w[r / 4] >> (8 * (r % 4)));
+            for (int r = 0; r < kTileFragRows; ++r) {
+              if (fr + r < nr) dst[r] = static_cast<uint8_t>(w[r / 4] >> (8 * (r % 4)));
+            }
           }
         }
+        return;
       }
-    } else {  // runs along the rows, staged in shared memory, then 16-byte rows out
+      // runs along the rows: staged in shared memory, then 16-byte rows out
       __syncthreads();  // the previous output's readers are done
 #pragma unroll
       for (int r = 0; r < kTileFragRows; ++r) {
@@ -157,19 +173,29 @@ __global__ void __launch_bounds__(kTilesThreads) quantize_tiles_vec_kernel(Tiles
         *reinterpret_cast<uint2*>(qs + qtile_offset(fr + r, fc)) = make_uint2(w[0], w[1]);
       }
       __syncthreads();
-      const bool vec = whole && o.q_sc == 1 && o.q_sr % 16 == 0 && reinterpret_cast<uintptr_t>(qt) % 16 == 0;
+      // 16- or 8-byte stores wherever a row's chunk is whole and aligned; bytes only
+      // for a partial tile's last chunk of a row, or an odd row stride.
+      const uintptr_t align = reinterpret_cast<uintptr_t>(qt) | static_cast<uintptr_t>(o.q_sr);
+      const int width = o.q_sc != 1 ? 1 : (align % 16 == 0 ? 16 : (align % 8 == 0 ? 8 : 1));
       constexpr int kChunks = kTile / 16;  // 16-byte chunks a row
       for (int idx = threadIdx.x; idx < kTile * kChunks; idx += kTilesThreads) {
         const int r = idx / kChunks, cb = (idx % kChunks) * 16;
+        if (r >= nr) continue;
         const uint4 q = *reinterpret_cast<const uint4*>(qs + qtile_offset(r, cb));
-        if (vec) {
-          *reinterpret_cast<uint4*>(qt + r * o.q_sr + cb) = q;
-        } else if (r < nr) {
+        uint8_t* dst = qt + r * o.q_sr + cb * o.q_sc;
+        if (width == 16 && cb + 16 <= nc) {
+          *reinterpret_cast<uint4*>(dst) = q;
+        } else if (width == 8 && cb + 16 <= nc) {
+          reinterpret_cast<uint2*>(dst)[0] = make_uint2(q.x, q.y);
+          reinterpret_cast<uint2*>(dst)[1] = make_uint2(q.z, q.w);
+        } else {
           const uint8_t* qb = reinterpret_cast<const uint8_t*>(&q);
-          for (int c = 0; c < 16 && cb + c < nc; ++c) qt[r * o.q_sr + (cb + c) * o.q_sc] = qb[c];
+          for (int c = 0; c < 16 && cb + c < nc; ++c) dst[c * o.q_sc] = qb[c];
         }
       }
-    }
+    };
+    write(a.out[0]);
+    if (a.num_out > 1) write(a.out[1]);
   }
 }
 
