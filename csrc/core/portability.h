@@ -264,6 +264,15 @@ MOE_FP8_DEVICE uint32_t load_acquire(const uint32_t* p) {
 #endif
 }
 
+// A minimum of resident blocks an SM for __launch_bounds__, where it is only a register
+// cap tuned on CUDA: ROCm turns it into an amdgpu-waves-per-eu target that the compiler
+// must meet (a -Werror failure when it cannot), so there it asks for nothing.
+#if defined(USE_ROCM)
+#define MOE_FP8_CUDA_MIN_BLOCKS(n) 1
+#else
+#define MOE_FP8_CUDA_MIN_BLOCKS(n) (n)
+#endif
+
 // Thread-block clusters with distributed shared memory (sm90+ CUDA). Kernels use
 // them to split one long reduction across several SMs while keeping every input
 // byte on chip between the two passes.

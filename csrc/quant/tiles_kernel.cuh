@@ -86,10 +86,10 @@ constexpr int kTileFragRows = 8;  // rows of a vector-kernel fragment
 constexpr int kTileFragCols = 8;  // 2-byte columns of a fragment: one 16-byte load a row
 constexpr int kTileRowGroups = kTile / kTileFragRows;
 static_assert(kTileRowGroups * (kTile / kTileFragCols) == kTilesThreads, "one fragment a thread");
-// Four blocks an SM (64 registers): a block's loads, amax and stores run one after
-// another, so the SM overlaps them only across blocks. Uncapped, ptxas took 128-241
-// registers (one or two blocks an SM).
-constexpr int kTilesVecMinBlocks = 4;
+// Four blocks an SM on CUDA (64 registers): a block's loads, amax and stores run one
+// after another, so the SM overlaps them only across blocks. Uncapped, ptxas took
+// 128-241 registers (one or two blocks an SM).
+constexpr int kTilesVecMinBlocks = MOE_FP8_CUDA_MIN_BLOCKS(4);
 
 // Byte offset of (row r, byte b) in the staged fp8 tile of the vector kernel.
 MOE_FP8_DEVICE int qtile_offset(int r, int b) { return r * kTile + ((((b >> 4) ^ ((r >> 3) & 7)) << 4) | (b & 15)); }
