@@ -95,8 +95,8 @@ constexpr int kTilesVecMinBlocks = MOE_FP8_CUDA_MIN_BLOCKS(4);
 MOE_FP8_DEVICE int qtile_offset(int r, int b) { return r * kTile + ((((b >> 4) ^ ((r >> 3) & 7)) << 4) | (b & 15)); }
 
 template <InputKind K, Fp8Format F, class Rule>
-__global__ void __launch_bounds__(kTilesThreads, kTilesVecMinBlocks) quantize_tiles_vec_kernel(TilesArgs a, int64_t tiles_i,
-                                                                                             int64_t tiles_j) {
+__global__ void __launch_bounds__(kTilesThreads, kTilesVecMinBlocks)
+    quantize_tiles_vec_kernel(TilesArgs a, int64_t tiles_i, int64_t tiles_j) {
   using T = typename DeviceInput<K>::storage;
   using In = DeviceInput<K>;
   static_assert(sizeof(T) == 2, "the vector kernel reads 2-byte inputs");
@@ -121,7 +121,7 @@ __global__ void __launch_bounds__(kTilesThreads, kTilesVecMinBlocks) quantize_ti
       v[r] = (fr + r < nr && fc < nc) ? *reinterpret_cast<const uint4*>(xf + r * a.sr) : make_uint4(0u, 0u, 0u, 0u);
     }
     // The packed 16-bit amax: no element is converted to float before the block's max,
-    // so none is held across it (converted all at once, they took 128-231 registers).
+    // so no converted value is held across it.
     uint32_t m = 0;
 #pragma unroll
     for (int r = 0; r < kTileFragRows; ++r) {
