@@ -250,6 +250,39 @@ def test_cuda_same_as_cpu(dtype, f8):
         _cuda_same_as_cpu(h13, g, f8, pow2=hidden % 2 == 0)
 
 
+def _every_h1(dtype):
+    """h1 over every value of a 16-bit dtype in bit order (a vector of the kernel holds
+    neighbours: in range of its fast division together, or out of it together), then
+    shuffled (vectors that mix both); for fp32 random bit patterns (every exponent) and
+    the neighbours of the fast path's bounds (-40, 2^+-100), zeros, the tiniest values."""
+    if dtype != torch.float32:
+        x = torch.arange(-(1 << 15), 1 << 15, dtype=torch.int32).to(torch.int16).view(dtype)
+    else:
+        g = torch.Generator().manual_seed(7)
+        bits = torch.randint(-(1 << 31), 1 << 31, (1 << 18,), generator=g, dtype=torch.int64).to(torch.int32)
+        edges = torch.tensor([-40.0, 2.0**-100, -(2.0**-100), 2.0**100, -(2.0**100), 0.0, -0.0, 1e-45, -1e-45])
+        near = torch.cat([edges, torch.nextafter(edges, edges + 1), torch.nextafter(edges, edges - 1)])
+        x = torch.cat([bits.view(torch.float32), near.repeat(8)])
+    g = torch.Generator().manual_seed(8)
+    return torch.cat([x, x[torch.randperm(x.numel(), generator=g)]])
+
+
+@requires_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", IN_DTYPES)
+def test_cuda_same_as_cpu_every_h1(dtype):
+    # The kernels divide by d = 1 + exp(-h1) without div.rn's per-element check where
+    # h1 is in range (silu_quot_fast): for 16-bit inputs every division they can make
+    # is one of the 65536 values of h1, all of them here, forward and backward.
+    h1 = _every_h1(dtype)
+    hidden = 128
+    rows = -(-h1.numel() // hidden)
+    h1 = torch.cat([h1, h1[: rows * hidden - h1.numel()]]).view(rows, hidden)
+    h3 = randn((rows, hidden), torch.float32, seed=5).to(dtype)
+    g = randn((rows, hidden), torch.float32, seed=6).to(dtype)
+    _cuda_same_as_cpu(torch.cat([h1, h3], dim=1), g, torch.float8_e4m3fn)
+
+
 @requires_cuda
 @pytest.mark.gpu
 def test_cuda_graph_capture():

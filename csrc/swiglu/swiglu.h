@@ -13,9 +13,12 @@
 // additions, multiplications, divisions and reciprocals only, each rounded on its own (no fused
 // multiply-add), so the CPU, the GPU and reference.py agree to the bit. It is within
 // 2 ulp of the exact exp; against torch's own silu the bf16 results differ by at most
-// one bf16 ulp, and rarely.
+// one bf16 ulp, and rarely. The CUDA kernels get the two divisions' IEEE bits without
+// div.rn's per-element check and branch (silu_quot_fast), and exp has no branch: the
+// kernels are bound by instruction issue.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 
 #include "../core/numerics.h"
@@ -56,21 +59,23 @@ struct SwigluArgs {
 
 MOE_FP8_HD float f_sub(float a, float b) { return f_add(a, -b); }
 
-// Round to nearest, ties to even, of |x| < 2^22 (the range exp_f32 calls it on).
-MOE_FP8_HD float f_rint(float x) {
-  const float magic = x < 0.0f ? -12582912.0f : 12582912.0f;  // 1.5 * 2^23
-  return f_sub(f_add(x, magic), magic);
-}
-
 // exp(x) for the sigmoid's 1 + exp(-x): n = rint(x log2 e), r = x - n ln2 (ln2 in two
 // parts, the first exact in n * hi), a degree-7 Taylor polynomial of exp(r) on
 // |r| <= ln2/2 (truncation 6e-9 relative), scaled by 2^n in two exact steps. Below
 // -87.3 it returns 0 (1 + exp(x) is 1 there), above 88.72 +Inf, NaN stays NaN.
+// Branch-free (the SwiGLU kernels are bound by instruction issue, and a branch per
+// element kept the compiler from interleaving a vector's elements): the polynomial
+// runs on x clamped into range (which changes no in-range x) and the out-of-range
+// results are selected after. rint is the 1.5 * 2^23 shift, whose sum also holds n in
+// its low bits (no float-to-int conversion); any split of n into 2^a 2^b gives the
+// same bits, as p 2^a is exact.
 MOE_FP8_HD float exp_f32(float x) {
-  if (!(x < 88.72283935546875f)) return x != x ? x : bits_float(0x7F800000u);  // +Inf, NaN stays NaN
-  if (x < -87.3365478515625f) return 0.0f;
-  const float n = f_rint(f_mul(x, 1.44269502162933349609375f));
-  const float r = f_sub(f_sub(x, f_mul(n, 0.693359375f)), f_mul(n, -2.12194440e-4f));
+  constexpr float kHi = 88.72283935546875f, kLo = -87.3365478515625f;
+  constexpr float kMagic = 12582912.0f;  // 1.5 * 2^23
+  const float xc = fminf(fmaxf(x, kLo), 88.72283172607421875f);  // the float below kHi; NaN -> kLo
+  const float t = f_add(f_mul(xc, 1.44269502162933349609375f), kMagic);
+  const float n = f_sub(t, kMagic);
+  const float r = f_sub(f_sub(xc, f_mul(n, 0.693359375f)), f_mul(n, -2.12194440e-4f));
   float p = 1.98412698e-4f;  // 1/5040
   p = f_add(f_mul(p, r), 1.38888889e-3f);  // 1/720
   p = f_add(f_mul(p, r), 8.33333377e-3f);  // 1/120
@@ -79,20 +84,61 @@ MOE_FP8_HD float exp_f32(float x) {
   p = f_add(f_mul(p, r), 0.5f);
   p = f_add(f_mul(p, r), 1.0f);
   p = f_add(f_mul(p, r), 1.0f);
-  const int ni = static_cast<int>(n);  // in [-126, 128]
-  const int a = ni / 2, b = ni - a;    // each in [-63, 64]: 2^a, 2^b are normal floats
-  return f_mul(f_mul(p, bits_float(static_cast<uint32_t>(a + 127) << 23)),
-               bits_float(static_cast<uint32_t>(b + 127) << 23));
+  const int ni = static_cast<int>(float_bits(t)) - static_cast<int>(float_bits(kMagic));  // in [-126, 128]
+  const int a = ni >> 1, b = ni - a;  // each in [-63, 64]: 2^a, 2^b are normal floats
+  const float e = f_mul(f_mul(p, bits_float(static_cast<uint32_t>(a + 127) << 23)),
+                        bits_float(static_cast<uint32_t>(b + 127) << 23));
+  const float lo = x < kLo ? 0.0f : e;
+  return x < kHi ? lo : f_add(x, bits_float(0x7F800000u));  // +Inf, NaN stays NaN (a select, not a branch)
 }
 
 // d = 1 + exp(-x), the denominator of both silu(x) = x / d and sigmoid(x) = 1 / d.
 MOE_FP8_HD float sigmoid_denominator(float x) { return f_add(1.0f, exp_f32(-x)); }
 
-MOE_FP8_HD float silu_f32(float x) { return f_div(x, sigmoid_denominator(x)); }
+// silu's two divisions by d = 1 + exp(-x): q = x / d (silu) and, for the backward
+// (kRcp), r = 1 / d (the sigmoid), each IEEE-rounded once.
+struct SiluQuot {
+  float q = 0.0f, r = 0.0f;
+};
 
-// silu_backward for the denominator d of x (computed once per element by the caller).
-MOE_FP8_HD float silu_backward_f32(float g, float x, float d) {
-  const float sig = f_rcp(d);
+template <bool kRcp>
+MOE_FP8_HD SiluQuot silu_quot(float x) {
+  const float d = sigmoid_denominator(x);
+  SiluQuot o;
+  o.q = f_div(x, d);
+  if constexpr (kRcp) o.r = f_rcp(d);
+  return o;
+}
+
+#if defined(__CUDA_ARCH__) && !defined(USE_ROCM)
+// silu_quot's bits without div.rn's range check and its branch per element (the SwiGLU
+// kernels are bound by instruction issue; a branch per element also kept the compiler
+// from interleaving a vector's elements). The same instructions as div.rn's fast path:
+// y = RN(1/d) from MUFU.RCP and one Newton step (also __frcp_rn's fast path, for d in
+// [1, 2^126)), then q = RN(x y), the residual x - d q (exact in an fma) and one
+// correction. Valid where div.rn's operand check passes; ANDs into `ok` whether x is in
+// the range where that is sure: x >= -40 (d <= 2^58) and 2^-100 <= |x| <= 2^100, or x
+// == 0 (its sign is kept by a select). The caller recomputes with silu_quot where `ok`
+// fell (NaN, Inf, x < -40, tiny or huge |x|).
+template <bool kRcp>
+__device__ __forceinline__ SiluQuot silu_quot_fast(float x, bool& ok) {
+  const float d = sigmoid_denominator(x);
+  float r0;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r0) : "f"(d));
+  const float y = __fmaf_rn(r0, __fmaf_rn(-d, r0, 1.0f), r0);
+  const float q0 = __fmul_rn(x, y);
+  const float q = __fmaf_rn(y, __fmaf_rn(-d, q0, x), q0);
+  const float ax = fabsf(x);
+  ok = ok && x >= -40.0f && ax <= 0x1p100f && (ax >= 0x1p-100f || x == 0.0f);
+  SiluQuot o;
+  o.q = x == 0.0f ? x : q;
+  o.r = y;
+  return o;
+}
+#endif
+
+// silu_backward for x's sigmoid sig = 1 / d.
+MOE_FP8_HD float silu_backward_f32(float g, float x, float sig) {
   return f_mul(f_mul(g, sig), f_add(1.0f, f_mul(x, f_sub(1.0f, sig))));
 }
 
@@ -136,6 +182,10 @@ struct SwigluElem<InputKind::kBF16> {
   using storage = uint16_t;
   static MOE_FP8_HD float to_float(uint16_t b) { return bits_float(static_cast<uint32_t>(b) << 16); }
   static MOE_FP8_HD uint16_t from_float(float f) { return float_to_bf16_bits(f); }
+  // An intermediate's rounding: a NaN stays a NaN of some payload (no canonical select;
+  // every output goes through from_float). From bf16 inputs a NaN's low 16 bits are 0,
+  // so the integer rounding off CUDA cannot carry it into the sign.
+  static MOE_FP8_HD float round(float f) { return bits_float(static_cast<uint32_t>(bf16_bits_rn(f)) << 16); }
 };
 
 template <>
@@ -143,6 +193,7 @@ struct SwigluElem<InputKind::kFP16> {
   using storage = uint16_t;
   static MOE_FP8_HD float to_float(uint16_t b) { return half_bits_float(b); }
   static MOE_FP8_HD uint16_t from_float(float f) { return float_to_half_bits(f); }
+  static MOE_FP8_HD float round(float f) { return half_bits_float(float_to_half_bits(f)); }
 };
 
 template <>
@@ -150,32 +201,44 @@ struct SwigluElem<InputKind::kFP32> {
   using storage = float;
   static MOE_FP8_HD float to_float(float f) { return f; }
   static MOE_FP8_HD float from_float(float f) { return f; }
+  static MOE_FP8_HD float round(float f) { return f; }
 };
 
-// h = R(R(silu(h1)) * h3).
+// h = R(R(silu(h1)) * h3), from silu_quot<false>(h1).
+template <InputKind K>
+MOE_FP8_HD typename SwigluElem<K>::storage swiglu_elem(const SiluQuot& sq, typename SwigluElem<K>::storage h3) {
+  using E = SwigluElem<K>;
+  return E::from_float(f_mul(E::round(sq.q), E::to_float(h3)));
+}
+
 template <InputKind K>
 MOE_FP8_HD typename SwigluElem<K>::storage swiglu_elem(typename SwigluElem<K>::storage h1,
                                                        typename SwigluElem<K>::storage h3) {
-  using E = SwigluElem<K>;
-  const float s = E::to_float(E::from_float(silu_f32(E::to_float(h1))));
-  return E::from_float(f_mul(s, E::to_float(h3)));
+  return swiglu_elem<K>(silu_quot<false>(SwigluElem<K>::to_float(h1)), h3);
 }
 
 // (grad_h1, grad_h3) of h = R(silu(h1)) * h3 for the incoming gradient g, and, when h
 // is non-null, h itself (the forward value, bit for bit swiglu_elem's: the backward of
-// W2 needs it).
+// W2 needs it); sq is silu_quot<true>(h1).
+template <InputKind K>
+MOE_FP8_HD void swiglu_backward_elem(const SiluQuot& sq, typename SwigluElem<K>::storage g,
+                                     typename SwigluElem<K>::storage h1, typename SwigluElem<K>::storage h3,
+                                     typename SwigluElem<K>::storage* gh1, typename SwigluElem<K>::storage* gh3,
+                                     typename SwigluElem<K>::storage* h) {
+  using E = SwigluElem<K>;
+  const float gf = E::to_float(g), x = E::to_float(h1), x3 = E::to_float(h3);
+  const float gs = E::round(f_mul(gf, x3));
+  *gh1 = E::from_float(silu_backward_f32(gs, x, sq.r));
+  const float s = E::round(sq.q);
+  *gh3 = E::from_float(f_mul(gf, s));
+  if (h != nullptr) *h = E::from_float(f_mul(s, x3));
+}
+
 template <InputKind K>
 MOE_FP8_HD void swiglu_backward_elem(typename SwigluElem<K>::storage g, typename SwigluElem<K>::storage h1,
                                      typename SwigluElem<K>::storage h3, typename SwigluElem<K>::storage* gh1,
                                      typename SwigluElem<K>::storage* gh3, typename SwigluElem<K>::storage* h) {
-  using E = SwigluElem<K>;
-  const float gf = E::to_float(g), x = E::to_float(h1), x3 = E::to_float(h3);
-  const float d = sigmoid_denominator(x);
-  const float gs = E::to_float(E::from_float(f_mul(gf, x3)));
-  *gh1 = E::from_float(silu_backward_f32(gs, x, d));
-  const float s = E::to_float(E::from_float(f_div(x, d)));
-  *gh3 = E::from_float(f_mul(gf, s));
-  if (h != nullptr) *h = E::from_float(f_mul(s, x3));
+  swiglu_backward_elem<K>(silu_quot<true>(SwigluElem<K>::to_float(h1)), g, h1, h3, gh1, gh3, h);
 }
 
 // The runners of one device (CPU loops in swiglu_cpu.cpp, kernels in swiglu.cu),

@@ -51,16 +51,34 @@ MOE_FP8_DEVICE SwigluIn<K, kVec> swiglu_load(const SwigluArgs& a, int64_t row, i
 
 // kH: the backward also computes h (a compile-time choice: computing it for a store
 // decided at run time cost the plain backward registers and occupancy on an H100).
+// silu's divisions take silu_quot_fast for the whole vector on CUDA, and the IEEE path
+// for all of it where an element is outside the fast path's sure range (a branch per
+// vector, not per element, and in practice never taken but for a NaN, an Inf or an
+// h1 below -40).
 template <InputKind K, bool kBwd, int kVec, bool kH = false>
 MOE_FP8_DEVICE SwigluVecs<K, kVec> swiglu_compute(const SwigluIn<K, kVec>& in) {
+  using E = SwigluElem<K>;
+  SiluQuot sq[kVec];
+#if defined(__CUDA_ARCH__) && !defined(USE_ROCM)
+  bool ok = true;
+#pragma unroll
+  for (int i = 0; i < kVec; ++i) sq[i] = silu_quot_fast<kBwd>(E::to_float(in.h1.v[i]), ok);
+  if (!ok) {
+#pragma unroll
+    for (int i = 0; i < kVec; ++i) sq[i] = silu_quot<kBwd>(E::to_float(in.h1.v[i]));
+  }
+#else
+#pragma unroll
+  for (int i = 0; i < kVec; ++i) sq[i] = silu_quot<kBwd>(E::to_float(in.h1.v[i]));
+#endif
   SwigluVecs<K, kVec> r;
 #pragma unroll
   for (int i = 0; i < kVec; ++i) {
     if constexpr (kBwd) {
-      swiglu_backward_elem<K>(in.g.v[i], in.h1.v[i], in.h3.v[i], &r.o[0].v[i], &r.o[1].v[i],
+      swiglu_backward_elem<K>(sq[i], in.g.v[i], in.h1.v[i], in.h3.v[i], &r.o[0].v[i], &r.o[1].v[i],
                               kH ? &r.h.v[i] : nullptr);
     } else {
-      r.o[0].v[i] = swiglu_elem<K>(in.h1.v[i], in.h3.v[i]);
+      r.o[0].v[i] = swiglu_elem<K>(sq[i], in.h3.v[i]);
     }
   }
   return r;
