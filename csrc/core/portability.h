@@ -470,6 +470,29 @@ MOE_FP8_HD float f_div(float a, float b) {
 #endif
 }
 
+// RN(1 / d) and RN(x / d) by div.rn's fast path without its operand check and branch
+// (CUDA device code only: MOE_FP8_HAS_FAST_DIV). rcp_rn_fast is MUFU.RCP and one
+// Newton step, __frcp_rn's fast path (RN(1/d) for d in [1, 2^126)); div_rn_fast(x, d, y)
+// with y = rcp_rn_fast(d) is div.rn's fast path after its reciprocal: q = RN(x y), the
+// residual x - d q (exact in an fma) and one correction, RN(x / d) wherever div.rn's
+// operand check passes. The caller keeps its operands in a range where that is sure
+// (swiglu.h: silu_quot_fast) and takes f_div elsewhere.
+#if !defined(USE_ROCM) && defined(__CUDA_ARCH__)
+#define MOE_FP8_HAS_FAST_DIV 1
+MOE_FP8_DEVICE float rcp_rn_fast(float d) {
+  float r0;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r0) : "f"(d));
+  return __fmaf_rn(r0, __fmaf_rn(-d, r0, 1.0f), r0);
+}
+
+MOE_FP8_DEVICE float div_rn_fast(float x, float d, float y) {
+  const float q0 = __fmul_rn(x, y);
+  return __fmaf_rn(y, __fmaf_rn(-d, q0, x), q0);
+}
+#else
+#define MOE_FP8_HAS_FAST_DIV 0
+#endif
+
 // fp32 to bf16 bits, round to nearest even (subnormals kept, overflow to Inf); a NaN's
 // result is unspecified (callers that keep NaNs check for them first). One cvt on sm80+
 // CUDA, the same rounding done on the bits elsewhere.

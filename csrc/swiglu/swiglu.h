@@ -110,28 +110,22 @@ MOE_FP8_HD SiluQuot silu_quot(float x) {
   return o;
 }
 
-#if defined(__CUDA_ARCH__) && !defined(USE_ROCM)
-// silu_quot's bits without div.rn's range check and its branch per element (the SwiGLU
-// kernels are bound by instruction issue; a branch per element also kept the compiler
-// from interleaving a vector's elements). The same instructions as div.rn's fast path:
-// y = RN(1/d) from MUFU.RCP and one Newton step (also __frcp_rn's fast path, for d in
-// [1, 2^126)), then q = RN(x y), the residual x - d q (exact in an fma) and one
-// correction. Valid where div.rn's operand check passes; ANDs into `ok` whether x is in
-// the range where that is sure: x >= -40 (d <= 2^58) and 2^-100 <= |x| <= 2^100, or x
-// == 0 (its sign is kept by a select). The caller recomputes with silu_quot where `ok`
-// fell (NaN, Inf, x < -40, tiny or huge |x|).
+#if MOE_FP8_HAS_FAST_DIV
+// silu_quot's bits without div.rn's operand check and its branch per element (the
+// SwiGLU kernels are bound by instruction issue; a branch per element also kept the
+// compiler from interleaving a vector's elements): rcp_rn_fast and div_rn_fast
+// (portability.h), div.rn's own fast path. ANDs into `ok` whether x is in the range
+// where that path is sure: x >= -40 (d <= 2^58) and 2^-100 <= |x| <= 2^100, or x == 0
+// (whose sign a select keeps: the residual of -0 is +0). The caller recomputes with
+// silu_quot where `ok` fell (NaN, Inf, x < -40, tiny or huge |x|).
 template <bool kRcp>
-__device__ __forceinline__ SiluQuot silu_quot_fast(float x, bool& ok) {
+MOE_FP8_DEVICE SiluQuot silu_quot_fast(float x, bool& ok) {
   const float d = sigmoid_denominator(x);
-  float r0;
-  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r0) : "f"(d));
-  const float y = __fmaf_rn(r0, __fmaf_rn(-d, r0, 1.0f), r0);
-  const float q0 = __fmul_rn(x, y);
-  const float q = __fmaf_rn(y, __fmaf_rn(-d, q0, x), q0);
+  const float y = rcp_rn_fast(d);
   const float ax = fabsf(x);
   ok = ok && x >= -40.0f && ax <= 0x1p100f && (ax >= 0x1p-100f || x == 0.0f);
   SiluQuot o;
-  o.q = x == 0.0f ? x : q;
+  o.q = x == 0.0f ? x : div_rn_fast(x, d, y);
   o.r = y;
   return o;
 }

@@ -3,7 +3,7 @@
 // and hipified as is.
 //
 // One shape: a warp (rows up to 1024 bf16 per half) or a thread block (longer rows) per
-// row at a time, grid-stride over rows. A thread loads up to kSwigluRegs vectors of the
+// row at a time, grid-stride over rows. A thread loads up to kRegs vectors of the
 // row (16-byte loads of h13 and grad_h) and computes kVec consecutive outputs of each
 // half per vector; with quantization the row's amax is reduced over the warp or block
 // (over both halves together for a joint scale), then the outputs are encoded (the
@@ -59,7 +59,7 @@ template <InputKind K, bool kBwd, int kVec, bool kH = false>
 MOE_FP8_DEVICE SwigluVecs<K, kVec> swiglu_compute(const SwigluIn<K, kVec>& in) {
   using E = SwigluElem<K>;
   SiluQuot sq[kVec];
-#if defined(__CUDA_ARCH__) && !defined(USE_ROCM)
+#if MOE_FP8_HAS_FAST_DIV
   bool ok = true;
 #pragma unroll
   for (int i = 0; i < kVec; ++i) sq[i] = silu_quot_fast<kBwd>(E::to_float(in.h1.v[i]), ok);
@@ -114,7 +114,15 @@ MOE_FP8_DEVICE void swiglu_store_q(const SwigluArgs& a, int64_t row, int64_t v, 
   }
 }
 
+// Vectors a thread holds (kRegs): warp rows kSwigluRegs; block rows of the quantizing
+// and the backward kernels kSwigluBlockRegs while the row fits that many a thread of
+// kSwigluMaxThreads threads, else kSwigluRegs. 2 rather than 4 a thread at hidden
+// 1408-2048 (twice the threads a row, 62 rather than 84 registers in the quantizing
+// forward, 83 rather than 110 in the backward): 4-7% faster on an H100 (2026-11-24);
+// the plain forward was 10% slower with 2, and warp rows with 2 (block rows from
+// hidden 512 up) 20-40% slower at hidden 768.
 constexpr int kSwigluRegs = 4;
+constexpr int kSwigluBlockRegs = 2;
 // At most 256 threads a block, so that a thread may hold up to 255 registers (the
 // register cache of a backward row is ~80 of them; 1024-thread bounds cap it at 64 and
 // spill).
@@ -130,12 +138,14 @@ constexpr int kSwigluMaxThreads = 256;
 // these kernels are bound by instruction issue (ncu: 76-85% of issue slots busy, DRAM
 // 38-62%), not by load latency, and the ring adds shared-memory instructions. The
 // forward keeps its outputs in shared memory for the encode pass (a register copy
-// cost occupancy: 99 registers a thread); the backward re-reads the grad_h13 it has
-// just written. Vectors past the register cache (rows longer than
-// kSwigluRegs * kSwigluMaxThreads vectors) are read and computed where they are used,
-// twice in a quantizing forward. kH: the quantizing backward also writes h (a.h_out).
-// The forward's cache is measured on an H100: 69 registers and 1.15-1.2x faster.
-template <InputKind K, Fp8Format F, bool kBwd, bool kQuant, int kVec, bool kWarpRow, bool kH>
+// cost occupancy: 99 registers a thread; measured again with the branch-free math of
+// 2026-11-24: 100 rather than 84 registers, 0-14% slower); the backward re-reads the
+// grad_h13 it has just written. Vectors past the register cache (rows longer than
+// kRegs * kSwigluMaxThreads vectors) are read and computed where they are used, twice
+// in a quantizing forward. kH: the quantizing backward also writes h (a.h_out). The
+// forward's cache is measured on an H100: 69 registers and 1.15-1.2x faster. A
+// 64-register bound (4 blocks of 256) spills 50-450 bytes.
+template <InputKind K, Fp8Format F, bool kBwd, bool kQuant, int kVec, bool kWarpRow, bool kH, int kRegs>
 __global__ void __launch_bounds__(kSwigluMaxThreads) swiglu_rows_kernel(SwigluArgs a) {
   using In = DeviceInput<K>;
   using T = typename SwigluElem<K>::storage;
@@ -146,8 +156,8 @@ __global__ void __launch_bounds__(kSwigluMaxThreads) swiglu_rows_kernel(SwigluAr
   const int lane = kWarpRow ? static_cast<int>(threadIdx.x) % kWarpSize : static_cast<int>(threadIdx.x);
   const int64_t rows_per_block = kWarpRow ? blockDim.x / kWarpSize : 1;
   const int64_t step = static_cast<int64_t>(gridDim.x) * rows_per_block;
-  const int64_t cached = static_cast<int64_t>(kSwigluRegs) * lanes;
-  SwigluIn<K, kVec> in[kSwigluRegs];
+  const int64_t cached = static_cast<int64_t>(kRegs) * lanes;
+  SwigluIn<K, kVec> in[kRegs];
   // The quantizing forward's cache of h: this row's (warp rows: this warp's row's)
   // cached vectors in dynamic shared memory, each read back only by the thread that
   // wrote it (no barrier).
@@ -156,7 +166,7 @@ __global__ void __launch_bounds__(kSwigluMaxThreads) swiglu_rows_kernel(SwigluAr
                             (kWarpRow ? static_cast<int64_t>(threadIdx.x / kWarpSize) * cached : 0);
   auto load_row = [&](int64_t row) {
 #pragma unroll
-    for (int j = 0; j < kSwigluRegs; ++j) {
+    for (int j = 0; j < kRegs; ++j) {
       const int64_t v = lane + static_cast<int64_t>(j) * lanes;
       if (row < a.rows && v < nvec) in[j] = swiglu_load<K, kBwd, kVec>(a, row, v);
     }
@@ -167,7 +177,7 @@ __global__ void __launch_bounds__(kSwigluMaxThreads) swiglu_rows_kernel(SwigluAr
     load_row(row);  // all of this thread's loads of the row in flight together, before any store
     uint32_t amax[2] = {0u, 0u};
 #pragma unroll
-    for (int j = 0; j < kSwigluRegs; ++j) {
+    for (int j = 0; j < kRegs; ++j) {
       const int64_t v = lane + static_cast<int64_t>(j) * lanes;
       if (v < nvec) {
         const SwigluVecs<K, kVec> r = swiglu_compute<K, kBwd, kVec, kH>(in[j]);
@@ -208,7 +218,7 @@ __global__ void __launch_bounds__(kSwigluMaxThreads) swiglu_rows_kernel(SwigluAr
         }
       } else {
 #pragma unroll
-        for (int j = 0; j < kSwigluRegs; ++j) {
+        for (int j = 0; j < kRegs; ++j) {
           const int64_t v = lane + static_cast<int64_t>(j) * lanes;
           if (v < nvec) {
             SwigluVecs<K, kVec> r;
@@ -243,28 +253,36 @@ inline bool swiglu_vector_ok(const SwigluArgs& a) {
 
 // Rows of at most kSwigluRegs * warp-size vectors (1024 bf16 elements per half on
 // CUDA) take a warp each, kWarpRowsPerBlock rows a block; longer rows a block each,
-// sized so that the row fits the register cache (at most kSwigluMaxThreads threads).
+// sized so that the row fits the register cache (kRegs above; at most
+// kSwigluMaxThreads threads).
 constexpr int kWarpRowsPerBlock = 8;
 
 template <InputKind K, Fp8Format F, bool kBwd, bool kQuant, int kVec, bool kH>
 int launch_swiglu_vec(const SwigluArgs& a, gpuStream_t stream) {
   using T = typename SwigluElem<K>::storage;
   const int64_t nvec = a.hidden / kVec;
-  // The quantizing forward's h cache: kSwigluRegs vectors a thread (at most 16 KB a block).
-  auto cache_bytes = [&](int64_t threads) -> size_t {
-    return kQuant && !kBwd ? static_cast<size_t>(threads * kSwigluRegs) * sizeof(Array<T, kVec>) : 0;
+  // The quantizing forward's h cache: kRegs vectors a thread (at most 16 KB a block).
+  auto cache_bytes = [&](int64_t threads, int regs) -> size_t {
+    return kQuant && !kBwd ? static_cast<size_t>(threads * regs) * sizeof(Array<T, kVec>) : 0;
   };
   if (nvec <= int64_t{kSwigluRegs} * kWarpSize) {
     const dim3 block(kWarpRowsPerBlock * kWarpSize);
     const dim3 grid(static_cast<unsigned>(std::min<int64_t>(ceil_div(a.rows, kWarpRowsPerBlock), int64_t{1} << 20)));
-    return launch_kernel(swiglu_rows_kernel<K, F, kBwd, kQuant, kVec, true, kH>, grid, block, cache_bytes(block.x),
-                         stream, 1, a);
+    return launch_kernel(swiglu_rows_kernel<K, F, kBwd, kQuant, kVec, true, kH, kSwigluRegs>, grid, block,
+                         cache_bytes(block.x, kSwigluRegs), stream, 1, a);
+  }
+  const dim3 grid(static_cast<unsigned>(std::min<int64_t>(a.rows, int64_t{1} << 20)));
+  if constexpr (kQuant || kBwd) {
+    if (nvec <= int64_t{kSwigluBlockRegs} * kSwigluMaxThreads) {
+      const dim3 block(static_cast<unsigned>(round_up(ceil_div(nvec, kSwigluBlockRegs), kWarpSize)));
+      return launch_kernel(swiglu_rows_kernel<K, F, kBwd, kQuant, kVec, false, kH, kSwigluBlockRegs>, grid, block,
+                           cache_bytes(block.x, kSwigluBlockRegs), stream, 1, a);
+    }
   }
   const int64_t want = round_up(ceil_div(nvec, kSwigluRegs), kWarpSize);
   const dim3 block(static_cast<unsigned>(std::min<int64_t>(want, kSwigluMaxThreads)));
-  const dim3 grid(static_cast<unsigned>(std::min<int64_t>(a.rows, int64_t{1} << 20)));
-  return launch_kernel(swiglu_rows_kernel<K, F, kBwd, kQuant, kVec, false, kH>, grid, block, cache_bytes(block.x), stream,
-                       1, a);
+  return launch_kernel(swiglu_rows_kernel<K, F, kBwd, kQuant, kVec, false, kH, kSwigluRegs>, grid, block,
+                       cache_bytes(block.x, kSwigluRegs), stream, 1, a);
 }
 
 template <InputKind K, Fp8Format F, bool kBwd, bool kQuant, bool kH = false>
