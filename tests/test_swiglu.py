@@ -272,8 +272,10 @@ def _every_h1(dtype):
 @pytest.mark.parametrize("dtype", IN_DTYPES)
 def test_cuda_same_as_cpu_every_h1(dtype):
     # The kernels divide by d = 1 + exp(-h1) without div.rn's per-element check where
-    # h1 is in range (silu_quot_fast): for 16-bit inputs every division they can make
-    # is one of the 65536 values of h1, all of them here, forward and backward.
+    # h1 is in range (silu_quot_fast), and the bf16 forward takes R(silu(h1)) from a
+    # table and three rules outside it (silu_round_bf16): for 16-bit inputs every
+    # division and every lookup they can make is one of the 65536 values of h1, all of
+    # them here, forward and backward.
     h1 = _every_h1(dtype)
     hidden = 128
     rows = -(-h1.numel() // hidden)

@@ -49,6 +49,9 @@ struct SwigluArgs {
   float* scale[2] = {nullptr, nullptr};
   int64_t rows = 0;
   int64_t hidden = 0;
+  // The bf16 forward's table of R(silu(x)) (kSiluTableEntries uint16, device memory the
+  // launcher fills first); required for a bf16 forward on the GPU, unused elsewhere.
+  uint16_t* silu_table = nullptr;
   bool backward = false;
   bool quant = false;
   bool joint = false;
@@ -233,6 +236,36 @@ MOE_FP8_HD void swiglu_backward_elem(typename SwigluElem<K>::storage g, typename
                                      typename SwigluElem<K>::storage h3, typename SwigluElem<K>::storage* gh1,
                                      typename SwigluElem<K>::storage* gh3, typename SwigluElem<K>::storage* h) {
   swiglu_backward_elem<K>(silu_quot<true>(SwigluElem<K>::to_float(h1)), g, h1, h3, gh1, gh3, h);
+}
+
+// ---- the bf16 forward by table -------------------------------------------------------
+// s = R(silu(x)) of a bf16 x is a function of x's 16 bits. The GPU forward takes it from
+// a table of the bf16 values with 2^-24 <= |x| < 128 (exponent field 103..133: positive
+// values, then negative ones; 15.5 KB, kept in shared memory) instead of exp and a
+// division (the kernels are bound by instruction issue). Outside the table s is
+// R(x / 2) below 2^-24 (d is 2 there), x from 128 up (d is 1) and x / Inf = x * 0 from
+// -128 down (d is Inf); NaN stays NaN. The entries are silu_quot's own bits, and a GPU
+// test runs every bf16 value of h1 against the CPU.
+constexpr int kSiluTableLoExp = 103;
+constexpr int kSiluTableHalf = 31 * 128;
+constexpr int kSiluTableEntries = 2 * kSiluTableHalf;
+
+MOE_FP8_HD uint16_t silu_table_entry(int i) {
+  const uint32_t b = (i >= kSiluTableHalf ? 0x8000u : 0u) +
+                     (static_cast<uint32_t>(kSiluTableLoExp) << 7) + static_cast<uint32_t>(i % kSiluTableHalf);
+  return float_to_bf16_bits(silu_quot<false>(bits_float(b << 16)).q);
+}
+
+// R(silu(x)) as a float for the bf16 bits b of x, from the table.
+MOE_FP8_HD float silu_round_bf16(uint16_t b, const uint16_t* table) {
+  const float x = bits_float(static_cast<uint32_t>(b) << 16);
+  const uint32_t u = (b & 0x7FFFu) - (static_cast<uint32_t>(kSiluTableLoExp) << 7);  // wraps below the table
+  const uint32_t i = (u < kSiluTableHalf ? u : 0u) + ((b & 0x8000u) ? kSiluTableHalf : 0u);
+  const float from_table = bits_float(static_cast<uint32_t>(table[i]) << 16);
+  const float small = SwigluElem<InputKind::kBF16>::round(f_mul(x, 0.5f));
+  const float big = x > 0.0f ? x : f_mul(x, 0.0f);
+  const bool below = (b & 0x7FFFu) < (static_cast<uint32_t>(kSiluTableLoExp) << 7);
+  return u < kSiluTableHalf ? from_table : (below ? small : big);
 }
 
 // The runners of one device (CPU loops in swiglu_cpu.cpp, kernels in swiglu.cu),

@@ -2,6 +2,10 @@
 // stream only (no torch headers), so the file can be compile-checked for any target
 // and hipified as is.
 //
+// The bf16 forward takes R(silu(h1)) from a 15.5 KB table in shared memory (swiglu.h,
+// silu_round_bf16) that a small kernel fills before it, so its blocks are persistent
+// (each copies the table once); the other kinds and the backward compute it.
+//
 // One shape: a warp (rows up to 1024 bf16 per half) or a thread block (longer rows) per
 // row at a time, grid-stride over rows. A thread loads up to kRegs vectors of the
 // row (16-byte loads of h13 and grad_h) and computes kVec consecutive outputs of each
@@ -55,9 +59,21 @@ MOE_FP8_DEVICE SwigluIn<K, kVec> swiglu_load(const SwigluArgs& a, int64_t row, i
 // for all of it where an element is outside the fast path's sure range (a branch per
 // vector, not per element, and in practice never taken but for a NaN, an Inf or an
 // h1 below -40).
+// The bf16 forward takes R(silu(h1)) from the table (silu_round_bf16) instead.
+template <InputKind K, bool kBwd>
+constexpr bool kSwigluTable = K == InputKind::kBF16 && !kBwd;
+
 template <InputKind K, bool kBwd, int kVec, bool kH = false>
-MOE_FP8_DEVICE SwigluVecs<K, kVec> swiglu_compute(const SwigluIn<K, kVec>& in) {
+MOE_FP8_DEVICE SwigluVecs<K, kVec> swiglu_compute(const SwigluIn<K, kVec>& in, const uint16_t* table) {
   using E = SwigluElem<K>;
+  if constexpr (kSwigluTable<K, kBwd>) {
+    SwigluVecs<K, kVec> r;
+#pragma unroll
+    for (int i = 0; i < kVec; ++i) {
+      r.o[0].v[i] = E::from_float(f_mul(silu_round_bf16(in.h1.v[i], table), E::to_float(in.h3.v[i])));
+    }
+    return r;
+  }
   SiluQuot sq[kVec];
 #if MOE_FP8_HAS_FAST_DIV
   bool ok = true;
@@ -127,6 +143,16 @@ constexpr int kSwigluBlockRegs = 2;
 // register cache of a backward row is ~80 of them; 1024-thread bounds cap it at 64 and
 // spill).
 constexpr int kSwigluMaxThreads = 256;
+constexpr int kSwigluTableBytes = kSiluTableEntries * 2;
+static_assert(kSwigluTableBytes % 16 == 0, "the table is copied in 16-byte vectors");
+
+// Fills the bf16 forward's table (silu_table_entry). A template, so that the header
+// may be included by more than one translation unit.
+template <int kUnused = 0>
+__global__ void swiglu_silu_table_kernel(uint16_t* table) {
+  const int i = static_cast<int>(blockIdx.x * blockDim.x + threadIdx.x);
+  if (i < kSiluTableEntries) table[i] = silu_table_entry(i);
+}
 
 // kQuant: also the rowwise fp8 of each output half (F the format). kWarpRow: a warp per
 // row (rows of at most kSwigluRegs * warp-size vectors: the amax is a warp shuffle, no
@@ -161,8 +187,17 @@ __global__ void __launch_bounds__(kSwigluMaxThreads) swiglu_rows_kernel(SwigluAr
   // The quantizing forward's cache of h: this row's (warp rows: this warp's row's)
   // cached vectors in dynamic shared memory, each read back only by the thread that
   // wrote it (no barrier).
+  // The bf16 forward's table first (kSwigluTableBytes), copied from a.silu_table.
   extern __shared__ uint4 s_dyn[];
-  Array<T, kVec>* h_cache = reinterpret_cast<Array<T, kVec>*>(s_dyn) +
+  constexpr bool kTable = kSwigluTable<K, kBwd>;
+  constexpr int kTableVecs = kTable ? kSwigluTableBytes / 16 : 0;
+  const uint16_t* table = reinterpret_cast<const uint16_t*>(s_dyn);
+  if constexpr (kTable) {
+    const uint4* src = reinterpret_cast<const uint4*>(a.silu_table);
+    for (int i = static_cast<int>(threadIdx.x); i < kTableVecs; i += static_cast<int>(blockDim.x)) s_dyn[i] = src[i];
+    __syncthreads();
+  }
+  Array<T, kVec>* h_cache = reinterpret_cast<Array<T, kVec>*>(s_dyn + kTableVecs) +
                             (kWarpRow ? static_cast<int64_t>(threadIdx.x / kWarpSize) * cached : 0);
   auto load_row = [&](int64_t row) {
 #pragma unroll
@@ -180,7 +215,7 @@ __global__ void __launch_bounds__(kSwigluMaxThreads) swiglu_rows_kernel(SwigluAr
     for (int j = 0; j < kRegs; ++j) {
       const int64_t v = lane + static_cast<int64_t>(j) * lanes;
       if (v < nvec) {
-        const SwigluVecs<K, kVec> r = swiglu_compute<K, kBwd, kVec, kH>(in[j]);
+        const SwigluVecs<K, kVec> r = swiglu_compute<K, kBwd, kVec, kH>(in[j], table);
         swiglu_store<K, kBwd, kVec, kH>(a, row, v, r);
         if constexpr (kQuant) {
 #pragma unroll
@@ -190,7 +225,7 @@ __global__ void __launch_bounds__(kSwigluMaxThreads) swiglu_rows_kernel(SwigluAr
       }
     }
     for (int64_t v = lane + cached; v < nvec; v += lanes) {
-      const SwigluVecs<K, kVec> r = swiglu_compute<K, kBwd, kVec, kH>(swiglu_load<K, kBwd, kVec>(a, row, v));
+      const SwigluVecs<K, kVec> r = swiglu_compute<K, kBwd, kVec, kH>(swiglu_load<K, kBwd, kVec>(a, row, v), table);
       swiglu_store<K, kBwd, kVec, kH>(a, row, v, r);
       if constexpr (kQuant) {
 #pragma unroll
@@ -227,8 +262,8 @@ __global__ void __launch_bounds__(kSwigluMaxThreads) swiglu_rows_kernel(SwigluAr
           }
         }
         for (int64_t v = lane + cached; v < nvec; v += lanes) {
-          swiglu_store_q<K, F, kBwd, kVec>(a, row, v, swiglu_compute<K, kBwd, kVec>(swiglu_load<K, kBwd, kVec>(a, row, v)),
-                                           encode);
+          const SwigluVecs<K, kVec> r = swiglu_compute<K, kBwd, kVec>(swiglu_load<K, kBwd, kVec>(a, row, v), table);
+          swiglu_store_q<K, F, kBwd, kVec>(a, row, v, r, encode);
         }
       }
     }
@@ -257,32 +292,47 @@ inline bool swiglu_vector_ok(const SwigluArgs& a) {
 // kSwigluMaxThreads threads).
 constexpr int kWarpRowsPerBlock = 8;
 
+template <InputKind K, Fp8Format F, bool kBwd, bool kQuant, int kVec, bool kWarpRow, bool kH, int kRegs>
+int launch_swiglu_rows(const SwigluArgs& a, dim3 grid, dim3 block, gpuStream_t stream) {
+  using T = typename SwigluElem<K>::storage;
+  constexpr bool kTable = kSwigluTable<K, kBwd>;
+  auto kernel = swiglu_rows_kernel<K, F, kBwd, kQuant, kVec, kWarpRow, kH, kRegs>;
+  // The quantizing forward's h cache (kRegs vectors a thread, at most 16 KB a block)
+  // after the bf16 forward's table.
+  const size_t smem = (kQuant && !kBwd ? static_cast<size_t>(block.x) * kRegs * sizeof(Array<T, kVec>) : 0) +
+                      (kTable ? kSwigluTableBytes : 0);
+  if constexpr (kTable) {
+    // Each block copies the table once: persistent blocks, as many as fit.
+    if (a.silu_table == nullptr) return 1;
+    const dim3 fill_grid(static_cast<unsigned>(ceil_div(kSiluTableEntries, 256)));
+    const int err = launch_kernel(swiglu_silu_table_kernel<>, fill_grid, dim3(256), 0, stream, 1, a.silu_table);
+    if (err != 0) return err;
+    const int err2 = allow_dynamic_smem(kernel, smem);
+    if (err2 != 0) return err2;
+    const int64_t most = int64_t{multiprocessor_count()} * resident_blocks(kernel, static_cast<int>(block.x), smem);
+    grid.x = static_cast<unsigned>(std::min<int64_t>(grid.x, most));
+  }
+  return launch_kernel(kernel, grid, block, smem, stream, 1, a);
+}
+
 template <InputKind K, Fp8Format F, bool kBwd, bool kQuant, int kVec, bool kH>
 int launch_swiglu_vec(const SwigluArgs& a, gpuStream_t stream) {
-  using T = typename SwigluElem<K>::storage;
   const int64_t nvec = a.hidden / kVec;
-  // The quantizing forward's h cache: kRegs vectors a thread (at most 16 KB a block).
-  auto cache_bytes = [&](int64_t threads, int regs) -> size_t {
-    return kQuant && !kBwd ? static_cast<size_t>(threads * regs) * sizeof(Array<T, kVec>) : 0;
-  };
   if (nvec <= int64_t{kSwigluRegs} * kWarpSize) {
     const dim3 block(kWarpRowsPerBlock * kWarpSize);
     const dim3 grid(static_cast<unsigned>(std::min<int64_t>(ceil_div(a.rows, kWarpRowsPerBlock), int64_t{1} << 20)));
-    return launch_kernel(swiglu_rows_kernel<K, F, kBwd, kQuant, kVec, true, kH, kSwigluRegs>, grid, block,
-                         cache_bytes(block.x, kSwigluRegs), stream, 1, a);
+    return launch_swiglu_rows<K, F, kBwd, kQuant, kVec, true, kH, kSwigluRegs>(a, grid, block, stream);
   }
   const dim3 grid(static_cast<unsigned>(std::min<int64_t>(a.rows, int64_t{1} << 20)));
   if constexpr (kQuant || kBwd) {
     if (nvec <= int64_t{kSwigluBlockRegs} * kSwigluMaxThreads) {
       const dim3 block(static_cast<unsigned>(round_up(ceil_div(nvec, kSwigluBlockRegs), kWarpSize)));
-      return launch_kernel(swiglu_rows_kernel<K, F, kBwd, kQuant, kVec, false, kH, kSwigluBlockRegs>, grid, block,
-                           cache_bytes(block.x, kSwigluBlockRegs), stream, 1, a);
+      return launch_swiglu_rows<K, F, kBwd, kQuant, kVec, false, kH, kSwigluBlockRegs>(a, grid, block, stream);
     }
   }
   const int64_t want = round_up(ceil_div(nvec, kSwigluRegs), kWarpSize);
   const dim3 block(static_cast<unsigned>(std::min<int64_t>(want, kSwigluMaxThreads)));
-  return launch_kernel(swiglu_rows_kernel<K, F, kBwd, kQuant, kVec, false, kH, kSwigluRegs>, grid, block,
-                       cache_bytes(block.x, kSwigluRegs), stream, 1, a);
+  return launch_swiglu_rows<K, F, kBwd, kQuant, kVec, false, kH, kSwigluRegs>(a, grid, block, stream);
 }
 
 template <InputKind K, Fp8Format F, bool kBwd, bool kQuant, bool kH = false>

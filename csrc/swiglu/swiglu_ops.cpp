@@ -58,9 +58,15 @@ void set_quant(SwigluArgs& a, int half, const at::Tensor& q, const at::Tensor& s
   a.quant = true;
 }
 
-void run(const SwigluKernels& k, const at::Tensor& h13, Fp8Format fmt, const SwigluArgs& a, const char* op) {
+void run(const SwigluKernels& k, const at::Tensor& h13, Fp8Format fmt, const SwigluArgs& args, const char* op) {
   // Quantizing empty rows still writes their scales (amax 0, as quantize_rowwise).
-  if (a.rows == 0 || (a.hidden == 0 && !a.quant)) return;
+  if (args.rows == 0 || (args.hidden == 0 && !args.quant)) return;
+  SwigluArgs a = args;
+  at::Tensor table;  // the GPU bf16 forward's table (swiglu.h), filled by the launcher on the stream
+  if (!a.backward && !h13.is_cpu() && h13.scalar_type() == at::kBFloat16) {
+    table = at::empty({kSiluTableEntries}, h13.options().dtype(at::kShort));
+    a.silu_table = static_cast<uint16_t*>(table.data_ptr());
+  }
   k.run(input_kind(h13, op, "h13"), fmt, a, h13.device().index());
 }
 
