@@ -307,8 +307,6 @@ int launch_swiglu_rows(const SwigluArgs& a, dim3 grid, dim3 block, gpuStream_t s
     const dim3 fill_grid(static_cast<unsigned>(ceil_div(kSiluTableEntries, 256)));
     const int err = launch_kernel(swiglu_silu_table_kernel<>, fill_grid, dim3(256), 0, stream, 1, a.silu_table);
     if (err != 0) return err;
-    const int err2 = allow_dynamic_smem(kernel, smem);
-    if (err2 != 0) return err2;
     const int64_t most = int64_t{multiprocessor_count()} * resident_blocks(kernel, static_cast<int>(block.x), smem);
     grid.x = static_cast<unsigned>(std::min<int64_t>(grid.x, most));
   }
