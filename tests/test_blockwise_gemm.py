@@ -290,13 +290,16 @@ def draw_2d3d(m, k, n, e, offs, seed=0):
     return quantized_2d3d(x.cuda(), w.cuda()) + (offs.cuda(),)
 
 
-# Many groups, so that a CTA changes group at nearly every tile and the epilogue rewrites
-# its store descriptor each time: whole tiles of groups on the 128-row grid, a cluster's
-# spare tile past a group (2x1, N = 384: an odd number of N tiles), partial last tiles
-# and starts off the grid, in runs and interleaved; 77 tail rows past the last group.
-# (An epilogue that stores whole tiles through one matrix descriptor was tried against
-# these; bench/RESULTS.md.)
+# Many groups, so that a CTA changes group at nearly every tile, and every kind of tile
+# the epilogue's store descriptors tell apart (csrc/gemm/row_block_store_maps.cuh): whole
+# tiles of groups on the 128-row grid, a cluster's spare tile past a group (2x1, N = 384:
+# an odd number of N tiles), partial last tiles (the group's own descriptor) and starts
+# off the 16-row steps (all of that group's tiles through its own descriptor), in runs
+# and interleaved; 77 tail rows past the last group.
 MANY_GROUPS = [128, 256, 0, 100, 384, 129, 128, 640, 1, 255, 256, 384, 0, 512, 127, 128] * 3
+# Router-like sizes, multiples of 16: group starts at every multiple of 16 below 128
+# (the row-block store maps' eight matrix descriptors), whole and partial last tiles.
+MANY_GROUPS_16 = [144, 272, 0, 48, 400, 16, 128, 656, 32, 240, 256, 384, 0, 528, 112, 96] * 3
 
 # (M, K, N, E, group sizes or None for random)
 CASES_2D3D = [
@@ -309,6 +312,8 @@ CASES_2D3D = [
     (2048, 1024, 1024, 8, None),         # several tiles a group, several K blocks
     (sum(MANY_GROUPS) + 77, 256, 256, len(MANY_GROUPS), MANY_GROUPS),  # cluster 1x2
     (sum(MANY_GROUPS) + 77, 256, 384, len(MANY_GROUPS), MANY_GROUPS),  # cluster 2x1
+    (sum(MANY_GROUPS_16) + 64, 256, 256, len(MANY_GROUPS_16), MANY_GROUPS_16),  # cluster 1x2
+    (sum(MANY_GROUPS_16) + 64, 256, 384, len(MANY_GROUPS_16), MANY_GROUPS_16),  # cluster 2x1
 ]
 
 
@@ -361,6 +366,9 @@ CASES_2D2D = [
     (512, 128, 128, sizes_at_128([4], 0)),              # one group
     (768, 384, 256, sizes_at_128([0, 0, 6], 0)),        # empty groups first
     (4096, 512, 1024, sizes_at_128([8, 8, 0, 8, 8], 0)),
+    # N = 208: group g's output starts at row 208 g of the (E * N, K) matrix, every
+    # multiple of 16 below 128 over the eight groups; partial last N tiles
+    (1536, 208, 256, sizes_at_128([2, 1, 1, 3, 1, 2, 1, 1], 0)),
 ]
 
 

@@ -63,6 +63,7 @@
 
 #include "grouped_gemm_common.h"
 #include "pipelined_promotion.cuh"
+#include "row_block_store_maps.cuh"
 #include "scale_layouts_from_args.cuh"
 
 // The CUTLASS kernels need nvcc 12.3+ (Hopper TMA descriptor updates on the device).
@@ -114,11 +115,14 @@ struct BlockwiseGemm {
   using EpilogueSchedule = std::conditional_t<kPingpong, cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong,
                                               cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative>;
 
-  using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+  using CutlassEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
       cutlass::epilogue::collective::EpilogueTileAuto, float, float, void, LayoutD*, kAlignD, ElementD, LayoutD*,
       kAlignD, EpilogueSchedule,
       cutlass::epilogue::fusion::LinearCombination<ElementD, float, void, float>>::CollectiveOp;
+  // Whole output tiles stored through descriptors of the whole output, written once a
+  // CTA: no descriptor update at a group change (row_block_store_maps.cuh).
+  using Epilogue = RowBlockStoreMaps<CutlassEpilogue>;
 
   using CutlassMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementA, cute::tuple<LayoutA*, ScaleLayoutA*>, kAlignAB,
