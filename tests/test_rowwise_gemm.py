@@ -242,6 +242,11 @@ def assert_close(out, ref, mag):
                              f"{float(o[i])!r} vs {float(ref[i])!r}")
 
 
+# Starts at every multiple of 16 below 128 and then below 256 with a whole tile each
+# (144 = 128 + 16, 272 = 256 + 16), router-like sizes, then starts off the 16-row steps.
+MANY_GROUPS = ([144] * 8 + [272] * 16 + [144, 272, 0, 48, 400, 16, 128, 656, 32, 240, 256, 384, 0, 528, 112, 96] +
+               [100, 129, 37, 256, 300])
+
 # (M, K, N, group sizes): empty groups, one group, tails past the last group, partial tiles
 CASES_2D3D = [
     (1000, 256, 384, [100, 0, 513, 387]),
@@ -249,6 +254,10 @@ CASES_2D3D = [
     (777, 512, 264, [0, 0, 5, 700, 0]),       # 72 rows past the last group
     (64, 64, 64, [0, 0]),                      # no row in any group: zeros
     (2048, 1024, 1536, [256] * 8),
+    # Many groups, so that a CTA changes group at nearly every tile: starts at every multiple
+    # of 16 below 256, whole, partial and (2x1 clusters) spare tiles, then starts off the
+    # 16-row steps; 50 rows past the last group
+    (sum(MANY_GROUPS) + 50, 128, 256, MANY_GROUPS),
 ]
 
 
@@ -309,6 +318,10 @@ CASES_2D2D = [
     (2048, 1536, 1024, [256] * 8),
     (40, 64, 64, [40]),                        # a group of 40 tokens (K of the GEMM not a multiple of 16)
     (200, 128, 136, [64, 136]),
+    # 16 groups, group g's output at row g N of (E N, K): N = 208 (every multiple of 16
+    # below 256) and N = 200 (odd groups off the 16-row steps), partial N tiles
+    (768, 208, 136, [48, 32, 0, 64, 16, 80, 32, 48, 96, 16, 64, 32, 48, 80, 16, 96]),
+    (768, 200, 128, [48, 32, 0, 64, 16, 80, 32, 48, 96, 16, 64, 32, 48, 80, 16, 96]),
 ]
 
 
