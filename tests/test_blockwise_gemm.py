@@ -331,6 +331,25 @@ def test_2d3d_matches_dequantized_reference(m, k, n, e, sizes):
 
 @requires_sm90
 @pytest.mark.gpu
+def test_2d3d_many_partial_tiles():
+    """600 groups of 16-240 rows: nearly every tile is a group's partial last tile, so each
+    CTA writes its per-group store descriptor several times, alternating its two slots
+    (csrc/gemm/row_block_store_maps.cuh); a few starts off the 16-row steps; N = 128 (one
+    N tile: cluster 2x1, spare tiles past groups of an odd number of M tiles)."""
+    g = torch.Generator().manual_seed(11)
+    sizes = (torch.randint(1, 16, (600,), generator=g) * 16).tolist()
+    for i in range(0, 600, 50):  # one group starting 5 rows off the steps, the next back on them
+        sizes[i] += 5
+        sizes[i + 1] += 11
+    m = sum(sizes) + 30
+    a, sa, b, sb, offs = draw_2d3d(m, 128, 128, len(sizes), offs_from_sizes(sizes), seed=11)
+    poison("cuda")
+    out = mm_2d3d(a, sa, b, sb, offs)
+    assert_close_to_reference(out, *reference_2d3d(a, sa, b, sb, offs))
+
+
+@requires_sm90
+@pytest.mark.gpu
 def test_2d3d_dgrad_operands():
     """dgrad: grad_out (M, N) 1x128 along N, w^T from quantize_blockwise_weight_transposed_rhs."""
     m, k, n, e = 700, 256, 384, 3
