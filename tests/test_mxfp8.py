@@ -651,6 +651,31 @@ def test_large_same_as_cpu(rounding, blocked):
 
 @requires_cuda
 @pytest.mark.gpu
+@pytest.mark.parametrize("rounding", ROUNDINGS)
+def test_rowwise_m_groups_placement_same_as_cpu(rounding):
+    # The M-group kernel walks the blocked rows (group g's from its start), loads each
+    # block's first unit on the guess that it lies in group 0, and zeroes the rows past
+    # the groups' padded rows separately. Cases: tiny groups (nearly every blocked row
+    # padding, up to 127 a group), router-like groups of multiples of 16 with rows past
+    # the last group (most first guesses wrong), odd sizes (shifts of every parity), one
+    # group of every row (every guess right), and more groups than the kernel's own
+    # table holds (1024: the op's start table instead).
+    g = torch.Generator().manual_seed(7)
+    cases = [
+        (700, 256, offs_from_sizes(torch.randint(0, 4, (300,), generator=g).tolist())),
+        (16384, 2048, offs_from_sizes([1392, 2496, 2640, 1376, 2480, 2512, 1568, 1904])),
+        (5000, 160, offs_from_sizes(torch.randint(0, 80, (64,), generator=g).tolist())),
+        (1000, 64, torch.tensor([1000], dtype=torch.int32)),
+        (3000, 32, offs_from_sizes(torch.randint(0, 3, (1100,), generator=g).tolist())),
+    ]
+    for m, k, offs in cases:
+        assert int(offs[-1]) <= m
+        x = mx_data((m, k), torch.bfloat16, "cuda")
+        same_as_cpu(lambda t, o: moe_fp8_ext.quantize_mxfp8_rowwise(t, rounding, True, o), x, offs)
+
+
+@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", IN_DTYPES)
 def test_odd_shapes_same_as_cpu(dtype):
     for m, k in ((1, 32), (7, 96), (300, 32), (4097, 160)):
