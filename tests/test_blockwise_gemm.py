@@ -28,7 +28,7 @@ import torch
 
 import moe_fp8_ext
 from moe_fp8_ext import blockwise_gemm as bg
-from conftest import graph_matches_eager, offs_from_sizes, poison, random_offs
+from conftest import ROUTER_SIZES_16, graph_matches_eager, offs_from_sizes, poison, random_offs
 
 E4M3 = torch.float8_e4m3fn
 BLOCK = 128
@@ -299,7 +299,7 @@ def draw_2d3d(m, k, n, e, offs, seed=0):
 MANY_GROUPS = [128, 256, 0, 100, 384, 129, 128, 640, 1, 255, 256, 384, 0, 512, 127, 128] * 3
 # Router-like sizes, multiples of 16: group starts at every multiple of 16 below 128
 # (the row-block store maps' eight matrix descriptors), whole and partial last tiles.
-MANY_GROUPS_16 = [144, 272, 0, 48, 400, 16, 128, 656, 32, 240, 256, 384, 0, 528, 112, 96] * 3
+MANY_GROUPS_16 = ROUTER_SIZES_16 * 3
 
 # (M, K, N, E, group sizes or None for random)
 CASES_2D3D = [

@@ -28,7 +28,7 @@ import pytest
 import torch
 
 from moe_fp8_ext import rowwise_gemm as rg
-from conftest import graph_matches_eager, offs_from_sizes, poison
+from conftest import ROUTER_SIZES_16, graph_matches_eager, offs_from_sizes, poison
 
 E4M3 = torch.float8_e4m3fn
 HAS_SM90 = rg.available()
@@ -244,8 +244,9 @@ def assert_close(out, ref, mag):
 
 # Starts at every multiple of 16 below 128 and then below 256 with a whole tile each
 # (144 = 128 + 16, 272 = 256 + 16), router-like sizes, then starts off the 16-row steps.
-MANY_GROUPS = ([144] * 8 + [272] * 16 + [144, 272, 0, 48, 400, 16, 128, 656, 32, 240, 256, 384, 0, 528, 112, 96] +
-               [100, 129, 37, 256, 300])
+MANY_GROUPS = [144] * 8 + [272] * 16 + ROUTER_SIZES_16 + [100, 129, 37, 256, 300]
+# 16 groups of the wgrad cases below, multiples of 16
+WGRAD_SIZES_16 = [48, 32, 0, 64, 16, 80, 32, 48, 96, 16, 64, 32, 48, 80, 16, 96]
 
 # (M, K, N, group sizes): empty groups, one group, tails past the last group, partial tiles
 CASES_2D3D = [
@@ -320,8 +321,8 @@ CASES_2D2D = [
     (200, 128, 136, [64, 136]),
     # 16 groups, group g's output at row g N of (E N, K): N = 208 (every multiple of 16
     # below 256) and N = 200 (odd groups off the 16-row steps), partial N tiles
-    (768, 208, 136, [48, 32, 0, 64, 16, 80, 32, 48, 96, 16, 64, 32, 48, 80, 16, 96]),
-    (768, 200, 128, [48, 32, 0, 64, 16, 80, 32, 48, 96, 16, 64, 32, 48, 80, 16, 96]),
+    (768, 208, 136, WGRAD_SIZES_16),
+    (768, 200, 128, WGRAD_SIZES_16),
 ]
 
 
