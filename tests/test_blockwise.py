@@ -748,6 +748,30 @@ def test_large_same_as_cpu(fp8):
 @requires_cuda
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", IN_DTYPES)
+def test_act_lhs_cluster_gather_same_as_cpu(dtype, monkeypatch):
+    # Rows of 16-byte-aligned vectors that fit a ring stage (>= 1024 bf16 / 512 fp32 columns):
+    # act_lhs's ring kernel, whose 16-bit instance gathers the scales over clusters of 8 rows
+    # on sm90+ (forced wherever it can run: MOE_FP8_ROWS_GATHER=1). Row counts below, at and
+    # past multiples of 8 (a last step of fewer rows; fewer rows than a cluster: the plain
+    # ring kernel), a partial last block, M not a multiple of 4 (runs of eight scales not
+    # 16-byte aligned: the per-row stores), strided rows, and enough rows that every
+    # cluster walks several steps; then the default choice on a large shape.
+    widths = (1024, 1032, 2048, 7168) if dtype != torch.float32 else (512, 1032, 2048, 8192)
+    monkeypatch.setenv("MOE_FP8_ROWS_GATHER", "1")
+    for m, k in [(5, widths[0]), (8, widths[0]), (9, widths[1]), (23, widths[2]), (8195, widths[1]),
+                 (4100, widths[3]), (16384, widths[2])]:
+        x = bw_data((m, k), dtype, "cuda", seed=m + k)
+        for fp8 in FP8S_ALL:
+            same_as_cpu(lambda u: lhs(u, fp8), x)
+    wide = bw_data((1000, 2 * widths[1]), dtype, "cuda", seed=3)
+    same_as_cpu(lambda u: lhs(u, FP8S[0]), wide[:, : widths[1]])  # rows 2k apart
+    monkeypatch.delenv("MOE_FP8_ROWS_GATHER")
+    same_as_cpu(lambda u: lhs(u, FP8S[0]), bw_data((16384 + 9, 7168), dtype, "cuda", seed=4))
+
+
+@requires_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", IN_DTYPES)
 def test_odd_shapes_same_as_cpu(dtype):
     for m, k in ((1, 1), (7, 127), (129, 129), (300, 33), (4097, 1000)):
         x = bw_data((m, k), dtype, "cuda")

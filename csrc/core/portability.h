@@ -6,6 +6,9 @@
 
 #include <cstdint>
 #include <cstring>
+#include <map>
+#include <mutex>
+#include <tuple>
 #include <utility>
 
 #if defined(__CUDACC__) || defined(__HIPCC__)
@@ -283,11 +286,19 @@ template <typename T>
 MOE_FP8_DEVICE T* cluster_map_shared(T* smem_ptr, unsigned rank) {
   return cooperative_groups::this_cluster().map_shared_rank(smem_ptr, rank);
 }
+// The two halves of cluster_sync, so that work can run between them: every thread of
+// the cluster arrives (its earlier writes, shared memory of other blocks included,
+// released), then waits until all have arrived (acquiring them). Each thread
+// alternates the two; the warp must be converged at both.
+MOE_FP8_DEVICE void cluster_arrive() { asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory"); }
+MOE_FP8_DEVICE void cluster_wait() { asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory"); }
 #else
 #define MOE_FP8_HAS_CLUSTERS 0
 MOE_FP8_DEVICE void cluster_sync() {}
 template <typename T>
 MOE_FP8_DEVICE T* cluster_map_shared(T* smem_ptr, unsigned) { return smem_ptr; }
+MOE_FP8_DEVICE void cluster_arrive() {}
+MOE_FP8_DEVICE void cluster_wait() {}
 #endif
 
 // Host side: let `kernel` take smem_bytes of dynamic shared memory (static shared
@@ -305,19 +316,19 @@ inline int allow_dynamic_smem(void (*kernel)(KArgs...), size_t smem_bytes) {
 #endif
 }
 
-// Host side: launch a kernel with an optional cluster shape along y and a
+// Host side: launch a kernel in clusters of shape `cluster` (1x1x1: none) with a
 // dynamic shared-memory size above the 48 KB default. Returns the launch error.
 template <typename... KArgs, typename... Args>
-inline int launch_kernel(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem_bytes,
-                         gpuStream_t stream, int cluster_y, Args&&... args) {
+inline int launch_kernel_in_clusters(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem_bytes,
+                                     gpuStream_t stream, dim3 cluster, Args&&... args) {
   const int err = allow_dynamic_smem(kernel, smem_bytes);
   if (err != 0) return err;
 #if defined(USE_ROCM)
-  (void)cluster_y;  // callers pass 1 on ROCm (no clusters); see supports_clusters()
+  (void)cluster;  // callers pass none on ROCm (no clusters); see supports_clusters()
   hipLaunchKernelGGL(kernel, grid, block, smem_bytes, stream, std::forward<Args>(args)...);
   return static_cast<int>(hipGetLastError());
 #else
-  if (cluster_y <= 1) {
+  if (cluster.x * cluster.y * cluster.z <= 1) {
     kernel<<<grid, block, smem_bytes, stream>>>(std::forward<Args>(args)...);
     return static_cast<int>(cudaGetLastError());
   }
@@ -328,13 +339,22 @@ inline int launch_kernel(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t
   cfg.stream = stream;
   cudaLaunchAttribute attr[1];
   attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = 1;
-  attr[0].val.clusterDim.y = static_cast<unsigned>(cluster_y);
-  attr[0].val.clusterDim.z = 1;
+  attr[0].val.clusterDim.x = cluster.x;
+  attr[0].val.clusterDim.y = cluster.y;
+  attr[0].val.clusterDim.z = cluster.z;
   cfg.attrs = attr;
   cfg.numAttrs = 1;
   return static_cast<int>(cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...));
 #endif
+}
+
+// launch_kernel_in_clusters with an optional cluster shape along y.
+template <typename... KArgs, typename... Args>
+inline int launch_kernel(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem_bytes,
+                         gpuStream_t stream, int cluster_y, Args&&... args) {
+  return launch_kernel_in_clusters(kernel, grid, block, smem_bytes, stream,
+                                   dim3(1, static_cast<unsigned>(cluster_y > 1 ? cluster_y : 1), 1),
+                                   std::forward<Args>(args)...);
 }
 
 // Host side: fill n bytes at p with v on `stream`. Returns the error.
@@ -376,6 +396,58 @@ inline int multiprocessor_count() {
                   cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device) == cudaSuccess;
 #endif
   return ok && n > 0 ? n : 1;
+}
+
+// How many clusters of `cluster_x` blocks (along x) of `kernel` can be resident on the
+// current device at once; 0 where there are no clusters or the query fails. Cached by
+// (device, kernel, threads, shared memory, cluster): the query costs host time.
+template <typename... KArgs>
+inline int resident_clusters_x(void (*kernel)(KArgs...), int threads, size_t smem_bytes, int cluster_x) {
+#if defined(USE_ROCM)
+  (void)kernel, (void)threads, (void)smem_bytes, (void)cluster_x;
+  return 0;
+#else
+  using Key = std::tuple<int, const void*, int, size_t, int>;
+  static std::mutex mu;
+  static std::map<Key, int> cache;
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) return 0;
+  const Key key{device, reinterpret_cast<const void*>(kernel), threads, smem_bytes, cluster_x};
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    const auto it = cache.find(key);
+    if (it != cache.end()) return it->second;
+  }
+  if (allow_dynamic_smem(kernel, smem_bytes) != 0) return 0;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(static_cast<unsigned>(cluster_x));
+  cfg.blockDim = dim3(static_cast<unsigned>(threads));
+  cfg.dynamicSmemBytes = smem_bytes;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = static_cast<unsigned>(cluster_x);
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  int n = 0;
+  if (cudaOccupancyMaxActiveClusters(&n, kernel, &cfg) != cudaSuccess || n < 0) {
+    (void)cudaGetLastError();  // a failed query leaves no sticky error behind
+    return 0;
+  }
+  std::lock_guard<std::mutex> lock(mu);
+  cache[key] = n;
+  return n;
+#endif
+}
+
+inline int current_device() {
+  int device = 0;
+#if defined(USE_ROCM)
+  return hipGetDevice(&device) == hipSuccess ? device : 0;
+#else
+  return cudaGetDevice(&device) == cudaSuccess ? device : 0;
+#endif
 }
 
 // Whether the current device can run cluster launches (CUDA sm90+).

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 
 #include "../core/numerics.h"
 #include "../core/portability.h"
@@ -424,14 +425,47 @@ MOE_FP8_HD int64_t ring_stage_vecs(int64_t nvec) {
   return kBlock == kWholeSet ? nvec : round_up(nvec, int64_t{kRingVecsPerLane});
 }
 
-template <InputKind K, Fp8Format F, class Rule, int kBlock, class Layout>
+// Scales gathered over a cluster (kGather > 1; CUDA sm90+, fp32 scales of column-major
+// linear layouts: FP8 blockwise act_lhs, scale (M, K/128) with strides (1, M)). Stored
+// row by row, each row puts one 4-byte scale in each of K/128 sectors: as many L2 write
+// requests as the row's q stores make. On H100 those stores cost 2-4% against the same
+// kernel storing them row-major (act_lhs 89-91% of a copy against 91-93%; without any
+// scale store 93-95%; bench/RESULTS.md). Instead the kGather blocks of a cluster (consecutive
+// blockIdx.x, so consecutive rows in every step, the band of rows in flight unchanged)
+// put their row's scales in the shared memory of the block that owns the block column
+// (column b: block b % kGather of the cluster), and each owner writes the kGather rows of
+// its columns as one 32-byte run. A step's scales are stored in the next step, behind a
+// split cluster barrier (arrive after the writes, wait after the next row has landed),
+// from the other of two buffers. The blocks of a cluster so move in step with the slowest
+// of them: it pays on long rows only (the launcher's conditions below).
+constexpr int kGatherRows = kRocm ? 1 : 8;
+constexpr int64_t kGatherMinRowBytes = 8192;  // rows of at least 4096 bf16
+constexpr int64_t kGatherMinSteps = 8;         // steps a cluster, at least
+template <int kBlock, int kGather>
+constexpr int gather_max_cols() {  // block columns an owner takes, at most (16-bit rows)
+  if constexpr (kGather > 1 && kBlock > 0) {
+    return static_cast<int>((kRowsMaxStageBytes / 2 / kBlock + kGather - 1) / kGather);
+  } else {
+    return 1;
+  }
+}
+
+template <InputKind K, Fp8Format F, class Rule, int kBlock, class Layout, int kGather>
 __global__ void __launch_bounds__(1024) quantize_rows_pipelined_kernel(RowsArgs a) {
   using In = DeviceInput<K>;
   using T = typename In::storage;
+  using S = typename Rule::stored_t;
   constexpr int kVec = 16 / sizeof(T);
+  constexpr bool kGathered = kGather > 1;
   static_assert(kRowsStages == 2, "the loop below keeps one row ahead");
   static_assert(!Layout::kBlocked, "blocked scales take the octet-tile kernel");
+  static_assert(!kGathered || (kBlock != kWholeSet && kGather * sizeof(S) == 32), "a gathered run is one sector");
   extern __shared__ uint4 ring[];  // [kRowsStages][ring_vecs]
+  // kGathered: [step parity][owned column][row of the step] (a column's run: 32 bytes,
+  // 16-byte aligned)
+  constexpr int kGatherCols = gather_max_cols<kBlock, kGather>();
+  __shared__ uint4 s_gather_words[(kGathered ? 2 : 1) * kGatherCols * ((kGather * sizeof(S) + 15) / 16)];
+  auto s_gather = reinterpret_cast<S(*)[kGatherCols][kGather]>(s_gather_words);
   const T* x = static_cast<const T*>(a.x);
   const int64_t nvec = a.cols / kVec;
   const int64_t ring_vecs = ring_stage_vecs<kBlock>(nvec);
@@ -444,41 +478,87 @@ __global__ void __launch_bounds__(1024) quantize_rows_pipelined_kernel(RowsArgs 
     }
     async_copy_commit();  // every thread commits every time, so group counts agree
   };
+  // kGathered: this block's rank in its cluster, and the store of the columns it owns for
+  // the step whose first row is `base` (buffer `parity`); every row the launch has
+  // (rows past a.rows hold nothing), a 32-byte run where the kGather rows are consecutive
+  // scales of one segment, one scale a row elsewhere.
+  const int rank = kGathered ? static_cast<int>(blockIdx.x % kGather) : 0;
+  auto store_gathered = [&](int64_t base, int parity) {
+    const int64_t blocks = ceil_div(a.cols, int64_t{kBlock});
+    const int64_t owned = blocks > rank ? ceil_div(blocks - rank, int64_t{kGather}) : 0;
+    for (int64_t c = threadIdx.x; c < owned; c += blockDim.x) {
+      const int64_t blk = rank + c * kGather;
+      const S* run = s_gather[parity][c];
+      const RowPos p0 = row_pos(a, base);
+      const int64_t i0 = Layout::index(a.scale, p0.outer, p0.inner, blk, 0, 0);
+      S* dst = static_cast<S*>(a.scale.ptr) + i0;
+      if (base + kGather <= a.rows && p0.inner + kGather <= a.rows_inner && i0 >= 0 &&
+          i0 + kGather <= a.scale.numel && reinterpret_cast<uintptr_t>(dst) % 16 == 0) {
+        reinterpret_cast<uint4*>(dst)[0] = reinterpret_cast<const uint4*>(run)[0];
+        reinterpret_cast<uint4*>(dst)[1] = reinterpret_cast<const uint4*>(run)[1];
+      } else {
+        for (int t = 0; t < kGather && base + t < a.rows; ++t) {
+          const RowPos p = row_pos(a, base + t);
+          store_scale<Rule>(a.scale, Layout::index(a.scale, p.outer, p.inner, blk, 0, 0), run[t]);
+        }
+      }
+    }
+  };
   int64_t r = blockIdx.x;
   issue(r, 0);
-  for (int64_t i = 0; r < a.rows; ++i, r += gridDim.x) {
+  // kGathered: a block writes into the shared memory of the others only once they all
+  // run (the first wait below), and the blocks of a cluster run the same steps
+  // (gridDim.x is a multiple of kGather): while the step's first row, r - rank, is a row.
+  if constexpr (kGathered) cluster_arrive();
+  int64_t i = 0;
+  for (; r - rank < a.rows; ++i, r += gridDim.x) {
     issue(r + gridDim.x, static_cast<int>((i + 1) % kRowsStages));
     async_copy_wait<kRowsStages - 1>();
     __syncthreads();
-    const uint4* words = ring + (i % kRowsStages) * ring_vecs;
-    const RowPos pos = row_pos(a, r);
-    uint8_t* qr = q_row_at(a, pos);
-    if constexpr (kBlock != kWholeSet) {
-      rows_block_step<K, F, Rule, kBlock>(words, nvec, qr, a, [&](int64_t blk, typename Rule::stored_t v) {
-        store_scale<Rule>(a.scale, Layout::index(a.scale, pos.outer, pos.inner, blk, 0, 0), v);
-      });
-    } else {
-      __shared__ uint32_t s_red[kMaxWarpsPerBlock + 1];
-      const Array<T, kVec>* row = reinterpret_cast<const Array<T, kVec>*>(words);
-      uint32_t amax = 0;
-      if constexpr (sizeof(T) == 2) {
-        uint32_t m = 0;
-        for (int64_t v = threadIdx.x; v < nvec; v += blockDim.x) {
-          const uint4 w = words[v];
-          m = amax16x2_add(amax16x2_add(amax16x2_add(amax16x2_add(m, w.x), w.y), w.z), w.w);
-        }
-        amax = umax(amax16x2_lane_bits<In>(m, false), amax16x2_lane_bits<In>(m, true));
+    if constexpr (kGathered) {
+      cluster_wait();  // the last step's scales are in; no block still reads this step's buffer
+      if (i > 0) store_gathered(r - rank - gridDim.x, static_cast<int>((i - 1) & 1));
+    }
+    if (!kGathered || r < a.rows) {  // uniform over the block
+      const uint4* words = ring + (i % kRowsStages) * ring_vecs;
+      const RowPos pos = row_pos(a, r);
+      uint8_t* qr = q_row_at(a, pos);
+      if constexpr (kGathered) {
+        rows_block_step<K, F, Rule, kBlock>(words, nvec, qr, a, [&](int64_t blk, S v) {
+          *cluster_map_shared(&s_gather[i & 1][blk / kGather][rank], static_cast<unsigned>(blk % kGather)) = v;
+        });
+      } else if constexpr (kBlock != kWholeSet) {
+        rows_block_step<K, F, Rule, kBlock>(words, nvec, qr, a, [&](int64_t blk, S v) {
+          store_scale<Rule>(a.scale, Layout::index(a.scale, pos.outer, pos.inner, blk, 0, 0), v);
+        });
       } else {
-        for (int64_t v = threadIdx.x; v < nvec; v += blockDim.x) amax = amax_bits_of<In>(row[v], amax);
-      }
-      amax = block_max(amax, s_red);
-      const auto sc = Rule::template from_amax_bits<F>(amax);
-      if (threadIdx.x == 0) store_row_scale<Rule, Layout>(a, pos, sc.stored);
-      for (int64_t v = threadIdx.x; v < nvec; v += blockDim.x) {
-        store_elems<uint8_t, kVec>(qr + v * kVec, quantize_elems<F, In>(row[v], sc.encode));
+        __shared__ uint32_t s_red[kMaxWarpsPerBlock + 1];
+        const Array<T, kVec>* row = reinterpret_cast<const Array<T, kVec>*>(words);
+        uint32_t amax = 0;
+        if constexpr (sizeof(T) == 2) {
+          uint32_t m = 0;
+          for (int64_t v = threadIdx.x; v < nvec; v += blockDim.x) {
+            const uint4 w = words[v];
+            m = amax16x2_add(amax16x2_add(amax16x2_add(amax16x2_add(m, w.x), w.y), w.z), w.w);
+          }
+          amax = umax(amax16x2_lane_bits<In>(m, false), amax16x2_lane_bits<In>(m, true));
+        } else {
+          for (int64_t v = threadIdx.x; v < nvec; v += blockDim.x) amax = amax_bits_of<In>(row[v], amax);
+        }
+        amax = block_max(amax, s_red);
+        const auto sc = Rule::template from_amax_bits<F>(amax);
+        if (threadIdx.x == 0) store_row_scale<Rule, Layout>(a, pos, sc.stored);
+        for (int64_t v = threadIdx.x; v < nvec; v += blockDim.x) {
+          store_elems<uint8_t, kVec>(qr + v * kVec, quantize_elems<F, In>(row[v], sc.encode));
+        }
       }
     }
+    if constexpr (kGathered) cluster_arrive();  // this step's scales are written
     __syncthreads();  // this stage is refilled next iteration
+  }
+  if constexpr (kGathered) {
+    cluster_wait();  // also: no block of the cluster writes here any more
+    if (i > 0) store_gathered(r - rank - gridDim.x, static_cast<int>((i - 1) & 1));
   }
   async_copy_wait_all();
 }
@@ -892,11 +972,37 @@ int launch_quantize_rows(const RowsArgs& a, gpuStream_t stream) {
   // Linear scales only (blocked ones take the octet-tile kernel), so the lambda is
   // generic over the layout and instantiated only where it is called.
   auto launch_ring = [&](auto layout) {
+    using L = decltype(layout);
     const int64_t nvec = a.cols / kVecN;
     const int64_t pthreads = std::min<int64_t>(
         std::max<int64_t>(round_up(ceil_div(nvec, kRowsVecsPerThread), kWarpSize), 2 * kWarpSize), 256);
     const size_t smem = static_cast<size_t>(kRowsStages * ring_stage_vecs<kBlock>(nvec) * 16);
-    auto kernel = quantize_rows_pipelined_kernel<K, F, Rule, kBlock, decltype(layout)>;
+    // fp32 scales in a column-major layout (a row's scale one element after the previous
+    // row's): gathered over clusters where the device has them, for rows of at least 8 KB
+    // of 16-bit elements and at least kGatherMinSteps steps a cluster. Measured on H100
+    // (bench/RESULTS.md): 1-3% faster on rows of 5120 and 7168 bf16, 1% on 4096; 12-25%
+    // slower on rows of 2048 bf16 (a step there is short against the cluster's lockstep),
+    // 3% slower on fp32 rows of 7168, 14% slower with about four steps a cluster.
+    constexpr int kGather =
+        kBlock != kWholeSet && sizeof(T) == 2 && sizeof(typename Rule::stored_t) * kGatherRows == 32 ? kGatherRows : 1;
+    if constexpr (kGather > 1) {
+      // MOE_FP8_ROWS_GATHER: 0 = never, 1 = wherever the layout and device allow (tests).
+      const char* force = std::getenv("MOE_FP8_ROWS_GATHER");
+      const int mode = force == nullptr || force[0] == '\0' ? -1 : (force[0] == '0' ? 0 : 1);
+      if (mode != 0 && a.scale.set_stride == 1 && a.rows >= kGather && supports_clusters(current_device())) {
+        auto kernel = quantize_rows_pipelined_kernel<K, F, Rule, kBlock, L, kGather>;
+        const int64_t clusters = resident_clusters_x(kernel, static_cast<int>(pthreads), smem, kGather);
+        const int64_t steps = ceil_div(a.rows, int64_t{kGather});
+        const bool pays = a.cols * static_cast<int64_t>(sizeof(T)) >= kGatherMinRowBytes &&
+                          steps >= kGatherMinSteps * clusters;
+        if (clusters > 0 && (mode == 1 || pays)) {
+          const dim3 grid(static_cast<unsigned>(kGather * std::min(clusters, steps)));
+          return launch_kernel_in_clusters(kernel, grid, dim3(static_cast<unsigned>(pthreads)), smem, stream,
+                                           dim3(kGather, 1, 1), a);
+        }
+      }
+    }
+    auto kernel = quantize_rows_pipelined_kernel<K, F, Rule, kBlock, L, 1>;
     const int64_t resident =
         static_cast<int64_t>(resident_blocks(kernel, static_cast<int>(pthreads), smem)) * multiprocessor_count();
     const dim3 grid(static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>(a.rows, resident))));
