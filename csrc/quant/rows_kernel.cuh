@@ -980,9 +980,9 @@ int launch_quantize_rows(const RowsArgs& a, gpuStream_t stream) {
     // fp32 scales in a column-major layout (a row's scale one element after the previous
     // row's): gathered over clusters where the device has them, for rows of at least 8 KB
     // of 16-bit elements and at least kGatherMinSteps steps a cluster. Measured on H100
-    // (bench/RESULTS.md): 1-3% faster on rows of 5120 and 7168 bf16, 1% on 4096; 12-25%
+    // (bench/RESULTS.md): 1-4% faster on rows of 4096 to 7168 bf16; 7-16%
     // slower on rows of 2048 bf16 (a step there is short against the cluster's lockstep),
-    // 3% slower on fp32 rows of 7168, 14% slower with about four steps a cluster.
+    // 3% slower on fp32 rows of 7168, 12% slower with about four steps a cluster.
     constexpr int kGather =
         kBlock != kWholeSet && sizeof(T) == 2 && sizeof(typename Rule::stored_t) * kGatherRows == 32 ? kGatherRows : 1;
     if constexpr (kGather > 1) {
