@@ -726,6 +726,23 @@ def test_jagged_skewed_groups_reread_path():
 
 @requires_cuda
 @pytest.mark.gpu
+@pytest.mark.parametrize("rows", [4600, 8000, 20000])
+def test_long_segment_plans(rows):
+    # The three plans of a segment split over the largest cluster (plan_cols_launch):
+    # the 72 KB budget (slices of 576 rows), the 768-row cache (slices of 1000 rows,
+    # re-read past 768) and the whole-SM cache (slices of 2500 rows); one group of all
+    # the rows and a skewed pair, for a jagged tensor and an expert weight.
+    x = randn((rows, 200), torch.bfloat16, "cuda")
+    for offs in ([rows], [rows // 3, rows]):
+        same_as_cpu(moe_fp8_ext.quantize_jagged_colwise, x, torch.tensor(offs, dtype=torch.int32), torch.float8_e4m3fn)
+    same_as_cpu(moe_fp8_ext.quantize_jagged_colwise, randn((rows, 40), torch.float32, "cuda"),
+                torch.tensor([rows], dtype=torch.int32), torch.float8_e4m3fnuz)
+    w_t = randn((2, rows, 72), torch.bfloat16, "cuda").transpose(1, 2)  # reduced over N = rows
+    same_as_cpu(moe_fp8_ext.quantize_experts_bwd, w_t, torch.float8_e4m3fn)
+
+
+@requires_cuda
+@pytest.mark.gpu
 def test_jagged_unaligned_groups_and_odd_width():
     m = 5000
     offs = torch.tensor([1, 17, 18, 1000, 1001, 4999], dtype=torch.int32)  # tail row 4999

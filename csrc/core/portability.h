@@ -316,6 +316,29 @@ inline int allow_dynamic_smem(void (*kernel)(KArgs...), size_t smem_bytes) {
 #endif
 }
 
+#if !defined(USE_ROCM)
+// Host side: a launch configuration whose one attribute is the cluster shape. cfg.attrs
+// points into the object, so it is filled in place and never copied.
+struct ClusterLaunchConfig {
+  cudaLaunchAttribute attr[1] = {};
+  cudaLaunchConfig_t cfg = {};
+  ClusterLaunchConfig(dim3 grid, dim3 block, size_t smem_bytes, gpuStream_t stream, dim3 cluster) {
+    cfg.gridDim = grid;
+    cfg.blockDim = block;
+    cfg.dynamicSmemBytes = smem_bytes;
+    cfg.stream = stream;
+    attr[0].id = cudaLaunchAttributeClusterDimension;
+    attr[0].val.clusterDim.x = cluster.x;
+    attr[0].val.clusterDim.y = cluster.y;
+    attr[0].val.clusterDim.z = cluster.z;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+  }
+  ClusterLaunchConfig(const ClusterLaunchConfig&) = delete;
+  ClusterLaunchConfig& operator=(const ClusterLaunchConfig&) = delete;
+};
+#endif
+
 // Host side: launch a kernel in clusters of shape `cluster` (1x1x1: none) with a
 // dynamic shared-memory size above the 48 KB default. Returns the launch error.
 template <typename... KArgs, typename... Args>
@@ -332,19 +355,8 @@ inline int launch_kernel_in_clusters(void (*kernel)(KArgs...), dim3 grid, dim3 b
     kernel<<<grid, block, smem_bytes, stream>>>(std::forward<Args>(args)...);
     return static_cast<int>(cudaGetLastError());
   }
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = grid;
-  cfg.blockDim = block;
-  cfg.dynamicSmemBytes = smem_bytes;
-  cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = cluster.x;
-  attr[0].val.clusterDim.y = cluster.y;
-  attr[0].val.clusterDim.z = cluster.z;
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
-  return static_cast<int>(cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...));
+  const ClusterLaunchConfig c(grid, block, smem_bytes, stream, cluster);
+  return static_cast<int>(cudaLaunchKernelEx(&c.cfg, kernel, std::forward<Args>(args)...));
 #endif
 }
 
@@ -419,19 +431,10 @@ inline int resident_clusters_x(void (*kernel)(KArgs...), int threads, size_t sme
     if (it != cache.end()) return it->second;
   }
   if (allow_dynamic_smem(kernel, smem_bytes) != 0) return 0;
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(static_cast<unsigned>(cluster_x));
-  cfg.blockDim = dim3(static_cast<unsigned>(threads));
-  cfg.dynamicSmemBytes = smem_bytes;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = static_cast<unsigned>(cluster_x);
-  attr[0].val.clusterDim.y = 1;
-  attr[0].val.clusterDim.z = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
+  const dim3 cluster(static_cast<unsigned>(cluster_x));
+  const ClusterLaunchConfig c(cluster, dim3(static_cast<unsigned>(threads)), smem_bytes, nullptr, cluster);
   int n = 0;
-  if (cudaOccupancyMaxActiveClusters(&n, kernel, &cfg) != cudaSuccess || n < 0) {
+  if (cudaOccupancyMaxActiveClusters(&n, kernel, &c.cfg) != cudaSuccess || n < 0) {
     (void)cudaGetLastError();  // a failed query leaves no sticky error behind
     return 0;
   }

@@ -436,6 +436,14 @@ struct ColsLaunchPlan {
 // 8 x 256 rows 75%), as long as three blocks fit an SM (the same 4 x 512 rows with a
 // 768-row cache, two blocks an SM: 73%); 72 KB is the largest budget that keeps three.
 constexpr int64_t kColsSmemBudget = 72 * 1024;
+// Long segments: a slice over kColsLongSliceRows rows in an 8-block cluster caches
+// that many rows (96 KB, two blocks an SM), one over twice as many all the shared
+// memory of an SM (one block). Measured on H100 (same-run A/B, bench/RESULTS.md), the
+// jagged colwise dual of 8 router-like groups: over 131072 rows (slices of 2048) 2028
+// -> 1796 us with the whole SM (768 rows: 1916); over 65536 rows (slices of 1024) 900
+// -> 871 us with 768 rows (the whole SM: 945); over 32768 rows (slices of 512) the
+// budget above stays best.
+constexpr int64_t kColsLongSliceRows = 768;
 
 // Block mode (blocks of 32 or 128 rows) needs no cross-block exchange: the blocks of
 // a segment slice (about kColsBlockSliceRows rows, whole scale blocks) run as
@@ -468,7 +476,16 @@ inline ColsLaunchPlan plan_cols_launch(int64_t expected_rows, int num_segments, 
     while (cluster < kColsMaxCluster && ceil_div(expected_rows, cluster) > max_rows) cluster *= 2;
     while (cluster > 1 && static_cast<int64_t>(num_segments) * cluster > 65535) cluster /= 2;
   }
-  const int64_t rows = std::min<int64_t>(round_up(std::max<int64_t>(ceil_div(expected_rows, cluster), 1), kColsFragRows), max_rows);
+  const int64_t slice = round_up(std::max<int64_t>(ceil_div(expected_rows, cluster), 1), kColsFragRows);
+  int64_t rows = std::min<int64_t>(slice, max_rows);
+  if (clusters && cluster == kColsMaxCluster && slice > kColsLongSliceRows) {
+    // Slices longer than the budget even in the largest cluster (segments of more than
+    // 8 x kColsLongSliceRows rows): fewer blocks an SM with more of the slice cached
+    // beat re-reading most of it from DRAM.
+    const int64_t whole_sm = std::max<int64_t>((max_smem_bytes - 8192) / kColsTileBytes / kColsFragRows * kColsFragRows,
+                                               max_rows);
+    rows = std::min<int64_t>(slice > 2 * kColsLongSliceRows ? whole_sm : kColsLongSliceRows, whole_sm);
+  }
   return {cluster, static_cast<int>(rows)};
 }
 

@@ -486,14 +486,14 @@ __global__ void __launch_bounds__(1024) quantize_rows_pipelined_kernel(RowsArgs 
   auto store_gathered = [&](int64_t base, int parity) {
     const int64_t blocks = ceil_div(a.cols, int64_t{kBlock});
     const int64_t owned = blocks > rank ? ceil_div(blocks - rank, int64_t{kGather}) : 0;
+    const RowPos p0 = row_pos(a, base);
+    const bool rows_whole = base + kGather <= a.rows && p0.inner + kGather <= a.rows_inner;  // one segment
     for (int64_t c = threadIdx.x; c < owned; c += blockDim.x) {
       const int64_t blk = rank + c * kGather;
       const S* run = s_gather[parity][c];
-      const RowPos p0 = row_pos(a, base);
       const int64_t i0 = Layout::index(a.scale, p0.outer, p0.inner, blk, 0, 0);
       S* dst = static_cast<S*>(a.scale.ptr) + i0;
-      if (base + kGather <= a.rows && p0.inner + kGather <= a.rows_inner && i0 >= 0 &&
-          i0 + kGather <= a.scale.numel && reinterpret_cast<uintptr_t>(dst) % 16 == 0) {
+      if (rows_whole && i0 >= 0 && i0 + kGather <= a.scale.numel && reinterpret_cast<uintptr_t>(dst) % 16 == 0) {
         reinterpret_cast<uint4*>(dst)[0] = reinterpret_cast<const uint4*>(run)[0];
         reinterpret_cast<uint4*>(dst)[1] = reinterpret_cast<const uint4*>(run)[1];
       } else {
