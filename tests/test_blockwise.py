@@ -772,6 +772,31 @@ def test_act_lhs_cluster_gather_same_as_cpu(dtype, monkeypatch):
 @requires_cuda
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", IN_DTYPES)
+def test_act_lhs_block_runs_same_as_cpu(dtype, monkeypatch):
+    # Rows of at most 16 blocks (2048 columns) that fit a ring stage: act_lhs's ring kernel,
+    # whose 16-bit instance gives each block runs of 8 consecutive rows and stores their
+    # scales as 32-byte runs (forced: MOE_FP8_ROWS_RUNS=1, the cluster gather off). Row
+    # counts below, at and past multiples of 8 (a last run of fewer rows), a partial last
+    # block, M not a multiple of 4 (the per-row stores), more runs than blocks, strided
+    # rows; then the default choice on a large shape.
+    monkeypatch.setenv("MOE_FP8_ROWS_GATHER", "0")
+    monkeypatch.setenv("MOE_FP8_ROWS_RUNS", "1")
+    widths = (1024, 1032, 2048) if dtype != torch.float32 else (512, 1032, 2048)
+    for m, k in [(1, widths[0]), (5, widths[0]), (8, widths[2]), (9, widths[1]), (23, widths[2]), (1003, widths[2]),
+                 (8195, widths[1]), (40000, widths[2])]:
+        x = bw_data((m, k), dtype, "cuda", seed=m + k)
+        for fp8 in FP8S_ALL:
+            same_as_cpu(lambda u: lhs(u, fp8), x)
+    wide = bw_data((1000, 2 * widths[2]), dtype, "cuda", seed=5)
+    same_as_cpu(lambda u: lhs(u, FP8S[0]), wide[:, : widths[2]])  # rows 4k apart
+    monkeypatch.delenv("MOE_FP8_ROWS_RUNS")
+    monkeypatch.delenv("MOE_FP8_ROWS_GATHER")
+    same_as_cpu(lambda u: lhs(u, FP8S[0]), bw_data((65536 + 5, 2048), dtype, "cuda", seed=6))
+
+
+@requires_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", IN_DTYPES)
 def test_odd_shapes_same_as_cpu(dtype):
     for m, k in ((1, 1), (7, 127), (129, 129), (300, 33), (4097, 1000)):
         x = bw_data((m, k), dtype, "cuda")

@@ -441,29 +441,39 @@ MOE_FP8_HD int64_t ring_stage_vecs(int64_t nvec) {
 constexpr int kGatherRows = kRocm ? 1 : 8;
 constexpr int64_t kGatherMinRowBytes = 8192;  // rows of at least 4096 bf16
 constexpr int64_t kGatherMinSteps = 8;         // steps a cluster, at least
-template <int kBlock, int kGather>
-constexpr int gather_max_cols() {  // block columns an owner takes, at most (16-bit rows)
+// Runs without a cluster (kGather > 1, kCluster false): where a step is too short for
+// the cluster's lockstep (rows of up to kRunMaxCols blocks), each block takes kGather
+// consecutive rows in kGather consecutive steps, keeps their scales in its own shared
+// memory and stores each block column's run after the last of them. The rows in flight
+// then span kGather times the band of the row-by-row walk.
+constexpr int kRunMaxCols = 16;  // block columns of a row, at most (2048 elements in blocks of 128)
+constexpr int64_t kRunMinRowBytes = 4096;  // rows of at least 2048 16-bit elements (so, with the above, 2048)
+constexpr int64_t kRunMinRuns = 2;         // runs a resident block, at least
+template <int kBlock, int kGather, bool kCluster>
+constexpr int gather_max_cols() {  // block columns a block stores runs of, at most (16-bit rows)
   if constexpr (kGather > 1 && kBlock > 0) {
-    return static_cast<int>((kRowsMaxStageBytes / 2 / kBlock + kGather - 1) / kGather);
+    return kCluster ? static_cast<int>((kRowsMaxStageBytes / 2 / kBlock + kGather - 1) / kGather) : kRunMaxCols;
   } else {
     return 1;
   }
 }
 
-template <InputKind K, Fp8Format F, class Rule, int kBlock, class Layout, int kGather>
+template <InputKind K, Fp8Format F, class Rule, int kBlock, class Layout, int kGather, bool kCluster>
 __global__ void __launch_bounds__(1024) quantize_rows_pipelined_kernel(RowsArgs a) {
   using In = DeviceInput<K>;
   using T = typename In::storage;
   using S = typename Rule::stored_t;
   constexpr int kVec = 16 / sizeof(T);
-  constexpr bool kGathered = kGather > 1;
+  constexpr bool kGathered = kGather > 1;                // scales stored as runs of kGather rows
+  constexpr bool kClustered = kGathered && kCluster;     // ... gathered over a cluster
+  constexpr bool kRuns = kGathered && !kCluster;         // ... of a block's own consecutive rows
   static_assert(kRowsStages == 2, "the loop below keeps one row ahead");
   static_assert(!Layout::kBlocked, "blocked scales take the octet-tile kernel");
   static_assert(!kGathered || (kBlock != kWholeSet && kGather * sizeof(S) == 32), "a gathered run is one sector");
   extern __shared__ uint4 ring[];  // [kRowsStages][ring_vecs]
-  // kGathered: [step parity][owned column][row of the step] (a column's run: 32 bytes,
+  // kGathered: [run parity][owned column][row of the run] (a column's run: 32 bytes,
   // 16-byte aligned)
-  constexpr int kGatherCols = gather_max_cols<kBlock, kGather>();
+  constexpr int kGatherCols = gather_max_cols<kBlock, kGather, kCluster>();
   __shared__ uint4 s_gather_words[(kGathered ? 2 : 1) * kGatherCols * ((kGather * sizeof(S) + 15) / 16)];
   auto s_gather = reinterpret_cast<S(*)[kGatherCols][kGather]>(s_gather_words);
   const T* x = static_cast<const T*>(a.x);
@@ -478,18 +488,20 @@ __global__ void __launch_bounds__(1024) quantize_rows_pipelined_kernel(RowsArgs 
     }
     async_copy_commit();  // every thread commits every time, so group counts agree
   };
-  // kGathered: this block's rank in its cluster, and the store of the columns it owns for
-  // the step whose first row is `base` (buffer `parity`); every row the launch has
-  // (rows past a.rows hold nothing), a 32-byte run where the kGather rows are consecutive
-  // scales of one segment, one scale a row elsewhere.
-  const int rank = kGathered ? static_cast<int>(blockIdx.x % kGather) : 0;
+  // kGathered: this block's rank in its cluster (0 for kRuns: it owns every column), and
+  // the store of the columns it owns for the run whose first row is `base` (buffer
+  // `parity`); every row the launch has (rows past a.rows hold nothing), a 32-byte run
+  // where the kGather rows are consecutive scales of one segment, one scale a row
+  // elsewhere.
+  const int rank = kClustered ? static_cast<int>(blockIdx.x % kGather) : 0;
+  constexpr int64_t kOwnerStride = kClustered ? kGather : 1;
   auto store_gathered = [&](int64_t base, int parity) {
     const int64_t blocks = ceil_div(a.cols, int64_t{kBlock});
-    const int64_t owned = blocks > rank ? ceil_div(blocks - rank, int64_t{kGather}) : 0;
+    const int64_t owned = blocks > rank ? ceil_div(blocks - rank, kOwnerStride) : 0;
     const RowPos p0 = row_pos(a, base);
     const bool rows_whole = base + kGather <= a.rows && p0.inner + kGather <= a.rows_inner;  // one segment
     for (int64_t c = threadIdx.x; c < owned; c += blockDim.x) {
-      const int64_t blk = rank + c * kGather;
+      const int64_t blk = rank + c * kOwnerStride;
       const S* run = s_gather[parity][c];
       const int64_t i0 = Layout::index(a.scale, p0.outer, p0.inner, blk, 0, 0);
       S* dst = static_cast<S*>(a.scale.ptr) + i0;
@@ -504,28 +516,43 @@ __global__ void __launch_bounds__(1024) quantize_rows_pipelined_kernel(RowsArgs 
       }
     }
   };
-  int64_t r = blockIdx.x;
+  // The row of step i: kRuns, row i % kGather of the block's run i / kGather (runs
+  // gridDim.x apart); otherwise rows gridDim.x apart.
+  auto row_at = [&](int64_t i) -> int64_t {
+    if constexpr (kRuns) return kGather * (static_cast<int64_t>(blockIdx.x) + i / kGather * gridDim.x) + i % kGather;
+    else return static_cast<int64_t>(blockIdx.x) + i * gridDim.x;
+  };
+  int64_t r = row_at(0);
   issue(r, 0);
-  // kGathered: a block writes into the shared memory of the others only once they all
+  // kClustered: a block writes into the shared memory of the others only once they all
   // run (the first wait below), and the blocks of a cluster run the same steps
   // (gridDim.x is a multiple of kGather): while the step's first row, r - rank, is a row.
-  if constexpr (kGathered) cluster_arrive();
+  // kRuns: while the run's first row is a row (so the loop ends between runs).
+  if constexpr (kClustered) cluster_arrive();
   int64_t i = 0;
-  for (; r - rank < a.rows; ++i, r += gridDim.x) {
-    issue(r + gridDim.x, static_cast<int>((i + 1) % kRowsStages));
+  for (; r - (kClustered ? rank : (kRuns ? i % kGather : 0)) < a.rows; ++i, r = row_at(i)) {
+    issue(row_at(i + 1), static_cast<int>((i + 1) % kRowsStages));
     async_copy_wait<kRowsStages - 1>();
     __syncthreads();
-    if constexpr (kGathered) {
+    if constexpr (kClustered) {
       cluster_wait();  // the last step's scales are in; no block still reads this step's buffer
       if (i > 0) store_gathered(r - rank - gridDim.x, static_cast<int>((i - 1) & 1));
+    } else if constexpr (kRuns) {
+      // the last run's scales are in (every step ends on a barrier); its buffer is next
+      // written by the run after this one
+      if (i > 0 && i % kGather == 0) store_gathered(row_at(i - kGather), static_cast<int>((i / kGather - 1) & 1));
     }
     if (!kGathered || r < a.rows) {  // uniform over the block
       const uint4* words = ring + (i % kRowsStages) * ring_vecs;
       const RowPos pos = row_pos(a, r);
       uint8_t* qr = q_row_at(a, pos);
-      if constexpr (kGathered) {
+      if constexpr (kClustered) {
         rows_block_step<K, F, Rule, kBlock>(words, nvec, qr, a, [&](int64_t blk, S v) {
           *cluster_map_shared(&s_gather[i & 1][blk / kGather][rank], static_cast<unsigned>(blk % kGather)) = v;
+        });
+      } else if constexpr (kRuns) {
+        rows_block_step<K, F, Rule, kBlock>(words, nvec, qr, a, [&](int64_t blk, S v) {
+          s_gather[(i / kGather) & 1][blk][i % kGather] = v;
         });
       } else if constexpr (kBlock != kWholeSet) {
         rows_block_step<K, F, Rule, kBlock>(words, nvec, qr, a, [&](int64_t blk, S v) {
@@ -553,12 +580,14 @@ __global__ void __launch_bounds__(1024) quantize_rows_pipelined_kernel(RowsArgs 
         }
       }
     }
-    if constexpr (kGathered) cluster_arrive();  // this step's scales are written
+    if constexpr (kClustered) cluster_arrive();  // this step's scales are written
     __syncthreads();  // this stage is refilled next iteration
   }
-  if constexpr (kGathered) {
+  if constexpr (kClustered) {
     cluster_wait();  // also: no block of the cluster writes here any more
     if (i > 0) store_gathered(r - rank - gridDim.x, static_cast<int>((i - 1) & 1));
+  } else if constexpr (kRuns) {
+    if (i > 0) store_gathered(row_at(i - kGather), static_cast<int>((i / kGather - 1) & 1));  // i % kGather == 0 here
   }
   async_copy_wait_all();
 }
@@ -990,7 +1019,7 @@ int launch_quantize_rows(const RowsArgs& a, gpuStream_t stream) {
       const char* force = std::getenv("MOE_FP8_ROWS_GATHER");
       const int mode = force == nullptr || force[0] == '\0' ? -1 : (force[0] == '0' ? 0 : 1);
       if (mode != 0 && a.scale.set_stride == 1 && a.rows >= kGather && supports_clusters(current_device())) {
-        auto kernel = quantize_rows_pipelined_kernel<K, F, Rule, kBlock, L, kGather>;
+        auto kernel = quantize_rows_pipelined_kernel<K, F, Rule, kBlock, L, kGather, true>;
         const int64_t clusters = resident_clusters_x(kernel, static_cast<int>(pthreads), smem, kGather);
         const int64_t steps = ceil_div(a.rows, int64_t{kGather});
         const bool pays = a.cols * static_cast<int64_t>(sizeof(T)) >= kGatherMinRowBytes &&
@@ -1001,8 +1030,29 @@ int launch_quantize_rows(const RowsArgs& a, gpuStream_t stream) {
                                            dim3(kGather, 1, 1), a);
         }
       }
+      // Elsewhere, rows of at most kRunMaxCols blocks: runs of a block's own rows, for
+      // rows of at least kRunMinRowBytes and at least kRunMinRuns runs a resident block.
+      // Measured on H100 (bench/RESULTS.md), runs against the row stores: rows of 2048
+      // bf16 over 131072 and 65536 rows (about 5.6 and 2.8 runs a resident block, at an
+      // estimated 22 blocks an SM) 3-4% and 2% faster, over 16384 rows (0.7) 3% slower;
+      // rows of 1536 and 1024 bf16 1% and 9.5% slower.
+      // MOE_FP8_ROWS_RUNS: 0 = never, 1 = wherever the layout allows (tests).
+      const char* runs_env = std::getenv("MOE_FP8_ROWS_RUNS");
+      const int runs = runs_env == nullptr || runs_env[0] == '\0' ? -1 : (runs_env[0] == '0' ? 0 : 1);
+      if (runs != 0 && a.scale.set_stride == 1 && ceil_div(a.cols, int64_t{kBlock}) <= kRunMaxCols) {
+        auto kernel = quantize_rows_pipelined_kernel<K, F, Rule, kBlock, L, kGather, false>;
+        const int64_t resident =
+            static_cast<int64_t>(resident_blocks(kernel, static_cast<int>(pthreads), smem)) * multiprocessor_count();
+        const int64_t run_count = ceil_div(a.rows, int64_t{kGather});
+        const bool pays =
+            a.cols * static_cast<int64_t>(sizeof(T)) >= kRunMinRowBytes && run_count >= kRunMinRuns * resident;
+        if (runs == 1 || pays) {
+          const dim3 grid(static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>(run_count, resident))));
+          return launch_kernel(kernel, grid, dim3(static_cast<unsigned>(pthreads)), smem, stream, 1, a);
+        }
+      }
     }
-    auto kernel = quantize_rows_pipelined_kernel<K, F, Rule, kBlock, L, 1>;
+    auto kernel = quantize_rows_pipelined_kernel<K, F, Rule, kBlock, L, 1, false>;
     const int64_t resident =
         static_cast<int64_t>(resident_blocks(kernel, static_cast<int>(pthreads), smem)) * multiprocessor_count();
     const dim3 grid(static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>(a.rows, resident))));
