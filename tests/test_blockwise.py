@@ -745,6 +745,17 @@ def test_large_same_as_cpu(fp8):
         same_as_cpu(lambda u, o, s: tlhs(u, fp8, o, s, a), x[:, :1000], offs_any, starts)
 
 
+def act_lhs_rows_same_as_cpu(dtype, shapes, strided_cols, seed):
+    """act_lhs on the GPU = on the CPU for each (M, K) of `shapes` in every fp8 format, then
+    on 1000 rows of `strided_cols` columns that lie 2 * strided_cols apart."""
+    for m, k in shapes:
+        x = bw_data((m, k), dtype, "cuda", seed=m + k)
+        for fp8 in FP8S_ALL:
+            same_as_cpu(lambda u: lhs(u, fp8), x)
+    wide = bw_data((1000, 2 * strided_cols), dtype, "cuda", seed=seed)
+    same_as_cpu(lambda u: lhs(u, FP8S[0]), wide[:, :strided_cols])
+
+
 @requires_cuda
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", IN_DTYPES)
@@ -758,13 +769,9 @@ def test_act_lhs_cluster_gather_same_as_cpu(dtype, monkeypatch):
     # cluster walks several steps; then the default choice on a large shape.
     widths = (1024, 1032, 2048, 7168) if dtype != torch.float32 else (512, 1032, 2048, 8192)
     monkeypatch.setenv("MOE_FP8_ROWS_GATHER", "1")
-    for m, k in [(5, widths[0]), (8, widths[0]), (9, widths[1]), (23, widths[2]), (8195, widths[1]),
-                 (4100, widths[3]), (16384, widths[2])]:
-        x = bw_data((m, k), dtype, "cuda", seed=m + k)
-        for fp8 in FP8S_ALL:
-            same_as_cpu(lambda u: lhs(u, fp8), x)
-    wide = bw_data((1000, 2 * widths[1]), dtype, "cuda", seed=3)
-    same_as_cpu(lambda u: lhs(u, FP8S[0]), wide[:, : widths[1]])  # rows 2k apart
+    shapes = [(5, widths[0]), (8, widths[0]), (9, widths[1]), (23, widths[2]), (8195, widths[1]), (4100, widths[3]),
+              (16384, widths[2])]
+    act_lhs_rows_same_as_cpu(dtype, shapes, widths[1], seed=3)
     monkeypatch.delenv("MOE_FP8_ROWS_GATHER")
     same_as_cpu(lambda u: lhs(u, FP8S[0]), bw_data((16384 + 9, 7168), dtype, "cuda", seed=4))
 
@@ -782,13 +789,9 @@ def test_act_lhs_block_runs_same_as_cpu(dtype, monkeypatch):
     monkeypatch.setenv("MOE_FP8_ROWS_GATHER", "0")
     monkeypatch.setenv("MOE_FP8_ROWS_RUNS", "1")
     widths = (1024, 1032, 2048) if dtype != torch.float32 else (512, 1032, 2048)
-    for m, k in [(1, widths[0]), (5, widths[0]), (8, widths[2]), (9, widths[1]), (23, widths[2]), (1003, widths[2]),
-                 (8195, widths[1]), (40000, widths[2])]:
-        x = bw_data((m, k), dtype, "cuda", seed=m + k)
-        for fp8 in FP8S_ALL:
-            same_as_cpu(lambda u: lhs(u, fp8), x)
-    wide = bw_data((1000, 2 * widths[2]), dtype, "cuda", seed=5)
-    same_as_cpu(lambda u: lhs(u, FP8S[0]), wide[:, : widths[2]])  # rows 4k apart
+    shapes = [(1, widths[0]), (5, widths[0]), (8, widths[2]), (9, widths[1]), (23, widths[2]), (1003, widths[2]),
+              (8195, widths[1]), (40000, widths[2])]
+    act_lhs_rows_same_as_cpu(dtype, shapes, widths[2], seed=5)
     monkeypatch.delenv("MOE_FP8_ROWS_RUNS")
     monkeypatch.delenv("MOE_FP8_ROWS_GATHER")
     same_as_cpu(lambda u: lhs(u, FP8S[0]), bw_data((65536 + 5, 2048), dtype, "cuda", seed=6))
