@@ -446,6 +446,12 @@ constexpr int64_t kGatherMinSteps = 8;         // steps a cluster, at least
 // consecutive rows in kGather consecutive steps, keeps their scales in its own shared
 // memory and stores each block column's run after the last of them. The rows in flight
 // then span kGather times the band of the row-by-row walk.
+// Host side: an environment switch of the ring kernel's scale stores: -1 unset or empty
+// (the launcher decides), 0 for a value starting with '0' (never), 1 otherwise (always).
+inline int rows_env_switch(const char* name) {
+  const char* v = std::getenv(name);
+  return v == nullptr || v[0] == '\0' ? -1 : (v[0] == '0' ? 0 : 1);
+}
 constexpr int kRunMaxCols = 16;  // block columns of a row, at most (2048 elements in blocks of 128)
 constexpr int64_t kRunMinRowBytes = 4096;  // rows of at least 2048 16-bit elements (so, with the above, 2048)
 constexpr int64_t kRunMinRuns = 2;         // runs a resident block, at least
@@ -1016,8 +1022,7 @@ int launch_quantize_rows(const RowsArgs& a, gpuStream_t stream) {
         kBlock != kWholeSet && sizeof(T) == 2 && sizeof(typename Rule::stored_t) * kGatherRows == 32 ? kGatherRows : 1;
     if constexpr (kGather > 1) {
       // MOE_FP8_ROWS_GATHER: 0 = never, 1 = wherever the layout and device allow (tests).
-      const char* force = std::getenv("MOE_FP8_ROWS_GATHER");
-      const int mode = force == nullptr || force[0] == '\0' ? -1 : (force[0] == '0' ? 0 : 1);
+      const int mode = rows_env_switch("MOE_FP8_ROWS_GATHER");
       if (mode != 0 && a.scale.set_stride == 1 && a.rows >= kGather && supports_clusters(current_device())) {
         auto kernel = quantize_rows_pipelined_kernel<K, F, Rule, kBlock, L, kGather, true>;
         const int64_t clusters = resident_clusters_x(kernel, static_cast<int>(pthreads), smem, kGather);
@@ -1037,8 +1042,7 @@ int launch_quantize_rows(const RowsArgs& a, gpuStream_t stream) {
       // estimated 22 blocks an SM) 3-4% and 2% faster, over 16384 rows (0.7) 3% slower;
       // rows of 1536 and 1024 bf16 1% and 9.5% slower.
       // MOE_FP8_ROWS_RUNS: 0 = never, 1 = wherever the layout allows (tests).
-      const char* runs_env = std::getenv("MOE_FP8_ROWS_RUNS");
-      const int runs = runs_env == nullptr || runs_env[0] == '\0' ? -1 : (runs_env[0] == '0' ? 0 : 1);
+      const int runs = rows_env_switch("MOE_FP8_ROWS_RUNS");
       if (runs != 0 && a.scale.set_stride == 1 && ceil_div(a.cols, int64_t{kBlock}) <= kRunMaxCols) {
         auto kernel = quantize_rows_pipelined_kernel<K, F, Rule, kBlock, L, kGather, false>;
         const int64_t resident =
