@@ -112,6 +112,19 @@ MOE_FP8_DEVICE uint16_t hw_cvt_e4m3fn_x2(float lo, float hi) {
 #endif
 #endif
 
+// Byte k of the result is byte (sel >> 4k) & 7 of the pair (a, b), a's bytes first
+// (CUDA's __byte_perm, one PRMT; the selector's sign-replicate bit is not used).
+MOE_FP8_DEVICE uint32_t byte_perm(uint32_t a, uint32_t b, uint32_t sel) {
+#if !defined(USE_ROCM) && defined(__CUDA_ARCH__)
+  return __byte_perm(a, b, sel);
+#else
+  const uint64_t ab = (static_cast<uint64_t>(b) << 32) | a;
+  uint32_t r = 0;
+  for (int k = 0; k < 4; ++k) r |= static_cast<uint32_t>((ab >> (8 * ((sel >> (4 * k)) & 7))) & 0xFFu) << (8 * k);
+  return r;
+#endif
+}
+
 // Lane-wise unsigned max of two 16-bit lanes (one instruction on CUDA sm90).
 MOE_FP8_DEVICE uint32_t umax_u16x2(uint32_t a, uint32_t b) {
 #if !defined(USE_ROCM) && defined(__CUDA_ARCH__)

@@ -94,6 +94,17 @@ MOE_FP8_DEVICE float uint4_elem(const uint4& v, int j) {
   return DeviceInput<K>::to_float(static_cast<uint16_t>((j % 2) ? (w >> 16) : (w & 0xFFFFu)));
 }
 
+// The 4x4 byte transpose: rows a, b, c, d (byte k of a row is column k) to columns
+// (byte k of column j is row k's byte j). Eight byte permutes.
+MOE_FP8_DEVICE void transpose_bytes_4x4(uint32_t a, uint32_t b, uint32_t c, uint32_t d, uint32_t col[4]) {
+  const uint32_t ab01 = byte_perm(a, b, 0x5140u), ab23 = byte_perm(a, b, 0x7362u);  // a0 b0 a1 b1, a2 b2 a3 b3
+  const uint32_t cd01 = byte_perm(c, d, 0x5140u), cd23 = byte_perm(c, d, 0x7362u);
+  col[0] = byte_perm(ab01, cd01, 0x5410u);
+  col[1] = byte_perm(ab01, cd01, 0x7632u);
+  col[2] = byte_perm(ab23, cd23, 0x5410u);
+  col[3] = byte_perm(ab23, cd23, 0x7632u);
+}
+
 // Packed amax of 16-bit inputs (bf16/fp16), used by the rows and tiles kernels: a running max
 // of the sign-cleared lanes, two a word. Clearing the sign makes the integer order the
 // |x| order with NaN above inf (as abs_bits does for floats), so the max lane

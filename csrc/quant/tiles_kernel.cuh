@@ -9,18 +9,25 @@
 // indices swapped with them), so the kernels see contiguous columns whenever the
 // input has a contiguous dimension.
 //
-// Vector kernel (2-byte inputs, 16-byte aligned rows): thread t holds the fragment of
-// rows 8 * (t % 16) .. +7 and columns 8 * (t / 16) .. +7 in registers, eight 16-byte
-// loads (the two half-warps read the two halves of each 32-byte sector). The amax is
-// taken on the packed 16-bit values; after the block's max, each output is written
-// from the fragments:
-//   - an output contiguous along the tile's rows (q_sr == 1) gets one 8-byte run per
-//     fragment column, straight to global memory: a half-warp writes 128 contiguous
-//     bytes of one output column;
-//   - an output contiguous along the tile's columns (q_sc == 1) gets one 8-byte run
-//     per fragment row, staged in shared memory (16-byte chunk j of row r at
-//     j ^ ((r / 8) % 8)) and copied out in 16-byte stores, 128 bytes a row (8-byte
-//     stores for 8-byte aligned rows; bytes only for a partial tile's last chunk).
+// Vector kernel (2-byte inputs, 16-byte aligned rows): each 32 threads hold a 64-row x
+// 32-column strip of the tile, thread t the fragment of 8 rows x 8 columns (eight
+// 16-byte loads; a 32-thread load instruction reads 64 contiguous bytes of 8 rows).
+// The amax is taken on the packed 16-bit values; after the block's max the fragment is
+// encoded once into 8 x 8 fp8 bytes in registers, and each output written from them,
+// with no shared memory and no other barrier:
+//   - an output contiguous along the tile's rows (q_sr == 1): the 8 x 8 bytes
+//     transposed in registers (byte permutes), one 8-byte run per fragment column, so
+//     a warp store writes 64 contiguous bytes of each of 4 columns;
+//   - an output contiguous along the tile's columns (q_sc == 1): the two threads that
+//     hold 16 adjacent columns of the same 8 rows swap 4 rows (shuffles), each then
+//     stores 16 bytes of 4 rows, so a warp store writes 16 whole 32-byte sectors
+//     (8-byte stores for 8-byte aligned rows; bytes for an odd stride).
+// Measured on H100 against the kernel before, which staged the second kind in shared
+// memory behind two block barriers and encoded each output apart (bench/RESULTS.md):
+// 0.89-0.99x the time on every weight shape with whole tiles; 1.2x on a column-runs
+// output of odd column stride (a (4099, 1000) weight's rhs: byte stores, 4 columns a
+// warp store where there were 2).
+//
 // Scalar kernel (fp32, or any other strides): the tile is staged in shared memory
 // element by element (r * 128 + (c ^ (r % 32)): walking a column reads 32 banks) and
 // every output written walking its contiguous dimension.
@@ -91,23 +98,23 @@ static_assert(kTileRowGroups * (kTile / kTileFragCols) == kTilesThreads, "one fr
 // 128-241 registers (one or two blocks an SM).
 constexpr int kTilesVecMinBlocks = MOE_FP8_CUDA_MIN_BLOCKS(4);
 
-// Byte offset of (row r, byte b) in the staged fp8 tile of the vector kernel.
-MOE_FP8_DEVICE int qtile_offset(int r, int b) { return r * kTile + ((((b >> 4) ^ ((r >> 3) & 7)) << 4) | (b & 15)); }
-
 template <InputKind K, Fp8Format F, class Rule>
 __global__ void __launch_bounds__(kTilesThreads, kTilesVecMinBlocks)
     quantize_tiles_vec_kernel(TilesArgs a, int64_t tiles_i, int64_t tiles_j) {
   using T = typename DeviceInput<K>::storage;
   using In = DeviceInput<K>;
   static_assert(sizeof(T) == 2, "the vector kernel reads 2-byte inputs");
-  __shared__ uint4 s_q[kTile * kTile / 16];  // one output's fp8 tile, swizzled (qtile_offset)
   __shared__ uint32_t s_red[kMaxWarpsPerBlock + 1];
-  uint8_t* qs = reinterpret_cast<uint8_t*>(s_q);
-  const int rg = threadIdx.x % kTileRowGroups, ch = threadIdx.x / kTileRowGroups;
+  // Each 32 threads (a warp on CUDA, half a wave on ROCm) hold a 64-row x 32-column
+  // strip of the tile: lane l has rows 8 * (l % 8) .. +7 and columns 8 * (l / 8) .. +7
+  // of it. The four column groups of a lane's rows are lanes 8 apart, so two lanes
+  // 8 apart (a pair) hold 16 adjacent columns of the same rows.
+  const int l32 = threadIdx.x % 32, g32 = threadIdx.x / 32;
+  const int rg = l32 % 8 + 8 * (g32 / 4), ch = l32 / 8 + 4 * (g32 % 4);
   const int fr = rg * kTileFragRows, fc = ch * kTileFragCols;  // the fragment's first row and column
+  const bool odd = (ch & 1) != 0;  // the pair's second lane: columns fc - 8 .. fc + 7 of its 16
   // A grid-stride loop over the tiles, launched with a block a tile (so one pass): the
-  // form ptxas fits in 64 registers without spilling (straight-line, it spilled 8-12
-  // bytes in the e4m3fn instances).
+  // form ptxas fits in 64 registers without spilling.
   const int64_t tiles = a.batches * tiles_i * tiles_j;
   for (int64_t t = blockIdx.x; t < tiles; t += gridDim.x) {
     const int64_t b = t / (tiles_i * tiles_j), i = (t / tiles_j) % tiles_i, j = t % tiles_j;
@@ -129,68 +136,80 @@ __global__ void __launch_bounds__(kTilesThreads, kTilesVecMinBlocks)
     }
     const uint32_t amax = block_max(umax(amax16x2_lane_bits<In>(m, false), amax16x2_lane_bits<In>(m, true)), s_red);
     const auto sc = Rule::template from_amax_bits<F>(amax);
+    // The fragment encoded once for both outputs (they share the scale): q8[r] holds
+    // row r's 8 fp8 bytes, columns fc .. fc + 7. The inputs are dead from here.
+    uint2 q8[kTileFragRows];
+#pragma unroll
+    for (int r = 0; r < kTileFragRows; ++r) {
+      uint32_t w[2];
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const uint16_t lo = scaled_fp8x2<F>(uint4_elem<K>(v[r], 4 * h), uint4_elem<K>(v[r], 4 * h + 1), sc.encode);
+        const uint16_t hi = scaled_fp8x2<F>(uint4_elem<K>(v[r], 4 * h + 2), uint4_elem<K>(v[r], 4 * h + 3), sc.encode);
+        w[h] = static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16);
+      }
+      q8[r] = make_uint2(w[0], w[1]);
+    }
     // Each output written by its own copy of the code, so its fields are read from
     // constant indices of the parameters.
     const auto write = [&](const TileOut& o) {
       if (threadIdx.x == 0) static_cast<typename Rule::stored_t*>(o.s)[b * o.s_sb + i * o.s_si + j * o.s_sj] = sc.stored;
       uint8_t* qt = o.q + b * o.q_sb + r0 * o.q_sr + c0 * o.q_sc;
-      if (o.q_sr == 1) {  // runs down the columns: 8-byte runs straight from the fragments
+      if (o.q_sr == 1) {
+        // Runs down the columns: the fragment's 8x8 bytes transposed in registers, one
+        // 8-byte run a fragment column (a warp store: 64 bytes of each of 4 columns).
         const bool rows_whole = fr + kTileFragRows <= nr;
         const bool vec = o.q_sc % 8 == 0 && reinterpret_cast<uintptr_t>(qt) % 8 == 0;
 #pragma unroll
-        for (int c = 0; c < kTileFragCols; ++c) {
-          uint32_t w[2];
+        for (int h = 0; h < 2; ++h) {  // columns 4h .. 4h + 3 of the fragment
+          uint32_t top[4], bottom[4];   // rows 0-3 and 4-7 of each of those columns
+          const auto word = [&](int r) { return h == 0 ? q8[r].x : q8[r].y; };
+          transpose_bytes_4x4(word(0), word(1), word(2), word(3), top);
+          transpose_bytes_4x4(word(4), word(5), word(6), word(7), bottom);
 #pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            const uint16_t lo = scaled_fp8x2<F>(uint4_elem<K>(v[4 * h], c), uint4_elem<K>(v[4 * h + 1], c), sc.encode);
-            const uint16_t hi = scaled_fp8x2<F>(uint4_elem<K>(v[4 * h + 2], c), uint4_elem<K>(v[4 * h + 3], c), sc.encode);
-            w[h] = static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16);
-          }
-          uint8_t* dst = qt + (fc + c) * o.q_sc + fr;
-          if (fc + c >= nc) continue;
-          if (vec && rows_whole) {
-            *reinterpret_cast<uint2*>(dst) = make_uint2(w[0], w[1]);
-          } else {
+          for (int k = 0; k < 4; ++k) {
+            const int c = 4 * h + k;
+            if (fc + c >= nc) continue;
+            uint8_t* dst = qt + (fc + c) * o.q_sc + fr;
+            if (vec && rows_whole) {
+              *reinterpret_cast<uint2*>(dst) = make_uint2(top[k], bottom[k]);
+            } else {
 #pragma unroll
-            for (int r = 0; r < kTileFragRows; ++r) {
-              if (fr + r < nr) dst[r] = static_cast<uint8_t>(w[r / 4] >> (8 * (r % 4)));
+              for (int r = 0; r < kTileFragRows; ++r) {
+                if (fr + r < nr) dst[r] = static_cast<uint8_t>((r < 4 ? top[k] : bottom[k]) >> (8 * (r % 4)));
+              }
             }
           }
         }
         return;
       }
-      // runs along the rows: staged in shared memory, then 16-byte rows out
-      __syncthreads();  // the previous output's readers are done
-#pragma unroll
-      for (int r = 0; r < kTileFragRows; ++r) {
-        uint32_t w[2];
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const uint16_t lo = scaled_fp8x2<F>(uint4_elem<K>(v[r], 4 * h), uint4_elem<K>(v[r], 4 * h + 1), sc.encode);
-          const uint16_t hi = scaled_fp8x2<F>(uint4_elem<K>(v[r], 4 * h + 2), uint4_elem<K>(v[r], 4 * h + 3), sc.encode);
-          w[h] = static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16);
-        }
-        *reinterpret_cast<uint2*>(qs + qtile_offset(fr + r, fc)) = make_uint2(w[0], w[1]);
-      }
-      __syncthreads();
-      // 16- or 8-byte stores wherever a row's chunk is whole and aligned; bytes only
-      // for a partial tile's last chunk of a row, or an odd row stride.
-      const uintptr_t align = reinterpret_cast<uintptr_t>(qt) | static_cast<uintptr_t>(o.q_sr);
+      // Runs along the rows: the pair swaps half its rows, so each lane holds 16
+      // adjacent bytes of 4 rows (the first lane rows 0-3 of the fragment, the second
+      // rows 4-7) and a warp store writes 16 whole 32-byte sectors. No shared memory.
+      const int pc = fc - (odd ? kTileFragCols : 0);  // the pair's first column
+      const uintptr_t align = reinterpret_cast<uintptr_t>(qt + pc) | static_cast<uintptr_t>(o.q_sr);
       const int width = o.q_sc != 1 ? 1 : (align % 16 == 0 ? 16 : (align % 8 == 0 ? 8 : 1));
-      constexpr int kChunks = kTile / 16;  // 16-byte chunks a row
-      for (int idx = threadIdx.x; idx < kTile * kChunks; idx += kTilesThreads) {
-        const int r = idx / kChunks, cb = (idx % kChunks) * 16;
-        if (r >= nr) continue;
-        const uint4 q = *reinterpret_cast<const uint4*>(qs + qtile_offset(r, cb));
-        uint8_t* dst = qt + r * o.q_sr + cb * o.q_sc;
-        if (width == 16 && cb + 16 <= nc) {
-          *reinterpret_cast<uint4*>(dst) = q;
-        } else if (width == 8 && cb + 16 <= nc) {
-          reinterpret_cast<uint2*>(dst)[0] = make_uint2(q.x, q.y);
-          reinterpret_cast<uint2*>(dst)[1] = make_uint2(q.z, q.w);
+#pragma unroll
+      for (int k = 0; k < kTileFragRows / 2; ++k) {
+        const int keep = odd ? k + kTileFragRows / 2 : k;
+        const uint2 mine = odd ? q8[k + kTileFragRows / 2] : q8[k];
+        const uint2 give = odd ? q8[k] : q8[k + kTileFragRows / 2];
+        const uint2 got = make_uint2(warp_shfl_xor(give.x, 8), warp_shfl_xor(give.y, 8));
+        const uint2 lo = odd ? got : mine, hi = odd ? mine : got;  // columns pc .. pc + 7, pc + 8 .. pc + 15
+        if (fr + keep >= nr || pc >= nc) continue;
+        uint8_t* dst = qt + (fr + keep) * o.q_sr + pc * o.q_sc;
+        const bool whole = pc + 2 * kTileFragCols <= nc;  // else the last 8 columns are past the weight
+        if (width == 16 && whole) {
+          *reinterpret_cast<uint4*>(dst) = make_uint4(lo.x, lo.y, hi.x, hi.y);
+        } else if (width >= 8) {
+          *reinterpret_cast<uint2*>(dst) = lo;
+          if (whole) *reinterpret_cast<uint2*>(dst + 8) = hi;
         } else {
-          const uint8_t* qb = reinterpret_cast<const uint8_t*>(&q);
-          for (int c = 0; c < 16 && cb + c < nc; ++c) dst[c * o.q_sc] = qb[c];
+          const uint32_t w[4] = {lo.x, lo.y, hi.x, hi.y};
+#pragma unroll
+          for (int c = 0; c < 2 * kTileFragCols; ++c) {
+            if (pc + c < nc) dst[c * o.q_sc] = static_cast<uint8_t>(w[c / 4] >> (8 * (c % 4)));
+          }
         }
       }
     };
