@@ -743,6 +743,26 @@ def test_long_segment_plans(rows):
 
 @requires_cuda
 @pytest.mark.gpu
+def test_jagged_single_block_plan():
+    # Token groups whose planned group takes a 2-block cluster run one block a group
+    # slice with all of the SM's shared memory (plan_cols_launch): 10 groups over 8000
+    # rows (mean 800) with empty groups, unaligned starts and one group of 2300 rows,
+    # past the 1752 cached (re-read in pass 2); plain and padded layouts, bf16, strided
+    # fp32, and the dual.
+    m = 8000
+    offs = torch.tensor([0, 0, 901, 1700, 4000, 4001, 5003, 6000, 7000, 8000], dtype=torch.int32)
+    starts, _ = moe_fp8_ext.padded_group_offsets(offs, m, 16)
+    x1, x2 = randn((m, 264), torch.bfloat16, "cuda"), randn((m, 96), torch.bfloat16, "cuda")
+    same_as_cpu(moe_fp8_ext.quantize_jagged_colwise, x1, offs, torch.float8_e4m3fn)
+    same_as_cpu(lambda a, b, o, f: moe_fp8_ext.quantize_jagged_colwise_dual(a, b, o, f), x1, x2, offs, torch.float8_e4m3fn)
+    same_as_cpu(lambda a, b, o, f, s: moe_fp8_ext.quantize_jagged_colwise_dual(a, b, o, f, padded_starts=s),
+                x1, x2, offs, torch.float8_e4m3fnuz, starts)
+    same_as_cpu(moe_fp8_ext.quantize_jagged_colwise, randn((m, 2 * 40), torch.float32, "cuda")[:, ::2], offs,
+                torch.float8_e4m3fn)
+
+
+@requires_cuda
+@pytest.mark.gpu
 def test_jagged_unaligned_groups_and_odd_width():
     m = 5000
     offs = torch.tensor([1, 17, 18, 1000, 1001, 4999], dtype=torch.int32)  # tail row 4999

@@ -68,7 +68,7 @@ void run_cols(InputKind in, Fp8Format fmt, const QuantSpec& spec, const ColsArgs
   const int segments = segments_with_tail(a);
   TORCH_CHECK(segments <= 65535, "moe_fp8: expected at most 65534 groups, got ", a.num_segments);
   ColsLaunchPlan plan = plan_cols_launch(expected_segment_rows, segments, max_dynamic_smem_per_block(device),
-                                         supports_clusters(device), spec.block);
+                                         supports_clusters(device), spec.block, a.jagged);
   const bool whole = spec.block == kWholeSet;
   const char* override_plan = std::getenv(whole ? "MOE_FP8_COLS_PLAN" : "MOE_FP8_COLS_BLOCK_PLAN");
   // Block mode over token groups: slices sized by each group (narrow operands), unless overridden.
