@@ -88,16 +88,19 @@ def bench_experts(shapes):
 
 
 def bench_jagged(shapes):
+    """Router-like group sizes, multiples of `align` rows (1: any sizes, so the groups'
+    q runs start off the 8-byte grid)."""
     rows = []
-    for m, k, n, g in shapes:
+    for m, k, n, g, align in shapes:
         a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         go = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
-        offs = balanced_offs(m, g, device="cuda")
+        offs = balanced_offs(m, g, alignment=align, device="cuda")
         check(moe_fp8_ext.quantize_jagged_colwise_dual(go, a, offs, F8), ref.quantize_jagged_colwise_dual(go, a, offs, F8))
         nbytes = m * (k + n) * 3 + g * (k + n) * 4
         ao = lambda: (lambda: torchao_kernels()[1].triton_fp8_per_group_colwise_scales_dual(go, a, offs, F8, round_scales_to_power_of_2=True))
         comp = lambda: (lambda f=torch.compile(ref.quantize_jagged_colwise_dual): f(go, a, offs, F8))
-        rows.append(row(f"({m}, {k}, {n}, {g})", nbytes, lambda: moe_fp8_ext.quantize_jagged_colwise_dual(go, a, offs, F8), ao, comp))
+        shape = f"({m}, {k}, {n}, {g})" + (", any sizes" if align == 1 else "")
+        rows.append(row(shape, nbytes, lambda: moe_fp8_ext.quantize_jagged_colwise_dual(go, a, offs, F8), ao, comp))
         del a, go
     return print_table("quantize_jagged_colwise_dual (grad_out (M, N), A (M, K), G groups)", HEADER, rows, "bench_rowwise.md")
 
@@ -201,7 +204,8 @@ def main():
         return
     rowwise = [(16384, 7168), (16384, 2048), (65536, 7168), (131072, 2048)]
     experts = [(8, 7168, 2048), (16, 5120, 1536), (64, 2048, 1408)]
-    jagged = [(16384, 7168, 2048, 8), (32768, 5120, 1536, 16), (65536, 2048, 1408, 64)]
+    jagged = [(16384, 7168, 2048, 8, 16), (32768, 5120, 1536, 16, 16), (65536, 2048, 1408, 64, 16),
+              (65536, 2048, 1408, 64, 1)]
     if args.quick:
         rowwise, experts, jagged = rowwise[:1], experts[:1], jagged[:1]
     bench_rowwise(rowwise)

@@ -27,6 +27,7 @@ from conftest import (
     IN_DTYPES,
     assert_fp8_equal,
     assert_scale_equal,
+    offs_from_sizes,
     poison,
     randn,
     random_offs,
@@ -768,6 +769,34 @@ def test_jagged_unaligned_groups_and_odd_width():
     offs = torch.tensor([1, 17, 18, 1000, 1001, 4999], dtype=torch.int32)  # tail row 4999
     x = randn((m, 2 * 769), torch.float16, "cuda")[:, ::2]  # strided: scalar path
     same_as_cpu(moe_fp8_ext.quantize_jagged_colwise, x, offs, torch.float8_e4m3fn)
+
+
+@requires_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("m, sizes", [
+    # a 424-row cache (mean group 417): groups shorter than a run, every start residue
+    # mod 8, a group over several passes and one past the cache (chunks)
+    (5000, [3, 1, 5, 0, 7, 130, 9, 255, 2100, 11, 600, 6, 1000, 2]),
+    (4999, [3, 1, 5, 0, 7, 130, 9, 255, 2100, 11, 600, 6, 1000, 2]),  # odd q stride: every column its own shift
+    (40001, [1, 9001, 3, 20003, 4, 10987]),  # an 8-block cluster a group: slices at rank * chunk
+])
+def test_jagged_shifted_runs(m, sizes):
+    # q runs off the 8-byte grid (group starts, an odd q stride) are stored as aligned
+    # words assembled across lanes (store_fragment_runs_shifted): the vector path in
+    # bf16 and fp16, the scalar path, both fp8 formats, the dual, and expert weights
+    # reduced over an odd N.
+    offs = offs_from_sizes(sizes)
+    assert int(offs[-1]) <= m
+    x1, x2 = randn((m, 264), torch.bfloat16, "cuda"), randn((m, 72), torch.float16, "cuda")
+    same_as_cpu(moe_fp8_ext.quantize_jagged_colwise, x1, offs, torch.float8_e4m3fn)
+    same_as_cpu(moe_fp8_ext.quantize_jagged_colwise, x2, offs, torch.float8_e4m3fnuz)
+    same_as_cpu(lambda a, b, o, f: moe_fp8_ext.quantize_jagged_colwise_dual(a, b, o, f), x1, x2.bfloat16(), offs,
+                torch.float8_e4m3fn)
+    same_as_cpu(moe_fp8_ext.quantize_jagged_colwise, randn((m, 2 * 40), torch.float32, "cuda")[:, ::2], offs,
+                torch.float8_e4m3fn)
+    if m < 10000:
+        w_t = randn((3, m, 72), torch.bfloat16, "cuda").transpose(1, 2)  # (E, 72, m), reduced over N = m
+        same_as_cpu(moe_fp8_ext.quantize_experts_bwd, w_t, torch.float8_e4m3fn)
 
 
 @requires_cuda

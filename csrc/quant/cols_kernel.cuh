@@ -155,10 +155,9 @@ MOE_FP8_DEVICE float fragment_value(const ColsFragment& f, int i, int c) {
   }
 }
 
-// Encodes column c of a fragment with encode multiplier s into the q run at dst, of
-// which `room` bytes belong to the chunk: one 8-byte store when whole and aligned.
+// Column c of a fragment encoded with encode multiplier s: the 8 bytes of its q run.
 template <InputKind K, Fp8Format F>
-MOE_FP8_DEVICE void store_fragment_run(const ColsFragment& f, int c, float s, uint8_t* dst, int room) {
+MOE_FP8_DEVICE uint2 encode_fragment_run(const ColsFragment& f, int c, float s) {
   uint32_t w[kColsFragRows / 4];
 #pragma unroll
   for (int j = 0; j < kColsFragRows / 4; ++j) {
@@ -166,13 +165,82 @@ MOE_FP8_DEVICE void store_fragment_run(const ColsFragment& f, int c, float s, ui
     const uint16_t hi = scaled_fp8x2<F>(fragment_value<K>(f, 4 * j + 2, c), fragment_value<K>(f, 4 * j + 3, c), s);
     w[j] = static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16);
   }
-  static_assert(kColsFragRows == 8, "one 8-byte store per run");
+  static_assert(kColsFragRows == 8, "one 8-byte run");
+  return make_uint2(w[0], w[1]);
+}
+
+// Encodes column c of a fragment with encode multiplier s into the q run at dst, of
+// which `room` bytes belong to the chunk: one 8-byte store when whole and aligned.
+template <InputKind K, Fp8Format F>
+MOE_FP8_DEVICE void store_fragment_run(const ColsFragment& f, int c, float s, uint8_t* dst, int room) {
+  const uint2 w = encode_fragment_run<K, F>(f, c, s);
   if (room >= kColsFragRows && reinterpret_cast<uintptr_t>(dst) % 8 == 0) {
-    *reinterpret_cast<uint2*>(dst) = make_uint2(w[0], w[1]);
-  } else {  // a partial or unaligned run, byte by byte (w indexed by constants only)
+    *reinterpret_cast<uint2*>(dst) = w;
+  } else {  // a partial or unaligned run, byte by byte (w's words indexed by constants only)
 #pragma unroll
     for (int k = 0; k < kColsFragRows; ++k) {
-      if (k < room) dst[k] = static_cast<uint8_t>(w[k / 4] >> (8 * (k % 4)));
+      if (k < room) dst[k] = static_cast<uint8_t>((k < 4 ? w.x : w.y) >> (8 * (k % 4)));
+    }
+  }
+}
+
+// Bytes [lo, hi) of the 8-byte word v (byte k at bits 8k) to word[lo, hi), word
+// 8-byte aligned: one 8-byte store when whole, else at most five naturally aligned
+// 1-, 2- and 4-byte stores.
+MOE_FP8_DEVICE void store_word_bytes(uint8_t* word, uint64_t v, int lo, int hi) {
+  if (lo >= hi) return;
+  if (lo == 0 && hi == 8) {
+    *reinterpret_cast<uint64_t*>(word) = v;
+    return;
+  }
+  int k = lo;
+  if ((k & 1) && k < hi) {
+    word[k] = static_cast<uint8_t>(v >> (8 * k));
+    k += 1;
+  }
+  if ((k & 2) && k + 2 <= hi) {
+    *reinterpret_cast<uint16_t*>(word + k) = static_cast<uint16_t>(v >> (8 * k));
+    k += 2;
+  }
+  if (k + 4 <= hi) {  // k is a multiple of 4 here
+    *reinterpret_cast<uint32_t*>(word + k) = static_cast<uint32_t>(v >> (8 * k));
+    k += 4;
+  }
+  if (k + 2 <= hi) {
+    *reinterpret_cast<uint16_t*>(word + k) = static_cast<uint16_t>(v >> (8 * k));
+    k += 2;
+  }
+  if (k < hi) word[k] = static_cast<uint8_t>(v >> (8 * k));
+}
+
+// One 128-row pass of q runs whose column starts are not 8-byte aligned (token groups
+// of odd sizes, an odd q stride), stored as aligned 8-byte words: the sixteen lanes of
+// a column group hold the pass's 128 consecutive q bytes of each column (lane rb rows
+// [8 rb, 8 rb + 8)), so with the column's first byte at d (mod 8), lane rb writes the
+// aligned word at rows [8 rb - d, 8 rb - d + 8): the last d bytes of lane rb - 1's run
+// (a shuffle) and the first 8 - d of its own; lane 15 also writes its last d bytes.
+// Only the pass's two ends (and a short pass's last word) are partial words. Column
+// c's q at the pass's first row is col0 + c * q_sc, `len` the pass's q rows. Every lane
+// of the block calls it (the shuffles), with the same `len`.
+template <InputKind K, Fp8Format F, int kC>
+MOE_FP8_DEVICE void store_fragment_runs_shifted(const ColsFragment& f, const float (&s)[kC], const bool (&col_ok)[kC],
+                                                uint8_t* col0, int64_t q_sc, int len, int rb) {
+  const int lane = static_cast<int>(threadIdx.x % kWarpSize);
+  const int prev_lane = (lane & ~(kColsRowBlocks - 1)) | ((lane - 1) & (kColsRowBlocks - 1));
+#pragma unroll
+  for (int c = 0; c < kC; ++c) {
+    const uint2 w = encode_fragment_run<K, F>(f, c, s[c]);
+    const uint64_t own = (static_cast<uint64_t>(w.y) << 32) | w.x;
+    const uint64_t prev = (static_cast<uint64_t>(warp_shfl(w.y, prev_lane)) << 32) | warp_shfl(w.x, prev_lane);
+    if (!col_ok[c]) continue;
+    uint8_t* col = col0 + c * q_sc;
+    const int d = static_cast<int>(reinterpret_cast<uintptr_t>(col) % 8);
+    uint8_t* word = col - d + kColsFragRows * rb;  // aligned
+    const int at = kColsFragRows * rb - d;            // the word's first row in the pass
+    const uint64_t v = d == 0 ? own : (prev >> (8 * (8 - d))) | (own << (8 * d));
+    store_word_bytes(word, v, std::max(0, -at), std::min(8, len - at));
+    if (rb == kColsRowBlocks - 1 && d > 0) {  // the pass's last d rows
+      store_word_bytes(word + 8, own >> (8 * (8 - d)), 0, std::min(d, len - at - 8));
     }
   }
 }
@@ -229,7 +297,54 @@ MOE_FP8_DEVICE int64_t cols_col_base_gpu(const ColsArgs& a, const ScaleOut& s, i
   return sum;
 }
 
-template <InputKind K, Fp8Format F, class Rule, int kBlock, class Layout, bool kVec>
+// The whole-set kernel's pass 2 over the block's slice: chunk 0 is in the tile
+// already; later chunks are staged again, and rows past the input (padding) encode
+// zero rows with the column's scale. kShifted: the slice's q runs are off the 8-byte
+// grid (store_fragment_runs_shifted; every lane takes part in each pass).
+// `my_*` as in the kernel; qblk is the thread's first column's q at the slice's first
+// row.
+template <InputKind K, Fp8Format F, bool kVec, int kC, bool kShifted>
+MOE_FP8_DEVICE void cols_pass2(const ColsOperand& op, const ColsRows<typename DeviceInput<K>::storage>& xblk,
+                               int64_t my_start, int my_len, int my_qlen, int cache_rows, int64_t valid_cols,
+                               uint8_t* qblk, uint8_t* tile, int rb, int cg, const float (&s)[kC],
+                               const bool (&col_ok)[kC]) {
+  using T = typename DeviceInput<K>::storage;
+  const int qchunks = static_cast<int>(ceil_div_u32(my_qlen, cache_rows));
+  for (int ch = 0; ch < qchunks; ++ch) {
+    const int base = ch * cache_rows;
+    const int nq = std::min(cache_rows, my_qlen - base);
+    const int n = std::max(0, std::min(nq, my_len - base));
+    if (ch > 0 && n > 0) {
+      __syncthreads();
+      stage_rows<T, kVec>(xblk, op.sr, op.sc, my_start + base, n, valid_cols, tile);
+      __syncthreads();
+    }
+    for (int p = 0; p < nq; p += kColsPassRows) {
+      const int r0 = p + rb * kColsFragRows;  // this thread's first row in the chunk
+      if constexpr (kShifted) {
+        ColsFragment f;
+        load_fragment(tile, r0, n, cg, f);
+        store_fragment_runs_shifted<K, F, kC>(f, s, col_ok, qblk + base + p, op.q_sc,
+                                              nq - p < kColsPassRows ? nq - p : kColsPassRows, rb);
+      } else {
+        if (r0 >= nq) continue;
+        ColsFragment f;
+        load_fragment(tile, r0, n, cg, f);
+#pragma unroll
+        for (int c = 0; c < kC; ++c) {
+          if (col_ok[c]) store_fragment_run<K, F>(f, c, s[c], qblk + c * op.q_sc + base + r0, nq - r0);
+        }
+      }
+    }
+  }
+}
+
+// kShift: the whole-set pass 2 checks whether the slice's q runs are off the 8-byte
+// grid and then stores them as aligned words (cols_runs_may_shift says where the
+// launcher asks for it; without it such runs are stored byte by byte, correct but
+// slow). Two instances, because the check and its loop cost the aligned launches
+// 1-2% (H100, bench/RESULTS.md) where the launcher knows the runs are aligned.
+template <InputKind K, Fp8Format F, class Rule, int kBlock, class Layout, bool kVec, bool kShift>
 __global__ void __launch_bounds__(kColsThreads, kColsMinBlocks)
     quantize_cols_kernel(ColsArgs a, int cluster, int cache_rows, int slice_rows) {
   using In = DeviceInput<K>;
@@ -381,9 +496,7 @@ __global__ void __launch_bounds__(kColsThreads, kColsMinBlocks)
   }
   __syncthreads();
 
-  // Pass 2: encode fragment by fragment into 8-byte runs of each column. Chunk 0 is
-  // in the tile already; later chunks are staged again, and rows past the input
-  // (padding) encode zero rows with the column's scale.
+  // Pass 2: encode fragment by fragment into 8-byte runs of each column.
   float s[kC];
   bool col_ok[kC];
 #pragma unroll
@@ -392,26 +505,18 @@ __global__ void __launch_bounds__(kColsThreads, kColsMinBlocks)
     col_ok[c] = c0 + cg * kC + c < op.cols;
   }
   uint8_t* qblk = op.q + seg.batch * op.q_sb + (c0 + cg * kC) * op.q_sc + seg.q_start + my_off;
-  const int qchunks = static_cast<int>(ceil_div_u32(my_qlen, cache_rows));
-  for (int ch = 0; ch < qchunks; ++ch) {
-    const int base = ch * cache_rows;
-    const int nq = std::min(cache_rows, my_qlen - base);
-    const int n = std::max(0, std::min(nq, my_len - base));
-    if (ch > 0 && n > 0) {
-      __syncthreads();
-      stage_rows<T, kVec>(xblk, op.sr, op.sc, my_start + base, n, valid_cols, tile);
-      __syncthreads();
-    }
-    for (int p = 0; p < nq; p += kColsPassRows) {
-      const int r0 = p + rb * kColsFragRows;  // this thread's first row in the chunk
-      if (r0 >= nq) continue;
-      ColsFragment f;
-      load_fragment(tile, r0, n, cg, f);
-#pragma unroll
-      for (int c = 0; c < kC; ++c) {
-        if (col_ok[c]) store_fragment_run<K, F>(f, c, s[c], qblk + c * op.q_sc + base + r0, nq - r0);
-      }
-    }
+  // Runs not all 8-byte aligned (a group start or the q stride off the 8-row grid; the
+  // chunks and passes keep the alignment, whole fragments from the slice's start):
+  // stored as aligned words from neighbouring lanes' runs. Uniform over the block.
+  const bool shifted = kShift &&
+      ((reinterpret_cast<uintptr_t>(op.q + seg.batch * op.q_sb + c0 * op.q_sc + seg.q_start + my_off) |
+        static_cast<uintptr_t>(op.q_sc)) % 8) != 0;
+  if (shifted) {
+    cols_pass2<K, F, kVec, kC, true>(op, xblk, my_start, my_len, my_qlen, cache_rows, valid_cols, qblk, tile, rb, cg,
+                                     s, col_ok);
+  } else {
+    cols_pass2<K, F, kVec, kC, false>(op, xblk, my_start, my_len, my_qlen, cache_rows, valid_cols, qblk, tile, rb,
+                                      cg, s, col_ok);
   }
 }
 
@@ -525,6 +630,20 @@ inline void plan_cols_group_slices(int segments, int64_t col_tiles, ColsLaunchPl
   plan->slice_rows = static_cast<int>(kColsBlockSliceRows);
 }
 
+// Whether a whole-set launch's q runs may start off the 8-byte grid: unpadded token
+// groups (their starts are device data), a padded layout whose alignment is not a
+// multiple of 8 rows, or a q pointer or stride off the grid.
+inline bool cols_runs_may_shift(const ColsArgs& a) {
+  if (a.jagged && (!a.padded || a.alignment % kColsFragRows != 0)) return true;
+  for (int i = 0; i < a.num_ops; ++i) {
+    const ColsOperand& op = a.op[i];
+    if ((reinterpret_cast<uintptr_t>(op.q) | static_cast<uintptr_t>(op.q_sc) | static_cast<uintptr_t>(op.q_sb)) % 8 != 0) {
+      return true;
+    }
+  }
+  return false;
+}
+
 template <InputKind K, Fp8Format F, class Rule, int kBlock, class Layout>
 int launch_quantize_cols(const ColsArgs& a, ColsLaunchPlan plan, gpuStream_t stream) {
   using T = typename DeviceInput<K>::storage;
@@ -535,8 +654,14 @@ int launch_quantize_cols(const ColsArgs& a, ColsLaunchPlan plan, gpuStream_t str
   if (a.num_ops == 2) vec = vec && cols_vector_ok<T>(a.op[1]);
   const dim3 grid(static_cast<unsigned>(tiles), static_cast<unsigned>(segments_with_tail(a) * plan.cluster));
   const size_t smem = static_cast<size_t>(plan.cache_rows) * kColsTileBytes;
-  auto kernel = vec ? quantize_cols_kernel<K, F, Rule, kBlock, Layout, true>
-                   : quantize_cols_kernel<K, F, Rule, kBlock, Layout, false>;
+  auto kernel = vec ? quantize_cols_kernel<K, F, Rule, kBlock, Layout, true, false>
+                   : quantize_cols_kernel<K, F, Rule, kBlock, Layout, false, false>;
+  if constexpr (kBlock == kWholeSet) {
+    if (cols_runs_may_shift(a)) {
+      kernel = vec ? quantize_cols_kernel<K, F, Rule, kBlock, Layout, true, true>
+                   : quantize_cols_kernel<K, F, Rule, kBlock, Layout, false, true>;
+    }
+  }
   // plan.cluster splits each segment; only the whole-set reduction exchanges amax
   // across them (a hardware cluster), block mode's slices are independent.
   const int hw_cluster = kBlock == kWholeSet ? plan.cluster : 1;
