@@ -774,17 +774,19 @@ def test_jagged_unaligned_groups_and_odd_width():
 @requires_cuda
 @pytest.mark.gpu
 @pytest.mark.parametrize("m, sizes", [
-    # a 424-row cache (mean group 417): groups shorter than a run, every start residue
-    # mod 8, a group over several passes and one past the cache (chunks)
+    # a 408-row cache (the planned group: 403 rows): groups shorter than a run, group
+    # starts of seven residues mod 8, groups over several passes and past the cache
+    # (chunks, each ending in a short pass)
     (5000, [3, 1, 5, 0, 7, 130, 9, 255, 2100, 11, 600, 6, 1000, 2]),
     (4999, [3, 1, 5, 0, 7, 130, 9, 255, 2100, 11, 600, 6, 1000, 2]),  # odd q stride: every column its own shift
-    (40001, [1, 9001, 3, 20003, 4, 10987]),  # an 8-block cluster a group: slices at rank * chunk
+    (40001, [1, 9001, 3, 20003, 4, 10987]),  # on sm90, an 8-block cluster a group: slices at rank * chunk
 ])
 def test_jagged_shifted_runs(m, sizes):
     # q runs off the 8-byte grid (group starts, an odd q stride) are stored as aligned
     # words assembled across lanes (store_fragment_runs_shifted): the vector path in
     # bf16 and fp16, the scalar path, both fp8 formats, the dual, and expert weights
-    # reduced over an odd N.
+    # (reduced over an odd N at 4999 rows; at 5000 the launcher takes the instance
+    # without the shifted stores, cols_runs_may_shift).
     offs = offs_from_sizes(sizes)
     assert int(offs[-1]) <= m
     x1, x2 = randn((m, 264), torch.bfloat16, "cuda"), randn((m, 72), torch.float16, "cuda")

@@ -202,7 +202,7 @@ MOE_FP8_DEVICE void store_word_bytes(uint8_t* word, uint64_t v, int lo, int hi) 
     *reinterpret_cast<uint16_t*>(word + k) = static_cast<uint16_t>(v >> (8 * k));
     k += 2;
   }
-  if (k + 4 <= hi) {  // k is a multiple of 4 here
+  if (k + 4 <= hi) {  // then k is 0 or 4 (a k of 2 or 6 left here has hi < k + 2)
     *reinterpret_cast<uint32_t*>(word + k) = static_cast<uint32_t>(v >> (8 * k));
     k += 4;
   }
