@@ -42,7 +42,8 @@ rounding) it:
   each weight once per optimizer step instead of once per call.
 
 A weight's two orientations come from one read (``quantize_experts_dual_cat``) where
-an expert's matrix fits the L2 budget (``MOE_FP8_DUAL_L2_BYTES``, DESIGN §10): there
+an expert's matrix fits the L2 budget (``MOE_FP8_DUAL_L2_BYTES``, DESIGN §10; for
+fp8_blockwise, ``quantize_blockwise_weight_dual`` of W2 always): there
 (``Recipe.reads_weights_once``), the forward makes each weight's backward operand with
 its forward one and keeps it on ctx until the backward uses it (or in the cache).
 The layer is recipe-agnostic: any registered recipe runs through the
@@ -86,6 +87,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from . import ops, token_groups
 from .grouped_mm import (
     _gemm_out_dtype,
+    _may_free_early,
     _zero_tail,
     check_offs_where_cheap,
     device_offs,
@@ -186,22 +188,9 @@ def _cached(cache: Optional[WeightCache], name, weights, tag, make):
 # ---- the function ----------------------------------------------------------------------
 
 
-def _may_free_early() -> bool:
-    """Whether the forward may keep h13 outside ``save_for_backward`` so that the
-    backward can free it half way (autograd's docs allow intermediates on ctx). Not
-    under torch.compile, and not while saved-tensor hooks are active (activation
-    checkpointing, offloading: they must see every saved tensor)."""
-    if torch.compiler.is_compiling():
-        return False
-    try:
-        return torch._C._autograd._top_saved_tensors_default_hooks(False) is None
-    except (AttributeError, TypeError, RuntimeError):  # a torch without the query
-        return False
-
-
 class _Experts(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, w1, w3, w2, offs, recipe, fp8_dtype, backend, pad_wgrad, cache):
+    def forward(ctx, x, w1, w3, w2, offs, recipe, fp8_dtype, backend, pad_wgrad, cache, grad_mode):
         ctx.recipe, ctx.fp8_dtype, ctx.backend, ctx.pad_wgrad, ctx.cache = recipe, fp8_dtype, backend, pad_wgrad, cache
         ctx.dtypes = (x.dtype, w1.dtype, w3.dtype, w2.dtype)
         hidden = w1.shape[1]
@@ -217,7 +206,10 @@ class _Experts(torch.autograd.Function):
         # A weight whose two operands come from one read (Recipe.reads_weights_once) gets
         # its backward operand here, with the forward one: kept in the cache, or on ctx
         # until the backward uses it (only where ctx may hold it: see _may_free_early).
-        need_x, need_w13 = ctx.needs_input_grad[0], ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
+        # (grad_mode: torch.is_grad_enabled() at the call; needs_input_grad is set under
+        # no_grad too, where nothing is to be made for a backward)
+        need_x = grad_mode and ctx.needs_input_grad[0]
+        need_w13 = grad_mode and (ctx.needs_input_grad[1] or ctx.needs_input_grad[2])
         box = ctx.bwd_box = {} if cache is not None or _may_free_early() else None
 
         def weight_fwd(name, weights, parts, needs_bwd):
@@ -273,7 +265,7 @@ class _Experts(torch.autograd.Function):
         if ctx.no_groups:  # the output is a constant zero: zero gradients
             grads = tuple(grad_out.new_zeros(s, dtype=d) if need else None
                           for s, d, need in zip(ctx.shapes, ctx.dtypes, ctx.needs_input_grad))
-            return grads + (None,) * 6
+            return grads + (None,) * 7
         x, w1, w3, w2, offs, *rest = ctx.saved_tensors
         kept, rest = rest[:ctx.kept], rest[ctx.kept:]
         if ctx.h13_box is None:
@@ -394,7 +386,7 @@ class _Experts(torch.autograd.Function):
             del operands
             grad_w1 = grad_w13[:, :hidden].to(ctx.dtypes[1]) if need_w1 else None
             grad_w3 = grad_w13[:, hidden:].to(ctx.dtypes[2]) if need_w3 else None
-        return grad_x, grad_w1, grad_w3, grad_w2, None, None, None, None, None, None
+        return grad_x, grad_w1, grad_w3, grad_w2, None, None, None, None, None, None, None
 
 
 # torch.compile of the fused Function returns zero gradients with torch 2.11 (CPU and
@@ -475,9 +467,10 @@ def experts(
             return _composite(x, w1, w3, w2, offs, r, f8, pad_groups)
     if pad_groups and r.alignment > 1 and r.pads_token_groups(backend) and offs.shape[0] > 0:
         x_p, starts, ends = token_groups.pad_token_groups(x, offs, r.alignment)
-        out_p = _Experts.apply(x_p, w1, w3, w2, ends, r, f8, backend, False, weight_cache)
+        out_p = _Experts.apply(x_p, w1, w3, w2, ends, r, f8, backend, False, weight_cache, torch.is_grad_enabled())
         return token_groups.unpad_token_groups(out_p, offs, starts, x.shape[0])
-    return _Experts.apply(x, w1, w3, w2, offs, r, f8, backend, pads_wgrad(r, pad_groups, x.shape[0]), weight_cache)
+    return _Experts.apply(x, w1, w3, w2, offs, r, f8, backend, pads_wgrad(r, pad_groups, x.shape[0]), weight_cache,
+                          torch.is_grad_enabled())
 
 
 # ---- the module ------------------------------------------------------------------------

@@ -17,6 +17,12 @@ PyTorch's FP8 grouped GEMM::
     dgrad    grad_A = grad_out_q(rows) @ B_q(cols over N)
     wgrad    grad_B = grad_out_q(cols per group)^T @ A_q(cols per group)
 
+Where one read makes both operands of the weight (``Recipe.reads_weights_once``:
+fp8_rowwise's dual kernel where two experts' matrices fit the L2 budget,
+``MOE_FP8_DUAL_L2_BYTES``; fp8_blockwise always) the forward makes B's dgrad operand
+with B_t's and holds it (E·N·K fp8 bytes and its scales) until the dgrad GEMM has used
+it; not under torch.compile or saved-tensor hooks (see ``_may_free_early``).
+
 Where the FP8 grouped GEMM is not available (a CPU, a GPU before sm90) the same
 quantized operands are dequantized and multiplied in fp32 ("emulated"), so results and
 gradients are the same math; :func:`grouped_mm_backend` says which path runs. The fp8
@@ -77,12 +83,30 @@ def _gemm_out_dtype(recipe: Recipe, backend: str, want: torch.dtype, in_dtype: t
     return want if want in supported else supported[0]
 
 
+def _may_free_early() -> bool:
+    """Whether a forward may keep an intermediate outside ``save_for_backward`` so that
+    the backward can free it half way (autograd's docs allow intermediates on ctx): the
+    experts layer's h13, a weight's backward operand made in the forward. Not under
+    torch.compile, and not while saved-tensor hooks are active (activation
+    checkpointing, offloading: they must see every saved tensor)."""
+    if torch.compiler.is_compiling():
+        return False
+    try:
+        return torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+    except (AttributeError, TypeError, RuntimeError):  # a torch without the query
+        return False
+
+
 class _GroupedMM(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, A, B_t, offs, recipe, out_dtype, fp8_dtype, backend, pad_wgrad):
+    def forward(ctx, A, B_t, offs, recipe, out_dtype, fp8_dtype, backend, pad_wgrad, grad_mode):
+        # grad_mode: torch.is_grad_enabled() at the call (the forward itself runs without
+        # grad, and needs_input_grad is set under no_grad too): nothing is made for a
+        # backward that cannot run.
         ctx.recipe, ctx.fp8_dtype, ctx.backend, ctx.pad_wgrad = recipe, fp8_dtype, backend, pad_wgrad
         ctx.a_dtype, ctx.b_dtype, ctx.num_tokens = A.dtype, B_t.dtype, A.shape[0]
         ctx.a_shape, ctx.b_shape = A.shape, B_t.shape
+        ctx.bwd_box = None
         if offs.shape[0] == 0:  # no groups: every row is past offs[-1] (static: no sync)
             ctx.save_for_backward(offs)
             ctx.names, ctx.no_groups = (), True
@@ -91,13 +115,25 @@ class _GroupedMM(torch.autograd.Function):
         # A's weight-gradient operand made with its forward one and kept instead of A
         # (Recipe.keeps_fp8_activations: fp8 saved activations) where B needs a gradient
         # and the wgrad operands take the padded layout.
-        ctx.fp8_saved = recipe.keeps_fp8_activations and pad_wgrad and ctx.needs_input_grad[1]
+        ctx.fp8_saved = recipe.keeps_fp8_activations and pad_wgrad and grad_mode and ctx.needs_input_grad[1]
         if ctx.fp8_saved:
             starts, wgrad_offs = ops.padded_group_offsets(offs, A.shape[0], recipe.alignment)
             lhs, a_op = recipe.lhs_with_wgrad_operand(A, offs, fp8_dtype, starts)
         else:
             lhs = recipe.lhs(A, fp8_dtype)
-        rhs = recipe.rhs_fwd(B_t, fp8_dtype)
+        # B_t's input-gradient operand made with its forward one where one read makes
+        # both (Recipe.reads_weights_once: fp8_rowwise's dual kernel where an expert's
+        # matrix fits the L2 budget, fp8_blockwise's weight dual), held on ctx until the dgrad GEMM has used it, then
+        # dropped (so not through the weight-gradient GEMM, the step's peak). B_t stays
+        # saved: a second backward (retain_graph) quantizes it again.
+        # (_may_free_early first: under torch.compile the recipe's check, which reads
+        # data pointers, must not be traced.)
+        if grad_mode and ctx.needs_input_grad[0] and _may_free_early() and recipe.reads_weights_once([B_t]):
+            rhs, bwd = recipe.rhs_dual_cat([B_t], fp8_dtype)
+            ctx.bwd_box = {"B": bwd}
+            del bwd
+        else:
+            rhs = recipe.rhs_fwd(B_t, fp8_dtype)
         saved = recipe.save_for_backward(A, B_t, lhs, rhs)
         if ctx.fp8_saved:
             saved["A"] = None
@@ -111,7 +147,7 @@ class _GroupedMM(torch.autograd.Function):
     def backward(ctx, grad_out):
         offs, *values = ctx.saved_tensors
         need_a, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        nones = (None,) * 6
+        nones = (None,) * 7
         if ctx.no_groups:  # the output is a constant zero: zero gradients
             grad_A = grad_out.new_zeros(ctx.a_shape, dtype=ctx.a_dtype) if need_a else None
             grad_B_t = grad_out.new_zeros(ctx.b_shape, dtype=ctx.b_dtype) if need_b else None
@@ -133,7 +169,9 @@ class _GroupedMM(torch.autograd.Function):
                 lhs, g_op = recipe.lhs_with_wgrad_operand(grad_out, offs, f8, starts)
             else:
                 lhs = recipe.lhs(grad_out, f8)
-            rhs = recipe.rhs_bwd(saved, f8)
+            rhs = ctx.bwd_box.pop("B", None) if ctx.bwd_box else None
+            if rhs is None:
+                rhs = recipe.rhs_bwd(saved, f8)
             dtype = _gemm_out_dtype(recipe, backend, ctx.a_dtype, grad_out.dtype)
             grad_A = _zero_tail(recipe.mm_2d3d(lhs, rhs, offs, dtype, backend), offs).to(ctx.a_dtype)
             del lhs, rhs
@@ -310,6 +348,7 @@ def grouped_mm(
     if pad_groups and r.alignment > 1 and r.pads_token_groups(backend) and offs.shape[0] > 0:
         # Pad the input, run the aligned path, unpad the output (all differentiable).
         A_p, starts, ends = token_groups.pad_token_groups(A, offs, r.alignment)
-        out_p = _GroupedMM.apply(A_p, B_t, ends, r, out_dtype, f8, backend, False)
+        out_p = _GroupedMM.apply(A_p, B_t, ends, r, out_dtype, f8, backend, False, torch.is_grad_enabled())
         return token_groups.unpad_token_groups(out_p, offs, starts, A.shape[0])
-    return _GroupedMM.apply(A, B_t, offs, r, out_dtype, f8, backend, pads_wgrad(r, pad_groups, A.shape[0]))
+    return _GroupedMM.apply(A, B_t, offs, r, out_dtype, f8, backend, pads_wgrad(r, pad_groups, A.shape[0]),
+                            torch.is_grad_enabled())

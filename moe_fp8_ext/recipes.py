@@ -719,7 +719,9 @@ class Fp8Blockwise(Recipe):
     Operands (the layouts of :mod:`moe_fp8_ext.blockwise`): ``lhs`` 1x128 rows
     (``quantize_blockwise_act_lhs``); the weights 128x128, BOTH orientations from one read
     in the forward (``quantize_blockwise_weight_dual``): the transposed one is kept for
-    the backward (fp8, instead of requantizing the bf16 weight); ``wgrad_operands``
+    the backward (fp8, instead of requantizing the bf16 weight; on ctx until the dgrad
+    GEMM has used it where grouped_mm may hold it there, see ``_may_free_early``, else
+    saved); ``wgrad_operands``
     grad_outᵀ in 1x128 blocks along the tokens and A in 128x1 blocks along the tokens,
     straight into the padded layout (alignment 128: any group sizes with
     ``pad_groups=True``, no sync).
@@ -767,8 +769,21 @@ class Fp8Blockwise(Recipe):
     def rhs_fwd(self, b_t, fp8_dtype):
         return _bw.quantize_blockwise_weight_dual(b_t, fp8_dtype)  # (q, s) (E, K, N) and (q, s) (E, N, K)
 
+    def reads_weights_once(self, b_ts):
+        return len(b_ts) == 1  # quantize_blockwise_weight_dual
+
+    def rhs_dual_cat(self, b_ts, fp8_dtype):
+        if len(b_ts) != 1:
+            return super().rhs_dual_cat(b_ts, fp8_dtype)
+        qf, sf, qb, sb = _bw.quantize_blockwise_weight_dual(b_ts[0], fp8_dtype)
+        return (qf, sf), (qb, sb)
+
     def save_for_backward(self, A, B_t, lhs, rhs):
-        return {"A": A, "q_bwd": rhs[2], "s_bwd": rhs[3]}
+        if len(rhs) == 4:  # rhs_fwd's: the transposed half kept in fp8 for the backward
+            return {"A": A, "q_bwd": rhs[2], "s_bwd": rhs[3]}
+        # rhs_dual_cat's forward half: grouped_mm holds the backward half on ctx until the
+        # dgrad GEMM, and B_t (no copy) is saved for a second backward.
+        return {"A": A, "B_t": B_t}
 
     def rhs_bwd(self, saved, fp8_dtype):
         if "q_bwd" in saved:

@@ -256,6 +256,26 @@ def test_backward_operands_made_in_forward(device, cached, dual_kernel, monkeypa
         assert torch.equal(a, b)
 
 
+def test_no_grad_makes_nothing_for_backward(monkeypatch):
+    # Under no_grad the layer makes no backward operand (weights' dgrad ones, x's fp8
+    # wgrad one), though autograd sets needs_input_grad there too; the output is the
+    # grad-mode one.
+    x, w1, w3, w2, offs, _ = make(3, 48, 64, 100, "cpu", offs=[10, 60, 100])
+    recipe = type(get_recipe("fp8_rowwise"))
+    calls = []
+    for name in ("rhs_dual_cat", "lhs_with_wgrad_operand"):
+        real = getattr(recipe, name)
+        monkeypatch.setattr(recipe, name, lambda self, *a, real=real, name=name: calls.append(name) or real(self, *a))
+    monkeypatch.setattr(recipe, "reads_weights_once", lambda self, b_ts: True)
+    leaves = [t.clone().requires_grad_() for t in (x, w1, w3, w2)]
+    out = experts(*leaves, offs)
+    assert sorted(set(calls)) == ["lhs_with_wgrad_operand", "rhs_dual_cat"]
+    calls.clear()
+    with torch.no_grad():
+        out2 = experts(*leaves, offs)
+    assert calls == [] and torch.equal(out.detach(), out2)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_weight_reuse_never_stale(device):
     """In-place writes (through autograd-visible ops) and optimizer steps invalidate:

@@ -154,6 +154,81 @@ def test_saves_fp8_a_instead_of_a(device, needs_b):
     assert a.grad is not None and (b_t.grad is not None) == needs_b
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dual_kernel", ["0", "default"])
+def test_weight_backward_operand_made_in_forward(device, dual_kernel, monkeypatch):
+    # Where one read makes both weight operands (Recipe.reads_weights_once: the dual
+    # kernel on a GPU by default; forced here so that the CPU, and the GPU with the
+    # kernel off, run the path too), the forward makes B_t's input-gradient operand,
+    # holds it on ctx and the backward drops it after the dgrad GEMM: the same bits as
+    # making it in the backward. A second backward (retain_graph) quantizes B_t again.
+    if dual_kernel == "default":
+        monkeypatch.delenv("MOE_FP8_DUAL_L2_BYTES", raising=False)
+    else:
+        monkeypatch.setenv("MOE_FP8_DUAL_L2_BYTES", dual_kernel)
+    offs = make_offs([40, 0, 25, 51], device)
+    a = randn((123, 64), torch.bfloat16, device)
+    b_t = randn((4, 48, 64), torch.bfloat16, device).transpose(1, 2) * 0.02  # W (E, N, K) contiguous
+    grad = randn((123, 48), torch.bfloat16, device)
+    recipe = type(moe_fp8_ext.recipes.get_recipe("fp8_rowwise"))
+    results = []
+    for once in (False, True):
+        monkeypatch.setattr(recipe, "reads_weights_once", lambda self, b_ts, once=once: once)
+        aa, bb = a.clone().requires_grad_(), b_t.clone().requires_grad_()
+        out = moe_fp8_ext.grouped_mm(aa, bb, offs)
+        box = out.grad_fn.bwd_box
+        assert (sorted(box) if box is not None else []) == (["B"] if once else [])
+        ga, gb = torch.autograd.grad(out, (aa, bb), grad, retain_graph=True)
+        assert not box  # dropped once used
+        ga2, gb2 = torch.autograd.grad(out, (aa, bb), grad)  # B_t quantized again
+        assert torch.equal(ga, ga2) and torch.equal(gb, gb2)
+        results.append((out.detach(), ga, gb))
+    for x, y in zip(*results):
+        assert torch.equal(x, y)
+    # Only where the input gradient is wanted; and never under saved-tensor hooks
+    # (activation checkpointing must see every saved tensor).
+    out = moe_fp8_ext.grouped_mm(a, b_t.clone().requires_grad_(), offs)
+    assert out.grad_fn.bwd_box is None
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+        out = moe_fp8_ext.grouped_mm(a.clone().requires_grad_(), b_t.clone().requires_grad_(), offs)
+    assert out.grad_fn.bwd_box is None
+    # Nor under torch.compile, where the recipe's check is not even asked (the real one
+    # reads data pointers, which fullgraph tracing cannot: it broke the graph on a GPU).
+    def untraceable(self, b_ts):
+        return b_ts[0].data_ptr() % 16 == 0
+
+    monkeypatch.setattr(recipe, "reads_weights_once", untraceable)
+    torch._dynamo.reset()
+    step = torch.compile(lambda x, w: (moe_fp8_ext.grouped_mm(x, w, offs).float() * grad.float()).sum(), fullgraph=True)
+    aa, bb = a.clone().requires_grad_(), b_t.clone().requires_grad_()
+    step(aa, bb).backward()
+    for x, y in zip((aa.grad, bb.grad), results[0][1:]):
+        torch.testing.assert_close(x, y, rtol=1e-2, atol=1e-2)  # same quantized math; fusion may reorder fp32 sums
+
+
+@pytest.mark.parametrize("recipe_name", ["fp8_rowwise", "fp8_blockwise"])
+def test_no_grad_makes_nothing_for_backward(recipe_name, monkeypatch):
+    # Under no_grad (eval, inference) the forward runs the forward operands only: no
+    # weight dgrad operand, no fp8 saved A (autograd sets needs_input_grad there too),
+    # and the output is the grad-mode one.
+    recipe = type(moe_fp8_ext.recipes.get_recipe(recipe_name))
+    calls = []
+    for name in ("rhs_dual_cat", "lhs_with_wgrad_operand"):
+        real = getattr(recipe, name)
+        monkeypatch.setattr(recipe, name, lambda self, *a, real=real, name=name: calls.append(name) or real(self, *a))
+    monkeypatch.setattr(recipe, "reads_weights_once", lambda self, b_ts: True)
+    offs = make_offs([40, 0, 88], "cpu")
+    a = randn((130, 128), torch.bfloat16).requires_grad_()  # 130 rows: the padded wgrad layout
+    b_t = (randn((3, 128, 128), torch.bfloat16) * 0.02).requires_grad_()
+    out = moe_fp8_ext.grouped_mm(a, b_t, offs, recipe=recipe_name)
+    made = sorted(set(calls))
+    assert made == ["lhs_with_wgrad_operand", "rhs_dual_cat"][1 if recipe_name == "fp8_blockwise" else 0:]
+    calls.clear()
+    with torch.no_grad():
+        out2 = moe_fp8_ext.grouped_mm(a, b_t, offs, recipe=recipe_name)
+    assert calls == [] and torch.equal(out.detach(), out2)
+
+
 def test_needs_only_weight_grad():
     offs = make_offs([32, 32], "cpu")
     a = randn((64, 32), torch.bfloat16)
