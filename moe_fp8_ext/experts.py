@@ -87,6 +87,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from . import ops, token_groups
 from .grouped_mm import (
     _gemm_out_dtype,
+    _holds_weight_operands,
     _may_free_early,
     _zero_tail,
     check_offs_where_cheap,
@@ -210,7 +211,7 @@ class _Experts(torch.autograd.Function):
         # no_grad too, where nothing is to be made for a backward)
         need_x = grad_mode and ctx.needs_input_grad[0]
         need_w13 = grad_mode and (ctx.needs_input_grad[1] or ctx.needs_input_grad[2])
-        box = ctx.bwd_box = {} if cache is not None or _may_free_early() else None
+        box = ctx.bwd_box = {} if cache is not None or (_may_free_early() and _holds_weight_operands()) else None
 
         def weight_fwd(name, weights, parts, needs_bwd):
             def make():
@@ -223,7 +224,9 @@ class _Experts(torch.autograd.Function):
                     else:
                         box[name] = bwd
                     return fwd
-                return recipe.rhs_fwd_cat(parts, fp8_dtype) if len(parts) > 1 else recipe.rhs_fwd(parts[0], fp8_dtype)
+                # (a backward operand comes from above, or is made in the backward: never
+                # from rhs_fwd here, so rhs_fwd_only)
+                return recipe.rhs_fwd_cat(parts, fp8_dtype) if len(parts) > 1 else recipe.rhs_fwd_only(parts[0], fp8_dtype)
 
             return _cached(cache, name + "_fwd", weights, tag, make)
 

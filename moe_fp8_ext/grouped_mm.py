@@ -21,7 +21,9 @@ Where one read makes both operands of the weight (``Recipe.reads_weights_once``:
 fp8_rowwise's dual kernel where two experts' matrices fit the L2 budget,
 ``MOE_FP8_DUAL_L2_BYTES``; fp8_blockwise always) the forward makes B's dgrad operand
 with B_t's and holds it (E·N·K fp8 bytes and its scales) until the dgrad GEMM has used
-it; not under torch.compile or saved-tensor hooks (see ``_may_free_early``).
+it; not under torch.compile or saved-tensor hooks (see ``_may_free_early``), nor with
+``MOE_FP8_HOLD_WEIGHT_OPERANDS=0`` (then nothing derived from the weight lives from a
+forward to its backward: in a deep model, one such operand per layer otherwise).
 
 Where the FP8 grouped GEMM is not available (a CPU, a GPU before sm90) the same
 quantized operands are dequantized and multiplied in fp32 ("emulated"), so results and
@@ -83,6 +85,15 @@ def _gemm_out_dtype(recipe: Recipe, backend: str, want: torch.dtype, in_dtype: t
     return want if want in supported else supported[0]
 
 
+def _holds_weight_operands() -> bool:
+    """Whether a forward that will be followed by an input gradient may make the
+    weight's operand for it and hold it until then (grouped_mm, the experts layer
+    without a weight cache): unless ``MOE_FP8_HOLD_WEIGHT_OPERANDS=0``, read when
+    called (a trace-time constant under torch.compile). Off, the backward quantizes the
+    weight again: nothing derived from it lives from a forward to its backward."""
+    return os.environ.get("MOE_FP8_HOLD_WEIGHT_OPERANDS", "1") != "0"
+
+
 def _may_free_early() -> bool:
     """Whether a forward may keep an intermediate outside ``save_for_backward`` so that
     the backward can free it half way (autograd's docs allow intermediates on ctx): the
@@ -123,17 +134,22 @@ class _GroupedMM(torch.autograd.Function):
             lhs = recipe.lhs(A, fp8_dtype)
         # B_t's input-gradient operand made with its forward one where one read makes
         # both (Recipe.reads_weights_once: fp8_rowwise's dual kernel where an expert's
-        # matrix fits the L2 budget, fp8_blockwise's weight dual), held on ctx until the dgrad GEMM has used it, then
-        # dropped (so not through the weight-gradient GEMM, the step's peak). B_t stays
-        # saved: a second backward (retain_graph) quantizes it again.
-        # (_may_free_early first: under torch.compile the recipe's check, which reads
-        # data pointers, must not be traced.)
-        if grad_mode and ctx.needs_input_grad[0] and _may_free_early() and recipe.reads_weights_once([B_t]):
+        # matrix fits the L2 budget, fp8_blockwise's weight dual), held on ctx until
+        # the dgrad GEMM has used it, then dropped (so not through the weight-gradient
+        # GEMM, a single call's peak; a model holds one per layer from its forward to
+        # its backward: MOE_FP8_HOLD_WEIGHT_OPERANDS=0 turns it off). B_t stays saved: a
+        # second backward (retain_graph) quantizes it again.
+        # (_may_free_early before the recipe's check: under torch.compile that check,
+        # which reads data pointers, must not be traced.)
+        hold = grad_mode and ctx.needs_input_grad[0] and _holds_weight_operands()
+        if hold and _may_free_early() and recipe.reads_weights_once([B_t]):
             rhs, bwd = recipe.rhs_dual_cat([B_t], fp8_dtype)
             ctx.bwd_box = {"B": bwd}
             del bwd
+        elif hold:
+            rhs = recipe.rhs_fwd(B_t, fp8_dtype)  # (fp8_blockwise: with its transposed half, saved)
         else:
-            rhs = recipe.rhs_fwd(B_t, fp8_dtype)
+            rhs = recipe.rhs_fwd_only(B_t, fp8_dtype)
         saved = recipe.save_for_backward(A, B_t, lhs, rhs)
         if ctx.fp8_saved:
             saved["A"] = None

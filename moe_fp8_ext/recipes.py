@@ -134,12 +134,20 @@ class Recipe:
     def rhs_fwd(self, b_t: Tensor, fp8_dtype) -> Operand:
         raise NotImplementedError
 
+    def rhs_fwd_only(self, b_t: Tensor, fp8_dtype) -> Operand:
+        """``rhs_fwd`` where nothing of the weight is to be kept for an input gradient
+        (none is computed, or its operand is made in the backward). Default: ``rhs_fwd``;
+        a recipe whose ``rhs_fwd`` makes more (fp8_blockwise: both orientations)
+        overrides it."""
+        return self.rhs_fwd(b_t, fp8_dtype)
+
     def rhs_fwd_cat(self, b_ts, fp8_dtype) -> Operand:
         """``rhs_fwd`` of the weights ``b_ts`` (each (E, K, N_i)) concatenated along N
         (the experts layer's fused W1/W3 GEMM). Default: quantize the concatenation (a
         copy with K contiguous); a recipe whose weight scales never span N overrides it
-        to quantize each part and concatenate the operands."""
-        return self.rhs_fwd(torch.cat([b.transpose(-2, -1) for b in b_ts], dim=1).transpose(-2, -1), fp8_dtype)
+        to quantize each part and concatenate the operands. (``rhs_fwd_only``: the
+        backward operand of a concatenation is ``rhs_bwd_cat``'s.)"""
+        return self.rhs_fwd_only(torch.cat([b.transpose(-2, -1) for b in b_ts], dim=1).transpose(-2, -1), fp8_dtype)
 
     def save_for_backward(self, A: Tensor, B_t: Tensor, lhs: Operand, rhs: Operand) -> Dict[str, Optional[Tensor]]:
         return {"A": A, "B_t": B_t}
@@ -721,7 +729,8 @@ class Fp8Blockwise(Recipe):
     in the forward (``quantize_blockwise_weight_dual``): the transposed one is kept for
     the backward (fp8, instead of requantizing the bf16 weight; on ctx until the dgrad
     GEMM has used it where grouped_mm may hold it there, see ``_may_free_early``, else
-    saved); ``wgrad_operands``
+    saved; only the forward one, ``rhs_fwd_only``, where no input gradient follows or
+    ``MOE_FP8_HOLD_WEIGHT_OPERANDS=0``); ``wgrad_operands``
     grad_outᵀ in 1x128 blocks along the tokens and A in 128x1 blocks along the tokens,
     straight into the padded layout (alignment 128: any group sizes with
     ``pad_groups=True``, no sync).
@@ -769,6 +778,9 @@ class Fp8Blockwise(Recipe):
     def rhs_fwd(self, b_t, fp8_dtype):
         return _bw.quantize_blockwise_weight_dual(b_t, fp8_dtype)  # (q, s) (E, K, N) and (q, s) (E, N, K)
 
+    def rhs_fwd_only(self, b_t, fp8_dtype):
+        return _bw.quantize_blockwise_weight_rhs(b_t, fp8_dtype)  # the dual's forward half, bit for bit
+
     def reads_weights_once(self, b_ts):
         return len(b_ts) == 1  # quantize_blockwise_weight_dual
 
@@ -781,8 +793,8 @@ class Fp8Blockwise(Recipe):
     def save_for_backward(self, A, B_t, lhs, rhs):
         if len(rhs) == 4:  # rhs_fwd's: the transposed half kept in fp8 for the backward
             return {"A": A, "q_bwd": rhs[2], "s_bwd": rhs[3]}
-        # rhs_dual_cat's forward half: grouped_mm holds the backward half on ctx until the
-        # dgrad GEMM, and B_t (no copy) is saved for a second backward.
+        # rhs_dual_cat's forward half (grouped_mm holds the backward half on ctx until the
+        # dgrad GEMM) or rhs_fwd_only's: B_t (no copy) is saved for the backward's.
         return {"A": A, "B_t": B_t}
 
     def rhs_bwd(self, saved, fp8_dtype):

@@ -256,23 +256,34 @@ def test_backward_operands_made_in_forward(device, cached, dual_kernel, monkeypa
         assert torch.equal(a, b)
 
 
-def test_no_grad_makes_nothing_for_backward(monkeypatch):
+@pytest.mark.parametrize("recipe_name", ["fp8_rowwise", "fp8_blockwise"])
+def test_no_grad_makes_nothing_for_backward(recipe_name, monkeypatch):
     # Under no_grad the layer makes no backward operand (weights' dgrad ones, x's fp8
     # wgrad one), though autograd sets needs_input_grad there too; the output is the
-    # grad-mode one.
-    x, w1, w3, w2, offs, _ = make(3, 48, 64, 100, "cpu", offs=[10, 60, 100])
-    recipe = type(get_recipe("fp8_rowwise"))
+    # grad-mode one. (fp8_blockwise: its weight dual only for W2, the one weight it
+    # reads once for both; W13's forward operand is the forward half alone.)
+    import moe_fp8_ext.recipes as recipes_mod
+
+    x, w1, w3, w2, offs, _ = make(3, 128, 128, 300, "cpu", offs=[130, 130, 300])
+    recipe = type(get_recipe(recipe_name))
     calls = []
     for name in ("rhs_dual_cat", "lhs_with_wgrad_operand"):
         real = getattr(recipe, name)
         monkeypatch.setattr(recipe, name, lambda self, *a, real=real, name=name: calls.append(name) or real(self, *a))
-    monkeypatch.setattr(recipe, "reads_weights_once", lambda self, b_ts: True)
+    real_dual = recipes_mod._bw.quantize_blockwise_weight_dual
+    monkeypatch.setattr(recipes_mod._bw, "quantize_blockwise_weight_dual",
+                        lambda *a: calls.append("weight_dual") or real_dual(*a))
+    if recipe_name == "fp8_rowwise":
+        monkeypatch.setattr(recipe, "reads_weights_once", lambda self, b_ts: True)
     leaves = [t.clone().requires_grad_() for t in (x, w1, w3, w2)]
-    out = experts(*leaves, offs)
-    assert sorted(set(calls)) == ["lhs_with_wgrad_operand", "rhs_dual_cat"]
+    out = experts(*leaves, offs, recipe=recipe_name)
+    if recipe_name == "fp8_rowwise":
+        assert sorted(set(calls)) == ["lhs_with_wgrad_operand", "rhs_dual_cat"]
+    else:
+        assert calls == ["rhs_dual_cat", "weight_dual"]  # W2's, once
     calls.clear()
     with torch.no_grad():
-        out2 = experts(*leaves, offs)
+        out2 = experts(*leaves, offs, recipe=recipe_name)
     assert calls == [] and torch.equal(out.detach(), out2)
 
 

@@ -155,45 +155,69 @@ def test_saves_fp8_a_instead_of_a(device, needs_b):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("dual_kernel", ["0", "default"])
-def test_weight_backward_operand_made_in_forward(device, dual_kernel, monkeypatch):
-    # Where one read makes both weight operands (Recipe.reads_weights_once: the dual
-    # kernel on a GPU by default; forced here so that the CPU, and the GPU with the
-    # kernel off, run the path too), the forward makes B_t's input-gradient operand,
-    # holds it on ctx and the backward drops it after the dgrad GEMM: the same bits as
-    # making it in the backward. A second backward (retain_graph) quantizes B_t again.
+@pytest.mark.parametrize("recipe_name,dual_kernel", [("fp8_rowwise", "0"), ("fp8_rowwise", "default"),
+                                                     ("fp8_blockwise", "default")])
+def test_weight_backward_operand_made_in_forward(device, recipe_name, dual_kernel, monkeypatch):
+    # Where one read makes both weight operands (Recipe.reads_weights_once: fp8_rowwise's
+    # dual kernel on a GPU by default, forced here so that the CPU, and the GPU with the
+    # kernel off, run the path too; fp8_blockwise's weight dual always), the forward
+    # makes B_t's input-gradient operand, holds it on ctx and the backward drops it
+    # after the dgrad GEMM: the same bits as making it in the backward (rowwise) or
+    # saving the dual's transposed half (blockwise, forced off). A second backward
+    # (retain_graph) quantizes B_t again; MOE_FP8_HOLD_WEIGHT_OPERANDS=0 holds nothing.
+    import weakref
+
     if dual_kernel == "default":
         monkeypatch.delenv("MOE_FP8_DUAL_L2_BYTES", raising=False)
     else:
         monkeypatch.setenv("MOE_FP8_DUAL_L2_BYTES", dual_kernel)
-    offs = make_offs([40, 0, 25, 51], device)
-    a = randn((123, 64), torch.bfloat16, device)
-    b_t = randn((4, 48, 64), torch.bfloat16, device).transpose(1, 2) * 0.02  # W (E, N, K) contiguous
-    grad = randn((123, 48), torch.bfloat16, device)
-    recipe = type(moe_fp8_ext.recipes.get_recipe("fp8_rowwise"))
+    monkeypatch.delenv("MOE_FP8_HOLD_WEIGHT_OPERANDS", raising=False)
+    m, k, n, sizes = (123, 64, 48, [40, 0, 25, 51]) if recipe_name == "fp8_rowwise" else (300, 256, 128, [130, 0, 170])
+    offs = make_offs(sizes, device)
+    a = randn((m, k), torch.bfloat16, device)
+    b_t = randn((len(sizes), n, k), torch.bfloat16, device).transpose(1, 2) * 0.02  # W (E, N, K) contiguous
+    grad = randn((m, n), torch.bfloat16, device)
+    recipe = type(moe_fp8_ext.recipes.get_recipe(recipe_name))
+    real_once = recipe.reads_weights_once
     results = []
     for once in (False, True):
-        monkeypatch.setattr(recipe, "reads_weights_once", lambda self, b_ts, once=once: once)
+        monkeypatch.setattr(recipe, "reads_weights_once",
+                            (lambda self, b_ts: real_once(self, b_ts)) if once and recipe_name == "fp8_blockwise"
+                            else (lambda self, b_ts, once=once: once))
         aa, bb = a.clone().requires_grad_(), b_t.clone().requires_grad_()
-        out = moe_fp8_ext.grouped_mm(aa, bb, offs)
+        out = moe_fp8_ext.grouped_mm(aa, bb, offs, recipe=recipe_name)
         box = out.grad_fn.bwd_box
         assert (sorted(box) if box is not None else []) == (["B"] if once else [])
+        held = weakref.ref(box["B"][0]) if once else None
         ga, gb = torch.autograd.grad(out, (aa, bb), grad, retain_graph=True)
-        assert not box  # dropped once used
+        assert not box and (held is None or held() is None)  # dropped once used, and freed
         ga2, gb2 = torch.autograd.grad(out, (aa, bb), grad)  # B_t quantized again
         assert torch.equal(ga, ga2) and torch.equal(gb, gb2)
         results.append((out.detach(), ga, gb))
     for x, y in zip(*results):
         assert torch.equal(x, y)
+    # Switched off: nothing held, the same bits.
+    monkeypatch.setenv("MOE_FP8_HOLD_WEIGHT_OPERANDS", "0")
+    aa, bb = a.clone().requires_grad_(), b_t.clone().requires_grad_()
+    out = moe_fp8_ext.grouped_mm(aa, bb, offs, recipe=recipe_name)
+    assert out.grad_fn.bwd_box is None
+    if recipe_name == "fp8_blockwise":  # not even the dual's transposed half in save_for_backward
+        assert "q_bwd" not in out.grad_fn.names
+    for x, y in zip((out.detach(), *torch.autograd.grad(out, (aa, bb), grad)), results[0]):
+        assert torch.equal(x, y)
+    monkeypatch.delenv("MOE_FP8_HOLD_WEIGHT_OPERANDS")
     # Only where the input gradient is wanted; and never under saved-tensor hooks
     # (activation checkpointing must see every saved tensor).
-    out = moe_fp8_ext.grouped_mm(a, b_t.clone().requires_grad_(), offs)
+    out = moe_fp8_ext.grouped_mm(a, b_t.clone().requires_grad_(), offs, recipe=recipe_name)
     assert out.grad_fn.bwd_box is None
     with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
-        out = moe_fp8_ext.grouped_mm(a.clone().requires_grad_(), b_t.clone().requires_grad_(), offs)
+        out = moe_fp8_ext.grouped_mm(a.clone().requires_grad_(), b_t.clone().requires_grad_(), offs, recipe=recipe_name)
     assert out.grad_fn.bwd_box is None
     # Nor under torch.compile, where the recipe's check is not even asked (the real one
     # reads data pointers, which fullgraph tracing cannot: it broke the graph on a GPU).
+    if recipe_name != "fp8_rowwise":
+        return
+
     def untraceable(self, b_ts):
         return b_ts[0].data_ptr() % 16 == 0
 
@@ -216,13 +240,17 @@ def test_no_grad_makes_nothing_for_backward(recipe_name, monkeypatch):
     for name in ("rhs_dual_cat", "lhs_with_wgrad_operand"):
         real = getattr(recipe, name)
         monkeypatch.setattr(recipe, name, lambda self, *a, real=real, name=name: calls.append(name) or real(self, *a))
+    real_dual = moe_fp8_ext.recipes._bw.quantize_blockwise_weight_dual  # (fp8_blockwise's rhs_fwd too)
+    monkeypatch.setattr(moe_fp8_ext.recipes._bw, "quantize_blockwise_weight_dual",
+                        lambda *a: calls.append("weight_dual") or real_dual(*a))
     monkeypatch.setattr(recipe, "reads_weights_once", lambda self, b_ts: True)
     offs = make_offs([40, 0, 88], "cpu")
     a = randn((130, 128), torch.bfloat16).requires_grad_()  # 130 rows: the padded wgrad layout
     b_t = (randn((3, 128, 128), torch.bfloat16) * 0.02).requires_grad_()
     out = moe_fp8_ext.grouped_mm(a, b_t, offs, recipe=recipe_name)
     made = sorted(set(calls))
-    assert made == ["lhs_with_wgrad_operand", "rhs_dual_cat"][1 if recipe_name == "fp8_blockwise" else 0:]
+    assert made == (["rhs_dual_cat", "weight_dual"] if recipe_name == "fp8_blockwise"
+                    else ["lhs_with_wgrad_operand", "rhs_dual_cat"])
     calls.clear()
     with torch.no_grad():
         out2 = moe_fp8_ext.grouped_mm(a, b_t, offs, recipe=recipe_name)
