@@ -110,6 +110,23 @@ def poison(device):
     del blocks
 
 
+def count_backward_operand_calls(monkeypatch, recipe_name):
+    """A list that records, by name, every call that makes an operand only a backward
+    uses: the recipe's ``rhs_dual_cat`` and ``lhs_with_wgrad_operand``, and the blockwise
+    weight dual (fp8_blockwise's ``rhs_fwd`` too). Returns (calls, the recipe's class)."""
+    from moe_fp8_ext import recipes
+
+    recipe = type(recipes.get_recipe(recipe_name))
+    calls = []
+    for name in ("rhs_dual_cat", "lhs_with_wgrad_operand"):
+        real = getattr(recipe, name)
+        monkeypatch.setattr(recipe, name, lambda self, *a, real=real, name=name: calls.append(name) or real(self, *a))
+    real_dual = recipes._bw.quantize_blockwise_weight_dual
+    monkeypatch.setattr(recipes._bw, "quantize_blockwise_weight_dual",
+                        lambda *a: calls.append("weight_dual") or real_dual(*a))
+    return calls, recipe
+
+
 def assert_fp8_equal(q, ref):
     """Bit-exact fp8 codes, except that NaN only has to match NaN."""
     assert q.dtype == ref.dtype, (q.dtype, ref.dtype)

@@ -15,6 +15,8 @@ import moe_fp8_ext
 from moe_fp8_ext.experts import GroupedExperts, WeightCache, clear_weight_caches, experts
 from moe_fp8_ext.recipes import get_recipe
 
+from conftest import count_backward_operand_calls
+
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
@@ -262,17 +264,8 @@ def test_no_grad_makes_nothing_for_backward(recipe_name, monkeypatch):
     # wgrad one), though autograd sets needs_input_grad there too; the output is the
     # grad-mode one. (fp8_blockwise: its weight dual only for W2, the one weight it
     # reads once for both; W13's forward operand is the forward half alone.)
-    import moe_fp8_ext.recipes as recipes_mod
-
     x, w1, w3, w2, offs, _ = make(3, 128, 128, 300, "cpu", offs=[130, 130, 300])
-    recipe = type(get_recipe(recipe_name))
-    calls = []
-    for name in ("rhs_dual_cat", "lhs_with_wgrad_operand"):
-        real = getattr(recipe, name)
-        monkeypatch.setattr(recipe, name, lambda self, *a, real=real, name=name: calls.append(name) or real(self, *a))
-    real_dual = recipes_mod._bw.quantize_blockwise_weight_dual
-    monkeypatch.setattr(recipes_mod._bw, "quantize_blockwise_weight_dual",
-                        lambda *a: calls.append("weight_dual") or real_dual(*a))
+    calls, recipe = count_backward_operand_calls(monkeypatch, recipe_name)
     if recipe_name == "fp8_rowwise":
         monkeypatch.setattr(recipe, "reads_weights_once", lambda self, b_ts: True)
     leaves = [t.clone().requires_grad_() for t in (x, w1, w3, w2)]

@@ -9,7 +9,8 @@ import torch.nn.functional as F
 import moe_fp8_ext
 from moe_fp8_ext import reference as ref
 from moe_fp8_ext.moe import MoEExperts
-from conftest import DEVICES, offs_from_sizes as make_offs, poison, random_offs, randn, requires_cuda, sqnr
+from conftest import (DEVICES, count_backward_operand_calls, offs_from_sizes as make_offs, poison, random_offs, randn,
+                      requires_cuda, sqnr)
 
 F8 = torch.float8_e4m3fn
 
@@ -182,8 +183,7 @@ def test_weight_backward_operand_made_in_forward(device, recipe_name, dual_kerne
     results = []
     for once in (False, True):
         monkeypatch.setattr(recipe, "reads_weights_once",
-                            (lambda self, b_ts: real_once(self, b_ts)) if once and recipe_name == "fp8_blockwise"
-                            else (lambda self, b_ts, once=once: once))
+                            real_once if once and recipe_name == "fp8_blockwise" else (lambda self, b_ts, once=once: once))
         aa, bb = a.clone().requires_grad_(), b_t.clone().requires_grad_()
         out = moe_fp8_ext.grouped_mm(aa, bb, offs, recipe=recipe_name)
         box = out.grad_fn.bwd_box
@@ -235,14 +235,7 @@ def test_no_grad_makes_nothing_for_backward(recipe_name, monkeypatch):
     # Under no_grad (eval, inference) the forward runs the forward operands only: no
     # weight dgrad operand, no fp8 saved A (autograd sets needs_input_grad there too),
     # and the output is the grad-mode one.
-    recipe = type(moe_fp8_ext.recipes.get_recipe(recipe_name))
-    calls = []
-    for name in ("rhs_dual_cat", "lhs_with_wgrad_operand"):
-        real = getattr(recipe, name)
-        monkeypatch.setattr(recipe, name, lambda self, *a, real=real, name=name: calls.append(name) or real(self, *a))
-    real_dual = moe_fp8_ext.recipes._bw.quantize_blockwise_weight_dual  # (fp8_blockwise's rhs_fwd too)
-    monkeypatch.setattr(moe_fp8_ext.recipes._bw, "quantize_blockwise_weight_dual",
-                        lambda *a: calls.append("weight_dual") or real_dual(*a))
+    calls, recipe = count_backward_operand_calls(monkeypatch, recipe_name)
     monkeypatch.setattr(recipe, "reads_weights_once", lambda self, b_ts: True)
     offs = make_offs([40, 0, 88], "cpu")
     a = randn((130, 128), torch.bfloat16).requires_grad_()  # 130 rows: the padded wgrad layout
