@@ -46,6 +46,14 @@ an expert's matrix fits the L2 budget (``MOE_FP8_DUAL_L2_BYTES``, DESIGN §10; f
 fp8_blockwise, ``quantize_blockwise_weight_dual`` of W2 always): there
 (``Recipe.reads_weights_once``), the forward makes each weight's backward operand with
 its forward one and keeps it on ctx until the backward uses it (or in the cache).
+Without a cache, ``MOE_FP8_HOLD_WEIGHT_OPERANDS=0`` turns the ctx-held operand off (the
+backward quantizes the weight again; nothing derived from a weight lives from the
+forward to the backward); with a cache it changes nothing, since the cache keeps both
+orientations until the next optimizer step anyway. A ctx-held operand is the weight as
+the forward read it: :func:`clear_weight_caches` does not reach it, so a write through
+``w.data`` between a forward and its backward is seen by the backward only where
+nothing was held (writes autograd sees raise its in-place error, the weights being
+saved).
 The layer is recipe-agnostic: any registered recipe runs through the
 :class:`~moe_fp8_ext.recipes.Recipe` contract.
 

@@ -141,7 +141,8 @@ class _GroupedMM(torch.autograd.Function):
         # second backward (retain_graph) quantizes it again.
         # (_may_free_early before the recipe's check: under torch.compile that check,
         # which reads data pointers, must not be traced.)
-        hold = grad_mode and ctx.needs_input_grad[0] and _holds_weight_operands()
+        dgrad = grad_mode and ctx.needs_input_grad[0]
+        hold = dgrad and _holds_weight_operands()
         if hold and _may_free_early() and recipe.reads_weights_once([B_t]):
             rhs, bwd = recipe.rhs_dual_cat([B_t], fp8_dtype)
             ctx.bwd_box = {"B": bwd}
@@ -151,6 +152,14 @@ class _GroupedMM(torch.autograd.Function):
         else:
             rhs = recipe.rhs_fwd_only(B_t, fp8_dtype)
         saved = recipe.save_for_backward(A, B_t, lhs, rhs)
+        # Only rhs_bwd reads "B_t" and only wgrad_operands reads "A" (the Recipe
+        # contract): neither is kept for a gradient that will not be computed (frozen
+        # expert weights keep no activation; a cast or gathered weight is not held, nor
+        # checked for in-place writes, on A's account alone).
+        if not dgrad and "B_t" in saved:
+            saved["B_t"] = None
+        if not (grad_mode and ctx.needs_input_grad[1]) and "A" in saved:
+            saved["A"] = None
         if ctx.fp8_saved:
             saved["A"] = None
             saved.update({f"A_wgrad{i}": t for i, t in enumerate(a_op)}, starts=starts, wgrad_offs=wgrad_offs)

@@ -76,7 +76,18 @@ class Recipe:
       tensors (None allowed); grouped_mm saves them with ``ctx.save_for_backward`` and
       hands the dict back, by name, to ``rhs_bwd`` and ``wgrad_operands``. The default
       keeps the high-precision ``A`` and ``B_t`` (requantized in backward); a recipe
-      may keep fp8 operands instead, under its own names.
+      may keep fp8 operands instead, under its own names. ``"B_t"`` is read by
+      ``rhs_bwd`` alone and ``"A"`` by ``wgrad_operands`` alone: grouped_mm replaces
+      them with None where that gradient will not be computed, and replaces ``"A"``
+      with its fp8 weight-gradient operand under ``keeps_fp8_activations``. Whatever
+      ``rhs_bwd`` needs must be saved even where the forward also made the backward
+      operand (``rhs_dual_cat``, held on ctx): a second backward (``retain_graph``)
+      calls ``rhs_bwd``.
+    - **Reading the weight once.** Where ``reads_weights_once([B_t])`` (asked in eager
+      mode only: it may read data pointers, which do not trace) grouped_mm calls
+      ``rhs_dual_cat([B_t])`` for both weight operands in the forward; where nothing
+      of the weight is to be kept for the backward (no input gradient follows, or
+      ``MOE_FP8_HOLD_WEIGHT_OPERANDS=0``), ``rhs_fwd_only`` instead of ``rhs_fwd``.
     - **GEMMs.** ``mm_2d3d(lhs, rhs, offs, out_dtype, backend)`` -> (M, N) and
       ``mm_2d2d(grad_t, a, offs, out_dtype, backend)`` -> (E, N, K); rows past
       ``offs[-1]`` may hold anything (grouped_mm zeroes them), ``out_dtype`` is one
@@ -89,7 +100,7 @@ class Recipe:
       :meth:`pads_token_groups` says so (then grouped_mm pads A, runs the aligned
       path, and unpads the output). 1 = any group size, no padded layout.
     - No method syncs with the host or reads tensor values in Python; each must trace
-      under ``torch.compile(fullgraph=True)``.
+      under ``torch.compile(fullgraph=True)`` (except ``reads_weights_once``, above).
     """
 
     name: str
@@ -228,7 +239,8 @@ class Recipe:
 
     def reads_weights_once(self, b_ts) -> bool:
         """Whether ``rhs_dual_cat(b_ts)`` reads the weights once for both operands (then
-        the experts layer makes a weight's backward operand with its forward one).
+        grouped_mm and the experts layer make a weight's backward operand with its
+        forward one). Asked in eager mode only: it may look at data pointers and sizes.
         Default: no."""
         return False
 

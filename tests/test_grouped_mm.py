@@ -141,7 +141,8 @@ def test_unaligned_groups_match_explicit_padding(device):
 @pytest.mark.parametrize("needs_b", [True, False])
 def test_saves_fp8_a_instead_of_a(device, needs_b):
     # fp8_rowwise makes A's weight-gradient operand with its forward one (one read) and
-    # saves it instead of A when B needs a gradient; otherwise A is kept as before.
+    # saves it instead of A when B needs a gradient; otherwise nothing of A is kept
+    # (only the weight gradient reads it).
     offs = make_offs([40, 0, 70], device)
     a = randn((120, 64), torch.bfloat16, device).requires_grad_()
     b_t = (randn((3, 64, 32), torch.bfloat16, device) * 0.02).requires_grad_(needs_b)
@@ -150,7 +151,7 @@ def test_saves_fp8_a_instead_of_a(device, needs_b):
         out = moe_fp8_ext.grouped_mm(a, b_t, offs)
     fp8_a = [t for t in saved if t.dtype == F8 and t.shape == (moe_fp8_ext.padded_rows(120, 3, 16), 64)]
     bf16_a = [t for t in saved if t.dtype == a.dtype and t.data_ptr() == a.data_ptr()]
-    assert (len(fp8_a), len(bf16_a)) == ((1, 0) if needs_b else (0, 1))
+    assert (len(fp8_a), len(bf16_a)) == ((1, 0) if needs_b else (0, 0))
     out.float().sum().backward()
     assert a.grad is not None and (b_t.grad is not None) == needs_b
 
@@ -179,7 +180,9 @@ def test_weight_backward_operand_made_in_forward(device, recipe_name, dual_kerne
     b_t = randn((len(sizes), n, k), torch.bfloat16, device).transpose(1, 2) * 0.02  # W (E, N, K) contiguous
     grad = randn((m, n), torch.bfloat16, device)
     recipe = type(moe_fp8_ext.recipes.get_recipe(recipe_name))
-    real_once = recipe.reads_weights_once
+    real_once, real_rhs_bwd = recipe.reads_weights_once, recipe.rhs_bwd
+    rhs_bwd_calls = []
+    monkeypatch.setattr(recipe, "rhs_bwd", lambda self, *a: rhs_bwd_calls.append(1) or real_rhs_bwd(self, *a))
     results = []
     for once in (False, True):
         monkeypatch.setattr(recipe, "reads_weights_once",
@@ -189,11 +192,15 @@ def test_weight_backward_operand_made_in_forward(device, recipe_name, dual_kerne
         box = out.grad_fn.bwd_box
         assert (sorted(box) if box is not None else []) == (["B"] if once else [])
         held = weakref.ref(box["B"][0]) if once else None
+        rhs_bwd_calls.clear()
         ga, gb = torch.autograd.grad(out, (aa, bb), grad, retain_graph=True)
         assert not box and (held is None or held() is None)  # dropped once used, and freed
+        assert len(rhs_bwd_calls) == (0 if once else 1)  # the held operand is the one the dgrad GEMM used
         ga2, gb2 = torch.autograd.grad(out, (aa, bb), grad)  # B_t quantized again
+        assert len(rhs_bwd_calls) == (1 if once else 2)
         assert torch.equal(ga, ga2) and torch.equal(gb, gb2)
         results.append((out.detach(), ga, gb))
+    monkeypatch.setattr(recipe, "rhs_bwd", real_rhs_bwd)  # (a side effect torch.compile below cannot trace)
     for x, y in zip(*results):
         assert torch.equal(x, y)
     # Switched off: nothing held, the same bits.
@@ -248,6 +255,54 @@ def test_no_grad_makes_nothing_for_backward(recipe_name, monkeypatch):
     with torch.no_grad():
         out2 = moe_fp8_ext.grouped_mm(a, b_t, offs, recipe=recipe_name)
     assert calls == [] and torch.equal(out.detach(), out2)
+
+
+@pytest.mark.parametrize("recipe_name", ["fp8_rowwise", "fp8_blockwise", "mxfp8", "bf16"])
+@pytest.mark.parametrize("needs", ["a", "b"])
+def test_saves_only_what_the_gradients_need(recipe_name, needs):
+    # A is read by the weight gradient alone and B_t by the input gradient alone: where
+    # one gradient is not wanted, nothing is kept of the operand only it reads (frozen
+    # experts keep no activation; a cast weight is not held for a gradient nobody
+    # wants). The gradient that is computed is the one of the full call, bit for bit.
+    offs = make_offs([64, 0, 96], "cpu")
+    a = randn((200, 128), torch.bfloat16)
+    b_t = (randn((3, 128, 128), torch.bfloat16) * 0.02).transpose(1, 2)
+    grad = randn((200, 128), torch.bfloat16)
+    aa, bb = a.clone().requires_grad_(), b_t.detach().clone().requires_grad_()
+    full = torch.autograd.grad(moe_fp8_ext.grouped_mm(aa, bb, offs, recipe=recipe_name), (aa, bb), grad)
+    aa, bb = a.clone().requires_grad_(needs == "a"), b_t.detach().clone().requires_grad_(needs == "b")
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        out = moe_fp8_ext.grouped_mm(aa, bb, offs, recipe=recipe_name)
+    unread = aa if needs == "a" else bb  # A feeds only grad_B, B_t only grad_A
+    assert not [t for t in saved if t.untyped_storage().data_ptr() == unread.untyped_storage().data_ptr()]
+    # nor an fp8 operand made from it: A's is 2-D, the weight's 3-D
+    low = [t for t in saved if t.dtype not in (torch.bfloat16, torch.float32, torch.int32, torch.int64)]
+    assert not [t for t in low if t.dim() == (2 if needs == "a" else 3)]
+    (g,) = torch.autograd.grad(out, aa if needs == "a" else bb, grad)
+    assert torch.equal(g, full[0] if needs == "a" else full[1])
+
+
+@pytest.mark.parametrize("recipe_name", ["fp8_rowwise", "fp8_blockwise", "bf16"])
+def test_in_place_weight_write_before_backward_raises(recipe_name, monkeypatch):
+    # The weight stays saved wherever the input gradient runs, held fp8 operand or not:
+    # a write autograd sees between the forward and the backward raises its in-place
+    # error, as the bf16 recipe does, instead of a dgrad from the held operand of the
+    # old weight next to a wgrad of the new one. (Under saved-tensor hooks PyTorch
+    # checks no versions, for any recipe.)
+    monkeypatch.delenv("MOE_FP8_HOLD_WEIGHT_OPERANDS", raising=False)
+    recipe = type(moe_fp8_ext.recipes.get_recipe(recipe_name))
+    if recipe_name != "bf16":
+        monkeypatch.setattr(recipe, "reads_weights_once", lambda self, b_ts: True)  # the held path on the CPU too
+    offs = make_offs([64, 0, 96], "cpu")
+    a = randn((200, 128), torch.bfloat16).requires_grad_()
+    w = (randn((3, 128, 128), torch.bfloat16) * 0.02).requires_grad_()  # W (E, N, K)
+    out = moe_fp8_ext.grouped_mm(a, w.transpose(1, 2), offs, recipe=recipe_name)
+    assert (out.grad_fn.bwd_box is not None) == (recipe_name != "bf16")  # the held path
+    with torch.no_grad():
+        w.mul_(2)  # what an optimizer step does
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.float().sum().backward()
 
 
 def test_needs_only_weight_grad():
