@@ -21,7 +21,8 @@ rounding) it:
   from one DRAM read where a mean token group fits the L2 budget, which on the H100
   measured 0.87-0.93x the two ops' speed (bench/RESULTS.md), hence off;
 - saves less for backward: x's fp8 weight-gradient operand (M·D bytes and a (G, D)
-  scale; x itself where the recipe cannot, or W1/W3 need no gradient) and the W13
+  scale; x itself where the recipe cannot; nothing of x where W1/W3 need no gradient,
+  and nothing of a weight only an unwanted gradient reads) and the W13
   output h13 (bf16), nothing else. h = silu(h1)·h3 is recomputed from h13 in backward
   instead of being saved (by the dSwiGLU kernel, on the same read of h13). A bf16
   torchtitan ``GroupedExperts`` keeps x, h1, silu(h1), h3 and h (2·M·D + 8·M·hidden
@@ -259,7 +260,11 @@ class _Experts(torch.autograd.Function):
         out = _zero_tail(recipe.mm_2d3d(h_op, rhs2, offs, gemm_dtype, backend), offs)
         del h_op
         ctx.num_tokens = x.shape[0]
-        saved = [None if ctx.fp8_saved else x, w1, w3, w2, offs, *kept]
+        # Each saved for the gradients that read it, as grouped_mm does: x for W1/W3's
+        # weight gradient alone (its fp8 operand instead where kept), W1 and W3 for the
+        # input gradient alone, W2 for both (grad_h). Frozen W1/W3 keep no x.
+        saved = [x if need_w13 and not ctx.fp8_saved else None, w1 if need_x else None, w3 if need_x else None,
+                 w2 if need_x or need_w13 else None, offs, *kept]
         ctx.kept = len(kept)
         if _may_free_early():
             # h13 (the largest saved tensor) is held in a box the backward empties once

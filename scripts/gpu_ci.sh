@@ -85,6 +85,10 @@ if [ "$tests" = 1 ]; then
     compute-sanitizer --tool memcheck --error-exitcode 1 $PY -m pytest tests/test_swiglu.py -q -k cuda 2>&1 |
       tee -a "$OUT/sanitizer.log" | tail -3
     test ${PIPESTATUS[0]} -eq 0
+    # the scale swizzles with random garbage offs, 3 and 5000 groups (the global-table path)
+    compute-sanitizer --tool memcheck --error-exitcode 1 $PY -m pytest tests/test_mxfp8.py -q -k swizzles_bad_offs \
+      2>&1 | tee -a "$OUT/sanitizer.log" | tail -3
+    test ${PIPESTATUS[0]} -eq 0
     # the weights written into slices of one operand (quantize_experts_fwd_cat)
     compute-sanitizer --tool memcheck --error-exitcode 1 $PY -m pytest tests/test_rowwise.py -q -k "_cat and cuda" \
       2>&1 | tee -a "$OUT/sanitizer.log" | tail -3

@@ -66,18 +66,20 @@ for ps in ([0, 3, 2**31 - 1], [-16, 5000, 0], [16, 0, 4]):
 # MXFP8 and blockwise quantization, and the scale swizzles: garbage offs (the kernels
 # clamp them), partial tiles, an M-group blocked layout whose static tail ends inside a
 # tile row, and strided inputs (the memset + scalar paths).
-refused = collections.Counter()
+refused, launched = collections.Counter(), collections.Counter()
 
 
 def attempt(fn, *args, **kwargs):
     """A call whose clear refusal (a checked bad argument) is fine here: memcheck
-    watches the ones that launch."""
+    watches the ones that launch (every op must launch at least once: checked below)."""
     try:
         fn(*args, **kwargs)
     except (RuntimeError, ValueError) as e:
         refused[fn.__name__] += 1
         if "CUDA" in str(e) or "illegal" in str(e):
             raise
+    else:
+        launched[fn.__name__] += 1
 
 
 xm = torch.randn(1000, 96, device="cuda", dtype=torch.bfloat16)
@@ -94,6 +96,7 @@ for offs in ([700, -5, 100, 2**31 - 1, 30, -2**31], [1000 * 3] * 3, [-1] * 5, [9
     attempt(moe_fp8_ext.to_blocked_scales_m_groups, s, o)
     attempt(moe_fp8_ext.to_blocked_scales_k_groups, s, o)
     attempt(moe_fp8_ext.from_blocked_scales_m_groups, moe_fp8_ext.to_blocked_scales_m_groups(s, o), o, 3)
+    attempt(moe_fp8_ext.from_blocked_scales_k_groups, moe_fp8_ext.to_blocked_scales_k_groups(s, o), o, 1000, 3)
 for t in (xm, xm[:, 32:], xm.t().contiguous().t()):
     attempt(moe_fp8_ext.quantize_mxfp8_rowwise, t, "rceil", True)
     attempt(moe_fp8_ext.quantize_mxfp8_colwise, t[:992], "rceil", True)
@@ -102,6 +105,13 @@ attempt(moe_fp8_ext.quantize_mxfp8_experts, torch.randn(3, 64, 130, device="cuda
 attempt(moe_fp8_ext.quantize_mxfp8_experts, torch.randn(3, 130, 64, device="cuda").transpose(1, 2), "rceil", True)
 attempt(moe_fp8_ext.quantize_mxfp8_experts, torch.randn(3, 256, 64, device="cuda").transpose(1, 2), "rceil", True)  # one blocked matrix
 attempt(moe_fp8_ext.to_blocked_scales, torch.ones(3, 130, 5, dtype=torch.uint8, device="cuda").view(torch.float8_e8m0fnu))
+# The blockwise weight ops: partial 128x128 tiles, odd strides, 2-D and 3-D, both fp8 formats.
+for wt in (x, x.t(), torch.randn(3, 1000, 33, device="cuda", dtype=torch.bfloat16),
+           torch.randn(3, 33, 1000, device="cuda").transpose(1, 2), torch.randn(2, 130, 258, device="cuda")[:, 1:, 2:]):
+    for f8 in (F8, torch.float8_e4m3fnuz):
+        attempt(moe_fp8_ext.quantize_blockwise_weight_rhs, wt, f8)
+        attempt(moe_fp8_ext.quantize_blockwise_weight_transposed_rhs, wt, f8)
+        attempt(moe_fp8_ext.quantize_blockwise_weight_dual, wt, f8)
 # The blockwise grouped GEMMs (sm90 only): their per-group problem table is built on the
 # device from the same garbage offs (clamped; a wgrad group not starting at a multiple of
 # 128 is treated as empty).
@@ -135,7 +145,11 @@ if rowwise_gemm.available():
             attempt(rowwise_gemm.rowwise_grouped_mm_2d3d, qa, sa, qb, sb, o, torch.bfloat16, config)
             attempt(rowwise_gemm.rowwise_grouped_mm_2d2d, torch.randn(64, 1024, device="cuda").to(e4), sb,
                     qa.t().contiguous().t(), torch.rand(e, 96, device="cuda"), o, torch.bfloat16, config)
-print("sanitize_offs: MXFP8/blockwise/swizzle calls refused with a clear error:", dict(refused))
+print("sanitize_offs: MXFP8/blockwise/swizzle/GEMM calls refused with a clear error:", dict(refused))
+print("sanitize_offs: calls that launched:", dict(launched))
+never = sorted(set(refused) - set(launched))
+if never:  # an op every call of which was refused was never watched by memcheck
+    sys.exit(f"sanitize_offs: no call of {never} launched: fix the calls above")
 torch.cuda.synchronize()
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))

@@ -686,7 +686,9 @@ def _bw_step(a, offs, starts):
     q3, s3 = moe_fp8_ext.quantize_blockwise_act_transposed_lhs(a * 2, torch.float8_e4m3fn, offs, starts, 128)
     q4, s4 = moe_fp8_ext.quantize_blockwise_act_rhs(a, torch.float8_e4m3fn, offs, starts, 128)
     w = moe_fp8_ext.quantize_blockwise_weight_dual(a * 0.5, torch.float8_e4m3fn)
-    return q1, s1, q2, s2, q3, s3, q4, s4, *w
+    q5, s5 = moe_fp8_ext.quantize_blockwise_weight_rhs(a, torch.float8_e4m3fnuz)
+    q6, s6 = moe_fp8_ext.quantize_blockwise_weight_transposed_rhs(a * 0.25, torch.float8_e4m3fn)
+    return q1, s1, q2, s2, q3, s3, q4, s4, *w, q5, s5, q6, s6
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -15,7 +15,7 @@ import moe_fp8_ext
 from moe_fp8_ext.experts import GroupedExperts, WeightCache, clear_weight_caches, experts
 from moe_fp8_ext.recipes import get_recipe
 
-from conftest import count_backward_operand_calls
+from conftest import count_backward_operand_calls, graph_matches_eager
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
@@ -163,7 +163,7 @@ def test_saved_w13_output_freed_in_backward(device):
 def test_saves_fp8_x_instead_of_x(device, frozen_w13):
     """fp8_rowwise makes x's weight-gradient operand with its forward one (one read of x)
     and saves that (fp8, the padded layout) instead of the bf16 x; with W1 and W3
-    frozen no weight gradient needs x's operand, and the layer saves x as before."""
+    frozen no weight gradient reads x, and the layer saves nothing of it."""
     x, w1, w3, w2, offs, grad = make(4, 64, 32, 100, device, offs=[10, 40, 40, 100])
     leaves = [t.detach().clone().requires_grad_(not (frozen_w13 and i in (1, 2))) for i, t in enumerate((x, w1, w3, w2))]
     saved = []
@@ -172,7 +172,7 @@ def test_saves_fp8_x_instead_of_x(device, frozen_w13):
     rows = moe_fp8_ext.padded_rows(100, 4, 16)
     fp8_x = [t for t in saved if t.dtype == torch.float8_e4m3fn and t.shape == (rows, 32)]
     bf16_x = [t for t in saved if t.dtype == x.dtype and t.shape == x.shape and t.data_ptr() == leaves[0].data_ptr()]
-    assert (len(fp8_x), len(bf16_x)) == ((0, 1) if frozen_w13 else (1, 0))
+    assert (len(fp8_x), len(bf16_x)) == ((0, 0) if frozen_w13 else (1, 0))
     y.backward(grad)
     _, full = run(experts, (x, w1, w3, w2, offs), grad)
     for t, g in zip(leaves, full):
@@ -182,15 +182,41 @@ def test_saves_fp8_x_instead_of_x(device, frozen_w13):
 @pytest.mark.parametrize("needs", [(3,), (0,), (1,), (1, 2), (0, 3)])
 def test_partial_gradients(needs):
     """Only some inputs require grad (frozen experts, a frozen input): the gradients that
-    are asked for equal those of a full backward, the others stay None."""
+    are asked for equal those of a full backward, the others stay None; and nothing is
+    saved that only an unwanted gradient reads (x: W1/W3's weight gradient, which reads
+    its fp8 operand here; W1, W3: the input gradient; W2: both)."""
     x, w1, w3, w2, offs, grad = make(4, 64, 32, 100, "cpu", offs=[10, 40, 40, 100])
     _, full = run(experts, (x, w1, w3, w2, offs), grad)
     leaves = [t.detach().clone().requires_grad_(i in needs) for i, t in enumerate((x, w1, w3, w2))]
-    experts(*leaves, offs).backward(grad)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        out = experts(*leaves, offs)
+    kept = [any(t.untyped_storage().data_ptr() == leaf.untyped_storage().data_ptr() for t in saved) for leaf in leaves]
+    need_x, need_w13 = 0 in needs, 1 in needs or 2 in needs
+    assert kept == [False, need_x, need_x, need_x or need_w13], kept
+    out.backward(grad)
     for i, t in enumerate(leaves):
         assert (t.grad is None) != (i in needs)
         if i in needs:
             assert torch.equal(t.grad, full[i])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe_name", ["fp8_rowwise", "fp8_blockwise"])
+def test_step_has_no_host_sync(recipe_name):
+    """The layer's forward and backward (unaligned token groups, an empty one, rows past
+    the last) run under torch's sync-debug mode and replay from one CUDA graph bit for
+    bit (any host sync fails the capture). No weight cache: a graph replays kernels,
+    not the cache's Python bookkeeping."""
+    x, w1, w3, w2, offs, grad = make(5, 256, 128, 1000, "cuda", offs=[90, 90, 401, 733, 990])
+    leaves = [t.detach().clone().requires_grad_() for t in (x, w1, w3, w2)]
+
+    def step():
+        out = experts(*leaves, offs, recipe=recipe_name, weight_cache=None)
+        return (out, *torch.autograd.grad(out, leaves, grad))
+
+    graph_matches_eager(step)
 
 
 # ---- weight reuse ----------------------------------------------------------------------
@@ -305,6 +331,73 @@ def test_weight_reuse_never_stale(device):
     layer.w1.data.mul_(-1)
     clear_weight_caches()
     assert torch.equal(layer(x, counts), fresh())
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_weight_reuse_on_checkpoint_recompute(reentrant):
+    """Activation checkpointing runs the layer's forward twice a step: the recompute in
+    the backward finds the forward's weight operands in the cache (a hit per forward
+    operand, no requantization) and gives the gradients of an uncheckpointed step, bit
+    for bit. (CPU: no recipe reads a weight once here. Where one does, on a GPU, the
+    reentrant form's first forward runs under no_grad and caches no backward operand,
+    so the backward makes them: the counts below would differ there.)"""
+    x, w1, w3, w2, offs, grad = make(3, 64, 64, 100, "cpu", offs=[10, 60, 100])
+    counts = torch.diff(offs, prepend=offs.new_zeros(1))
+    results = []
+    for ckpt in (False, True):
+        layer = GroupedExperts(64, 64, 3, dtype=torch.bfloat16)
+        with torch.no_grad():
+            for p, w in zip((layer.w1, layer.w3, layer.w2), (w1, w3, w2)):
+                p.copy_(w)
+        xl = x.clone().requires_grad_()
+        if ckpt:
+            out = torch.utils.checkpoint.checkpoint(layer, xl, counts, use_reentrant=reentrant)
+        else:
+            out = layer(xl, counts)
+        out.backward(grad)
+        cache = layer.weight_cache
+        results.append(((cache.misses, cache.hits), out.detach(), xl.grad, layer.w1.grad, layer.w3.grad, layer.w2.grad))
+    (plain_stats, *plain), (ckpt_stats, *ckpt) = results
+    # the same misses (each weight quantized once per orientation); the recompute's two
+    # forward operands (W13, W2) are hits
+    assert ckpt_stats == (plain_stats[0], plain_stats[1] + 2), (plain_stats, ckpt_stats)
+    for a, b in zip(plain, ckpt):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_compiled_module_bypasses_the_cache(device, backend):
+    """torch.compile(fullgraph=True) of the module itself (what a user compiling a
+    model does): it never touches its weight cache (the version counter is not
+    traceable), stays empty, and gives eager's outputs and gradients over two steps
+    (same quantized math; compiled code
+    may round the SwiGLU differently by an ulp, so compared by SQNR as in
+    test_compile_fullgraph)."""
+    x, w1, w3, w2, offs, grad = make(3, 64, 64, 96, device, offs=[32, 32, 96])
+    counts = torch.diff(offs, prepend=offs.new_zeros(1))
+    runs = []
+    for compiled in (False, True):
+        layer = GroupedExperts(64, 64, 3, dtype=torch.bfloat16, device=device)
+        with torch.no_grad():
+            for p, w in zip((layer.w1, layer.w3, layer.w2), (w1, w3, w2)):
+                p.copy_(w)
+        torch._dynamo.reset()
+        f = torch.compile(layer, fullgraph=True, backend=backend) if compiled else layer
+        for _ in range(2):
+            for p in layer.parameters():
+                p.grad = None
+            xl = x.clone().requires_grad_()
+            out = f(xl, counts)
+            out.backward(grad)
+        stats = (layer.weight_cache.misses, layer.weight_cache.hits, len(layer.weight_cache._entries))
+        runs.append((stats, out.detach(), xl.grad, layer.w1.grad, layer.w3.grad, layer.w2.grad))
+    torch._dynamo.reset()
+    (eager_stats, *eager), (compiled_stats, *comp) = runs
+    assert eager_stats[0] > 0 and eager_stats[1] > 0  # the eager module does use it
+    assert compiled_stats == (0, 0, 0)
+    got = [sqnr(a, b) for a, b in zip(eager, comp)]
+    assert got[0] > 35 and min(got[1:]) > 30, got
 
 
 def test_fsdp2_bypasses_the_cache(tmp_path):

@@ -363,19 +363,22 @@ def train(recipe, dtype, steps=50, device="cpu", layer=False):
     return losses
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("layer", [False, True], ids=["grouped_mm", "GroupedExperts"])
 @pytest.mark.parametrize("recipe", ["fp8_rowwise", "mxfp8", "fp8_blockwise"])
-def test_fp8_training_tracks_high_precision(recipe, layer):
-    # 50 steps of the MoE SwiGLU FFN (unaligned groups) on the CPU, through three
-    # grouped_mm calls or the fused experts layer. The baseline runs in fp32 (this CPU
-    # has no bf16 grouped GEMM); the fp8 run feeds the same fp32 activations through fp8
-    # quantization. fp8 noise moves individual steps a little; the curve must stay
-    # within 5% of the baseline at every step.
-    base = train("bf16", torch.float32, layer=layer)
-    fp8 = train(recipe, torch.float32, layer=layer)
+def test_fp8_training_tracks_high_precision(recipe, layer, device):
+    # 50 steps of the MoE SwiGLU FFN (unaligned groups), through three grouped_mm calls
+    # or the fused experts layer. On the CPU the baseline runs in fp32 (no bf16 grouped
+    # GEMM there) and the fp8 run feeds the same fp32 activations through fp8
+    # quantization; on a GPU both train in bf16, the fp8 one on the recipe's GPU path
+    # (our FP8 GEMMs on sm90; mxfp8 emulated off sm100). fp8 noise moves individual
+    # steps a little; the curve must stay within 5% of the baseline at every step.
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    base = train("bf16", dtype, device=device, layer=layer)
+    fp8 = train(recipe, dtype, device=device, layer=layer)
     assert base[-1] < 0.8 * base[0], "the model must actually learn"
     rel = [abs(f - b) / b for f, b in zip(fp8, base)]
-    print(f"{recipe} vs fp32 loss: max relative gap {max(rel):.4f}; final {fp8[-1]:.4f} vs {base[-1]:.4f}")
+    print(f"{recipe} vs {dtype} loss on {device}: max relative gap {max(rel):.4f}; final {fp8[-1]:.4f} vs {base[-1]:.4f}")
     assert max(rel) < 0.05, max(rel)
 
 
@@ -420,18 +423,23 @@ from conftest import graph_matches_eager, requires_cuda  # noqa: E402
 @requires_cuda
 @pytest.mark.gpu
 @pytest.mark.parametrize("pad_groups", [True, False])
-def test_grouped_mm_step_has_no_host_sync(pad_groups):
+@pytest.mark.parametrize("recipe_name", ["fp8_rowwise", "fp8_blockwise", "mxfp8"])
+def test_grouped_mm_step_has_no_host_sync(pad_groups, recipe_name):
+    # Every recipe on its GPU path (fp8_blockwise: our CUTLASS GEMM on sm90; mxfp8:
+    # emulated off sm100), forward and backward in one CUDA graph.
     m, k, n = 1000, 256, 384
-    # Unaligned groups (and an empty one) need pad_groups; without it, aligned ones
-    # (and M = 1000, not a multiple of 16, with rows past the last group).
-    ends = [96, 96, 400, 720, 992] if not pad_groups else [90, 90, 401, 733, 990]
+    # Unaligned groups (and an empty one) need pad_groups; without it, groups of the
+    # recipe's alignment (and M = 1000, not a multiple of it, with rows past the last group).
+    aligned = {"fp8_rowwise": [96, 96, 400, 720, 992], "fp8_blockwise": [128, 128, 384, 640, 896],
+               "mxfp8": [96, 96, 384, 704, 992]}[recipe_name]
+    ends = aligned if not pad_groups else [90, 90, 401, 733, 990]
     offs = torch.tensor(ends, dtype=torch.int32, device="cuda")
     a = randn((m, k), torch.bfloat16, "cuda").requires_grad_()
     w = (randn((len(ends), n, k), torch.bfloat16, "cuda") * 0.02).requires_grad_()
     g = randn((m, n), torch.bfloat16, "cuda")
 
     def step():
-        out = moe_fp8_ext.grouped_mm(a, w.transpose(1, 2), offs, pad_groups=pad_groups)
+        out = moe_fp8_ext.grouped_mm(a, w.transpose(1, 2), offs, recipe=recipe_name, pad_groups=pad_groups)
         return (out, *torch.autograd.grad(out, (a, w), g))
 
     graph_matches_eager(step)
