@@ -691,6 +691,7 @@ def check_scatter_rows(y, indices, num_rows, op="scatter_rows"):
     check_index(op, "indices", indices)
     check_same_device(op, "y", y, indices=indices)
     check_int(op, "num_rows", num_rows, hi=INT32_MAX)
+    check_int(op, "the rows of y", y.shape[0], hi=INT32_MAX)  # (slots of the inverse map are int32)
     _require(
         indices.shape[0] == y.shape[0],
         lambda: f"{op}: expected indices of shape ({y.shape[0]},) (a row of y each), got {tuple(indices.shape)}",

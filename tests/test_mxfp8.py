@@ -939,6 +939,8 @@ SWZ_ERROR_CASES = [
     (lambda: to_blk_k(torch.zeros(4, 4, dtype=torch.float16), _o2), "to_blocked_scales_k_groups: expected s of a 1-byte dtype", True),
     (lambda: from_blk(torch.zeros(128, 4, dtype=torch.uint8), 128, 5), "from_blocked_scales: expected b of shape (128, 8) (one blocked matrix) or (E, 1024) (E blocked matrices) for rows=128 and cols=5, got [128, 4]", True),
     (lambda: from_blk(torch.zeros(128, 4, dtype=torch.uint8), -1, 4), "from_blocked_scales: expected rows in [0, 1099511627776], got -1", True),
+    # the op itself (the wrapper's Python ints cannot overflow): 2^40 x 2^24 scales per matrix
+    (lambda: torch.ops.moe_fp8.from_blocked_scales(torch.zeros(1, 5, dtype=torch.uint8), 2**40, 2**24), "from_blocked_scales: expected one blocked matrix (ceil128(rows) * ceil4(cols)) to fit in int64, got 1099511627776 * 16777216 (overflows)", False),
     (lambda: from_blk(torch.zeros(512, dtype=torch.uint8), 1, 1), "from_blocked_scales: expected b to be a 2-D tensor, got 1-D", True),
     (lambda: from_blk(torch.zeros(128, 4), 1, 1), "from_blocked_scales: expected b of a 1-byte dtype", True),
     (lambda: from_blk_m(torch.zeros(200, 4, dtype=torch.uint8), _o2, 4), "from_blocked_scales_m_groups: expected b of shape (M + 128 * 2, 4) (M tokens in 2 groups, cols=4), got [200, 4]", True),

@@ -188,6 +188,15 @@ def test_gather_scatter_reject_bad_indices():
         moe_fp8_ext.scatter_rows(x[:2], torch.tensor([1, 1], dtype=torch.int32), 4)
     with pytest.raises(RuntimeError, match=r"scatter_rows: expected indices of shape \(2,\)"):
         moe_fp8_ext.scatter_rows(x[:2], torch.tensor([1], dtype=torch.int32), 4)
+    # More rows in y than the int32 slots of the inverse map hold (broadcast views: no
+    # memory), through the wrapper, the op itself and the fake kernel.
+    n = 2**31 + 8
+    y, idx = torch.zeros(1, 1, dtype=torch.uint8).expand(n, 1), torch.full((1,), -1, dtype=torch.int32).expand(n)
+    meta = (torch.empty(n, 1, dtype=torch.uint8, device="meta"), torch.empty(n, dtype=torch.int32, device="meta"))
+    for call in (moe_fp8_ext.scatter_rows, torch.ops.moe_fp8.scatter_rows):
+        for args in ((y, idx), meta):
+            with pytest.raises(RuntimeError, match=r"scatter_rows: expected the rows of y in \[0, 2147483647\], got 2147483656"):
+                call(*args, 1)
 
 
 @pytest.mark.parametrize(

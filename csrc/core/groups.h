@@ -32,7 +32,7 @@ MOE_FP8_HD int64_t padded_rows_bound(int64_t rows, int64_t groups, int64_t align
 MOE_FP8_HD int group_of_row(const int32_t* offs, int groups, int64_t rows, int64_t r) {
   int lo = 0, hi = groups;
   while (lo < hi) {
-    const int mid = (lo + hi) / 2;
+    const int mid = lo + (hi - lo) / 2;  // (lo + hi overflows past 2^30 groups)
     if (clamp_offset(offs[mid], rows) <= r) lo = mid + 1;
     else hi = mid;
   }
@@ -44,7 +44,7 @@ MOE_FP8_HD int group_of_row(const int32_t* offs, int groups, int64_t rows, int64
 MOE_FP8_HD int last_at_most(const int32_t* table, int n, int64_t v) {
   int lo = 0, hi = n;  // first index with table[idx] > v
   while (lo < hi) {
-    const int mid = (lo + hi) / 2;
+    const int mid = lo + (hi - lo) / 2;  // (lo + hi overflows past 2^30 groups)
     if (table[mid] <= v) lo = mid + 1;
     else hi = mid;
   }

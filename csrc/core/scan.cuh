@@ -52,7 +52,7 @@ template <bool kMax, typename Fn>
 MOE_FP8_DEVICE int64_t block_scan(Fn value_of, int n, int32_t* out, bool exclusive, int64_t* s_tmp) {
   const int t = static_cast<int>(threadIdx.x);
   const int nt = static_cast<int>(blockDim.x);
-  const int per = (n + nt - 1) / nt;
+  const int per = n / nt + (n % nt != 0);  // (n + nt - 1 overflows for n near 2^31)
   const int lo = min(n, t * per);
   const int hi = min(n, lo + per);
   int64_t acc = 0;

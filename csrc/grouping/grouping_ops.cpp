@@ -250,6 +250,7 @@ at::Tensor scatter_rows(const GroupingKernels& k, const at::Tensor& y_in, const 
   check_rank(y_in, 2, op, "y");
   check_index_tensor(indices, y_in, op, "indices");
   check_size_arg(num_rows, op, "num_rows", kInt32Max);
+  check_size_arg(y_in.size(0), op, "the rows of y", kInt32Max);  // (slots of the inverse map are int32)
   TORCH_CHECK(indices.numel() == y_in.size(0), op, ": expected indices of shape (", y_in.size(0),
               ",) (a row of y each), got ", indices.sizes());
   check_rows_alloc(num_rows, y_in, op, "the output");

@@ -151,8 +151,9 @@ at::Tensor from_blocked_scales(const SwizzleKernels& k, const at::Tensor& b, int
   a.C = cols;
   a.blocked_cols = Cp;
   if (b.size(0) == Rp && b.size(1) == Cp) return run_from_blocked(k, a, b, {rows, cols}, at::Tensor());
-  TORCH_CHECK(b.size(1) == Rp * Cp, op, ": expected b of shape (", Rp, ", ", Cp, ") (one blocked matrix) or (E, ",
-              Rp * Cp, ") (E blocked matrices) for rows=", rows, " and cols=", cols, ", got ", b.sizes());
+  const int64_t per_matrix = checked_mul(Rp, Cp, op, "one blocked matrix (ceil128(rows) * ceil4(cols))");
+  TORCH_CHECK(b.size(1) == per_matrix, op, ": expected b of shape (", Rp, ", ", Cp, ") (one blocked matrix) or (E, ",
+              per_matrix, ") (E blocked matrices) for rows=", rows, " and cols=", cols, ", got ", b.sizes());
   a.E = b.size(0);
   return run_from_blocked(k, a, b, {a.E, rows, cols}, at::Tensor());
 }

@@ -368,7 +368,8 @@ __global__ void __launch_bounds__(kColsThreads, kColsMinBlocks)
   const int seg_id = blockIdx.y / cluster;
   const int rank = blockIdx.y % cluster;
   const Segment seg = resolve_segment(a, seg_id);
-  // Row counts below are 32-bit (the launcher checks rows < 2^31): 64-bit division is a
+  // Row counts below are 32-bit (the launcher checks rows < 2^31 - 2^16, room for a
+  // chunk rounded up and its offset): 64-bit division is a
   // long software sequence, and this setup runs once per block.
   const int q_len = static_cast<int>(seg.q_len);
   // A slice is whole fragments; in block mode whole blocks (blocks restart at the
@@ -443,7 +444,7 @@ __global__ void __launch_bounds__(kColsThreads, kColsMinBlocks)
           if (rb % kLanes == 0 && scales) {
             const int64_t at =
                 Layout::kBlocked
-                    ? scale_base + 16 * c + 512 * (static_cast<int32_t>(blk) / 4) + static_cast<int32_t>(blk) % 4
+                    ? scale_base + 16 * c + 512 * (blk / 4) + blk % 4  // 64-bit: blk reaches 2^24 at 2^29 rows
                     : Layout::index(op.scale, seg_id, c0 + cg * kC + c, blk, 0, col_base, group_cols);
             store_scale<Rule>(op.scale, at, seg.zero_fill ? typename Rule::stored_t{} : sc.stored);
           }

@@ -59,12 +59,17 @@ void run_rows(InputKind in, Fp8Format fmt, const QuantSpec& spec, const RowsArgs
   gpu.check(err, "rows quantization");
 }
 
+// Rows (and q rows) of one cols launch: int32 with room for the slice arithmetic.
+constexpr int64_t kColsMaxRows = INT32_MAX - (int64_t{1} << 16);
+
 template <class Rules, class Blocks, class Layouts>
 void run_cols(InputKind in, Fp8Format fmt, const QuantSpec& spec, const ColsArgs& a, int64_t expected_segment_rows,
               int device) {
   const GpuLaunch gpu(device);
-  TORCH_CHECK(a.rows <= INT32_MAX && a.q_rows <= INT32_MAX, "moe_fp8: expected at most 2^31-1 rows, got ",
-              std::max(a.rows, a.q_rows));
+  // The kernel's slice arithmetic is 32-bit: a slice rounded up to whole blocks, plus its
+  // offset, exceeds the rows by at most 64 slices x 128 rows; keep 2^16 rows of room.
+  TORCH_CHECK(a.rows <= kColsMaxRows && a.q_rows <= kColsMaxRows, "moe_fp8: expected at most ", kColsMaxRows,
+              " rows (2^31 - 2^16 - 1), got ", std::max(a.rows, a.q_rows));
   const int segments = segments_with_tail(a);
   TORCH_CHECK(segments <= 65535, "moe_fp8: expected at most 65534 groups, got ", a.num_segments);
   ColsLaunchPlan plan = plan_cols_launch(expected_segment_rows, segments, max_dynamic_smem_per_block(device),
