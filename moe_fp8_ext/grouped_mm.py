@@ -123,10 +123,14 @@ class _GroupedMM(torch.autograd.Function):
             ctx.names, ctx.no_groups = (), True
             return A.new_zeros((A.shape[0], B_t.shape[2]), dtype=out_dtype)
         ctx.no_groups = False
+        # The gradients a backward will compute: grad_A (dgrad, reads the weight) and
+        # grad_B (wgrad, reads A).
+        dgrad = grad_mode and ctx.needs_input_grad[0]
+        wgrad = grad_mode and ctx.needs_input_grad[1]
         # A's weight-gradient operand made with its forward one and kept instead of A
         # (Recipe.keeps_fp8_activations: fp8 saved activations) where B needs a gradient
         # and the wgrad operands take the padded layout.
-        ctx.fp8_saved = recipe.keeps_fp8_activations and pad_wgrad and grad_mode and ctx.needs_input_grad[1]
+        ctx.fp8_saved = recipe.keeps_fp8_activations and pad_wgrad and wgrad
         if ctx.fp8_saved:
             starts, wgrad_offs = ops.padded_group_offsets(offs, A.shape[0], recipe.alignment)
             lhs, a_op = recipe.lhs_with_wgrad_operand(A, offs, fp8_dtype, starts)
@@ -141,7 +145,6 @@ class _GroupedMM(torch.autograd.Function):
         # second backward (retain_graph) quantizes it again.
         # (_may_free_early before the recipe's check: under torch.compile that check,
         # which reads data pointers, must not be traced.)
-        dgrad = grad_mode and ctx.needs_input_grad[0]
         hold = dgrad and _holds_weight_operands()
         if hold and _may_free_early() and recipe.reads_weights_once([B_t]):
             rhs, bwd = recipe.rhs_dual_cat([B_t], fp8_dtype)
@@ -158,7 +161,7 @@ class _GroupedMM(torch.autograd.Function):
         # checked for in-place writes, on A's account alone).
         if not dgrad and "B_t" in saved:
             saved["B_t"] = None
-        if not (grad_mode and ctx.needs_input_grad[1]) and "A" in saved:
+        if not wgrad and "A" in saved:
             saved["A"] = None
         if ctx.fp8_saved:
             saved["A"] = None
