@@ -73,13 +73,14 @@ def attempt(fn, *args, **kwargs):
     """A call whose clear refusal (a checked bad argument) is fine here: memcheck
     watches the ones that launch (every op must launch at least once: checked below)."""
     try:
-        fn(*args, **kwargs)
+        out = fn(*args, **kwargs)
     except (RuntimeError, ValueError) as e:
         refused[fn.__name__] += 1
         if "CUDA" in str(e) or "illegal" in str(e):
             raise
-    else:
-        launched[fn.__name__] += 1
+        return None
+    launched[fn.__name__] += 1
+    return out
 
 
 xm = torch.randn(1000, 96, device="cuda", dtype=torch.bfloat16)
@@ -93,10 +94,18 @@ for offs in ([700, -5, 100, 2**31 - 1, 30, -2**31], [1000 * 3] * 3, [-1] * 5, [9
         attempt(moe_fp8_ext.quantize_blockwise_act_rhs, t, F8, o, po, 128)
         attempt(moe_fp8_ext.quantize_blockwise_act_transposed_lhs, t, F8, o, po, 128)
     s = moe_fp8_ext.quantize_mxfp8_rowwise(xm)[1]
-    attempt(moe_fp8_ext.to_blocked_scales_m_groups, s, o)
-    attempt(moe_fp8_ext.to_blocked_scales_k_groups, s, o)
-    attempt(moe_fp8_ext.from_blocked_scales_m_groups, moe_fp8_ext.to_blocked_scales_m_groups(s, o), o, 3)
-    attempt(moe_fp8_ext.from_blocked_scales_k_groups, moe_fp8_ext.to_blocked_scales_k_groups(s, o), o, 1000, 3)
+    bm = attempt(moe_fp8_ext.to_blocked_scales_m_groups, s, o)
+    bk = attempt(moe_fp8_ext.to_blocked_scales_k_groups, s, o)
+    if bm is not None:
+        attempt(moe_fp8_ext.from_blocked_scales_m_groups, bm, o, 3)
+    if bk is not None:
+        attempt(moe_fp8_ext.from_blocked_scales_k_groups, bk, o, 1000, 3)
+# valid offs and padded starts too (launched on any device, not only where content goes unchecked)
+o = torch.tensor([96, 96, 500, 1000], dtype=torch.int32, device="cuda")
+po, _ = moe_fp8_ext.padded_group_offsets(o, 1000, 128)
+for t in (xm, xm.t().contiguous().t()):
+    attempt(moe_fp8_ext.quantize_blockwise_act_rhs, t, F8, o, po, 128)
+    attempt(moe_fp8_ext.quantize_blockwise_act_transposed_lhs, t, F8, o, po, 128)
 for t in (xm, xm[:, 32:], xm.t().contiguous().t()):
     attempt(moe_fp8_ext.quantize_mxfp8_rowwise, t, "rceil", True)
     attempt(moe_fp8_ext.quantize_mxfp8_colwise, t[:992], "rceil", True)
