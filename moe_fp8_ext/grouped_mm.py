@@ -158,13 +158,13 @@ class _GroupedMM(torch.autograd.Function):
         # Only rhs_bwd reads "B_t" and only wgrad_operands reads "A" (the Recipe
         # contract): neither is kept for a gradient that will not be computed (frozen
         # expert weights keep no activation; a cast or gathered weight is not held, nor
-        # checked for in-place writes, on A's account alone).
+        # checked for in-place writes, on A's account alone), nor A where its fp8
+        # operand is kept instead.
         if not dgrad and "B_t" in saved:
             saved["B_t"] = None
-        if not wgrad and "A" in saved:
+        if not wgrad or ctx.fp8_saved:
             saved["A"] = None
         if ctx.fp8_saved:
-            saved["A"] = None
             saved.update({f"A_wgrad{i}": t for i, t in enumerate(a_op)}, starts=starts, wgrad_offs=wgrad_offs)
             ctx.a_op_len = len(a_op)
         ctx.names = tuple(saved)

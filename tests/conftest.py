@@ -110,6 +110,15 @@ def poison(device):
     del blocks
 
 
+def set_dual_kernel_budget(monkeypatch, budget):
+    """MOE_FP8_DUAL_L2_BYTES for one test: "default" unsets it (the library's budget),
+    anything else is the variable's value ("0": the dual kernels never run)."""
+    if budget == "default":
+        monkeypatch.delenv("MOE_FP8_DUAL_L2_BYTES", raising=False)
+    else:
+        monkeypatch.setenv("MOE_FP8_DUAL_L2_BYTES", budget)
+
+
 def count_backward_operand_calls(monkeypatch, recipe_name):
     """A list that records, by name, every call that makes an operand only a backward
     uses: the recipe's ``rhs_dual_cat`` and ``lhs_with_wgrad_operand``, and the blockwise

@@ -15,7 +15,7 @@ import moe_fp8_ext
 from moe_fp8_ext.experts import GroupedExperts, WeightCache, clear_weight_caches, experts
 from moe_fp8_ext.recipes import get_recipe
 
-from conftest import count_backward_operand_calls, graph_matches_eager
+from conftest import count_backward_operand_calls, graph_matches_eager, set_dual_kernel_budget
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
@@ -50,6 +50,16 @@ def reference(x, w1, w3, w2, offs):
         out = out.index_add(0, torch.arange(start, end, device=x.device), h @ w2[e].float().t())
         start = end
     return out
+
+
+def layer_with(w1, w3, w2, **kwargs):
+    """A GroupedExperts holding copies of the weights w1, w3 (E, hidden, dim), w2."""
+    e, hidden, dim = w1.shape
+    layer = GroupedExperts(dim, hidden, e, dtype=w1.dtype, device=w1.device, **kwargs)
+    with torch.no_grad():
+        for p, w in zip((layer.w1, layer.w3, layer.w2), (w1, w3, w2)):
+            p.copy_(w)
+    return layer
 
 
 def run(fn, inputs, grad):
@@ -225,10 +235,7 @@ def test_step_has_no_host_sync(recipe_name):
 @pytest.mark.parametrize("device", DEVICES)
 def test_weight_reuse_hits_and_is_exact(device):
     x, w1, w3, w2, offs, grad = make(3, 64, 64, 100, device, offs=[10, 60, 100])
-    layer = GroupedExperts(64, 64, 3, dtype=torch.bfloat16, device=device)
-    with torch.no_grad():
-        for p, w in zip((layer.w1, layer.w3, layer.w2), (w1, w3, w2)):
-            p.copy_(w)
+    layer = layer_with(w1, w3, w2)
     counts = torch.diff(offs, prepend=offs.new_zeros(1))
     cache = layer.weight_cache
     outs = []
@@ -257,10 +264,7 @@ def test_backward_operands_made_in_forward(device, cached, dual_kernel, monkeypa
     # the GPU with the kernel off, run the path too) makes the backward operands in the
     # forward: the same bits as making them in the backward, kept on ctx (no cache)
     # until used and then dropped, or in the cache.
-    if dual_kernel == "default":
-        monkeypatch.delenv("MOE_FP8_DUAL_L2_BYTES", raising=False)
-    else:
-        monkeypatch.setenv("MOE_FP8_DUAL_L2_BYTES", dual_kernel)
+    set_dual_kernel_budget(monkeypatch, dual_kernel)
     x, w1, w3, w2, offs, grad = make(3, 48, 64, 100, device, offs=[10, 60, 100])
     recipe = type(get_recipe("fp8_rowwise"))
     results = []
@@ -345,10 +349,7 @@ def test_weight_reuse_on_checkpoint_recompute(reentrant):
     counts = torch.diff(offs, prepend=offs.new_zeros(1))
     results = []
     for ckpt in (False, True):
-        layer = GroupedExperts(64, 64, 3, dtype=torch.bfloat16)
-        with torch.no_grad():
-            for p, w in zip((layer.w1, layer.w3, layer.w2), (w1, w3, w2)):
-                p.copy_(w)
+        layer = layer_with(w1, w3, w2)
         xl = x.clone().requires_grad_()
         if ckpt:
             out = torch.utils.checkpoint.checkpoint(layer, xl, counts, use_reentrant=reentrant)
@@ -378,10 +379,7 @@ def test_compiled_module_bypasses_the_cache(device, backend):
     counts = torch.diff(offs, prepend=offs.new_zeros(1))
     runs = []
     for compiled in (False, True):
-        layer = GroupedExperts(64, 64, 3, dtype=torch.bfloat16, device=device)
-        with torch.no_grad():
-            for p, w in zip((layer.w1, layer.w3, layer.w2), (w1, w3, w2)):
-                p.copy_(w)
+        layer = layer_with(w1, w3, w2)
         torch._dynamo.reset()
         f = torch.compile(layer, fullgraph=True, backend=backend) if compiled else layer
         for _ in range(2):

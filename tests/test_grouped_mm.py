@@ -10,7 +10,7 @@ import moe_fp8_ext
 from moe_fp8_ext import reference as ref
 from moe_fp8_ext.moe import MoEExperts
 from conftest import (DEVICES, count_backward_operand_calls, offs_from_sizes as make_offs, poison, random_offs, randn,
-                      requires_cuda, sqnr)
+                      requires_cuda, set_dual_kernel_budget, sqnr)
 
 F8 = torch.float8_e4m3fn
 
@@ -169,10 +169,7 @@ def test_weight_backward_operand_made_in_forward(device, recipe_name, dual_kerne
     # (retain_graph) quantizes B_t again; MOE_FP8_HOLD_WEIGHT_OPERANDS=0 holds nothing.
     import weakref
 
-    if dual_kernel == "default":
-        monkeypatch.delenv("MOE_FP8_DUAL_L2_BYTES", raising=False)
-    else:
-        monkeypatch.setenv("MOE_FP8_DUAL_L2_BYTES", dual_kernel)
+    set_dual_kernel_budget(monkeypatch, dual_kernel)
     monkeypatch.delenv("MOE_FP8_HOLD_WEIGHT_OPERANDS", raising=False)
     m, k, n, sizes = (123, 64, 48, [40, 0, 25, 51]) if recipe_name == "fp8_rowwise" else (300, 256, 128, [130, 0, 170])
     offs = make_offs(sizes, device)

@@ -33,6 +33,7 @@ from conftest import (
     random_offs,
     requires_cuda,
     same_as_cpu,
+    set_dual_kernel_budget,
 )
 
 F8 = torch.float8_e4m3fn
@@ -283,10 +284,7 @@ def test_quantize_experts_dual_cat(device, in_dtype, fp8_dtype, pow2, shape, ns,
     # the dual kernel (tiles partial in both dims, a part boundary inside a tile: 136,
     # column maxima over several row tiles: 400); the rest, the kernel switched off
     # ("0") and the CPU, the two ops.
-    if dual == "default":
-        monkeypatch.delenv("MOE_FP8_DUAL_L2_BYTES", raising=False)
-    else:
-        monkeypatch.setenv("MOE_FP8_DUAL_L2_BYTES", dual)
+    set_dual_kernel_budget(monkeypatch, dual)
     check_dual(weight_parts(*shape, ns, in_dtype, device, layout), fp8_dtype, pow2)
 
 
