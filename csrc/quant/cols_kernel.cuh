@@ -437,6 +437,11 @@ __global__ void __launch_bounds__(kColsThreads, kColsMinBlocks)
         amax.reduce_lanes(kLanes);
         if (r0 >= nq) continue;
         const int64_t blk = (my_off + base + r0) / kBlock;
+        // Blocked: the offset past scale_base in unsigned 32 bits, under 2^32 while
+        // blk < 2^25 (run_cols allows at most 2^30 q rows with blocked scales). In 64 bits
+        // it spilled registers in the blocked instances (ptxas -v: 12-20 bytes where this
+        // form spills 0-12), and a signed 32-bit product overflows from 2^29 rows.
+        const uint32_t blk32 = static_cast<uint32_t>(blk);
 #pragma unroll
         for (int c = 0; c < kC; ++c) {
           if (!col_ok[c]) continue;
@@ -444,7 +449,7 @@ __global__ void __launch_bounds__(kColsThreads, kColsMinBlocks)
           if (rb % kLanes == 0 && scales) {
             const int64_t at =
                 Layout::kBlocked
-                    ? scale_base + 16 * c + 512 * (blk / 4) + blk % 4  // 64-bit: blk reaches 2^24 at 2^29 rows
+                    ? scale_base + (512u * (blk32 / 4) + 16u * c + blk32 % 4)
                     : Layout::index(op.scale, seg_id, c0 + cg * kC + c, blk, 0, col_base, group_cols);
             store_scale<Rule>(op.scale, at, seg.zero_fill ? typename Rule::stored_t{} : sc.stored);
           }

@@ -61,6 +61,9 @@ void run_rows(InputKind in, Fp8Format fmt, const QuantSpec& spec, const RowsArgs
 
 // Rows (and q rows) of one cols launch: int32 with room for the slice arithmetic.
 constexpr int64_t kColsMaxRows = INT32_MAX - (int64_t{1} << 16);
+// With blocked scales (MXFP8, blocks of 32): the kernel's offset into a segment's scales
+// is unsigned 32-bit, 512 bytes per 4 blocks.
+constexpr int64_t kColsMaxBlockedRows = int64_t{1} << 30;
 
 template <class Rules, class Blocks, class Layouts>
 void run_cols(InputKind in, Fp8Format fmt, const QuantSpec& spec, const ColsArgs& a, int64_t expected_segment_rows,
@@ -70,6 +73,8 @@ void run_cols(InputKind in, Fp8Format fmt, const QuantSpec& spec, const ColsArgs
   // offset, exceeds the rows by at most 64 slices x 128 rows; keep 2^16 rows of room.
   TORCH_CHECK(a.rows <= kColsMaxRows && a.q_rows <= kColsMaxRows, "moe_fp8: expected at most ", kColsMaxRows,
               " rows (2^31 - 2^16 - 1), got ", std::max(a.rows, a.q_rows));
+  TORCH_CHECK(spec.layout != ScaleLayoutKind::kBlocked || a.q_rows <= kColsMaxBlockedRows,
+              "moe_fp8: expected at most 2^30 rows with blocked scales, got ", a.q_rows);
   const int segments = segments_with_tail(a);
   TORCH_CHECK(segments <= 65535, "moe_fp8: expected at most 65534 groups, got ", a.num_segments);
   ColsLaunchPlan plan = plan_cols_launch(expected_segment_rows, segments, max_dynamic_smem_per_block(device),
