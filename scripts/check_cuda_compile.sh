@@ -6,6 +6,10 @@
 #   scripts/check_cuda_compile.sh [ARCH ...]     default: 90a 100a
 # Entries marked `cutlass` get the CUTLASS headers: $MOE_FP8_CUTLASS_INCLUDE, else the
 # pip package nvidia-cutlass (cutlass_library/source/include) if it is installed.
+# For sm_90a (the tuned target) it also sums ptxas's spill stores over each file's
+# kernels and fails where the sum exceeds the file's budget in scripts/spill_budget.txt
+# (0 for a file not listed): a change that makes a kernel spill fails here, without a
+# GPU (f00078d's did, and cost 3-6% on the GPU).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 archs=("$@")
@@ -39,15 +43,35 @@ while read -r path kind file_archs needs; do
     extra+=(-I"$cutlass_inc")
   fi
   for arch in "${todo[@]}"; do
-    if nvcc -std=c++20 -O3 --expt-relaxed-constexpr -Werror all-warnings \
+    verbose=()
+    [ "$arch" = 90a ] && verbose=(-Xptxas -v)
+    log="$out/$(basename "$path").$arch.log"
+    if nvcc -std=c++20 -O3 --expt-relaxed-constexpr -Werror all-warnings "${verbose[@]}" \
         "-gencode=arch=compute_${arch},code=sm_${arch}" \
         -DMOE_FP8_WITH_CUDA -D_GLIBCXX_USE_CXX11_ABI="$abi" \
         -D__CUDA_NO_HALF_OPERATORS__ -D__CUDA_NO_HALF_CONVERSIONS__ \
         -D__CUDA_NO_BFLOAT16_CONVERSIONS__ -D__CUDA_NO_HALF2_OPERATORS__ \
         -I"$torch_inc" -I"$torch_inc/torch/csrc/api/include" -I.ci/cuda_shim -Icsrc "${extra[@]}" \
-        -c "csrc/$path" -o "$out/$(basename "$path").$arch.o" </dev/null; then
-      echo "ok   sm_$arch csrc/$path"
+        -c "csrc/$path" -o "$out/$(basename "$path").$arch.o" </dev/null >"$log" 2>&1; then
+      if [ "$arch" = 90a ]; then
+        spilled=$(sed -n 's/.* \([0-9]*\) bytes spill stores.*/\1/p' "$log" | awk '{s += $1} END {print s + 0}')
+        budget=$(awk -v f="csrc/$path" '$1 == f {print $2}' scripts/spill_budget.txt)
+        budget=${budget:-0}
+        if [ "$spilled" -gt "$budget" ]; then
+          echo "FAIL sm_$arch csrc/$path: ptxas spill stores $spilled bytes, budget $budget (scripts/spill_budget.txt); the kernels that spill:"
+          awk '/Compiling entry function/ {f = $7} /bytes spill stores/ && $5 != "0" {print "     " f ": " $0}' "$log"
+          status=1
+        elif [ "$spilled" -lt "$budget" ]; then
+          echo "ok   sm_$arch csrc/$path (spill stores $spilled bytes, under its budget $budget: lower it)"
+        else
+          echo "ok   sm_$arch csrc/$path (spill stores $spilled bytes, its budget)"
+        fi
+      else
+        cat "$log"
+        echo "ok   sm_$arch csrc/$path"
+      fi
     else
+      cat "$log"
       echo "FAIL sm_$arch csrc/$path"
       status=1
     fi
