@@ -3,6 +3,8 @@
 the GPU checks that several families share (GPU output = CPU output; a step captured
 in a CUDA graph replays bit-equal to eager, so it never syncs with the host)."""
 
+import os
+
 import pytest
 import torch
 
@@ -14,6 +16,22 @@ IN_DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 HAS_CUDA = torch.cuda.is_available() and moe_fp8_ext.build_info()["cuda"]
 requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU and a CUDA build")
 DEVICES = ["cpu"] + [pytest.param("cuda", marks=pytest.mark.gpu)] * HAS_CUDA
+
+
+def pytest_collection_modifyitems(config, items):
+    """MOE_FP8_SKIP_CPU_CASES=1 (scripts/gpu_ci.sh --gpu-cases) deselects the cases whose
+    `device` parameter is "cpu": on a GPU machine whose time is rationed, the CPU cases
+    that CI runs on every commit (about half of the cases) need not run again. Cases
+    without a `device` parameter, and every CUDA case, still run."""
+    if os.environ.get("MOE_FP8_SKIP_CPU_CASES") != "1":
+        return
+    keep, drop = [], []
+    for item in items:
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        (drop if str(params.get("device", "")) == "cpu" else keep).append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
 
 
 def randn(shape, dtype, device="cpu", outliers=True, seed=None):
