@@ -50,13 +50,16 @@ def bench_linear(shapes):
         speedup = {name: 1 / r for name, r in zip(steps, ratios)}
         tf, tacc, mem = {}, {}, {}
         for name, f in impls.items():
-            step = steps[name]
             if name != "torchao":
                 tacc[name] = bench_us(lambda f=f: f(a, w.transpose(1, 2), offs).backward(grad), warmup_ms=50, rep_ms=300) / 1000
                 a.grad = w.grad = None
             with torch.no_grad():
                 tf[name] = bench_us(lambda f=f: f(a, w.transpose(1, 2), offs)) / 1000
-            mem[name] = peak_mib(step)
+            # Peak: A enters as a fresh tensor (a clone, as the permuted tokens do in a model),
+            # so a recipe that does not keep A lets it go after the forward (bench_experts
+            # counts x the same way); with A a leaf, bf16's saved A cost nothing while
+            # fp8's saved operand did.
+            mem[name] = peak_mib(lambda f=f: torch.autograd.grad(f(a.clone(), w.transpose(1, 2), offs), (a, w), grad))
         rows.append([
             f"({m}, {k}, {n}, {e})", f"{t['bf16']:.3f}", f"{t['ours']:.3f}", f"{speedup['ours']:.2f}x",
             fmt(t.get("torchao"), "{:.3f}"), fmt(speedup.get("torchao"), "{:.2f}x"),
