@@ -45,13 +45,24 @@ elif [ -z "${MOE_FP8_CUDA_ARCHS:-}" ]; then
   export MOE_FP8_CUDA_ARCHS
 fi
 if ls .whl/*.whl >/dev/null 2>&1; then
-  $PY -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/moe_fp8_peers .whl/*.whl
+  # installed once a machine: reinstalling would give the CUTLASS headers new times,
+  # and every object that includes them would rebuild
+  wheels=$(cat .whl/*.whl | sha256sum)
+  if [ "$(cat /tmp/moe_fp8_peers/.wheels 2>/dev/null)" != "$wheels" ]; then
+    $PY -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/moe_fp8_peers .whl/*.whl
+    echo "$wheels" >/tmp/moe_fp8_peers/.wheels
+  fi
   export PYTHONPATH=/tmp/moe_fp8_peers${PYTHONPATH:+:$PYTHONPATH}
 fi
 
 echo "== build (archs $MOE_FP8_CUDA_ARCHS; CXX=${CXX:-unset}, g++ on PATH: $(command -v g++))"
 start=$(date +%s)
+# A machine that gets the tree anew for each command (new file times) but keeps build/
+# rebuilds only the sources whose content changed (scripts/build_stamps.py).
+stamps=build/source_stamps.json
+$PY scripts/build_stamps.py restore "$stamps"
 MAX_JOBS=${MAX_JOBS:-$(nproc)} $PY -m pip install --no-build-isolation --no-deps -e . >"$OUT/build.log" 2>&1 || { tail -50 "$OUT/build.log"; exit 1; }
+$PY scripts/build_stamps.py save "$stamps"
 echo "built in $(( $(date +%s) - start )) s"
 $PY -c "import moe_fp8_ext, torch; print(moe_fp8_ext.build_info(), torch.cuda.get_device_name())"
 
