@@ -89,7 +89,7 @@ using namespace cute;
 // kPingpong: two consumer warp groups on two tiles (one's promotion and epilogue overlap
 // the other's MMAs), TileShape is one warp group's tile; else cooperative (both warp
 // groups on one tile, split along M).
-template <class TileShape_, class ClusterShape_, bool kPingpong, bool kWgrad>
+template <class TileShape_, class ClusterShape_, bool kPingpong, bool kWgrad, class EpilogueTile>
 struct BlockwiseGemm {
   using TileShape = TileShape_;
   using ClusterShape = ClusterShape_;
@@ -117,7 +117,7 @@ struct BlockwiseGemm {
 
   using CutlassEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
-      cutlass::epilogue::collective::EpilogueTileAuto, float, float, void, LayoutD*, kAlignD, ElementD, LayoutD*,
+      EpilogueTile, float, float, void, LayoutD*, kAlignD, ElementD, LayoutD*,
       kAlignD, EpilogueSchedule,
       cutlass::epilogue::fusion::LinearCombination<ElementD, float, void, float>>::CollectiveOp;
   // Whole output tiles stored through descriptors of the whole output, written once a
@@ -357,10 +357,20 @@ void run_gemm(const GroupTables<G>& t, int groups, bool raster_along_n, const at
 // - 2d2d (wgrad): 1x2, unless K has an odd and N an even number of tiles (the groups'
 //   tokens are the contraction there, so both tile counts are known on the host). On
 //   the benchmark shapes, which all take 1x2, 2x1 ran 0.5% faster to 8% slower.
-using FwdCluster21 = BlockwiseGemm<Shape<_128, _128, _128>, Shape<_2, _1, _1>, false, false>;
-using FwdCluster12 = BlockwiseGemm<Shape<_128, _128, _128>, Shape<_1, _2, _1>, false, false>;
-using WgradCluster12 = BlockwiseGemm<Shape<_128, _128, _128>, Shape<_1, _2, _1>, false, true>;
-using WgradCluster21 = BlockwiseGemm<Shape<_128, _128, _128>, Shape<_2, _1, _1>, false, true>;
+// The output is stored in 128x64 epilogue tiles (two a tile), not CUTLASS's automatic
+// 128x32 (four): each subtile costs a named barrier of both warp groups and a shared-
+// memory fence before its TMA store, and the cooperative kernel runs no GMMA meanwhile.
+// Nsight (H200, the dgrad of (65536, 2048, 1408, 64), `scripts/profile_blockwise_gemm.py`)
+// put 26% of the consumer warps' stall samples in the 128x32 epilogue. Same-run A/B on
+// H100 (bench/RESULTS.md), time 128x64 / 128x32, outputs bit-equal: dgrad 0.93-0.98 on
+// every shape tried, wgrad 0.93-0.98, forward 0.95-1.01. The third benchmark shape's
+// dgrad went from 80-83% to 85-87% of dense cuBLAS. A 128x128 tile (one subtile, one
+// mainloop stage fewer: 5) was 0.98-1.00 on dgrad.
+using EpiTile = Shape<_128, _64>;
+using FwdCluster21 = BlockwiseGemm<Shape<_128, _128, _128>, Shape<_2, _1, _1>, false, false, EpiTile>;
+using FwdCluster12 = BlockwiseGemm<Shape<_128, _128, _128>, Shape<_1, _2, _1>, false, false, EpiTile>;
+using WgradCluster12 = BlockwiseGemm<Shape<_128, _128, _128>, Shape<_1, _2, _1>, false, true, EpiTile>;
+using WgradCluster21 = BlockwiseGemm<Shape<_128, _128, _128>, Shape<_2, _1, _1>, false, true, EpiTile>;
 
 template <class G>
 void launch_2d3d(const Args2d3d& p, const at::Tensor& like, const GpuLaunch& gpu, const char* op) {

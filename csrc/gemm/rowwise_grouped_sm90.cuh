@@ -87,7 +87,8 @@ MOE_FP8_RW_CONFIGS(MOE_FP8_RW_DECLARE)
 
 #if MOE_FP8_RW_GEMM_SM90
 
-template <class TileShape_, class ClusterShape_, bool kPingpong>
+template <class TileShape_, class ClusterShape_, bool kPingpong,
+          class EpilogueTile = cutlass::epilogue::collective::EpilogueTileAuto>
 struct Gemm {
   using TileShape = TileShape_;
   using ClusterShape = ClusterShape_;
@@ -118,7 +119,7 @@ struct Gemm {
 
   using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
-      cutlass::epilogue::collective::EpilogueTileAuto, float, float, void, LayoutD*, kAlignD, ElementD, LayoutD*,
+      EpilogueTile, float, float, void, LayoutD*, kAlignD, ElementD, LayoutD*,
       kAlignD, EpilogueSchedule, Evt>::CollectiveOp;
 
   using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
@@ -180,7 +181,13 @@ using cute::_128;
 using cute::_256;
 using Coop128x128C21 = Gemm<cute::Shape<_128, _128, _128>, cute::Shape<_2, _1, _1>, false>;
 using Coop128x128C12 = Gemm<cute::Shape<_128, _128, _128>, cute::Shape<_1, _2, _1>, false>;
-using Coop128x256C21 = Gemm<cute::Shape<_128, _256, _128>, cute::Shape<_2, _1, _1>, false>;
+// The picked cooperative configuration stores its output in 128x64 epilogue tiles, not
+// CUTLASS's automatic 128x32: half the subtiles, so half the named-barrier rounds and
+// shared-memory fences a tile. Same-run A/B on H100 (bench/RESULTS.md), time 128x64 /
+// 128x32 over the experts layer's GEMMs that take it: wgrad 0.95-0.99, forward and
+// dgrad 0.96-1.01. The pingpong configuration keeps CUTLASS's tile: 64x64 there was
+// 0.95-1.06, no better overall.
+using Coop128x256C21 = Gemm<cute::Shape<_128, _256, _128>, cute::Shape<_2, _1, _1>, false, cute::Shape<cute::_128, cute::_64>>;
 using Coop256x128C21 = Gemm<cute::Shape<_256, _128, _128>, cute::Shape<_2, _1, _1>, false>;
 using Pong128x128C21 = Gemm<cute::Shape<_128, _128, _128>, cute::Shape<_2, _1, _1>, true>;
 using Pong128x128C12 = Gemm<cute::Shape<_128, _128, _128>, cute::Shape<_1, _2, _1>, true>;

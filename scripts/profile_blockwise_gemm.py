@@ -1,0 +1,30 @@
+"""One call of an FP8 blockwise grouped GEMM on issue 14's third shape, for Nsight Compute
+(two warm-up calls first: profile the third CUTLASS launch):
+
+  ncu --clock-control none --kernel-name regex:device_kernel --launch-skip 2 --launch-count 1 \\
+      --set full --import-source no -o rep python scripts/profile_blockwise_gemm.py [dgrad|forward] [M K N E]
+  ncu -i rep.ncu-rep --page source --csv --print-source sass > sass.csv   # stalls per instruction
+"""
+
+import sys
+
+import torch
+
+import moe_fp8_ext
+from moe_fp8_ext import blockwise_gemm as bg
+
+E4M3 = torch.float8_e4m3fn
+which = sys.argv[1] if len(sys.argv) > 1 else "dgrad"
+m, k, n, e = (int(v) for v in sys.argv[2:6]) if len(sys.argv) > 5 else (65536, 2048, 1408, 64)
+torch.manual_seed(0)
+offs = torch.arange(1, e + 1, device="cuda", dtype=torch.int32) * (m // e)  # balanced
+w = torch.randn(e, k, n, device="cuda", dtype=torch.bfloat16) * 0.02
+b, sb, bt, sbt = moe_fp8_ext.quantize_blockwise_weight_dual(w, E4M3)  # (E, K, N) and (E, N, K)
+if which == "dgrad":
+    a, sa = moe_fp8_ext.quantize_blockwise_act_lhs(torch.randn(m, n, device="cuda", dtype=torch.bfloat16), E4M3)
+    b, sb = bt, sbt
+else:
+    a, sa = moe_fp8_ext.quantize_blockwise_act_lhs(torch.randn(m, k, device="cuda", dtype=torch.bfloat16), E4M3)
+for _ in range(3):
+    bg.blockwise_grouped_mm_2d3d(a, sa, b, sb, offs)
+torch.cuda.synchronize()
