@@ -365,7 +365,7 @@ void run_gemm(const GroupTables<G>& t, int groups, bool raster_along_n, const at
 // H100 (bench/RESULTS.md), time 128x64 / 128x32, outputs bit-equal: dgrad 0.93-0.98 on
 // every shape tried, wgrad 0.93-0.98, forward 0.95-1.01. The third benchmark shape's
 // dgrad went from 80-83% to 85-87% of dense cuBLAS. A 128x128 tile (one subtile, one
-// mainloop stage fewer: 5) was 0.98-1.00 on dgrad.
+// mainloop stage fewer: 5) was 0.97-1.00 on dgrad.
 using EpiTile = Shape<_128, _64>;
 using FwdCluster21 = BlockwiseGemm<Shape<_128, _128, _128>, Shape<_2, _1, _1>, false, false, EpiTile>;
 using FwdCluster12 = BlockwiseGemm<Shape<_128, _128, _128>, Shape<_1, _2, _1>, false, false, EpiTile>;
