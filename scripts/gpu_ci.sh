@@ -58,9 +58,12 @@ fi
 echo "== build (archs $MOE_FP8_CUDA_ARCHS; CXX=${CXX:-unset}, g++ on PATH: $(command -v g++))"
 start=$(date +%s)
 # A machine that gets the tree anew for each command (new file times) but keeps build/
-# rebuilds only the sources whose content changed (scripts/build_stamps.py).
+# rebuilds only the sources whose content changed (scripts/build_stamps.py). The stamps
+# are removed before the build and written after it succeeds: a failed build may leave
+# objects of sources whose content the next command could revert to the stamped one.
 stamps=build/source_stamps.json
 $PY scripts/build_stamps.py restore "$stamps"
+rm -f "$stamps"
 MAX_JOBS=${MAX_JOBS:-$(nproc)} $PY -m pip install --no-build-isolation --no-deps -e . >"$OUT/build.log" 2>&1 || { tail -50 "$OUT/build.log"; exit 1; }
 $PY scripts/build_stamps.py save "$stamps"
 echo "built in $(( $(date +%s) - start )) s"
