@@ -314,7 +314,7 @@ void run_gemm(const GroupTables<G>& t, int groups, bool raster_along_n, const at
   // Tile order (2d3d). Along M, the scheduler's default, the CTAs in flight walk one
   // N tile column of a group: each A tile is read again for every N tile, from DRAM once
   // the group's A outgrows L2. Along N they cover a few M tile rows in full: A is read
-  // once and the expert's weight stays in L2. Same-run A/B on H100 (bench/RESULTS.md),
+  // once and the expert's weight stays in L2. Same-run A/B on H100 (docs/EXPERIMENTS.md),
   // % of dense cuBLAS, along M -> along N: one group of (65536, 2048, 1408) 59 -> 91%
   // forward, 64 -> 91% dgrad; 4 router-like groups 77 -> 93%, 83 -> 92%; the benchmark
   // shapes -1..+4 points. No swizzle: with the problem shapes on the device only, the
@@ -350,7 +350,7 @@ void run_gemm(const GroupTables<G>& t, int groups, bool raster_along_n, const at
 //   row for nothing: with router-like groups (about half of them odd) that is about
 //   1 / (2 n) of the work at n tiles a group, 3% at 16 and 6% at 8. At 16 tiles 2x1's
 //   shared weight tiles saved more than that (net 1-4% below), at 8 less (net +4.3%).
-//   Same-run A/B on H100 (seven interleaved rounds, bench/RESULTS.md), 2x1 against 1x2,
+//   Same-run A/B on H100 (seven interleaved rounds, docs/EXPERIMENTS.md), 2x1 against 1x2,
 //   router-like groups padded to 128: (16384, 7168, 2048, 8) forward -1.2%, dgrad -1.1%;
 //   (32768, 5120, 1536, 16) -3.9%, -1.0%; (65536, 2048, 1408, 64), 8 tiles a group, 34
 //   of 64 groups odd: forward (11 N tiles) -3.7%, dgrad +4.3%.

@@ -6,7 +6,7 @@
 // accumulator, wait for ALL of them (warpgroup_wait<0>), then add partial x scale to
 // the total. While a warp group promotes, it has no GMMA in flight, and the next tile's
 // GMMAs start only after the promotion (on H100 at (65536, 2048, 1408, 64): tensor pipe
-// 56% busy against cuBLAS's 70%, 7x cuBLAS's gmma stalls; bench/RESULTS.md).
+// 56% busy against cuBLAS's 70%, 7x cuBLAS's gmma stalls; docs/EXPERIMENTS.md).
 //
 // Here the partial accumulator is double-buffered: tile t's GMMAs go into part[t % 2]
 // and are committed; then the warp group waits only for tile t - 1's group
@@ -17,7 +17,7 @@
 // one more partial accumulator, 64 fp32 registers a thread at a 128x128 cooperative tile
 // (2 x 64 rows); no spill in any of our instances (ptxas -v).
 //
-// Measured against the base mainloop (H100, four same-run A/Bs, bench/RESULTS.md): 2-4%
+// Measured against the base mainloop (H100, four same-run A/Bs, docs/EXPERIMENTS.md): 2-4%
 // faster on the dgrad of (65536, 2048, 1408, 64), about even on the other GEMMs; so the
 // promotion was a small part of that shape's gap to cuBLAS.
 //

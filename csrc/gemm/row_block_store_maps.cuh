@@ -13,7 +13,7 @@
 // With many small groups nearly every tile of a CTA starts a new group: at (65536, 2048,
 // 1408, 64), 128 tiles a group against 132 CTAs, all of them do. Skipping the update
 // (timing only, wrong output) made that shape's GEMMs 5-8% faster on an H100
-// (bench/RESULTS.md).
+// (docs/EXPERIMENTS.md).
 //
 // The matrix descriptors: kResidues of them, descriptor r with its first row at row
 // kRowStep * r of the matrix and 2^30 rows (so it clips nothing a tile needs). A group
@@ -29,7 +29,7 @@
 //   such tile's stores, so that it waits only for older stores. With many groups a CTA
 //   meets few of their last tiles: writing the descriptor at every group change whose
 //   group has one instead (the release and acquire then apart) was 1-6% slower on an
-//   H100 where group starts are off the 128-row grid (bench/RESULTS.md).
+//   H100 where group starts are off the 128-row grid (docs/EXPERIMENTS.md).
 //
 // Preconditions (the caller's tables): every group's output has the row stride dD[0] =
 // (ld, 1, 0) and the same N, and where ptr_D[g] - ptr_D[0] is a non-negative multiple of

@@ -566,7 +566,7 @@ constexpr int64_t kColsLongSliceRows = 768;
 // Block mode (blocks of 32 or 128 rows) needs no cross-block exchange: the blocks of
 // a segment slice (about kColsBlockSliceRows rows, whole scale blocks) run as
 // independent thread blocks, each in chunks of up to kColsBlockCacheRows rows (whole
-// 128-row passes). Measured on H100 (bench/sweep_cols.py --block, bench/RESULTS.md):
+// 128-row passes). Measured on H100 (bench/sweep_cols.py --block, docs/EXPERIMENTS.md):
 // short slices in many blocks beat long ones here, unlike the whole-set reduction
 // above. Against 2048-row slices with a 512-row cache, the previous plan: MXFP8
 // colwise over 2048-row groups 75-79% -> 82-84% of a copy, MXFP8 expert weights

@@ -305,7 +305,7 @@ MOE_FP8_DEVICE ScaleCode<typename Rule::stored_t> encode_ring_unit(const uint4 (
     // the even lane writes its first half, then the odd lane's first; the odd lane the
     // even lane's second half, then its own. Every lane shuffles (the callers keep the
     // warp converged). Measured on an H100 against the two plain stores: act_lhs 2.5-7%
-    // faster (85-89% -> 89-92% of a copy), MXFP8 rowwise 0.5-1.7% (bench/RESULTS.md).
+    // faster (85-89% -> 89-92% of a copy), MXFP8 rowwise 0.5-1.7% (docs/EXPERIMENTS.md).
     uint4 h[2];
 #pragma unroll
     for (int j = 0; j < kRingVecsPerLane; ++j) {
