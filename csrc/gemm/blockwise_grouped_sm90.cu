@@ -358,14 +358,16 @@ void run_gemm(const GroupTables<G>& t, int groups, bool raster_along_n, const at
 //   tokens are the contraction there, so both tile counts are known on the host). On
 //   the benchmark shapes, which all take 1x2, 2x1 ran 0.5% faster to 8% slower.
 // The output is stored in 128x64 epilogue tiles (two a tile), not CUTLASS's automatic
-// 128x32 (four): each subtile costs a named barrier of both warp groups and a shared-
+// 128x32 (four): each subtile costs named barriers of both warp groups and a shared-
 // memory fence before its TMA store, and the cooperative kernel runs no GMMA meanwhile.
 // Nsight (H200, the dgrad of (65536, 2048, 1408, 64), `scripts/profile_blockwise_gemm.py`)
 // put 26% of the consumer warps' stall samples in the 128x32 epilogue. Same-run A/B on
 // H100 (bench/RESULTS.md), time 128x64 / 128x32, outputs bit-equal: dgrad 0.93-0.98 on
 // every shape tried, wgrad 0.93-0.98, forward 0.95-1.01. The third benchmark shape's
-// dgrad went from 80-83% to 85-87% of dense cuBLAS. A 128x128 tile (one subtile, one
-// mainloop stage fewer: 5) was 0.97-1.00 on dgrad.
+// dgrad went from 80-83% to 85-87% of dense cuBLAS. The wider output stages (2 x 16 KB)
+// leave 5 mainloop stages where 128x32 left 6: the barriers saved are worth more. A
+// 128x128 tile (one subtile, one output stage, also 5 mainloop stages) was 0.97-1.00 on
+// dgrad. A pingpong instance would need a 64-row epilogue tile.
 using EpiTile = Shape<_128, _64>;
 using FwdCluster21 = BlockwiseGemm<Shape<_128, _128, _128>, Shape<_2, _1, _1>, false, false, EpiTile>;
 using FwdCluster12 = BlockwiseGemm<Shape<_128, _128, _128>, Shape<_1, _2, _1>, false, false, EpiTile>;
