@@ -4,7 +4,9 @@ of the same bytes measured in the same run.
 
 Correctness first: every shape is checked bit-exact against moe_fp8_ext.reference
 (and torchao's output against ours where its layouts are the same) before it is
-timed. Bytes: the input read, q written (twice for the dual op), the fp32 scales.
+timed. Bytes: the input read, q written (twice for the dual ops), the fp32 scales.
+act_dual (A's or grad_out's forward and weight-gradient operands over token groups,
+one read) is timed against our own two ops on the same groups.
 Run: python bench/bench_blockwise.py [--quick] [--fp8 e4m3fn|e4m3fnuz]
 """
 
@@ -74,10 +76,12 @@ def main():
     act_shapes = [(16384, 7168), (32768, 5120), (65536, 2048), (131072, 2048)]
     weight_shapes = [(7168, 2048), (2048, 7168), (5120, 1536)]
     expert_shapes = [(8, 2048, 7168), (16, 1536, 5120), (64, 1408, 2048)]  # (E, N, K): W of the forward
+    dual_shapes = [(16384, 2048), (32768, 1536), (65536, 1408)]
     if args.quick:
         act_shapes, weight_shapes, expert_shapes = act_shapes[:1], weight_shapes[:1], expert_shapes[:1]
+        dual_shapes = []
     if args.ops == "weight":
-        act_shapes = []
+        act_shapes, dual_shapes = [], []
     elif args.ops == "act":
         weight_shapes, expert_shapes = [], []
     out = []
@@ -97,6 +101,11 @@ def main():
             if small:
                 check(o, spec(x, fp8))
             out.append(row(name, f"({m}, {k})", nbytes, lambda fn=fn: fn(x, fp8), peer_2d(tname, x, o, fp8)))
+        out.append(dual_row(x, fp8, small))
+        del x
+    for m, k in dual_shapes:  # grad_out of the grouped-linear shapes: the dual alone
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        out.append(dual_row(x, fp8, True))
         del x
     for m, n in weight_shapes:
         w = torch.randn(m, n, device="cuda", dtype=torch.bfloat16) * 0.02
@@ -129,6 +138,37 @@ def main():
                        lambda: moe_fp8_ext.quantize_blockwise_weight_dual(b_t, fp8), _peer_experts(w, fp8, True)))
         del w, b_t
     print_table(f"FP8 blockwise quantization (bf16 -> {args.fp8} + fp32 scales)", HEADER, out, "bench_blockwise.md")
+
+
+GROUPS = {16384: 8, 32768: 16, 65536: 64, 131072: 8}  # experts of the grouped-linear shapes
+
+
+def router_offs(m, g, seed=0):
+    """Router-like token groups: sizes spread around m / g (0.5-1.5x), any size."""
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.rand(g, generator=gen) + 0.5
+    ends = (torch.cumsum(w, 0) / w.sum() * m).floor().to(torch.int32)
+    ends[-1] = m
+    return ends.cuda()
+
+
+def dual_row(x, fp8, check_two_ops):
+    """quantize_blockwise_act_dual on G router-like groups, padded layout (the grouped
+    linear's A and grad_out operands). Peer columns: OUR act_lhs + act_rhs of the same
+    groups (torchao has no grouped or dual form), checked bit-equal first."""
+    m, k = x.shape
+    g = GROUPS.get(m, 8)
+    offs = router_offs(m, g)
+    starts, _ = moe_fp8_ext.padded_group_offsets(offs, m, 128)
+    rows = moe_fp8_ext.padded_rows(m, g, 128)
+    run = lambda: moe_fp8_ext.quantize_blockwise_act_dual(x, fp8, offs, starts, 128)  # noqa: E731
+    two = lambda: (moe_fp8_ext.quantize_blockwise_act_lhs(x, fp8),  # noqa: E731
+                   moe_fp8_ext.quantize_blockwise_act_rhs(x, fp8, offs, starts, 128))
+    if check_two_ops:
+        (a, b) = two()
+        check(run(), a + b)
+    nbytes = m * k * 4 + 4 * m * (-(-k // 128)) + 4 * (rows // 128) * k
+    return row(f"act_dual, {g} groups (peer: our lhs + rhs)", f"({m}, {k})", nbytes, run, lambda: two)
 
 
 def _peer_both(w, dtype):

@@ -89,6 +89,11 @@ TORCH_LIBRARY(moe_fp8, m) {
   m.def(
       "quantize_blockwise_act_transposed_lhs(Tensor x, ScalarType fp8_dtype, Tensor? offs=None,"
       " Tensor? padded_starts=None, int? alignment=None) -> (Tensor, Tensor)");
+  // act_dual: act_lhs's (q, scale) and act_rhs's with the same token groups, from one
+  // read of x where the device has the kernel (the padded layout, 2-byte x).
+  m.def(
+      "quantize_blockwise_act_dual(Tensor x, ScalarType fp8_dtype, Tensor offs, Tensor? padded_starts=None,"
+      " int? alignment=None) -> (Tensor, Tensor, Tensor, Tensor)");
   // Weights, 128x128 tiles of w (M, N) or (E, M, N): weight_rhs q (M, N) column-major,
   // scale (ceil(M/128), ceil(N/128)) column-major; weight_transposed_rhs q (N, M)
   // column-major, scale (ceil(N/128), ceil(M/128)) column-major; weight_dual both.

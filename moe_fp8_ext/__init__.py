@@ -19,6 +19,7 @@ from . import _C  # noqa: F401,E402  (registers torch.ops.moe_fp8.*)
 from . import blockwise_gemm  # noqa: F401,E402  (the GEMMs' fakes, for torch.compile)
 from . import rowwise_gemm  # noqa: F401,E402
 from .blockwise import (
+    quantize_blockwise_act_dual,
     quantize_blockwise_act_lhs,
     quantize_blockwise_act_rhs,
     quantize_blockwise_act_transposed_lhs,
@@ -84,6 +85,7 @@ __all__ = [
     "padded_rows",
     "permute_and_pad",
     "permute_indices",
+    "quantize_blockwise_act_dual",
     "quantize_blockwise_act_lhs",
     "quantize_blockwise_act_rhs",
     "quantize_blockwise_act_transposed_lhs",

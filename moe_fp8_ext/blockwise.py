@@ -60,12 +60,16 @@ def quantize_blockwise_act_lhs(x: Tensor, fp8_dtype: Optional[torch.dtype] = Non
     return _ops.quantize_blockwise_act_lhs(x, _dtype(fp8_dtype, x))
 
 
-@torch.library.register_fake("moe_fp8::quantize_blockwise_act_lhs")
-def _(x, fp8_dtype):
-    check_quantize_blockwise_act_lhs(x, fp8_dtype)
+def _lhs_fake(x, fp8_dtype):
     m, k = x.shape
     q = x.new_empty((m, k), dtype=fp8_dtype)
     return q, x.new_empty_strided((m, _cdiv(k, BW_BLOCK)), (1, max(m, 1)), dtype=torch.float32)
+
+
+@torch.library.register_fake("moe_fp8::quantize_blockwise_act_lhs")
+def _(x, fp8_dtype):
+    check_quantize_blockwise_act_lhs(x, fp8_dtype)
+    return _lhs_fake(x, fp8_dtype)
 
 
 # ---- quantize_blockwise_act_rhs / quantize_blockwise_act_transposed_lhs ----------------
@@ -123,6 +127,42 @@ def quantize_blockwise_act_transposed_lhs(x: Tensor, fp8_dtype: Optional[torch.d
 @torch.library.register_fake("moe_fp8::quantize_blockwise_act_transposed_lhs")
 def _(x, fp8_dtype, offs=None, padded_starts=None, alignment=None):
     return _cols_fake(x, fp8_dtype, offs, padded_starts, alignment, True, "quantize_blockwise_act_transposed_lhs")
+
+
+# ---- quantize_blockwise_act_dual ---------------------------------------------------------
+
+
+def check_quantize_blockwise_act_dual(x, fp8_dtype, offs, padded_starts, alignment):
+    op = "quantize_blockwise_act_dual"
+    if not isinstance(offs, Tensor):
+        raise TypeError(f"{op}: expected offs to be a Tensor, got {type(offs).__name__}")
+    return check_quantize_blockwise_act_cols(x, fp8_dtype, offs, padded_starts, alignment, op)
+
+
+def quantize_blockwise_act_dual(x: Tensor, fp8_dtype: Optional[torch.dtype] = None, offs: Optional[Tensor] = None,
+                                padded_starts: Optional[Tensor] = None,
+                                alignment: Optional[int] = None) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``(*quantize_blockwise_act_lhs(x), *quantize_blockwise_act_rhs(x, offs=offs, ...))``
+    bit for bit: a token-grouped activation's left operand of the forward (or dgrad)
+    GEMM and its operand of the weight-gradient GEMM, ``(q_lhs, scale_lhs, q_rhs,
+    scale_rhs)``. ``offs`` is required; ``padded_starts``/``alignment`` as for
+    :func:`quantize_blockwise_act_rhs`.
+
+    With the padded layout and a 2-byte ``x`` whose rows are 16-byte aligned (K a
+    multiple of 8, contiguous columns), a GPU writes all four from ONE read of ``x``:
+    every 128x128 tile taken at a 128-row step of a padded group holds whole 1x128 and
+    128x1 blocks. Elsewhere (CPU, fp32, other strides, unpadded groups) it runs the two
+    ops."""
+    check_quantize_blockwise_act_dual(x, fp8_dtype, offs, padded_starts, alignment)
+    return _ops.quantize_blockwise_act_dual(x, _dtype(fp8_dtype, x), offs, padded_starts, alignment)
+
+
+@torch.library.register_fake("moe_fp8::quantize_blockwise_act_dual")
+def _(x, fp8_dtype, offs, padded_starts=None, alignment=None):
+    check_quantize_blockwise_act_dual(x, fp8_dtype, offs, padded_starts, alignment)
+    q_lhs, s_lhs = _lhs_fake(x, fp8_dtype)
+    return (q_lhs, s_lhs, *_cols_fake(x, fp8_dtype, offs, padded_starts, alignment, False,
+                                      "quantize_blockwise_act_dual"))
 
 
 # ---- quantize_blockwise_weight_rhs / _transposed_rhs / _dual (128x128 tiles) ----------

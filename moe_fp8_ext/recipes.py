@@ -745,7 +745,9 @@ class Fp8Blockwise(Recipe):
     ``MOE_FP8_HOLD_WEIGHT_OPERANDS=0``); ``wgrad_operands``
     grad_outᵀ in 1x128 blocks along the tokens and A in 128x1 blocks along the tokens,
     straight into the padded layout (alignment 128: any group sizes with
-    ``pad_groups=True``, no sync).
+    ``pad_groups=True``, no sync). Where the padded layout is used, A's (and
+    grad_out's) two operands come from one read (``quantize_blockwise_act_dual``) and
+    A's fp8 weight-gradient operand is saved instead of A (``keeps_fp8_activations``).
 
     GEMM: this package's CUTLASS grouped blockwise GEMM (:mod:`moe_fp8_ext.blockwise_gemm`,
     ``"blockwise_gemm"``) on CUDA capability 9.0 when built with it, writing bfloat16;
@@ -820,6 +822,26 @@ class Fp8Blockwise(Recipe):
         qg, sg = _bw.quantize_blockwise_act_transposed_lhs(grad_out, fp8_dtype, **layout)  # (N, Mp), (N, Mp/128)
         qa, sa = _bw.quantize_blockwise_act_rhs(saved["A"], fp8_dtype, **layout)  # (Mp, K) col-major, (Mp/128, K)
         return (qg, sg), (qa, sa)
+
+    # (q (Mp, D) column-major, scale (Mp/128, D)) per tensor, act_rhs's layouts; the GEMM
+    # takes grad_out's transposed: act_transposed_lhs's tensors, the same bytes.
+    keeps_fp8_activations = True
+
+    def wgrad_operand(self, x, offs, fp8_dtype, padded_starts):
+        alignment = None if padded_starts is None else self.alignment
+        return _bw.quantize_blockwise_act_rhs(x, fp8_dtype, offs, padded_starts, alignment)
+
+    def wgrad_operands_from(self, grad, a):
+        (qg, sg), (qa, sa) = grad, a
+        return (qg.t(), sg.t()), (qa, sa)
+
+    def reads_activations_once(self):
+        return True  # quantize_blockwise_act_dual: one read on a GPU (the padded layout, 2-byte input)
+
+    def lhs_with_wgrad_operand(self, x, offs, fp8_dtype, padded_starts):
+        alignment = None if padded_starts is None else self.alignment
+        ql, sl, qr, sr = _bw.quantize_blockwise_act_dual(x, fp8_dtype, offs, padded_starts, alignment)
+        return (ql, sl), (qr, sr)
 
     def mm_2d3d(self, lhs, rhs, offs, out_dtype, backend):
         (qa, sa), (qb, sb) = lhs, rhs[:2]

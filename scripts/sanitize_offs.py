@@ -93,6 +93,9 @@ for offs in ([700, -5, 100, 2**31 - 1, 30, -2**31], [1000 * 3] * 3, [-1] * 5, [9
         attempt(moe_fp8_ext.quantize_mxfp8_colwise, t[:992], "rceil", True, o)  # the kernel sums the starts
         attempt(moe_fp8_ext.quantize_blockwise_act_rhs, t, F8, o, po, 128)
         attempt(moe_fp8_ext.quantize_blockwise_act_transposed_lhs, t, F8, o, po, 128)
+        # (the one-read kernel for xm: garbage starts, clamped, negative, decreasing)
+        attempt(moe_fp8_ext.quantize_blockwise_act_dual, t, F8, o, po, 128)
+        attempt(moe_fp8_ext.quantize_blockwise_act_dual, t, F8, o, o.flip(0), 256)
     s = moe_fp8_ext.quantize_mxfp8_rowwise(xm)[1]
     bm = attempt(moe_fp8_ext.to_blocked_scales_m_groups, s, o)
     bk = attempt(moe_fp8_ext.to_blocked_scales_k_groups, s, o)
@@ -106,6 +109,7 @@ po, _ = moe_fp8_ext.padded_group_offsets(o, 1000, 128)
 for t in (xm, xm.t().contiguous().t()):
     attempt(moe_fp8_ext.quantize_blockwise_act_rhs, t, F8, o, po, 128)
     attempt(moe_fp8_ext.quantize_blockwise_act_transposed_lhs, t, F8, o, po, 128)
+    attempt(moe_fp8_ext.quantize_blockwise_act_dual, t, F8, o, po, 128)
 for t in (xm, xm[:, 32:], xm.t().contiguous().t()):
     attempt(moe_fp8_ext.quantize_mxfp8_rowwise, t, "rceil", True)
     attempt(moe_fp8_ext.quantize_mxfp8_colwise, t[:992], "rceil", True)

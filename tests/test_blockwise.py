@@ -443,6 +443,53 @@ def test_padded_equals_quantizing_the_padded_copy(device):
     check(got, want)
 
 
+# ---- act_dual: act_lhs and act_rhs of the same groups from one call ------------------------
+
+dual = moe_fp8_ext.quantize_blockwise_act_dual
+
+DUAL_CASES = PADDED_CASES + [  # K multiples of 8 (the one-read kernel on a GPU) and not
+    (1000, 264, 7, 50),
+    (700, 136, 3, 300),  # 300 rows past the groups: several blocks past the last padded group
+    (64, 136, 0, 0),  # G = 0: every row past the groups
+    (129, 8, 1, 0),
+    (517, 1032, 6, 1),
+]
+
+
+def check_dual(out, x, fp8, offs, alignment=None):
+    check(out[:2], ref.quantize_blockwise_act_lhs(x.cpu(), fp8))
+    check(out[2:], ref.quantize_blockwise_act_rhs(x.cpu(), fp8, offs, alignment))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", IN_DTYPES)
+@pytest.mark.parametrize("alignment", ALIGNMENTS)
+@pytest.mark.parametrize("case", DUAL_CASES)
+def test_act_dual_padded(device, dtype, alignment, case):
+    # (act_lhs, act_rhs) bit for bit, every layout of x (contiguous bf16/fp16 rows of a
+    # multiple of 8 columns take the one-read kernel on a GPU, the rest the two ops),
+    # specials, empty groups, rows past the groups, alignments past one block (padded
+    # blocks with no rows at all), every fp8 format, into poisoned memory.
+    m, k, g, tail = case
+    offs = random_offs(m, g, empty_frac=0.3, tail=tail, generator=torch.Generator().manual_seed(m + g + alignment))
+    starts, _ = moe_fp8_ext.padded_group_offsets(offs, m, alignment)
+    for i, x in enumerate(layouts_2d(m, k, dtype, device)):
+        fp8 = FP8S_ALL[i % 3]
+        poison(device)
+        check_dual(dual(x, fp8, offs.to(device), starts.to(device), alignment), x, fp8, offs, alignment)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_act_dual_unpadded_groups(device):
+    # Groups at multiples of 128 without the padded layout: the two ops, the same rules.
+    m, k = 640, 96
+    offs = offs_from_sizes([128, 0, 256, 128])
+    x = bw_data((m, k), torch.bfloat16, device)
+    check_dual(dual(x, F8, offs.to(device)), x, F8, offs)
+    with pytest.raises(RuntimeError, match="quantize_blockwise_act_dual: expected every non-empty token group to start"):
+        dual(x.cpu(), F8, offs_from_sizes([100, 28]))
+
+
 # ---- errors ---------------------------------------------------------------------------------
 
 x256 = torch.randn(256, 64, dtype=torch.bfloat16)
@@ -474,6 +521,12 @@ ERROR_CASES = [
     (lambda: rhs(x256, F8, offs2, starts2[:1], 128), "quantize_blockwise_act_rhs: expected padded_starts of shape (2,) like offs, got (1,)", True),
     (lambda: tlhs(x256, F8, offs2, torch.tensor([0, 64], dtype=torch.int32), 128), "quantize_blockwise_act_transposed_lhs: expected padded_starts[1]", False),
     (lambda: tlhs(torch.randn(3, 4, 5)), "quantize_blockwise_act_transposed_lhs: expected x to be a 2-D tensor, got 3-D", True),
+    (lambda: dual(torch.randn(3, 4, 5), F8, offs2), "quantize_blockwise_act_dual: expected x to be a 2-D tensor, got 3-D", True),
+    (lambda: dual(x256, torch.bfloat16, offs2), "quantize_blockwise_act_dual: expected fp8_dtype float8_e4m3fn, float8_e4m3fnuz or float8_e5m2, got BFloat16", True),
+    (lambda: dual(x256, F8, offs2.long()), "quantize_blockwise_act_dual: expected offs of dtype int32, got Long", True),
+    (lambda: dual(x256, F8, offs2, starts2, 64), "quantize_blockwise_act_dual: expected alignment to be a multiple of 128, got 64", True),
+    (lambda: dual(x256, F8, offs2, starts2), "quantize_blockwise_act_dual: expected padded_starts and alignment together, got only padded_starts", True),
+    (lambda: dual(x256, F8, offs2, torch.tensor([0, 64], dtype=torch.int32), 128), "quantize_blockwise_act_dual: expected padded_starts[1]", False),
     (lambda: tlhs(x256, F8, offs2.float()), "quantize_blockwise_act_transposed_lhs: expected offs of dtype int32, got Float", True),
     (lambda: tlhs(x256, F8, offs2, starts2, 100), "quantize_blockwise_act_transposed_lhs: expected alignment to be a multiple of 128, got 100", True),
     (lambda: tlhs(torch.ones(1, 1, dtype=torch.bfloat16).expand(2**31 - 8, 1), F8, torch.tensor([2**31 - 8], dtype=torch.int32), torch.zeros(1, dtype=torch.int32), 128), "quantize_blockwise_act_transposed_lhs: expected the padded layout of", True),
@@ -499,7 +552,7 @@ def test_bad_inputs_fake(call, message):
     assert message.split(", got")[0] in str(e.value)
 
 
-@pytest.mark.parametrize("op", [lhs, rhs, tlhs])
+@pytest.mark.parametrize("op", [lhs, rhs, tlhs, lambda x, t=None: dual(x, t, offs2)])
 def test_bad_types(op):
     with pytest.raises(TypeError, match="expected fp8_dtype to be a torch.dtype"):
         op(x256, "e4m3")
@@ -521,6 +574,9 @@ FAKE_CASES = [  # edge shapes opcheck does not reach: the fake's shapes and stri
     lambda: rhs(torch.randn(0, 3), F8, torch.zeros(0, dtype=torch.int32), torch.zeros(0, dtype=torch.int32), 128),
     lambda: tlhs(torch.randn(5, 3), F8, offs_from_sizes([5]), torch.zeros(1, dtype=torch.int32), 256),
     lambda: tlhs(torch.randn(5, 0), F8, offs_from_sizes([5]), torch.zeros(1, dtype=torch.int32), 256),
+    lambda: dual(torch.randn(0, 8), F8, torch.zeros(2, dtype=torch.int32), torch.zeros(2, dtype=torch.int32), 128),
+    lambda: dual(torch.randn(300, 0), F8, offs_from_sizes([128, 0, 100])),
+    lambda: dual(torch.randn(5, 16), F8, offs_from_sizes([5]), torch.zeros(1, dtype=torch.int32), 256),
     lambda: moe_fp8_ext.quantize_blockwise_weight_rhs(torch.randn(0, 5), F8),
     lambda: moe_fp8_ext.quantize_blockwise_weight_transposed_rhs(torch.randn(3, 0, 129), F8),
     lambda: moe_fp8_ext.quantize_blockwise_weight_dual(torch.randn(0, 129, 3), F8),
@@ -665,6 +721,9 @@ OPCHECK_CASES = [
     ("quantize_blockwise_act_transposed_lhs", lambda d: (_x(d).t().contiguous().t(), torch.float8_e4m3fnuz, None, None, None)),
     ("quantize_blockwise_act_transposed_lhs", lambda d: (_x(d), torch.float8_e4m3fn, _offs(d), None, None)),
     ("quantize_blockwise_act_transposed_lhs", lambda d: (_x(d), torch.float8_e4m3fnuz, _any_offs(d), _starts(d, 256), 256)),
+    ("quantize_blockwise_act_dual", lambda d: (_x(d), torch.float8_e4m3fn, _offs(d), None, None)),
+    ("quantize_blockwise_act_dual", lambda d: (_x(d), torch.float8_e4m3fnuz, _any_offs(d), _starts(d, 256), 256)),
+    ("quantize_blockwise_act_dual", lambda d: (_x(d, 300, 208), torch.float8_e4m3fn, _any_offs(d), _starts(d), 128)),
     ("quantize_blockwise_weight_rhs", lambda d: (_x(d), torch.float8_e4m3fn)),
     ("quantize_blockwise_weight_rhs", lambda d: (randn((3, 130, 200), torch.float16, d), torch.float8_e4m3fnuz)),
     ("quantize_blockwise_weight_transposed_rhs", lambda d: (_x(d).t(), torch.float8_e4m3fn)),
@@ -688,7 +747,8 @@ def _bw_step(a, offs, starts):
     w = moe_fp8_ext.quantize_blockwise_weight_dual(a * 0.5, torch.float8_e4m3fn)
     q5, s5 = moe_fp8_ext.quantize_blockwise_weight_rhs(a, torch.float8_e4m3fnuz)
     q6, s6 = moe_fp8_ext.quantize_blockwise_weight_transposed_rhs(a * 0.25, torch.float8_e4m3fn)
-    return q1, s1, q2, s2, q3, s3, q4, s4, *w, q5, s5, q6, s6
+    d = moe_fp8_ext.quantize_blockwise_act_dual(a * 4, torch.float8_e4m3fn, offs, starts, 128)
+    return q1, s1, q2, s2, q3, s3, q4, s4, *w, q5, s5, q6, s6, *d
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -745,6 +805,26 @@ def test_large_same_as_cpu(fp8):
         starts, _ = moe_fp8_ext.padded_group_offsets(offs_any, 8192, a)
         same_as_cpu(lambda u, o, s: rhs(u, fp8, o, s, a), x[:, :1000], offs_any, starts)
         same_as_cpu(lambda u, o, s: tlhs(u, fp8, o, s, a), x[:, :1000], offs_any, starts)
+        same_as_cpu(lambda u, o, s: dual(u, fp8, o, s, a), x[:, :1000], offs_any, starts)
+
+
+@requires_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_act_dual_kernel_same_as_two_ops(dtype):
+    # The one-read kernel against the GPU's own two ops (and the CPU), bit for bit, on
+    # the experts' shapes: router-like groups with empty ones, rows past the groups,
+    # strided rows (a column slice), M not a multiple of 128.
+    for m, k, g, seed in ((16384 + 77, 2048, 8, 0), (8192, 7168, 64, 1), (3000, 1408, 16, 2)):
+        x = bw_data((m, 2 * k), dtype, "cuda", seed=seed)[:, :k]
+        offs = random_offs(m, g, empty_frac=0.2, tail=33, generator=torch.Generator().manual_seed(seed)).cuda()
+        starts, _ = moe_fp8_ext.padded_group_offsets(offs, m, 128)
+        for fp8 in FP8S_ALL:
+            poison("cuda")
+            got = dual(x, fp8, offs, starts, 128)
+            check(got[:2], lhs(x, fp8))
+            check(got[2:], rhs(x, fp8, offs, starts, 128))
+        same_as_cpu(lambda u, o, s: dual(u, torch.float8_e4m3fn, o, s, 128), x, offs, starts)
 
 
 def act_lhs_rows_same_as_cpu(dtype, shapes, strided_cols, seed):

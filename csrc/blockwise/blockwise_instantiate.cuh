@@ -5,6 +5,7 @@
 #pragma once
 
 #include "../quant/engine_instantiate.cuh"
+#include "../quant/act_dual_kernel.cuh"
 #include "../quant/tiles_kernel.cuh"
 
 namespace moe_fp8 {
@@ -23,6 +24,18 @@ int blockwise_tile_launchers(const TilesArgs& a, gpuStream_t stream) {
         err |= launch_quantize_tiles<decltype(kin)::value, decltype(kfmt)::value, Fp32Exact>(a, stream);
       });
     }
+  }
+  return err;
+}
+
+// The activations' 1x128 + 128x1 dual, 2-byte inputs, every fp8 format.
+int blockwise_act_dual_launchers(const ActDualArgs& a, gpuStream_t stream) {
+  int err = 0;
+  for (int fmt = 0; fmt < 3; ++fmt) {
+    dispatch_input_fp8(InputKind::kBF16, static_cast<Fp8Format>(fmt), [&](auto, auto kfmt) {
+      err |= launch_quantize_act_dual<InputKind::kBF16, decltype(kfmt)::value, Fp32Exact>(a, stream);
+      err |= launch_quantize_act_dual<InputKind::kFP16, decltype(kfmt)::value, Fp32Exact>(a, stream);
+    });
   }
   return err;
 }

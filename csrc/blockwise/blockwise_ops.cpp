@@ -107,6 +107,48 @@ std::tuple<at::Tensor, at::Tensor> quantize_blockwise_act_cols(const QuantKernel
   return {q, scale};
 }
 
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_blockwise_act_dual(
+    const QuantKernels& k, const TileKernels& tk, const at::Tensor& x, at::ScalarType fp8_dtype,
+    const at::Tensor& offs, const std::optional<at::Tensor>& padded_starts, std::optional<int64_t> alignment) {
+  constexpr const char* op = "quantize_blockwise_act_dual";
+  check_rank(x, 2, op, "x");
+  const InputKind in = input_kind(x, op, "x");
+  (void)fp8_format(fp8_dtype, op);
+  ColsArgs c;
+  const JaggedCols j = jagged_cols(c, x, offs, padded_starts, alignment, kBwBlock, op);
+  if (!c.padded) check_group_starts(offs, x.size(0), op);
+  const int64_t M = x.size(0), K = x.size(1);
+  ActDualArgs a;
+  a.x = x.data_ptr();
+  a.rows = M;
+  a.cols = K;
+  a.sr = x.stride(0);
+  a.offs = c.offs;
+  a.padded_starts = c.padded_starts;
+  a.groups = c.num_segments;
+  a.alignment = c.alignment;
+  a.q_rows_total = j.q_rows;
+  if (tk.act_dual == nullptr || !c.padded || (K > 1 && x.stride(1) != 1) || !act_dual_vector_ok(a, x.element_size())) {
+    auto [q_lhs, s_lhs] = quantize_blockwise_act_lhs(k, x, fp8_dtype);
+    auto [q_rhs, s_rhs] = quantize_blockwise_act_cols(k, x, fp8_dtype, offs, padded_starts, alignment, false);
+    return {q_lhs, s_lhs, q_rhs, s_rhs};
+  }
+  // The two ops' allocations (act_lhs, then act_rhs with token groups).
+  const int64_t R = j.q_rows, C = ceil_div(K, kBwBlock);
+  const auto qopts = x.options().dtype(fp8_dtype);
+  const auto sopts = x.options().dtype(at::kFloat);
+  at::Tensor q_lhs = at::empty({M, K}, qopts);
+  at::Tensor s_lhs = at::empty_strided({M, C}, {1, std::max<int64_t>(M, 1)}, sopts);
+  at::Tensor q_rhs = at::empty_strided({R, K}, {1, std::max<int64_t>(R, 1)}, qopts);
+  at::Tensor s_rhs = at::zeros({ceil_div(R, kBwBlock), K}, sopts);
+  a.q_rows = static_cast<uint8_t*>(q_lhs.data_ptr());
+  a.s_rows = s_lhs.data_ptr();
+  a.q_cols = static_cast<uint8_t*>(q_rhs.data_ptr());
+  a.s_cols = s_rhs.data_ptr();
+  tk.act_dual(in, fp8_format(fp8_dtype, op), ScaleRuleKind::kFp32Exact, a, x.device().index());
+  return {q_lhs, s_lhs, q_rhs, s_rhs};
+}
+
 std::vector<at::Tensor> quantize_blockwise_weight(const TileKernels& k, const at::Tensor& w, at::ScalarType fp8_dtype,
                                                   int which) {
   const char* op = which == 0   ? "quantize_blockwise_weight_rhs"

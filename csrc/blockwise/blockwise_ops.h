@@ -11,7 +11,10 @@
 //                        row-major (set stride 1, block stride K);
 //  * act_transposed_lhs: the same launch as act_rhs, the same bytes: q (K, M) row-major
 //                        is act_rhs's column-major q transposed, scale (K, ceil(M/128))
-//                        column-major is act_rhs's row-major scale transposed.
+//                        column-major is act_rhs's row-major scale transposed;
+//  * act_dual:           act_lhs and act_rhs (token groups) from one read: the engine's
+//                        activation dual shape for the padded layout of a 2-byte x
+//                        with aligned rows (where the device has it), else the two.
 // The transposing ops take token groups (offs; or padded_starts + alignment, q in the
 // padded layout of DESIGN §8) with blocks restarting at each group's first row.
 //
@@ -51,6 +54,12 @@ std::tuple<at::Tensor, at::Tensor> quantize_blockwise_act_cols(const QuantKernel
                                                                const std::optional<at::Tensor>& padded_starts,
                                                                std::optional<int64_t> alignment, bool transposed);
 
+// act_lhs and act_rhs of x with the token groups of offs: one read (tk.act_dual) for
+// the padded layout of a 2-byte x with aligned rows, else the two launches.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_blockwise_act_dual(
+    const QuantKernels& k, const TileKernels& tk, const at::Tensor& x, at::ScalarType fp8_dtype,
+    const at::Tensor& offs, const std::optional<at::Tensor>& padded_starts, std::optional<int64_t> alignment);
+
 // which: 0 weight_rhs, 1 weight_transposed_rhs, 2 both (q, scale, q_t, scale_t).
 std::vector<at::Tensor> quantize_blockwise_weight(const TileKernels& k, const at::Tensor& w, at::ScalarType fp8_dtype,
                                                   int which);
@@ -72,6 +81,13 @@ struct BlockwiseOn {
                                                                std::optional<int64_t> alignment) {
     return quantize_blockwise_act_cols(K, x, fp8_dtype, offs, starts, alignment, true);
   }
+  static std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> act_dual(const at::Tensor& x,
+                                                                             at::ScalarType fp8_dtype,
+                                                                             const at::Tensor& offs,
+                                                                             const std::optional<at::Tensor>& starts,
+                                                                             std::optional<int64_t> alignment) {
+    return quantize_blockwise_act_dual(K, TK, x, fp8_dtype, offs, starts, alignment);
+  }
   static std::tuple<at::Tensor, at::Tensor> weight_rhs(const at::Tensor& w, at::ScalarType fp8_dtype) {
     auto o = quantize_blockwise_weight(TK, w, fp8_dtype, 0);
     return {o[0], o[1]};
@@ -92,6 +108,7 @@ struct BlockwiseOn {
     m.impl("quantize_blockwise_act_lhs", TORCH_FN(act_lhs));
     m.impl("quantize_blockwise_act_rhs", TORCH_FN(act_rhs));
     m.impl("quantize_blockwise_act_transposed_lhs", TORCH_FN(act_transposed_lhs));
+    m.impl("quantize_blockwise_act_dual", TORCH_FN(act_dual));
   }
 };
 

@@ -58,13 +58,19 @@ MOE_FP8_DEVICE void store_elems(T* p, const Array<T, N>& a) {
 
 // x * s as fp8: CUDA's e4m3fn conversion saturates to +-448 and keeps NaN itself
 // (cvt.rn.satfinite), exactly what scale_clamp does; other encoders clamp first.
+// (Each value with its own scale: the two columns of a column-scaled pair.)
 template <Fp8Format F>
-MOE_FP8_DEVICE uint16_t scaled_fp8x2(float lo, float hi, float s) {
+MOE_FP8_DEVICE uint16_t scaled_fp8x2(float lo, float hi, float s_lo, float s_hi) {
 #if MOE_FP8_HW_E4M3FN_SATFINITE
-  if constexpr (F == Fp8Format::kE4M3FN) return hw_cvt_e4m3fn_x2(lo * s, hi * s);
+  if constexpr (F == Fp8Format::kE4M3FN) return hw_cvt_e4m3fn_x2(lo * s_lo, hi * s_hi);
 #endif
   constexpr float kMax = Fp8Spec<F>::kMax;
-  return encode_fp8x2<F>(scale_clamp(lo, s, kMax), scale_clamp(hi, s, kMax));
+  return encode_fp8x2<F>(scale_clamp(lo, s_lo, kMax), scale_clamp(hi, s_hi, kMax));
+}
+
+template <Fp8Format F>
+MOE_FP8_DEVICE uint16_t scaled_fp8x2(float lo, float hi, float s) {
+  return scaled_fp8x2<F>(lo, hi, s, s);
 }
 
 // Scale, clamp and encode N values into N fp8 bytes (pairs go through the

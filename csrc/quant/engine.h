@@ -221,6 +221,90 @@ struct TilesArgs {
   int num_out = 1;
 };
 
+// The "activation dual" shape (FP8 blockwise activations, DESIGN §6): a token-grouped
+// x (rows x cols, columns contiguous) quantized in 1x128 blocks along its rows
+// (q_rows (rows, cols) row-major, the scale of (row r, block j) at s_rows[j * rows + r])
+// AND in 128x1 blocks down each padded token group (q_cols (q_rows_total, cols)
+// column-major in the padded layout of DESIGN §8, the scale of (q block b, column c)
+// at s_cols[b * cols + c]), from one read: each 128 x 128 tile of a group holds whole
+// blocks of both. Bit for bit what the rows launch of act_lhs and the padded cols
+// launch of act_rhs write (rows past the last group: rows only, their q_cols rows
+// zero; s_cols is zeroed by the caller, as act_rhs's is).
+struct ActDualArgs {
+  const void* x = nullptr;
+  int64_t rows = 0, cols = 0, sr = 0;
+  const int32_t* offs = nullptr;
+  const int32_t* padded_starts = nullptr;
+  int groups = 0;
+  int64_t alignment = 128;
+  int64_t q_rows_total = 0;  // rows of the padded layout, a multiple of 128
+  uint8_t* q_rows = nullptr;
+  void* s_rows = nullptr;
+  uint8_t* q_cols = nullptr;
+  void* s_cols = nullptr;
+};
+
+// What the 128-row block `qb` of the padded layout does: q_cols rows [q0, q0 + q_len)
+// from input rows [in0, in0 + in_rows) (the rest of the block zero rows encoded with
+// the block's scales: kEncode), or zeros (kZero: past the last group); input rows
+// [in0, in0 + in_rows) also get their 1x128 blocks. Past the last group block t takes
+// the t-th 128 rows past offs[G-1] (the padded layout's bound leaves enough blocks
+// there for every such row). Any offs / padded_starts content gives rows inside
+// [0, rows) and q rows inside [0, q_rows_total).
+enum class ActDualCols : int { kNone = 0, kEncode = 1, kZero = 2 };
+struct ActDualBlock {
+  int64_t in0 = 0;
+  int in_rows = 0;
+  ActDualCols cols = ActDualCols::kNone;
+  int64_t q0 = 0;
+  int q_len = 0;
+};
+
+MOE_FP8_HD ActDualBlock act_dual_block(const ActDualArgs& a, int64_t qb) {
+  constexpr int64_t kB = 128;
+  ActDualBlock b;
+  b.q0 = qb * kB;
+  const int64_t q_room = a.q_rows_total - b.q0 < kB ? a.q_rows_total - b.q0 : kB;
+  GroupLayout l;
+  l.offs = a.offs;
+  l.pstart = a.padded_starts;
+  l.groups = a.groups;
+  l.rows = a.rows;
+  l.padded_rows = a.q_rows_total;
+  int64_t start = 0, end = 0, q_start = 0, q_len = 0;
+  if (a.groups > 0) {
+    group_range(a.offs, a.groups - 1, a.rows, &start, &end);
+    padded_group_rows(l, a.groups - 1, a.alignment, &q_start, &q_len);
+  }
+  const int64_t tail_q = q_start + q_len;  // 0 without groups
+  if (b.q0 >= tail_q) {
+    b.cols = ActDualCols::kZero;
+    b.q_len = static_cast<int>(q_room);
+    b.in0 = end + (b.q0 - tail_q) / kB * kB;
+    const int64_t n = a.rows - b.in0;
+    b.in_rows = static_cast<int>(n < 0 ? 0 : (n > kB ? kB : n));
+    return b;
+  }
+  const int g = last_at_most(a.padded_starts, a.groups, b.q0);
+  if (g < 0) return b;  // before the first group (a gap)
+  group_range(a.offs, g, a.rows, &start, &end);
+  padded_group_rows(l, g, a.alignment, &q_start, &q_len);
+  if (b.q0 < q_start || b.q0 >= q_start + q_len) return b;  // between two groups (a gap)
+  b.cols = ActDualCols::kEncode;
+  b.q_len = static_cast<int>(q_start + q_len - b.q0 < q_room ? q_start + q_len - b.q0 : q_room);
+  b.in0 = start + (b.q0 - q_start);
+  const int64_t n = end - b.in0;
+  b.in_rows = static_cast<int>(n < 0 ? 0 : (n > b.q_len ? b.q_len : n));
+  return b;
+}
+
+// Whether the one-read kernel takes these arguments: 2-byte input with contiguous
+// columns, 16-byte aligned rows, whole 8-column chunks, the grid's column count.
+inline bool act_dual_vector_ok(const ActDualArgs& a, int64_t element_size) {
+  return element_size == 2 && a.cols % 8 == 0 && a.sr % 8 == 0 && reinterpret_cast<uintptr_t>(a.x) % 16 == 0 &&
+         a.q_rows_total % 128 == 0 && a.alignment % 128 == 0 && a.q_rows_total / 128 * ((a.cols + 127) / 128) < (int64_t{1} << 31);
+}
+
 // The "dual" shape (FP8 rowwise weights, DESIGN §10): for each expert's matrix X
 // (rows x cols, columns contiguous), X quantized with one scale per row and X^T with
 // one scale per column, from one DRAM read (quant/dual_kernel.cuh).
@@ -340,6 +424,9 @@ struct QuantKernels {
 // weights), beside its QuantKernels.
 struct TileKernels {
   void (*tiles)(InputKind in, Fp8Format fmt, ScaleRuleKind rule, const TilesArgs& a, int device);
+  // The activation dual shape where a device has it (nullptr elsewhere: the rows and
+  // cols launches of the two ops); only for act_dual_vector_ok arguments.
+  void (*act_dual)(InputKind in, Fp8Format fmt, ScaleRuleKind rule, const ActDualArgs& a, int device) = nullptr;
 };
 
 // ---- compile-time policy lists and their dispatch ------------------------------------

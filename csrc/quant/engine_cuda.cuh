@@ -11,6 +11,7 @@
 
 #include "../core/dispatch.h"
 #include "../core/launch.h"
+#include "act_dual_kernel.cuh"
 #include "cols_kernel.cuh"
 #include "rows_kernel.cuh"
 #include "tiles_kernel.cuh"
@@ -132,12 +133,48 @@ void run_tiles(InputKind in, Fp8Format fmt, ScaleRuleKind rule, const TilesArgs&
   gpu.check(err, "tiles quantization");
 }
 
+template <class Rule, InputKind K, Fp8Format F>
+bool try_act_dual(ScaleRuleKind rule, const ActDualArgs& a, gpuStream_t stream, int* err) {
+  if constexpr (Rule::supports(F)) {
+    if (rule_kind<Rule>() != rule) return false;
+    *err = launch_quantize_act_dual<K, F, Rule>(a, stream);
+    return true;
+  } else {
+    return false;
+  }
+}
+
+template <InputKind K, Fp8Format F, class... Rules>
+bool any_act_dual(RuleList<Rules...>, ScaleRuleKind rule, const ActDualArgs& a, gpuStream_t stream, int* err) {
+  return (try_act_dual<Rules, K, F>(rule, a, stream, err) || ...);
+}
+
+// Only for act_dual_vector_ok arguments (2-byte inputs: fp32 has no instantiation).
+template <class Rules>
+void run_act_dual(InputKind in, Fp8Format fmt, ScaleRuleKind rule, const ActDualArgs& a, int device) {
+  TORCH_CHECK(in != InputKind::kFP32 && act_dual_vector_ok(a, 2),
+              "moe_fp8: internal error: the activation dual kernel takes 2-byte inputs with aligned rows");
+  const GpuLaunch gpu(device);
+  int err = 0;
+  bool ran = false;
+  const Rules rules{};
+  dispatch_input_fp8(in, fmt, [&](auto kin, auto kfmt) {
+    constexpr InputKind K = decltype(kin)::value;
+    if constexpr (K != InputKind::kFP32) {
+      ran = any_act_dual<K, decltype(kfmt)::value>(rules, rule, a, gpu.stream(), &err);
+    }
+  });
+  TORCH_CHECK(ran, "moe_fp8: internal error: no GPU activation dual instantiation for this scale rule");
+  gpu.check(err, "activation dual quantization");
+}
+
 }  // namespace engine_cuda
 
 template <class Rules>
 constexpr TileKernels cuda_tile_kernels() {
   TileKernels k{};  // (a one-member brace list would be read as a conversion of the overload set)
   k.tiles = &engine_cuda::run_tiles<Rules>;
+  k.act_dual = &engine_cuda::run_act_dual<Rules>;
   return k;
 }
 

@@ -91,6 +91,76 @@ __global__ void __launch_bounds__(kTilesThreads) quantize_tiles_kernel(TilesArgs
 
 constexpr int kTileFragRows = 8;  // rows of a vector-kernel fragment
 constexpr int kTileFragCols = 8;  // 2-byte columns of a fragment: one 16-byte load a row
+
+// The two stores of an encoded 8 x 8 fragment (q8[r]: row r's bytes, columns
+// fc .. fc + 7 of a tile whose q starts at qt; nr x nc of the tile are valid), shared
+// by the tiles and activation-dual kernels.
+//
+// Runs down the columns (rows contiguous in q, column stride q_sc bytes): the
+// fragment's 8x8 bytes transposed in registers, one 8-byte run a fragment column (a
+// warp store: 64 bytes of each of 4 columns).
+MOE_FP8_DEVICE void store_fragment_col_runs(const uint2 (&q8)[kTileFragRows], uint8_t* qt, int64_t q_sc, int fr,
+                                            int fc, int nr, int nc) {
+  const bool rows_whole = fr + kTileFragRows <= nr;
+  const bool vec = q_sc % 8 == 0 && reinterpret_cast<uintptr_t>(qt) % 8 == 0;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {  // columns 4h .. 4h + 3 of the fragment
+    uint32_t top[4], bottom[4];   // rows 0-3 and 4-7 of each of those columns
+    const auto word = [&](int r) { return h == 0 ? q8[r].x : q8[r].y; };
+    transpose_bytes_4x4(word(0), word(1), word(2), word(3), top);
+    transpose_bytes_4x4(word(4), word(5), word(6), word(7), bottom);
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const int c = 4 * h + k;
+      if (fc + c >= nc) continue;
+      uint8_t* dst = qt + (fc + c) * q_sc + fr;
+      if (vec && rows_whole) {
+        *reinterpret_cast<uint2*>(dst) = make_uint2(top[k], bottom[k]);
+      } else {
+#pragma unroll
+        for (int r = 0; r < kTileFragRows; ++r) {
+          if (fr + r < nr) dst[r] = static_cast<uint8_t>((r < 4 ? top[k] : bottom[k]) >> (8 * (r % 4)));
+        }
+      }
+    }
+  }
+}
+
+// Runs along the rows (row stride q_sr, column stride q_sc bytes): the two lanes 8
+// apart that hold 16 adjacent columns of the same rows (a pair; `odd`: the second,
+// columns fc - 8 .. fc + 7) swap half their rows, so each lane holds 16 adjacent bytes
+// of 4 rows (the first lane rows 0-3 of the fragment, the second rows 4-7) and a warp
+// store writes 16 whole 32-byte sectors. No shared memory; every lane of the warp
+// must call it (shuffles).
+MOE_FP8_DEVICE void store_fragment_row_runs(const uint2 (&q8)[kTileFragRows], uint8_t* qt, int64_t q_sr,
+                                            int64_t q_sc, int fr, int fc, int nr, int nc, bool odd) {
+  const int pc = fc - (odd ? kTileFragCols : 0);  // the pair's first column
+  const uintptr_t align = reinterpret_cast<uintptr_t>(qt + pc) | static_cast<uintptr_t>(q_sr);
+  const int width = q_sc != 1 ? 1 : (align % 16 == 0 ? 16 : (align % 8 == 0 ? 8 : 1));
+#pragma unroll
+  for (int k = 0; k < kTileFragRows / 2; ++k) {
+    const int keep = odd ? k + kTileFragRows / 2 : k;
+    const uint2 mine = odd ? q8[k + kTileFragRows / 2] : q8[k];
+    const uint2 give = odd ? q8[k] : q8[k + kTileFragRows / 2];
+    const uint2 got = make_uint2(warp_shfl_xor(give.x, 8), warp_shfl_xor(give.y, 8));
+    const uint2 lo = odd ? got : mine, hi = odd ? mine : got;  // columns pc .. pc + 7, pc + 8 .. pc + 15
+    if (fr + keep >= nr || pc >= nc) continue;
+    uint8_t* dst = qt + (fr + keep) * q_sr + pc * q_sc;
+    const bool whole = pc + 2 * kTileFragCols <= nc;  // else the last 8 columns are past the tile
+    if (width == 16 && whole) {
+      *reinterpret_cast<uint4*>(dst) = make_uint4(lo.x, lo.y, hi.x, hi.y);
+    } else if (width >= 8) {
+      *reinterpret_cast<uint2*>(dst) = lo;
+      if (whole) *reinterpret_cast<uint2*>(dst + 8) = hi;
+    } else {
+      const uint32_t w[4] = {lo.x, lo.y, hi.x, hi.y};
+#pragma unroll
+      for (int c = 0; c < 2 * kTileFragCols; ++c) {
+        if (pc + c < nc) dst[c * q_sc] = static_cast<uint8_t>(w[c / 4] >> (8 * (c % 4)));
+      }
+    }
+  }
+}
 constexpr int kTileRowGroups = kTile / kTileFragRows;
 static_assert(kTileRowGroups * (kTile / kTileFragCols) == kTilesThreads, "one fragment a thread");
 // Four blocks an SM on CUDA (64 registers): a block's loads, amax and stores run one
@@ -156,61 +226,9 @@ __global__ void __launch_bounds__(kTilesThreads, kTilesVecMinBlocks)
       if (threadIdx.x == 0) static_cast<typename Rule::stored_t*>(o.s)[b * o.s_sb + i * o.s_si + j * o.s_sj] = sc.stored;
       uint8_t* qt = o.q + b * o.q_sb + r0 * o.q_sr + c0 * o.q_sc;
       if (o.q_sr == 1) {
-        // Runs down the columns: the fragment's 8x8 bytes transposed in registers, one
-        // 8-byte run a fragment column (a warp store: 64 bytes of each of 4 columns).
-        const bool rows_whole = fr + kTileFragRows <= nr;
-        const bool vec = o.q_sc % 8 == 0 && reinterpret_cast<uintptr_t>(qt) % 8 == 0;
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {  // columns 4h .. 4h + 3 of the fragment
-          uint32_t top[4], bottom[4];   // rows 0-3 and 4-7 of each of those columns
-          const auto word = [&](int r) { return h == 0 ? q8[r].x : q8[r].y; };
-          transpose_bytes_4x4(word(0), word(1), word(2), word(3), top);
-          transpose_bytes_4x4(word(4), word(5), word(6), word(7), bottom);
-#pragma unroll
-          for (int k = 0; k < 4; ++k) {
-            const int c = 4 * h + k;
-            if (fc + c >= nc) continue;
-            uint8_t* dst = qt + (fc + c) * o.q_sc + fr;
-            if (vec && rows_whole) {
-              *reinterpret_cast<uint2*>(dst) = make_uint2(top[k], bottom[k]);
-            } else {
-#pragma unroll
-              for (int r = 0; r < kTileFragRows; ++r) {
-                if (fr + r < nr) dst[r] = static_cast<uint8_t>((r < 4 ? top[k] : bottom[k]) >> (8 * (r % 4)));
-              }
-            }
-          }
-        }
-        return;
-      }
-      // Runs along the rows: the pair swaps half its rows, so each lane holds 16
-      // adjacent bytes of 4 rows (the first lane rows 0-3 of the fragment, the second
-      // rows 4-7) and a warp store writes 16 whole 32-byte sectors. No shared memory.
-      const int pc = fc - (odd ? kTileFragCols : 0);  // the pair's first column
-      const uintptr_t align = reinterpret_cast<uintptr_t>(qt + pc) | static_cast<uintptr_t>(o.q_sr);
-      const int width = o.q_sc != 1 ? 1 : (align % 16 == 0 ? 16 : (align % 8 == 0 ? 8 : 1));
-#pragma unroll
-      for (int k = 0; k < kTileFragRows / 2; ++k) {
-        const int keep = odd ? k + kTileFragRows / 2 : k;
-        const uint2 mine = odd ? q8[k + kTileFragRows / 2] : q8[k];
-        const uint2 give = odd ? q8[k] : q8[k + kTileFragRows / 2];
-        const uint2 got = make_uint2(warp_shfl_xor(give.x, 8), warp_shfl_xor(give.y, 8));
-        const uint2 lo = odd ? got : mine, hi = odd ? mine : got;  // columns pc .. pc + 7, pc + 8 .. pc + 15
-        if (fr + keep >= nr || pc >= nc) continue;
-        uint8_t* dst = qt + (fr + keep) * o.q_sr + pc * o.q_sc;
-        const bool whole = pc + 2 * kTileFragCols <= nc;  // else the last 8 columns are past the weight
-        if (width == 16 && whole) {
-          *reinterpret_cast<uint4*>(dst) = make_uint4(lo.x, lo.y, hi.x, hi.y);
-        } else if (width >= 8) {
-          *reinterpret_cast<uint2*>(dst) = lo;
-          if (whole) *reinterpret_cast<uint2*>(dst + 8) = hi;
-        } else {
-          const uint32_t w[4] = {lo.x, lo.y, hi.x, hi.y};
-#pragma unroll
-          for (int c = 0; c < 2 * kTileFragCols; ++c) {
-            if (pc + c < nc) dst[c * o.q_sc] = static_cast<uint8_t>(w[c / 4] >> (8 * (c % 4)));
-          }
-        }
+        store_fragment_col_runs(q8, qt, o.q_sc, fr, fc, nr, nc);
+      } else {
+        store_fragment_row_runs(q8, qt, o.q_sr, o.q_sc, fr, fc, nr, nc, odd);
       }
     };
     write(a.out[0]);
