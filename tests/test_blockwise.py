@@ -407,7 +407,19 @@ PADDED_CASES = [  # (M, K, G, tail rows past offs[-1]); any group sizes
     (300, 96, 9, 0),
     (200, 150, 4, 0),
     (64, 130, 0, 0),
+    # K multiples of 8: quantize_blockwise_act_dual's one-read kernel on a GPU
+    (1000, 264, 7, 50),
+    (700, 136, 3, 300),  # 300 rows past the groups: several blocks past the last padded group
+    (64, 136, 0, 0),  # G = 0: every row past the groups
+    (129, 8, 1, 0),
+    (517, 1032, 6, 1),
 ]
+dual = moe_fp8_ext.quantize_blockwise_act_dual
+
+
+def check_dual(out, x, fp8, offs, alignment=None):
+    check(out[:2], ref.quantize_blockwise_act_lhs(x.cpu(), fp8))
+    check(out[2:], ref.quantize_blockwise_act_rhs(x.cpu(), fp8, offs, alignment))
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -415,11 +427,16 @@ PADDED_CASES = [  # (M, K, G, tail rows past offs[-1]); any group sizes
 @pytest.mark.parametrize("alignment", ALIGNMENTS)
 @pytest.mark.parametrize("case", PADDED_CASES)
 def test_padded(device, dtype, alignment, case):
+    # The two transposing ops and act_dual (act_lhs + act_rhs; the one-read kernel on a
+    # GPU for contiguous bf16/fp16 rows of a multiple of 8 columns, the two ops for the
+    # other layouts) against the reference: specials, empty groups, rows past the
+    # groups, alignments past one block (padded blocks with no rows at all), every fp8
+    # format, into poisoned memory.
     m, k, g, tail = case
     offs = random_offs(m, g, empty_frac=0.3, tail=tail, generator=torch.Generator().manual_seed(m + g + alignment))
     starts, _ = moe_fp8_ext.padded_group_offsets(offs, m, alignment)
     for i, x in enumerate(layouts_2d(m, k, dtype, device)):
-        fp8 = FP8S[i % 2]
+        fp8 = FP8S_ALL[i % 3]
         poison(device)
         r = rhs(x, fp8, offs.to(device), starts.to(device), alignment)
         check(r, ref.quantize_blockwise_act_rhs(x.cpu(), fp8, offs, alignment))
@@ -427,6 +444,8 @@ def test_padded(device, dtype, alignment, case):
         check(t, ref.quantize_blockwise_act_transposed_lhs(x.cpu(), fp8, offs, alignment))
         rows = moe_fp8_ext.padded_rows(m, g, alignment)
         assert r[0].shape == (rows, k) and r[1].shape == (rows // 128, k)
+        poison(device)
+        check_dual(dual(x, fp8, offs.to(device), starts.to(device), alignment), x, fp8, offs, alignment)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -443,40 +462,7 @@ def test_padded_equals_quantizing_the_padded_copy(device):
     check(got, want)
 
 
-# ---- act_dual: act_lhs and act_rhs of the same groups from one call ------------------------
-
-dual = moe_fp8_ext.quantize_blockwise_act_dual
-
-DUAL_CASES = PADDED_CASES + [  # K multiples of 8 (the one-read kernel on a GPU) and not
-    (1000, 264, 7, 50),
-    (700, 136, 3, 300),  # 300 rows past the groups: several blocks past the last padded group
-    (64, 136, 0, 0),  # G = 0: every row past the groups
-    (129, 8, 1, 0),
-    (517, 1032, 6, 1),
-]
-
-
-def check_dual(out, x, fp8, offs, alignment=None):
-    check(out[:2], ref.quantize_blockwise_act_lhs(x.cpu(), fp8))
-    check(out[2:], ref.quantize_blockwise_act_rhs(x.cpu(), fp8, offs, alignment))
-
-
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("dtype", IN_DTYPES)
-@pytest.mark.parametrize("alignment", ALIGNMENTS)
-@pytest.mark.parametrize("case", DUAL_CASES)
-def test_act_dual_padded(device, dtype, alignment, case):
-    # (act_lhs, act_rhs) bit for bit, every layout of x (contiguous bf16/fp16 rows of a
-    # multiple of 8 columns take the one-read kernel on a GPU, the rest the two ops),
-    # specials, empty groups, rows past the groups, alignments past one block (padded
-    # blocks with no rows at all), every fp8 format, into poisoned memory.
-    m, k, g, tail = case
-    offs = random_offs(m, g, empty_frac=0.3, tail=tail, generator=torch.Generator().manual_seed(m + g + alignment))
-    starts, _ = moe_fp8_ext.padded_group_offsets(offs, m, alignment)
-    for i, x in enumerate(layouts_2d(m, k, dtype, device)):
-        fp8 = FP8S_ALL[i % 3]
-        poison(device)
-        check_dual(dual(x, fp8, offs.to(device), starts.to(device), alignment), x, fp8, offs, alignment)
+# ---- act_dual (in test_padded above too): the unpadded form -----------------------------------
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -121,13 +121,7 @@ struct Segment {
 // The padded layout of a padded jagged launch (core/groups.h: one definition for the
 // quantizations and the token-group family).
 MOE_FP8_HD GroupLayout padded_layout(const ColsArgs& a) {
-  GroupLayout l;
-  l.offs = a.offs;
-  l.pstart = a.padded_starts;
-  l.groups = a.num_segments;
-  l.rows = a.rows;
-  l.padded_rows = a.q_rows;
-  return l;
+  return GroupLayout{a.offs, a.padded_starts, a.num_segments, a.rows, a.q_rows};
 }
 
 MOE_FP8_HD int segments_with_tail(const ColsArgs& a) {
@@ -265,12 +259,7 @@ MOE_FP8_HD ActDualBlock act_dual_block(const ActDualArgs& a, int64_t qb) {
   ActDualBlock b;
   b.q0 = qb * kB;
   const int64_t q_room = a.q_rows_total - b.q0 < kB ? a.q_rows_total - b.q0 : kB;
-  GroupLayout l;
-  l.offs = a.offs;
-  l.pstart = a.padded_starts;
-  l.groups = a.groups;
-  l.rows = a.rows;
-  l.padded_rows = a.q_rows_total;
+  const GroupLayout l{a.offs, a.padded_starts, a.groups, a.rows, a.q_rows_total};
   int64_t start = 0, end = 0, q_start = 0, q_len = 0;
   if (a.groups > 0) {
     group_range(a.offs, a.groups - 1, a.rows, &start, &end);

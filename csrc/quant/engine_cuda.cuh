@@ -103,21 +103,21 @@ void run_cols(InputKind in, Fp8Format fmt, const QuantSpec& spec, const ColsArgs
   gpu.check(err, "cols quantization");
 }
 
-template <class Rule, InputKind K, Fp8Format F>
-bool try_tiles(ScaleRuleKind rule, const TilesArgs& a, gpuStream_t stream, int* err) {
-  if constexpr (Rule::supports(F)) {
-    if (rule_kind<Rule>() != rule) return false;
-    *err = launch_quantize_tiles<K, F, Rule>(a, stream);
-    return true;
-  } else {
-    return false;
-  }
-}
-
-// The first rule of the list that is `rule` (and supports F) runs.
-template <InputKind K, Fp8Format F, class... Rules>
-bool any_tiles(RuleList<Rules...>, ScaleRuleKind rule, const TilesArgs& a, gpuStream_t stream, int* err) {
-  return (try_tiles<Rules, K, F>(rule, a, stream, err) || ...);
+// Calls launch(Rule{}) for the first rule of the list that is `rule` and supports F;
+// whether one did.
+template <Fp8Format F, class Fn, class... Rules>
+bool launch_first_rule(RuleList<Rules...>, ScaleRuleKind rule, Fn&& launch) {
+  const auto one = [&](auto r) {
+    using Rule = decltype(r);
+    if constexpr (Rule::supports(F)) {
+      if (rule_kind<Rule>() != rule) return false;
+      launch(r);
+      return true;
+    } else {
+      return false;
+    }
+  };
+  return (one(Rules{}) || ...);
 }
 
 template <class Rules>
@@ -125,28 +125,15 @@ void run_tiles(InputKind in, Fp8Format fmt, ScaleRuleKind rule, const TilesArgs&
   const GpuLaunch gpu(device);
   int err = 0;
   bool ran = false;
-  const Rules rules{};
   dispatch_input_fp8(in, fmt, [&](auto kin, auto kfmt) {
-    ran = any_tiles<decltype(kin)::value, decltype(kfmt)::value>(rules, rule, a, gpu.stream(), &err);
+    constexpr InputKind K = decltype(kin)::value;
+    constexpr Fp8Format F = decltype(kfmt)::value;
+    ran = launch_first_rule<F>(Rules{}, rule, [&](auto r) {
+      err = launch_quantize_tiles<K, F, decltype(r)>(a, gpu.stream());
+    });
   });
   TORCH_CHECK(ran, "moe_fp8: internal error: no GPU tiles instantiation for this scale rule");
   gpu.check(err, "tiles quantization");
-}
-
-template <class Rule, InputKind K, Fp8Format F>
-bool try_act_dual(ScaleRuleKind rule, const ActDualArgs& a, gpuStream_t stream, int* err) {
-  if constexpr (Rule::supports(F)) {
-    if (rule_kind<Rule>() != rule) return false;
-    *err = launch_quantize_act_dual<K, F, Rule>(a, stream);
-    return true;
-  } else {
-    return false;
-  }
-}
-
-template <InputKind K, Fp8Format F, class... Rules>
-bool any_act_dual(RuleList<Rules...>, ScaleRuleKind rule, const ActDualArgs& a, gpuStream_t stream, int* err) {
-  return (try_act_dual<Rules, K, F>(rule, a, stream, err) || ...);
 }
 
 // Only for act_dual_vector_ok arguments (2-byte inputs: fp32 has no instantiation).
@@ -157,11 +144,13 @@ void run_act_dual(InputKind in, Fp8Format fmt, ScaleRuleKind rule, const ActDual
   const GpuLaunch gpu(device);
   int err = 0;
   bool ran = false;
-  const Rules rules{};
   dispatch_input_fp8(in, fmt, [&](auto kin, auto kfmt) {
     constexpr InputKind K = decltype(kin)::value;
+    constexpr Fp8Format F = decltype(kfmt)::value;
     if constexpr (K != InputKind::kFP32) {
-      ran = any_act_dual<K, decltype(kfmt)::value>(rules, rule, a, gpu.stream(), &err);
+      ran = launch_first_rule<F>(Rules{}, rule, [&](auto r) {
+        err = launch_quantize_act_dual<K, F, decltype(r)>(a, gpu.stream());
+      });
     }
   });
   TORCH_CHECK(ran, "moe_fp8: internal error: no GPU activation dual instantiation for this scale rule");
