@@ -146,15 +146,28 @@ def quantize_blockwise_act_dual(x: Tensor, fp8_dtype: Optional[torch.dtype] = No
     bit for bit: a token-grouped activation's left operand of the forward (or dgrad)
     GEMM and its operand of the weight-gradient GEMM, ``(q_lhs, scale_lhs, q_rhs,
     scale_rhs)``. ``offs`` is required; ``padded_starts``/``alignment`` as for
-    :func:`quantize_blockwise_act_rhs`.
+    :func:`quantize_blockwise_act_rhs`, except that the padded layout must be gap-free
+    (each group where the previous one's padded rows end, as
+    :func:`moe_fp8_ext.padded_group_offsets` makes it; checked on the CPU and with
+    ``MOE_FP8_DEBUG=1``).
 
     With the padded layout and a 2-byte ``x`` whose rows are 16-byte aligned (K a
-    multiple of 8, contiguous columns), a GPU writes all four from ONE read of ``x``:
+    multiple of 8, contiguous columns; :func:`act_dual_reads_once`), a GPU writes all
+    four from ONE read of ``x``:
     every 128x128 tile taken at a 128-row step of a padded group holds whole 1x128 and
     128x1 blocks. Elsewhere (CPU, fp32, other strides, unpadded groups) it runs the two
     ops."""
     check_quantize_blockwise_act_dual(x, fp8_dtype, offs, padded_starts, alignment)
     return _ops.quantize_blockwise_act_dual(x, _dtype(fp8_dtype, x), offs, padded_starts, alignment)
+
+
+def act_dual_reads_once(x: Tensor) -> bool:
+    """Whether :func:`quantize_blockwise_act_dual` reads ``x`` once (given the padded
+    layout): a GPU, bf16/fp16 rows of a multiple of 8 contiguous columns, 16-byte
+    aligned (no data pointer read: it traces)."""
+    return (x.device.type == "cuda" and x.dtype in (torch.bfloat16, torch.float16) and x.dim() == 2
+            and x.shape[1] % 8 == 0 and (x.shape[1] <= 1 or x.stride(1) == 1) and x.stride(0) % 8 == 0
+            and x.storage_offset() % 8 == 0)
 
 
 @torch.library.register_fake("moe_fp8::quantize_blockwise_act_dual")

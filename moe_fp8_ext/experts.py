@@ -338,7 +338,7 @@ class _Experts(torch.autograd.Function):
         g_op = None
         if need_x or need_w13:  # grad_h feeds only the gradients below W2
             rhs2 = weight_bwd("w2", (w2,), lambda: recipe.rhs_bwd({"B_t": w2.transpose(-2, -1)}, f8))
-            if need_w2 and ctx.pad_wgrad and recipe.keeps_fp8_activations and recipe.reads_activations_once():
+            if need_w2 and ctx.pad_wgrad and recipe.keeps_fp8_activations and recipe.reads_activations_once(grad_out):
                 lhs_g, g_op = recipe.lhs_with_wgrad_operand(grad_out, offs, f8, starts)
             else:
                 lhs_g = recipe.lhs(grad_out, f8)

@@ -193,7 +193,7 @@ class _GroupedMM(torch.autograd.Function):
             starts, wgrad_offs = ops.padded_group_offsets(offs, ctx.num_tokens, recipe.alignment)
         g_op = None  # grad_out's wgrad operand, made with its dgrad one
         if need_a:
-            if need_b and ctx.fp8_saved and recipe.reads_activations_once():
+            if need_b and ctx.fp8_saved and recipe.reads_activations_once(grad_out):
                 lhs, g_op = recipe.lhs_with_wgrad_operand(grad_out, offs, f8, starts)
             else:
                 lhs = recipe.lhs(grad_out, f8)

@@ -190,11 +190,11 @@ class Recipe:
         """``(lhs(x), wgrad_operand(x, ...))``. Default: the two calls."""
         return self.lhs(x, fp8_dtype), self.wgrad_operand(x, offs, fp8_dtype, padded_starts)
 
-    def reads_activations_once(self) -> bool:
-        """Whether :meth:`lhs_with_wgrad_operand` reads its tensor once (then the
-        backward makes grad_out's two operands together although the wgrad one then
-        lives through the dgrad GEMM; otherwise it makes the wgrad one when it is
-        needed). Default: no."""
+    def reads_activations_once(self, x: Optional[Tensor] = None) -> bool:
+        """Whether :meth:`lhs_with_wgrad_operand` reads its tensor (``x``, when given)
+        once (then the backward makes grad_out's two operands together although the
+        wgrad one then lives through the dgrad GEMM; otherwise it makes the wgrad one
+        when it is needed). Default: no."""
         return False
 
     # ---- the experts layer's SwiGLU (DESIGN §10) -----------------------------------
@@ -421,7 +421,7 @@ class Fp8Rowwise(Recipe):
         (qg, sg), (qa, sa) = grad, a
         return (qg.t(), sg), (qa, sa)
 
-    def reads_activations_once(self):
+    def reads_activations_once(self, x=None):
         # (read when called: a trace-time constant under torch.compile)
         return os.environ.get("MOE_FP8_ONE_READ_ACTIVATIONS") == "1"
 
@@ -835,8 +835,9 @@ class Fp8Blockwise(Recipe):
         (qg, sg), (qa, sa) = grad, a
         return (qg.t(), sg.t()), (qa, sa)
 
-    def reads_activations_once(self):
-        return True  # quantize_blockwise_act_dual: one read on a GPU (the padded layout, 2-byte input)
+    def reads_activations_once(self, x=None):
+        # quantize_blockwise_act_dual's one read (in the padded layout, which the callers use)
+        return x is None or _bw.act_dual_reads_once(x)
 
     def lhs_with_wgrad_operand(self, x, offs, fp8_dtype, padded_starts):
         alignment = None if padded_starts is None else self.alignment

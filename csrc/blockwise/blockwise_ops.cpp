@@ -52,6 +52,27 @@ void check_group_starts(const at::Tensor& offs, int64_t rows, const char* op) {
   }
 }
 
+// act_dual's padded layout: gap-free, as padded_group_offsets makes it (each group
+// right where the previous one's padded rows end, the first at row 0). The one-read
+// kernel quantizes the rows past the groups in the padded layout's tail, which gaps
+// could leave too short. Checked where content is (the CPU, MOE_FP8_DEBUG=1).
+void check_gap_free(const at::Tensor& padded_starts, const at::Tensor& offs, int64_t rows, int64_t alignment,
+                    const char* op) {
+  if (!check_content(padded_starts)) return;
+  const at::Tensor p = padded_starts.cpu().contiguous();  // host-sync-ok: CPU or MOE_FP8_DEBUG only
+  const at::Tensor o = offs.cpu().contiguous();           // host-sync-ok: CPU or MOE_FP8_DEBUG only
+  int64_t next = 0;
+  for (int64_t g = 0; g < p.numel(); ++g) {
+    const int64_t ps = p.data_ptr<int32_t>()[g];
+    TORCH_CHECK(ps == next, op, ": expected padded_starts without gaps (each group where the previous one's padded ",
+                "rows end, as padded_group_offsets makes them), got padded_starts[", g, "] = ", ps, " where ", next,
+                " follows");
+    int64_t s, e;
+    group_range(o.data_ptr<int32_t>(), static_cast<int>(g), rows, &s, &e);
+    next = ps + round_up(e - s, alignment);
+  }
+}
+
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor> quantize_blockwise_act_lhs(const QuantKernels& k, const at::Tensor& x,
@@ -117,6 +138,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_blockwise_ac
   ColsArgs c;
   const JaggedCols j = jagged_cols(c, x, offs, padded_starts, alignment, kBwBlock, op);
   if (!c.padded) check_group_starts(offs, x.size(0), op);
+  if (c.padded) check_gap_free(j.padded_starts, j.offs, x.size(0), c.alignment, op);
   const int64_t M = x.size(0), K = x.size(1);
   ActDualArgs a;
   a.x = x.data_ptr();
