@@ -52,27 +52,6 @@ void check_group_starts(const at::Tensor& offs, int64_t rows, const char* op) {
   }
 }
 
-// act_dual's padded layout: gap-free, as padded_group_offsets makes it (each group
-// right where the previous one's padded rows end, the first at row 0). The one-read
-// kernel quantizes the rows past the groups in the padded layout's tail, which gaps
-// could leave too short. Checked where content is (the CPU, MOE_FP8_DEBUG=1).
-void check_gap_free(const at::Tensor& padded_starts, const at::Tensor& offs, int64_t rows, int64_t alignment,
-                    const char* op) {
-  if (!check_content(padded_starts)) return;
-  const at::Tensor p = padded_starts.cpu().contiguous();  // host-sync-ok: CPU or MOE_FP8_DEBUG only
-  const at::Tensor o = offs.cpu().contiguous();           // host-sync-ok: CPU or MOE_FP8_DEBUG only
-  int64_t next = 0;
-  for (int64_t g = 0; g < p.numel(); ++g) {
-    const int64_t ps = p.data_ptr<int32_t>()[g];
-    TORCH_CHECK(ps == next, op, ": expected padded_starts without gaps (each group where the previous one's padded ",
-                "rows end, as padded_group_offsets makes them), got padded_starts[", g, "] = ", ps, " where ", next,
-                " follows");
-    int64_t s, e;
-    group_range(o.data_ptr<int32_t>(), static_cast<int>(g), rows, &s, &e);
-    next = ps + round_up(e - s, alignment);
-  }
-}
-
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor> quantize_blockwise_act_lhs(const QuantKernels& k, const at::Tensor& x,
@@ -134,11 +113,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_blockwise_ac
   constexpr const char* op = "quantize_blockwise_act_dual";
   check_rank(x, 2, op, "x");
   const InputKind in = input_kind(x, op, "x");
-  (void)fp8_format(fp8_dtype, op);
+  const Fp8Format fmt = fp8_format(fp8_dtype, op);
   ColsArgs c;
-  const JaggedCols j = jagged_cols(c, x, offs, padded_starts, alignment, kBwBlock, op);
+  // A padded layout must be gap-free: the one-read kernel quantizes the rows past the
+  // groups in the padded layout's tail, which gaps could leave too short.
+  const JaggedCols j = jagged_cols(c, x, offs, padded_starts, alignment, kBwBlock, op, /*gap_free=*/true);
   if (!c.padded) check_group_starts(offs, x.size(0), op);
-  if (c.padded) check_gap_free(j.padded_starts, j.offs, x.size(0), c.alignment, op);
   const int64_t M = x.size(0), K = x.size(1);
   ActDualArgs a;
   a.x = x.data_ptr();
@@ -167,7 +147,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_blockwise_ac
   a.s_rows = s_lhs.data_ptr();
   a.q_cols = static_cast<uint8_t*>(q_rhs.data_ptr());
   a.s_cols = s_rhs.data_ptr();
-  tk.act_dual(in, fp8_format(fp8_dtype, op), ScaleRuleKind::kFp32Exact, a, x.device().index());
+  tk.act_dual(in, fmt, ScaleRuleKind::kFp32Exact, a, x.device().index());
   return {q_lhs, s_lhs, q_rhs, s_rhs};
 }
 

@@ -168,8 +168,11 @@ inline void check_offs(const at::Tensor& offs, const at::Tensor& x, int64_t rows
 // and alignment 16 is refused. alignment = 1: the groups' own rows only (pad/unpad).
 // Call check_offs (same tokens) first. An empty padded_starts (G = 0) is a valid
 // layout with no groups: its data pointer may be null, which never means "unpadded".
+// gap_free: moreover each group starts where the previous one's padded rows end (the
+// first at row 0), as padded_group_offsets places them.
 inline void check_padded_starts(const at::Tensor& pstart, const at::Tensor& offs, int64_t tokens,
-                                int64_t padded_rows, const at::Tensor& x, const char* op, int64_t alignment = 1) {
+                                int64_t padded_rows, const at::Tensor& x, const char* op, int64_t alignment = 1,
+                                bool gap_free = false) {
   check_index_tensor(pstart, x, op, "padded_starts");
   TORCH_CHECK(pstart.numel() == offs.numel(), op, ": expected padded_starts of shape (", offs.numel(),
               ",) like offs, got (", pstart.numel(), ",)");
@@ -186,6 +189,9 @@ inline void check_padded_starts(const at::Tensor& pstart, const at::Tensor& offs
                 g, "] to place group ", g, " (", e - s, " rows, ", size, " padded) at a multiple of ", alignment,
                 ", at or after row ", prev_end, " (the end of the previous group) and inside ", padded_rows,
                 " padded rows, got ", ps);
+    TORCH_CHECK(!gap_free || ps == prev_end, op, ": expected padded_starts without gaps (each group where the ",
+                "previous one's padded rows end, as padded_group_offsets makes them), got padded_starts[", g, "] = ",
+                ps, " where ", prev_end, " follows");
     prev_end = ps + size;
   }
 }

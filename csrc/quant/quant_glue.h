@@ -43,12 +43,13 @@ struct JaggedLayout {
 };
 
 inline JaggedLayout jagged_layout(const at::Tensor& x, const at::Tensor& offs,
-                                  const std::optional<at::Tensor>& padded_starts, int64_t alignment, const char* op) {
+                                  const std::optional<at::Tensor>& padded_starts, int64_t alignment, const char* op,
+                                  bool gap_free = false) {
   const int64_t M = x.size(0);
   if (!padded_starts.has_value()) return {M, at::Tensor(), 1};
   check_alignment(alignment, op);
   const int64_t R = checked_padded_rows(M, offs.numel(), alignment, op);
-  check_padded_starts(*padded_starts, offs, M, R, x, op, alignment);
+  check_padded_starts(*padded_starts, offs, M, R, x, op, alignment, gap_free);
   return {R, padded_starts->contiguous(), alignment};
 }
 
@@ -57,7 +58,8 @@ inline JaggedLayout jagged_layout(const at::Tensor& x, const at::Tensor& offs,
 // the block come together), and fills the jagged fields of `a`. `offs` and
 // `padded_starts` hold the contiguous tensors a's pointers refer to; q_rows is M, or
 // the padded layout's rows. The unpadded form's own rules (group sizes or starts) are
-// the recipe's to check.
+// the recipe's to check. gap_free: the padded layout must be gap-free
+// (check_padded_starts).
 struct JaggedCols {
   int64_t q_rows;
   at::Tensor offs;
@@ -66,7 +68,7 @@ struct JaggedCols {
 
 inline JaggedCols jagged_cols(ColsArgs& a, const at::Tensor& x, const std::optional<at::Tensor>& offs,
                               const std::optional<at::Tensor>& padded_starts, std::optional<int64_t> alignment,
-                              int64_t block, const char* op) {
+                              int64_t block, const char* op, bool gap_free = false) {
   const int64_t M = x.size(0);
   TORCH_CHECK(offs.has_value() || !padded_starts.has_value(), op, ": expected padded_starts only with offs");
   TORCH_CHECK(padded_starts.has_value() == alignment.has_value(), op,
@@ -85,7 +87,7 @@ inline JaggedCols jagged_cols(ColsArgs& a, const at::Tensor& x, const std::optio
   if (padded_starts.has_value()) {
     TORCH_CHECK(*alignment >= block && *alignment % block == 0, op, ": expected alignment to be a multiple of ",
                 block, ", got ", *alignment);
-    const JaggedLayout l = jagged_layout(x, *offs, padded_starts, *alignment, op);
+    const JaggedLayout l = jagged_layout(x, *offs, padded_starts, *alignment, op, gap_free);
     j.padded_starts = l.padded_starts;
     j.q_rows = l.q_rows;
     a.padded = true;
