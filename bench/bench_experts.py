@@ -14,6 +14,8 @@ torch.compile'd (our layer runs as three grouped_mm calls under compile with tor
 
 Correctness first: each shape's output and input gradient are checked against the
 bf16 layer (SQNR) before timing. Run: python bench/bench_experts.py [--quick] [--compile]
+[--recipe fp8_blockwise] (ours, reuse and the three grouped_mm calls in that recipe; the
+torchao column stays its FP8 rowwise layer)
 """
 
 import argparse
@@ -84,9 +86,9 @@ def torchao_layer(x, w1, w3, w2, offs):
     return mm(F.silu(mm(x, w1)) * mm(x, w3), w2)
 
 
-def three_grouped_mm(x, w1, w3, w2, offs):
+def three_grouped_mm(x, w1, w3, w2, offs, recipe="fp8_rowwise"):
     def mm(a, w):
-        return moe_fp8_ext.grouped_mm(a, w.transpose(-2, -1), offs)
+        return moe_fp8_ext.grouped_mm(a, w.transpose(-2, -1), offs, recipe=recipe)
     return mm(F.silu(mm(x, w1)) * mm(x, w3), w2)
 
 
@@ -115,7 +117,10 @@ def main():
     p.add_argument("--quick", action="store_true", help="the first shape only")
     p.add_argument("--compile", action="store_true", help="also torch.compile'd rows")
     p.add_argument("--shapes", default=None, help="indices into SHAPES, comma-separated (e.g. 1,2)")
+    p.add_argument("--recipe", default="fp8_rowwise",
+                   help="the recipe of ours, reuse and 3x grouped_mm (the torchao peer is its FP8 rowwise)")
     args = p.parse_args()
+    recipe = args.recipe
     shapes = SHAPES[:1] if args.quick else SHAPES
     if args.shapes:
         shapes = [SHAPES[int(i)] for i in args.shapes.split(",")]
@@ -126,9 +131,9 @@ def main():
         cache = WeightCache()
         impls = {
             "bf16": bf16_layer,
-            "ours": lambda *a: experts(*a),
-            "reuse": lambda *a: experts(*a, weight_cache=cache),
-            "3x": three_grouped_mm,
+            "ours": lambda *a: experts(*a, recipe=recipe),
+            "reuse": lambda *a: experts(*a, recipe=recipe, weight_cache=cache),
+            "3x": lambda *a: three_grouped_mm(*a, recipe=recipe),
         }
         if try_peer(lambda: (lambda: torchao_layer(x, w1, w3, w2, offs))):
             impls["torchao"] = torchao_layer
@@ -170,8 +175,8 @@ def main():
                          fmt(saved["bf16"], "{:.0f}"), fmt(saved["ours"], "{:.0f}"), fmt(q_out), fmt(q_dx)])
         del x, w1, w3, w2, grad, cache, impls
         torch.cuda.empty_cache()
-    print_table("SwiGLU experts fwd+bwd: bf16 (torchtitan math) vs moe_fp8_ext.experts (fp8_rowwise)", HEADER, rows,
-                "bench_experts.md")
+    print_table(f"SwiGLU experts fwd+bwd: bf16 (torchtitan math) vs moe_fp8_ext.experts ({recipe})", HEADER, rows,
+                "bench_experts.md" if recipe == "fp8_rowwise" else f"bench_experts_{recipe}.md")
 
 
 if __name__ == "__main__":

@@ -109,7 +109,7 @@ def bench_recipes(shapes, recipes=("bf16", "fp8_rowwise", "fp8_blockwise")):
                 q[r] = sqnr(ref_out, f())
             steps.append(lambda f=f: torch.autograd.grad(f(), (a, w), grad))
         # in alternation, speedups the median of the rounds' ratios (recipes[0] is bf16)
-        times, ratios = bench_interleaved_us(steps, rounds=5, rep_ms=150)
+        times, ratios = bench_interleaved_us(steps, rounds=9, rep_ms=150)
         t = {r: us / 1000 for r, us in zip(recipes, times)}
         speedup = {r: 1 / x for r, x in zip(recipes, ratios)}
         rows.append([f"({m}, {k}, {n}, {e})"] + [f"{t[r]:.3f}" for r in recipes]

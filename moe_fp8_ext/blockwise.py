@@ -99,7 +99,9 @@ def quantize_blockwise_act_rhs(x: Tensor, fp8_dtype: Optional[torch.dtype] = Non
     first row: every non-empty group must start at a multiple of 128 (its last block
     may be partial); rows past the last group get q = 0 and zero scales. With
     ``padded_starts`` and ``alignment`` (a multiple of 128; from
-    :func:`moe_fp8_ext.padded_group_offsets`) q is written in the padded layout of
+    :func:`moe_fp8_ext.padded_group_offsets`: gap-free, each group where the previous
+    one's padded rows end; other starts raise on the CPU and with ``MOE_FP8_DEBUG=1``)
+    q is written in the padded layout of
     :func:`moe_fp8_ext.pad_token_groups` from the unpadded ``x``, for any group sizes:
     R = padded_rows(M, G, alignment) rows, scale (R/128, K)."""
     check_quantize_blockwise_act_cols(x, fp8_dtype, offs, padded_starts, alignment, "quantize_blockwise_act_rhs")
@@ -146,10 +148,7 @@ def quantize_blockwise_act_dual(x: Tensor, fp8_dtype: Optional[torch.dtype] = No
     bit for bit: a token-grouped activation's left operand of the forward (or dgrad)
     GEMM and its operand of the weight-gradient GEMM, ``(q_lhs, scale_lhs, q_rhs,
     scale_rhs)``. ``offs`` is required; ``padded_starts``/``alignment`` as for
-    :func:`quantize_blockwise_act_rhs`, except that the padded layout must be gap-free
-    (each group where the previous one's padded rows end, as
-    :func:`moe_fp8_ext.padded_group_offsets` makes it; checked on the CPU and with
-    ``MOE_FP8_DEBUG=1``).
+    :func:`quantize_blockwise_act_rhs` (the gap-free padded layout).
 
     With the padded layout and a 2-byte ``x`` whose rows are 16-byte aligned (K a
     multiple of 8, contiguous columns; :func:`act_dual_reads_once`), a GPU writes all

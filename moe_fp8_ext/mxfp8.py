@@ -122,8 +122,10 @@ def quantize_mxfp8_colwise(x: Tensor, rounding: str = "rceil", blocked: bool = F
     sizes multiples of 32) blocks stay inside their group, rows past the last group are
     zero, and blocked scales take the K-group layout: group g's block columns start at
     sum_{j<g} ceil4(n_j/32), (ceil128(K), ceil4(M/32) + 4 G) in all. ``padded_starts``
-    and ``alignment`` (a multiple of 32) write q in the padded layout of
-    :func:`moe_fp8_ext.pad_token_groups` from the unpadded x, for any group sizes."""
+    and ``alignment`` (a multiple of 32; from :func:`moe_fp8_ext.padded_group_offsets`:
+    gap-free, other starts raise on the CPU and with ``MOE_FP8_DEBUG=1``) write q in the
+    padded layout of :func:`moe_fp8_ext.pad_token_groups` from the unpadded x, for any
+    group sizes."""
     check_quantize_mxfp8_colwise(x, rounding, blocked, offs, padded_starts, alignment)
     return _ops.quantize_mxfp8_colwise(x, rounding, blocked, offs, padded_starts, alignment)
 

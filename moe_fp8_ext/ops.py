@@ -376,8 +376,9 @@ def quantize_jagged_colwise(
     (and on GPU with ``MOE_FP8_DEBUG=1``); on GPU it is clamped, never out of bounds.
 
     With ``padded_starts`` (from :func:`padded_group_offsets` or
-    :func:`pad_token_groups` with the same ``alignment``), ``q`` is written in the
-    padded layout instead: ``R = ceil((M + G·alignment)/alignment)·alignment`` rows,
+    :func:`pad_token_groups` with the same ``alignment``: the gap-free layout, each
+    group where the previous one's padded rows end; other starts raise on the CPU and
+    with ``MOE_FP8_DEBUG=1``), ``q`` is written in the padded layout instead: ``R = ceil((M + G·alignment)/alignment)·alignment`` rows,
     group g at rows ``[padded_starts[g], padded_starts[g] + round_up(n_g, alignment))``
     and zeros everywhere else: bit for bit ``quantize_jagged_colwise(pad_token_groups(x,
     offs, alignment)[0], padded_ends)``, without writing the padded bf16 copy.

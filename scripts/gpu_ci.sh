@@ -112,6 +112,12 @@ if [ "$tests" = 1 ]; then
     compute-sanitizer --tool memcheck --error-exitcode 1 $PY -m pytest tests/test_rowwise.py -q -k "_cat and cuda" \
       2>&1 | tee -a "$OUT/sanitizer.log" | tail -3
     test ${PIPESTATUS[0]} -eq 0
+    # shared-memory hazards and barrier misuse: every such kernel family once, small odd shapes
+    for tool in racecheck synccheck; do
+      compute-sanitizer --tool $tool --error-exitcode 1 $PY scripts/sanitize_smem.py 2>&1 |
+        tee -a "$OUT/sanitizer.log" | tail -3
+      test ${PIPESTATUS[0]} -eq 0
+    done
   else
     echo "compute-sanitizer not found; skipped"
   fi

@@ -465,24 +465,6 @@ def test_padded_equals_quantizing_the_padded_copy(device):
 # ---- act_dual (in test_padded above too): the unpadded form -----------------------------------
 
 
-@pytest.mark.parametrize("case", [
-    (256, [128], [256]),  # the group placed past the rows it leaves: no padded tail at all
-    (1000, [100, 200], [0, 384]),  # a gap between the groups
-    (700, [0, 300, 301], [128, 128, 512]),  # a gap before the first group
-])
-def test_act_dual_refuses_gaps(case):
-    # act_dual's padded layout is gap-free, as padded_group_offsets makes it (act_rhs
-    # takes any placement): the rows past the groups are quantized in the padded
-    # layout's tail, which gaps could leave too short. Checked where offs content is
-    # (the CPU; a GPU with MOE_FP8_DEBUG=1, read once a process).
-    m, ends, ps = case
-    offs, starts = torch.tensor(ends, dtype=torch.int32), torch.tensor(ps, dtype=torch.int32)
-    x = bw_data((m, 136), torch.bfloat16)
-    rhs(x, F8, offs, starts, 128)  # a valid placement for act_rhs
-    with pytest.raises(RuntimeError, match="quantize_blockwise_act_dual: expected padded_starts without gaps"):
-        dual(x, F8, offs, starts, 128)
-
-
 def test_act_dual_reads_once_predicate():
     # When the recipe may count on one read (it then makes grad_out's two operands
     # together): a GPU, bf16/fp16, contiguous rows of a multiple of 8 columns, aligned.

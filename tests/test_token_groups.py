@@ -135,6 +135,56 @@ def test_jagged_colwise_padded_layout(device, fp8_dtype, alignment):
     assert_scale_equal(s, s2)
 
 
+# Every quantization that writes the padded layout, with its alignment (a multiple of
+# its block): called as f(x, offs, padded_starts, alignment).
+PADDED_QUANTIZATIONS = {
+    "quantize_jagged_colwise": (16, lambda x, o, s, a: moe_fp8_ext.quantize_jagged_colwise(
+        x, o, padded_starts=s, alignment=a)),
+    "quantize_jagged_colwise_dual": (16, lambda x, o, s, a: moe_fp8_ext.quantize_jagged_colwise_dual(
+        x, x, o, padded_starts=s, alignment=a)),
+    "quantize_rowwise_jagged_dual": (16, lambda x, o, s, a: moe_fp8_ext.quantize_rowwise_jagged_dual(
+        x, o, padded_starts=s, alignment=a)),
+    "quantize_mxfp8_colwise": (32, lambda x, o, s, a: moe_fp8_ext.quantize_mxfp8_colwise(
+        x, offs=o, padded_starts=s, alignment=a)),
+    "quantize_blockwise_act_rhs": (128, lambda x, o, s, a: moe_fp8_ext.quantize_blockwise_act_rhs(
+        x, None, o, s, a)),
+    "quantize_blockwise_act_transposed_lhs": (128, lambda x, o, s, a: moe_fp8_ext.quantize_blockwise_act_transposed_lhs(
+        x, None, o, s, a)),
+    "quantize_blockwise_act_dual": (128, lambda x, o, s, a: moe_fp8_ext.quantize_blockwise_act_dual(
+        x, None, o, s, a)),
+}
+
+
+@pytest.mark.parametrize("op", list(PADDED_QUANTIZATIONS))
+@pytest.mark.parametrize("case", ["between", "before", "wide"])
+def test_quantizations_refuse_gapped_layouts(op, case):
+    # The quantizations write each group's padded rows and the tail past the last group,
+    # never rows between groups (those would hold whatever the allocator left: a NaN
+    # code under a GEMM that runs over the padded ends). So their layout is the gap-free
+    # one padded_group_offsets makes; other placements raise where offs content is
+    # checked (the CPU; a GPU with MOE_FP8_DEBUG=1). pad_token_groups_at takes any
+    # non-overlapping placement and writes the gaps with zeros.
+    a, f = PADDED_QUANTIZATIONS[op]
+    m, sizes = 6 * a, [a // 2, a + 1]
+    offs = torch.tensor(sizes, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    starts, _ = moe_fp8_ext.padded_group_offsets(offs, m, a)
+    assert starts.tolist() == [0, a]
+    gapped = {"between": [0, 2 * a], "before": [a, 2 * a], "wide": [0, 4 * a]}[case]
+    gapped = torch.tensor(gapped, dtype=torch.int32)
+    rows = moe_fp8_ext.padded_rows(m, 2, a)
+    x = torch.randn(m, 64).to(torch.bfloat16)
+    f(x, offs, starts, a)  # the gap-free layout
+    with pytest.raises(RuntimeError, match=f"{op}: expected padded_starts without gaps"):
+        f(x, offs, gapped, a)
+    xp = torch.ops.moe_fp8.pad_token_groups_at(x, offs, gapped, rows)  # any placement
+    ends = gapped + torch.tensor(sizes, dtype=torch.int32)
+    keep = torch.zeros(rows, dtype=torch.bool)
+    for s, e in zip(gapped.tolist(), ends.tolist()):
+        keep[s:e] = True
+    assert torch.equal(xp[~keep], torch.zeros_like(xp[~keep]))
+    assert torch.equal(xp[keep], x[:offs[-1]])
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("ranks, experts", [(1, 1), (2, 3), (8, 8), (8, 32), (64, 4)])
 def test_permute_indices_match_reference(device, ranks, experts):

@@ -115,9 +115,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_blockwise_ac
   const InputKind in = input_kind(x, op, "x");
   const Fp8Format fmt = fp8_format(fp8_dtype, op);
   ColsArgs c;
-  // A padded layout must be gap-free: the one-read kernel quantizes the rows past the
-  // groups in the padded layout's tail, which gaps could leave too short.
-  const JaggedCols j = jagged_cols(c, x, offs, padded_starts, alignment, kBwBlock, op, /*gap_free=*/true);
+  // (The padded layout is gap-free, jagged_layout: the kernel quantizes the rows past
+  // the groups in the layout's tail, which gaps would leave too short.)
+  const JaggedCols j = jagged_cols(c, x, offs, padded_starts, alignment, kBwBlock, op);
   if (!c.padded) check_group_starts(offs, x.size(0), op);
   const int64_t M = x.size(0), K = x.size(1);
   ActDualArgs a;

@@ -120,41 +120,39 @@ bool launch_first_rule(RuleList<Rules...>, ScaleRuleKind rule, Fn&& launch) {
   return (one(Rules{}) || ...);
 }
 
-template <class Rules>
-void run_tiles(InputKind in, Fp8Format fmt, ScaleRuleKind rule, const TilesArgs& a, int device) {
+// Runs launch(kin, kfmt, rule, stream) -> error code for the instantiation of the
+// runtime (input dtype, fp8 format, scale rule): the first rule of Rules that is `rule`
+// and supports the format, under a device guard on the current stream; then the checks.
+template <class Rules, class Launch>
+void run_by_rule(InputKind in, Fp8Format fmt, ScaleRuleKind rule, int device, const char* what, Launch&& launch) {
   const GpuLaunch gpu(device);
   int err = 0;
   bool ran = false;
   dispatch_input_fp8(in, fmt, [&](auto kin, auto kfmt) {
-    constexpr InputKind K = decltype(kin)::value;
-    constexpr Fp8Format F = decltype(kfmt)::value;
-    ran = launch_first_rule<F>(Rules{}, rule, [&](auto r) {
-      err = launch_quantize_tiles<K, F, decltype(r)>(a, gpu.stream());
-    });
+    ran = launch_first_rule<decltype(kfmt)::value>(Rules{}, rule,
+                                                   [&](auto r) { err = launch(kin, kfmt, r, gpu.stream()); });
   });
-  TORCH_CHECK(ran, "moe_fp8: internal error: no GPU tiles instantiation for this scale rule");
-  gpu.check(err, "tiles quantization");
+  TORCH_CHECK(ran, "moe_fp8: internal error: no GPU instantiation of the ", what, " for this scale rule");
+  gpu.check(err, what);
 }
 
-// Only for act_dual_vector_ok arguments (2-byte inputs: fp32 has no instantiation).
+template <class Rules>
+void run_tiles(InputKind in, Fp8Format fmt, ScaleRuleKind rule, const TilesArgs& a, int device) {
+  run_by_rule<Rules>(in, fmt, rule, device, "tiles quantization", [&](auto kin, auto kfmt, auto r, gpuStream_t s) {
+    return launch_quantize_tiles<decltype(kin)::value, decltype(kfmt)::value, decltype(r)>(a, s);
+  });
+}
+
+// Only for act_dual_vector_ok arguments (2-byte inputs: fp32 has no kernel, and its
+// launcher refuses).
 template <class Rules>
 void run_act_dual(InputKind in, Fp8Format fmt, ScaleRuleKind rule, const ActDualArgs& a, int device) {
   TORCH_CHECK(in != InputKind::kFP32 && act_dual_vector_ok(a, 2),
               "moe_fp8: internal error: the activation dual kernel takes 2-byte inputs with aligned rows");
-  const GpuLaunch gpu(device);
-  int err = 0;
-  bool ran = false;
-  dispatch_input_fp8(in, fmt, [&](auto kin, auto kfmt) {
-    constexpr InputKind K = decltype(kin)::value;
-    constexpr Fp8Format F = decltype(kfmt)::value;
-    if constexpr (K != InputKind::kFP32) {
-      ran = launch_first_rule<F>(Rules{}, rule, [&](auto r) {
-        err = launch_quantize_act_dual<K, F, decltype(r)>(a, gpu.stream());
-      });
-    }
-  });
-  TORCH_CHECK(ran, "moe_fp8: internal error: no GPU activation dual instantiation for this scale rule");
-  gpu.check(err, "activation dual quantization");
+  run_by_rule<Rules>(in, fmt, rule, device, "activation dual quantization",
+                     [&](auto kin, auto kfmt, auto r, gpuStream_t s) {
+                       return launch_quantize_act_dual<decltype(kin)::value, decltype(kfmt)::value, decltype(r)>(a, s);
+                     });
 }
 
 }  // namespace engine_cuda

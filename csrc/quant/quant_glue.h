@@ -35,7 +35,10 @@ inline Fp8Format fp8_format(at::ScalarType t, const char* op) {
 }
 
 // The optional padded layout of the jagged ops: q rows, and the padded starts checked
-// against offs (DESIGN §8).
+// against offs (DESIGN §8). The quantizations write the groups' padded rows and the
+// tail past the last group, never rows between two groups, so their layout must be
+// gap-free: the starts padded_group_offsets makes (checked on the CPU and with
+// MOE_FP8_DEBUG=1). pad_token_groups_at / unpad_token_groups take any placement.
 struct JaggedLayout {
   int64_t q_rows;
   at::Tensor padded_starts;  // undefined: unpadded
@@ -43,13 +46,12 @@ struct JaggedLayout {
 };
 
 inline JaggedLayout jagged_layout(const at::Tensor& x, const at::Tensor& offs,
-                                  const std::optional<at::Tensor>& padded_starts, int64_t alignment, const char* op,
-                                  bool gap_free = false) {
+                                  const std::optional<at::Tensor>& padded_starts, int64_t alignment, const char* op) {
   const int64_t M = x.size(0);
   if (!padded_starts.has_value()) return {M, at::Tensor(), 1};
   check_alignment(alignment, op);
   const int64_t R = checked_padded_rows(M, offs.numel(), alignment, op);
-  check_padded_starts(*padded_starts, offs, M, R, x, op, alignment, gap_free);
+  check_padded_starts(*padded_starts, offs, M, R, x, op, alignment, /*gap_free=*/true);
   return {R, padded_starts->contiguous(), alignment};
 }
 
@@ -58,8 +60,7 @@ inline JaggedLayout jagged_layout(const at::Tensor& x, const at::Tensor& offs,
 // the block come together), and fills the jagged fields of `a`. `offs` and
 // `padded_starts` hold the contiguous tensors a's pointers refer to; q_rows is M, or
 // the padded layout's rows. The unpadded form's own rules (group sizes or starts) are
-// the recipe's to check. gap_free: the padded layout must be gap-free
-// (check_padded_starts).
+// the recipe's to check.
 struct JaggedCols {
   int64_t q_rows;
   at::Tensor offs;
@@ -68,7 +69,7 @@ struct JaggedCols {
 
 inline JaggedCols jagged_cols(ColsArgs& a, const at::Tensor& x, const std::optional<at::Tensor>& offs,
                               const std::optional<at::Tensor>& padded_starts, std::optional<int64_t> alignment,
-                              int64_t block, const char* op, bool gap_free = false) {
+                              int64_t block, const char* op) {
   const int64_t M = x.size(0);
   TORCH_CHECK(offs.has_value() || !padded_starts.has_value(), op, ": expected padded_starts only with offs");
   TORCH_CHECK(padded_starts.has_value() == alignment.has_value(), op,
@@ -87,7 +88,7 @@ inline JaggedCols jagged_cols(ColsArgs& a, const at::Tensor& x, const std::optio
   if (padded_starts.has_value()) {
     TORCH_CHECK(*alignment >= block && *alignment % block == 0, op, ": expected alignment to be a multiple of ",
                 block, ", got ", *alignment);
-    const JaggedLayout l = jagged_layout(x, *offs, padded_starts, *alignment, op, gap_free);
+    const JaggedLayout l = jagged_layout(x, *offs, padded_starts, *alignment, op);
     j.padded_starts = l.padded_starts;
     j.q_rows = l.q_rows;
     a.padded = true;
