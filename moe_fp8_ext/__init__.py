@@ -24,7 +24,9 @@ from .blockwise import (
     quantize_blockwise_act_rhs,
     quantize_blockwise_act_transposed_lhs,
     quantize_blockwise_weight_dual,
+    quantize_blockwise_weight_dual_cat,
     quantize_blockwise_weight_rhs,
+    quantize_blockwise_weight_rhs_cat,
     quantize_blockwise_weight_transposed_rhs,
 )
 from .experts import GroupedExperts, WeightCache, clear_weight_caches, experts
@@ -90,7 +92,9 @@ __all__ = [
     "quantize_blockwise_act_rhs",
     "quantize_blockwise_act_transposed_lhs",
     "quantize_blockwise_weight_dual",
+    "quantize_blockwise_weight_dual_cat",
     "quantize_blockwise_weight_rhs",
+    "quantize_blockwise_weight_rhs_cat",
     "quantize_blockwise_weight_transposed_rhs",
     "quantize_experts_bwd",
     "quantize_experts_bwd_cat",

@@ -10,7 +10,7 @@ and e5m2 are all accepted. Each wrapper has its fake implementation beside it, s
 ops trace under ``torch.compile(fullgraph=True)``.
 """
 
-from typing import Optional, Tuple
+from typing import Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -252,3 +252,73 @@ def quantize_blockwise_weight_dual(w: Tensor,
 @torch.library.register_fake("moe_fp8::quantize_blockwise_weight_dual")
 def _(w, fp8_dtype):
     return _weight_fake(w, fp8_dtype, "quantize_blockwise_weight_dual", 2)
+
+
+# ---- the weight ops of a concatenation (the experts layer's W1 / W3) ------------------------
+
+
+def weight_cat_ok(ws: Sequence[Tensor]) -> bool:
+    """Whether the ``_cat`` weight ops take ``ws``: one or more weights of one dtype,
+    device and shape but the last size, each but the last a multiple of 128 columns (no
+    tile of the concatenation spans two weights)."""
+    if not isinstance(ws, (list, tuple)) or not ws or not all(isinstance(w, Tensor) for w in ws):
+        return False
+    w0 = ws[0]
+    return all(w.dtype == w0.dtype and w.device == w0.device and w.dim() == w0.dim() and w.dim() in (2, 3)
+               and w.shape[:-1] == w0.shape[:-1] for w in ws) and all(w.shape[-1] % BW_BLOCK == 0 for w in ws[:-1])
+
+
+def check_quantize_blockwise_weight_cat(ws, fp8_dtype, op):
+    if not isinstance(ws, (list, tuple)) or not ws:
+        raise RuntimeError(f"{op}: expected at least one weight, got none")
+    for w in ws:
+        check_quantize_blockwise_weight(w, fp8_dtype, op)
+    w0 = ws[0]
+    for i, w in enumerate(ws):
+        if w.dtype != w0.dtype or w.device != w0.device:
+            raise RuntimeError(f"{op}: expected every weight of one dtype and device, got {w0.dtype} on {w0.device} "
+                               f"and {w.dtype} on {w.device} (weight {i})")
+        if w.dim() != w0.dim() or w.shape[:-1] != w0.shape[:-1]:
+            raise RuntimeError(f"{op}: expected every weight of the shape of the first but its last size, "
+                               f"{tuple(w0.shape)}, got {tuple(w.shape)} (weight {i})")
+        if i + 1 < len(ws) and w.shape[-1] % BW_BLOCK:
+            raise RuntimeError(f"{op}: expected every weight but the last to have a multiple of {BW_BLOCK} columns "
+                               f"(whole 128x128 tiles of the concatenation), got {w.shape[-1]} (weight {i})")
+
+
+def quantize_blockwise_weight_rhs_cat(ws: Sequence[Tensor],
+                                      fp8_dtype: Optional[torch.dtype] = None) -> Tuple[Tensor, Tensor]:
+    """:func:`quantize_blockwise_weight_rhs` of ``torch.cat(ws, dim=-1)``, bit for bit,
+    without the copy: each weight (M, N_i) or (E, M, N_i) (one dtype and device, the
+    same E and M) is read once and written straight into its columns of the outputs.
+    Every weight but the last must have a multiple of 128 columns, so that no 128x128
+    tile spans two of them. The experts layer's W1 / W3 forward operand."""
+    op = "quantize_blockwise_weight_rhs_cat"
+    check_quantize_blockwise_weight_cat(ws, fp8_dtype, op)
+    return _ops.quantize_blockwise_weight_rhs_cat(list(ws), _dtype(fp8_dtype, ws[0]))
+
+
+def _cat_fake(ws, fp8_dtype, op, which):
+    check_quantize_blockwise_weight_cat(ws, fp8_dtype, op)
+    n = sum(w.shape[-1] for w in ws)
+    return _weight_fake(ws[0].new_empty(tuple(ws[0].shape[:-1]) + (n,)), fp8_dtype, op, which)
+
+
+@torch.library.register_fake("moe_fp8::quantize_blockwise_weight_rhs_cat")
+def _(ws, fp8_dtype):
+    return _cat_fake(ws, fp8_dtype, "quantize_blockwise_weight_rhs_cat", 0)
+
+
+def quantize_blockwise_weight_dual_cat(
+        ws: Sequence[Tensor], fp8_dtype: Optional[torch.dtype] = None) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """:func:`quantize_blockwise_weight_dual` of ``torch.cat(ws, dim=-1)``, bit for bit:
+    both orientations of the concatenation, each weight read once (the rules of
+    :func:`quantize_blockwise_weight_rhs_cat`)."""
+    op = "quantize_blockwise_weight_dual_cat"
+    check_quantize_blockwise_weight_cat(ws, fp8_dtype, op)
+    return _ops.quantize_blockwise_weight_dual_cat(list(ws), _dtype(fp8_dtype, ws[0]))
+
+
+@torch.library.register_fake("moe_fp8::quantize_blockwise_weight_dual_cat")
+def _(ws, fp8_dtype):
+    return _cat_fake(ws, fp8_dtype, "quantize_blockwise_weight_dual_cat", 2)

@@ -796,12 +796,22 @@ class Fp8Blockwise(Recipe):
         return _bw.quantize_blockwise_weight_rhs(b_t, fp8_dtype)  # the dual's forward half, bit for bit
 
     def reads_weights_once(self, b_ts):
-        return len(b_ts) == 1  # quantize_blockwise_weight_dual
+        return _bw.weight_cat_ok(b_ts)  # quantize_blockwise_weight_dual(_cat)
+
+    def rhs_fwd_cat(self, b_ts, fp8_dtype):
+        # Every part but the last of whole 128-column tiles (W1's hidden size a multiple
+        # of 128): each part's tiles are the concatenation's, written in place, no copy.
+        if not _bw.weight_cat_ok(b_ts):
+            return super().rhs_fwd_cat(b_ts, fp8_dtype)
+        return _bw.quantize_blockwise_weight_rhs_cat(b_ts, fp8_dtype)
 
     def rhs_dual_cat(self, b_ts, fp8_dtype):
-        if len(b_ts) != 1:
+        if not _bw.weight_cat_ok(b_ts):
             return super().rhs_dual_cat(b_ts, fp8_dtype)
-        qf, sf, qb, sb = _bw.quantize_blockwise_weight_dual(b_ts[0], fp8_dtype)
+        if len(b_ts) == 1:
+            qf, sf, qb, sb = _bw.quantize_blockwise_weight_dual(b_ts[0], fp8_dtype)
+        else:
+            qf, sf, qb, sb = _bw.quantize_blockwise_weight_dual_cat(b_ts, fp8_dtype)
         return (qf, sf), (qb, sb)
 
     def save_for_backward(self, A, B_t, lhs, rhs):

@@ -140,7 +140,7 @@ def set_dual_kernel_budget(monkeypatch, budget):
 def count_backward_operand_calls(monkeypatch, recipe_name):
     """A list that records, by name, every call that makes an operand only a backward
     uses: the recipe's ``rhs_dual_cat`` and ``lhs_with_wgrad_operand``, and the blockwise
-    weight dual (fp8_blockwise's ``rhs_fwd`` too). Returns (calls, the recipe's class)."""
+    weight duals ("weight_dual", "weight_dual_cat"; fp8_blockwise's ``rhs_fwd`` too). Returns (calls, the recipe's class)."""
     from moe_fp8_ext import recipes
 
     recipe = type(recipes.get_recipe(recipe_name))
@@ -148,9 +148,10 @@ def count_backward_operand_calls(monkeypatch, recipe_name):
     for name in ("rhs_dual_cat", "lhs_with_wgrad_operand"):
         real = getattr(recipe, name)
         monkeypatch.setattr(recipe, name, lambda self, *a, real=real, name=name: calls.append(name) or real(self, *a))
-    real_dual = recipes._bw.quantize_blockwise_weight_dual
-    monkeypatch.setattr(recipes._bw, "quantize_blockwise_weight_dual",
-                        lambda *a: calls.append("weight_dual") or real_dual(*a))
+    for op in ("quantize_blockwise_weight_dual", "quantize_blockwise_weight_dual_cat"):
+        real_op = getattr(recipes._bw, op)
+        monkeypatch.setattr(recipes._bw, op,
+                            lambda *a, real_op=real_op, op=op: calls.append(op[len("quantize_blockwise_"):]) or real_op(*a))
     return calls, recipe
 
 

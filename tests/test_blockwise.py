@@ -583,6 +583,8 @@ FAKE_CASES = [  # edge shapes opcheck does not reach: the fake's shapes and stri
     lambda: moe_fp8_ext.quantize_blockwise_weight_transposed_rhs(torch.randn(3, 0, 129), F8),
     lambda: moe_fp8_ext.quantize_blockwise_weight_dual(torch.randn(0, 129, 3), F8),
     lambda: moe_fp8_ext.quantize_blockwise_weight_dual(torch.randn(1, 1), torch.float8_e5m2),
+    lambda: moe_fp8_ext.quantize_blockwise_weight_rhs_cat([torch.randn(2, 130, 128), torch.randn(2, 130, 5).mT.mT], F8),
+    lambda: moe_fp8_ext.quantize_blockwise_weight_dual_cat([torch.randn(130, 256), torch.randn(130, 0)], F8),
 ]
 
 
@@ -692,6 +694,71 @@ def test_weight_bad_inputs(op):
         raw(torch.zeros(4, 4, dtype=torch.int32), torch.float8_e4m3fn)
 
 
+wrcat = moe_fp8_ext.quantize_blockwise_weight_rhs_cat
+wdcat = moe_fp8_ext.quantize_blockwise_weight_dual_cat
+# (shape of the first part without its N, the parts' N): every part but the last whole tiles
+CAT_CASES = [((3, 300), [256, 136]), ((1, 129), [128, 128, 7]), ((200,), [128, 0, 130]), ((2, 0), [128, 4]),
+             ((0, 5), [128, 1]), ((130,), [384])]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", IN_DTYPES)
+@pytest.mark.parametrize("fp8", FP8S_ALL)
+@pytest.mark.parametrize("case", CAT_CASES)
+def test_weight_cat_ops(device, dtype, fp8, case):
+    # the weight ops of the concatenation along N, bit for bit, each part in its own
+    # layout (the experts layer passes W1^T and W3^T: N strided), into poisoned memory
+    lead, ns = case
+    parts = []
+    for i, n in enumerate(ns):
+        layouts = weight_layouts((*lead, n), dtype, device)
+        parts.append(layouts[(i + 1) % len(layouts)])
+    cat = torch.cat([p.cpu() for p in parts], dim=-1)
+    want = (*ref.quantize_blockwise_weight_rhs(cat, fp8), *ref.quantize_blockwise_weight_transposed_rhs(cat, fp8))
+    poison(device)
+    check(wrcat(parts, fp8), want[:2])
+    poison(device)
+    got = wdcat(parts, fp8)
+    check(got[:2], want[:2])
+    check(got[2:], want[2:])
+    assert moe_fp8_ext.blockwise.weight_cat_ok(parts)
+
+
+def test_weight_cat_bad_inputs():
+    w = torch.zeros(2, 64, 128)
+    cases = [
+        ([], "expected at least one weight"),
+        ([w[..., :100], w], "expected every weight but the last to have a multiple of 128 columns"),
+        ([w, w[:1]], "expected every weight of the shape of the first but its last size"),
+        ([w, w[:, :5]], "expected every weight of the shape of the first but its last size"),
+        ([w, w.half()], "expected every weight of one dtype and device"),
+        ([w, torch.zeros(64, 128)], "expected every weight of the shape of the first but its last size"),
+    ]
+    for name in ("quantize_blockwise_weight_rhs_cat", "quantize_blockwise_weight_dual_cat"):
+        for ws, msg in cases:
+            # (the raw op with no tensors cannot dispatch: the wrapper's check only)
+            for op in (getattr(moe_fp8_ext, name), getattr(torch.ops.moe_fp8, name))[:2 if ws else 1]:
+                with pytest.raises(RuntimeError, match=f"{name}: {msg}"):
+                    op(ws, F8)
+            assert not moe_fp8_ext.blockwise.weight_cat_ok(ws)
+
+
+def test_recipe_takes_the_cat_ops():
+    # fp8_blockwise's W1/W3 operands: the cat ops where the parts allow (bit for bit the
+    # operand of the copy), else quantizing the copy
+    from moe_fp8_ext.recipes import get_recipe
+
+    r = get_recipe("fp8_blockwise")
+    for ns in ([256, 136], [100, 128]):
+        ws = [bw_data((2, 130, n), torch.bfloat16, specials=False) for n in ns]
+        cat = torch.cat(ws, dim=-1)
+        assert r.reads_weights_once(ws) == (ns[0] % 128 == 0)
+        check(r.rhs_fwd_cat(ws, F8), wrhs(cat, F8))
+        fwd, bwd = r.rhs_dual_cat(ws, F8)
+        check(fwd, wrhs(cat, F8))
+        check(bwd, wtrhs(cat, F8))
+
+
 # ---- opcheck and torch.compile ------------------------------------------------------------
 
 def _x(d, m=300, k=200):
@@ -732,6 +799,10 @@ OPCHECK_CASES = [
     ("quantize_blockwise_weight_transposed_rhs", lambda d: (randn((2, 129, 64), torch.float32, d), torch.float8_e5m2)),
     ("quantize_blockwise_weight_dual", lambda d: (_x(d), torch.float8_e4m3fnuz)),
     ("quantize_blockwise_weight_dual", lambda d: (randn((2, 300, 129), torch.bfloat16, d), torch.float8_e4m3fn)),
+    ("quantize_blockwise_weight_rhs_cat", lambda d: ([randn((2, 300, 128), torch.bfloat16, d),
+                                                       randn((2, 300, 129), torch.bfloat16, d)], torch.float8_e4m3fn)),
+    ("quantize_blockwise_weight_dual_cat", lambda d: ([randn((300, 256), torch.bfloat16, d),
+                                                        randn((300, 7), torch.bfloat16, d)], torch.float8_e4m3fnuz)),
 ]
 
 

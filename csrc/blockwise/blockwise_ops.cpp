@@ -151,20 +151,36 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_blockwise_ac
   return {q_lhs, s_lhs, q_rhs, s_rhs};
 }
 
-std::vector<at::Tensor> quantize_blockwise_weight(const TileKernels& k, const at::Tensor& w, at::ScalarType fp8_dtype,
-                                                  int which) {
-  const char* op = which == 0   ? "quantize_blockwise_weight_rhs"
-                   : which == 1 ? "quantize_blockwise_weight_transposed_rhs"
-                                : "quantize_blockwise_weight_dual";
-  const InputKind in = input_kind(w, op, "w");
-  TORCH_CHECK(w.dim() == 2 || w.dim() == 3, op, ": expected w to be 2-D (M, N) or 3-D (E, M, N), got ", w.dim(),
+std::vector<at::Tensor> quantize_blockwise_weight_cat(const TileKernels& k, at::TensorList ws,
+                                                      at::ScalarType fp8_dtype, int which, const char* op) {
+  TORCH_CHECK(!ws.empty(), op, ": expected at least one weight, got none");
+  const at::Tensor& w0 = ws[0];
+  const InputKind in = input_kind(w0, op, "w");
+  TORCH_CHECK(w0.dim() == 2 || w0.dim() == 3, op, ": expected w to be 2-D (M, N) or 3-D (E, M, N), got ", w0.dim(),
               "-D");
   const Fp8Format fmt = fp8_format(fp8_dtype, op);
-  const bool batched = w.dim() == 3;
-  const int64_t E = batched ? w.size(0) : 1, M = w.size(-2), N = w.size(-1);
+  const bool batched = w0.dim() == 3;
+  const int64_t E = batched ? w0.size(0) : 1, M = w0.size(-2);
+  // The parts, concatenated along N: each but the last a whole number of 128-column
+  // tiles, so that no tile of the concatenation spans two parts and each part's tiles
+  // are the concatenation's, bit for bit.
+  int64_t N = 0;
+  for (size_t p = 0; p < ws.size(); ++p) {
+    const at::Tensor& w = ws[p];
+    TORCH_CHECK(w.scalar_type() == w0.scalar_type() && w.device() == w0.device(), op,
+                ": expected every weight of one dtype and device, got ", w0.scalar_type(), " on ", w0.device(),
+                " and ", w.scalar_type(), " on ", w.device(), " (weight ", p, ")");
+    TORCH_CHECK(w.dim() == w0.dim() && (!batched || w.size(0) == E) && w.size(-2) == M, op,
+                ": expected every weight of the shape of the first but its last size, ", w0.sizes(), ", got ",
+                w.sizes(), " (weight ", p, ")");
+    TORCH_CHECK(p + 1 == ws.size() || w.size(-1) % kTile == 0, op,
+                ": expected every weight but the last to have a multiple of ", kTile,
+                " columns (whole 128x128 tiles of the concatenation), got ", w.size(-1), " (weight ", p, ")");
+    N += w.size(-1);
+  }
   const int64_t TM = ceil_div(M, kTile), TN = ceil_div(N, kTile);
-  const auto qopts = w.options().dtype(fp8_dtype);
-  const auto sopts = w.options().dtype(at::kFloat);
+  const auto qopts = w0.options().dtype(fp8_dtype);
+  const auto sopts = w0.options().dtype(at::kFloat);
   // Column-major per expert: q (M, N) strides (1, M), q^T (N, M) strides (1, N) (w's
   // row-major bytes); the scales (TM, TN) and (TN, TM) likewise.
   auto make = [&](int64_t rows, int64_t cols, const at::TensorOptions& o) {
@@ -173,46 +189,64 @@ std::vector<at::Tensor> quantize_blockwise_weight(const TileKernels& k, const at
                    : at::empty_strided({rows, cols}, {1, r1}, o);
   };
   std::vector<at::Tensor> outs;
-  TilesArgs a;
-  a.batches = E;
-  a.rows = M;
-  a.cols = N;
-  a.sb = batched ? w.stride(0) : 0;
-  a.sr = w.stride(-2);
-  a.sc = w.stride(-1);
-  a.num_out = 0;
   if (which == 0 || which == 2) {
-    at::Tensor q = make(M, N, qopts), s = make(TM, TN, sopts);
-    TileOut& o = a.out[a.num_out++];
-    o.q = static_cast<uint8_t*>(q.data_ptr());
-    o.q_sb = M * N;
-    o.q_sr = 1;
-    o.q_sc = M;
-    o.s = s.data_ptr();
-    o.s_sb = TM * TN;
-    o.s_si = 1;
-    o.s_sj = TM;
-    outs.push_back(q);
-    outs.push_back(s);
+    outs.push_back(make(M, N, qopts));
+    outs.push_back(make(TM, TN, sopts));
   }
   if (which == 1 || which == 2) {
-    at::Tensor q = make(N, M, qopts), s = make(TN, TM, sopts);
-    TileOut& o = a.out[a.num_out++];
-    o.q = static_cast<uint8_t*>(q.data_ptr());
-    o.q_sb = M * N;
-    o.q_sr = N;  // element (r, c) of w is q^T[c, r], at c + r * N
-    o.q_sc = 1;
-    o.s = s.data_ptr();
-    o.s_sb = TM * TN;
-    o.s_si = TN;  // tile (i, j) is s^T[j, i], at j + i * TN
-    o.s_sj = 1;
-    outs.push_back(q);
-    outs.push_back(s);
+    outs.push_back(make(N, M, qopts));
+    outs.push_back(make(TN, TM, sopts));
   }
   if (E == 0 || M == 0 || N == 0) return outs;
-  a.x = w.data_ptr();
-  k.tiles(in, fmt, ScaleRuleKind::kFp32Exact, a, w.device().index());
+  int64_t c0 = 0;  // the part's first column of the concatenation (a multiple of 128)
+  for (const at::Tensor& w : ws) {
+    const int64_t n = w.size(-1), j0 = c0 / kTile;
+    c0 += n;
+    if (n == 0) continue;
+    TilesArgs a;
+    a.x = w.data_ptr();
+    a.batches = E;
+    a.rows = M;
+    a.cols = n;
+    a.sb = batched ? w.stride(0) : 0;
+    a.sr = w.stride(-2);
+    a.sc = w.stride(-1);
+    a.num_out = 0;
+    size_t t = 0;
+    if (which == 0 || which == 2) {  // element (r, c) at r + (j0 * 128 + c) * M; tile (i, j) at i + (j0 + j) * TM
+      TileOut& o = a.out[a.num_out++];
+      o.q = static_cast<uint8_t*>(outs[t].data_ptr()) + j0 * kTile * M;
+      o.q_sb = M * N;
+      o.q_sr = 1;
+      o.q_sc = M;
+      o.s = outs[t + 1].data_ptr<float>() + j0 * TM;
+      o.s_sb = TM * TN;
+      o.s_si = 1;
+      o.s_sj = TM;
+      t += 2;
+    }
+    if (which == 1 || which == 2) {  // element (r, c) is q^T[j0 * 128 + c, r]; tile (i, j) is s^T[j0 + j, i]
+      TileOut& o = a.out[a.num_out++];
+      o.q = static_cast<uint8_t*>(outs[t].data_ptr()) + j0 * kTile;
+      o.q_sb = M * N;
+      o.q_sr = N;
+      o.q_sc = 1;
+      o.s = outs[t + 1].data_ptr<float>() + j0;
+      o.s_sb = TM * TN;
+      o.s_si = TN;
+      o.s_sj = 1;
+    }
+    k.tiles(in, fmt, ScaleRuleKind::kFp32Exact, a, w.device().index());
+  }
   return outs;
+}
+
+std::vector<at::Tensor> quantize_blockwise_weight(const TileKernels& k, const at::Tensor& w, at::ScalarType fp8_dtype,
+                                                  int which) {
+  const char* op = which == 0   ? "quantize_blockwise_weight_rhs"
+                   : which == 1 ? "quantize_blockwise_weight_transposed_rhs"
+                                : "quantize_blockwise_weight_dual";
+  return quantize_blockwise_weight_cat(k, {w}, fp8_dtype, which, op);
 }
 
 }  // namespace moe_fp8

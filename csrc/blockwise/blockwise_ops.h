@@ -24,7 +24,11 @@
 //                           column-major (per expert for 3-D);
 //  * weight_transposed_rhs: q (N, M) column-major, scale (ceil(N/128), ceil(M/128))
 //                           column-major;
-//  * weight_dual:           both from one read (a tile and its transpose share the scale).
+//  * weight_dual:           both from one read (a tile and its transpose share the scale);
+//  * weight_rhs_cat / weight_dual_cat: weight_rhs / weight_dual of weights concatenated
+//                           along N (each but the last whole 128-column tiles: the
+//                           experts layer's W1 and W3), one launch a part, written
+//                           straight into the concatenation's outputs.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -63,6 +67,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_blockwise_ac
 // which: 0 weight_rhs, 1 weight_transposed_rhs, 2 both (q, scale, q_t, scale_t).
 std::vector<at::Tensor> quantize_blockwise_weight(const TileKernels& k, const at::Tensor& w, at::ScalarType fp8_dtype,
                                                   int which);
+// The same of the concatenation of ws along N (each but the last a multiple of 128
+// columns), each part read once and written straight into the concatenated outputs.
+std::vector<at::Tensor> quantize_blockwise_weight_cat(const TileKernels& k, at::TensorList ws,
+                                                      at::ScalarType fp8_dtype, int which, const char* op);
 
 template <const QuantKernels& K, const TileKernels& TK>
 struct BlockwiseOn {
@@ -101,7 +109,18 @@ struct BlockwiseOn {
     auto o = quantize_blockwise_weight(TK, w, fp8_dtype, 2);
     return {o[0], o[1], o[2], o[3]};
   }
+  static std::tuple<at::Tensor, at::Tensor> weight_rhs_cat(at::TensorList ws, at::ScalarType fp8_dtype) {
+    auto o = quantize_blockwise_weight_cat(TK, ws, fp8_dtype, 0, "quantize_blockwise_weight_rhs_cat");
+    return {o[0], o[1]};
+  }
+  static std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> weight_dual_cat(at::TensorList ws,
+                                                                                    at::ScalarType fp8_dtype) {
+    auto o = quantize_blockwise_weight_cat(TK, ws, fp8_dtype, 2, "quantize_blockwise_weight_dual_cat");
+    return {o[0], o[1], o[2], o[3]};
+  }
   static void register_impls(torch::Library& m) {
+    m.impl("quantize_blockwise_weight_rhs_cat", TORCH_FN(weight_rhs_cat));
+    m.impl("quantize_blockwise_weight_dual_cat", TORCH_FN(weight_dual_cat));
     m.impl("quantize_blockwise_weight_rhs", TORCH_FN(weight_rhs));
     m.impl("quantize_blockwise_weight_transposed_rhs", TORCH_FN(weight_transposed_rhs));
     m.impl("quantize_blockwise_weight_dual", TORCH_FN(weight_dual));
