@@ -1,5 +1,5 @@
 """Where the time of one grouped_mm forward + backward goes, for bf16 and fp8_rowwise
-on one shape: torch.profiler's GPU time per step and kernel, then the same step's
+(or the recipes named after the shape, bf16 first) on one shape: torch.profiler's GPU time per step and kernel, then the same step's
 wall time three ways, so that time outside the kernels (launch gaps, host work) shows:
 
   kernels   the sum of the kernel times (profiler), per step
@@ -9,7 +9,7 @@ wall time three ways, so that time outside the kernels (launch gaps, host work) 
             the host time by op (torch.profiler, CPU)
 
 The step is torch.autograd.grad of the output (the bench_grouped_mm timing).
-Run: python bench/profile_grouped_mm.py [M K N E]"""
+Run: python bench/profile_grouped_mm.py [M K N E [recipe ...]]"""
 
 import sys
 import time
@@ -22,7 +22,8 @@ import moe_fp8_ext
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from common import bench_us, linear_problem  # noqa: E402
 
-m, k, n, e = (int(v) for v in sys.argv[1:5]) if len(sys.argv) == 5 else (16384, 7168, 2048, 8)
+m, k, n, e = (int(v) for v in sys.argv[1:5]) if len(sys.argv) >= 5 else (16384, 7168, 2048, 8)
+RECIPES = ["bf16"] + (sys.argv[5:] or ["fp8_rowwise"])
 a, w, offs, grad = linear_problem(m, k, n, e)
 
 
@@ -55,7 +56,7 @@ def profiled(step, activity, steps):
 
 
 summary = []
-for recipe in ("bf16", "fp8_rowwise"):
+for recipe in RECIPES:
     step = lambda: torch.autograd.grad(moe_fp8_ext.grouped_mm(a, w.transpose(1, 2), offs, recipe=recipe), (a, w), grad)
     for _ in range(5):
         step()
@@ -87,5 +88,6 @@ print(f"== per step, µs ({m}, {k}, {n}, {e})")
 print(f"  {'recipe':12s} {'kernels':>8s} {'eager':>8s} {'graph':>8s} {'host':>8s}")
 for recipe, kernels, eager, graph, host in summary:
     print(f"  {recipe:12s} {kernels:8.1f} {eager:8.1f} {graph:8.1f} {host:8.1f}")
-(_, kb, eb, gb, _), (_, kf, ef, gf, _) = summary
-print(f"  speedup: kernels {kb / kf:.2f}x, eager {eb / ef:.2f}x, graph {gb / gf:.2f}x")
+(_, kb, eb, gb, _) = summary[0]
+for recipe, kf, ef, gf, _ in summary[1:]:
+    print(f"  {recipe} vs bf16: kernels {kb / kf:.2f}x, eager {eb / ef:.2f}x, graph {gb / gf:.2f}x")

@@ -103,6 +103,7 @@ TORCH_LIBRARY(moe_fp8, m) {
   // _cat: the same of ws concatenated along N (every part but the last a multiple of 128
   // columns), without a copy of the weights.
   m.def("quantize_blockwise_weight_rhs_cat(Tensor[] ws, ScalarType fp8_dtype) -> (Tensor, Tensor)");
+  m.def("quantize_blockwise_weight_transposed_rhs_cat(Tensor[] ws, ScalarType fp8_dtype) -> (Tensor, Tensor)");
   m.def("quantize_blockwise_weight_dual_cat(Tensor[] ws, ScalarType fp8_dtype) -> (Tensor, Tensor, Tensor, Tensor)");
 
   // ---- FP8 blockwise grouped GEMMs (DESIGN §6), Hopper: gemm/blockwise_grouped_sm90.cu (CUDA only) -

@@ -28,6 +28,7 @@ from .blockwise import (
     quantize_blockwise_weight_rhs,
     quantize_blockwise_weight_rhs_cat,
     quantize_blockwise_weight_transposed_rhs,
+    quantize_blockwise_weight_transposed_rhs_cat,
 )
 from .experts import GroupedExperts, WeightCache, clear_weight_caches, experts
 from .grouped_mm import grouped_mm, grouped_mm_backend
@@ -96,6 +97,7 @@ __all__ = [
     "quantize_blockwise_weight_rhs",
     "quantize_blockwise_weight_rhs_cat",
     "quantize_blockwise_weight_transposed_rhs",
+    "quantize_blockwise_weight_transposed_rhs_cat",
     "quantize_experts_bwd",
     "quantize_experts_bwd_cat",
     "quantize_experts_dual_cat",

@@ -309,6 +309,21 @@ def _(ws, fp8_dtype):
     return _cat_fake(ws, fp8_dtype, "quantize_blockwise_weight_rhs_cat", 0)
 
 
+def quantize_blockwise_weight_transposed_rhs_cat(ws: Sequence[Tensor],
+                                                 fp8_dtype: Optional[torch.dtype] = None) -> Tuple[Tensor, Tensor]:
+    """:func:`quantize_blockwise_weight_transposed_rhs` of ``torch.cat(ws, dim=-1)``, bit
+    for bit, without the copy (the rules of :func:`quantize_blockwise_weight_rhs_cat`):
+    the experts layer's joint W1 / W3 input-gradient operand (E, ΣN_i, M)."""
+    op = "quantize_blockwise_weight_transposed_rhs_cat"
+    check_quantize_blockwise_weight_cat(ws, fp8_dtype, op)
+    return _ops.quantize_blockwise_weight_transposed_rhs_cat(list(ws), _dtype(fp8_dtype, ws[0]))
+
+
+@torch.library.register_fake("moe_fp8::quantize_blockwise_weight_transposed_rhs_cat")
+def _(ws, fp8_dtype):
+    return _cat_fake(ws, fp8_dtype, "quantize_blockwise_weight_transposed_rhs_cat", 1)
+
+
 def quantize_blockwise_weight_dual_cat(
         ws: Sequence[Tensor], fp8_dtype: Optional[torch.dtype] = None) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """:func:`quantize_blockwise_weight_dual` of ``torch.cat(ws, dim=-1)``, bit for bit:

@@ -327,8 +327,9 @@ class _Experts(torch.autograd.Function):
         # h = swiglu(h13) for it (no second read of h13); h13 is freed after it. The input
         # gradient through W1 and W3: one GEMM, grad_h13 @ [W1; W3], where the recipe
         # makes both operands without a copy (joint_w13_dgrad: fp8_rowwise, one scale per
-        # row of grad_h13 and per (expert, column) of [W1; W3] over both halves); else two
-        # GEMMs over the halves, summed.
+        # row of grad_h13 and per (expert, column) of [W1; W3] over both halves;
+        # fp8_blockwise, 1x128 blocks of grad_h13 and 128x128 tiles of [W1; W3]); else
+        # two GEMMs over the halves, summed.
         need_w13 = need_w1 or need_w3
         joint = need_x and recipe.joint_w13_dgrad
         grad_h13 = lhs13 = lhs1 = lhs3 = h = None

@@ -805,6 +805,18 @@ class Fp8Blockwise(Recipe):
             return super().rhs_fwd_cat(b_ts, fp8_dtype)
         return _bw.quantize_blockwise_weight_rhs_cat(b_ts, fp8_dtype)
 
+    def rhs_bwd_cat(self, b_ts, fp8_dtype):
+        if not _bw.weight_cat_ok(b_ts):
+            return super().rhs_bwd_cat(b_ts, fp8_dtype)
+        return _bw.quantize_blockwise_weight_transposed_rhs_cat(b_ts, fp8_dtype)
+
+    # The experts layer's input gradient through W1 and W3 as one GEMM, grad_h13 @
+    # [W1; W3] (contraction 2H): grad_h13's 1x128 blocks (lhs of the whole of it) and
+    # [W1; W3]'s 128x128 tiles (the _cat weight ops) are those of the halves wherever the
+    # hidden size is a multiple of 128, and any 1x128 x 128x128 pair is an operand pair
+    # of the blockwise GEMM: one GEMM instead of two and their sum.
+    joint_w13_dgrad = True
+
     def rhs_dual_cat(self, b_ts, fp8_dtype):
         if not _bw.weight_cat_ok(b_ts):
             return super().rhs_dual_cat(b_ts, fp8_dtype)

@@ -695,6 +695,7 @@ def test_weight_bad_inputs(op):
 
 
 wrcat = moe_fp8_ext.quantize_blockwise_weight_rhs_cat
+wtcat = moe_fp8_ext.quantize_blockwise_weight_transposed_rhs_cat
 wdcat = moe_fp8_ext.quantize_blockwise_weight_dual_cat
 # (shape of the first part without its N, the parts' N): every part but the last whole tiles
 CAT_CASES = [((3, 300), [256, 136]), ((1, 129), [128, 128, 7]), ((200,), [128, 0, 130]), ((2, 0), [128, 4]),
@@ -718,6 +719,8 @@ def test_weight_cat_ops(device, dtype, fp8, case):
     poison(device)
     check(wrcat(parts, fp8), want[:2])
     poison(device)
+    check(wtcat(parts, fp8), want[2:])
+    poison(device)
     got = wdcat(parts, fp8)
     check(got[:2], want[:2])
     check(got[2:], want[2:])
@@ -734,7 +737,8 @@ def test_weight_cat_bad_inputs():
         ([w, w.half()], "expected every weight of one dtype and device"),
         ([w, torch.zeros(64, 128)], "expected every weight of the shape of the first but its last size"),
     ]
-    for name in ("quantize_blockwise_weight_rhs_cat", "quantize_blockwise_weight_dual_cat"):
+    for name in ("quantize_blockwise_weight_rhs_cat", "quantize_blockwise_weight_transposed_rhs_cat",
+                 "quantize_blockwise_weight_dual_cat"):
         for ws, msg in cases:
             # (the raw op with no tensors cannot dispatch: the wrapper's check only)
             for op in (getattr(moe_fp8_ext, name), getattr(torch.ops.moe_fp8, name))[:2 if ws else 1]:
@@ -754,6 +758,7 @@ def test_recipe_takes_the_cat_ops():
         cat = torch.cat(ws, dim=-1)
         assert r.reads_weights_once(ws) == (ns[0] % 128 == 0)
         check(r.rhs_fwd_cat(ws, F8), wrhs(cat, F8))
+        check(r.rhs_bwd_cat(ws, F8), wtrhs(cat, F8))
         fwd, bwd = r.rhs_dual_cat(ws, F8)
         check(fwd, wrhs(cat, F8))
         check(bwd, wtrhs(cat, F8))
@@ -801,6 +806,8 @@ OPCHECK_CASES = [
     ("quantize_blockwise_weight_dual", lambda d: (randn((2, 300, 129), torch.bfloat16, d), torch.float8_e4m3fn)),
     ("quantize_blockwise_weight_rhs_cat", lambda d: ([randn((2, 300, 128), torch.bfloat16, d),
                                                        randn((2, 300, 129), torch.bfloat16, d)], torch.float8_e4m3fn)),
+    ("quantize_blockwise_weight_transposed_rhs_cat", lambda d: ([randn((3, 130, 128), torch.float32, d),
+                                                                  randn((3, 130, 40), torch.float32, d)], F8)),
     ("quantize_blockwise_weight_dual_cat", lambda d: ([randn((300, 256), torch.bfloat16, d),
                                                         randn((300, 7), torch.bfloat16, d)], torch.float8_e4m3fnuz)),
 ]

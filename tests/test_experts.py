@@ -292,9 +292,8 @@ def test_backward_operands_made_in_forward(device, cached, dual_kernel, monkeypa
 def test_no_grad_makes_nothing_for_backward(recipe_name, monkeypatch):
     # Under no_grad the layer makes no backward operand (weights' dgrad ones, x's fp8
     # wgrad one), though autograd sets needs_input_grad there too; the output is the
-    # grad-mode one. (fp8_blockwise: x's two operands from one read, and its weight dual
-    # only for W2, the one weight it reads once for both; W13's forward operand is the
-    # forward half alone.)
+    # grad-mode one. (fp8_blockwise: x's two operands from one read, and each weight's
+    # two operands from one read: W1 and W3 together, the concatenation's, W2 alone.)
     x, w1, w3, w2, offs, _ = make(3, 128, 128, 300, "cpu", offs=[130, 130, 300])
     calls, recipe = count_backward_operand_calls(monkeypatch, recipe_name)
     if recipe_name == "fp8_rowwise":
@@ -304,7 +303,7 @@ def test_no_grad_makes_nothing_for_backward(recipe_name, monkeypatch):
     if recipe_name == "fp8_rowwise":
         assert sorted(set(calls)) == ["lhs_with_wgrad_operand", "rhs_dual_cat"]
     else:
-        assert calls == ["lhs_with_wgrad_operand", "rhs_dual_cat", "weight_dual"]  # x's; W2's dual, once
+        assert calls == ["rhs_dual_cat", "weight_dual_cat", "lhs_with_wgrad_operand", "rhs_dual_cat", "weight_dual"]
     calls.clear()
     with torch.no_grad():
         out2 = experts(*leaves, offs, recipe=recipe_name)

@@ -25,7 +25,7 @@
 //  * weight_transposed_rhs: q (N, M) column-major, scale (ceil(N/128), ceil(M/128))
 //                           column-major;
 //  * weight_dual:           both from one read (a tile and its transpose share the scale);
-//  * weight_rhs_cat / weight_dual_cat: weight_rhs / weight_dual of weights concatenated
+//  * weight_rhs_cat / _transposed_rhs_cat / _dual_cat: those of weights concatenated
 //                           along N (each but the last whole 128-column tiles: the
 //                           experts layer's W1 and W3), one launch a part, written
 //                           straight into the concatenation's outputs.
@@ -113,6 +113,10 @@ struct BlockwiseOn {
     auto o = quantize_blockwise_weight_cat(TK, ws, fp8_dtype, 0, "quantize_blockwise_weight_rhs_cat");
     return {o[0], o[1]};
   }
+  static std::tuple<at::Tensor, at::Tensor> weight_transposed_rhs_cat(at::TensorList ws, at::ScalarType fp8_dtype) {
+    auto o = quantize_blockwise_weight_cat(TK, ws, fp8_dtype, 1, "quantize_blockwise_weight_transposed_rhs_cat");
+    return {o[0], o[1]};
+  }
   static std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> weight_dual_cat(at::TensorList ws,
                                                                                     at::ScalarType fp8_dtype) {
     auto o = quantize_blockwise_weight_cat(TK, ws, fp8_dtype, 2, "quantize_blockwise_weight_dual_cat");
@@ -120,6 +124,7 @@ struct BlockwiseOn {
   }
   static void register_impls(torch::Library& m) {
     m.impl("quantize_blockwise_weight_rhs_cat", TORCH_FN(weight_rhs_cat));
+    m.impl("quantize_blockwise_weight_transposed_rhs_cat", TORCH_FN(weight_transposed_rhs_cat));
     m.impl("quantize_blockwise_weight_dual_cat", TORCH_FN(weight_dual_cat));
     m.impl("quantize_blockwise_weight_rhs", TORCH_FN(weight_rhs));
     m.impl("quantize_blockwise_weight_transposed_rhs", TORCH_FN(weight_transposed_rhs));
