@@ -286,6 +286,11 @@ def check_quantize_blockwise_weight_cat(ws, fp8_dtype, op):
                                f"(whole 128x128 tiles of the concatenation), got {w.shape[-1]} (weight {i})")
 
 
+def _run_cat(op, ws, fp8_dtype):
+    check_quantize_blockwise_weight_cat(ws, fp8_dtype, op)
+    return getattr(_ops, op)(list(ws), _dtype(fp8_dtype, ws[0]))
+
+
 def quantize_blockwise_weight_rhs_cat(ws: Sequence[Tensor],
                                       fp8_dtype: Optional[torch.dtype] = None) -> Tuple[Tensor, Tensor]:
     """:func:`quantize_blockwise_weight_rhs` of ``torch.cat(ws, dim=-1)``, bit for bit,
@@ -293,9 +298,7 @@ def quantize_blockwise_weight_rhs_cat(ws: Sequence[Tensor],
     same E and M) is read once and written straight into its columns of the outputs.
     Every weight but the last must have a multiple of 128 columns, so that no 128x128
     tile spans two of them. The experts layer's W1 / W3 forward operand."""
-    op = "quantize_blockwise_weight_rhs_cat"
-    check_quantize_blockwise_weight_cat(ws, fp8_dtype, op)
-    return _ops.quantize_blockwise_weight_rhs_cat(list(ws), _dtype(fp8_dtype, ws[0]))
+    return _run_cat("quantize_blockwise_weight_rhs_cat", ws, fp8_dtype)
 
 
 def _cat_fake(ws, fp8_dtype, op, which):
@@ -314,9 +317,7 @@ def quantize_blockwise_weight_transposed_rhs_cat(ws: Sequence[Tensor],
     """:func:`quantize_blockwise_weight_transposed_rhs` of ``torch.cat(ws, dim=-1)``, bit
     for bit, without the copy (the rules of :func:`quantize_blockwise_weight_rhs_cat`):
     the experts layer's joint W1 / W3 input-gradient operand (E, ΣN_i, M)."""
-    op = "quantize_blockwise_weight_transposed_rhs_cat"
-    check_quantize_blockwise_weight_cat(ws, fp8_dtype, op)
-    return _ops.quantize_blockwise_weight_transposed_rhs_cat(list(ws), _dtype(fp8_dtype, ws[0]))
+    return _run_cat("quantize_blockwise_weight_transposed_rhs_cat", ws, fp8_dtype)
 
 
 @torch.library.register_fake("moe_fp8::quantize_blockwise_weight_transposed_rhs_cat")
@@ -329,9 +330,7 @@ def quantize_blockwise_weight_dual_cat(
     """:func:`quantize_blockwise_weight_dual` of ``torch.cat(ws, dim=-1)``, bit for bit:
     both orientations of the concatenation, each weight read once (the rules of
     :func:`quantize_blockwise_weight_rhs_cat`)."""
-    op = "quantize_blockwise_weight_dual_cat"
-    check_quantize_blockwise_weight_cat(ws, fp8_dtype, op)
-    return _ops.quantize_blockwise_weight_dual_cat(list(ws), _dtype(fp8_dtype, ws[0]))
+    return _run_cat("quantize_blockwise_weight_dual_cat", ws, fp8_dtype)
 
 
 @torch.library.register_fake("moe_fp8::quantize_blockwise_weight_dual_cat")
