@@ -17,6 +17,7 @@ from torch import Tensor
 
 from .ops import (
     _dtype,
+    _dtype_name,
     check_block_jagged,
     check_fp8_dtype,
     check_quant_input,
@@ -269,18 +270,21 @@ def weight_cat_ok(ws: Sequence[Tensor]) -> bool:
 
 
 def check_quantize_blockwise_weight_cat(ws, fp8_dtype, op):
+    """The first weight as the weight ops check it, then each weight against it, in
+    blockwise_ops.cpp's order and words."""
     if not isinstance(ws, (list, tuple)) or not ws:
         raise RuntimeError(f"{op}: expected at least one weight, got none")
-    for w in ws:
-        check_quantize_blockwise_weight(w, fp8_dtype, op)
     w0 = ws[0]
+    check_quantize_blockwise_weight(w0, fp8_dtype, op)
     for i, w in enumerate(ws):
+        if not isinstance(w, Tensor):
+            raise TypeError(f"{op}: expected every weight to be a Tensor, got {type(w).__name__} (weight {i})")
         if w.dtype != w0.dtype or w.device != w0.device:
-            raise RuntimeError(f"{op}: expected every weight of one dtype and device, got {w0.dtype} on {w0.device} "
-                               f"and {w.dtype} on {w.device} (weight {i})")
+            raise RuntimeError(f"{op}: expected every weight of one dtype and device, got {_dtype_name(w0.dtype)} on "
+                               f"{w0.device} and {_dtype_name(w.dtype)} on {w.device} (weight {i})")
         if w.dim() != w0.dim() or w.shape[:-1] != w0.shape[:-1]:
             raise RuntimeError(f"{op}: expected every weight of the shape of the first but its last size, "
-                               f"{tuple(w0.shape)}, got {tuple(w.shape)} (weight {i})")
+                               f"{list(w0.shape)}, got {list(w.shape)} (weight {i})")
         if i + 1 < len(ws) and w.shape[-1] % BW_BLOCK:
             raise RuntimeError(f"{op}: expected every weight but the last to have a multiple of {BW_BLOCK} columns "
                                f"(whole 128x128 tiles of the concatenation), got {w.shape[-1]} (weight {i})")

@@ -9,11 +9,13 @@ Against three :func:`~moe_fp8_ext.grouped_mm` calls (same recipe, same math up t
 rounding) it:
 
 - runs W1 and W3 as one grouped GEMM (N = 2·hidden) in the forward (x quantized once,
-  both weights quantized straight into one operand) and, for fp8_rowwise
-  (``Recipe.joint_w13_dgrad``), the input gradient as one GEMM too, grad_h13 [W1; W3]
-  (K = 2·hidden): one scale per row of grad_h13 and per (expert, column) of [W1; W3]
-  spans both halves, each operand written by one kernel that reads w1 and w3 (or both
-  halves of grad_h13) in place. Other recipes run two GEMMs over the halves, summed;
+  both weights quantized straight into one operand) and, where the recipe makes both
+  operands without a copy (``Recipe.joins_w13_dgrad``), the input gradient as one GEMM
+  too, grad_h13 [W1; W3] (K = 2·hidden): fp8_rowwise, one scale per row of grad_h13 and
+  per (expert, column) of [W1; W3] spans both halves, each operand written by one
+  kernel that reads w1 and w3 (or both halves of grad_h13) in place; fp8_blockwise with
+  a hidden size a multiple of 128, 1x128 blocks of grad_h13 and 128x128 tiles of
+  [W1; W3], the halves' own. Otherwise two GEMMs over the halves, summed;
 - makes x's two fp8 operands together, and grad_out's (``Recipe.keeps_fp8_activations``;
   fp8_rowwise: ``quantize_rowwise_jagged_dual``): the rowwise one of the forward (dgrad)
   GEMM and the per-group colwise one of the weight gradient, in the padded layout. By
@@ -44,7 +46,8 @@ rounding) it:
 
 A weight's two orientations come from one read (``quantize_experts_dual_cat``) where
 an expert's matrix fits the L2 budget (``MOE_FP8_DUAL_L2_BYTES``, DESIGN §10; for
-fp8_blockwise, ``quantize_blockwise_weight_dual`` of W2 always): there
+fp8_blockwise always, W1 and W3 together by ``quantize_blockwise_weight_dual_cat`` where
+the hidden size is a multiple of 128): there
 (``Recipe.reads_weights_once``), the forward makes each weight's backward operand with
 its forward one and keeps it on ctx until the backward uses it (or in the cache).
 Without a cache, ``MOE_FP8_HOLD_WEIGHT_OPERANDS=0`` turns the ctx-held operand off (the
@@ -241,7 +244,7 @@ class _Experts(torch.autograd.Function):
 
         # (W13's backward operand: the joint input-gradient GEMM's, rhs_bwd_cat)
         rhs13 = weight_fwd("w13", (w1, w3), [w1.transpose(-2, -1), w3.transpose(-2, -1)],
-                           need_x and recipe.joint_w13_dgrad)
+                           need_x and recipe.joins_w13_dgrad(w1, w3))
         # x's two fp8 operands made together (Recipe.keeps_fp8_activations): the W13
         # GEMM's, and W13's weight-gradient one, saved instead of x (half its bytes).
         ctx.fp8_saved = recipe.keeps_fp8_activations and pad_wgrad and need_w13
@@ -326,12 +329,12 @@ class _Experts(torch.autograd.Function):
         # fused with the quantization of grad_h13 and, when W2 needs a gradient, writing
         # h = swiglu(h13) for it (no second read of h13); h13 is freed after it. The input
         # gradient through W1 and W3: one GEMM, grad_h13 @ [W1; W3], where the recipe
-        # makes both operands without a copy (joint_w13_dgrad: fp8_rowwise, one scale per
-        # row of grad_h13 and per (expert, column) of [W1; W3] over both halves;
-        # fp8_blockwise, 1x128 blocks of grad_h13 and 128x128 tiles of [W1; W3]); else
-        # two GEMMs over the halves, summed.
+        # makes both operands without a copy (Recipe.joins_w13_dgrad: fp8_rowwise, one
+        # scale per row of grad_h13 and per (expert, column) of [W1; W3] over both halves;
+        # fp8_blockwise with a hidden size a multiple of 128, 1x128 blocks of grad_h13 and
+        # 128x128 tiles of [W1; W3]); else two GEMMs over the halves, summed.
         need_w13 = need_w1 or need_w3
-        joint = need_x and recipe.joint_w13_dgrad
+        joint = need_x and recipe.joins_w13_dgrad(w1, w3)
         grad_h13 = lhs13 = lhs1 = lhs3 = h = None
         # grad_out's two fp8 operands (W2's dgrad and wgrad ones) made together where both
         # are needed and one read makes them (else the wgrad one when W2's wgrad runs: it

@@ -225,6 +225,11 @@ class Recipe:
     # copy (its scales may then span both halves).
     joint_w13_dgrad = False
 
+    def joins_w13_dgrad(self, w1: Tensor, w3: Tensor) -> bool:
+        """Whether the experts layer joins the input gradient through these W1 and W3
+        (each (E, hidden, dim)). Default: ``joint_w13_dgrad``."""
+        return self.joint_w13_dgrad
+
     def lhs_swiglu_backward_joint(self, grad_h: Tensor, h13: Tensor, fp8_dtype) -> Tuple[Tensor, Operand, Tensor]:
         """``(grad_h13, lhs(grad_h13), h)``: the gradient through the SwiGLU, the left
         operand of the one input-gradient GEMM against W1 and W3 together, and h for
@@ -748,6 +753,10 @@ class Fp8Blockwise(Recipe):
     ``pad_groups=True``, no sync). Where the padded layout is used, A's (and
     grad_out's) two operands come from one read (``quantize_blockwise_act_dual``) and
     A's fp8 weight-gradient operand is saved instead of A (``keeps_fp8_activations``).
+    Weights concatenated along N (the experts layer's W1 and W3, a hidden size a
+    multiple of 128) are quantized straight into one operand by the ``_cat`` weight ops,
+    both orientations from one read, and the layer's input gradient through them is one
+    GEMM (``joins_w13_dgrad``).
 
     GEMM: this package's CUTLASS grouped blockwise GEMM (:mod:`moe_fp8_ext.blockwise_gemm`,
     ``"blockwise_gemm"``) on CUDA capability 9.0 when built with it, writing bfloat16;
@@ -811,11 +820,14 @@ class Fp8Blockwise(Recipe):
         return _bw.quantize_blockwise_weight_transposed_rhs_cat(b_ts, fp8_dtype)
 
     # The experts layer's input gradient through W1 and W3 as one GEMM, grad_h13 @
-    # [W1; W3] (contraction 2H): grad_h13's 1x128 blocks (lhs of the whole of it) and
-    # [W1; W3]'s 128x128 tiles (the _cat weight ops) are those of the halves wherever the
-    # hidden size is a multiple of 128, and any 1x128 x 128x128 pair is an operand pair
-    # of the blockwise GEMM: one GEMM instead of two and their sum.
+    # [W1; W3] (contraction 2H), where the hidden size is a multiple of 128: grad_h13's
+    # 1x128 blocks (lhs of the whole of it) and [W1; W3]'s 128x128 tiles (the _cat weight
+    # ops, no copy) are then those of the halves. Other hidden sizes would need a bf16
+    # copy of [W1; W3] (tiles spanning both): two GEMMs over the halves there.
     joint_w13_dgrad = True
+
+    def joins_w13_dgrad(self, w1, w3):
+        return _bw.weight_cat_ok([w1.transpose(-2, -1), w3.transpose(-2, -1)])
 
     def rhs_dual_cat(self, b_ts, fp8_dtype):
         if not _bw.weight_cat_ok(b_ts):

@@ -116,6 +116,9 @@ if [ "$sanitize" = 1 ]; then
     compute-sanitizer --tool memcheck --error-exitcode 1 $PY -m pytest tests/test_rowwise.py -q -k "_cat and cuda" \
       2>&1 | tee -a "$OUT/sanitizer.log" | tail -3
     test ${PIPESTATUS[0]} -eq 0
+    compute-sanitizer --tool memcheck --error-exitcode 1 $PY -m pytest tests/test_blockwise.py -q -k "weight_cat and cuda" \
+      2>&1 | tee -a "$OUT/sanitizer.log" | tail -3
+    test ${PIPESTATUS[0]} -eq 0
     # shared-memory hazards and barrier misuse: every such kernel family once, small odd
     # shapes. racecheck fails on errors, not on its warnings: on an H100 (2026-11-26) it
     # warned only inside CUTLASS's grouped-GEMM descriptor update (tensormap.replace by

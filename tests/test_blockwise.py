@@ -736,6 +736,9 @@ def test_weight_cat_bad_inputs():
         ([w, w[:, :5]], "expected every weight of the shape of the first but its last size"),
         ([w, w.half()], "expected every weight of one dtype and device"),
         ([w, torch.zeros(64, 128)], "expected every weight of the shape of the first but its last size"),
+        ([w, w.int()], "expected every weight of one dtype and device"),  # the first weight's rules bind the rest
+        ([w, w[None]], "expected every weight of the shape of the first but its last size"),
+        ([w.int(), w], "expected w of dtype bfloat16, float16 or float32"),
     ]
     for name in ("quantize_blockwise_weight_rhs_cat", "quantize_blockwise_weight_transposed_rhs_cat",
                  "quantize_blockwise_weight_dual_cat"):
@@ -747,21 +750,30 @@ def test_weight_cat_bad_inputs():
             assert not moe_fp8_ext.blockwise.weight_cat_ok(ws)
 
 
-def test_recipe_takes_the_cat_ops():
+def test_recipe_takes_the_cat_ops(monkeypatch):
     # fp8_blockwise's W1/W3 operands: the cat ops where the parts allow (bit for bit the
-    # operand of the copy), else quantizing the copy
-    from moe_fp8_ext.recipes import get_recipe
+    # operand of the copy), else quantizing the copy (no cat op called)
+    from moe_fp8_ext import recipes
 
-    r = get_recipe("fp8_blockwise")
+    r = recipes.get_recipe("fp8_blockwise")
+    calls = []
+    for name in ("rhs_cat", "transposed_rhs_cat", "dual_cat"):
+        real = getattr(recipes._bw, "quantize_blockwise_weight_" + name)
+        monkeypatch.setattr(recipes._bw, "quantize_blockwise_weight_" + name,
+                            lambda *a, real=real, name=name: calls.append(name) or real(*a))
     for ns in ([256, 136], [100, 128]):
         ws = [bw_data((2, 130, n), torch.bfloat16, specials=False) for n in ns]
         cat = torch.cat(ws, dim=-1)
-        assert r.reads_weights_once(ws) == (ns[0] % 128 == 0)
+        whole = ns[0] % 128 == 0
+        assert r.reads_weights_once(ws) == whole
+        assert r.joins_w13_dgrad(*(w.transpose(-2, -1) for w in ws)) == whole
+        calls.clear()
         check(r.rhs_fwd_cat(ws, F8), wrhs(cat, F8))
         check(r.rhs_bwd_cat(ws, F8), wtrhs(cat, F8))
         fwd, bwd = r.rhs_dual_cat(ws, F8)
         check(fwd, wrhs(cat, F8))
         check(bwd, wtrhs(cat, F8))
+        assert calls == (["rhs_cat", "transposed_rhs_cat", "dual_cat"] if whole else [])
 
 
 # ---- opcheck and torch.compile ------------------------------------------------------------

@@ -86,6 +86,29 @@ def test_matches_fp32_reference(device, recipe):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("hidden", [128, 144])
+def test_blockwise_joins_w13_dgrad_for_whole_tiles(device, hidden, monkeypatch):
+    # fp8_blockwise runs the input gradient through W1 and W3 as one GEMM where the
+    # hidden size is whole 128-column tiles (both operands without a copy), else as two
+    # GEMMs over the halves, summed (no bf16 copy of [W1; W3] in the backward, where the
+    # step's peak is); both match the fp32 layer
+    from moe_fp8_ext import recipes
+
+    x, w1, w3, w2, offs, grad = make(3, hidden, 96, 300, device, offs=[40, 170, 300])
+    r = get_recipe("fp8_blockwise")
+    assert r.joins_w13_dgrad(w1, w3) == (hidden % 128 == 0)
+    calls = []
+    real = recipes.Fp8Blockwise.rhs_bwd_cat
+    monkeypatch.setattr(recipes.Fp8Blockwise, "rhs_bwd_cat", lambda self, *a: calls.append(1) or real(self, *a))
+    monkeypatch.setenv("MOE_FP8_HOLD_WEIGHT_OPERANDS", "0")  # the backward makes W13's operand itself
+    out, grads = run(lambda *a: experts(*a, recipe="fp8_blockwise"), (x, w1, w3, w2, offs), grad)
+    assert len(calls) == (1 if hidden % 128 == 0 else 0)
+    ref_out, ref_grads = run(reference, (x.float(), w1.float(), w3.float(), w2.float(), offs), grad.float())
+    assert sqnr(ref_out, out) >= 23 and sqnr(ref_grads[0], grads[0]) >= 23
+    assert min(sqnr(r_, g) for r_, g in zip(ref_grads[1:], grads[1:])) >= 20
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_same_math_as_three_grouped_mm(device):
     """The fused W1/W3 GEMM quantizes x once with the same rowwise scales, so the
     layer equals silu(mm(x, w1)) * mm(x, w3) -> mm(., w2) up to the GEMMs' own
