@@ -258,36 +258,42 @@ def _(w, fp8_dtype):
 # ---- the weight ops of a concatenation (the experts layer's W1 / W3) ------------------------
 
 
-def weight_cat_ok(ws: Sequence[Tensor]) -> bool:
-    """Whether the ``_cat`` weight ops take ``ws``: one or more weights of one dtype,
-    device and shape but the last size, each but the last a multiple of 128 columns (no
-    tile of the concatenation spans two weights)."""
-    if not isinstance(ws, (list, tuple)) or not ws or not all(isinstance(w, Tensor) for w in ws):
-        return False
+def _cat_mismatch(ws, op):
+    """The first rule of the ``_cat`` weight ops that a weight of ``ws`` breaks against
+    the first one (blockwise_ops.cpp's order and words), as (exception type, message);
+    None where every weight keeps them."""
     w0 = ws[0]
-    return all(w.dtype == w0.dtype and w.device == w0.device and w.dim() == w0.dim() and w.dim() in (2, 3)
-               and w.shape[:-1] == w0.shape[:-1] for w in ws) and all(w.shape[-1] % BW_BLOCK == 0 for w in ws[:-1])
+    for i, w in enumerate(ws):
+        if not isinstance(w, Tensor):
+            return TypeError, f"{op}: expected every weight to be a Tensor, got {type(w).__name__} (weight {i})"
+        if w.dtype != w0.dtype or w.device != w0.device:
+            return RuntimeError, (f"{op}: expected every weight of one dtype and device, got {_dtype_name(w0.dtype)} "
+                                  f"on {w0.device} and {_dtype_name(w.dtype)} on {w.device} (weight {i})")
+        if w.dim() != w0.dim() or w.shape[:-1] != w0.shape[:-1]:
+            return RuntimeError, (f"{op}: expected every weight of the shape of the first but its last size, "
+                                  f"{list(w0.shape)}, got {list(w.shape)} (weight {i})")
+        if i + 1 < len(ws) and w.shape[-1] % BW_BLOCK:
+            return RuntimeError, (f"{op}: expected every weight but the last to have a multiple of {BW_BLOCK} "
+                                  f"columns (whole 128x128 tiles of the concatenation), got {w.shape[-1]} (weight {i})")
+    return None
+
+
+def weight_cat_ok(ws: Sequence[Tensor]) -> bool:
+    """Whether the ``_cat`` weight ops take ``ws``: one or more 2-D or 3-D weights of one
+    dtype, device and shape but the last size, each but the last a multiple of 128
+    columns (no tile of the concatenation spans two weights)."""
+    return (isinstance(ws, (list, tuple)) and len(ws) > 0 and isinstance(ws[0], Tensor) and ws[0].dim() in (2, 3)
+            and _cat_mismatch(ws, "weight_cat_ok") is None)
 
 
 def check_quantize_blockwise_weight_cat(ws, fp8_dtype, op):
-    """The first weight as the weight ops check it, then each weight against it, in
-    blockwise_ops.cpp's order and words."""
+    """The first weight as the weight ops check it, then each weight against it."""
     if not isinstance(ws, (list, tuple)) or not ws:
         raise RuntimeError(f"{op}: expected at least one weight, got none")
-    w0 = ws[0]
-    check_quantize_blockwise_weight(w0, fp8_dtype, op)
-    for i, w in enumerate(ws):
-        if not isinstance(w, Tensor):
-            raise TypeError(f"{op}: expected every weight to be a Tensor, got {type(w).__name__} (weight {i})")
-        if w.dtype != w0.dtype or w.device != w0.device:
-            raise RuntimeError(f"{op}: expected every weight of one dtype and device, got {_dtype_name(w0.dtype)} on "
-                               f"{w0.device} and {_dtype_name(w.dtype)} on {w.device} (weight {i})")
-        if w.dim() != w0.dim() or w.shape[:-1] != w0.shape[:-1]:
-            raise RuntimeError(f"{op}: expected every weight of the shape of the first but its last size, "
-                               f"{list(w0.shape)}, got {list(w.shape)} (weight {i})")
-        if i + 1 < len(ws) and w.shape[-1] % BW_BLOCK:
-            raise RuntimeError(f"{op}: expected every weight but the last to have a multiple of {BW_BLOCK} columns "
-                               f"(whole 128x128 tiles of the concatenation), got {w.shape[-1]} (weight {i})")
+    check_quantize_blockwise_weight(ws[0], fp8_dtype, op)
+    bad = _cat_mismatch(ws, op)
+    if bad is not None:
+        raise bad[0](bad[1])
 
 
 def _run_cat(op, ws, fp8_dtype):
