@@ -26,14 +26,20 @@ rounding) it:
   scale; x itself where the recipe cannot; nothing of x where W1/W3 need no gradient,
   and nothing of a weight only an unwanted gradient reads) and the W13
   output h13 (bf16), nothing else. h = silu(h1)·h3 is recomputed from h13 in backward
-  instead of being saved (by the dSwiGLU kernel, on the same read of h13). A bf16
+  instead of being saved (by the dSwiGLU kernel, on the same read of h13; fp8_blockwise
+  on a GPU keeps h's fp8 weight-gradient operand instead, M·hidden bytes). A bf16
   torchtitan ``GroupedExperts`` keeps x, h1, silu(h1), h3 and h (2·M·D + 8·M·hidden
   bytes); this keeps M·D + 4·M·hidden;
 - fuses SwiGLU into quantization (:mod:`moe_fp8_ext.swiglu`, through
   ``Recipe.lhs_swiglu`` / ``lhs_swiglu_backward_joint``): the forward reads h13 once
   and, for fp8_rowwise, writes only h's fp8 operand (h is never written in bf16); the
   backward reads grad_h and h13 once and writes grad_h13, its fp8 operand and h (for
-  W2's weight gradient);
+  W2's weight gradient). A recipe without such kernels whose two operands of a tensor
+  come from one read (``Recipe.makes_swiglu_operands``: fp8_blockwise on a GPU) instead
+  makes h's two in the forward, keeping W2's weight-gradient one (M·hidden bytes), and
+  computes no h in the backward; where the input gradient through W1 and W3 is one GEMM
+  it drops grad_h and h13 once grad_h13 exists and, when W1/W3 need gradients, makes
+  grad_h13's two operands together (grad_h13 read once) and drops grad_h13 too;
 - frees as it goes: the backward drops each operand once its GEMM is issued, frees
   h13 once dSwiGLU has read it (h13 is then kept on ctx, not in ``save_for_backward``,
   so a second backward over one forward raises; under saved-tensor hooks, i.e.
@@ -248,24 +254,43 @@ class _Experts(torch.autograd.Function):
         # x's two fp8 operands made together (Recipe.keeps_fp8_activations): the W13
         # GEMM's, and W13's weight-gradient one, saved instead of x (half its bytes).
         ctx.fp8_saved = recipe.keeps_fp8_activations and pad_wgrad and need_w13
-        kept = []
+        starts = wgrad_offs = None
+        x_op = h_wop = ()
         if ctx.fp8_saved:
             starts, wgrad_offs = ops.padded_group_offsets(offs, x.shape[0], recipe.alignment)
             lhs_x, x_op = recipe.lhs_with_wgrad_operand(x, offs, fp8_dtype, starts)
-            kept = [starts, wgrad_offs, *x_op]
-            del x_op
         else:
             lhs_x = recipe.lhs(x, fp8_dtype)
         h13 = _zero_tail(recipe.mm_2d3d(lhs_x, rhs13, offs, gemm_dtype, backend), offs)
         del lhs_x
-        h_op = recipe.lhs_swiglu(h13, fp8_dtype)  # fused: h13 read once (rowwise: h never written in bf16)
+        # h's two fp8 operands likewise where the recipe makes them from one read
+        # (Recipe.makes_swiglu_operands: fp8_blockwise): W2's forward one, and its
+        # weight-gradient one kept for the backward, which then computes no h. Else
+        # lhs_swiglu (fused: h13 read once; rowwise: h never written in bf16).
+        ctx.h_saved = (recipe.keeps_fp8_activations and pad_wgrad and grad_mode and ctx.needs_input_grad[3]
+                       and recipe.makes_swiglu_operands(h13))
+        if ctx.h_saved:
+            if starts is None:
+                starts, wgrad_offs = ops.padded_group_offsets(offs, x.shape[0], recipe.alignment)
+            h_op, h_wop = recipe.lhs_with_wgrad_operand(swiglu(h13), offs, fp8_dtype, starts)
+        else:
+            h_op = recipe.lhs_swiglu(h13, fp8_dtype)
+        # h's operand is boxed like h13 (below) where the backward may free it: W2's
+        # weight gradient is its last reader, before the step's peak.
+        ctx.h_box = [tuple(h_wop)] if ctx.h_saved and _may_free_early() else None
+        ctx.n_x_op = len(x_op)
+        kept = [starts, wgrad_offs, *x_op] if starts is not None else []
+        if ctx.h_saved and ctx.h_box is None:
+            kept += list(h_wop)
+        del x_op, h_wop
         rhs2 = weight_fwd("w2", (w2,), [w2.transpose(-2, -1)], need_x or need_w13)
         out = _zero_tail(recipe.mm_2d3d(h_op, rhs2, offs, gemm_dtype, backend), offs)
         del h_op
         ctx.num_tokens = x.shape[0]
         # Each saved for the gradients that read it, as grouped_mm does: x for W1/W3's
         # weight gradient alone (its fp8 operand instead where kept), W1 and W3 for the
-        # input gradient alone, W2 for both (grad_h). Frozen W1/W3 keep no x.
+        # input gradient alone, W2 for both (grad_h). Frozen W1/W3 keep no x. h's fp8
+        # weight-gradient operand where made in the forward (ctx.h_saved), for W2's.
         saved = [x if need_w13 and not ctx.fp8_saved else None, w1 if need_x else None, w3 if need_x else None,
                  w2 if need_x or need_w13 else None, offs, *kept]
         ctx.kept = len(kept)
@@ -309,8 +334,16 @@ class _Experts(torch.autograd.Function):
 
         grad_out = grad_out.contiguous()
         starts, wgrad_offs = None, offs
-        if ctx.fp8_saved:
-            starts, wgrad_offs, *x_op = kept
+        x_op = h_wop = None  # the fp8 weight-gradient operands of x and h kept by the forward
+        if ctx.h_saved:
+            if ctx.h_box is not None:
+                h_wop = ctx.h_box.pop()  # (non-empty: a second backward raised above, h13's box being empty)
+            else:
+                h_wop = tuple(kept[2 + ctx.n_x_op:])
+        if kept:
+            starts, wgrad_offs = kept[:2]
+            if ctx.fp8_saved:
+                x_op = tuple(kept[2:2 + ctx.n_x_op])
         elif ctx.pad_wgrad:
             starts, wgrad_offs = ops.padded_group_offsets(offs, ctx.num_tokens, recipe.alignment)
         del kept
@@ -327,7 +360,8 @@ class _Experts(torch.autograd.Function):
         # its wgrad operands exist.
         # W2 dgrad: grad_h = grad_out @ W2. dSwiGLU from grad_h and h13 (one read of h13),
         # fused with the quantization of grad_h13 and, when W2 needs a gradient, writing
-        # h = swiglu(h13) for it (no second read of h13); h13 is freed after it. The input
+        # h = swiglu(h13) for it (no second read of h13; with Recipe.makes_swiglu_operands
+        # h's operand is the forward's, and no h is made); h13 is freed after it. The input
         # gradient through W1 and W3: one GEMM, grad_h13 @ [W1; W3], where the recipe
         # makes both operands without a copy (Recipe.joins_w13_dgrad: fp8_rowwise, one
         # scale per row of grad_h13 and per (expert, column) of [W1; W3] over both halves;
@@ -335,7 +369,7 @@ class _Experts(torch.autograd.Function):
         # 128x128 tiles of [W1; W3]); else two GEMMs over the halves, summed.
         need_w13 = need_w1 or need_w3
         joint = need_x and recipe.joins_w13_dgrad(w1, w3)
-        grad_h13 = lhs13 = lhs1 = lhs3 = h = None
+        grad_h13 = lhs13 = lhs1 = lhs3 = h = g13_op = None
         # grad_out's two fp8 operands (W2's dgrad and wgrad ones) made together where both
         # are needed and one read makes them (else the wgrad one when W2's wgrad runs: it
         # would otherwise live through the dgrad GEMM and dSwiGLU, the step's peak).
@@ -348,9 +382,23 @@ class _Experts(torch.autograd.Function):
                 lhs_g = recipe.lhs(grad_out, f8)
             grad_h = _zero_tail(recipe.mm_2d3d(lhs_g, rhs2, offs, ctx.gemm_dtype, backend), offs)
             del rhs2, lhs_g
-            if joint:
+            if joint and (ctx.h_saved or not need_w2) and recipe.makes_swiglu_operands(h13):
+                # No h: kept from the forward (h_wop) or not needed. grad_h and h13 are
+                # dropped once grad_h13 exists (h13 is freed then where the forward boxed
+                # it, see h13_box); with x's fp8 operand kept, grad_h13's two
+                # operands are made together (the joint input-gradient GEMM's and W1/W3's
+                # weight-gradient one, grad_h13 read once) and grad_h13 is dropped too.
+                grad_h13 = swiglu_backward(grad_h, h13)
+                g13_dtype = grad_h13.dtype
+                grad_h = h13 = None
+                if need_w13 and x_op is not None:
+                    lhs13, g13_op = recipe.lhs_with_wgrad_operand(grad_h13, offs, f8, starts)
+                    grad_h13 = None
+                else:
+                    lhs13 = recipe.lhs(grad_h13, f8)
+            elif joint:
                 grad_h13, lhs13, h = recipe.lhs_swiglu_backward_joint(grad_h, h13, f8)
-            elif need_x and need_w2:
+            elif need_x and need_w2 and h_wop is None:
                 grad_h13, lhs1, lhs3, h = recipe.lhs_swiglu_backward_with_h(grad_h, h13, f8)
             elif need_x:
                 grad_h13, lhs1, lhs3 = recipe.lhs_swiglu_backward(grad_h, h13, f8)
@@ -359,13 +407,17 @@ class _Experts(torch.autograd.Function):
             del grad_h
             if not need_w13:
                 grad_h13 = None
-        if need_w2 and h is None:
+        if need_w2 and h is None and h_wop is None:
             h = swiglu(h13)
         h13 = None
         # W2 wgrad: grad_w2 = grad_out^T @ h per group.
         grad_w2 = None
         if need_w2:
-            if g_op is not None:
+            if h_wop is not None:
+                g_op = g_op if g_op is not None else recipe.wgrad_operand(grad_out, offs, f8, starts)
+                operands = recipe.wgrad_operands_from(g_op, h_wop)
+                h_wop = None
+            elif g_op is not None:
                 operands = recipe.wgrad_operands_from(g_op, recipe.wgrad_operand(h, offs, f8, starts))
             else:
                 operands = wgrad_operands(grad_out, h)
@@ -395,13 +447,14 @@ class _Experts(torch.autograd.Function):
                 del part
             grad_x = _zero_tail(grad_x, offs).to(ctx.dtypes[0])
         if need_w13:
-            if ctx.fp8_saved:
-                operands = recipe.wgrad_operands_from(recipe.wgrad_operand(grad_h13, offs, f8, starts), tuple(x_op))
-                x_op = None
+            if g13_op is not None:
+                operands = recipe.wgrad_operands_from(g13_op, x_op)
+            elif x_op is not None:
+                operands = recipe.wgrad_operands_from(recipe.wgrad_operand(grad_h13, offs, f8, starts), x_op)
             else:
                 operands = wgrad_operands(grad_h13, x)
-            grad_dtype = grad_h13.dtype
-            del grad_h13
+            grad_dtype = g13_dtype if grad_h13 is None else grad_h13.dtype
+            g13_op = x_op = grad_h13 = None
             grad_w13 = wgrad(operands, ctx.dtypes[1], grad_dtype)  # (E, 2H, D)
             del operands
             grad_w1 = grad_w13[:, :hidden].to(ctx.dtypes[1]) if need_w1 else None

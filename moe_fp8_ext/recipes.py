@@ -237,6 +237,19 @@ class Recipe:
         g13 = _sw.swiglu_backward(grad_h, h13)
         return g13, self.lhs(g13, fp8_dtype), _sw.swiglu(h13)
 
+    def makes_swiglu_operands(self, h13: Tensor) -> bool:
+        """Whether the experts layer, with fp8 saved activations (keeps_fp8_activations,
+        the padded layout), makes h's two fp8 operands together in the forward
+        (:meth:`lhs_with_wgrad_operand` of ``swiglu(h13)``: W2's weight-gradient one is
+        kept, so the backward computes no h) and, where the input gradient through W1
+        and W3 is one GEMM, the backward's grad_h13 without h (``swiglu_backward``, then
+        grad_h and h13 dropped) and its two operands together when W1/W3 need gradients
+        (grad_h13 read once, then dropped), instead of ``lhs_swiglu`` /
+        ``lhs_swiglu_backward_joint``. For a recipe whose ``lhs_with_wgrad_operand``
+        reads its tensor once and which has no fused SwiGLU quantization of its own.
+        h13: the W13 GEMM's output. Default: no."""
+        return False
+
     def rhs_bwd_cat(self, b_ts, fp8_dtype) -> Operand:
         """``rhs_bwd`` of the weights ``b_ts`` (each (E, K, N_i)) concatenated along N,
         the contraction of the input gradient. Default: of a concatenated copy."""
@@ -756,7 +769,8 @@ class Fp8Blockwise(Recipe):
     Weights concatenated along N (the experts layer's W1 and W3, a hidden size a
     multiple of 128) are quantized straight into one operand by the ``_cat`` weight ops,
     both orientations from one read, and the layer's input gradient through them is one
-    GEMM (``joins_w13_dgrad``).
+    GEMM (``joins_w13_dgrad``). In the experts layer on a GPU, h's and grad_h13's two
+    operands are made together too (``makes_swiglu_operands``).
 
     GEMM: this package's CUTLASS grouped blockwise GEMM (:mod:`moe_fp8_ext.blockwise_gemm`,
     ``"blockwise_gemm"``) on CUDA capability 9.0 when built with it, writing bfloat16;
@@ -877,6 +891,13 @@ class Fp8Blockwise(Recipe):
         alignment = None if padded_starts is None else self.alignment
         ql, sl, qr, sr = _bw.quantize_blockwise_act_dual(x, fp8_dtype, offs, padded_starts, alignment)
         return (ql, sl), (qr, sr)
+
+    # h's and grad_h13's two operands from one read each (quantize_blockwise_act_dual,
+    # after the SwiGLU op) where that kernel runs (a GPU, bf16/fp16, hidden a multiple of
+    # 8): the backward computes no h and, on the joint path, reads grad_h13 once. (In-kernel SwiGLU math was
+    # slower than the SwiGLU op then act_dual: docs/EXPERIMENTS.md.)
+    def makes_swiglu_operands(self, h13):
+        return _bw.act_dual_reads_once(h13) and (h13.shape[1] // 2) % 8 == 0
 
     def mm_2d3d(self, lhs, rhs, offs, out_dtype, backend):
         (qa, sa), (qb, sb) = lhs, rhs[:2]

@@ -109,6 +109,49 @@ def test_blockwise_joins_w13_dgrad_for_whole_tiles(device, hidden, monkeypatch):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("hidden", [128, 64])
+@pytest.mark.parametrize("needs", [(0, 1, 2, 3), (0, 1, 2), (3,), (0, 3), (1, 2, 3), (0,), (1,)])
+def test_blockwise_swiglu_operands(device, hidden, needs, monkeypatch):
+    # fp8_blockwise makes h's two fp8 operands together in the forward (W2's
+    # weight-gradient one kept: no h in the backward) and, where the input gradient
+    # through W1 and W3 is one GEMM (hidden 128; 64 takes two), grad_h13's two together
+    # in the backward, where act_dual reads its input once (Recipe.makes_swiglu_operands:
+    # a GPU; forced here on the CPU, which runs act_lhs and act_rhs). Output and every
+    # gradient asked for are bit for bit those of the path without it, frozen subsets
+    # included; the operands are made together exactly where they should be, and h is
+    # computed once a step (the forward's), never again in the backward.
+    from moe_fp8_ext import recipes
+
+    experts_mod = importlib.import_module("moe_fp8_ext.experts")  # (moe_fp8_ext.experts is the function)
+
+    x, w1, w3, w2, offs, grad = make(3, hidden, 96, 300, device, offs=[40, 170, 300])
+
+    def go(makes):
+        calls, swiglus = [], []  # the widths of the tensors whose two operands are made together; h computed
+        monkeypatch.setattr(recipes.Fp8Blockwise, "makes_swiglu_operands", lambda self, h13: makes)
+        real = recipes.Fp8Blockwise.lhs_with_wgrad_operand
+        monkeypatch.setattr(recipes.Fp8Blockwise, "lhs_with_wgrad_operand",
+                            lambda self, t, *a: calls.append(t.shape[1]) or real(self, t, *a))
+        for mod in (experts_mod, recipes._sw):
+            monkeypatch.setattr(mod, "swiglu", lambda h13, real=mod.swiglu: swiglus.append(1) or real(h13))
+        leaves = [t.detach().clone().requires_grad_(i in needs) for i, t in enumerate((x, w1, w3, w2))]
+        out = experts(*leaves, offs, recipe="fp8_blockwise")
+        out.backward(grad)
+        return out, [t.grad for t in leaves], [c for c in calls if c in (hidden, 2 * hidden)], len(swiglus)
+
+    out0, grads0, calls0, _ = go(False)
+    out1, grads1, calls1, swiglus1 = go(True)
+    need_x, need_w13, need_w2 = 0 in needs, 1 in needs or 2 in needs, 3 in needs
+    joint = hidden % 128 == 0
+    assert calls0 == []
+    assert calls1 == [hidden] * need_w2 + [2 * hidden] * (joint and need_x and need_w13), calls1
+    assert swiglus1 == 1
+    assert torch.equal(out0, out1)
+    for a, b in zip(grads0, grads1):
+        assert (a is None and b is None) or torch.equal(a, b)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_same_math_as_three_grouped_mm(device):
     """The fused W1/W3 GEMM quantizes x once with the same rowwise scales, so the
     layer equals silu(mm(x, w1)) * mm(x, w3) -> mm(., w2) up to the GEMMs' own
