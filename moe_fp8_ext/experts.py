@@ -29,7 +29,7 @@ rounding) it:
   instead of being saved (by the dSwiGLU kernel, on the same read of h13; fp8_blockwise
   on a GPU keeps h's fp8 weight-gradient operand instead, M·hidden bytes). A bf16
   torchtitan ``GroupedExperts`` keeps x, h1, silu(h1), h3 and h (2·M·D + 8·M·hidden
-  bytes); this keeps M·D + 4·M·hidden;
+  bytes); this keeps M·D + 4·M·hidden (fp8_blockwise on a GPU: M·D + 5·M·hidden);
 - fuses SwiGLU into quantization (:mod:`moe_fp8_ext.swiglu`, through
   ``Recipe.lhs_swiglu`` / ``lhs_swiglu_backward_joint``): the forward reads h13 once
   and, for fp8_rowwise, writes only h's fp8 operand (h is never written in bf16); the
@@ -277,7 +277,8 @@ class _Experts(torch.autograd.Function):
             h_op = recipe.lhs_swiglu(h13, fp8_dtype)
         # h's operand is boxed like h13 (below) where the backward may free it: W2's
         # weight gradient is its last reader, before the step's peak.
-        ctx.h_box = [tuple(h_wop)] if ctx.h_saved and _may_free_early() else None
+        free_early = _may_free_early()  # (once: h's box and h13's must agree)
+        ctx.h_box = [tuple(h_wop)] if ctx.h_saved and free_early else None
         ctx.n_x_op = len(x_op)
         kept = [starts, wgrad_offs, *x_op] if starts is not None else []
         if ctx.h_saved and ctx.h_box is None:
@@ -294,7 +295,7 @@ class _Experts(torch.autograd.Function):
         saved = [x if need_w13 and not ctx.fp8_saved else None, w1 if need_x else None, w3 if need_x else None,
                  w2 if need_x or need_w13 else None, offs, *kept]
         ctx.kept = len(kept)
-        if _may_free_early():
+        if free_early:
             # h13 (the largest saved tensor) is held in a box the backward empties once
             # dSwiGLU has read it: the step's peak is in the backward, after that point.
             ctx.save_for_backward(*saved)

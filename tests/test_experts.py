@@ -3,6 +3,7 @@ CPU (emulated GEMMs) and, when there is one, the GPU: numerics against an fp32
 autograd reference, the same math as three grouped_mm calls, token-group edge cases,
 weight reuse and its invalidation, torch.compile, and bad arguments."""
 
+import contextlib
 import importlib
 
 import pytest
@@ -109,9 +110,9 @@ def test_blockwise_joins_w13_dgrad_for_whole_tiles(device, hidden, monkeypatch):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("hidden", [128, 64])
+@pytest.mark.parametrize("hidden, mode", [(128, "box"), (64, "box"), (128, "hooks"), (128, "no_pad")])
 @pytest.mark.parametrize("needs", [(0, 1, 2, 3), (0, 1, 2), (3,), (0, 3), (1, 2, 3), (0,), (1,)])
-def test_blockwise_swiglu_operands(device, hidden, needs, monkeypatch):
+def test_blockwise_swiglu_operands(device, hidden, mode, needs, monkeypatch):
     # fp8_blockwise makes h's two fp8 operands together in the forward (W2's
     # weight-gradient one kept: no h in the backward) and, where the input gradient
     # through W1 and W3 is one GEMM (hidden 128; 64 takes two), grad_h13's two together
@@ -119,12 +120,17 @@ def test_blockwise_swiglu_operands(device, hidden, needs, monkeypatch):
     # a GPU; forced here on the CPU, which runs act_lhs and act_rhs). Output and every
     # gradient asked for are bit for bit those of the path without it, frozen subsets
     # included; the operands are made together exactly where they should be, and h is
-    # computed once a step (the forward's), never again in the backward.
+    # computed once a step (the forward's), never again in the backward. h's kept
+    # operand sits in a box the backward empties ("box"), or under saved-tensor hooks in
+    # save_for_backward ("hooks"); with aligned groups and pad_groups=False nothing is
+    # kept and only grad_h13's dgrad operand is made on the joint path ("no_pad").
     from moe_fp8_ext import recipes
 
     experts_mod = importlib.import_module("moe_fp8_ext.experts")  # (moe_fp8_ext.experts is the function)
 
-    x, w1, w3, w2, offs, grad = make(3, hidden, 96, 300, device, offs=[40, 170, 300])
+    pad = mode != "no_pad"
+    x, w1, w3, w2, offs, grad = (make(3, hidden, 96, 300, device, offs=[40, 170, 300]) if pad
+                                 else make(3, hidden, 96, 256, device, offs=[128, 128, 256]))
 
     def go(makes):
         calls, swiglus = [], []  # the widths of the tensors whose two operands are made together; h computed
@@ -135,8 +141,11 @@ def test_blockwise_swiglu_operands(device, hidden, needs, monkeypatch):
         for mod in (experts_mod, recipes._sw):
             monkeypatch.setattr(mod, "swiglu", lambda h13, real=mod.swiglu: swiglus.append(1) or real(h13))
         leaves = [t.detach().clone().requires_grad_(i in needs) for i, t in enumerate((x, w1, w3, w2))]
-        out = experts(*leaves, offs, recipe="fp8_blockwise")
-        out.backward(grad)
+        with contextlib.ExitStack() as stack:
+            if mode == "hooks":
+                stack.enter_context(torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t))
+            out = experts(*leaves, offs, recipe="fp8_blockwise", pad_groups=pad)
+            out.backward(grad)
         return out, [t.grad for t in leaves], [c for c in calls if c in (hidden, 2 * hidden)], len(swiglus)
 
     out0, grads0, calls0, _ = go(False)
@@ -144,8 +153,12 @@ def test_blockwise_swiglu_operands(device, hidden, needs, monkeypatch):
     need_x, need_w13, need_w2 = 0 in needs, 1 in needs or 2 in needs, 3 in needs
     joint = hidden % 128 == 0
     assert calls0 == []
-    assert calls1 == [hidden] * need_w2 + [2 * hidden] * (joint and need_x and need_w13), calls1
-    assert swiglus1 == 1
+    if pad:
+        assert calls1 == [hidden] * need_w2 + [2 * hidden] * (joint and need_x and need_w13), calls1
+        assert swiglus1 == 1
+    else:  # nothing kept: h recomputed where W2 needs it, else never
+        assert calls1 == [] and swiglus1 == 1 + need_w2
+    assert out1.grad_fn.h_box == ([] if mode == "box" and need_w2 else None)  # emptied by the backward
     assert torch.equal(out0, out1)
     for a, b in zip(grads0, grads1):
         assert (a is None and b is None) or torch.equal(a, b)
