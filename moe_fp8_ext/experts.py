@@ -390,7 +390,6 @@ class _Experts(torch.autograd.Function):
                 # operands are made together (the joint input-gradient GEMM's and W1/W3's
                 # weight-gradient one, grad_h13 read once) and grad_h13 is dropped too.
                 grad_h13 = swiglu_backward(grad_h, h13)
-                g13_dtype = grad_h13.dtype
                 grad_h = h13 = None
                 if need_w13 and x_op is not None:
                     lhs13, g13_op = recipe.lhs_with_wgrad_operand(grad_h13, offs, f8, starts)
@@ -414,15 +413,13 @@ class _Experts(torch.autograd.Function):
         # W2 wgrad: grad_w2 = grad_out^T @ h per group.
         grad_w2 = None
         if need_w2:
-            if h_wop is not None:
+            if g_op is not None or h_wop is not None:  # (each made here where not made before)
                 g_op = g_op if g_op is not None else recipe.wgrad_operand(grad_out, offs, f8, starts)
+                h_wop = h_wop if h_wop is not None else recipe.wgrad_operand(h, offs, f8, starts)
                 operands = recipe.wgrad_operands_from(g_op, h_wop)
-                h_wop = None
-            elif g_op is not None:
-                operands = recipe.wgrad_operands_from(g_op, recipe.wgrad_operand(h, offs, f8, starts))
             else:
                 operands = wgrad_operands(grad_out, h)
-            g_op = None
+            g_op = h_wop = None
             grad_w2 = wgrad(operands, ctx.dtypes[3], grad_out.dtype).to(ctx.dtypes[3])
             del operands
         h = None
@@ -448,15 +445,13 @@ class _Experts(torch.autograd.Function):
                 del part
             grad_x = _zero_tail(grad_x, offs).to(ctx.dtypes[0])
         if need_w13:
-            if g13_op is not None:
+            if x_op is not None:  # (grad_h13's made here where not made with its dgrad one)
+                g13_op = g13_op if g13_op is not None else recipe.wgrad_operand(grad_h13, offs, f8, starts)
                 operands = recipe.wgrad_operands_from(g13_op, x_op)
-            elif x_op is not None:
-                operands = recipe.wgrad_operands_from(recipe.wgrad_operand(grad_h13, offs, f8, starts), x_op)
             else:
                 operands = wgrad_operands(grad_h13, x)
-            grad_dtype = g13_dtype if grad_h13 is None else grad_h13.dtype
             g13_op = x_op = grad_h13 = None
-            grad_w13 = wgrad(operands, ctx.dtypes[1], grad_dtype)  # (E, 2H, D)
+            grad_w13 = wgrad(operands, ctx.dtypes[1], ctx.gemm_dtype)  # (E, 2H, D); grad_h13's dtype
             del operands
             grad_w1 = grad_w13[:, :hidden].to(ctx.dtypes[1]) if need_w1 else None
             grad_w3 = grad_w13[:, hidden:].to(ctx.dtypes[2]) if need_w3 else None

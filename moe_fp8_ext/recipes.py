@@ -894,8 +894,9 @@ class Fp8Blockwise(Recipe):
 
     # h's and grad_h13's two operands from one read each (quantize_blockwise_act_dual,
     # after the SwiGLU op) where that kernel runs (a GPU, bf16/fp16, hidden a multiple of
-    # 8): the backward computes no h and, on the joint path, reads grad_h13 once. (In-kernel SwiGLU math was
-    # slower than the SwiGLU op then act_dual: docs/EXPERIMENTS.md.)
+    # 8): the backward computes no h and, on the joint path, reads grad_h13 once.
+    # (In-kernel SwiGLU math was slower than the SwiGLU op then act_dual:
+    # docs/EXPERIMENTS.md.)
     def makes_swiglu_operands(self, h13):
         return _bw.act_dual_reads_once(h13) and (h13.shape[1] // 2) % 8 == 0
 

@@ -33,6 +33,13 @@ def ours(together):
     return step
 
 
+def fresh_step(f, x, w1, w3, w2, offs, grad):
+    """One forward + backward with x a fresh clone (as the permuted tokens), every
+    gradient asked for."""
+    xc = x.detach().clone().requires_grad_()
+    return torch.autograd.grad(f(xc, w1, w3, w2, offs), (xc, w1, w3, w2), grad)
+
+
 print(torch.cuda.get_device_name())
 print("| (tokens, dim, hidden, E) | bf16 ms | together ms | apart ms | together vs apart (time) | together vs bf16 "
       "| apart vs bf16 | peak MiB bf16 / together / apart |")
@@ -48,11 +55,7 @@ for t, d, h, e in SHAPES[-2:] if QUICK else SHAPES:
     del outs, y
     steps = [lambda f=f: torch.autograd.grad(f(x, w1, w3, w2, offs), (x, w1, w3, w2), grad) for f in fns]
     times, ratios = bench_interleaved_us(steps, rounds=5, rep_ms=150)
-    def fresh(f):  # x enters as a fresh clone (the permuted tokens), every gradient asked for
-        xc = x.detach().clone().requires_grad_()
-        return torch.autograd.grad(f(xc, w1, w3, w2, offs), (xc, w1, w3, w2), grad)
-
-    mem = [peak_mib(lambda f=f: fresh(f)) for f in fns]
+    mem = [peak_mib(lambda f=f: fresh_step(f, x, w1, w3, w2, offs, grad)) for f in fns]
     print(f"| ({t}, {d}, {h}, {e}) | {times[0]/1e3:.2f} | {times[1]/1e3:.2f} | {times[2]/1e3:.2f} "
           f"| {ratios[1]/ratios[2]:.3f} | {1/ratios[1]:.2f}x | {1/ratios[2]:.2f}x "
           f"| {mem[0]:.0f} / {mem[1]:.0f} / {mem[2]:.0f} |", flush=True)
