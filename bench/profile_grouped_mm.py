@@ -8,6 +8,9 @@ wall time three ways, so that time outside the kernels (launch gaps, host work) 
   host      host time to issue one step (no synchronization in between), and
             the host time by op (torch.profiler, CPU)
 
+and one step's timeline (profiler, from an idle GPU): each kernel's start, duration and
+the idle time before it, so that the time between the kernels shows where it falls.
+
 The step is torch.autograd.grad of the output (the bench_grouped_mm timing).
 Run: python bench/profile_grouped_mm.py [M K N E [recipe ...]]"""
 
@@ -55,6 +58,22 @@ def profiled(step, activity, steps):
     return prof
 
 
+def timeline(step) -> None:
+    """One step from an idle GPU: every GPU activity in start order, with the idle time
+    before it (the first one's is launch latency, so it is not counted in the sum)."""
+    prof = profiled(step, ProfilerActivity.CUDA, 1)
+    acts = sorted((ev for ev in prof.events() if ev.device_type == torch.autograd.DeviceType.CUDA),
+                  key=lambda ev: ev.time_range.start)
+    print("  one step's timeline: start µs, duration µs, idle µs before it")
+    t0, end, idle = acts[0].time_range.start, acts[0].time_range.start, 0.0
+    for i, ev in enumerate(acts):
+        gap = max(ev.time_range.start - end, 0.0)
+        idle += gap if i else 0.0
+        print(f"    {ev.time_range.start - t0:8.1f} {ev.time_range.elapsed_us():8.1f} {gap:7.1f}  {ev.name[:90]}")
+        end = max(end, ev.time_range.end)
+    print(f"    {end - t0:8.1f} µs first start to last end, {idle:.1f} µs idle between activities")
+
+
 summary = []
 for recipe in RECIPES:
     step = lambda: torch.autograd.grad(moe_fp8_ext.grouped_mm(a, w.transpose(1, 2), offs, recipe=recipe), (a, w), grad)
@@ -68,6 +87,7 @@ for recipe in RECIPES:
         print(f"  {total_us / 10 / 1000:7.3f} ms  {count // 10:3d}x  {name[:110]}")
     kernels = sum(ev[0] for ev in events) / 10
     print(f"  {kernels / 1000:7.3f} ms  total")
+    timeline(step)
     # Host times over few steps, so that the launch queue never fills (a full queue
     # makes the host wait for the GPU, and the host time approach the GPU time).
     prof = profiled(step, ProfilerActivity.CPU, 3)

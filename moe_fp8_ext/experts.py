@@ -262,7 +262,10 @@ class _Experts(torch.autograd.Function):
         else:
             lhs_x = recipe.lhs(x, fp8_dtype)
         h13 = _zero_tail(recipe.mm_2d3d(lhs_x, rhs13, offs, gemm_dtype, backend), offs)
-        del lhs_x
+        # W13's forward operand has no other reader: dropped here, not held through the
+        # SwiGLU and W2's GEMM, where the forward's memory peaks (with a cache it stays
+        # there).
+        del lhs_x, rhs13
         # h's two fp8 operands likewise where the recipe makes them from one read
         # (Recipe.makes_swiglu_operands: fp8_blockwise): W2's forward one, and its
         # weight-gradient one kept for the backward, which then computes no h. Else

@@ -2,7 +2,7 @@
 (two warm-up calls first: profile the third CUTLASS launch):
 
   ncu --clock-control none --kernel-name regex:device_kernel --launch-skip 2 --launch-count 1 \\
-      --set full --import-source no -o rep python scripts/profile_blockwise_gemm.py [dgrad|forward] [M K N E]
+      --set full --import-source no -o rep python scripts/profile_blockwise_gemm.py [dgrad|forward|wgrad] [M K N E]
   ncu -i rep.ncu-rep --page source --csv --print-source sass > sass.csv   # stalls per instruction
 """
 
@@ -20,11 +20,17 @@ torch.manual_seed(0)
 offs = torch.arange(1, e + 1, device="cuda", dtype=torch.int32) * (m // e)  # balanced
 w = torch.randn(e, k, n, device="cuda", dtype=torch.bfloat16) * 0.02
 b, sb, bt, sbt = moe_fp8_ext.quantize_blockwise_weight_dual(w, E4M3)  # (E, K, N) and (E, N, K)
-if which == "dgrad":
+gemm = bg.blockwise_grouped_mm_2d3d
+if which == "wgrad":  # (N, M) x (M, K) grouped over the tokens, groups of m / e (multiples of 128 here)
+    grad = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+    a, sa = moe_fp8_ext.quantize_blockwise_act_transposed_lhs(grad, E4M3, offs)
+    b, sb = moe_fp8_ext.quantize_blockwise_act_rhs(torch.randn(m, k, device="cuda", dtype=torch.bfloat16), E4M3, offs)
+    gemm = bg.blockwise_grouped_mm_2d2d
+elif which == "dgrad":
     a, sa = moe_fp8_ext.quantize_blockwise_act_lhs(torch.randn(m, n, device="cuda", dtype=torch.bfloat16), E4M3)
     b, sb = bt, sbt
 else:
     a, sa = moe_fp8_ext.quantize_blockwise_act_lhs(torch.randn(m, k, device="cuda", dtype=torch.bfloat16), E4M3)
 for _ in range(3):
-    bg.blockwise_grouped_mm_2d3d(a, sa, b, sb, offs)
+    gemm(a, sa, b, sb, offs)
 torch.cuda.synchronize()

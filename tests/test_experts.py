@@ -247,6 +247,35 @@ def test_saved_w13_output_freed_in_backward(device):
         assert all(torch.equal(t.grad, g) for t, g in zip(leaves, grads))
 
 
+@pytest.mark.parametrize("recipe_name", ["bf16", "fp8_rowwise", "fp8_blockwise", "mxfp8"])
+def test_w13_forward_operand_freed_before_w2_gemm(recipe_name, monkeypatch):
+    """W13's forward operand (fp8 [W1; W3] and scales, or bf16's) has no reader after its
+    GEMM: it is gone when W2's forward GEMM runs, where the forward's memory peaks (held
+    there, it put the fp8_blockwise layer's peak above bf16's at (65536, 2048, 1408, 64));
+    the gradients are unchanged."""
+    import weakref
+
+    tensors = importlib.import_module("moe_fp8_ext.experts")._tensors
+    x, w1, w3, w2, offs, grad = make(3, 128, 96, 300, "cpu", offs=[40, 170, 300])
+    _, full = run(lambda *a: experts(*a, recipe=recipe_name), (x, w1, w3, w2, offs), grad)
+    recipe_cls = type(get_recipe(recipe_name))
+    real = recipe_cls.mm_2d3d
+    operands, alive = [], []  # weak references to each GEMM's rhs tensors; at each call, how many earlier ones live
+
+    def spy(self, lhs, rhs, *args):
+        alive.append(sum(r() is not None for refs in operands for r in refs))
+        operands.append([weakref.ref(t) for t in tensors(rhs)])
+        return real(self, lhs, rhs, *args)
+
+    monkeypatch.setattr(recipe_cls, "mm_2d3d", spy)
+    leaves = [t.detach().clone().requires_grad_() for t in (x, w1, w3, w2)]
+    out = experts(*leaves, offs, recipe=recipe_name)
+    assert len(operands) == 2 and operands[0] and alive == [0, 0], (len(operands), alive)
+    out.backward(grad)
+    for t, g in zip(leaves, full):
+        assert torch.equal(t.grad, g)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("frozen_w13", [False, True])
 def test_saves_fp8_x_instead_of_x(device, frozen_w13):
