@@ -107,6 +107,7 @@ from .grouped_mm import (
     _gemm_out_dtype,
     _holds_weight_operands,
     _may_free_early,
+    _mm_2d3d,
     _zero_tail,
     check_offs_where_cheap,
     device_offs,
@@ -261,7 +262,7 @@ class _Experts(torch.autograd.Function):
             lhs_x, x_op = recipe.lhs_with_wgrad_operand(x, offs, fp8_dtype, starts)
         else:
             lhs_x = recipe.lhs(x, fp8_dtype)
-        h13 = _zero_tail(recipe.mm_2d3d(lhs_x, rhs13, offs, gemm_dtype, backend), offs)
+        h13 = _mm_2d3d(recipe, lhs_x, rhs13, offs, gemm_dtype, backend)
         # W13's forward operand has no other reader: dropped here, not held through the
         # SwiGLU and W2's GEMM, where the forward's memory peaks (with a cache it stays
         # there).
@@ -288,7 +289,7 @@ class _Experts(torch.autograd.Function):
             kept += list(h_wop)
         del x_op, h_wop
         rhs2 = weight_fwd("w2", (w2,), [w2.transpose(-2, -1)], need_x or need_w13)
-        out = _zero_tail(recipe.mm_2d3d(h_op, rhs2, offs, gemm_dtype, backend), offs)
+        out = _mm_2d3d(recipe, h_op, rhs2, offs, gemm_dtype, backend)
         del h_op
         ctx.num_tokens = x.shape[0]
         # Each saved for the gradients that read it, as grouped_mm does: x for W1/W3's
@@ -384,7 +385,7 @@ class _Experts(torch.autograd.Function):
                 lhs_g, g_op = recipe.lhs_with_wgrad_operand(grad_out, offs, f8, starts)
             else:
                 lhs_g = recipe.lhs(grad_out, f8)
-            grad_h = _zero_tail(recipe.mm_2d3d(lhs_g, rhs2, offs, ctx.gemm_dtype, backend), offs)
+            grad_h = _mm_2d3d(recipe, lhs_g, rhs2, offs, ctx.gemm_dtype, backend)
             del rhs2, lhs_g
             if joint and (ctx.h_saved or not need_w2) and recipe.makes_swiglu_operands(h13):
                 # No h: kept from the forward (h_wop) or not needed. grad_h and h13 are
@@ -446,7 +447,9 @@ class _Experts(torch.autograd.Function):
                 # with torch 2.11, as in _zero_tail).
                 grad_x = grad_x + part if torch.compiler.is_compiling() else grad_x.add_(part)
                 del part
-            grad_x = _zero_tail(grad_x, offs).to(ctx.dtypes[0])
+            if not recipe.mm_2d3d_zeroes_tail(backend):  # (a sum of two such GEMMs keeps zero rows)
+                grad_x = _zero_tail(grad_x, offs)
+            grad_x = grad_x.to(ctx.dtypes[0])
         if need_w13:
             if x_op is not None:  # (grad_h13's made here where not made with its dgrad one)
                 g13_op = g13_op if g13_op is not None else recipe.wgrad_operand(grad_h13, offs, f8, starts)

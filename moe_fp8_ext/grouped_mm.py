@@ -77,6 +77,13 @@ def _zero_tail(out: Tensor, offs: Tensor) -> Tensor:
     return ops.zero_rows_past_groups_(out, offs)
 
 
+def _mm_2d3d(recipe: Recipe, lhs, rhs, offs: Tensor, out_dtype: torch.dtype, backend: str) -> Tensor:
+    """``recipe.mm_2d3d`` with the rows past offs[-1] zero: zeroed here unless the
+    recipe's GEMM writes them (``Recipe.mm_2d3d_zeroes_tail``: one kernel less a GEMM)."""
+    out = recipe.mm_2d3d(lhs, rhs, offs, out_dtype, backend)
+    return out if recipe.mm_2d3d_zeroes_tail(backend) else _zero_tail(out, offs)
+
+
 def _gemm_out_dtype(recipe: Recipe, backend: str, want: torch.dtype, in_dtype: torch.dtype) -> torch.dtype:
     """``want`` if the recipe's GEMM writes it, else the first dtype it writes (a
     gradient in a dtype the GEMM cannot write, e.g. the fp32 grad_A of fp32 master
@@ -169,7 +176,7 @@ class _GroupedMM(torch.autograd.Function):
             ctx.a_op_len = len(a_op)
         ctx.names = tuple(saved)
         ctx.save_for_backward(offs, *saved.values())
-        return _zero_tail(recipe.mm_2d3d(lhs, rhs, offs, out_dtype, backend), offs)
+        return _mm_2d3d(recipe, lhs, rhs, offs, out_dtype, backend)
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -201,7 +208,7 @@ class _GroupedMM(torch.autograd.Function):
             if rhs is None:
                 rhs = recipe.rhs_bwd(saved, f8)
             dtype = _gemm_out_dtype(recipe, backend, ctx.a_dtype, grad_out.dtype)
-            grad_A = _zero_tail(recipe.mm_2d3d(lhs, rhs, offs, dtype, backend), offs).to(ctx.a_dtype)
+            grad_A = _mm_2d3d(recipe, lhs, rhs, offs, dtype, backend).to(ctx.a_dtype)
             del lhs, rhs
         if need_b:
             if ctx.fp8_saved:

@@ -270,6 +270,11 @@ class Recipe:
     def mm_2d3d(self, lhs: Operand, rhs: Operand, offs: Tensor, out_dtype: torch.dtype, backend: str) -> Tensor:
         raise NotImplementedError
 
+    def mm_2d3d_zeroes_tail(self, backend: str) -> bool:
+        """Whether ``mm_2d3d`` on ``backend`` writes the rows past offs[-1] with zeros
+        itself, so that its callers launch no zeroing kernel after it. Default: no."""
+        return False
+
     def mm_2d2d(self, grad_t: Operand, a: Operand, offs: Tensor, out_dtype: torch.dtype, backend: str) -> Tensor:
         raise NotImplementedError
 
@@ -899,6 +904,9 @@ class Fp8Blockwise(Recipe):
     # docs/EXPERIMENTS.md.)
     def makes_swiglu_operands(self, h13):
         return _bw.act_dual_reads_once(h13) and (h13.shape[1] // 2) % 8 == 0
+
+    def mm_2d3d_zeroes_tail(self, backend):
+        return backend == "blockwise_gemm"  # (its table kernel zeroes those rows)
 
     def mm_2d3d(self, lhs, rhs, offs, out_dtype, backend):
         (qa, sa), (qb, sb) = lhs, rhs[:2]

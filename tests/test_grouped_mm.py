@@ -750,15 +750,42 @@ def test_no_experts_gives_zeros(device, recipe):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("recipe", ["fp8_rowwise", "bf16"])
-def test_rows_past_last_group_are_zero(device, recipe):
+@pytest.mark.parametrize("recipe", ["fp8_rowwise", "bf16", "fp8_blockwise"])
+@pytest.mark.parametrize("ends", [(0, 0), (48, 100)])
+def test_rows_past_last_group_are_zero(device, recipe, ends):
     # offs = (0, 0): no row is in a group; torch._grouped_mm alone leaves them unwritten.
+    # (48, 100): rows 100.. past the groups. fp8_blockwise's GEMM zeroes them itself on a
+    # GPU (no zeroing kernel after it, Recipe.mm_2d3d_zeroes_tail), over poisoned memory.
     poison(device)
-    a = randn((32, 16), torch.bfloat16, device).requires_grad_()
-    b_t = randn((2, 16, 16), torch.bfloat16, device).requires_grad_()
-    out = moe_fp8_ext.grouped_mm(a, b_t, i32(0, 0, device=device), recipe=recipe)
+    a = randn((160, 64), torch.bfloat16, device).requires_grad_()
+    b_t = randn((2, 64, 48), torch.bfloat16, device).requires_grad_()
+    out = moe_fp8_ext.grouped_mm(a, b_t, i32(*ends, device=device), recipe=recipe)
     out.backward(torch.ones_like(out))
-    assert bool((out == 0).all()) and bool((a.grad == 0).all()) and bool((b_t.grad == 0).all())
+    used = ends[-1]
+    assert bool((out[used:] == 0).all()) and bool((a.grad[used:] == 0).all())
+    assert torch.isfinite(out).all() and torch.isfinite(a.grad).all() and torch.isfinite(b_t.grad).all()
+    if used == 0:
+        assert bool((out == 0).all()) and bool((b_t.grad == 0).all())
+
+
+@pytest.mark.parametrize("zeroes", [False, True])
+def test_no_zeroing_kernel_after_a_gemm_that_zeroes(zeroes, monkeypatch):
+    """grouped_mm zeroes the rows past offs[-1] after each 2d3d GEMM (forward, dgrad)
+    unless the recipe's GEMM writes them itself (Recipe.mm_2d3d_zeroes_tail, true for
+    fp8_blockwise's GEMM on a GPU): then it launches no zeroing kernel."""
+    from moe_fp8_ext import ops, recipes
+
+    assert not recipes.Fp8Blockwise().mm_2d3d_zeroes_tail("emulated")
+    assert recipes.Fp8Blockwise().mm_2d3d_zeroes_tail("blockwise_gemm")
+    monkeypatch.setattr(recipes.Fp8Blockwise, "mm_2d3d_zeroes_tail", lambda self, backend: zeroes)
+    calls = []
+    real = ops.zero_rows_past_groups_
+    monkeypatch.setattr(ops, "zero_rows_past_groups_", lambda out, offs: calls.append(1) or real(out, offs))
+    a = randn((160, 64), torch.bfloat16, "cpu").requires_grad_()
+    b_t = randn((2, 64, 48), torch.bfloat16, "cpu").requires_grad_()
+    out = moe_fp8_ext.grouped_mm(a, b_t, i32(48, 100), recipe="fp8_blockwise")
+    out.backward(torch.ones_like(out))
+    assert len(calls) == (0 if zeroes else 2)
 
 
 @pytest.mark.parametrize("device", DEVICES)
