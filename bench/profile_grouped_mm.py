@@ -60,15 +60,18 @@ def profiled(step, activity, steps):
 
 def timeline(step) -> None:
     """One step from an idle GPU: every GPU activity in start order, with the idle time
-    before it (the first one's is launch latency, so it is not counted in the sum)."""
+    before it (from the end of the activities before; the first one's is 0)."""
     prof = profiled(step, ProfilerActivity.CUDA, 1)
     acts = sorted((ev for ev in prof.events() if ev.device_type == torch.autograd.DeviceType.CUDA),
                   key=lambda ev: ev.time_range.start)
+    if not acts:
+        print("  (no GPU activity recorded)")
+        return
     print("  one step's timeline: start µs, duration µs, idle µs before it")
     t0, end, idle = acts[0].time_range.start, acts[0].time_range.start, 0.0
-    for i, ev in enumerate(acts):
+    for ev in acts:
         gap = max(ev.time_range.start - end, 0.0)
-        idle += gap if i else 0.0
+        idle += gap
         print(f"    {ev.time_range.start - t0:8.1f} {ev.time_range.elapsed_us():8.1f} {gap:7.1f}  {ev.name[:90]}")
         end = max(end, ev.time_range.end)
     print(f"    {end - t0:8.1f} µs first start to last end, {idle:.1f} µs idle between activities")

@@ -90,7 +90,8 @@ class Recipe:
       ``MOE_FP8_HOLD_WEIGHT_OPERANDS=0``), ``rhs_fwd_only`` instead of ``rhs_fwd``.
     - **GEMMs.** ``mm_2d3d(lhs, rhs, offs, out_dtype, backend)`` -> (M, N) and
       ``mm_2d2d(grad_t, a, offs, out_dtype, backend)`` -> (E, N, K); rows past
-      ``offs[-1]`` may hold anything (grouped_mm zeroes them), ``out_dtype`` is one
+      ``offs[-1]`` may hold anything (grouped_mm and the experts layer zero them after
+      the GEMM unless ``mm_2d3d_zeroes_tail(backend)``), ``out_dtype`` is one
       of ``out_dtypes(backend, ...)``. ``backend`` is what :meth:`backend` said for the
       device: the real GEMM or ``"emulated"`` (dequantize, then an fp32 grouped GEMM,
       :func:`emulated_grouped_mm_2d3d` / :func:`emulated_grouped_mm_2d2d`). A recipe
@@ -272,7 +273,8 @@ class Recipe:
 
     def mm_2d3d_zeroes_tail(self, backend: str) -> bool:
         """Whether ``mm_2d3d`` on ``backend`` writes the rows past offs[-1] with zeros
-        itself, so that its callers launch no zeroing kernel after it. Default: no."""
+        itself, for the non-decreasing offs its callers pass (``device_offs``), so that
+        they launch no zeroing kernel after it. Default: no."""
         return False
 
     def mm_2d2d(self, grad_t: Operand, a: Operand, offs: Tensor, out_dtype: torch.dtype, backend: str) -> Tensor:

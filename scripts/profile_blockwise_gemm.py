@@ -21,7 +21,9 @@ offs = torch.arange(1, e + 1, device="cuda", dtype=torch.int32) * (m // e)  # ba
 w = torch.randn(e, k, n, device="cuda", dtype=torch.bfloat16) * 0.02
 b, sb, bt, sbt = moe_fp8_ext.quantize_blockwise_weight_dual(w, E4M3)  # (E, K, N) and (E, N, K)
 gemm = bg.blockwise_grouped_mm_2d3d
-if which == "wgrad":  # (N, M) x (M, K) grouped over the tokens, groups of m / e (multiples of 128 here)
+if which == "wgrad":  # (N, M) x (M, K) grouped over the tokens, groups of m / e
+    # (the GEMM treats a group that does not start at a multiple of 128 as empty)
+    assert (m // e) % 128 == 0 and m % e == 0, f"wgrad: the groups (m / e = {m / e}) must be multiples of 128"
     grad = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
     a, sa = moe_fp8_ext.quantize_blockwise_act_transposed_lhs(grad, E4M3, offs)
     b, sb = moe_fp8_ext.quantize_blockwise_act_rhs(torch.randn(m, k, device="cuda", dtype=torch.bfloat16), E4M3, offs)

@@ -185,12 +185,15 @@ def test_same_math_as_three_grouped_mm(device):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("recipe", ["fp8_rowwise", "fp8_blockwise"])
-def test_tail_rows_and_empty_groups(device, recipe):
+@pytest.mark.parametrize("hidden", [64, 128])
+def test_tail_rows_and_empty_groups(device, recipe, hidden):
     """Rows past offs[-1] give zero output and zero gradient; empty groups (first,
     middle, last) and E = 1 work; the tail holds huge values that must not leak (over
-    poisoned memory: fp8_blockwise's GEMMs zero those rows themselves on a GPU)."""
+    poisoned memory: fp8_blockwise's GEMMs zero those rows themselves on a GPU). Hidden
+    64 runs fp8_blockwise's input gradient as two GEMMs summed, 128 as one (the joint
+    path, with h's and grad_h13's operands made together on a GPU)."""
     for offs, e in (([0, 50, 50, 120], 4), ([120], 1), ([0, 0, 0], 3)):
-        x, w1, w3, w2, o, grad = make(e, 64, 32, 160, device, offs=offs)
+        x, w1, w3, w2, o, grad = make(e, hidden, 32, 160, device, offs=offs)
         x[120:] = 1e30
         poison(device)
         out, grads = run(lambda *a: experts(*a, recipe=recipe), (x, w1, w3, w2, o), grad)
@@ -201,6 +204,29 @@ def test_tail_rows_and_empty_groups(device, recipe):
             assert sqnr(ref_out[:o[-1]], out[:o[-1]]) > 20
         for g in grads[1:]:
             assert torch.isfinite(g).all()
+
+
+@pytest.mark.parametrize("zeroes", [False, True])
+@pytest.mark.parametrize("hidden", [64, 128])
+def test_no_zeroing_kernel_after_a_gemm_that_zeroes(zeroes, hidden, monkeypatch):
+    """The layer zeroes the rows past offs[-1] after its 2d3d GEMMs (W13's, W2's, W2's
+    input gradient, and the input gradient once, after its one GEMM or the sum of two)
+    unless the recipe's GEMM writes them itself (Recipe.mm_2d3d_zeroes_tail): then it
+    launches no zeroing kernel, and the result is the same."""
+    from moe_fp8_ext import ops, recipes
+
+    x, w1, w3, w2, offs, grad = make(3, hidden, 32, 160, "cpu", offs=[40, 40, 120])
+    _, want = run(lambda *a: experts(*a, recipe="fp8_blockwise"), (x, w1, w3, w2, offs), grad)
+    calls = []
+    real = ops.zero_rows_past_groups_
+    monkeypatch.setattr(ops, "zero_rows_past_groups_", lambda out, o: calls.append(1) or real(out, o))
+    # (the CPU GEMM leaves the tail rows unwritten too, so "zeroes" is only counted here)
+    monkeypatch.setattr(recipes.Fp8Blockwise, "mm_2d3d_zeroes_tail", lambda self, backend: zeroes)
+    out, grads = run(lambda *a: experts(*a, recipe="fp8_blockwise"), (x, w1, w3, w2, offs), grad)
+    assert len(calls) == (0 if zeroes else 4)
+    if not zeroes:
+        for a, b in zip(grads, want):
+            assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("device", DEVICES)
