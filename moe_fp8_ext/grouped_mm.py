@@ -69,8 +69,8 @@ def _debug() -> bool:
 
 def _zero_tail(out: Tensor, offs: Tensor) -> Tensor:
     """Rows past offs[-1] are zero (for the grouped GEMMs that leave them unwritten;
-    zeroing only touches those rows). In place in eager mode. Under torch.compile the zeroing
-    goes on a copy: an in-place op on this Function's fp32 output dropped every
+    zeroing only touches those rows). In place in eager mode. Under torch.compile the
+    zeroing goes on a copy: an in-place op on this Function's fp32 output dropped every
     gradient with torch 2.11 (CPU and CUDA, aot_eager and inductor alike)."""
     if torch.compiler.is_compiling():
         out = out.clone()

@@ -155,6 +155,19 @@ def count_backward_operand_calls(monkeypatch, recipe_name):
     return calls, recipe
 
 
+def count_zero_tail_calls(monkeypatch, zeroes):
+    """fp8_blockwise's GEMM made to say it zeroes the rows past offs[-1] (``zeroes``) or
+    not (Recipe.mm_2d3d_zeroes_tail), and a list that records each call of the zeroing
+    op (ops.zero_rows_past_groups_) from then on."""
+    from moe_fp8_ext import ops, recipes
+
+    monkeypatch.setattr(recipes.Fp8Blockwise, "mm_2d3d_zeroes_tail", lambda self, backend: zeroes)
+    calls = []
+    real = ops.zero_rows_past_groups_
+    monkeypatch.setattr(ops, "zero_rows_past_groups_", lambda out, offs: calls.append(1) or real(out, offs))
+    return calls
+
+
 def assert_fp8_equal(q, ref):
     """Bit-exact fp8 codes, except that NaN only has to match NaN."""
     assert q.dtype == ref.dtype, (q.dtype, ref.dtype)

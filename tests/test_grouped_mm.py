@@ -9,8 +9,8 @@ import torch.nn.functional as F
 import moe_fp8_ext
 from moe_fp8_ext import reference as ref
 from moe_fp8_ext.moe import MoEExperts
-from conftest import (DEVICES, count_backward_operand_calls, offs_from_sizes as make_offs, poison, random_offs, randn,
-                      requires_cuda, set_dual_kernel_budget, sqnr)
+from conftest import (DEVICES, count_backward_operand_calls, count_zero_tail_calls, offs_from_sizes as make_offs,
+                      poison, random_offs, randn, requires_cuda, set_dual_kernel_budget, sqnr)
 
 F8 = torch.float8_e4m3fn
 
@@ -773,14 +773,11 @@ def test_no_zeroing_kernel_after_a_gemm_that_zeroes(zeroes, monkeypatch):
     """grouped_mm zeroes the rows past offs[-1] after each 2d3d GEMM (forward, dgrad)
     unless the recipe's GEMM writes them itself (Recipe.mm_2d3d_zeroes_tail, true for
     fp8_blockwise's GEMM on a GPU): then it launches no zeroing kernel."""
-    from moe_fp8_ext import ops, recipes
+    from moe_fp8_ext import recipes
 
     assert not recipes.Fp8Blockwise().mm_2d3d_zeroes_tail("emulated")
     assert recipes.Fp8Blockwise().mm_2d3d_zeroes_tail("blockwise_gemm")
-    monkeypatch.setattr(recipes.Fp8Blockwise, "mm_2d3d_zeroes_tail", lambda self, backend: zeroes)
-    calls = []
-    real = ops.zero_rows_past_groups_
-    monkeypatch.setattr(ops, "zero_rows_past_groups_", lambda out, offs: calls.append(1) or real(out, offs))
+    calls = count_zero_tail_calls(monkeypatch, zeroes)
     a = randn((160, 64), torch.bfloat16, "cpu").requires_grad_()
     b_t = randn((2, 64, 48), torch.bfloat16, "cpu").requires_grad_()
     out = moe_fp8_ext.grouped_mm(a, b_t, i32(48, 100), recipe="fp8_blockwise")
