@@ -118,14 +118,39 @@ def strided_layouts_2d(make, m, k, dtype, device, specials=True):
     yield make((m, 2 * k + 1), dtype, device, seed=3, specials=specials)[:, 1 : 2 * k + 1 : 2]
 
 
+_SMALL_POOL_MAX = 1 << 20  # the caching allocator serves requests up to 1 MiB from 2 MiB small-pool segments
+
+
+def _free_blocks_of_this_stream():
+    """Sizes of the caching allocator's free blocks that a request on the current stream
+    can be given, with whether each lies in a small-pool segment (graph pools excluded)."""
+    stream = torch.cuda.current_stream().cuda_stream
+    return [(b["size"], seg["segment_type"] == "small")
+            for seg in torch.cuda.memory_snapshot()
+            if seg["stream"] == stream and tuple(seg.get("segment_pool_id", (0, 0))) == (0, 0)
+            for b in seg["blocks"] if b["state"] == "inactive"]
+
+
 def poison(device):
     """Fill the caching allocator's free memory with 0xFF bytes (fp8 e4m3fn NaN, fp32
-    NaN), so that any output element a kernel forgets to write shows up."""
+    NaN), so that any output element a kernel forgets to write shows up: a 512 MiB and a
+    16 MiB block, two small-pool segments, then every other free block the current stream
+    can be given (each taken by its size, small-pool ones 1 MiB at most, until none is
+    left), all filled and freed. An output is then poisoned unless the allocator needs a
+    new segment for it (an allocation larger than any block held here)."""
     if device != "cuda":
         return
     torch.cuda.synchronize()
-    blocks = [torch.full((n,), 0xFF, dtype=torch.uint8, device="cuda") for n in (1 << 29, 1 << 24, 1 << 20, 1 << 16, 4096, 512)]
-    del blocks
+    held = [torch.empty(n, dtype=torch.uint8, device="cuda") for n in (1 << 29, 1 << 24, 1 << 20, 1 << 20, 1 << 20, 1 << 20)]
+    for _ in range(8):  # a taken block may split a larger one; the rest is taken next round
+        free = _free_blocks_of_this_stream()
+        if not free:
+            break
+        held += [torch.empty(min(size, _SMALL_POOL_MAX) if small else size, dtype=torch.uint8, device="cuda")
+                 for size, small in free]
+    for t in held:
+        t.fill_(0xFF)
+    del held
 
 
 def set_dual_kernel_budget(monkeypatch, budget):

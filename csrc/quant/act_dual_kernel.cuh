@@ -56,15 +56,18 @@ __global__ void __launch_bounds__(kTilesThreads, act_dual_min_blocks<F>())
   const int64_t qb = blockIdx.x / col_blocks;
   const int64_t c0 = (blockIdx.x % col_blocks) * kTile;
   const ActDualBlock blk = act_dual_block(a, qb);
-  if (blk.cols == ActDualCols::kNone) return;  // a gap of the padded layout: nothing (uniform in the block)
   const int nc = static_cast<int>(a.cols - c0 < kTile ? a.cols - c0 : kTile);
+  if (blk.cols != ActDualCols::kEncode) {  // no group rows: zero 128x1 scales (s_cols may be uninitialized)
+    if (static_cast<int>(threadIdx.x) < nc) static_cast<S*>(a.s_cols)[qb * a.cols + c0 + threadIdx.x] = S{};
+    if (blk.cols == ActDualCols::kNone) return;  // a gap of the padded layout: no codes (uniform in the block)
+  }
   const int l32 = threadIdx.x % 32, g32 = threadIdx.x / 32;
   const int rg = l32 % 8 + 8 * (g32 / 4), ch = l32 / 8 + 4 * (g32 % 4);
   const int fr = rg * kTileFragRows, fc = ch * kTileFragCols;
   const bool odd = (ch & 1) != 0;
   uint8_t* q_cols = a.q_cols + c0 * a.q_rows_total + blk.q0;  // column-major, column stride q_rows_total
   uint2 q8[kTileFragRows];
-  if (blk.cols == ActDualCols::kZero) {  // past the last group: zero codes (the scales stay zero)
+  if (blk.cols == ActDualCols::kZero) {  // past the last group: zero codes (their scales are written above)
 #pragma unroll
     for (int r = 0; r < kTileFragRows; ++r) q8[r] = make_uint2(0u, 0u);
     store_fragment_col_runs(q8, q_cols, a.q_rows_total, fr, fc, blk.q_len, nc);

@@ -223,7 +223,8 @@ struct TilesArgs {
 // at s_cols[b * cols + c]), from one read: each 128 x 128 tile of a group holds whole
 // blocks of both. Bit for bit what the rows launch of act_lhs and the padded cols
 // launch of act_rhs write (rows past the last group: rows only, their q_cols rows
-// zero; s_cols is zeroed by the caller, as act_rhs's is).
+// zero; the kernel writes every s_cols entry, zeros for the blocks without group rows,
+// so s_cols may be uninitialized).
 struct ActDualArgs {
   const void* x = nullptr;
   int64_t rows = 0, cols = 0, sr = 0;
