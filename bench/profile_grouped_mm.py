@@ -6,9 +6,9 @@ wall time three ways, so that time outside the kernels (launch gaps, host work) 
   eager     the benchmark's time (do_bench median of the step, as bench_grouped_mm)
   graph     the step captured once in a CUDA graph and replayed (no host work)
   host      host time to issue one step (no synchronization in between), and
-            the host time by op (torch.profiler, CPU, after one step it discards:
-            the first op a profile records bears the profiler's start-up, which
-            read as 0.7-0.9 ms of aten::clamp a step before)
+            the host time by op (torch.profiler, CPU, after a warm-up step it does
+            not record: the first op a profile records bears the profiler's
+            start-up, which read as 0.7-0.9 ms of aten::clamp a step before)
 
 and one step's timeline (profiler, from an idle GPU): each kernel's start, duration and
 the idle time before it, so that the time between the kernels shows where it falls.
@@ -117,7 +117,7 @@ for row in summary:
     row[1] = sum(ev[0] for ev in events) / 10
     print(f"  {row[1] / 1000:7.3f} ms  total")
     timeline(step)
-    # Host time by op over three steps after one the profiler discards.
+    # Host time by op over three steps after a warm-up step the profiler does not record.
     torch.cuda.synchronize()
     captured = []
     with profile(activities=[ProfilerActivity.CPU], schedule=torch.profiler.schedule(wait=0, warmup=1, active=3, repeat=1),
@@ -126,9 +126,9 @@ for row in summary:
             step()
             prof.step()
         torch.cuda.synchronize()
-    print(f"== {recipe}: host time per step, by op (self time, 3 steps profiled after one discarded)")
+    print(f"== {recipe}: host time per step, by op (self time; 3 steps profiled after a warm-up step; Python between ops not shown)")
     ops = sorted(captured[0], key=lambda ev: ev.self_cpu_time_total, reverse=True)
-    for ev in [ev for ev in ops if ev.key not in ("cudaDeviceSynchronize", "ProfilerStep*")][:12]:
+    for ev in [ev for ev in ops if ev.key != "ProfilerStep*"][:12]:
         print(f"  {ev.self_cpu_time_total / 3:7.1f} µs  {ev.count // 3:3d}x  {ev.key[:100]}")
 
 print(f"== per step, µs ({m}, {k}, {n}, {e})")

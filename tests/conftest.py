@@ -136,8 +136,9 @@ def poison(device):
     NaN), so that any output element a kernel forgets to write shows up: a 512 MiB and a
     16 MiB block, two small-pool segments, then every other free block the current stream
     can be given (each taken by its size, small-pool ones 1 MiB at most, until none is
-    left), all filled and freed. An output is then poisoned unless the allocator needs a
-    new segment for it (an allocation larger than any block held here)."""
+    left), each whole block filled, then all freed. An output is then poisoned unless the
+    allocator needs a new segment for it (an allocation larger than any block held here).
+    Assumes the allocator's default rounding (no roundup_power2_divisions)."""
     if device != "cuda":
         return
     torch.cuda.synchronize()
@@ -148,6 +149,16 @@ def poison(device):
             break
         held += [torch.empty(min(size, _SMALL_POOL_MAX) if small else size, dtype=torch.uint8, device="cuda")
                  for size, small in free]
+    # A request served from a free block up to 1 MiB larger than asked (the large pool
+    # splits a block only where more than 1 MiB would be left) holds that rest too:
+    # ask again for the whole block, which best fit then returns (nothing else is free).
+    sizes = {b["address"]: b["size"] for seg in torch.cuda.memory_snapshot()
+             for b in seg["blocks"] if b["state"] == "active_allocated"}
+    for i in range(len(held)):
+        size = sizes.get(held[i].data_ptr(), 0)
+        if size > held[i].numel():
+            held[i] = None
+            held[i] = torch.empty(size, dtype=torch.uint8, device="cuda")
     for t in held:
         t.fill_(0xFF)
     del held

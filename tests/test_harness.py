@@ -28,3 +28,23 @@ def test_poison_reaches_every_free_block(nbytes):
         bad = int((out != 0xFF).sum())
         assert bad == 0, f"allocation {i} of {nbytes} bytes: {bad} bytes not poisoned"
     del keep
+
+
+@requires_cuda
+@pytest.mark.gpu
+def test_poison_fills_whole_blocks():
+    # A free block of 16.5 MiB between the start of its segment and a live tensor: the
+    # block that poison()'s 16 MiB request gets whole (the large pool leaves a rest of
+    # 1 MiB or less unsplit). Its last half MiB must be poisoned too.
+    torch.cuda.empty_cache()
+    seg = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")
+    del seg  # one free 64 MiB block
+    a = torch.zeros((33 << 20) // 2, dtype=torch.uint8, device="cuda")
+    b = torch.empty((64 << 20) - a.numel(), dtype=torch.uint8, device="cuda")
+    assert b.data_ptr() == a.data_ptr() + a.numel(), "set-up: a and b do not share one segment"
+    del a
+    poison("cuda")
+    out = torch.empty((33 << 20) // 2, dtype=torch.uint8, device="cuda")
+    bad = int((out != 0xFF).sum())
+    assert bad == 0, f"{bad} bytes of a 16.5 MiB block not poisoned"
+    del b

@@ -142,7 +142,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_blockwise_ac
   at::Tensor q_lhs = at::empty({M, K}, qopts);
   at::Tensor s_lhs = at::empty_strided({M, C}, {1, std::max<int64_t>(M, 1)}, sopts);
   at::Tensor q_rhs = at::empty_strided({R, K}, {1, std::max<int64_t>(R, 1)}, qopts);
-  at::Tensor s_rhs = at::empty({ceil_div(R, kBwBlock), K}, sopts);  // every entry written (zeros past the groups)
+  at::Tensor s_rhs = at::empty({ceil_div(R, kBwBlock), K}, sopts);  // every entry written (zeros where a block has no group rows)
   a.q_rows = static_cast<uint8_t*>(q_lhs.data_ptr());
   a.s_rows = s_lhs.data_ptr();
   a.q_cols = static_cast<uint8_t*>(q_rhs.data_ptr());
