@@ -5,7 +5,7 @@ forgets to write reads as 0xFF (NaN) whatever block the allocator gives the outp
 import pytest
 import torch
 
-from conftest import poison, requires_cuda
+from conftest import _free_blocks_of_this_stream, poison, requires_cuda
 
 
 @requires_cuda
@@ -19,9 +19,9 @@ def test_poison_reaches_every_free_block(nbytes):
     keep = blocks[1::2]
     del blocks
     poison("cuda")
-    # The next blocks of this size the allocator hands out, as many as the memory that
-    # poison() itself allocates holds (2 MiB of small-pool segments, 512 MiB of large
-    # blocks), so that none needs a new segment whatever the cache held before.
+    # The next blocks of this size the allocator hands out, fewer bytes than poison()
+    # itself allocates (four 1 MiB small-pool blocks, a 512 MiB block), so that none
+    # needs a new segment whatever the cache held before.
     budget = 2 << 20 if nbytes <= 1 << 20 else 256 << 20
     outs = [torch.empty(nbytes, dtype=torch.uint8, device="cuda") for _ in range(max(1, min(16, budget // nbytes)))]
     for i, out in enumerate(outs):
@@ -36,13 +36,14 @@ def test_poison_fills_whole_blocks():
     # A free block of 16.5 MiB between the start of its segment and a live tensor: the
     # block that poison()'s 16 MiB request gets whole (the large pool leaves a rest of
     # 1 MiB or less unsplit). Its last half MiB must be poisoned too.
-    torch.cuda.empty_cache()
+    # The cache's free large blocks held meanwhile, so that a and b split one new segment.
+    hold = [torch.empty(size, dtype=torch.uint8, device="cuda") for size, small in _free_blocks_of_this_stream() if not small]
     seg = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")
-    del seg  # one free 64 MiB block
+    del seg  # the one free large block: 64 MiB
     a = torch.zeros((33 << 20) // 2, dtype=torch.uint8, device="cuda")
     b = torch.empty((64 << 20) - a.numel(), dtype=torch.uint8, device="cuda")
     assert b.data_ptr() == a.data_ptr() + a.numel(), "set-up: a and b do not share one segment"
-    del a
+    del a, hold
     poison("cuda")
     out = torch.empty((33 << 20) // 2, dtype=torch.uint8, device="cuda")
     bad = int((out != 0xFF).sum())
