@@ -22,7 +22,7 @@ checks of csrc/gemm/blockwise_grouped_sm90.cu, and its fake (``register_fake``, 
 it) runs the same checks, so the ops trace under ``torch.compile(fullgraph=True)``.
 """
 
-from typing import Optional
+import functools
 
 import torch
 from torch import Tensor
@@ -39,18 +39,31 @@ def _cdiv(a, b):
     return -(-a // b)
 
 
+@functools.lru_cache(maxsize=None)
+def _built() -> bool:
+    """Whether the sm_90a kernels are compiled into this build (registered for CUDA):
+    asked of the dispatcher once a process (about 10 µs a query, and the recipe asks at
+    every call)."""
+    return torch._C._dispatch_has_kernel_for_dispatch_key(f"moe_fp8::{OP_2D3D}", "CUDA")
+
+
+# A constant for torch.compile, as rowwise_gemm._built_for: the kernels are built and
+# CUDA device `index` is a Hopper.
+@torch.compiler.assume_constant_result
+def _built_for(index: int) -> bool:
+    return _built() and torch.cuda.get_device_capability(index) == (9, 0)
+
+
 def available(device=None) -> bool:
     """Whether the grouped blockwise GEMMs run on ``device`` (default: the current CUDA
     device): the sm_90a kernels are compiled into this build (registered for CUDA), and
     the device is an NVIDIA GPU of compute capability (9, 0), not ROCm."""
     if torch.version.hip or not torch.cuda.is_available():
         return False
-    if not torch._C._dispatch_has_kernel_for_dispatch_key(f"moe_fp8::{OP_2D3D}", "CUDA"):
-        return False
     dev = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
     if dev.type != "cuda":
         return False
-    return torch.cuda.get_device_capability(dev) == (9, 0)
+    return _built_for(dev.index if dev.index is not None else torch.cuda.current_device())
 
 
 # ---- argument checks shared by each wrapper and its fake (the rules and order of the

@@ -102,7 +102,7 @@ from torch import Tensor
 from torch.torch_version import TorchVersion
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from . import ops, token_groups
+from . import token_groups
 from .grouped_mm import (
     _gemm_out_dtype,
     _holds_weight_operands,
@@ -117,6 +117,8 @@ from .grouped_mm import (
 )
 from .recipes import FLOAT_DTYPES, Recipe, get_recipe
 from .swiglu import swiglu, swiglu_backward
+
+_ops = torch.ops.moe_fp8
 
 __all__ = ["GroupedExperts", "WeightCache", "clear_weight_caches", "experts"]
 
@@ -258,7 +260,7 @@ class _Experts(torch.autograd.Function):
         starts = wgrad_offs = None
         x_op = h_wop = ()
         if ctx.fp8_saved:
-            starts, wgrad_offs = ops.padded_group_offsets(offs, x.shape[0], recipe.alignment)
+            starts, wgrad_offs = _ops.padded_group_offsets(offs, x.shape[0], recipe.alignment)
             lhs_x, x_op = recipe.lhs_with_wgrad_operand(x, offs, fp8_dtype, starts)
         else:
             lhs_x = recipe.lhs(x, fp8_dtype)
@@ -275,7 +277,7 @@ class _Experts(torch.autograd.Function):
                        and recipe.makes_swiglu_operands(h13))
         if ctx.h_saved:
             if starts is None:
-                starts, wgrad_offs = ops.padded_group_offsets(offs, x.shape[0], recipe.alignment)
+                starts, wgrad_offs = _ops.padded_group_offsets(offs, x.shape[0], recipe.alignment)
             h_op, h_wop = recipe.lhs_with_wgrad_operand(swiglu(h13), offs, fp8_dtype, starts)
         else:
             h_op = recipe.lhs_swiglu(h13, fp8_dtype)
@@ -350,7 +352,7 @@ class _Experts(torch.autograd.Function):
             if ctx.fp8_saved:
                 x_op = tuple(kept[2:2 + ctx.n_x_op])
         elif ctx.pad_wgrad:
-            starts, wgrad_offs = ops.padded_group_offsets(offs, ctx.num_tokens, recipe.alignment)
+            starts, wgrad_offs = _ops.padded_group_offsets(offs, ctx.num_tokens, recipe.alignment)
         del kept
 
         def wgrad_operands(grad, a):

@@ -52,8 +52,10 @@ from typing import Optional, Union
 import torch
 from torch import Tensor
 
-from . import ops, token_groups
+from . import token_groups
 from .recipes import FLOAT_DTYPES, Recipe, get_recipe
+
+_ops = torch.ops.moe_fp8
 
 
 def grouped_mm_backend(device: torch.device, recipe: Union[str, Recipe] = "fp8_rowwise") -> str:
@@ -74,7 +76,8 @@ def _zero_tail(out: Tensor, offs: Tensor) -> Tensor:
     gradient with torch 2.11 (CPU and CUDA, aot_eager and inductor alike)."""
     if torch.compiler.is_compiling():
         out = out.clone()
-    return ops.zero_rows_past_groups_(out, offs)
+    _ops.zero_rows_past_groups_(out, offs)
+    return out
 
 
 def _mm_2d3d(recipe: Recipe, lhs, rhs, offs: Tensor, out_dtype: torch.dtype, backend: str) -> Tensor:
@@ -139,7 +142,7 @@ class _GroupedMM(torch.autograd.Function):
         # and the wgrad operands take the padded layout.
         ctx.fp8_saved = recipe.keeps_fp8_activations and pad_wgrad and wgrad
         if ctx.fp8_saved:
-            starts, wgrad_offs = ops.padded_group_offsets(offs, A.shape[0], recipe.alignment)
+            starts, wgrad_offs = _ops.padded_group_offsets(offs, A.shape[0], recipe.alignment)
             lhs, a_op = recipe.lhs_with_wgrad_operand(A, offs, fp8_dtype, starts)
         else:
             lhs = recipe.lhs(A, fp8_dtype)
@@ -197,7 +200,7 @@ class _GroupedMM(torch.autograd.Function):
         if ctx.fp8_saved:
             starts, wgrad_offs = saved["starts"], saved["wgrad_offs"]
         elif need_b and ctx.pad_wgrad:
-            starts, wgrad_offs = ops.padded_group_offsets(offs, ctx.num_tokens, recipe.alignment)
+            starts, wgrad_offs = _ops.padded_group_offsets(offs, ctx.num_tokens, recipe.alignment)
         g_op = None  # grad_out's wgrad operand, made with its dgrad one
         if need_a:
             if need_b and ctx.fp8_saved and recipe.reads_activations_once(grad_out):

@@ -382,21 +382,21 @@ class Fp8Rowwise(Recipe):
         return backend == "fp8_gemm" and bool(torch.version.hip)
 
     def lhs(self, x, fp8_dtype):
-        q, s = ops.quantize_rowwise(x, fp8_dtype, self.pow2_scale)
+        q, s = _ops.quantize_rowwise(x, fp8_dtype, self.pow2_scale)
         return q, s.squeeze(-1)
 
     def rhs_fwd(self, b_t, fp8_dtype):
-        q, s = ops.quantize_experts_fwd(b_t, fp8_dtype, self.pow2_scale)
+        q, s = _ops.quantize_experts_fwd(b_t, fp8_dtype, self.pow2_scale)
         return q, s.squeeze(1)
 
     def rhs_fwd_cat(self, b_ts, fp8_dtype):
         # One scale per (expert, output column) over K: each part quantizes alone, with
         # the bits of the concatenation, written in place into the one operand.
-        q, s = ops.quantize_experts_fwd_cat(b_ts, fp8_dtype, self.pow2_scale)
+        q, s = _ops.quantize_experts_fwd_cat(list(b_ts), fp8_dtype, self.pow2_scale)
         return q, s.squeeze(1)
 
     def rhs_bwd(self, saved, fp8_dtype):
-        q, s = ops.quantize_experts_bwd(saved["B_t"], fp8_dtype, self.pow2_scale)  # (E, N, K) column-major
+        q, s = _ops.quantize_experts_bwd(saved["B_t"], fp8_dtype, self.pow2_scale)  # (E, N, K) column-major
         return q, s.squeeze(1)
 
     def lhs_swiglu(self, h13, fp8_dtype):
@@ -416,21 +416,21 @@ class Fp8Rowwise(Recipe):
         return g13, (q, s.squeeze(-1)), h
 
     def rhs_bwd_cat(self, b_ts, fp8_dtype):
-        q, s = ops.quantize_experts_bwd_cat(b_ts, fp8_dtype, self.pow2_scale)  # (E, ΣN, K) column-major
+        q, s = _ops.quantize_experts_bwd_cat(list(b_ts), fp8_dtype, self.pow2_scale)  # (E, ΣN, K) column-major
         return q, s.squeeze(1)
 
     def reads_weights_once(self, b_ts):
         return ops.dual_cat_reads_once(b_ts)
 
     def rhs_dual_cat(self, b_ts, fp8_dtype):
-        qf, sf, qb, sb = ops.quantize_experts_dual_cat(b_ts, fp8_dtype, self.pow2_scale)
+        qf, sf, qb, sb = _ops.quantize_experts_dual_cat(list(b_ts), fp8_dtype, self.pow2_scale)
         return (qf, sf.squeeze(1)), (qb, sb.squeeze(1))
 
     def wgrad_operands(self, grad_out, saved, offs, fp8_dtype, padded_starts):
         A = saved["A"]
         if grad_out.dtype == A.dtype:
-            layout = dict(padded_starts=padded_starts, alignment=self.alignment)
-            qg, sg, qa, sa = ops.quantize_jagged_colwise_dual(grad_out, A, offs, fp8_dtype, self.pow2_scale, **layout)
+            qg, sg, qa, sa = _ops.quantize_jagged_colwise_dual(grad_out, A, offs, fp8_dtype, self.pow2_scale,
+                                                               padded_starts, self.alignment)
             return self.wgrad_operands_from((qg, sg), (qa, sa))
         return self.wgrad_operands_from(self.wgrad_operand(grad_out, offs, fp8_dtype, padded_starts),
                                         self.wgrad_operand(A, offs, fp8_dtype, padded_starts))
@@ -439,8 +439,7 @@ class Fp8Rowwise(Recipe):
     keeps_fp8_activations = True
 
     def wgrad_operand(self, x, offs, fp8_dtype, padded_starts):
-        return ops.quantize_jagged_colwise(x, offs, fp8_dtype, self.pow2_scale, padded_starts=padded_starts,
-                                           alignment=self.alignment)
+        return _ops.quantize_jagged_colwise(x, offs, fp8_dtype, self.pow2_scale, padded_starts, self.alignment)
 
     def wgrad_operands_from(self, grad, a):
         (qg, sg), (qa, sa) = grad, a
@@ -453,8 +452,8 @@ class Fp8Rowwise(Recipe):
     def lhs_with_wgrad_operand(self, x, offs, fp8_dtype, padded_starts):
         # The two quantizations, or one read of x where that kernel is switched on
         # (MOE_FP8_ONE_READ_ACTIVATIONS=1); the same bits either way.
-        qr, sr, qc, sc = ops.quantize_rowwise_jagged_dual(x, offs, fp8_dtype, self.pow2_scale, padded_starts,
-                                                          self.alignment)
+        qr, sr, qc, sc = _ops.quantize_rowwise_jagged_dual(x, offs, fp8_dtype, self.pow2_scale, padded_starts,
+                                                           self.alignment)
         return (qr, sr.squeeze(-1)), (qc, sc)
 
     def mm_2d3d(self, lhs, rhs, offs, out_dtype, backend):
@@ -817,13 +816,13 @@ class Fp8Blockwise(Recipe):
                              f"(16-byte aligned fp8 rows for TMA), got K={k}, N={n}")
 
     def lhs(self, x, fp8_dtype):
-        return _bw.quantize_blockwise_act_lhs(x, fp8_dtype)
+        return _ops.quantize_blockwise_act_lhs(x, fp8_dtype)
 
     def rhs_fwd(self, b_t, fp8_dtype):
-        return _bw.quantize_blockwise_weight_dual(b_t, fp8_dtype)  # (q, s) (E, K, N) and (q, s) (E, N, K)
+        return _ops.quantize_blockwise_weight_dual(b_t, fp8_dtype)  # (q, s) (E, K, N) and (q, s) (E, N, K)
 
     def rhs_fwd_only(self, b_t, fp8_dtype):
-        return _bw.quantize_blockwise_weight_rhs(b_t, fp8_dtype)  # the dual's forward half, bit for bit
+        return _ops.quantize_blockwise_weight_rhs(b_t, fp8_dtype)  # the dual's forward half, bit for bit
 
     def reads_weights_once(self, b_ts):
         return _bw.weight_cat_ok(b_ts)  # quantize_blockwise_weight_dual(_cat)
@@ -833,12 +832,12 @@ class Fp8Blockwise(Recipe):
         # of 128): each part's tiles are the concatenation's, written in place, no copy.
         if not _bw.weight_cat_ok(b_ts):
             return super().rhs_fwd_cat(b_ts, fp8_dtype)
-        return _bw.quantize_blockwise_weight_rhs_cat(b_ts, fp8_dtype)
+        return _ops.quantize_blockwise_weight_rhs_cat(list(b_ts), fp8_dtype)
 
     def rhs_bwd_cat(self, b_ts, fp8_dtype):
         if not _bw.weight_cat_ok(b_ts):
             return super().rhs_bwd_cat(b_ts, fp8_dtype)
-        return _bw.quantize_blockwise_weight_transposed_rhs_cat(b_ts, fp8_dtype)
+        return _ops.quantize_blockwise_weight_transposed_rhs_cat(list(b_ts), fp8_dtype)
 
     # The experts layer's input gradient through W1 and W3 as one GEMM, grad_h13 @
     # [W1; W3] (contraction 2H), where the hidden size is a multiple of 128: grad_h13's
@@ -854,9 +853,9 @@ class Fp8Blockwise(Recipe):
         if not _bw.weight_cat_ok(b_ts):
             return super().rhs_dual_cat(b_ts, fp8_dtype)
         if len(b_ts) == 1:
-            qf, sf, qb, sb = _bw.quantize_blockwise_weight_dual(b_ts[0], fp8_dtype)
+            qf, sf, qb, sb = _ops.quantize_blockwise_weight_dual(b_ts[0], fp8_dtype)
         else:
-            qf, sf, qb, sb = _bw.quantize_blockwise_weight_dual_cat(b_ts, fp8_dtype)
+            qf, sf, qb, sb = _ops.quantize_blockwise_weight_dual_cat(list(b_ts), fp8_dtype)
         return (qf, sf), (qb, sb)
 
     def save_for_backward(self, A, B_t, lhs, rhs):
@@ -869,13 +868,14 @@ class Fp8Blockwise(Recipe):
     def rhs_bwd(self, saved, fp8_dtype):
         if "q_bwd" in saved:
             return saved["q_bwd"], saved["s_bwd"]
-        return _bw.quantize_blockwise_weight_transposed_rhs(saved["B_t"], fp8_dtype)
+        return _ops.quantize_blockwise_weight_transposed_rhs(saved["B_t"], fp8_dtype)
 
     def wgrad_operands(self, grad_out, saved, offs, fp8_dtype, padded_starts):
-        layout = dict(offs=offs, padded_starts=padded_starts,
-                      alignment=None if padded_starts is None else self.alignment)
-        qg, sg = _bw.quantize_blockwise_act_transposed_lhs(grad_out, fp8_dtype, **layout)  # (N, Mp), (N, Mp/128)
-        qa, sa = _bw.quantize_blockwise_act_rhs(saved["A"], fp8_dtype, **layout)  # (Mp, K) col-major, (Mp/128, K)
+        alignment = None if padded_starts is None else self.alignment
+        qg, sg = _ops.quantize_blockwise_act_transposed_lhs(grad_out, fp8_dtype, offs, padded_starts,
+                                                            alignment)  # (N, Mp), (N, Mp/128)
+        qa, sa = _ops.quantize_blockwise_act_rhs(saved["A"], fp8_dtype, offs, padded_starts,
+                                                 alignment)  # (Mp, K) col-major, (Mp/128, K)
         return (qg, sg), (qa, sa)
 
     # (q (Mp, D) column-major, scale (Mp/128, D)) per tensor, act_rhs's layouts; the GEMM
@@ -884,7 +884,7 @@ class Fp8Blockwise(Recipe):
 
     def wgrad_operand(self, x, offs, fp8_dtype, padded_starts):
         alignment = None if padded_starts is None else self.alignment
-        return _bw.quantize_blockwise_act_rhs(x, fp8_dtype, offs, padded_starts, alignment)
+        return _ops.quantize_blockwise_act_rhs(x, fp8_dtype, offs, padded_starts, alignment)
 
     def wgrad_operands_from(self, grad, a):
         (qg, sg), (qa, sa) = grad, a
@@ -896,7 +896,7 @@ class Fp8Blockwise(Recipe):
 
     def lhs_with_wgrad_operand(self, x, offs, fp8_dtype, padded_starts):
         alignment = None if padded_starts is None else self.alignment
-        ql, sl, qr, sr = _bw.quantize_blockwise_act_dual(x, fp8_dtype, offs, padded_starts, alignment)
+        ql, sl, qr, sr = _ops.quantize_blockwise_act_dual(x, fp8_dtype, offs, padded_starts, alignment)
         return (ql, sl), (qr, sr)
 
     # h's and grad_h13's two operands from one read each (quantize_blockwise_act_dual,
@@ -913,9 +913,7 @@ class Fp8Blockwise(Recipe):
     def mm_2d3d(self, lhs, rhs, offs, out_dtype, backend):
         (qa, sa), (qb, sb) = lhs, rhs[:2]
         if backend == "blockwise_gemm":
-            from .blockwise_gemm import blockwise_grouped_mm_2d3d
-
-            return blockwise_grouped_mm_2d3d(qa, sa, qb, sb, offs, out_dtype)
+            return _ops.blockwise_grouped_mm_2d3d(qa, sa, qb, sb, offs, out_dtype)
         m, k = qa.shape
         n = qb.shape[2]
         a = qa.float() * _expand_tiles(sa, m, k, 1, _bw.BW_BLOCK)
@@ -925,9 +923,7 @@ class Fp8Blockwise(Recipe):
     def mm_2d2d(self, grad_t, a, offs, out_dtype, backend):
         (qg, sg), (qa, sa) = grad_t, a  # (N, Mp) row-major, (Mp, K) column-major
         if backend == "blockwise_gemm":
-            from .blockwise_gemm import blockwise_grouped_mm_2d2d
-
-            return blockwise_grouped_mm_2d2d(qg, sg, qa, sa, offs, out_dtype)
+            return _ops.blockwise_grouped_mm_2d2d(qg, sg, qa, sa, offs, out_dtype)
         n, mp = qg.shape
         k = qa.shape[1]
         g_t = qg.float() * _expand_tiles(sg, n, mp, 1, _bw.BW_BLOCK)

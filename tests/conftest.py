@@ -173,6 +173,29 @@ def set_dual_kernel_budget(monkeypatch, budget):
         monkeypatch.setenv("MOE_FP8_DUAL_L2_BYTES", budget)
 
 
+class _CountingOps:
+    """Stands in for a module's ``_ops`` (torch.ops.moe_fp8, through which the library
+    calls its ops internally, past the Python wrappers' checks): the ops named in
+    ``labels`` append their label to ``calls`` before they run; every other op is the
+    real one."""
+
+    def __init__(self, real, labels, calls):
+        self._real, self._labels, self._calls = real, labels, calls
+
+    def __getattr__(self, name):
+        op = getattr(self._real, name)
+        if name not in self._labels:
+            return op
+        label = self._labels[name]
+        return lambda *a: self._calls.append(label) or op(*a)
+
+
+def count_op_calls(monkeypatch, module, labels, calls):
+    """Record in ``calls`` each call that ``module`` makes of the ops named in ``labels``
+    ({op name: label}) through its ``_ops``."""
+    monkeypatch.setattr(module, "_ops", _CountingOps(module._ops, labels, calls))
+
+
 def count_backward_operand_calls(monkeypatch, recipe_name):
     """A list that records, by name, every call that makes an operand only a backward
     uses: the recipe's ``rhs_dual_cat`` and ``lhs_with_wgrad_operand``, and the blockwise
@@ -184,23 +207,24 @@ def count_backward_operand_calls(monkeypatch, recipe_name):
     for name in ("rhs_dual_cat", "lhs_with_wgrad_operand"):
         real = getattr(recipe, name)
         monkeypatch.setattr(recipe, name, lambda self, *a, real=real, name=name: calls.append(name) or real(self, *a))
-    for op in ("quantize_blockwise_weight_dual", "quantize_blockwise_weight_dual_cat"):
-        real_op = getattr(recipes._bw, op)
-        monkeypatch.setattr(recipes._bw, op,
-                            lambda *a, real_op=real_op, op=op: calls.append(op[len("quantize_blockwise_"):]) or real_op(*a))
+    count_op_calls(monkeypatch, recipes, {op: op[len("quantize_blockwise_"):] for op in (
+        "quantize_blockwise_weight_dual", "quantize_blockwise_weight_dual_cat")}, calls)
     return calls, recipe
 
 
 def count_zero_tail_calls(monkeypatch, zeroes):
     """fp8_blockwise's GEMM made to say it zeroes the rows past offs[-1] (``zeroes``) or
     not (Recipe.mm_2d3d_zeroes_tail), and a list that records each call of the zeroing
-    op (ops.zero_rows_past_groups_) from then on."""
-    from moe_fp8_ext import ops, recipes
+    op (zero_rows_past_groups_, which grouped_mm and the experts layer call through
+    grouped_mm's ``_ops``) from then on."""
+    import importlib
+
+    from moe_fp8_ext import recipes
 
     monkeypatch.setattr(recipes.Fp8Blockwise, "mm_2d3d_zeroes_tail", lambda self, backend: zeroes)
     calls = []
-    real = ops.zero_rows_past_groups_
-    monkeypatch.setattr(ops, "zero_rows_past_groups_", lambda out, offs: calls.append(1) or real(out, offs))
+    grouped_mm = importlib.import_module("moe_fp8_ext.grouped_mm")  # (the package's attribute is the function)
+    count_op_calls(monkeypatch, grouped_mm, {"zero_rows_past_groups_": 1}, calls)
     return calls
 
 

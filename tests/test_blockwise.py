@@ -33,6 +33,7 @@ from conftest import (
     DEVICES,
     IN_DTYPES,
     assert_fp8_equal,
+    count_op_calls,
     graph_matches_eager,
     offs_from_sizes,
     poison,
@@ -757,10 +758,8 @@ def test_recipe_takes_the_cat_ops(monkeypatch):
 
     r = recipes.get_recipe("fp8_blockwise")
     calls = []
-    for name in ("rhs_cat", "transposed_rhs_cat", "dual_cat"):
-        real = getattr(recipes._bw, "quantize_blockwise_weight_" + name)
-        monkeypatch.setattr(recipes._bw, "quantize_blockwise_weight_" + name,
-                            lambda *a, real=real, name=name: calls.append(name) or real(*a))
+    count_op_calls(monkeypatch, recipes, {"quantize_blockwise_weight_" + name: name
+                                          for name in ("rhs_cat", "transposed_rhs_cat", "dual_cat")}, calls)
     for ns in ([256, 136], [100, 128]):
         ws = [bw_data((2, 130, n), torch.bfloat16, specials=False) for n in ns]
         cat = torch.cat(ws, dim=-1)
