@@ -53,7 +53,7 @@ import torch
 from torch import Tensor
 
 from . import token_groups
-from .recipes import FLOAT_DTYPES, Recipe, get_recipe
+from .recipes import FLOAT_DTYPES, Recipe, _zero_tail, get_recipe
 
 _ops = torch.ops.moe_fp8
 
@@ -67,17 +67,6 @@ def grouped_mm_backend(device: torch.device, recipe: Union[str, Recipe] = "fp8_r
 
 def _debug() -> bool:
     return os.environ.get("MOE_FP8_DEBUG") == "1"
-
-
-def _zero_tail(out: Tensor, offs: Tensor) -> Tensor:
-    """Rows past offs[-1] are zero (for the grouped GEMMs that leave them unwritten;
-    zeroing only touches those rows). In place in eager mode. Under torch.compile the
-    zeroing goes on a copy: an in-place op on this Function's fp32 output dropped every
-    gradient with torch 2.11 (CPU and CUDA, aot_eager and inductor alike)."""
-    if torch.compiler.is_compiling():
-        out = out.clone()
-    _ops.zero_rows_past_groups_(out, offs)
-    return out
 
 
 def _mm_2d3d(recipe: Recipe, lhs, rhs, offs: Tensor, out_dtype: torch.dtype, backend: str) -> Tensor:

@@ -36,6 +36,17 @@ from .platform import default_fp8_dtype
 
 _ops = torch.ops.moe_fp8
 
+def _zero_tail(out: Tensor, offs: Tensor) -> Tensor:
+    """Rows past offs[-1] are zero (for the grouped GEMMs that leave them unwritten;
+    zeroing only touches those rows). In place in eager mode. Under torch.compile the
+    zeroing goes on a copy: an in-place op on this Function's fp32 output dropped every
+    gradient with torch 2.11 (CPU and CUDA, aot_eager and inductor alike)."""
+    if torch.compiler.is_compiling():
+        out = out.clone()
+    _ops.zero_rows_past_groups_(out, offs)
+    return out
+
+
 #: Opaque to grouped_mm: whatever a recipe's quantizer returns and its GEMM consumes
 #: (a tensor, or a tuple of data and scales in the recipe's own layout).
 Operand = Any
@@ -456,19 +467,24 @@ class Fp8Rowwise(Recipe):
                                                            self.alignment)
         return (qr, sr.squeeze(-1)), (qc, sc)
 
+    def mm_2d3d_zeroes_tail(self, backend):
+        # Our GEMM's table kernel zeroes the rows past offs[-1]; behind PyTorch's GEMM,
+        # which leaves them unwritten, mm_2d3d zeroes them itself.
+        return backend == "fp8_gemm"
+
     def mm_2d3d(self, lhs, rhs, offs, out_dtype, backend):
         (qa, sa), (qb, sb) = lhs, rhs
         if backend == "fp8_gemm":
             if out_dtype == torch.bfloat16 and _rowwise_gemm.in_use(qa):
-                return torch.ops.moe_fp8.rowwise_grouped_mm_2d3d(qa, sa, qb, sb, offs, out_dtype)
-            return scaled_grouped_mm_rowwise(qa, qb, sa, sb, offs, out_dtype)
+                return _ops.rowwise_grouped_mm_2d3d(qa, sa, qb, sb, offs, out_dtype)
+            return _zero_tail(scaled_grouped_mm_rowwise(qa, qb, sa, sb, offs, out_dtype), offs)
         return emulated_grouped_mm_2d3d(qa.float() * sa[:, None], qb.float() * sb[:, None, :], offs).to(out_dtype)
 
     def mm_2d2d(self, grad_t, a, offs, out_dtype, backend):
         (qg_t, sg), (qa, sa) = grad_t, a  # (N, M), (E, N); (M, K), (E, K)
         if backend == "fp8_gemm":
             if out_dtype == torch.bfloat16 and _rowwise_gemm.in_use(qa):
-                return torch.ops.moe_fp8.rowwise_grouped_mm_2d2d(qg_t, sg, qa, sa, offs, out_dtype)
+                return _ops.rowwise_grouped_mm_2d2d(qg_t, sg, qa, sa, offs, out_dtype)
             return scaled_grouped_mm_rowwise(qg_t, qa, sg.reshape(-1), sa.reshape(-1), offs, out_dtype)
         g, _ = row_groups(offs, qa.shape[0])
         return emulated_grouped_mm_2d2d(qg_t.float() * sg[g].t(), qa.float() * sa[g], offs).to(out_dtype)

@@ -215,16 +215,21 @@ def count_backward_operand_calls(monkeypatch, recipe_name):
 def count_zero_tail_calls(monkeypatch, zeroes):
     """fp8_blockwise's GEMM made to say it zeroes the rows past offs[-1] (``zeroes``) or
     not (Recipe.mm_2d3d_zeroes_tail), and a list that records each call of the zeroing
-    op (zero_rows_past_groups_, which grouped_mm and the experts layer call through
-    grouped_mm's ``_ops``) from then on."""
-    import importlib
-
+    op (zero_rows_past_groups_, which grouped_mm, the experts layer and the recipes call
+    through ``recipes._zero_tail``) from then on."""
     from moe_fp8_ext import recipes
 
     monkeypatch.setattr(recipes.Fp8Blockwise, "mm_2d3d_zeroes_tail", lambda self, backend: zeroes)
+    return count_zero_rows_calls(monkeypatch)
+
+
+def count_zero_rows_calls(monkeypatch):
+    """A list that records each call of the zeroing op (zero_rows_past_groups_, through
+    ``recipes._zero_tail``) from then on."""
+    from moe_fp8_ext import recipes
+
     calls = []
-    grouped_mm = importlib.import_module("moe_fp8_ext.grouped_mm")  # (the package's attribute is the function)
-    count_op_calls(monkeypatch, grouped_mm, {"zero_rows_past_groups_": 1}, calls)
+    count_op_calls(monkeypatch, recipes, {"zero_rows_past_groups_": 1}, calls)
     return calls
 
 

@@ -9,8 +9,9 @@ import torch.nn.functional as F
 import moe_fp8_ext
 from moe_fp8_ext import reference as ref
 from moe_fp8_ext.moe import MoEExperts
-from conftest import (DEVICES, count_backward_operand_calls, count_zero_tail_calls, offs_from_sizes as make_offs,
-                      poison, random_offs, randn, requires_cuda, set_dual_kernel_budget, sqnr)
+from conftest import (DEVICES, count_backward_operand_calls, count_zero_rows_calls, count_zero_tail_calls,
+                      offs_from_sizes as make_offs, poison, random_offs, randn, requires_cuda, set_dual_kernel_budget,
+                      sqnr)
 
 F8 = torch.float8_e4m3fn
 
@@ -783,6 +784,36 @@ def test_no_zeroing_kernel_after_a_gemm_that_zeroes(zeroes, monkeypatch):
     out = moe_fp8_ext.grouped_mm(a, b_t, i32(48, 100), recipe="fp8_blockwise")
     out.backward(torch.ones_like(out))
     assert len(calls) == (0 if zeroes else 2)
+
+
+@pytest.mark.parametrize("gemm", ["ours", "torch"])
+def test_rowwise_zeroes_the_tail_once(gemm, monkeypatch):
+    """fp8_rowwise's 2d3d GEMMs leave the rows past offs[-1] zero with one kernel at most:
+    on a GPU our GEMM's table kernel writes them (no zeroing kernel after it); behind
+    PyTorch's GEMM (MOE_FP8_ROWWISE_GEMM=torch), which leaves them unwritten, the recipe
+    zeroes them, one kernel a GEMM; emulated, grouped_mm does. Zero over poisoned
+    memory either way."""
+    from moe_fp8_ext import recipes, rowwise_gemm
+
+    r = recipes.get_recipe("fp8_rowwise")
+    assert r.mm_2d3d_zeroes_tail("fp8_gemm") and not r.mm_2d3d_zeroes_tail("emulated")
+    device = "cuda" if r.backend(torch.device("cuda")) == "fp8_gemm" else "cpu"
+    if gemm == "torch":
+        monkeypatch.setenv("MOE_FP8_ROWWISE_GEMM", "torch")
+    else:
+        monkeypatch.delenv("MOE_FP8_ROWWISE_GEMM", raising=False)
+    ours = device == "cuda" and rowwise_gemm.in_use(torch.empty(0, dtype=torch.float8_e4m3fn, device=device))
+    if gemm == "ours" and device == "cuda" and not ours:
+        pytest.skip("our rowwise GEMM does not run on this GPU")
+    calls = count_zero_rows_calls(monkeypatch)
+    poison(device)
+    a = randn((160, 64), torch.bfloat16, device).requires_grad_()
+    b_t = randn((2, 64, 48), torch.bfloat16, device).requires_grad_()
+    out = moe_fp8_ext.grouped_mm(a, b_t, i32(48, 100, device=device), recipe="fp8_rowwise")
+    out.backward(torch.ones_like(out))
+    assert len(calls) == (0 if ours else 2)
+    assert bool((out[100:] == 0).all()) and bool((a.grad[100:] == 0).all())
+    assert torch.isfinite(out).all() and torch.isfinite(a.grad).all()
 
 
 @pytest.mark.parametrize("device", DEVICES)
