@@ -54,16 +54,37 @@ def _built_for(index: int) -> bool:
     return _built() and torch.cuda.get_device_capability(index) == (9, 0)
 
 
+def available_on(device, built_for, memo) -> bool:
+    """Whether kernels that ``built_for(index)`` says run on CUDA device ``index`` run on
+    ``device`` (default: the current CUDA device; never on ROCm). The answer for a
+    ``torch.device`` with an index is remembered in ``memo`` in eager mode: a GPU and
+    this build do not change in a process, and the recipes ask at every GEMM (5-10 µs of
+    host time a question: torch.cuda.is_available reads the environment, the capability
+    query runs torch.cuda's Python). While tracing, asked anew."""
+    key = None
+    if isinstance(device, torch.device) and device.index is not None and not torch.compiler.is_compiling():
+        key = (device.type, device.index)
+        hit = memo.get(key)
+        if hit is not None:
+            return hit
+    if torch.version.hip or not torch.cuda.is_available():
+        answer = False
+    else:
+        dev = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
+        answer = dev.type == "cuda" and built_for(dev.index if dev.index is not None else torch.cuda.current_device())
+    if key is not None:
+        memo[key] = answer
+    return answer
+
+
+_AVAILABLE: dict = {}  # (device type, index) -> available(device), eager calls
+
+
 def available(device=None) -> bool:
     """Whether the grouped blockwise GEMMs run on ``device`` (default: the current CUDA
     device): the sm_90a kernels are compiled into this build (registered for CUDA), and
     the device is an NVIDIA GPU of compute capability (9, 0), not ROCm."""
-    if torch.version.hip or not torch.cuda.is_available():
-        return False
-    dev = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
-    if dev.type != "cuda":
-        return False
-    return _built_for(dev.index if dev.index is not None else torch.cuda.current_device())
+    return available_on(device, _built_for, _AVAILABLE)
 
 
 # ---- argument checks shared by each wrapper and its fake (the rules and order of the

@@ -332,6 +332,25 @@ def emulated_grouped_mm_2d2d(a_t: Tensor, b: Tensor, offs: Tensor) -> Tensor:
 # ---- fp8 rowwise (DESIGN §5) -----------------------------------------------------------
 
 
+_BACKENDS: Dict[Tuple[Any, str, int], str] = {}  # (recipe, device type, index) -> backend, eager calls
+
+
+def _remembered_backend(recipe, device, decide) -> str:
+    """``decide(device)``, remembered per (recipe, device) in eager mode: a GPU and this
+    build do not change in a process, and grouped_mm and the experts layer ask three or
+    four times a call (5-10 µs of host time a question: torch.cuda.is_available reads the
+    environment, the capability query runs torch.cuda's Python). While tracing, asked
+    anew."""
+    device = torch.device(device)
+    if device.index is None or torch.compiler.is_compiling():
+        return decide(device)
+    key = (recipe, device.type, device.index)
+    answer = _BACKENDS.get(key)
+    if answer is None:
+        answer = _BACKENDS[key] = decide(device)
+    return answer
+
+
 def has_scaled_grouped_mm() -> bool:
     return hasattr(torch, "_scaled_grouped_mm") or hasattr(F, "scaled_grouped_mm")
 
@@ -364,7 +383,9 @@ class Fp8Rowwise(Recipe):
     pow2_scale: bool = True
 
     def backend(self, device):
-        device = torch.device(device)
+        return _remembered_backend(self, device, self._backend)
+
+    def _backend(self, device):
         if device.type != "cuda" or not torch.cuda.is_available():
             return "emulated"
         if torch.version.hip:
@@ -808,7 +829,7 @@ class Fp8Blockwise(Recipe):
         from . import blockwise_gemm
 
         device = torch.device(device)
-        if device.type == "cuda" and torch.cuda.is_available() and blockwise_gemm.available(device):
+        if device.type == "cuda" and blockwise_gemm.available(device):  # (remembered per device)
             return "blockwise_gemm"
         return "emulated"
 

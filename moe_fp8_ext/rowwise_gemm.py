@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from .blockwise_gemm import _check_common as _bw_check_common
-from .blockwise_gemm import _check_int32, _check_ld, _check_shape, _check_unit_stride, _stride_or
+from .blockwise_gemm import _check_int32, _check_ld, _check_shape, _check_unit_stride, _stride_or, available_on
 from .ops import INT64_MAX
 
 _ops = torch.ops.moe_fp8
@@ -48,15 +48,14 @@ def _built_for(index: int) -> bool:
     return _built() and torch.cuda.get_device_capability(index) == (9, 0)
 
 
+_AVAILABLE: dict = {}  # (device type, index) -> available(device), eager calls
+
+
 def available(device=None) -> bool:
     """Whether our rowwise grouped GEMMs run on ``device`` (default: the current CUDA
-    device): an NVIDIA GPU of compute capability (9, 0) and a build with the sm_90a kernels."""
-    if torch.version.hip or not torch.cuda.is_available():
-        return False
-    dev = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
-    if dev.type != "cuda":
-        return False
-    return _built_for(dev.index if dev.index is not None else torch.cuda.current_device())
+    device): an NVIDIA GPU of compute capability (9, 0) and a build with the sm_90a kernels
+    (remembered per device in eager mode: blockwise_gemm.available_on)."""
+    return available_on(device, _built_for, _AVAILABLE)
 
 
 def in_use(a: Tensor) -> bool:
