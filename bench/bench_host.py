@@ -79,7 +79,7 @@ def profile_steps(m, k, n, e, n_steps=200, top=18):
         st = pstats.Stats(prof)
         rows = sorted(st.stats.items(), key=lambda kv: kv[1][2], reverse=True)[:top]
         for (file, line, func), (cc, nc, tt, ct, _) in rows:
-            where = f"{file.rsplit('/', 2)[-2:][-1]}:{line}" if line else file
+            where = f"{file.rsplit('/', 1)[-1]}:{line}" if line else file
             print(f"  {tt / n_steps * 1e6:8.1f} µs self {ct / n_steps * 1e6:8.1f} µs cum {nc // n_steps:4d}x  {func[:60]}  {where[:40]}")
 
 

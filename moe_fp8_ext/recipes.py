@@ -36,6 +36,7 @@ from .platform import default_fp8_dtype
 
 _ops = torch.ops.moe_fp8
 
+
 def _zero_tail(out: Tensor, offs: Tensor) -> Tensor:
     """Rows past offs[-1] are zero (for the grouped GEMMs that leave them unwritten;
     zeroing only touches those rows). In place in eager mode. Under torch.compile the
@@ -111,6 +112,13 @@ class Recipe:
       where groups are the contraction (wgrad), or the M groups too when
       :meth:`pads_token_groups` says so (then grouped_mm pads A, runs the aligned
       path, and unpads the output). 1 = any group size, no padded layout.
+    - **Formats.** ``fp8_dtype`` reaches the quantizing methods resolved (grouped_mm
+      and the experts layer pass :func:`~moe_fp8_ext.grouped_mm.resolve_fp8_dtype`'s
+      answer: one of ``fp8_dtypes(backend, device)``, never None); the registered
+      recipes hand it to the ops as is. Their operands come from this package's ops
+      and go to its ops, so they call them through ``torch.ops.moe_fp8`` (the C++ ops
+      check their arguments; the Python wrappers' checks, the same ones, run in the
+      fakes under torch.compile).
     - No method syncs with the host or reads tensor values in Python; each must trace
       under ``torch.compile(fullgraph=True)`` (except ``reads_weights_once``, above).
     """

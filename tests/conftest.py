@@ -187,7 +187,7 @@ class _CountingOps:
         if name not in self._labels:
             return op
         label = self._labels[name]
-        return lambda *a: self._calls.append(label) or op(*a)
+        return lambda *a, **kw: self._calls.append(label) or op(*a, **kw)
 
 
 def count_op_calls(monkeypatch, module, labels, calls):
@@ -224,12 +224,14 @@ def count_zero_tail_calls(monkeypatch, zeroes):
 
 
 def count_zero_rows_calls(monkeypatch):
-    """A list that records each call of the zeroing op (zero_rows_past_groups_, through
-    ``recipes._zero_tail``) from then on."""
-    from moe_fp8_ext import recipes
+    """A list that records each call of the zeroing op (zero_rows_past_groups_) that the
+    library makes from then on: through ``recipes._zero_tail``, or any other module of
+    the grouped GEMM path that calls ops through its own ``_ops``."""
+    import importlib
 
     calls = []
-    count_op_calls(monkeypatch, recipes, {"zero_rows_past_groups_": 1}, calls)
+    for name in ("recipes", "grouped_mm", "experts"):  # (the package's grouped_mm and experts are the functions)
+        count_op_calls(monkeypatch, importlib.import_module(f"moe_fp8_ext.{name}"), {"zero_rows_past_groups_": 1}, calls)
     return calls
 
 

@@ -816,6 +816,32 @@ def test_rowwise_zeroes_the_tail_once(gemm, monkeypatch):
     assert torch.isfinite(out).all() and torch.isfinite(a.grad).all()
 
 
+def test_rowwise_torch_gemm_path_zeroes_the_tail(monkeypatch):
+    """The branch of fp8_rowwise's mm_2d3d behind PyTorch's GEMM (backend "fp8_gemm",
+    our kernels not in use), on the CPU with a stand-in GEMM that leaves NaN in the
+    rows past offs[-1]: the recipe zeroes them itself (it says mm_2d3d_zeroes_tail, so
+    nothing after it would), once, and the rows of the groups are the GEMM's."""
+    from moe_fp8_ext import recipes
+
+    r = recipes.get_recipe("fp8_rowwise")
+
+    def torch_gemm(qa, qb, sa, sb, offs, out_dtype):
+        out = recipes.emulated_grouped_mm_2d3d(qa.float() * sa[:, None], qb.float() * sb[:, None, :], offs)
+        out[int(offs[-1]):] = float("nan")
+        return out.to(out_dtype)
+
+    monkeypatch.setattr(recipes, "scaled_grouped_mm_rowwise", torch_gemm)
+    calls = count_zero_rows_calls(monkeypatch)
+    offs = i32(48, 100)
+    a, b_t = randn((160, 64), torch.bfloat16), randn((2, 64, 48), torch.bfloat16)
+    lhs, rhs = r.lhs(a, torch.float8_e4m3fn), r.rhs_fwd(b_t, torch.float8_e4m3fn)
+    assert r.mm_2d3d_zeroes_tail("fp8_gemm")
+    out = r.mm_2d3d(lhs, rhs, offs, torch.bfloat16, "fp8_gemm")
+    want = r.mm_2d3d(lhs, rhs, offs, torch.bfloat16, "emulated")
+    assert len(calls) == 1
+    assert bool((out[100:] == 0).all()) and torch.equal(out[:100], want[:100])
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("sizes, m", [([16, 16], 32), ([13, 0, 7, 40], 64), ([0, 0, 96], 96), ([5, 3], 24)])
