@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 
 from .ops import INT32_MAX, _dtype_name, check_index, check_same_device, check_tensor
+from .platform import remembered_per_device
 
 _ops = torch.ops.moe_fp8
 BW_BLOCK = 128
@@ -56,25 +57,17 @@ def _built_for(index: int) -> bool:
 
 def available_on(device, built_for, memo) -> bool:
     """Whether kernels that ``built_for(index)`` says run on CUDA device ``index`` run on
-    ``device`` (default: the current CUDA device; never on ROCm). The answer for a
-    ``torch.device`` with an index is remembered in ``memo`` in eager mode: a GPU and
-    this build do not change in a process, and the recipes ask at every GEMM (5-10 µs of
-    host time a question: torch.cuda.is_available reads the environment, the capability
-    query runs torch.cuda's Python). While tracing, asked anew."""
-    key = None
-    if isinstance(device, torch.device) and device.index is not None and not torch.compiler.is_compiling():
-        key = (device.type, device.index)
-        hit = memo.get(key)
-        if hit is not None:
-            return hit
-    if torch.version.hip or not torch.cuda.is_available():
-        answer = False
-    else:
+    ``device`` (default: the current CUDA device; never on ROCm); remembered per device
+    in ``memo`` in eager mode (platform.remembered_per_device: the recipes ask at every
+    GEMM)."""
+
+    def decide(device):
+        if torch.version.hip or not torch.cuda.is_available():
+            return False
         dev = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
-        answer = dev.type == "cuda" and built_for(dev.index if dev.index is not None else torch.cuda.current_device())
-    if key is not None:
-        memo[key] = answer
-    return answer
+        return dev.type == "cuda" and built_for(dev.index if dev.index is not None else torch.cuda.current_device())
+
+    return remembered_per_device(memo, device, decide)
 
 
 _AVAILABLE: dict = {}  # (device type, index) -> available(device), eager calls

@@ -32,7 +32,7 @@ from . import ops
 from . import rowwise_gemm as _rowwise_gemm
 from . import swiglu as _sw
 from .mxfp8 import MX_BLOCK
-from .platform import default_fp8_dtype
+from .platform import default_fp8_dtype, remembered_per_device
 
 _ops = torch.ops.moe_fp8
 
@@ -339,24 +339,7 @@ def emulated_grouped_mm_2d2d(a_t: Tensor, b: Tensor, offs: Tensor) -> Tensor:
 
 # ---- fp8 rowwise (DESIGN §5) -----------------------------------------------------------
 
-
-_BACKENDS: Dict[Tuple[Any, str, int], str] = {}  # (recipe, device type, index) -> backend, eager calls
-
-
-def _remembered_backend(recipe, device, decide) -> str:
-    """``decide(device)``, remembered per (recipe, device) in eager mode: a GPU and this
-    build do not change in a process, and grouped_mm and the experts layer ask three or
-    four times a call (5-10 µs of host time a question: torch.cuda.is_available reads the
-    environment, the capability query runs torch.cuda's Python). While tracing, asked
-    anew."""
-    device = torch.device(device)
-    if device.index is None or torch.compiler.is_compiling():
-        return decide(device)
-    key = (recipe, device.type, device.index)
-    answer = _BACKENDS.get(key)
-    if answer is None:
-        answer = _BACKENDS[key] = decide(device)
-    return answer
+_BACKENDS: Dict[tuple, str] = {}  # (recipe, device type, index) -> Fp8Rowwise.backend, eager calls
 
 
 def has_scaled_grouped_mm() -> bool:
@@ -391,7 +374,8 @@ class Fp8Rowwise(Recipe):
     pow2_scale: bool = True
 
     def backend(self, device):
-        return _remembered_backend(self, device, self._backend)
+        # asked three or four times a grouped_mm or experts call: remembered per device
+        return remembered_per_device(_BACKENDS, torch.device(device), self._backend, self)
 
     def _backend(self, device):
         if device.type != "cuda" or not torch.cuda.is_available():

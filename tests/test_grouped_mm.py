@@ -510,6 +510,20 @@ def test_registry():
     assert moe_fp8_ext.grouped_mm_backend("cpu", recipe=r) == "emulated"
 
 
+def test_backend_answers_are_remembered_per_device():
+    # The recipes' backend and the GEMMs' availability are decided once per (key, device)
+    # for a torch.device with an index; anything else is decided at every call.
+    from moe_fp8_ext.platform import remembered_per_device
+
+    memo, asked = {}, []
+    devices = [torch.device("cuda", 0), torch.device("cuda", 0), torch.device("cuda", 1), torch.device("cpu"), None,
+               "cuda:0", torch.device("cuda", 1)]
+    for d in devices:
+        assert remembered_per_device(memo, d, lambda dev: asked.append(dev) or "answer", "recipe") == "answer"
+    assert asked == [torch.device("cuda", 0), torch.device("cuda", 1), torch.device("cpu"), None, "cuda:0"]
+    assert memo == {("recipe", "cuda", 0): "answer", ("recipe", "cuda", 1): "answer"}
+
+
 # ---- a recipe added without touching grouped_mm.py ------------------------------------
 
 
