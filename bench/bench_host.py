@@ -8,9 +8,7 @@ functions and the op calls where the host time of a step goes, by self time)."""
 import argparse
 import cProfile
 import pstats
-import statistics
 import sys
-import time
 
 import torch
 
@@ -18,28 +16,9 @@ import moe_fp8_ext
 from moe_fp8_ext.recipes import scaled_grouped_mm_rowwise
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from common import linear_problem, print_table  # noqa: E402
+from common import host_us, linear_problem, print_table  # noqa: E402
 
 F8 = torch.float8_e4m3fn
-
-
-def host_us(fn, n=40, rounds=7):
-    """(median, min) over `rounds` rounds of the host time per call of `n` calls in a
-    row (the GPU synchronized between rounds). The hosts of the GPU machines are noisy:
-    the same step's mean over 300 calls read 362 and 765 µs in two runs there, so the
-    rounds' minimum is the figure to compare (noise only adds), the median what a call
-    typically takes."""
-    for _ in range(20):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        for _ in range(n):
-            fn()
-        times.append((time.perf_counter() - t0) / n * 1e6)
-        torch.cuda.synchronize()
-    return statistics.median(times), min(times)
 
 
 RECIPES = ("bf16", "fp8_rowwise", "fp8_blockwise")

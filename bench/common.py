@@ -3,6 +3,8 @@ the device-to-device copy baseline measured in the same run, and table output.""
 
 import datetime
 import os
+import statistics
+import time
 from typing import Callable, List, Optional, Sequence
 
 import torch
@@ -13,6 +15,25 @@ def bench_us(fn: Callable[[], object], warmup_ms: int = 30, rep_ms: int = 200) -
     from triton.testing import do_bench
 
     return 1000.0 * do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")
+
+
+def host_us(fn: Callable[[], object], n: int = 40, rounds: int = 7, warmup: int = 20):
+    """(median, min) over `rounds` rounds of the host time per call of `n` calls in a
+    row, each round from an idle GPU (synchronized before it), after `warmup` calls. The
+    hosts of the GPU machines are noisy: the same step's mean over 300 calls read 362 and
+    765 µs in two runs there, so the rounds' minimum is the figure to compare (noise only
+    adds), the median what a call typically takes."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        times.append((time.perf_counter() - t0) / n * 1e6)
+        torch.cuda.synchronize()
+    return statistics.median(times), min(times)
 
 
 def bench_interleaved_us(fns: Sequence[Callable[[], object]], rounds: int = 5, rep_ms: int = 60):

@@ -17,7 +17,6 @@ The step is torch.autograd.grad of the output (the bench_grouped_mm timing).
 Run: python bench/profile_grouped_mm.py [M K N E [recipe ...]]"""
 
 import sys
-import time
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -25,7 +24,7 @@ from torch.profiler import ProfilerActivity, profile
 import moe_fp8_ext
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from common import bench_us, linear_problem  # noqa: E402
+from common import bench_us, host_us, linear_problem  # noqa: E402
 
 m, k, n, e = (int(v) for v in sys.argv[1:5]) if len(sys.argv) >= 5 else (16384, 7168, 2048, 8)
 RECIPES = ["bf16"] + (sys.argv[5:] or ["fp8_rowwise"])
@@ -79,20 +78,6 @@ def timeline(step) -> None:
     print(f"    {end - t0:8.1f} µs first start to last end, {idle:.1f} µs idle between activities")
 
 
-def host_us(step) -> float:
-    """Median over five rounds of the host time to issue three steps (from an idle GPU,
-    so that the launch queue never fills: a full queue makes the host wait for the GPU)."""
-    times = []
-    for _ in range(5):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(3):
-            step()
-        times.append((time.perf_counter() - t0) / 3 * 1e6)
-        torch.cuda.synchronize()
-    return sorted(times)[2]
-
-
 def make_step(recipe):
     return lambda: torch.autograd.grad(moe_fp8_ext.grouped_mm(a, w.transpose(1, 2), offs, recipe=recipe), (a, w), grad)
 
@@ -103,7 +88,10 @@ for recipe in RECIPES:
     step = make_step(recipe)
     for _ in range(5):
         step()
-    summary.append([recipe, 0.0, bench_us(step, warmup_ms=50, rep_ms=300), graph_us(step), host_us(step)])
+    eager, graph = bench_us(step, warmup_ms=50, rep_ms=300), graph_us(step)
+    # host: the median of five rounds of three steps, each from an idle GPU (so that the
+    # launch queue never fills: a full queue makes the host wait for the GPU)
+    summary.append([recipe, 0.0, eager, graph, host_us(step, n=3, rounds=5, warmup=0)[0]])
 
 for row in summary:
     recipe = row[0]
