@@ -68,8 +68,8 @@ def random_offs(num_tokens, num_groups, *, alignment=1, empty_frac=0.2, skew=1.0
 
 
 # Router-like group sizes, multiples of 16, whose starts cover every multiple of 16 below
-# 128, with empty groups, whole and partial last 128-row tiles (the grouped GEMMs' store
-# descriptors tell those apart: csrc/gemm/row_block_store_maps.cuh).
+# 128, with empty groups, whole and partial last 128-row tiles (the grouped GEMMs' stores
+# clip a group's partial last tile to its rows).
 ROUTER_SIZES_16 = [144, 272, 0, 48, 400, 16, 128, 656, 32, 240, 256, 384, 0, 528, 112, 96]
 
 

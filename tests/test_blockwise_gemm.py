@@ -290,15 +290,15 @@ def draw_2d3d(m, k, n, e, offs, seed=0):
     return quantized_2d3d(x.cuda(), w.cuda()) + (offs.cuda(),)
 
 
-# Many groups, so that a CTA changes group at nearly every tile, and every kind of tile
-# the epilogue's store descriptors tell apart (csrc/gemm/row_block_store_maps.cuh): whole
-# tiles of groups on the 128-row grid, a cluster's spare tile past a group (2x1, N = 384:
-# an odd number of N tiles), partial last tiles (the group's own descriptor) and starts
-# off the 16-row steps (all of that group's tiles through its own descriptor), in runs
-# and interleaved; 77 tail rows past the last group.
+# Many groups, so that a CTA changes group at nearly every tile (the store warp rewrites
+# its store descriptor for each, csrc/gemm/store_warp_epilogue.cuh), and every kind of
+# tile: whole tiles of groups on the 128-row grid, a cluster's spare tile past a group
+# (2x1, N = 384: an odd number of N tiles), partial last tiles (clipped by the group's
+# descriptor) and starts off the 16-row steps, in runs and interleaved; 77 tail rows past
+# the last group.
 MANY_GROUPS = [128, 256, 0, 100, 384, 129, 128, 640, 1, 255, 256, 384, 0, 512, 127, 128] * 3
-# Router-like sizes, multiples of 16: group starts at every multiple of 16 below 128
-# (the row-block store maps' eight matrix descriptors), whole and partial last tiles.
+# Router-like sizes, multiples of 16: group starts at every multiple of 16 below 128,
+# whole and partial last tiles.
 MANY_GROUPS_16 = ROUTER_SIZES_16 * 3
 
 # (M, K, N, E, group sizes or None for random)
@@ -332,10 +332,11 @@ def test_2d3d_matches_dequantized_reference(m, k, n, e, sizes):
 @requires_sm90
 @pytest.mark.gpu
 def test_2d3d_many_partial_tiles():
-    """600 groups of 16-240 rows: nearly every tile is a group's partial last tile, so each
-    CTA writes its per-group store descriptor several times, alternating its two slots
-    (csrc/gemm/row_block_store_maps.cuh); a few starts off the 16-row steps; N = 128 (one
-    N tile: cluster 2x1, spare tiles past groups of an odd number of M tiles)."""
+    """600 groups of 16-240 rows: nearly every tile is a group's partial last tile, so the
+    store warp of each CTA rewrites its store descriptor at nearly every tile, right after
+    the previous tile's stores (csrc/gemm/store_warp_epilogue.cuh); a few starts off the
+    16-row steps; N = 128 (one N tile: cluster 2x1, spare tiles past groups of an odd
+    number of M tiles)."""
     g = torch.Generator().manual_seed(11)
     sizes = (torch.randint(1, 16, (600,), generator=g) * 16).tolist()
     for i in range(0, 600, 50):  # one group starting 5 rows off the steps, the next back on them

@@ -63,8 +63,8 @@
 
 #include "grouped_gemm_common.h"
 #include "pipelined_promotion.cuh"
-#include "row_block_store_maps.cuh"
 #include "scale_layouts_from_args.cuh"
+#include "store_warp_epilogue.cuh"
 
 // The CUTLASS kernels need nvcc 12.3+ (Hopper TMA descriptor updates on the device).
 #if defined(CUTLASS_ARCH_MMA_SM90_SUPPORTED) && defined(CUTLASS_ARCH_MMA_MODIFIABLE_TMA_SM90_SUPPORTED)
@@ -86,10 +86,9 @@ using namespace cute;
 
 // ---- the GEMM types ---------------------------------------------------------------------
 // kWgrad: scale granularity 1 on both sides (2d2d); else (1, 128) on A and (128, 128) on B.
-// kPingpong: two consumer warp groups on two tiles (one's promotion and epilogue overlap
-// the other's MMAs), TileShape is one warp group's tile; else cooperative (both warp
-// groups on one tile, split along M).
-template <class TileShape_, class ClusterShape_, bool kPingpong, bool kWgrad, class EpilogueTile>
+// The cooperative kernel: both consumer warp groups on one tile, split along M (the
+// store-warp epilogue hands over such tiles).
+template <class TileShape_, class ClusterShape_, bool kWgrad, class EpilogueTile>
 struct BlockwiseGemm {
   using TileShape = TileShape_;
   using ClusterShape = ClusterShape_;
@@ -109,20 +108,17 @@ struct BlockwiseGemm {
   using ScaleLayoutB = decltype(ScaleConfig::deduce_layoutSFB());
 
   using ProblemShape = cutlass::gemm::GroupProblemShape<Shape<int, int, int>>;  // (M, N, K) per group
-  using MainloopSchedule =
-      std::conditional_t<kPingpong, cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpongFP8BlockScaledAccum,
-                         cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8BlockScaledAccum>;
-  using EpilogueSchedule = std::conditional_t<kPingpong, cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong,
-                                              cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative>;
+  using MainloopSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8BlockScaledAccum;
+  using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
 
   using CutlassEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
       EpilogueTile, float, float, void, LayoutD*, kAlignD, ElementD, LayoutD*,
       kAlignD, EpilogueSchedule,
       cutlass::epilogue::fusion::LinearCombination<ElementD, float, void, float>>::CollectiveOp;
-  // Whole output tiles stored through descriptors of the whole output, written once a
-  // CTA: no descriptor update at a group change (row_block_store_maps.cuh).
-  using Epilogue = RowBlockStoreMaps<CutlassEpilogue>;
+  // The TMA stores issued by the producer warp group's spare warp, not by the consumers
+  // (store_warp_epilogue.cuh).
+  using Epilogue = StoreWarpEpilogue<CutlassEpilogue>;
 
   using CutlassMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementA, cute::tuple<LayoutA*, ScaleLayoutA*>, kAlignAB,
@@ -357,22 +353,19 @@ void run_gemm(const GroupTables<G>& t, int groups, bool raster_along_n, const at
 // - 2d2d (wgrad): 1x2, unless K has an odd and N an even number of tiles (the groups'
 //   tokens are the contraction there, so both tile counts are known on the host). On
 //   the benchmark shapes, which all take 1x2, 2x1 ran 0.5% faster to 8% slower.
-// The output is stored in 128x64 epilogue tiles (two a tile), not CUTLASS's automatic
-// 128x32 (four): each subtile costs named barriers of both warp groups and a shared-
-// memory fence before its TMA store, and the cooperative kernel runs no GMMA meanwhile.
-// Nsight (H200, the dgrad of (65536, 2048, 1408, 64), `scripts/profile_blockwise_gemm.py`)
-// put 26% of the consumer warps' stall samples in the 128x32 epilogue. Same-run A/B on
-// H100 (bench/RESULTS.md), time 128x64 / 128x32, outputs bit-equal: dgrad 0.93-0.98 on
-// every shape tried, wgrad 0.93-0.98, forward 0.95-1.01. The third benchmark shape's
-// dgrad went from 80-83% to 85-87% of dense cuBLAS. The wider output stages (2 x 16 KB)
-// leave 5 mainloop stages where 128x32 left 6: the barriers saved are worth more. A
-// 128x128 tile (one subtile, one output stage, also 5 mainloop stages) was 0.97-1.00 on
-// dgrad. A pingpong instance would need a 64-row epilogue tile.
+// The output: the consumers hand each 128x128 tile to the producer warp group's spare
+// warp through the base epilogue's two 128x64 D stages (its two subtiles), and that warp
+// issues the TMA stores (store_warp_epilogue.cuh). Same-build A/B on H100 (seven
+// interleaved rounds, outputs bit-equal, docs/EXPERIMENTS.md) against CUTLASS's epilogue,
+// where the consumers store (128x64 subtiles, one descriptor per row residue): dgrad
+// 0.93-0.97 on five of six inputs, wgrad 0.93-1.01, forward 0.94-1.01. The 128x64 stages
+// were CUTLASS's epilogue's best (Nsight put 26% of the consumer warps' stall samples in
+// its automatic 128x32 subtiles; 128x64 was 0.93-0.98 of that on dgrad and wgrad).
 using EpiTile = Shape<_128, _64>;
-using FwdCluster21 = BlockwiseGemm<Shape<_128, _128, _128>, Shape<_2, _1, _1>, false, false, EpiTile>;
-using FwdCluster12 = BlockwiseGemm<Shape<_128, _128, _128>, Shape<_1, _2, _1>, false, false, EpiTile>;
-using WgradCluster12 = BlockwiseGemm<Shape<_128, _128, _128>, Shape<_1, _2, _1>, false, true, EpiTile>;
-using WgradCluster21 = BlockwiseGemm<Shape<_128, _128, _128>, Shape<_2, _1, _1>, false, true, EpiTile>;
+using FwdCluster21 = BlockwiseGemm<Shape<_128, _128, _128>, Shape<_2, _1, _1>, false, EpiTile>;
+using FwdCluster12 = BlockwiseGemm<Shape<_128, _128, _128>, Shape<_1, _2, _1>, false, EpiTile>;
+using WgradCluster12 = BlockwiseGemm<Shape<_128, _128, _128>, Shape<_1, _2, _1>, true, EpiTile>;
+using WgradCluster21 = BlockwiseGemm<Shape<_128, _128, _128>, Shape<_2, _1, _1>, true, EpiTile>;
 
 template <class G>
 void launch_2d3d(const Args2d3d& p, const at::Tensor& like, const GpuLaunch& gpu, const char* op) {

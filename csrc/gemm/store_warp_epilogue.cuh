@@ -1,0 +1,260 @@
+// An epilogue for CUTLASS's Hopper pointer-array cooperative GEMM kernel (CUTLASS 4.2,
+// sm90_gemm_array_tma_warpspecialized_cooperative.hpp) whose TMA stores are issued by the
+// producer warp group's spare warp, so that the consumer warp groups only hand their
+// finished tile over and go straight on to the next one.
+//
+// Why: CUTLASS's TMA epilogue keeps the consumers for the whole store of a tile. For each
+// output subtile they write it into shared memory, fence the async proxy, meet at a named
+// barrier (both warp groups), issue the TMA store and wait until an older store has read
+// its stage; at a group change, a consumer warp also rewrites the store descriptor. The
+// tensor cores idle meanwhile: at 12-16 k tiles a tile (the dgrad and wgrad GEMMs of the
+// grouped linear) that once-a-tile code was 16% of the consumers' time on an H100,
+// against 2.4% with one group of 128 k tiles (docs/EXPERIMENTS.md).
+//
+// How: the base's two 128x64 D stages in shared memory hold one whole 128x128 tile (its
+// two subtiles, in the layout the base's TMA store reads), and two mbarriers hand it over.
+// - Consumers (store): wait until the store warp's TMA stores have read the previous
+//   tile (`empty`), write the accumulators as bf16 pairs, fence the async proxy, arrive on
+//   `full`, return. No named barrier, no wait on a TMA store, no descriptor update.
+// - Store warp (the kernel's epilogue-load warp, run because is_producer_load_needed()
+//   says so; it walks the same tiles as the consumers): wait on `full`, issue the
+//   subtiles' TMA stores through the group's descriptor, wait until they have read shared
+//   memory, arrive on `empty`. The kernel calls the descriptor updates of the load warp
+//   (IsLoad) at each group change; they update the base's store descriptor of slot 0,
+//   which no consumer uses now. The store warp has a whole mainloop (12+ k tiles) to do
+//   this, so one buffer suffices.
+// Same-build A/B on an H100 against CUTLASS's epilogue (docs/EXPERIMENTS.md): dgrad
+// 0.93-0.97 of its time on five of six inputs, wgrad 0.93-1.01, forward 0.94-1.01,
+// outputs bit-equal. Tried first: the store warp writing the tile itself (16 bytes a
+// lane) or as one bulk copy a row: 1-20% slower than CUTLASS's epilogue, while the
+// handoff with no store at all (timing only) was 7-10% faster on the dgrad. So the
+// stores must stay few TMA tensor stores.
+//
+// Output: D = the accumulator rounded to bf16 (round to nearest even, as the base's
+// converter), no C, alpha 1 (can_implement refuses anything else), row-major D per
+// group (ptr_D[g], dD[g]) clipped by the descriptor to the group's rows and N, as the
+// base's stores are.
+#pragma once
+
+#include <cuda_bf16.h>
+
+#include <cstdint>
+
+#include "cute/arch/copy_sm90_tma.hpp"
+#include "cute/tensor.hpp"
+#include "cutlass/arch/barrier.h"
+#include "cutlass/cutlass.h"
+
+namespace moe_fp8 {
+
+// The shared-memory layout atom of the base's D stages (a template argument of the base).
+template <class>
+struct SmemLayoutAtomDOf;
+template <int StagesC, int StagesD, int FragmentSize, bool ReuseSmemC, bool DelayTmaStore, int WarpGroups,
+          class CtaTile, class EpiTile, class ElementC, class StrideC, class ElementD, class StrideD, class Fusion,
+          class CopyOpG2S, class AtomC, class CopyOpS2R, class CopyOpS2G, class AtomD, class CopyOpR2S,
+          class CopyAtomC, class CopyOpR2R>
+struct SmemLayoutAtomDOf<cutlass::epilogue::collective::CollectiveEpilogue<
+    cutlass::epilogue::Sm90PtrArrayTmaWarpSpecialized<StagesC, StagesD, FragmentSize, ReuseSmemC, DelayTmaStore,
+                                                      WarpGroups>,
+    CtaTile, EpiTile, ElementC, StrideC, ElementD, StrideD, Fusion, CopyOpG2S, AtomC, CopyOpS2R, CopyOpS2G, AtomD,
+    CopyOpR2S, CopyAtomC, CopyOpR2R>> {
+  using type = AtomD;
+};
+
+template <class Base>
+struct StoreWarpEpilogue : Base {
+  using typename Base::Arguments;
+  using typename Base::Params;
+  using typename Base::PipelineStorage;
+  using typename Base::TensorMapStorage;
+  using ElementD = typename Base::ElementD;
+  using CtaTile = typename Base::CtaTileMNK;
+  using EpiTile = typename Base::EpilogueTile;
+
+  static constexpr int kTileM = cute::size<0>(CtaTile{});
+  static constexpr int kTileN = cute::size<1>(CtaTile{});
+  static constexpr int kEpiN = cute::size<1>(EpiTile{});
+  static constexpr int kSubtiles = kTileN / kEpiN;  // the tile's subtiles, one D stage each
+  static constexpr int kRowBytes = kEpiN * static_cast<int>(sizeof(ElementD));  // a subtile row: 128 bytes
+  static constexpr int kSubtileBytes = kTileM * kRowBytes;
+  static constexpr int kConsumerThreads = Base::NumEpilogueWarpGroups * cutlass::NumThreadsPerWarpGroup;
+  // The base's D stages, as many as the tile has subtiles: (EPI_M, EPI_N, subtile).
+  using SmemLayoutD = decltype(cute::tile_to_shape(
+      typename SmemLayoutAtomDOf<Base>::type{},
+      cute::make_shape(cute::size<0>(EpiTile{}), cute::size<1>(EpiTile{}), cute::Int<kSubtiles>{}),
+      cute::Step<cute::_1, cute::_2, cute::_3>{}));
+  static_assert(cute::is_same_v<ElementD, cutlass::bfloat16_t>, "StoreWarpEpilogue: bf16 output");
+  static_assert(cute::is_void_v<typename Base::ElementC>, "StoreWarpEpilogue: an epilogue without C");
+  static_assert(Base::IsGroupedGemmKernel, "StoreWarpEpilogue: a grouped GEMM (per-group D descriptors)");
+  static_assert(cute::size<0>(EpiTile{}) == kTileM && kTileN % kEpiN == 0,
+                "StoreWarpEpilogue: subtiles of whole tile columns");
+  static_assert(kRowBytes == 128 && cute::is_same_v<typename SmemLayoutAtomDOf<Base>::type,
+                                                    cute::GMMA::Layout_K_SW128_Atom<ElementD>>,
+                "StoreWarpEpilogue: 128-byte subtile rows, 128B-swizzled (the consumers' addresses)");
+  static_assert(cute::is_same_v<cute::remove_cvref_t<decltype(cute::get<1>(typename Base::InternalStrideD{}))>,
+                                cute::Int<1>>,
+                "StoreWarpEpilogue: row-major D");
+
+  struct TensorStorage {
+    typename Base::TensorStorage base;    // the base's D stages hold the tile
+    cutlass::arch::ClusterBarrier full;   // the consumers have written the tile
+    cutlass::arch::ClusterBarrier empty;  // the store warp's TMA stores have read it
+  };
+  static_assert(sizeof(ElementD) * cute::cosize_v<SmemLayoutD> <=
+                    sizeof(typename Base::TensorStorage::CollectiveStorage),
+                "StoreWarpEpilogue: the base's D stages hold less than one tile");
+  static_assert(alignof(typename Base::TensorStorage::CollectiveStorage) % 1024 == 0,
+                "StoreWarpEpilogue: D stages on the 128B swizzle's 1024-byte period (the consumers' addresses)");
+  // What the kernel takes of shared memory for the epilogue (the mainloop's carveout).
+  struct SharedStorage {
+    TensorStorage tensors;
+    TensorMapStorage tensormaps;
+    PipelineStorage pipeline;
+  };
+
+  // The kernel constructs the collectives before its block (or cluster) barrier, which
+  // orders the barriers' initialization before any use.
+  CUTLASS_DEVICE StoreWarpEpilogue(Params const& params, TensorStorage& shared)
+      : Base(params, shared.base), params_(params) {
+    if (threadIdx.x == 0) {
+      shared.full.init(kConsumerThreads);
+      shared.empty.init(cutlass::NumThreadsPerWarp);
+      cutlass::arch::fence_barrier_init();
+    }
+  }
+
+  // D = acc: the stores ignore the fusion's alpha and C, so only alpha 1 and beta 0 pass.
+  template <class ProblemShape>
+  static bool can_implement(ProblemShape const& problem_shape, Arguments const& args) {
+    bool plain = args.thread.alpha == 1.f && args.thread.beta == 0.f && args.thread.alpha_ptr == nullptr &&
+                 args.thread.beta_ptr == nullptr;
+    if constexpr (requires { args.thread.alpha_ptr_array; }) {
+      plain = plain && args.thread.alpha_ptr_array == nullptr && args.thread.beta_ptr_array == nullptr;
+    }
+    return plain && Base::can_implement(problem_shape, args);
+  }
+
+  // The store warp is the kernel's epilogue-load warp.
+  CUTLASS_DEVICE bool is_producer_load_needed() const { return true; }
+
+  // The store warp's descriptor: the base's D descriptor of slot 0. The kernel gives the
+  // load warp's (IsLoad) updates to the store warp; the consumers' do nothing.
+  CUTLASS_DEVICE auto load_init(Params const& params, TensorMapStorage& shared_tensormaps, int32_t sm_count,
+                                int32_t sm_idx) {
+    return Base::template tensormaps_init<false>(params, shared_tensormaps, sm_count, sm_idx, 0);
+  }
+  CUTLASS_DEVICE auto store_init(Params const&, TensorMapStorage&, int32_t, int32_t, int32_t) {
+    return cute::make_tuple(static_cast<cute::TmaDescriptor*>(nullptr));
+  }
+  template <bool IsLoad, class ProblemShapeMNKL>
+  CUTLASS_DEVICE void tensormaps_perform_update(TensorMapStorage& shared_tensormaps, Params const& params,
+                                                cute::TmaDescriptor const* tensormap,
+                                                ProblemShapeMNKL problem_shape_mnkl, int32_t next_batch, int32_t) {
+    if constexpr (IsLoad) {
+      Base::template tensormaps_perform_update<false>(shared_tensormaps, params, tensormap, problem_shape_mnkl,
+                                                      next_batch, 0);
+    }
+  }
+  template <bool IsLoad>
+  CUTLASS_DEVICE void tensormaps_cp_fence_release(TensorMapStorage& shared_tensormaps,
+                                                  cute::TmaDescriptor const* tensormap, const int32_t = 0) {
+    if constexpr (IsLoad) Base::template tensormaps_cp_fence_release<false>(shared_tensormaps, tensormap, 0);
+  }
+  template <bool IsLoad>
+  CUTLASS_DEVICE void tensormaps_fence_acquire(cute::TmaDescriptor const* tensormap) {
+    if constexpr (IsLoad) Base::template tensormaps_fence_acquire<false>(tensormap);
+  }
+
+  // Store warp, once a tile: the subtiles' TMA stores, as the base issues them.
+  template <class LoadPipeline, class LoadPipelineState, class ProblemShapeMNKL, class TileShapeMNK,
+            class TileCoordMNKL, class TiledMma, class TensorMapD>
+  CUTLASS_DEVICE auto load(LoadPipeline, LoadPipelineState state, ProblemShapeMNKL problem_shape_mnkl, TileShapeMNK,
+                           TileCoordMNKL tile_coord_mnkl, TiledMma, int, TensorStorage& shared,
+                           TensorMapD const& tensormap, int = -1) {
+    using namespace cute;
+    shared.full.wait(phase_);
+    if (elect_one_sync()) {
+      auto [M, N, K, L] = problem_shape_mnkl;
+      auto [m_coord, n_coord, k_coord, l_coord] = tile_coord_mnkl;
+      Tensor mD = coalesce(params_.tma_store_d.get_tma_tensor(append<3>(make_shape(M, N), Int<1>{})),
+                           take<0, 2>(CtaTile{}));                                     // (M, N)
+      Tensor gD = local_tile(mD, take<0, 2>(CtaTile{}), make_coord(m_coord, n_coord, Int<0>{}));  // (TILE_M, TILE_N)
+      Tensor gD_epi = flat_divide(gD, EpiTile{});                           // (EPI_M, EPI_N, 1, subtile)
+      Tensor sD = as_position_independent_swizzle_tensor(make_tensor(make_smem_ptr(smem_d(shared)), SmemLayoutD{}));
+      ThrCopy s2g = params_.tma_store_d.get_slice(Int<0>{});
+      Tensor bSG_sD = s2g.partition_S(sD);      // (S2G, S2G_M, S2G_N, subtile)
+      Tensor bSG_gD = s2g.partition_D(gD_epi);  // (S2G, S2G_M, S2G_N, 1, subtile)
+      CUTLASS_PRAGMA_UNROLL
+      for (int t = 0; t < kSubtiles; ++t) {
+        copy(params_.tma_store_d.with(tensormap), bSG_sD(_, _, _, t), bSG_gD(_, _, _, 0, t));
+      }
+      tma_store_arrive();
+      tma_store_wait<0>();  // the stores have read the tile
+    }
+    __syncwarp();
+    shared.empty.arrive();
+    phase_ ^= 1;
+    return state;
+  }
+
+  template <class LoadPipeline, class LoadPipelineState>
+  CUTLASS_DEVICE auto load_tail(LoadPipeline, LoadPipelineState state) {
+    return state;
+  }
+
+  // Consumers, once a tile: hand the accumulators over as bf16 pairs.
+  template <class LoadPipeline, class LoadPipelineState, class StorePipeline, class StorePipelineState,
+            class ProblemShapeMNKL, class TileShapeMNK, class TileCoordMNKL, class AccEngine, class AccLayout,
+            class TiledMma, class TensorMapD>
+  CUTLASS_DEVICE auto store(LoadPipeline, LoadPipelineState load_state, StorePipeline, StorePipelineState store_state,
+                            ProblemShapeMNKL, TileShapeMNK tile_shape_MNK, TileCoordMNKL,
+                            cute::Tensor<AccEngine, AccLayout> accumulators, TiledMma tiled_mma, int thread_idx,
+                            TensorStorage& shared, TensorMapD const&, int = -1) {
+    using namespace cute;
+    // (m, n) of each accumulator. GMMA's accumulator layout gives a thread the rows m_t +
+    // dm and the columns n_t + dn with n_t < 8 and dm, dn (even i) multiples of 8, the
+    // columns n, n + 1 in consecutive registers. So in the 128B-swizzled subtiles (16-byte
+    // chunk c of row m at c ^ (m % 8)) element (m, n) lies at a per-thread base plus a
+    // constant, XOR a per-thread constant: no address is worth holding across the mainloop,
+    // which is what the compiler does with CuTe's swizzled tensor here (ptxas then spills
+    // in the consumers' k loop). Checked bit for bit against the base's epilogue by the
+    // GEMM tests.
+    Tensor coords = tiled_mma.get_slice(thread_idx).partition_C(make_identity_tensor(take<0, 2>(tile_shape_MNK)));
+    static_assert(decltype(size(accumulators))::value % 2 == 0, "StoreWarpEpilogue: accumulators in pairs");
+    const int m_t = get<0>(coords(0)), n_t = get<1>(coords(0));
+    uint32_t base = cast_smem_ptr_to_uint(smem_d(shared)) + m_t * kRowBytes + n_t * int(sizeof(ElementD));
+    uint32_t swizzle = (m_t % 8) * 16;
+    // Opaque from here on, so that the addresses below are formed here, once a tile.
+    asm volatile("" : "+r"(base), "+r"(swizzle));
+    shared.empty.wait(phase_ ^ 1);
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < size(accumulators); i += 2) {
+      const int dm = get<0>(coords(i)) - m_t, dn = get<1>(coords(i)) - n_t;  // constants
+      const uint32_t addr = base + (dn / kEpiN) * kSubtileBytes + dm * kRowBytes +
+                            ((((dn % kEpiN) / 8) * 16) ^ swizzle);
+      const __nv_bfloat162 pair = __floats2bfloat162_rn(accumulators(i), accumulators(i + 1));
+      asm volatile("st.shared.b32 [%0], %1;" ::"r"(addr), "r"(reinterpret_cast<const uint32_t&>(pair)));
+    }
+    cutlass::arch::fence_view_async_shared();  // the writes, visible to the TMA stores
+    shared.full.arrive();                      // release: the store warp's acquire sees them
+    phase_ ^= 1;
+    return cute::make_tuple(load_state, store_state);
+  }
+
+  template <class LoadPipeline, class LoadPipelineState, class StorePipeline, class StorePipelineState>
+  CUTLASS_DEVICE auto store_tail(LoadPipeline, LoadPipelineState load_state, StorePipeline,
+                                 StorePipelineState store_state) {
+    return cute::make_tuple(load_state, store_state);
+  }
+
+ private:
+  static CUTLASS_DEVICE ElementD* smem_d(TensorStorage& shared) {
+    return reinterpret_cast<ElementD*>(&shared.base.collective);
+  }
+
+  Params const& params_;
+  uint32_t phase_ = 0;  // of `full` for the store warp; `empty` waits on the other parity
+};
+
+}  // namespace moe_fp8
