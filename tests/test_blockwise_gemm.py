@@ -294,7 +294,7 @@ def draw_2d3d(m, k, n, e, offs, seed=0):
 # its store descriptor for each, csrc/gemm/store_warp_epilogue.cuh), and every kind of
 # tile: whole tiles of groups on the 128-row grid, a cluster's spare tile past a group
 # (2x1, N = 384: an odd number of N tiles), partial last tiles (clipped by the group's
-# descriptor) and starts off the 16-row steps, in runs and interleaved; 77 tail rows past
+# descriptor) and starts off multiples of 16 rows, in runs and interleaved; 77 tail rows past
 # the last group.
 MANY_GROUPS = [128, 256, 0, 100, 384, 129, 128, 640, 1, 255, 256, 384, 0, 512, 127, 128] * 3
 # Router-like sizes, multiples of 16: group starts at every multiple of 16 below 128,
@@ -335,7 +335,7 @@ def test_2d3d_many_partial_tiles():
     """600 groups of 16-240 rows: nearly every tile is a group's partial last tile, so the
     store warp of each CTA rewrites its store descriptor at nearly every tile, right after
     the previous tile's stores (csrc/gemm/store_warp_epilogue.cuh); a few starts off the
-    16-row steps; N = 128 (one N tile: cluster 2x1, spare tiles past groups of an odd
+    multiples of 16 rows; N = 128 (one N tile: cluster 2x1, spare tiles past groups of an odd
     number of M tiles)."""
     g = torch.Generator().manual_seed(11)
     sizes = (torch.randint(1, 16, (600,), generator=g) * 16).tolist()

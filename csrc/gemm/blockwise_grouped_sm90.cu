@@ -355,12 +355,14 @@ void run_gemm(const GroupTables<G>& t, int groups, bool raster_along_n, const at
 //   the benchmark shapes, which all take 1x2, 2x1 ran 0.5% faster to 8% slower.
 // The output: the consumers hand each 128x128 tile to the producer warp group's spare
 // warp through the base epilogue's two 128x64 D stages (its two subtiles), and that warp
-// issues the TMA stores (store_warp_epilogue.cuh). Same-build A/B on H100 (seven
-// interleaved rounds, outputs bit-equal, docs/EXPERIMENTS.md) against CUTLASS's epilogue,
-// where the consumers store (128x64 subtiles, one descriptor per row residue): dgrad
-// 0.93-0.97 on five of six inputs, wgrad 0.93-1.01, forward 0.94-1.01. The 128x64 stages
-// were CUTLASS's epilogue's best (Nsight put 26% of the consumer warps' stall samples in
-// its automatic 128x32 subtiles; 128x64 was 0.93-0.98 of that on dgrad and wgrad).
+// issues the TMA stores (store_warp_epilogue.cuh; it needs (128, 64) subtiles of bf16:
+// 128-byte swizzled rows). Same-build A/B on H100 (seven interleaved rounds, outputs
+// bit-equal, docs/EXPERIMENTS.md) against the epilogue before it, CUTLASS's with the
+// consumers storing through whole-output descriptors (128x64 subtiles): dgrad 0.93-0.97
+// on six of seven inputs and 1.024 with 64 balanced groups, wgrad 0.93-1.01, forward
+// 0.94-1.01. The 128x64 stages were also that epilogue's best (Nsight put 26% of the
+// consumer warps' stall samples in CUTLASS's automatic 128x32 subtiles; 128x64 was
+// 0.93-0.98 of that on dgrad and wgrad).
 using EpiTile = Shape<_128, _64>;
 using FwdCluster21 = BlockwiseGemm<Shape<_128, _128, _128>, Shape<_2, _1, _1>, false, EpiTile>;
 using FwdCluster12 = BlockwiseGemm<Shape<_128, _128, _128>, Shape<_1, _2, _1>, false, EpiTile>;

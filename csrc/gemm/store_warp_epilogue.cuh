@@ -21,14 +21,16 @@
 //   subtiles' TMA stores through the group's descriptor, wait until they have read shared
 //   memory, arrive on `empty`. The kernel calls the descriptor updates of the load warp
 //   (IsLoad) at each group change; they update the base's store descriptor of slot 0,
-//   which no consumer uses now. The store warp has a whole mainloop (12+ k tiles) to do
-//   this, so one buffer suffices.
-// Same-build A/B on an H100 against CUTLASS's epilogue (docs/EXPERIMENTS.md): dgrad
-// 0.93-0.97 of its time on five of six inputs, wgrad 0.93-1.01, forward 0.94-1.01,
-// outputs bit-equal. Tried first: the store warp writing the tile itself (16 bytes a
-// lane) or as one bulk copy a row: 1-20% slower than CUTLASS's epilogue, while the
-// handoff with no store at all (timing only) was 7-10% faster on the dgrad. So the
-// stores must stay few TMA tensor stores.
+//   which no consumer uses now. The store warp has the next tile's whole mainloop to do
+//   this (11-16 k tiles at the benchmark shapes), so one buffer suffices there; with a
+//   k tile or two a tile (K = 128, wgrad groups of 128 tokens) the consumers wait for it.
+// Same-build A/B on an H100 against the epilogue before it (CUTLASS's, the consumers
+// storing through whole-output descriptors; docs/EXPERIMENTS.md): dgrad 0.93-0.97 of its
+// time on six of seven inputs and 1.024 with 64 balanced groups (a descriptor update at
+// nearly every tile), wgrad 0.93-1.01, forward 0.94-1.01, outputs bit-equal. Tried
+// first: the store warp writing the tile itself (16 bytes a lane) or as one bulk copy a
+// row: 1-20% slower than that epilogue, while the handoff with no store at all (timing
+// only) was 7-9% faster on the dgrad. So the stores must stay few TMA tensor stores.
 //
 // Output: D = the accumulator rounded to bf16 (round to nearest even, as the base's
 // converter), no C, alpha 1 (can_implement refuses anything else), row-major D per
@@ -39,6 +41,7 @@
 #include <cuda_bf16.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "cute/arch/copy_sm90_tma.hpp"
 #include "cute/tensor.hpp"
@@ -61,6 +64,16 @@ struct SmemLayoutAtomDOf<cutlass::epilogue::collective::CollectiveEpilogue<
     CopyOpR2S, CopyAtomC, CopyOpR2R>> {
   using type = AtomD;
 };
+
+// Whether a TiledMma's accumulators are GMMA's 64xN layout, unpermuted (the consumers'
+// hand-computed addresses assume it).
+template <class>
+struct IsPlainGmmaC : std::false_type {};
+template <class Atom, class AtomLayout>
+struct IsPlainGmmaC<cute::TiledMMA<Atom, AtomLayout, cute::Tile<cute::Underscore, cute::Underscore, cute::Underscore>>>
+    : std::bool_constant<cute::is_same_v<
+          typename Atom::LayoutC_TV,
+          cute::GMMA::CLayout_64xN<decltype(cute::size<1>(typename Atom::Shape_MNK{}))::value>>> {};
 
 template <class Base>
 struct StoreWarpEpilogue : Base {
@@ -86,6 +99,9 @@ struct StoreWarpEpilogue : Base {
       cute::Step<cute::_1, cute::_2, cute::_3>{}));
   static_assert(cute::is_same_v<ElementD, cutlass::bfloat16_t>, "StoreWarpEpilogue: bf16 output");
   static_assert(cute::is_void_v<typename Base::ElementC>, "StoreWarpEpilogue: an epilogue without C");
+  static_assert(cute::is_same_v<typename Base::ThreadEpilogueOp,
+                                cutlass::epilogue::fusion::LinearCombination<ElementD, float, void, float>>,
+                "StoreWarpEpilogue: D = alpha * acc only (the stores apply no other fusion)");
   static_assert(Base::IsGroupedGemmKernel, "StoreWarpEpilogue: a grouped GEMM (per-group D descriptors)");
   static_assert(cute::size<0>(EpiTile{}) == kTileM && kTileN % kEpiN == 0,
                 "StoreWarpEpilogue: subtiles of whole tile columns");
@@ -96,6 +112,8 @@ struct StoreWarpEpilogue : Base {
                                 cute::Int<1>>,
                 "StoreWarpEpilogue: row-major D");
 
+  // The barriers take 1 KB of shared memory, not 16 bytes: the D stages' 1024-byte
+  // alignment pads the struct (5 mainloop stages either way at the benchmark tiles).
   struct TensorStorage {
     typename Base::TensorStorage base;    // the base's D stages hold the tile
     cutlass::arch::ClusterBarrier full;   // the consumers have written the tile
@@ -166,7 +184,8 @@ struct StoreWarpEpilogue : Base {
     if constexpr (IsLoad) Base::template tensormaps_fence_acquire<false>(tensormap);
   }
 
-  // Store warp, once a tile: the subtiles' TMA stores, as the base issues them.
+  // Store warp, once a tile: the subtiles' TMA stores, as the base issues them. (The
+  // grouped scheduler never splits a tile: no subtile index.)
   template <class LoadPipeline, class LoadPipelineState, class ProblemShapeMNKL, class TileShapeMNK,
             class TileCoordMNKL, class TiledMma, class TensorMapD>
   CUTLASS_DEVICE auto load(LoadPipeline, LoadPipelineState state, ProblemShapeMNKL problem_shape_mnkl, TileShapeMNK,
@@ -222,6 +241,7 @@ struct StoreWarpEpilogue : Base {
     // GEMM tests.
     Tensor coords = tiled_mma.get_slice(thread_idx).partition_C(make_identity_tensor(take<0, 2>(tile_shape_MNK)));
     static_assert(decltype(size(accumulators))::value % 2 == 0, "StoreWarpEpilogue: accumulators in pairs");
+    static_assert(IsPlainGmmaC<TiledMma>::value, "StoreWarpEpilogue: GMMA's 64xN accumulators, unpermuted");
     const int m_t = get<0>(coords(0)), n_t = get<1>(coords(0));
     uint32_t base = cast_smem_ptr_to_uint(smem_d(shared)) + m_t * kRowBytes + n_t * int(sizeof(ElementD));
     uint32_t swizzle = (m_t % 8) * 16;
