@@ -9,6 +9,8 @@ Environment:
                        one nvcc uses; a compiler whose libstdc++ is newer than the one
                        loaded at run time makes a module that crashes on throw)
   MAX_JOBS             parallel compile jobs
+  MOE_FP8_NO_SOURCE_COPY=1  leave moe_fp8_ext/ in the source tree alone (a build for
+                       another machine's torch: scripts/prebuild.sh)
 """
 
 import os
@@ -22,7 +24,9 @@ from setuptools.command.build_ext import build_ext
 
 class CMakeExtension(Extension):
     def __init__(self, name: str) -> None:
-        super().__init__(name, sources=[])
+        # py_limited_api: the module is `_C.abi3.so` (CPython's stable ABI, csrc/bindings.cpp),
+        # and the wheel is tagged cp310-abi3 (the options of setup() below).
+        super().__init__(name, sources=[], py_limited_api=True)
         self.sourcedir = os.path.dirname(os.path.abspath(__file__))
 
 
@@ -89,7 +93,21 @@ class CMakeBuild(build_ext):
         jobs = os.environ.get("MAX_JOBS", str(os.cpu_count() or 1))
         subprocess.check_call(["cmake", ext.sourcedir, *args], cwd=build_dir, env=env)
         subprocess.check_call(["cmake", "--build", ".", "-j", jobs], cwd=build_dir, env=env)
-        _copy_to_source_tree(self.get_ext_fullpath(ext.name), ext)
+        _remove_other_modules(out_dir, os.path.basename(self.get_ext_fullpath(ext.name)))
+        if os.environ.get("MOE_FP8_NO_SOURCE_COPY") != "1":
+            _copy_to_source_tree(self.get_ext_fullpath(ext.name), ext)
+
+
+def _remove_other_modules(folder: str, keep: str) -> None:
+    """Remove `_C.*.so` files other than `keep` from `folder`: one left by an older build
+    (`_C.cpython-311-...so`) would be imported before `_C.abi3.so`, since Python tries
+    the interpreter's own suffix first, and a wheel would pack both."""
+    for name in os.listdir(folder):
+        if name.startswith("_C.") and name.endswith(".so") and name != keep:
+            try:
+                os.remove(os.path.join(folder, name))
+            except OSError as e:
+                print(f"moe_fp8_ext: could not remove the old module {name}: {e}", file=sys.stderr)
 
 
 def _copy_to_source_tree(built: str, ext: CMakeExtension) -> None:
@@ -104,7 +122,10 @@ def _copy_to_source_tree(built: str, ext: CMakeExtension) -> None:
     """
     dest_dir = os.path.join(ext.sourcedir, *ext.name.split(".")[:-1])
     dest = os.path.join(dest_dir, os.path.basename(built))
-    if not os.path.isdir(dest_dir) or os.path.abspath(dest) == os.path.abspath(built):
+    if not os.path.isdir(dest_dir):
+        return
+    _remove_other_modules(dest_dir, os.path.basename(built))
+    if os.path.abspath(dest) == os.path.abspath(built):
         return  # an in-place or editable build wrote it there already
     try:
         tmp = dest + ".tmp"
@@ -118,4 +139,5 @@ setup(
     packages=find_packages(include=["moe_fp8_ext", "moe_fp8_ext.*"]),
     ext_modules=[CMakeExtension("moe_fp8_ext._C")],
     cmdclass={"build_ext": CMakeBuild},
+    options={"bdist_wheel": {"py_limited_api": "cp310"}},
 )

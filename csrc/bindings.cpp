@@ -1,9 +1,13 @@
-// All op schemas of torch.ops.moe_fp8, one section per kernel family; and the
-// pybind11 module that reports build info. Implementations are registered per device
-// where the code lives (TORCH_LIBRARY_IMPL in each family's CPU file and .cu file).
-#include <pybind11/pybind11.h>
+// All op schemas of torch.ops.moe_fp8, one section per kernel family; and the Python
+// module `_C` that reports build info. Implementations are registered per device where
+// the code lives (TORCH_LIBRARY_IMPL in each family's CPU file and .cu file).
+#define Py_LIMITED_API 0x030A0000  // CPython's stable ABI as of 3.10 (pyproject.toml)
+#include <Python.h>
 #include <torch/library.h>
 #include <torch/version.h>
+
+#include <exception>
+#include <string>
 
 #include "quant/engine.h"
 
@@ -149,24 +153,60 @@ int64_t dual_l2_budget(int device) {
 #endif
 }
 
-pybind11::dict build_info() {
+// The module's two functions, in CPython's stable ABI (Py_LIMITED_API above): the one
+// module file serves every Python from 3.10 on (a cp310-abi3 wheel), and a module built
+// on one machine loads under another machine's Python if its torch is the same.
+
+// build_info() -> dict: what platform.build_info documents.
+PyObject* build_info(PyObject*, PyObject*) {
   const std::string backend = MOE_FP8_GPU_BACKEND;
-  pybind11::dict info;
-  info["torch_version"] = TORCH_VERSION;
+  PyObject* info = PyDict_New();
+  if (info == nullptr) return nullptr;
+  // Steals `value` (nullptr: an error is set); false on failure.
+  auto put = [info](const std::string& key, PyObject* value) {
+    const bool ok = value != nullptr && PyDict_SetItemString(info, key.c_str(), value) == 0;
+    Py_XDECREF(value);
+    return ok;
+  };
+  auto str = [](const char* v) { return PyUnicode_FromString(v); };
+  bool ok = put("torch_version", str(TORCH_VERSION));
   for (const char* gpu : {"cuda", "hip"}) {
     const bool built = backend == gpu;
     const std::string name = gpu;
-    info[name.c_str()] = built;
-    info[(name + "_version").c_str()] = built ? pybind11::object(pybind11::str(MOE_FP8_GPU_VERSION_STR)) : pybind11::none();
-    info[(name + "_archs").c_str()] = built ? std::string(MOE_FP8_GPU_ARCHS_STR) : std::string();
+    ok = ok && put(name, PyBool_FromLong(built));
+    ok = ok && put(name + "_version", built ? str(MOE_FP8_GPU_VERSION_STR) : (Py_INCREF(Py_None), Py_None));
+    ok = ok && put(name + "_archs", str(built ? MOE_FP8_GPU_ARCHS_STR : ""));
+  }
+  if (!ok) {
+    Py_DECREF(info);
+    return nullptr;
   }
   return info;
 }
 
+// dual_l2_budget(device: int) -> int
+PyObject* dual_l2_budget_py(PyObject*, PyObject* arg) {
+  const long device = PyLong_AsLong(arg);
+  if (device == -1 && PyErr_Occurred()) return nullptr;
+  try {
+    return PyLong_FromLongLong(dual_l2_budget(static_cast<int>(device)));
+  } catch (const std::exception& e) {  // c10::Error included: a RuntimeError, as torch raises
+    PyErr_SetString(PyExc_RuntimeError, e.what());
+    return nullptr;
+  }
+}
+
+PyMethodDef kMethods[] = {
+    {"build_info", build_info, METH_NOARGS,
+     "Build configuration: torch version, GPU backend version and compiled archs"},
+    {"dual_l2_budget", dual_l2_budget_py, METH_O,
+     "L2 bytes the one-read dual weight kernel may use on a GPU (0: never)"},
+    {nullptr, nullptr, 0, nullptr}};
+
+PyModuleDef kModule = {PyModuleDef_HEAD_INIT, "_C", "moe_fp8_ext compiled kernels; the ops live in torch.ops.moe_fp8",
+                       -1, kMethods, nullptr, nullptr, nullptr, nullptr};
+
 }  // namespace
 
-PYBIND11_MODULE(_C, m) {
-  m.doc() = "moe_fp8_ext compiled kernels; the ops live in torch.ops.moe_fp8";
-  m.def("build_info", &build_info, "Build configuration: torch version, GPU backend version and compiled archs");
-  m.def("dual_l2_budget", &dual_l2_budget, "L2 bytes the one-read dual weight kernel may use on a GPU (0: never)");
-}
+// Importing the module loads this file, whose static initializers register the ops.
+PyMODINIT_FUNC PyInit__C() { return PyModule_Create(&kModule); }

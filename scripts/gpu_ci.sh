@@ -14,6 +14,8 @@
 # runs them on every commit (MOE_FP8_SKIP_CPU_CASES=1, tests/conftest.py): for a GPU
 # machine on a time budget. On an H100 (2026-11-25) the build took 247 s and the whole
 # suite 385 s with 8 workers, together past a 10-minute call.
+# A module built on a machine without a GPU (scripts/prebuild.sh into .prebuilt/, carried
+# along) is used instead of the build when it matches this tree and this machine's torch.
 # Tables and logs go to $OUT (default ./.out). Wheels in ./.whl (the peers torchao and
 # torchtitan with its import chain, and nvidia-cutlass for the blockwise GEMM's headers
 # on a machine without network) are installed into a private folder first when present.
@@ -65,11 +67,36 @@ start=$(date +%s)
 # are removed before the build and written after it succeeds: a failed build may leave
 # objects of sources whose content the next command could revert to the stamped one.
 stamps=build/source_stamps.json
-$PY scripts/build_stamps.py restore "$stamps"
-rm -f "$stamps"
-MAX_JOBS=${MAX_JOBS:-$(nproc)} $PY -m pip install --no-build-isolation --no-deps -e . >"$OUT/build.log" 2>&1 || { tail -50 "$OUT/build.log"; exit 1; }
-$PY scripts/build_stamps.py save "$stamps"
-echo "built in $(( $(date +%s) - start )) s"
+# A module built elsewhere for this tree (.prebuilt/, scripts/prebuild.sh) replaces the
+# build when its stamp matches (same build inputs, same torch, this GPU's arch) and it
+# loads; MOE_FP8_NO_PREBUILT=1 builds anyway.
+prebuilt=0
+if [ -d .prebuilt ] && [ "${MOE_FP8_NO_PREBUILT:-0}" != 1 ] && [ -z "${PYTORCH_ROCM_ARCH:-}" ]; then
+  ok=1
+  for arch in ${MOE_FP8_CUDA_ARCHS//[;,]/ }; do
+    $PY scripts/prebuilt.py check .prebuilt "$arch" || ok=0
+  done
+  if [ "$ok" = 1 ]; then
+    rm -f moe_fp8_ext/_C*.so
+    cp .prebuilt/_C.abi3.so moe_fp8_ext/
+    export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}  # what the editable install gives
+    if (cd /tmp && $PY -c "import moe_fp8_ext") 2>/tmp/moe_fp8_prebuilt_load.log; then
+      prebuilt=1
+      echo "using the prebuilt module (no build)"
+    else
+      tail -5 /tmp/moe_fp8_prebuilt_load.log
+      echo "prebuilt: the module does not load here; building"
+      rm -f moe_fp8_ext/_C.abi3.so
+    fi
+  fi
+fi
+if [ "$prebuilt" = 0 ]; then
+  $PY scripts/build_stamps.py restore "$stamps"
+  rm -f "$stamps"
+  MAX_JOBS=${MAX_JOBS:-$(nproc)} $PY -m pip install --no-build-isolation --no-deps -e . >"$OUT/build.log" 2>&1 || { tail -50 "$OUT/build.log"; exit 1; }
+  $PY scripts/build_stamps.py save "$stamps"
+  echo "built in $(( $(date +%s) - start )) s"
+fi
 $PY -c "import moe_fp8_ext, torch; print(moe_fp8_ext.build_info(), torch.cuda.get_device_name())"
 
 bash scripts/diag_toolchain.sh

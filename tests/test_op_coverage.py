@@ -40,3 +40,31 @@ def test_opcheck_cases_name_registered_ops():
     ops = set(registered_ops())
     stale = {op: where for op, where in opchecked_ops().items() if op not in ops}
     assert not stale, f"OPCHECK_CASES name ops that are not registered in torch.ops.moe_fp8: {stale}"
+
+
+def test_module_is_stable_abi_and_reports_its_build():
+    # `_C.abi3.so`: CPython's stable ABI (csrc/bindings.cpp), one module for every Python
+    # from 3.10 on, so a module built elsewhere for the same torch loads here
+    # (scripts/prebuild.sh); a leftover `_C.cpython-*.so` would shadow it.
+    import os
+
+    from moe_fp8_ext import _C
+
+    assert os.path.basename(_C.__file__) == "_C.abi3.so", _C.__file__
+    info = moe_fp8_ext.build_info()
+    assert set(info) == {"torch_version", "cuda", "cuda_version", "cuda_archs", "hip", "hip_version", "hip_archs"}
+    assert torch.__version__.startswith(info["torch_version"]), (torch.__version__, info)
+    assert not (info["cuda"] and info["hip"])
+    for gpu in ("cuda", "hip"):
+        assert isinstance(info[gpu], bool) and isinstance(info[gpu + "_archs"], str)
+        if info[gpu]:
+            assert isinstance(info[gpu + "_version"], str) and info[gpu + "_version"] and info[gpu + "_archs"]
+        else:
+            assert info[gpu + "_version"] is None and info[gpu + "_archs"] == ""
+    assert isinstance(_C.dual_l2_budget(0), int)
+    for bad in ("0", None, 0.5):
+        try:
+            _C.dual_l2_budget(bad)
+        except TypeError:
+            continue
+        raise AssertionError(f"dual_l2_budget({bad!r}) did not raise TypeError")
