@@ -22,6 +22,9 @@ from setuptools import Extension, find_packages, setup
 from setuptools.command.build_ext import build_ext
 
 
+MODULE = "_C.abi3.so"  # CMakeLists.txt names it so
+
+
 class CMakeExtension(Extension):
     def __init__(self, name: str) -> None:
         # py_limited_api: the module is `_C.abi3.so` (CPython's stable ABI, csrc/bindings.cpp),
@@ -49,13 +52,16 @@ def _backend() -> str:
 class CMakeBuild(build_ext):
     def build_extension(self, ext: CMakeExtension) -> None:
         backend = _backend()
-        out_dir = os.path.dirname(os.path.abspath(self.get_ext_fullpath(ext.name)))
-        # A stable build folder per backend: incremental rebuilds, inspectable logs.
+        # A stable build folder per backend: incremental rebuilds, inspectable logs. The
+        # module is linked inside it and copied out after the build: two builds (a CPU
+        # one and a CUDA one for another machine, scripts/prebuild.sh) never share a file
+        # that ninja, finding it newer than its inputs, would not relink.
         build_dir = os.path.join(ext.sourcedir, "build", f"cmake-{backend}")
+        module_dir = os.path.join(build_dir, "module")
         os.makedirs(build_dir, exist_ok=True)
         args = [
             f"-DPython_EXECUTABLE={sys.executable}",
-            f"-DMOE_FP8_OUTPUT_DIR={out_dir}",
+            f"-DMOE_FP8_OUTPUT_DIR={module_dir}",
             "-DCMAKE_BUILD_TYPE=Release",
             f"-DMOE_FP8_WITH_CUDA={'ON' if backend == 'cuda' else 'OFF'}",
             f"-DMOE_FP8_WITH_HIP={'ON' if backend == 'hip' else 'OFF'}",
@@ -93,9 +99,24 @@ class CMakeBuild(build_ext):
         jobs = os.environ.get("MAX_JOBS", str(os.cpu_count() or 1))
         subprocess.check_call(["cmake", ext.sourcedir, *args], cwd=build_dir, env=env)
         subprocess.check_call(["cmake", "--build", ".", "-j", jobs], cwd=build_dir, env=env)
-        _remove_other_modules(out_dir, os.path.basename(self.get_ext_fullpath(ext.name)))
+        dest = self.get_ext_fullpath(ext.name)
+        if os.path.basename(dest) != MODULE:
+            raise RuntimeError(f"moe_fp8_ext: this Python wants the module as {os.path.basename(dest)}; the build "
+                               f"makes {MODULE} (CPython's stable ABI, 3.10 or newer)")
+        os.makedirs(os.path.dirname(os.path.abspath(dest)), exist_ok=True)
+        _replace(os.path.join(module_dir, MODULE), dest)
+        _remove_other_modules(os.path.dirname(os.path.abspath(dest)), MODULE)
         if os.environ.get("MOE_FP8_NO_SOURCE_COPY") != "1":
-            _copy_to_source_tree(self.get_ext_fullpath(ext.name), ext)
+            _copy_to_source_tree(dest, ext)
+
+
+def _replace(src: str, dest: str) -> None:
+    """Copy by a rename: a process that has the old module loaded keeps a valid mapping."""
+    if os.path.abspath(src) == os.path.abspath(dest):
+        return
+    tmp = dest + ".tmp"
+    shutil.copy2(src, tmp)
+    os.replace(tmp, dest)
 
 
 def _remove_other_modules(folder: str, keep: str) -> None:
@@ -117,20 +138,14 @@ def _copy_to_source_tree(built: str, ext: CMakeExtension) -> None:
     import the package from the source tree (the current directory comes first on
     sys.path), not the installed copy; with the module there, the source tree is a
     complete package and both work after a plain `pip install --no-build-isolation .`.
-    The copy replaces the old file by a rename, so a process that has the old module
-    loaded keeps a valid mapping.
     """
     dest_dir = os.path.join(ext.sourcedir, *ext.name.split(".")[:-1])
     dest = os.path.join(dest_dir, os.path.basename(built))
     if not os.path.isdir(dest_dir):
         return
     _remove_other_modules(dest_dir, os.path.basename(built))
-    if os.path.abspath(dest) == os.path.abspath(built):
-        return  # an in-place or editable build wrote it there already
     try:
-        tmp = dest + ".tmp"
-        shutil.copy2(built, tmp)
-        os.replace(tmp, dest)
+        _replace(built, dest)  # (nothing to do for an in-place or editable build)
     except OSError as e:  # a read-only checkout: the installed package still works
         print(f"moe_fp8_ext: could not copy the built module into {dest_dir}: {e}", file=sys.stderr)
 

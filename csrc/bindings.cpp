@@ -6,8 +6,9 @@
 #include <torch/library.h>
 #include <torch/version.h>
 
+#include <climits>
+#include <cstring>
 #include <exception>
-#include <string>
 
 #include "quant/engine.h"
 
@@ -159,24 +160,28 @@ int64_t dual_l2_budget(int device) {
 
 // build_info() -> dict: what platform.build_info documents.
 PyObject* build_info(PyObject*, PyObject*) {
-  const std::string backend = MOE_FP8_GPU_BACKEND;
   PyObject* info = PyDict_New();
   if (info == nullptr) return nullptr;
   // Steals `value` (nullptr: an error is set); false on failure.
-  auto put = [info](const std::string& key, PyObject* value) {
-    const bool ok = value != nullptr && PyDict_SetItemString(info, key.c_str(), value) == 0;
+  auto put = [info](const char* key, PyObject* value) {
+    const bool ok = value != nullptr && PyDict_SetItemString(info, key, value) == 0;
     Py_XDECREF(value);
     return ok;
   };
   auto str = [](const char* v) { return PyUnicode_FromString(v); };
-  bool ok = put("torch_version", str(TORCH_VERSION));
-  for (const char* gpu : {"cuda", "hip"}) {
-    const bool built = backend == gpu;
-    const std::string name = gpu;
-    ok = ok && put(name, PyBool_FromLong(built));
-    ok = ok && put(name + "_version", built ? str(MOE_FP8_GPU_VERSION_STR) : (Py_INCREF(Py_None), Py_None));
-    ok = ok && put(name + "_archs", str(built ? MOE_FP8_GPU_ARCHS_STR : ""));
-  }
+  auto none = [] {
+    Py_INCREF(Py_None);
+    return Py_None;
+  };
+  const bool cuda = std::strcmp(MOE_FP8_GPU_BACKEND, "cuda") == 0;
+  const bool hip = std::strcmp(MOE_FP8_GPU_BACKEND, "hip") == 0;
+  const bool ok = put("torch_version", str(TORCH_VERSION)) &&  //
+                  put("cuda", PyBool_FromLong(cuda)) &&
+                  put("cuda_version", cuda ? str(MOE_FP8_GPU_VERSION_STR) : none()) &&
+                  put("cuda_archs", str(cuda ? MOE_FP8_GPU_ARCHS_STR : "")) &&  //
+                  put("hip", PyBool_FromLong(hip)) &&
+                  put("hip_version", hip ? str(MOE_FP8_GPU_VERSION_STR) : none()) &&
+                  put("hip_archs", str(hip ? MOE_FP8_GPU_ARCHS_STR : ""));
   if (!ok) {
     Py_DECREF(info);
     return nullptr;
@@ -184,22 +189,30 @@ PyObject* build_info(PyObject*, PyObject*) {
   return info;
 }
 
-// dual_l2_budget(device: int) -> int
+// dual_l2_budget(device: int) -> int. No C++ exception may cross into CPython.
 PyObject* dual_l2_budget_py(PyObject*, PyObject* arg) {
   const long device = PyLong_AsLong(arg);
   if (device == -1 && PyErr_Occurred()) return nullptr;
+  if (device < INT_MIN || device > INT_MAX) {
+    PyErr_SetString(PyExc_OverflowError, "dual_l2_budget: the device index does not fit an int");
+    return nullptr;
+  }
   try {
     return PyLong_FromLongLong(dual_l2_budget(static_cast<int>(device)));
   } catch (const std::exception& e) {  // c10::Error included: a RuntimeError, as torch raises
     PyErr_SetString(PyExc_RuntimeError, e.what());
-    return nullptr;
+  } catch (...) {
+    PyErr_SetString(PyExc_RuntimeError, "dual_l2_budget: unknown C++ exception");
   }
+  return nullptr;
 }
 
+// The "name($module, ...)\n--\n\n" head gives inspect.signature the parameters.
 PyMethodDef kMethods[] = {
     {"build_info", build_info, METH_NOARGS,
-     "Build configuration: torch version, GPU backend version and compiled archs"},
+     "build_info($module, /)\n--\n\nBuild configuration: torch version, GPU backend version and compiled archs"},
     {"dual_l2_budget", dual_l2_budget_py, METH_O,
+     "dual_l2_budget($module, device, /)\n--\n\n"
      "L2 bytes the one-read dual weight kernel may use on a GPU (0: never)"},
     {nullptr, nullptr, 0, nullptr}};
 

@@ -71,23 +71,25 @@ stamps=build/source_stamps.json
 # build when its stamp matches (same build inputs, same torch, this GPU's arch) and it
 # loads; MOE_FP8_NO_PREBUILT=1 builds anyway.
 prebuilt=0
-if [ -d .prebuilt ] && [ "${MOE_FP8_NO_PREBUILT:-0}" != 1 ] && [ -z "${PYTORCH_ROCM_ARCH:-}" ]; then
-  ok=1
-  for arch in ${MOE_FP8_CUDA_ARCHS//[;,]/ }; do
-    $PY scripts/prebuilt.py check .prebuilt "$arch" || ok=0
-  done
-  if [ "$ok" = 1 ]; then
-    rm -f moe_fp8_ext/_C*.so
-    cp .prebuilt/_C.abi3.so moe_fp8_ext/
-    export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}  # what the editable install gives
-    if (cd /tmp && $PY -c "import moe_fp8_ext") 2>/tmp/moe_fp8_prebuilt_load.log; then
-      prebuilt=1
-      echo "using the prebuilt module (no build)"
-    else
-      tail -5 /tmp/moe_fp8_prebuilt_load.log
-      echo "prebuilt: the module does not load here; building"
-      rm -f moe_fp8_ext/_C.abi3.so
-    fi
+if [ -d .prebuilt ] && [ "${MOE_FP8_NO_PREBUILT:-0}" != 1 ] && [ -z "${PYTORCH_ROCM_ARCH:-}" ] &&
+    $PY scripts/prebuilt.py check .prebuilt "$MOE_FP8_CUDA_ARCHS"; then
+  rm -f moe_fp8_ext/_C*.so
+  cp .prebuilt/_C.abi3.so moe_fp8_ext/
+  # The package from the source tree, as the editable install gives it (for the
+  # benchmarks, examples and subprocesses, which do not start in the root).
+  export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+  if MOE_FP8_ARCHS_WANTED=$MOE_FP8_CUDA_ARCHS $PY -c "
+import os, moe_fp8_ext
+info = moe_fp8_ext.build_info()
+built = info['cuda_archs'].split(',')
+assert info['cuda'] and all(a in built for a in os.environ['MOE_FP8_ARCHS_WANTED'].replace(';', ',').split(',')), info
+" 2>/tmp/moe_fp8_prebuilt_load.log; then
+    prebuilt=1
+    echo "using the prebuilt module (no build)"
+  else
+    tail -5 /tmp/moe_fp8_prebuilt_load.log
+    echo "prebuilt: the module does not load here as a CUDA build for $MOE_FP8_CUDA_ARCHS; building"
+    rm -f moe_fp8_ext/_C.abi3.so
   fi
 fi
 if [ "$prebuilt" = 0 ]; then
