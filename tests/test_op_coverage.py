@@ -68,3 +68,9 @@ def test_module_is_stable_abi_and_reports_its_build():
         except TypeError:
             continue
         raise AssertionError(f"dual_l2_budget({bad!r}) did not raise TypeError")
+    try:
+        _C.dual_l2_budget(2**40)  # not truncated to some other device's index
+    except OverflowError:
+        pass
+    else:
+        raise AssertionError("dual_l2_budget(2**40) did not raise OverflowError")
