@@ -78,16 +78,10 @@ if [ -d .prebuilt ] && [ "${MOE_FP8_NO_PREBUILT:-0}" != 1 ] && [ -z "${PYTORCH_R
   # The package from the source tree, as the editable install gives it (for the
   # benchmarks, examples and subprocesses, which do not start in the root).
   export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-  if MOE_FP8_ARCHS_WANTED=$MOE_FP8_CUDA_ARCHS $PY -c "
-import os, moe_fp8_ext
-info = moe_fp8_ext.build_info()
-built = info['cuda_archs'].split(',')
-assert info['cuda'] and all(a in built for a in os.environ['MOE_FP8_ARCHS_WANTED'].replace(';', ',').split(',')), info
-" 2>/tmp/moe_fp8_prebuilt_load.log; then
+  if $PY scripts/prebuilt.py imports "$MOE_FP8_CUDA_ARCHS" 2>&1 | tail -5; then  # (pipefail: python's status)
     prebuilt=1
     echo "using the prebuilt module (no build)"
   else
-    tail -5 /tmp/moe_fp8_prebuilt_load.log
     echo "prebuilt: the module does not load here as a CUDA build for $MOE_FP8_CUDA_ARCHS; building"
     rm -f moe_fp8_ext/_C.abi3.so
   fi

@@ -18,6 +18,8 @@ torch and the pin in pyproject.toml.
   python scripts/prebuilt.py check DIR ARCHS         exit 0 if DIR/_C.abi3.so matches
                                                      (ARCHS: comma/semicolon list), else
                                                      say why and exit 1
+  python scripts/prebuilt.py imports ARCHS           exit 0 if moe_fp8_ext, imported from
+                                                     here, is a CUDA build for ARCHS
 """
 
 import hashlib
@@ -52,20 +54,30 @@ def version_line(cmd) -> str:
         return ""
 
 
+def cuda_build_info(where: str, archs: str):
+    """(build_info(), None) of the package moe_fp8_ext as this Python imports it from the
+    folder `where` (in a fresh process), if it is a CUDA build for every arch of ARCHS;
+    else (None, why)."""
+    probe = "import json, moe_fp8_ext; print(json.dumps(moe_fp8_ext.build_info()))"
+    run = subprocess.run([sys.executable, "-c", probe], cwd=where, capture_output=True, text=True)
+    if run.returncode != 0:
+        return None, f"prebuilt: the package does not import:\n{run.stderr[-2000:]}"
+    info = json.loads(run.stdout.strip().splitlines()[-1])
+    built = split_archs(info["cuda_archs"])
+    if not info["cuda"] or any(a not in built for a in split_archs(archs)):
+        return None, f"prebuilt: not a CUDA build for {archs}: {info}"
+    return info, None
+
+
 def save(out: str, pkg: str, tree: str, archs: str) -> None:
     import importlib.metadata
 
     import torch
 
-    probe = "import json, moe_fp8_ext; print(json.dumps(moe_fp8_ext.build_info()))"
-    run = subprocess.run([sys.executable, "-c", probe], cwd=pkg, capture_output=True, text=True)
-    if run.returncode != 0:
-        sys.exit(f"prebuilt: the built package does not import:\n{run.stderr[-2000:]}")
-    info = json.loads(run.stdout.strip().splitlines()[-1])
+    info, why = cuda_build_info(pkg, archs)
+    if why:
+        sys.exit(why)
     wanted = split_archs(archs)
-    built = split_archs(info["cuda_archs"])
-    if not info["cuda"] or any(a not in built for a in wanted):
-        sys.exit(f"prebuilt: not a CUDA build for {','.join(wanted)}: {info}")
     if not torch.__version__.startswith(info["torch_version"]):
         sys.exit(f"prebuilt: built against torch {info['torch_version']}, this Python has {torch.__version__}")
     os.makedirs(out, exist_ok=True)
@@ -125,6 +137,9 @@ def main() -> None:
         save(*args[1:])
     elif len(args) == 3 and args[0] == "check":
         sys.exit(0 if check(*args[1:]) else 1)
+    elif len(args) == 2 and args[0] == "imports":
+        why = cuda_build_info(".", args[1])[1]
+        sys.exit(why)  # None: exit 0
     else:
         sys.exit(__doc__)
 
