@@ -119,7 +119,7 @@ def bench_recipes(shapes, recipes=("bf16", "fp8_rowwise", "fp8_blockwise")):
                     + [f"{q[r]:.1f}" for r in recipes if r != "bf16"])
         del a, w, grad
     fp8 = [r for r in recipes if r != "bf16"]
-    header = (["(M, K, N, E)"] + [f"{r} ms" for r in recipes] + [f"{r} vs bf16 (median times)" for r in fp8]
+    header = (["(M, K, N, E)"] + [f"{r} ms" for r in recipes] + [f"{r} vs bf16, median ratio (ratio of medians)" for r in fp8]
               + [f"{r} SQNR vs bf16" for r in fp8])
     return print_table("grouped linear per recipe, forward + backward (ms)", header, rows, "bench_grouped_mm.md")
 
