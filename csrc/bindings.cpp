@@ -112,8 +112,8 @@ TORCH_LIBRARY(moe_fp8, m) {
   m.def("quantize_blockwise_weight_dual_cat(Tensor[] ws, ScalarType fp8_dtype) -> (Tensor, Tensor, Tensor, Tensor)");
 
   // ---- FP8 blockwise grouped GEMMs (DESIGN §6), Hopper: gemm/blockwise_grouped_sm90.cu (CUDA only) -
-  m.def("blockwise_grouped_mm_2d3d(Tensor a, Tensor scale_a, Tensor b, Tensor scale_b, Tensor offs, ScalarType out_dtype) -> Tensor");
-  m.def("blockwise_grouped_mm_2d2d(Tensor a, Tensor scale_a, Tensor b, Tensor scale_b, Tensor offs, ScalarType out_dtype) -> Tensor");
+  m.def("blockwise_grouped_mm_2d3d(Tensor a, Tensor scale_a, Tensor b, Tensor scale_b, Tensor offs, ScalarType out_dtype, int config=-1) -> Tensor");
+  m.def("blockwise_grouped_mm_2d2d(Tensor a, Tensor scale_a, Tensor b, Tensor scale_b, Tensor offs, ScalarType out_dtype, int config=-1) -> Tensor");
 
   // ---- FP8 rowwise grouped GEMMs (DESIGN §5), Hopper: gemm/rowwise_grouped_sm90*.cu (CUDA only) -----
   // config: -1 picks by shape; 0.. forces one (rowwise_grouped_sm90.cuh), for sweeps.

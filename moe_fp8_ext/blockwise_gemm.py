@@ -34,6 +34,11 @@ _ops = torch.ops.moe_fp8
 BW_BLOCK = 128
 OP_2D3D = "blockwise_grouped_mm_2d3d"
 OP_2D2D = "blockwise_grouped_mm_2d2d"
+# The GEMM configurations (tile and cluster; csrc/gemm/blockwise_grouped_sm90.cu): `config`
+# -1 picks one by shape, 0..n-1 forces one (tests, benchmarks). Every one gives the same
+# bits.
+CONFIGS_2D3D = 3  # 128x128 cluster 2x1, 128x128 1x2, 256x128 1x2
+CONFIGS_2D2D = 4  # 128x128 cluster 1x2, 128x128 2x1, 256x128 1x2, 128x256 1x2
 
 
 def _cdiv(a, b):
@@ -107,6 +112,11 @@ def _check_common(op, a, scale_a, b, scale_b, offs, b_rank, out_dtype, scale_ran
         raise RuntimeError(f"{op}: expected out_dtype bfloat16, got {_dtype_name(out_dtype)}")
 
 
+def _check_config(op, config, configs):
+    if not isinstance(config, int) or not -1 <= config < configs:
+        raise RuntimeError(f"{op}: expected config -1 (the pick by shape) or in [0, {configs}), got {config}")
+
+
 def _check_shape(op, name, t, expected):
     if tuple(t.shape) != tuple(expected):
         raise RuntimeError(f"{op}: expected {name} of shape {list(expected)}, got {list(t.shape)}")
@@ -135,10 +145,11 @@ def _check_int32(op, what, v):
         raise RuntimeError(f"{op}: expected {what} to fit in int32 (at most 2^31-1), got {v}")
 
 
-def check_blockwise_grouped_mm_2d3d(a, scale_a, b, scale_b, offs, out_dtype):
+def check_blockwise_grouped_mm_2d3d(a, scale_a, b, scale_b, offs, out_dtype, config=-1):
     """The checks of :func:`blockwise_grouped_mm_2d3d`; returns (M, N)."""
     op = OP_2D3D
     _check_common(op, a, scale_a, b, scale_b, offs, 3, out_dtype)
+    _check_config(op, config, CONFIGS_2D3D)
     m, k = a.shape
     e, n = b.shape[0], b.shape[2]
     kb, nb = _cdiv(k, BW_BLOCK), _cdiv(n, BW_BLOCK)
@@ -175,10 +186,11 @@ def check_blockwise_grouped_mm_2d3d(a, scale_a, b, scale_b, offs, out_dtype):
     return m, n
 
 
-def check_blockwise_grouped_mm_2d2d(a, scale_a, b, scale_b, offs, out_dtype):
+def check_blockwise_grouped_mm_2d2d(a, scale_a, b, scale_b, offs, out_dtype, config=-1):
     """The checks of :func:`blockwise_grouped_mm_2d2d`; returns (E, N, K)."""
     op = OP_2D2D
     _check_common(op, a, scale_a, b, scale_b, offs, 2, out_dtype)
+    _check_config(op, config, CONFIGS_2D2D)
     n, m = a.shape
     k = b.shape[1]
     e = offs.numel()
@@ -223,7 +235,7 @@ def _check_device(op, a):
 
 
 def blockwise_grouped_mm_2d3d(a: Tensor, scale_a: Tensor, b: Tensor, scale_b: Tensor, offs: Tensor,
-                              out_dtype: torch.dtype = torch.bfloat16) -> Tensor:
+                              out_dtype: torch.dtype = torch.bfloat16, config: int = -1) -> Tensor:
     """Grouped ``a @ b[g]`` over token groups of rows (forward and dgrad of a grouped
     linear), FP8 with DeepSeek blockwise scales; returns out (M, N) bf16 row-major.
 
@@ -236,15 +248,17 @@ def blockwise_grouped_mm_2d3d(a: Tensor, scale_a: Tensor, b: Tensor, scale_b: Te
       groups allowed; rows past ``offs[-1]`` come out zero.
 
     Needs K % 16 == 0 and N % 8 == 0 (16-byte rows for TMA); a partial last K block and a
-    partial last N tile are fine. fp32 accumulation; bf16 output only."""
-    check_blockwise_grouped_mm_2d3d(a, scale_a, b, scale_b, offs, out_dtype)
+    partial last N tile are fine. fp32 accumulation; bf16 output only. ``config``: the
+    GEMM configuration (tile and cluster, :data:`CONFIGS_2D3D`), -1 to pick by shape; all
+    give the same bits."""
+    check_blockwise_grouped_mm_2d3d(a, scale_a, b, scale_b, offs, out_dtype, config)
     _check_device(OP_2D3D, a)
-    return _ops.blockwise_grouped_mm_2d3d(a, scale_a, b, scale_b, offs, out_dtype)
+    return _ops.blockwise_grouped_mm_2d3d(a, scale_a, b, scale_b, offs, out_dtype, config)
 
 
 @torch.library.register_fake("moe_fp8::blockwise_grouped_mm_2d3d")
-def _(a, scale_a, b, scale_b, offs, out_dtype):
-    m, n = check_blockwise_grouped_mm_2d3d(a, scale_a, b, scale_b, offs, out_dtype)
+def _(a, scale_a, b, scale_b, offs, out_dtype, config=-1):
+    m, n = check_blockwise_grouped_mm_2d3d(a, scale_a, b, scale_b, offs, out_dtype, config)
     return a.new_empty((m, n), dtype=torch.bfloat16)
 
 
@@ -252,7 +266,7 @@ def _(a, scale_a, b, scale_b, offs, out_dtype):
 
 
 def blockwise_grouped_mm_2d2d(a: Tensor, scale_a: Tensor, b: Tensor, scale_b: Tensor, offs: Tensor,
-                              out_dtype: torch.dtype = torch.bfloat16) -> Tensor:
+                              out_dtype: torch.dtype = torch.bfloat16, config: int = -1) -> Tensor:
     """Grouped ``a[:, tokens of g] @ b[tokens of g, :]`` contracting over token groups
     (the weight gradient of a grouped linear), FP8 with per-row / per-column scales in
     blocks of 128 tokens; returns out (E, N, K) bf16 row-major.
@@ -269,13 +283,14 @@ def blockwise_grouped_mm_2d2d(a: Tensor, scale_a: Tensor, b: Tensor, scale_b: Te
       ``MOE_FP8_DEBUG=1`` it is an error).
 
     Needs K % 8 == 0 (16-byte bf16 output rows) and 16-byte aligned rows of a and columns
-    of b (M % 16 == 0 for contiguous operands). bf16 output only."""
-    check_blockwise_grouped_mm_2d2d(a, scale_a, b, scale_b, offs, out_dtype)
+    of b (M % 16 == 0 for contiguous operands). bf16 output only. ``config``: as for
+    :func:`blockwise_grouped_mm_2d3d` (:data:`CONFIGS_2D2D`)."""
+    check_blockwise_grouped_mm_2d2d(a, scale_a, b, scale_b, offs, out_dtype, config)
     _check_device(OP_2D2D, a)
-    return _ops.blockwise_grouped_mm_2d2d(a, scale_a, b, scale_b, offs, out_dtype)
+    return _ops.blockwise_grouped_mm_2d2d(a, scale_a, b, scale_b, offs, out_dtype, config)
 
 
 @torch.library.register_fake("moe_fp8::blockwise_grouped_mm_2d2d")
-def _(a, scale_a, b, scale_b, offs, out_dtype):
-    e, n, k = check_blockwise_grouped_mm_2d2d(a, scale_a, b, scale_b, offs, out_dtype)
+def _(a, scale_a, b, scale_b, offs, out_dtype, config=-1):
+    e, n, k = check_blockwise_grouped_mm_2d2d(a, scale_a, b, scale_b, offs, out_dtype, config)
     return a.new_empty((e, n, k), dtype=torch.bfloat16)

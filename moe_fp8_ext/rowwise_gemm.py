@@ -27,7 +27,8 @@ import torch
 from torch import Tensor
 
 from .blockwise_gemm import _check_common as _bw_check_common
-from .blockwise_gemm import _check_int32, _check_ld, _check_shape, _check_unit_stride, _stride_or, available_on
+from .blockwise_gemm import (_check_config, _check_int32, _check_ld, _check_shape, _check_unit_stride, _stride_or,
+                             available_on)
 from .ops import INT64_MAX
 
 _ops = torch.ops.moe_fp8
@@ -69,8 +70,7 @@ def in_use(a: Tensor) -> bool:
 
 def _check_common(op, a, scale_a, b, scale_b, offs, b_rank, out_dtype, config):
     _bw_check_common(op, a, scale_a, b, scale_b, offs, b_rank, out_dtype, scale_ranks=False)
-    if not isinstance(config, int) or not -1 <= config < CONFIGS:
-        raise RuntimeError(f"{op}: expected config -1 (the pick by shape) or in [0, {CONFIGS}), got {config}")
+    _check_config(op, config, CONFIGS)
 
 
 def _check_out_bytes(op, e, n, k):

@@ -232,6 +232,22 @@ def test_checks_2d3d_divisibility():
         torch.ops.moe_fp8.blockwise_grouped_mm_2d3d(*operands_2d3d(64, 256, 100, 2), torch.bfloat16)
 
 
+@pytest.mark.parametrize("config", [-2, 99, 1.0])
+def test_checks_config(config):
+    cases = [(torch.ops.moe_fp8.blockwise_grouped_mm_2d3d, mm_2d3d, operands_2d3d(300, 256, 384, 4), bg.CONFIGS_2D3D),
+             (torch.ops.moe_fp8.blockwise_grouped_mm_2d2d, mm_2d2d, operands_2d2d(640, 200, 136, 5), bg.CONFIGS_2D2D)]
+    for op, wrapper, ops, n in cases:
+        msg = re.escape(f"expected config -1 (the pick by shape) or in [0, {n}), got {config}")
+        if isinstance(config, int):  # the schema's int refuses a float before the fake runs
+            with pytest.raises(RuntimeError, match=msg):
+                op(*ops, torch.bfloat16, config)
+        with pytest.raises(RuntimeError, match=msg):
+            wrapper(*ops, torch.bfloat16, config)
+    for c in range(bg.CONFIGS_2D3D):  # every configuration traces
+        out = torch.ops.moe_fp8.blockwise_grouped_mm_2d3d(*operands_2d3d(300, 256, 384, 4), torch.bfloat16, c)
+        assert out.shape == (300, 384)
+
+
 def test_checks_device_mismatch():
     ops = operands_2d3d(64, 128, 128, 2, device="cpu")
     ops[4] = ops[4].to("meta")
@@ -283,10 +299,23 @@ def test_checks_2d2d_row_alignment():
 
 # ---- sm90 GPU: numerics ---------------------------------------------------------------------
 
+def block_magnitudes(shape, blocks, g):
+    """Powers of two in [2^-6, 2^6], one per block of BLOCK elements along each dim in
+    `blocks` (whole dims elsewhere broadcast per element): operands whose every scale block
+    has its own scale, so that a kernel reading another block's scale misses by up to
+    2^12 (with one magnitude for all, the scales agree to a few percent and a wrong one
+    passes the tolerance)."""
+    coarse = [cdiv(n, BLOCK) if d in blocks else n for d, n in enumerate(shape)]
+    mag = torch.exp2(torch.randint(-6, 7, coarse, generator=g).float())
+    for d in blocks:
+        mag = mag.repeat_interleave(BLOCK, dim=d).narrow(d, 0, shape[d])
+    return mag
+
+
 def draw_2d3d(m, k, n, e, offs, seed=0):
     g = torch.Generator().manual_seed(seed)
-    x = (torch.randn(m, k, generator=g) * torch.exp2(torch.randint(-4, 5, (m, 1), generator=g).float())).bfloat16()
-    w = (torch.randn(e, k, n, generator=g) * 0.05).bfloat16()
+    x = (torch.randn(m, k, generator=g) * block_magnitudes((m, k), [1], g)).bfloat16()
+    w = (torch.randn(e, k, n, generator=g) * 0.05 * block_magnitudes((e, k, n), [1, 2], g)).bfloat16()
     return quantized_2d3d(x.cuda(), w.cuda()) + (offs.cuda(),)
 
 
@@ -329,6 +358,26 @@ def test_2d3d_matches_dequantized_reference(m, k, n, e, sizes):
     assert_close_to_reference(out, ref, mag)  # rows past the last group: zero in ref
 
 
+# Partial 256-row and 128-row tiles, groups of fewer rows than a tile, empty groups, tail
+# rows, partial K blocks and N tiles, a cluster's spare tiles.
+CONFIG_CASES_2D3D = [
+    (3000, 384, 384, 3, [1100, 0, 1700]),
+    (1000, 400, 200, 7, None),
+    (sum(MANY_GROUPS_16) + 64, 256, 256, len(MANY_GROUPS_16), MANY_GROUPS_16),
+    (4096, 1024, 1024, 2, [2560, 1536]),
+]
+
+
+@requires_sm90
+@pytest.mark.gpu
+@pytest.mark.parametrize("m, k, n, e, sizes", CONFIG_CASES_2D3D)
+def test_2d3d_configs(m, k, n, e, sizes):
+    offs = random_offs(m, e, tail=m // 10) if sizes is None else offs_from_sizes(sizes)
+    a, sa, b, sb, offs = draw_2d3d(m, k, n, e, offs, seed=m + n)
+    out = assert_configs_bit_equal(lambda c: mm_2d3d(a, sa, b, sb, offs, config=c), bg.CONFIGS_2D3D)
+    assert_close_to_reference(out, *reference_2d3d(a, sa, b, sb, offs))
+
+
 @requires_sm90
 @pytest.mark.gpu
 def test_2d3d_many_partial_tiles():
@@ -367,11 +416,25 @@ def test_2d3d_dgrad_operands():
 
 
 def draw_2d2d(m, n, k, offs, seed=0):
+    """Magnitudes per 128-token block and column on both sides (the scales' blocks: groups
+    start at multiples of 128 tokens, so the blocks restart on the same grid)."""
     g = torch.Generator().manual_seed(seed)
-    grad = torch.randn(m, n, generator=g).bfloat16().cuda()
-    x = (torch.randn(m, k, generator=g) * torch.exp2(torch.randint(-4, 5, (1, k), generator=g).float())).bfloat16().cuda()
+    grad = (torch.randn(m, n, generator=g) * block_magnitudes((m, n), [0], g)).bfloat16().cuda()
+    x = (torch.randn(m, k, generator=g) * block_magnitudes((m, k), [0], g)).bfloat16().cuda()
     offs = offs.cuda()
     return quantized_2d2d(grad, x, offs) + (offs,)
+
+
+def assert_configs_bit_equal(run, configs):
+    """Every configuration (tile, cluster) gives the bits of the first: the same 64x128
+    GMMAs promoted in the same order (csrc/gemm/pipelined_promotion.cuh)."""
+    outs = []
+    for c in range(configs):
+        poison("cuda")
+        outs.append(run(c))
+    for c, o in enumerate(outs[1:], 1):
+        assert torch.equal(o, outs[0]), f"config {c}: {int((o != outs[0]).sum())} outputs differ from config 0's"
+    return outs[0]
 
 
 def sizes_at_128(sizes, last):
@@ -402,6 +465,17 @@ def test_2d2d_matches_dequantized_reference(m, n, k, sizes):
     out = mm_2d2d(a, sa, b, sb, offs)
     ref, mag = reference_2d2d(a, sa, b, sb, offs)
     assert_close_to_reference(out, ref, mag)  # empty groups: zero
+
+
+@requires_sm90
+@pytest.mark.gpu
+@pytest.mark.parametrize("m, n, k, sizes", CASES_2D2D + [(2048, 640, 768, sizes_at_128([4, 0, 3, 9], 0))])
+def test_2d2d_configs(m, n, k, sizes):
+    """N and K of 200 / 208 / 136 leave partial 256-wide tiles; empty groups, partial last
+    token blocks."""
+    a, sa, b, sb, offs = draw_2d2d(m, n, k, offs_from_sizes(sizes), seed=m + k)
+    out = assert_configs_bit_equal(lambda c: mm_2d2d(a, sa, b, sb, offs, config=c), bg.CONFIGS_2D2D)
+    assert_close_to_reference(out, *reference_2d2d(a, sa, b, sb, offs))
 
 
 @requires_sm90

@@ -77,6 +77,7 @@ namespace moe_fp8 {
 namespace {
 
 constexpr int64_t kBlock = 128;  // the recipe's block: 1x128 activations, 128x128 weights
+constexpr int64_t kConfigs2d3d = 3, kConfigs2d2d = 4;  // the GEMM configurations (below)
 
 using namespace gemm_common;  // NOLINT: the shared checks and helpers
 
@@ -85,6 +86,16 @@ using namespace gemm_common;  // NOLINT: the shared checks and helpers
 using namespace cute;
 
 // ---- the GEMM types ---------------------------------------------------------------------
+// A CollectiveMma with another TiledMma (the rest of the builder's choices kept).
+template <class, class>
+struct WithTiledMma;
+template <class DP, class TS, class EA, class SA, class EB, class SB, class TM, class GA, class LA, class CA, class TA,
+          class GB, class LB, class CB, class TB, class New>
+struct WithTiledMma<cutlass::gemm::collective::CollectiveMma<DP, TS, EA, SA, EB, SB, TM, GA, LA, CA, TA, GB, LB, CB, TB>,
+                    New> {
+  using type = cutlass::gemm::collective::CollectiveMma<DP, TS, EA, SA, EB, SB, New, GA, LA, CA, TA, GB, LB, CB, TB>;
+};
+
 // kWgrad: scale granularity 1 on both sides (2d2d); else (1, 128) on A and (128, 128) on B.
 // The cooperative kernel: both consumer warp groups on one tile, split along M (the
 // store-warp epilogue hands over such tiles).
@@ -111,21 +122,36 @@ struct BlockwiseGemm {
   using MainloopSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8BlockScaledAccum;
   using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
 
-  using CutlassEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+  using BuiltEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
       EpilogueTile, float, float, void, LayoutD*, kAlignD, ElementD, LayoutD*,
       kAlignD, EpilogueSchedule,
       cutlass::epilogue::fusion::LinearCombination<ElementD, float, void, float>>::CollectiveOp;
+  // One D stage per subtile: the store warp takes the whole tile at once.
+  using CutlassEpilogue = typename WithStagesD<
+      BuiltEpilogue, (cute::size<0>(TileShape{}) / cute::size<0>(EpilogueTile{})) *
+                         (cute::size<1>(TileShape{}) / cute::size<1>(EpilogueTile{}))>::type;
   // The TMA stores issued by the producer warp group's spare warp, not by the consumers
   // (store_warp_epilogue.cuh).
   using Epilogue = StoreWarpEpilogue<CutlassEpilogue>;
 
-  using CutlassMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+  using BuiltMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementA, cute::tuple<LayoutA*, ScaleLayoutA*>, kAlignAB,
       ElementB, cute::tuple<LayoutB*, ScaleLayoutB*>, kAlignAB, float, TileShape, ClusterShape,
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
       MainloopSchedule>::CollectiveOp;
-  using Mainloop = PipelinedPromotion<ScaleLayoutsFromArgs<CutlassMainloop>>;
+  // Tiles wider than 128: 64x128 GMMA atoms (the builder picks 64x256), so that one
+  // atom's accumulators are the partial of SequencedPromotion.
+  using CutlassMainloop = std::conditional_t<
+      (cute::size<1>(TileShape{}) > 128),
+      typename WithTiledMma<BuiltMainloop,
+                            decltype(cute::make_tiled_mma(
+                                cute::GMMA::MMA_64x128x32_F32E4M3E4M3_SS_TN<>{}, Layout<Shape<_2, _1, _1>>{}))>::type,
+      BuiltMainloop>;
+  // 256x128 and 128x256 tiles: the total takes 128 registers a thread, so one 64x128 partial (SequencedPromotion).
+  using Mainloop = std::conditional_t<(cute::size<0>(TileShape{}) > 128 || cute::size<1>(TileShape{}) > 128),
+                                      SequencedPromotion<ScaleLayoutsFromArgs<CutlassMainloop>>,
+                                      PipelinedPromotion<ScaleLayoutsFromArgs<CutlassMainloop>>>;
 
   using Kernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, Mainloop, Epilogue>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
@@ -333,16 +359,36 @@ void run_gemm(const GroupTables<G>& t, int groups, bool raster_along_n, const at
   gpu.check(static_cast<int>(cudaGetLastError()), op);
 }
 
-// The configurations: cooperative 128x128x128 (both consumer warp groups on one tile,
-// 64 rows each). Larger tiles do not fit: the mainloop keeps three fp32 accumulators
-// (the total and two k tiles' partial sums, pipelined_promotion.cuh), 3 x 64 registers a
-// thread at 128x128 (CUTLASS's own mainloop keeps two). Pingpong 64x128x128 (each warp
-// group its own tile) measured 15-25% slower on H100 for the benchmark shapes. The cluster is two CTAs that share one operand tile
+// The configurations (the op's `config`; -1: picked by shape, below). All cooperative
+// (both consumer warp groups on one tile), 128-deep k tiles:
+//   2d3d  0: 128x128, cluster 2x1   1: 128x128, 1x2   2: 256x128, 1x2
+//   2d2d  0: 128x128, cluster 1x2   1: 128x128, 2x1   2: 256x128, 1x2   3: 128x256, 1x2
+// - 128x128 keeps three fp32 accumulators a thread (the total and two k tiles' partial
+//   sums, 3 x 64 registers: PipelinedPromotion), so a warp group's promotion overlaps its
+//   own GMMAs. The 256x128 and 128x256 tiles hold a 128-register total and ONE 64x128
+//   partial (SequencedPromotion): a warp group waits for its GMMAs before it promotes, the
+//   other warp group's GMMAs overlap that. They read half the operand bytes a FLOP from
+//   shared memory and L2 and store half as many tiles a FLOP. Outputs are bit-equal
+//   across all configurations (the same 64x128 GMMAs, promoted in the same order).
+// - Picks (H100, same-run A/B, docs/EXPERIMENTS.md, time / the 128x128 pick's):
+//   * 2d3d: 256x128 where the mean group has at least 1024 rows: forward 0.91-0.97, dgrad
+//     0.83-0.97 on the three benchmark shapes (1024-4096 rows a group, balanced and
+//     router-like) and one group of 16384. Smaller groups keep 128x128 (a 256-row tile
+//     wastes up to 255 rows at each group's end).
+//   * 2d2d: 256x128 where N is a multiple of 256, else 128x256 where K is, when the mean
+//     group has at most 4096 tokens (16-32 k tiles a tile): 0.91-0.96 at 1024-2048 tokens
+//     a group. With one group of 16384 tokens (128 k tiles) 128x128 is faster (256x128
+//     1.07, 128x256 1.03): over long k loops a warp group's own overlap wins.
+//   * 128x256 for 2d3d is not built: its B scales (one per 128 columns, two a tile) need
+//     another scale view (PromotionParts), and it measured 0.91-1.05 against 256x128's
+//     0.83-0.97.
+// - Pingpong 64x128x128 (each warp group its own tile) measured 15-25% slower on H100 for
+//   the benchmark shapes. The cluster is two CTAs that share one operand tile
 // through TMA multicast: 1x2 shares A across two N tiles, 2x1 shares B across two M
 // tiles. The scheduler rounds every group's tile grid up to the cluster.
-// - 2d3d (forward, dgrad): 2x1 where N has an odd number of tiles (1x2 would round every
-//   group up to one more), and where the mean group (M / E rows) has at least 16 M tiles
-//   (2048 rows); else 1x2. Under 2x1 a group of an odd number of M tiles runs one tile
+// - 2d3d 128x128 (forward, dgrad): 2x1 where N has an odd number of tiles (1x2 would round
+//   every group up to one more), and where the mean group (M / E rows) has at least 16 M
+//   tiles (2048 rows; now 256x128 there); else 1x2. Under 2x1 a group of an odd number of M tiles runs one tile
 //   row for nothing: with router-like groups (about half of them odd) that is about
 //   1 / (2 n) of the work at n tiles a group, 3% at 16 and 6% at 8. At 16 tiles 2x1's
 //   shared weight tiles saved more than that (net 1-4% below), at 8 less (net +4.3%).
@@ -350,7 +396,7 @@ void run_gemm(const GroupTables<G>& t, int groups, bool raster_along_n, const at
 //   router-like groups padded to 128: (16384, 7168, 2048, 8) forward -1.2%, dgrad -1.1%;
 //   (32768, 5120, 1536, 16) -3.9%, -1.0%; (65536, 2048, 1408, 64), 8 tiles a group, 34
 //   of 64 groups odd: forward (11 N tiles) -3.7%, dgrad +4.3%.
-// - 2d2d (wgrad): 1x2, unless K has an odd and N an even number of tiles (the groups'
+// - 2d2d 128x128 (wgrad): 1x2, unless K has an odd and N an even number of tiles (the groups'
 //   tokens are the contraction there, so both tile counts are known on the host). On
 //   the benchmark shapes, which all take 1x2, 2x1 ran 0.5% faster to 8% slower.
 // The output: the consumers hand each 128x128 tile to the producer warp group's spare
@@ -368,6 +414,20 @@ using FwdCluster21 = BlockwiseGemm<Shape<_128, _128, _128>, Shape<_2, _1, _1>, f
 using FwdCluster12 = BlockwiseGemm<Shape<_128, _128, _128>, Shape<_1, _2, _1>, false, EpiTile>;
 using WgradCluster12 = BlockwiseGemm<Shape<_128, _128, _128>, Shape<_1, _2, _1>, true, EpiTile>;
 using WgradCluster21 = BlockwiseGemm<Shape<_128, _128, _128>, Shape<_2, _1, _1>, true, EpiTile>;
+using FwdTall12 = BlockwiseGemm<Shape<_256, _128, _128>, Shape<_1, _2, _1>, false, EpiTile>;
+using WgradTall12 = BlockwiseGemm<Shape<_256, _128, _128>, Shape<_1, _2, _1>, true, EpiTile>;
+using WgradWide12 = BlockwiseGemm<Shape<_128, _256, _128>, Shape<_1, _2, _1>, true, EpiTile>;
+
+// The picks of the configurations above, by shape (host values only: no sync).
+int64_t pick_2d3d(int64_t M, int64_t N, int64_t E) {
+  if (M >= 1024 * E) return 2;                      // 256x128
+  return ceil_div(N, kBlock) % 2 == 1 ? 0 : 1;      // 128x128: 2x1 for an odd number of N tiles
+}
+int64_t pick_2d2d(int64_t M, int64_t N, int64_t K, int64_t E) {
+  if (M <= 4096 * E && N % 256 == 0) return 2;     // 256x128
+  if (M <= 4096 * E && K % 256 == 0) return 3;     // 128x256
+  return ceil_div(K, kBlock) % 2 == 1 && ceil_div(N, kBlock) % 2 == 0 ? 1 : 0;
+}
 
 template <class G>
 void launch_2d3d(const Args2d3d& p, const at::Tensor& like, const GpuLaunch& gpu, const char* op) {
@@ -404,7 +464,8 @@ void launch_2d2d(Args2d2d p, const at::Tensor& like, const GpuLaunch& gpu, const
 void check_hopper(const at::Tensor& a, const char* op) { gemm_common::check_hopper(a, op, MOE_FP8_BW_GEMM_SM90); }
 
 void check_common(const char* op, const at::Tensor& a, const at::Tensor& scale_a, const at::Tensor& b,
-                  const at::Tensor& scale_b, const at::Tensor& offs, int64_t b_rank, at::ScalarType out_dtype) {
+                  const at::Tensor& scale_b, const at::Tensor& offs, int64_t b_rank, at::ScalarType out_dtype,
+                  int64_t config, int64_t configs) {
   check_rank(a, 2, op, "a");
   check_rank(scale_a, 2, op, "scale_a");
   check_rank(b, b_rank, op, "b");
@@ -420,14 +481,17 @@ void check_common(const char* op, const at::Tensor& a, const at::Tensor& scale_a
   check_same_device(op, {"a", a}, {{"scale_a", scale_a}, {"b", b}, {"scale_b", scale_b}, {"offs", offs}});
   check_groups(offs, op);
   TORCH_CHECK(out_dtype == at::kBFloat16, op, ": expected out_dtype bfloat16, got ", out_dtype);
+  TORCH_CHECK(config >= -1 && config < configs, op, ": expected config -1 (the pick by shape) or in [0, ", configs,
+              "), got ", config);
 }
 
 void check_int32(const char* op, const char* what, int64_t v) { check_fits_int32(v, op, what); }
 
 at::Tensor blockwise_grouped_mm_2d3d(const at::Tensor& a, const at::Tensor& scale_a, const at::Tensor& b,
-                                     const at::Tensor& scale_b, const at::Tensor& offs, at::ScalarType out_dtype) {
+                                     const at::Tensor& scale_b, const at::Tensor& offs, at::ScalarType out_dtype,
+                                     int64_t config) {
   constexpr const char* op = "blockwise_grouped_mm_2d3d";
-  check_common(op, a, scale_a, b, scale_b, offs, 3, out_dtype);
+  check_common(op, a, scale_a, b, scale_b, offs, 3, out_dtype, config, kConfigs2d3d);
   const int64_t M = a.size(0), K = a.size(1), E = b.size(0), N = b.size(2);
   const int64_t KB = ceil_div(K, kBlock), NB = ceil_div(N, kBlock);
   TORCH_CHECK(b.size(1) == K, op, ": expected b of shape (E, K, N) with K = ", K, " (the columns of a), got ",
@@ -486,9 +550,12 @@ at::Tensor blockwise_grouped_mm_2d3d(const at::Tensor& a, const at::Tensor& scal
   p.snb = snb;
   p.sse = sse;
   p.groups = static_cast<int>(E);
-  // GEMM (M_g, N, K): the cluster by N's tile count and the mean group (see the configurations).
-  if (NB % 2 == 1 || M >= 16 * kBlock * E) launch_2d3d<FwdCluster21>(p, a, gpu, op);
-  else launch_2d3d<FwdCluster12>(p, a, gpu, op);
+  // GEMM (M_g, N, K): the tile by the mean group, the cluster by N's tile count (see the configurations).
+  switch (config >= 0 ? config : pick_2d3d(M, N, E)) {
+    case 0: launch_2d3d<FwdCluster21>(p, a, gpu, op); break;
+    case 1: launch_2d3d<FwdCluster12>(p, a, gpu, op); break;
+    default: launch_2d3d<FwdTall12>(p, a, gpu, op); break;
+  }
 #endif
   return out;
 }
@@ -507,9 +574,10 @@ void check_group_starts_128(const at::Tensor& offs, int64_t rows, const char* op
 }
 
 at::Tensor blockwise_grouped_mm_2d2d(const at::Tensor& a, const at::Tensor& scale_a, const at::Tensor& b,
-                                     const at::Tensor& scale_b, const at::Tensor& offs, at::ScalarType out_dtype) {
+                                     const at::Tensor& scale_b, const at::Tensor& offs, at::ScalarType out_dtype,
+                                     int64_t config) {
   constexpr const char* op = "blockwise_grouped_mm_2d2d";
-  check_common(op, a, scale_a, b, scale_b, offs, 2, out_dtype);
+  check_common(op, a, scale_a, b, scale_b, offs, 2, out_dtype, config, kConfigs2d2d);
   const int64_t N = a.size(0), M = a.size(1), K = b.size(1), E = offs.numel();
   const int64_t MB = ceil_div(M, kBlock);
   TORCH_CHECK(b.size(0) == M, op, ": expected b of shape (M, K) with M = ", M, " (the columns of a), got ", b.sizes());
@@ -560,9 +628,13 @@ at::Tensor blockwise_grouped_mm_2d2d(const at::Tensor& a, const at::Tensor& scal
   p.ldb = ldb;
   p.sbr = sbr;
   p.groups = static_cast<int>(E);
-  // GEMM (N, K, T_g): 1x2 unless K has an odd and N an even number of tiles.
-  if (ceil_div(K, kBlock) % 2 == 1 && ceil_div(N, kBlock) % 2 == 0) launch_2d2d<WgradCluster21>(p, a, gpu, op);
-  else launch_2d2d<WgradCluster12>(p, a, gpu, op);
+  // GEMM (N, K, T_g): the tile by the mean group and N, K; the cluster by the tile counts.
+  switch (config >= 0 ? config : pick_2d2d(M, N, K, E)) {
+    case 0: launch_2d2d<WgradCluster12>(p, a, gpu, op); break;
+    case 1: launch_2d2d<WgradCluster21>(p, a, gpu, op); break;
+    case 2: launch_2d2d<WgradTall12>(p, a, gpu, op); break;
+    default: launch_2d2d<WgradWide12>(p, a, gpu, op); break;
+  }
 #endif
   return out;
 }

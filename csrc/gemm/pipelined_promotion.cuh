@@ -23,6 +23,10 @@
 //
 // Stage accounting matches the base: mma() releases every stage but the last, which
 // the kernel's mma_tail() releases.
+//
+// SequencedPromotion (below) is the mainloop of the 256x128 and 128x256 tiles, whose
+// total alone takes 128 registers a thread: one partial of one 64x128 GMMA atom, waited
+// for and promoted atom after atom.
 #pragma once
 
 #include "../core/portability.h"
@@ -31,12 +35,11 @@
 
 namespace moe_fp8 {
 
+// What both mainloops below share: the operand and scale views of a consumer thread, and
+// the promotion of a partial accumulator.
 template <class Base>
-struct PipelinedPromotion : Base {
-  using typename Base::MainloopPipeline;
-  using typename Base::PipelineState;
+struct PromotionParts : Base {
   using typename Base::TensorStorage;
-  using typename Base::Params;
   using typename Base::TiledMma;
   using typename Base::TileShape;
   using typename Base::SmemLayoutA;
@@ -49,18 +52,22 @@ struct PipelinedPromotion : Base {
   // The base promotes at every k tile only when one scale block spans one k tile (the
   // recipe's 128-deep blocks at a 128-deep tile); coarser K blocks would need its counter.
   static_assert(Base::ScalePromotionInterval == cute::size<2>(TileShape{}) / cute::tile_size<2>(TiledMma{}),
-                "PipelinedPromotion: one scale block per k tile");
+                "PromotionParts: one scale block per k tile");
+  // The scale views below broadcast one scale over a whole tile or give each row (column)
+  // its own: the recipe's granularities (1 or 128 rows, at most 128-wide tiles with
+  // 128-column blocks).
+  static_assert((kScalesM == 1 || kScalesM == cute::size<0>(TileShape{})) &&
+                    (kScalesN == 1 || kScalesN == cute::size<1>(TileShape{})),
+                "PromotionParts: one scale a tile, or one a row / column, along M and N");
 
-  template <class FrgTensorC>
-  CUTLASS_DEVICE void mma(MainloopPipeline pipeline, PipelineState smem_pipe_read, FrgTensorC& accum,
-                          int k_tile_count, int thread_idx, TensorStorage& shared_tensors, Params const&) {
+  // A consumer thread's view of the stages: (tiled_mma, tCrA (MMA,MMA_M,MMA_K,PIPE), tCrB
+  // (MMA,MMA_N,MMA_K,PIPE), tCsSFA and tCsSFB (MMA,MMA_M,MMA_N,(MMA_K,PIPE))). The scales
+  // are viewed as (BLK_M, BLK_N, (BLK_K, PIPE)) with the other operand's mode broadcast, so
+  // that partition_C hands each thread the scales of its accumulators.
+  static CUTLASS_DEVICE auto thread_views(TensorStorage& shared_tensors, int thread_idx) {
     using namespace cute;
-    static_assert(is_rmem<FrgTensorC>::value, "the accumulator lives in registers");
-
     Tensor sA = make_tensor(make_smem_ptr(shared_tensors.smem_A.data()), SmemLayoutA{});  // (BLK_M,BLK_K,PIPE)
     Tensor sB = make_tensor(make_smem_ptr(shared_tensors.smem_B.data()), SmemLayoutB{});  // (BLK_N,BLK_K,PIPE)
-    // The scales viewed as (BLK_M, BLK_N, (BLK_K, PIPE)) with the other operand's mode
-    // broadcast, so that partition_C hands each thread the scales of its accumulators.
     Tensor sSFA = make_tensor(
         make_smem_ptr(shared_tensors.smem_SFA.data()),
         make_layout(make_shape(shape<0>(SmemLayoutSFA{}), get<1>(TileShape{}),
@@ -80,10 +87,63 @@ struct PipelinedPromotion : Base {
     const int warp_group = static_cast<int>(warp_shfl(static_cast<uint32_t>(thread_idx / kWgThreads), 0));  // uniform
     TiledMma tiled_mma;
     auto thread_mma = tiled_mma.get_slice(warp_groups(warp_group));
-    Tensor tCsSFA = tiled_mma.get_slice(thread_idx).partition_C(sSFA);  // (MMA,MMA_M,MMA_N,(MMA_K,PIPE))
-    Tensor tCsSFB = tiled_mma.get_slice(thread_idx).partition_C(sSFB);
-    Tensor tCrA = thread_mma.make_fragment_A(thread_mma.partition_A(sA));  // (MMA,MMA_M,MMA_K,PIPE)
-    Tensor tCrB = thread_mma.make_fragment_B(thread_mma.partition_B(sB));  // (MMA,MMA_N,MMA_K,PIPE)
+    return make_tuple(tiled_mma, thread_mma.make_fragment_A(thread_mma.partition_A(sA)),
+                      thread_mma.make_fragment_B(thread_mma.partition_B(sB)),
+                      tiled_mma.get_slice(thread_idx).partition_C(sSFA),
+                      tiled_mma.get_slice(thread_idx).partition_C(sSFB));
+  }
+
+  // total += part x scale, element by element, once part's GMMAs have completed: the
+  // base's expression (GmmaFP8Accumulation::scale_core with the scales multiplied first as
+  // the base does). sSFA / sSFB: one stage's scales of these accumulators (slices of
+  // thread_views').
+  template <class Total, class Part, class ScalesA, class ScalesB>
+  static CUTLASS_DEVICE void promote(Total&& total, Part& part, ScalesA const& sSFA, ScalesB const& sSFB) {
+    using namespace cute;
+    Tensor sfa = make_tensor_like<Scale>(sSFA);
+    Tensor sfb = make_tensor_like<Scale>(sSFB);
+    copy(sSFA, sfa);
+    copy(sSFB, sfb);
+    warpgroup_fence_operand(part);
+    warpgroup_fence_operand(total);
+    if constexpr (kScalesM == 1 && kScalesN == 1) {
+      const Scale ab = sfa(_0{}) * sfb(_0{});
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < size(total); ++i) total(i) += part(i) * ab;
+    } else if constexpr (kScalesM > 1 && kScalesN == 1) {
+      const Scale b = sfb(_0{});
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < size(filter_zeros(sfa)); ++i) filter_zeros(sfa)(i) = filter_zeros(sfa)(i) * b;
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < size(total); ++i) total(i) += part(i) * sfa(i);
+    } else if constexpr (kScalesM == 1 && kScalesN > 1) {
+      const Scale a = sfa(_0{});
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < size(filter_zeros(sfb)); ++i) filter_zeros(sfb)(i) = filter_zeros(sfb)(i) * a;
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < size(total); ++i) total(i) += part(i) * sfb(i);
+    } else {
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < size(total); ++i) total(i) += part(i) * sfa(i) * sfb(i);
+    }
+    warpgroup_fence_operand(total);
+  }
+};
+
+template <class Base>
+struct PipelinedPromotion : PromotionParts<Base> {
+  using Parts = PromotionParts<Base>;
+  using typename Base::MainloopPipeline;
+  using typename Base::PipelineState;
+  using typename Base::TensorStorage;
+  using typename Base::Params;
+
+  template <class FrgTensorC>
+  CUTLASS_DEVICE void mma(MainloopPipeline pipeline, PipelineState smem_pipe_read, FrgTensorC& accum,
+                          int k_tile_count, int thread_idx, TensorStorage& shared_tensors, Params const&) {
+    using namespace cute;
+    static_assert(is_rmem<FrgTensorC>::value, "the accumulator lives in registers");
+    auto [tiled_mma, tCrA, tCrB, tCsSFA, tCsSFB] = Parts::thread_views(shared_tensors, thread_idx);
     CUTE_STATIC_ASSERT_V(size<1>(tCrA) == size<1>(accum));
     CUTE_STATIC_ASSERT_V(size<1>(tCrB) == size<2>(accum));
 
@@ -118,37 +178,10 @@ struct PipelinedPromotion : Base {
       if (++issued < k_tile_count) barrier_token = pipeline.consumer_try_wait(smem_pipe_read);
     };
     // total += part x scale for the oldest tile not yet promoted (the stage of
-    // smem_pipe_release), once its GMMAs have completed: the base's expression
-    // (GmmaFP8Accumulation::scale_core with the scales multiplied first as the base does).
+    // smem_pipe_release), once its GMMAs have completed.
     auto promote = [&](auto& part) {
       const int stage = smem_pipe_release.index();
-      Tensor sfa = make_tensor_like<Scale>(tCsSFA(_, _, _, _0{}));
-      Tensor sfb = make_tensor_like<Scale>(tCsSFB(_, _, _, _0{}));
-      copy(tCsSFA(_, _, _, make_coord(_0{}, stage)), sfa);
-      copy(tCsSFB(_, _, _, make_coord(_0{}, stage)), sfb);
-      warpgroup_fence_operand(part);
-      warpgroup_fence_operand(accum);
-      if constexpr (kScalesM == 1 && kScalesN == 1) {
-        const Scale ab = sfa(_0{}) * sfb(_0{});
-        CUTLASS_PRAGMA_UNROLL
-        for (int i = 0; i < size(accum); ++i) accum(i) += part(i) * ab;
-      } else if constexpr (kScalesM > 1 && kScalesN == 1) {
-        const Scale b = sfb(_0{});
-        CUTLASS_PRAGMA_UNROLL
-        for (int i = 0; i < size(filter_zeros(sfa)); ++i) filter_zeros(sfa)(i) = filter_zeros(sfa)(i) * b;
-        CUTLASS_PRAGMA_UNROLL
-        for (int i = 0; i < size(accum); ++i) accum(i) += part(i) * sfa(i);
-      } else if constexpr (kScalesM == 1 && kScalesN > 1) {
-        const Scale a = sfa(_0{});
-        CUTLASS_PRAGMA_UNROLL
-        for (int i = 0; i < size(filter_zeros(sfb)); ++i) filter_zeros(sfb)(i) = filter_zeros(sfb)(i) * a;
-        CUTLASS_PRAGMA_UNROLL
-        for (int i = 0; i < size(accum); ++i) accum(i) += part(i) * sfb(i);
-      } else {
-        CUTLASS_PRAGMA_UNROLL
-        for (int i = 0; i < size(accum); ++i) accum(i) += part(i) * sfa(i) * sfb(i);
-      }
-      warpgroup_fence_operand(accum);
+      Parts::promote(accum, part, tCsSFA(_, _, _, make_coord(_0{}, stage)), tCsSFB(_, _, _, make_coord(_0{}, stage)));
     };
     // After the next tile is issued: wait for the one before it, promote it and hand its
     // stage back to the producer.
@@ -179,6 +212,68 @@ struct PipelinedPromotion : Base {
         warpgroup_wait<0>();
         promote(part1);  // the last tile, t + 1
         break;
+      }
+    }
+  }
+};
+
+// For tiles whose accumulators do not fit three times in a consumer's registers (256x128
+// and 128x256 cooperative: 128 fp32 a thread for the total): ONE partial accumulator of
+// one 64x128 GMMA atom (64 fp32 a thread), issued, waited for and promoted atom after
+// atom. A warp group has no GMMA in flight while it promotes; the other warp group's
+// GMMAs keep the tensor cores busy meanwhile (CUTLASS's own mainloop relies on the same).
+// Each atom is the same GMMAs as in the 128x128 tiles, promoted in the same order: bit
+// for bit the result of PipelinedPromotion.
+template <class Base>
+struct SequencedPromotion : PromotionParts<Base> {
+  using Parts = PromotionParts<Base>;
+  using typename Base::MainloopPipeline;
+  using typename Base::PipelineState;
+  using typename Base::TensorStorage;
+  using typename Base::Params;
+
+  template <class FrgTensorC>
+  CUTLASS_DEVICE void mma(MainloopPipeline pipeline, PipelineState smem_pipe_read, FrgTensorC& accum,
+                          int k_tile_count, int thread_idx, TensorStorage& shared_tensors, Params const&) {
+    using namespace cute;
+    static_assert(is_rmem<FrgTensorC>::value, "the accumulator lives in registers");
+    auto [tiled_mma, tCrA, tCrB, tCsSFA, tCsSFB] = Parts::thread_views(shared_tensors, thread_idx);
+    CUTE_STATIC_ASSERT_V(size<1>(tCrA) == size<1>(accum));
+    CUTE_STATIC_ASSERT_V(size<1>(tCrB) == size<2>(accum));
+    constexpr int kRepM = decltype(size<1>(accum))::value;
+    constexpr int kRepN = decltype(size<2>(accum))::value;
+
+    Tensor part = make_fragment_like(accum(_, _0{}, _0{}));  // (MMA): one GMMA atom's accumulators
+
+    clear(accum);
+    if (k_tile_count <= 0) return;
+
+    auto barrier_token = pipeline.consumer_try_wait(smem_pipe_read);
+    CUTLASS_PRAGMA_NO_UNROLL
+    for (int t = 0; t < k_tile_count; ++t) {
+      pipeline.consumer_wait(smem_pipe_read, barrier_token);
+      const int stage = smem_pipe_read.index();
+      CUTLASS_PRAGMA_UNROLL
+      for (int mn = 0; mn < kRepM * kRepN; ++mn) {
+        const int m = mn % kRepM, n = mn / kRepM;
+        tiled_mma.accumulate_ = GMMA::ScaleOut::Zero;
+        warpgroup_fence_operand(part);
+        warpgroup_arrive();
+        CUTLASS_PRAGMA_UNROLL
+        for (int k_block = 0; k_block < size<2>(tCrA); ++k_block) {
+          cute::gemm(tiled_mma, tCrA(_, m, k_block, stage), tCrB(_, n, k_block, stage), part);
+          tiled_mma.accumulate_ = GMMA::ScaleOut::One;
+        }
+        warpgroup_commit_batch();
+        warpgroup_wait<0>();
+        Parts::promote(accum(_, m, n), part, tCsSFA(_, m, n, make_coord(_0{}, stage)),
+                       tCsSFB(_, m, n, make_coord(_0{}, stage)));
+      }
+      // Every stage but the last goes back here; the kernel's mma_tail() releases the last.
+      if (t + 1 < k_tile_count) {
+        pipeline.consumer_release(smem_pipe_read);
+        ++smem_pipe_read;
+        barrier_token = pipeline.consumer_try_wait(smem_pipe_read);
       }
     }
   }

@@ -65,6 +65,27 @@ struct SmemLayoutAtomDOf<cutlass::epilogue::collective::CollectiveEpilogue<
   using type = AtomD;
 };
 
+// The base epilogue with `Stages` D stages (CUTLASS's builder gives min(subtiles, 2)): the
+// store-warp epilogue needs one stage per subtile of a tile, 4 at 256x128.
+template <class, int>
+struct WithStagesD;
+template <int Stages, int StagesC, int StagesD, int FragmentSize, bool ReuseSmemC, bool DelayTmaStore, int WarpGroups,
+          class CtaTile, class EpiTile, class ElementC, class StrideC, class ElementD, class StrideD, class Fusion,
+          class CopyOpG2S, class AtomC, class CopyOpS2R, class CopyOpS2G, class AtomD, class CopyOpR2S,
+          class CopyAtomC, class CopyOpR2R>
+struct WithStagesD<cutlass::epilogue::collective::CollectiveEpilogue<
+                       cutlass::epilogue::Sm90PtrArrayTmaWarpSpecialized<StagesC, StagesD, FragmentSize, ReuseSmemC,
+                                                                         DelayTmaStore, WarpGroups>,
+                       CtaTile, EpiTile, ElementC, StrideC, ElementD, StrideD, Fusion, CopyOpG2S, AtomC, CopyOpS2R,
+                       CopyOpS2G, AtomD, CopyOpR2S, CopyAtomC, CopyOpR2R>,
+                   Stages> {
+  using type = cutlass::epilogue::collective::CollectiveEpilogue<
+      cutlass::epilogue::Sm90PtrArrayTmaWarpSpecialized<StagesC, Stages, FragmentSize, ReuseSmemC, DelayTmaStore,
+                                                        WarpGroups>,
+      CtaTile, EpiTile, ElementC, StrideC, ElementD, StrideD, Fusion, CopyOpG2S, AtomC, CopyOpS2R, CopyOpS2G, AtomD,
+      CopyOpR2S, CopyAtomC, CopyOpR2R>;
+};
+
 // Whether a TiledMma's accumulators are GMMA's 64xN layout, unpermuted (the consumers'
 // hand-computed addresses assume it).
 template <class>
@@ -87,10 +108,12 @@ struct StoreWarpEpilogue : Base {
 
   static constexpr int kTileM = cute::size<0>(CtaTile{});
   static constexpr int kTileN = cute::size<1>(CtaTile{});
+  static constexpr int kEpiM = cute::size<0>(EpiTile{});
   static constexpr int kEpiN = cute::size<1>(EpiTile{});
-  static constexpr int kSubtiles = kTileN / kEpiN;  // the tile's subtiles, one D stage each
+  static constexpr int kSubM = kTileM / kEpiM;
+  static constexpr int kSubtiles = kSubM * (kTileN / kEpiN);  // one D stage each, M-fastest
   static constexpr int kRowBytes = kEpiN * static_cast<int>(sizeof(ElementD));  // a subtile row: 128 bytes
-  static constexpr int kSubtileBytes = kTileM * kRowBytes;
+  static constexpr int kSubtileBytes = kEpiM * kRowBytes;
   static constexpr int kConsumerThreads = Base::NumEpilogueWarpGroups * cutlass::NumThreadsPerWarpGroup;
   // The base's D stages, as many as the tile has subtiles: (EPI_M, EPI_N, subtile).
   using SmemLayoutD = decltype(cute::tile_to_shape(
@@ -103,8 +126,10 @@ struct StoreWarpEpilogue : Base {
                                 cutlass::epilogue::fusion::LinearCombination<ElementD, float, void, float>>,
                 "StoreWarpEpilogue: D = alpha * acc only (the stores apply no other fusion)");
   static_assert(Base::IsGroupedGemmKernel, "StoreWarpEpilogue: a grouped GEMM (per-group D descriptors)");
-  static_assert(cute::size<0>(EpiTile{}) == kTileM && kTileN % kEpiN == 0,
-                "StoreWarpEpilogue: subtiles of whole tile columns");
+  // kEpiM a multiple of 64: a thread's rows of one 64-row GMMA atom lie in one subtile
+  // (the consumers' addresses take the subtile row from the constant part of the row).
+  static_assert(kTileM % kEpiM == 0 && kEpiM % 64 == 0 && kTileN % kEpiN == 0,
+                "StoreWarpEpilogue: subtiles of 64-row multiples that divide the tile");
   static_assert(kRowBytes == 128 && cute::is_same_v<typename SmemLayoutAtomDOf<Base>::type,
                                                     cute::GMMA::Layout_K_SW128_Atom<ElementD>>,
                 "StoreWarpEpilogue: 128-byte subtile rows, 128B-swizzled (the consumers' addresses)");
@@ -199,14 +224,14 @@ struct StoreWarpEpilogue : Base {
       Tensor mD = coalesce(params_.tma_store_d.get_tma_tensor(append<3>(make_shape(M, N), Int<1>{})),
                            take<0, 2>(CtaTile{}));                                     // (M, N)
       Tensor gD = local_tile(mD, take<0, 2>(CtaTile{}), make_coord(m_coord, n_coord, Int<0>{}));  // (TILE_M, TILE_N)
-      Tensor gD_epi = flat_divide(gD, EpiTile{});                           // (EPI_M, EPI_N, 1, subtile)
+      Tensor gD_epi = flat_divide(gD, EpiTile{});                           // (EPI_M, EPI_N, SUB_M, SUB_N)
       Tensor sD = as_position_independent_swizzle_tensor(make_tensor(make_smem_ptr(smem_d(shared)), SmemLayoutD{}));
       ThrCopy s2g = params_.tma_store_d.get_slice(Int<0>{});
       Tensor bSG_sD = s2g.partition_S(sD);      // (S2G, S2G_M, S2G_N, subtile)
-      Tensor bSG_gD = s2g.partition_D(gD_epi);  // (S2G, S2G_M, S2G_N, 1, subtile)
+      Tensor bSG_gD = s2g.partition_D(gD_epi);  // (S2G, S2G_M, S2G_N, SUB_M, SUB_N)
       CUTLASS_PRAGMA_UNROLL
       for (int t = 0; t < kSubtiles; ++t) {
-        copy(params_.tma_store_d.with(tensormap), bSG_sD(_, _, _, t), bSG_gD(_, _, _, 0, t));
+        copy(params_.tma_store_d.with(tensormap), bSG_sD(_, _, _, t), bSG_gD(_, _, _, t % kSubM, t / kSubM));
       }
       tma_store_arrive();
       tma_store_wait<0>();  // the stores have read the tile
@@ -251,7 +276,8 @@ struct StoreWarpEpilogue : Base {
     CUTLASS_PRAGMA_UNROLL
     for (int i = 0; i < size(accumulators); i += 2) {
       const int dm = get<0>(coords(i)) - m_t, dn = get<1>(coords(i)) - n_t;  // constants
-      const uint32_t addr = base + (dn / kEpiN) * kSubtileBytes + dm * kRowBytes +
+      const int subtile = dm / kEpiM + kSubM * (dn / kEpiN);
+      const uint32_t addr = base + subtile * kSubtileBytes + (dm % kEpiM) * kRowBytes +
                             ((((dn % kEpiN) / 8) * 16) ^ swizzle);
       const __nv_bfloat162 pair = __floats2bfloat162_rn(accumulators(i), accumulators(i + 1));
       asm volatile("st.shared.b32 [%0], %1;" ::"r"(addr), "r"(reinterpret_cast<const uint32_t&>(pair)));
