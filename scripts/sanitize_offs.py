@@ -137,11 +137,13 @@ if blockwise_gemm.available():
         o = torch.tensor(offs, dtype=torch.int32, device="cuda")
         w = torch.randn(o.numel(), 96, 64, device="cuda", dtype=torch.bfloat16)
         qb, sb = moe_fp8_ext.quantize_blockwise_weight_rhs(w, e4)
-        attempt(blockwise_gemm.blockwise_grouped_mm_2d3d, xa, sa, qb, sb, o, torch.bfloat16)
         g = torch.randn(1024, 64, device="cuda", dtype=torch.bfloat16)
         qg, sg = moe_fp8_ext.quantize_blockwise_act_transposed_lhs(g, e4)
         qx, sx = moe_fp8_ext.quantize_blockwise_act_rhs(torch.randn(1024, 96, device="cuda", dtype=torch.bfloat16), e4)
-        attempt(blockwise_gemm.blockwise_grouped_mm_2d2d, qg, sg, qx, sx, o, torch.bfloat16)
+        for config in range(-1, blockwise_gemm.CONFIGS_2D2D):  # every tile configuration
+            if config < blockwise_gemm.CONFIGS_2D3D:
+                attempt(blockwise_gemm.blockwise_grouped_mm_2d3d, xa, sa, qb, sb, o, torch.bfloat16, config)
+            attempt(blockwise_gemm.blockwise_grouped_mm_2d2d, qg, sg, qx, sx, o, torch.bfloat16, config)
 # Our rowwise grouped GEMMs (sm90 only), the same garbage offs: clamped groups; a wgrad
 # group not starting at a multiple of 16 is treated as empty.
 from moe_fp8_ext import rowwise_gemm  # noqa: E402

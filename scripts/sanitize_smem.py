@@ -81,5 +81,20 @@ for recipe in ("fp8_rowwise", "fp8_blockwise"):
     a = torch.randn(512, 256, device=dev, dtype=torch.bfloat16, requires_grad=True)
     bt = torch.randn(4, 256, 128, device=dev, dtype=torch.bfloat16, requires_grad=True)
     m.grouped_mm(a, bt, g, recipe=recipe).sum().backward()
+# Every configuration of the blockwise GEMMs (tile, cluster; the recipe above takes the
+# 128x128 ones at this size): partial tiles, an empty group.
+from moe_fp8_ext import blockwise_gemm as bg  # noqa: E402
+
+if bg.available():
+    g = torch.tensor([300, 300, 700], dtype=torch.int32, device=dev)
+    qa, sa = m.quantize_blockwise_act_lhs(torch.randn(700, 256, device=dev, dtype=torch.bfloat16), F8)
+    qb, sb = m.quantize_blockwise_weight_rhs(torch.randn(3, 256, 384, device=dev, dtype=torch.bfloat16), F8)
+    g128 = torch.tensor([256, 256, 640], dtype=torch.int32, device=dev)
+    qg, sg = m.quantize_blockwise_act_transposed_lhs(torch.randn(640, 384, device=dev, dtype=torch.bfloat16), F8, g128)
+    qx, sx = m.quantize_blockwise_act_rhs(torch.randn(640, 264, device=dev, dtype=torch.bfloat16), F8, g128)
+    for config in range(bg.CONFIGS_2D3D):
+        bg.blockwise_grouped_mm_2d3d(qa, sa, qb, sb, g, config=config)
+    for config in range(bg.CONFIGS_2D2D):
+        bg.blockwise_grouped_mm_2d2d(qg, sg, qx, sx, g128, config=config)
 torch.cuda.synchronize()
 print("sanitize_smem: done")

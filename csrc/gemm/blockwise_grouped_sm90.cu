@@ -371,14 +371,16 @@ void run_gemm(const GroupTables<G>& t, int groups, bool raster_along_n, const at
 //   shared memory and L2 and store half as many tiles a FLOP. Outputs are bit-equal
 //   across all configurations (the same 64x128 GMMAs, promoted in the same order).
 // - Picks (H100, same-run A/B, docs/EXPERIMENTS.md, time / the 128x128 pick's):
-//   * 2d3d: 256x128 where the mean group has at least 1024 rows: forward 0.91-0.97, dgrad
+//   * 2d3d: 256x128 where the mean group has at least 256 rows: forward 0.91-0.97, dgrad
 //     0.83-0.97 on the three benchmark shapes (1024-4096 rows a group, balanced and
-//     router-like) and one group of 16384. Smaller groups keep 128x128 (a 256-row tile
-//     wastes up to 255 rows at each group's end).
+//     router-like) and one group of 16384; with router-like groups of 256 and 512 rows a
+//     mean, 0.93-0.96 forward and 0.80-0.99 dgrad. Smaller groups keep 128x128 (not
+//     measured there: a 256-row tile wastes up to 255 rows at each group's end).
 //   * 2d2d: 256x128 where N is a multiple of 256, else 128x256 where K is, when the mean
 //     group has at most 4096 tokens (16-32 k tiles a tile): 0.91-0.96 at 1024-2048 tokens
 //     a group. With one group of 16384 tokens (128 k tiles) 128x128 is faster (256x128
-//     1.07, 128x256 1.03): over long k loops a warp group's own overlap wins.
+//     1.07, 128x256 1.03): over long k loops a warp group's own overlap wins. At 8192
+//     tokens a group all four were within 2%; at 256-512 too (groups of 2-4 k tiles).
 //   * 128x256 for 2d3d is not built: its B scales (one per 128 columns, two a tile) need
 //     another scale view (PromotionParts), and it measured 0.91-1.05 against 256x128's
 //     0.83-0.97.
@@ -420,7 +422,7 @@ using WgradWide12 = BlockwiseGemm<Shape<_128, _256, _128>, Shape<_1, _2, _1>, tr
 
 // The picks of the configurations above, by shape (host values only: no sync).
 int64_t pick_2d3d(int64_t M, int64_t N, int64_t E) {
-  if (M >= 1024 * E) return 2;                      // 256x128
+  if (M >= 256 * E) return 2;                       // 256x128
   return ceil_div(N, kBlock) % 2 == 1 ? 0 : 1;      // 128x128: 2x1 for an odd number of N tiles
 }
 int64_t pick_2d2d(int64_t M, int64_t N, int64_t K, int64_t E) {
