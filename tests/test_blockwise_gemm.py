@@ -246,6 +246,9 @@ def test_checks_config(config):
     for c in range(bg.CONFIGS_2D3D):  # every configuration traces
         out = torch.ops.moe_fp8.blockwise_grouped_mm_2d3d(*operands_2d3d(300, 256, 384, 4), torch.bfloat16, c)
         assert out.shape == (300, 384)
+    for c in range(bg.CONFIGS_2D2D):
+        out = torch.ops.moe_fp8.blockwise_grouped_mm_2d2d(*operands_2d2d(640, 200, 136, 5), torch.bfloat16, c)
+        assert out.shape == (5, 200, 136)
 
 
 def test_checks_device_mismatch():
@@ -465,6 +468,33 @@ def test_2d2d_matches_dequantized_reference(m, n, k, sizes):
     out = mm_2d2d(a, sa, b, sb, offs)
     ref, mag = reference_2d2d(a, sa, b, sb, offs)
     assert_close_to_reference(out, ref, mag)  # empty groups: zero
+
+
+def gemm_kernels(fn):
+    """The names of the CUTLASS GEMM kernels one call of fn launches (torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return {e.name for e in prof.events() if "GemmUniversal" in e.name}
+
+
+@requires_sm90
+@pytest.mark.gpu
+def test_configs_run_their_own_kernels():
+    """config picks the kernel: one GEMM kernel a call, a different one for each config
+    (so the bit-equality tests compare different kernels), and the pick (-1) one of them."""
+    a, sa, b, sb, offs = draw_2d3d(1024, 256, 384, 2, offs_from_sizes([500, 524]))
+    ga, gsa, gb, gsb, goffs = draw_2d2d(512, 256, 256, offs_from_sizes([256, 256]))
+    for configs, call in ((bg.CONFIGS_2D3D, lambda c: mm_2d3d(a, sa, b, sb, offs, config=c)),
+                          (bg.CONFIGS_2D2D, lambda c: mm_2d2d(ga, gsa, gb, gsb, goffs, config=c))):
+        names = [gemm_kernels(lambda c=c: call(c)) for c in range(configs)]
+        assert all(len(n) == 1 for n in names), names
+        assert len(set.union(*names)) == configs, "two configurations ran the same kernel"
+        assert gemm_kernels(lambda: call(-1)) <= set.union(*names)
 
 
 @requires_sm90

@@ -401,8 +401,8 @@ void run_gemm(const GroupTables<G>& t, int groups, bool raster_along_n, const at
 // - 2d2d 128x128 (wgrad): 1x2, unless K has an odd and N an even number of tiles (the groups'
 //   tokens are the contraction there, so both tile counts are known on the host). On
 //   the benchmark shapes, which all take 1x2, 2x1 ran 0.5% faster to 8% slower.
-// The output: the consumers hand each 128x128 tile to the producer warp group's spare
-// warp through the base epilogue's two 128x64 D stages (its two subtiles), and that warp
+// The output: the consumers hand each tile to the producer warp group's spare warp
+// through the base epilogue's D stages (one per 128x64 subtile), and that warp
 // issues the TMA stores (store_warp_epilogue.cuh; it needs (128, 64) subtiles of bf16:
 // 128-byte swizzled rows). Same-build A/B on H100 (seven interleaved rounds, outputs
 // bit-equal, docs/EXPERIMENTS.md) against the epilogue before it, CUTLASS's with the
@@ -553,10 +553,12 @@ at::Tensor blockwise_grouped_mm_2d3d(const at::Tensor& a, const at::Tensor& scal
   p.sse = sse;
   p.groups = static_cast<int>(E);
   // GEMM (M_g, N, K): the tile by the mean group, the cluster by N's tile count (see the configurations).
-  switch (config >= 0 ? config : pick_2d3d(M, N, E)) {
+  const int64_t c = config >= 0 ? config : pick_2d3d(M, N, E);
+  switch (c) {
     case 0: launch_2d3d<FwdCluster21>(p, a, gpu, op); break;
     case 1: launch_2d3d<FwdCluster12>(p, a, gpu, op); break;
-    default: launch_2d3d<FwdTall12>(p, a, gpu, op); break;
+    case 2: launch_2d3d<FwdTall12>(p, a, gpu, op); break;
+    default: TORCH_CHECK(false, op, ": no configuration ", c);
   }
 #endif
   return out;
@@ -631,11 +633,13 @@ at::Tensor blockwise_grouped_mm_2d2d(const at::Tensor& a, const at::Tensor& scal
   p.sbr = sbr;
   p.groups = static_cast<int>(E);
   // GEMM (N, K, T_g): the tile by the mean group and N, K; the cluster by the tile counts.
-  switch (config >= 0 ? config : pick_2d2d(M, N, K, E)) {
+  const int64_t c = config >= 0 ? config : pick_2d2d(M, N, K, E);
+  switch (c) {
     case 0: launch_2d2d<WgradCluster12>(p, a, gpu, op); break;
     case 1: launch_2d2d<WgradCluster21>(p, a, gpu, op); break;
     case 2: launch_2d2d<WgradTall12>(p, a, gpu, op); break;
-    default: launch_2d2d<WgradWide12>(p, a, gpu, op); break;
+    case 3: launch_2d2d<WgradWide12>(p, a, gpu, op); break;
+    default: TORCH_CHECK(false, op, ": no configuration ", c);
   }
 #endif
   return out;

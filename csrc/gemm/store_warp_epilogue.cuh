@@ -11,8 +11,9 @@
 // grouped linear) that once-a-tile code was 16% of the consumers' time on an H100,
 // against 2.4% with one group of 128 k tiles (docs/EXPERIMENTS.md).
 //
-// How: the base's two 128x64 D stages in shared memory hold one whole 128x128 tile (its
-// two subtiles, in the layout the base's TMA store reads), and two mbarriers hand it over.
+// How: the base's D stages in shared memory, one per 128x64 subtile (two at a 128x128
+// tile, four at 256x128 and 128x256: WithStagesD), hold one whole tile in the layout the
+// base's TMA store reads, and two mbarriers hand it over.
 // - Consumers (store): wait until the store warp's TMA stores have read the previous
 //   tile (`empty`), write the accumulators as bf16 pairs, fence the async proxy, arrive on
 //   `full`, return. No named barrier, no wait on a TMA store, no descriptor update.
@@ -126,8 +127,9 @@ struct StoreWarpEpilogue : Base {
                                 cutlass::epilogue::fusion::LinearCombination<ElementD, float, void, float>>,
                 "StoreWarpEpilogue: D = alpha * acc only (the stores apply no other fusion)");
   static_assert(Base::IsGroupedGemmKernel, "StoreWarpEpilogue: a grouped GEMM (per-group D descriptors)");
-  // kEpiM a multiple of 64: a thread's rows of one 64-row GMMA atom lie in one subtile
-  // (the consumers' addresses take the subtile row from the constant part of the row).
+  // Subtiles of whole 64-row GMMA atoms, M-fastest: the consumers' row offset (dm / kEpiM)
+  // subtiles + (dm % kEpiM) rows is dm rows from the base; along N a thread's columns of
+  // one 8-column group lie in one subtile (kEpiN a multiple of 8).
   static_assert(kTileM % kEpiM == 0 && kEpiM % 64 == 0 && kTileN % kEpiN == 0,
                 "StoreWarpEpilogue: subtiles of 64-row multiples that divide the tile");
   static_assert(kRowBytes == 128 && cute::is_same_v<typename SmemLayoutAtomDOf<Base>::type,
@@ -138,7 +140,8 @@ struct StoreWarpEpilogue : Base {
                 "StoreWarpEpilogue: row-major D");
 
   // The barriers take 1 KB of shared memory, not 16 bytes: the D stages' 1024-byte
-  // alignment pads the struct (5 mainloop stages either way at the benchmark tiles).
+  // alignment pads the struct (5 mainloop stages either way at 128x128, 3 at 256x128 and
+  // 128x256).
   struct TensorStorage {
     typename Base::TensorStorage base;    // the base's D stages hold the tile
     cutlass::arch::ClusterBarrier full;   // the consumers have written the tile
