@@ -372,15 +372,16 @@ void run_gemm(const GroupTables<G>& t, int groups, bool raster_along_n, const at
 //   across all configurations (the same 64x128 GMMAs, promoted in the same order).
 // - Picks (H100, same-run A/B, docs/EXPERIMENTS.md, time / the 128x128 pick's):
 //   * 2d3d: 256x128 where the mean group has at least 256 rows: forward 0.91-0.97, dgrad
-//     0.83-0.97 on the three benchmark shapes (1024-4096 rows a group, balanced and
+//     0.83-0.97 on the three benchmark shapes (1024-2048 rows a group, balanced and
 //     router-like) and one group of 16384; with router-like groups of 256 and 512 rows a
 //     mean, 0.93-0.96 forward and 0.80-0.99 dgrad. Smaller groups keep 128x128 (not
 //     measured there: a 256-row tile wastes up to 255 rows at each group's end).
 //   * 2d2d: 256x128 where N is a multiple of 256, else 128x256 where K is, when the mean
-//     group has at most 4096 tokens (16-32 k tiles a tile): 0.91-0.96 at 1024-2048 tokens
-//     a group. With one group of 16384 tokens (128 k tiles) 128x128 is faster (256x128
-//     1.07, 128x256 1.03): over long k loops a warp group's own overlap wins. At 8192
-//     tokens a group all four were within 2%; at 256-512 too (groups of 2-4 k tiles).
+//     group has at most 4096 tokens: 0.91-0.95 at 1024-2048 tokens a group (8-16 k tiles
+//     a tile). With one group of 16384 tokens (128 k tiles) 128x128 is faster (256x128
+//     1.07, 128x256 1.03): over long k loops a warp group's own overlap wins. At 512 and
+//     8192 tokens a group the four were within 3% of each other, at 256 within 6%, with
+//     no winner across shapes (run-to-run noise about 3%).
 //   * 128x256 for 2d3d is not built: its B scales (one per 128 columns, two a tile) need
 //     another scale view (PromotionParts), and it measured 0.91-1.05 against 256x128's
 //     0.83-0.97.
