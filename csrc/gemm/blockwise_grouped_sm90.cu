@@ -367,8 +367,9 @@ void run_gemm(const GroupTables<G>& t, int groups, bool raster_along_n, const at
 //   sums, 3 x 64 registers: PipelinedPromotion), so a warp group's promotion overlaps its
 //   own GMMAs. The 256x128 and 128x256 tiles hold a 128-register total and ONE 64x128
 //   partial (SequencedPromotion): a warp group waits for its GMMAs before it promotes, the
-//   other warp group's GMMAs overlap that. They read half the operand bytes a FLOP from
-//   shared memory and L2 and store half as many tiles a FLOP. Outputs are bit-equal
+//   other warp group's GMMAs overlap that. A k tile brings 48 KB of operands for twice
+//   128x128's FLOPs (32 KB): a quarter fewer bytes a FLOP through TMA and L2, and half as
+//   many tile epilogues a FLOP. Outputs are bit-equal
 //   across all configurations (the same 64x128 GMMAs, promoted in the same order).
 // - Picks (H100, same-run A/B, docs/EXPERIMENTS.md, time / the 128x128 pick's):
 //   * 2d3d: 256x128 where the mean group has at least 256 rows: forward 0.91-0.97, dgrad
