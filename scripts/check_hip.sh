@@ -14,9 +14,10 @@
 #
 # Each family contributes its launchers through csrc/<family>/<family>_instantiate.cuh:
 # torch-free, non-inline functions in namespace moe_fp8::instantiate that call every
-# launcher of the family for every input dtype and fp8 format. This script includes
-# every csrc/*/*_instantiate.cuh it finds; a family with a HIP-built GPU file in
-# csrc/sources.cmake must have one.
+# launcher of the family for every input dtype and fp8 format. This script compiles
+# every csrc/*/*_instantiate.cuh it finds, each as its own translation unit, for each
+# target, $CHECK_JOBS compiles at a time (default: every core); a family with a
+# HIP-built GPU file in csrc/sources.cmake must have one.
 #
 # Needs (Debian 12): apt-get install -y --no-install-recommends hipcc clang-19 lld-19
 set -euo pipefail
@@ -24,6 +25,9 @@ cd "$(dirname "$0")/.."
 export HIP_PLATFORM=amd  # the CUDA toolkit on the machine would otherwise take over hipcc
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
+# hipcc's scratch folders (it leaves some behind) go with ours.
+mkdir "$work/tmp"
+export TMPDIR=$work/tmp
 status=0
 fail() { echo "FAIL $*" >&2; status=1; }
 
@@ -57,12 +61,12 @@ else
 fi
 
 # 3. The families' instantiation snippets, hipified (hipify renames a header only
-# when it changed something in it).
-snippets=""
+# when it changed something in it), one translation unit each.
+snippets=()
 for f in $(cd csrc && ls */*_instantiate.cuh 2>/dev/null | sort); do
   h="${f%.cuh}_hip.cuh"
   [ -e "$src/$h" ] || h="$f"
-  snippets+="#include \"$h\""$'\n'
+  snippets+=("$h")
 done
 # Every family that builds a GPU file for ROCm brings its snippet.
 while read -r path kind archs _; do
@@ -72,12 +76,15 @@ while read -r path kind archs _; do
   [ -e "csrc/$family/${family}_instantiate.cuh" ] ||
     fail "csrc/$path is built for ROCm but csrc/$family/${family}_instantiate.cuh is missing"
 done < <(sed -n 's/^[[:space:]]*"\([^"]*\)".*/\1/p' csrc/sources.cmake)
-[ -n "$snippets" ] || fail "no csrc/*/*_instantiate.cuh found"
-echo "instantiating: $(echo "$snippets" | sed 's/#include //' | tr -d '"' | tr '\n' ' ')"
+[ ${#snippets[@]} -gt 0 ] || fail "no csrc/*/*_instantiate.cuh found"
+echo "instantiating: ${snippets[*]}"
 
-cat >"$work/instantiate.hip" <<CPP
-// Every launcher of every kernel family, for every input dtype and fp8 format.
-$snippets
+units=()
+for h in "${snippets[@]}"; do
+  unit="$work/$(basename "${h%.cuh}").hip"
+  cat >"$unit" <<CPP
+// Every launcher of one kernel family, for every input dtype and fp8 format.
+#include "$h"
 #if defined(__HIP_DEVICE_COMPILE__) && (defined(__gfx940__) || defined(__gfx942__)) && !MOE_FP8_HW_E4M3FNUZ
 #error "gfx940/gfx942 must encode fnuz with the hardware conversion"
 #endif
@@ -88,17 +95,19 @@ $snippets
 #error "gfx90a has no fp8 conversion instructions: the software encoder must be used"
 #endif
 CPP
+  units+=("$unit")
+done
 flags=(-std=c++17 -O2 -Werror -DUSE_ROCM -I"$src")
 
-for arch in gfx940 gfx90a; do
-  if ! command -v hipcc >/dev/null; then
-    fail "hipcc $arch: hipcc not found (apt-get install -y --no-install-recommends hipcc)"
-  elif hipcc --offload-arch="$arch" "${flags[@]}" -c "$work/instantiate.hip" -o "$work/instantiate.$arch.o"; then
-    echo "ok   hipcc $arch: hipified kernels compile"
-  else
-    fail "hipcc $arch"
-  fi
-done
+# The compiles, $CHECK_JOBS at a time (default: every core). Each job is
+# "<target> <unit>" and leaves <unit>.<target>.log and, on success, <unit>.<target>.ok.
+jobs_max=${CHECK_JOBS:-$(nproc)}
+targets=()
+if command -v hipcc >/dev/null; then
+  targets+=(gfx940 gfx90a)
+else
+  fail "hipcc gfx940, gfx90a: hipcc not found (apt-get install -y --no-install-recommends hipcc)"
+fi
 
 # gfx942 with clang-19 against the ROCm 5.2 headers (/usr/include/hip) and device
 # libraries. Those libraries predate gfx942: they lack its oclc_isa_version_942.bc
@@ -106,25 +115,62 @@ done
 # clang at a copy of the library folder holding it. Device and host sides are
 # compiled separately: bundling them into one object needs clang-offload-bundler,
 # which is in the larger clang-tools-19 package.
-arch=gfx942
 devlibs=/usr/lib/x86_64-linux-gnu/amdgcn/bitcode
+clang942=(clang++-19 -x hip --offload-arch=gfx942 --rocm-path=/usr --rocm-device-lib-path="$work/devlibs"
+          "${flags[@]}")
 if ! command -v clang++-19 >/dev/null || ! command -v ld.lld-19 >/dev/null; then
-  fail "clang-19 $arch: clang++-19 or ld.lld-19 not found (apt-get install -y --no-install-recommends clang-19 lld-19)"
+  fail "clang-19 gfx942: clang++-19 or ld.lld-19 not found (apt-get install -y --no-install-recommends clang-19 lld-19)"
 elif [ ! -e "$devlibs/ocml.bc" ] || [ ! -e /usr/include/hip/hip_runtime.h ]; then
-  fail "clang-19 $arch: ROCm headers or device libraries missing (apt-get install -y --no-install-recommends hipcc)"
+  fail "clang-19 gfx942: ROCm headers or device libraries missing (apt-get install -y --no-install-recommends hipcc)"
 else
   mkdir "$work/devlibs"
   ln -s "$devlibs"/*.bc "$work/devlibs/"
   echo '__attribute__((visibility("protected"))) __constant int __oclc_ISA_version = 9402;' >"$work/isa942.cl"
-  clang=(clang++-19 -x hip --offload-arch="$arch" --rocm-path=/usr --rocm-device-lib-path="$work/devlibs"
-         "${flags[@]}")
-  if clang-19 -x cl -cl-std=CL2.0 --target=amdgcn-amd-amdhsa -mcpu="$arch" -nogpulib -emit-llvm \
-        -c "$work/isa942.cl" -o "$work/devlibs/oclc_isa_version_942.bc" &&
-     "${clang[@]}" --offload-device-only --no-gpu-bundle-output -c "$work/instantiate.hip" -o "$work/instantiate.$arch.dev.o" &&
-     "${clang[@]}" --offload-host-only -c "$work/instantiate.hip" -o "$work/instantiate.$arch.host.o"; then
-    echo "ok   clang-19 $arch: hipified kernels compile and link against the device libraries"
+  if clang-19 -x cl -cl-std=CL2.0 --target=amdgcn-amd-amdhsa -mcpu=gfx942 -nogpulib -emit-llvm \
+       -c "$work/isa942.cl" -o "$work/devlibs/oclc_isa_version_942.bc"; then
+    targets+=(gfx942.dev gfx942.host)
   else
-    fail "clang-19 $arch"
+    fail "clang-19 gfx942: building oclc_isa_version_942.bc"
   fi
 fi
+
+compile_one() {
+  local target=$1 unit=$2 cmd
+  case "$target" in
+    gfx942.dev)  cmd=("${clang942[@]}" --offload-device-only --no-gpu-bundle-output) ;;
+    gfx942.host) cmd=("${clang942[@]}" --offload-host-only) ;;
+    *)           cmd=(hipcc --offload-arch="$target" "${flags[@]}") ;;
+  esac
+  if "${cmd[@]}" -c "$unit" -o "$unit.$target.o" >"$unit.$target.log" 2>&1; then
+    touch "$unit.$target.ok"
+  fi
+  rm -f "$unit.$target.o"
+}
+for target in "${targets[@]}"; do
+  for unit in "${units[@]}"; do
+    while [ "$(jobs -rp | wc -l)" -ge "$jobs_max" ]; do wait -n || true; done
+    compile_one "$target" "$unit" &
+  done
+done
+wait
+
+for target in "${targets[@]}"; do
+  case "$target" in
+    gfx942.dev)  what="clang-19 gfx942 device side (linked against the device libraries)" ;;
+    gfx942.host) what="clang-19 gfx942 host side" ;;
+    *)           what="hipcc $target" ;;
+  esac
+  failed=()
+  for unit in "${units[@]}"; do
+    if [ ! -e "$unit.$target.ok" ]; then
+      cat "$unit.$target.log" >&2
+      failed+=("$(basename "$unit")")
+    fi
+  done
+  if [ ${#failed[@]} -eq 0 ]; then
+    echo "ok   $what: the hipified kernels of ${#units[@]} families compile"
+  else
+    fail "$what: ${failed[*]}"
+  fi
+done
 exit $status
