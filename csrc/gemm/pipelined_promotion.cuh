@@ -22,7 +22,8 @@
 // promotion was a small part of that shape's gap to cuBLAS.
 //
 // Stage accounting matches the base: mma() releases every stage but the last, which
-// the kernel's mma_tail() releases.
+// the kernel's mma_tail() releases. Since the scales are read after the GMMAs, the warps
+// of a warp group meet at a named barrier before each release (scales_read below).
 //
 // SequencedPromotion (below) is the mainloop of the 256x128 and 128x256 tiles, whose
 // total alone takes 128 registers a thread: one partial of one 64x128 GMMA atom, waited
@@ -31,6 +32,7 @@
 
 #include "../core/portability.h"
 #include "cute/tensor.hpp"
+#include "cutlass/arch/barrier.h"
 #include "cutlass/cutlass.h"
 
 namespace moe_fp8 {
@@ -93,33 +95,60 @@ struct PromotionParts : Base {
                       tiled_mma.get_slice(thread_idx).partition_C(sSFB));
   }
 
-  // total += part x scale, element by element, once part's GMMAs have completed: the
-  // base's expression (GmmaFP8Accumulation::scale_core with the scales multiplied first as
-  // the base does). sSFA / sSFB: one stage's scales of these accumulators (slices of
-  // thread_views').
-  template <class Total, class Part, class ScalesA, class ScalesB>
-  static CUTLASS_DEVICE void promote(Total&& total, Part& part, ScalesA const& sSFA, ScalesB const& sSFB) {
+  // Every warp of this thread's warp group has read the scales it promotes from a stage:
+  // call before the stage goes back to the producer (consumer_release, or the kernel's
+  // mma_tail() for the last one). CUTLASS's consumer_release arrives from one thread of the
+  // warp group (one per destination block), and our promotion reads the scales after the
+  // GMMAs, so without this a lagging warp could read a stage the producer refills. (The
+  // base reads them before its GMMAs: a completed warp-group GMMA orders them.) One named
+  // barrier per warp group, ids 0 and 1 of the user range (CUTLASS's sm90 collectives use
+  // only its reserved ids).
+  static CUTLASS_DEVICE void scales_read(int thread_idx) {
+    constexpr int kWgThreads = cutlass::NumThreadsPerWarpGroup;
+    static_assert(cute::size(TiledMma{}) / kWgThreads <= 2, "scales_read: one barrier id per warp group, two ids");
+    cutlass::arch::NamedBarrier::sync(kWgThreads, thread_idx / kWgThreads);
+  }
+
+  // The factors of one promotion, read from one stage's scales of these accumulators
+  // (sSFA / sSFB: slices of thread_views'): sfa and sfb in registers, their product formed
+  // as the base forms it (GmmaFP8Accumulation::scale_core with the scales multiplied first),
+  // held in sfa (in its first element where both are one a tile, in each distinct one where
+  // only A's are per row) or both kept (per row and per column).
+  template <class ScalesA, class ScalesB>
+  static CUTLASS_DEVICE auto scale_factors(ScalesA const& sSFA, ScalesB const& sSFB) {
     using namespace cute;
     Tensor sfa = make_tensor_like<Scale>(sSFA);
     Tensor sfb = make_tensor_like<Scale>(sSFB);
     copy(sSFA, sfa);
     copy(sSFB, sfb);
-    warpgroup_fence_operand(part);
-    warpgroup_fence_operand(total);
     if constexpr (kScalesM == 1 && kScalesN == 1) {
-      const Scale ab = sfa(_0{}) * sfb(_0{});
-      CUTLASS_PRAGMA_UNROLL
-      for (int i = 0; i < size(total); ++i) total(i) += part(i) * ab;
+      sfa(_0{}) = sfa(_0{}) * sfb(_0{});
     } else if constexpr (kScalesM > 1 && kScalesN == 1) {
       const Scale b = sfb(_0{});
       CUTLASS_PRAGMA_UNROLL
       for (int i = 0; i < size(filter_zeros(sfa)); ++i) filter_zeros(sfa)(i) = filter_zeros(sfa)(i) * b;
-      CUTLASS_PRAGMA_UNROLL
-      for (int i = 0; i < size(total); ++i) total(i) += part(i) * sfa(i);
     } else if constexpr (kScalesM == 1 && kScalesN > 1) {
       const Scale a = sfa(_0{});
       CUTLASS_PRAGMA_UNROLL
       for (int i = 0; i < size(filter_zeros(sfb)); ++i) filter_zeros(sfb)(i) = filter_zeros(sfb)(i) * a;
+    }
+    return make_tuple(sfa, sfb);
+  }
+
+  // total += part x factors, element by element, once part's GMMAs have completed.
+  template <class Total, class Part, class Factors>
+  static CUTLASS_DEVICE void apply(Total&& total, Part& part, Factors& factors) {
+    using namespace cute;
+    auto& [sfa, sfb] = factors;
+    warpgroup_fence_operand(part);
+    warpgroup_fence_operand(total);
+    if constexpr (kScalesM == 1 && kScalesN == 1) {
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < size(total); ++i) total(i) += part(i) * sfa(_0{});
+    } else if constexpr (kScalesM > 1 && kScalesN == 1) {
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < size(total); ++i) total(i) += part(i) * sfa(i);
+    } else if constexpr (kScalesM == 1 && kScalesN > 1) {
       CUTLASS_PRAGMA_UNROLL
       for (int i = 0; i < size(total); ++i) total(i) += part(i) * sfb(i);
     } else {
@@ -127,6 +156,13 @@ struct PromotionParts : Base {
       for (int i = 0; i < size(total); ++i) total(i) += part(i) * sfa(i) * sfb(i);
     }
     warpgroup_fence_operand(total);
+  }
+
+  // total += part x scale, with the scales read now from the stage (sSFA / sSFB).
+  template <class Total, class Part, class ScalesA, class ScalesB>
+  static CUTLASS_DEVICE void promote(Total&& total, Part& part, ScalesA const& sSFA, ScalesB const& sSFB) {
+    auto factors = scale_factors(sSFA, sSFB);
+    apply(total, part, factors);
   }
 };
 
@@ -188,6 +224,7 @@ struct PipelinedPromotion : PromotionParts<Base> {
     auto retire = [&](auto& part) {
       warpgroup_wait<1>();
       promote(part);
+      Parts::scales_read(thread_idx);
       pipeline.consumer_release(smem_pipe_release);
       ++smem_pipe_release;
     };
@@ -204,6 +241,7 @@ struct PipelinedPromotion : PromotionParts<Base> {
       if (t + 1 >= k_tile_count) {
         warpgroup_wait<0>();
         promote(part0);  // the last tile, t
+        Parts::scales_read(thread_idx);  // before mma_tail() releases its stage
         break;
       }
       issue(part1);  // tile t + 1
@@ -211,6 +249,7 @@ struct PipelinedPromotion : PromotionParts<Base> {
       if (t + 2 >= k_tile_count) {
         warpgroup_wait<0>();
         promote(part1);  // the last tile, t + 1
+        Parts::scales_read(thread_idx);  // before mma_tail() releases its stage
         break;
       }
     }
@@ -223,7 +262,10 @@ struct PipelinedPromotion : PromotionParts<Base> {
 // atom. A warp group has no GMMA in flight while it promotes; the other warp group's
 // GMMAs keep the tensor cores busy meanwhile (CUTLASS's own mainloop relies on the same).
 // Each atom is the same GMMAs as in the 128x128 tiles, promoted in the same order: bit
-// for bit the result of PipelinedPromotion.
+// for bit the result of PipelinedPromotion. Where an atom's scale factors are a few
+// registers (2d3d), they are read before its GMMAs: no barrier before the release, and the
+// shared-memory reads overlap the GMMAs (H100, against reading them after the GMMAs
+// with no barrier: forward and dgrad 0.96-0.98 of the time; docs/EXPERIMENTS.md).
 template <class Base>
 struct SequencedPromotion : PromotionParts<Base> {
   using Parts = PromotionParts<Base>;
@@ -242,6 +284,13 @@ struct SequencedPromotion : PromotionParts<Base> {
     CUTE_STATIC_ASSERT_V(size<1>(tCrB) == size<2>(accum));
     constexpr int kRepM = decltype(size<1>(accum))::value;
     constexpr int kRepN = decltype(size<2>(accum))::value;
+    // Where one operand's scale is one a tile (2d3d: B's 128x128 blocks), an atom's factors
+    // are a few registers (at 256x128: A's two rows and B's one): read them before the
+    // atom's GMMAs, so that every warp has read a stage's scales before its last GMMAs
+    // issue, which the releasing warp has waited for (a warp group's GMMA is collective);
+    // no barrier. With per-row and per-column scales (2d2d) they are 34 registers: read
+    // after the GMMAs, and the warp group meets at scales_read before each release.
+    constexpr bool kEarlyScales = Parts::kScalesM == 1 || Parts::kScalesN == 1;
 
     Tensor part = make_fragment_like(accum(_, _0{}, _0{}));  // (MMA): one GMMA atom's accumulators
 
@@ -256,20 +305,34 @@ struct SequencedPromotion : PromotionParts<Base> {
       CUTLASS_PRAGMA_UNROLL
       for (int mn = 0; mn < kRepM * kRepN; ++mn) {
         const int m = mn % kRepM, n = mn / kRepM;
-        tiled_mma.accumulate_ = GMMA::ScaleOut::Zero;
-        warpgroup_fence_operand(part);
-        warpgroup_arrive();
-        CUTLASS_PRAGMA_UNROLL
-        for (int k_block = 0; k_block < size<2>(tCrA); ++k_block) {
-          cute::gemm(tiled_mma, tCrA(_, m, k_block, stage), tCrB(_, n, k_block, stage), part);
-          tiled_mma.accumulate_ = GMMA::ScaleOut::One;
+        auto issue_and_wait = [&] {
+          tiled_mma.accumulate_ = GMMA::ScaleOut::Zero;
+          warpgroup_fence_operand(part);
+          warpgroup_arrive();
+          CUTLASS_PRAGMA_UNROLL
+          for (int k_block = 0; k_block < size<2>(tCrA); ++k_block) {
+            cute::gemm(tiled_mma, tCrA(_, m, k_block, stage), tCrB(_, n, k_block, stage), part);
+            tiled_mma.accumulate_ = GMMA::ScaleOut::One;
+          }
+          warpgroup_commit_batch();
+          warpgroup_wait<0>();
+        };
+        if constexpr (kEarlyScales) {
+          auto factors = Parts::scale_factors(tCsSFA(_, m, n, make_coord(_0{}, stage)),
+                                              tCsSFB(_, m, n, make_coord(_0{}, stage)));
+          // The factors (computed from the loaded scales) exist before the GMMAs issue.
+          warpgroup_fence_operand(get<0>(factors));
+          warpgroup_fence_operand(get<1>(factors));
+          issue_and_wait();
+          Parts::apply(accum(_, m, n), part, factors);
+        } else {
+          issue_and_wait();
+          Parts::promote(accum(_, m, n), part, tCsSFA(_, m, n, make_coord(_0{}, stage)),
+                         tCsSFB(_, m, n, make_coord(_0{}, stage)));
         }
-        warpgroup_commit_batch();
-        warpgroup_wait<0>();
-        Parts::promote(accum(_, m, n), part, tCsSFA(_, m, n, make_coord(_0{}, stage)),
-                       tCsSFB(_, m, n, make_coord(_0{}, stage)));
       }
       // Every stage but the last goes back here; the kernel's mma_tail() releases the last.
+      if constexpr (!kEarlyScales) Parts::scales_read(thread_idx);
       if (t + 1 < k_tile_count) {
         pipeline.consumer_release(smem_pipe_read);
         ++smem_pipe_read;
