@@ -284,13 +284,13 @@ struct SequencedPromotion : PromotionParts<Base> {
     CUTE_STATIC_ASSERT_V(size<1>(tCrB) == size<2>(accum));
     constexpr int kRepM = decltype(size<1>(accum))::value;
     constexpr int kRepN = decltype(size<2>(accum))::value;
-    // Where one operand's scale is one a tile (2d3d: B's 128x128 blocks), an atom's factors
-    // are a few registers (at 256x128: A's two rows and B's one): read them before the
-    // atom's GMMAs, so that every warp has read a stage's scales before its last GMMAs
-    // issue, which the releasing warp has waited for (a warp group's GMMA is collective);
-    // no barrier. With per-row and per-column scales (2d2d) they are 34 registers: read
-    // after the GMMAs, and the warp group meets at scales_read before each release.
-    constexpr bool kEarlyScales = Parts::kScalesM == 1 || Parts::kScalesN == 1;
+    // Where B's scale is one a tile (2d3d: 128x128 blocks), an atom's factors are a few
+    // registers (at 256x128: A's two rows and B's one): read them before the atom's GMMAs,
+    // so that every warp has read a stage's scales before its last GMMAs issue, which the
+    // releasing warp has waited for (a warp group's GMMA is collective); no barrier. With
+    // per-column B scales (2d2d) they are 34 registers (2 rows, 32 columns): read after the
+    // GMMAs, and the warp group meets at scales_read before each release.
+    constexpr bool kEarlyScales = Parts::kScalesN == 1;
 
     Tensor part = make_fragment_like(accum(_, _0{}, _0{}));  // (MMA): one GMMA atom's accumulators
 
