@@ -95,6 +95,24 @@ struct PromotionParts : Base {
                       tiled_mma.get_slice(thread_idx).partition_C(sSFB));
   }
 
+  // One k tile's GMMAs into `part` (the first one zeroes it), committed as one batch and
+  // not waited for. tCrA / tCrB: a stage's operands, (MMA,MMA_M,MMA_K) / (MMA,MMA_N,MMA_K);
+  // m and n: a GMMA atom's indices, or `_` for the whole tile.
+  template <class Mma, class OperandsA, class OperandsB, class M, class N, class Part>
+  static CUTLASS_DEVICE void issue_gmmas(Mma& tiled_mma, OperandsA const& tCrA, OperandsB const& tCrB, M m, N n,
+                                         Part& part) {
+    using namespace cute;
+    tiled_mma.accumulate_ = GMMA::ScaleOut::Zero;
+    warpgroup_fence_operand(part);
+    warpgroup_arrive();
+    CUTLASS_PRAGMA_UNROLL
+    for (int k_block = 0; k_block < size<2>(tCrA); ++k_block) {
+      cute::gemm(tiled_mma, tCrA(_, m, k_block), tCrB(_, n, k_block), part);
+      tiled_mma.accumulate_ = GMMA::ScaleOut::One;
+    }
+    warpgroup_commit_batch();
+  }
+
   // Every warp of this thread's warp group has read the scales it promotes from a stage:
   // call before the stage goes back to the producer (consumer_release, or the kernel's
   // mma_tail() for the last one). CUTLASS's consumer_release arrives from one thread of the
@@ -200,15 +218,7 @@ struct PipelinedPromotion : PromotionParts<Base> {
     auto issue = [&](auto& part) {
       pipeline.consumer_wait(smem_pipe_read, barrier_token);
       const int stage = smem_pipe_read.index();
-      tiled_mma.accumulate_ = GMMA::ScaleOut::Zero;
-      warpgroup_fence_operand(part);
-      warpgroup_arrive();
-      CUTLASS_PRAGMA_UNROLL
-      for (int k_block = 0; k_block < size<2>(tCrA); ++k_block) {
-        cute::gemm(tiled_mma, tCrA(_, _, k_block, stage), tCrB(_, _, k_block, stage), part);
-        tiled_mma.accumulate_ = GMMA::ScaleOut::One;
-      }
-      warpgroup_commit_batch();
+      Parts::issue_gmmas(tiled_mma, tCrA(_, _, _, stage), tCrB(_, _, _, stage), _, _, part);
       warpgroup_fence_operand(part);
       ++smem_pipe_read;
       if (++issued < k_tile_count) barrier_token = pipeline.consumer_try_wait(smem_pipe_read);
@@ -306,15 +316,7 @@ struct SequencedPromotion : PromotionParts<Base> {
       for (int mn = 0; mn < kRepM * kRepN; ++mn) {
         const int m = mn % kRepM, n = mn / kRepM;
         auto issue_and_wait = [&] {
-          tiled_mma.accumulate_ = GMMA::ScaleOut::Zero;
-          warpgroup_fence_operand(part);
-          warpgroup_arrive();
-          CUTLASS_PRAGMA_UNROLL
-          for (int k_block = 0; k_block < size<2>(tCrA); ++k_block) {
-            cute::gemm(tiled_mma, tCrA(_, m, k_block, stage), tCrB(_, n, k_block, stage), part);
-            tiled_mma.accumulate_ = GMMA::ScaleOut::One;
-          }
-          warpgroup_commit_batch();
+          Parts::issue_gmmas(tiled_mma, tCrA(_, _, _, stage), tCrB(_, _, _, stage), m, n, part);
           warpgroup_wait<0>();
         };
         if constexpr (kEarlyScales) {
