@@ -3,10 +3,11 @@
 # self-hosted runner): build for the local GPU, run the whole test suite, run the
 # sanitizer pass over garbage offs, run the benchmarks. Non-zero exit on any failure.
 #
-#   scripts/gpu_ci.sh [--no-bench] [--quick-bench] [--bench-only] [--sanitize-only] [--ep] [--gpu-cases]
+#   scripts/gpu_ci.sh [--no-bench] [--quick-bench] [--bench-only] [--sanitize-only] [--no-sanitize] [--ep] [--gpu-cases]
 # --bench-only: build (a no-op when built), then only the benchmarks; $BENCHES picks
 # them (default: all), e.g. BENCHES="bench_token_groups bench_grouped_mm".
-# --sanitize-only: build, then only the compute-sanitizer passes.
+# --sanitize-only: build, then only the compute-sanitizer passes; --no-sanitize: without them
+# (the tests and the sanitizer passes together run past one 10-minute device call).
 # --ep (a machine with two or more GPUs): build, then only the two-GPU examples under
 # torchrun (expert parallelism, FSDP2 over the experts layer) and their tests.
 # TEST_WORKERS=N runs the tests in N processes where pytest-xdist is installed.
@@ -36,6 +37,7 @@ for a in "$@"; do
     --ep) ep=1 ;;
     --bench-only) tests=0; sanitize=0 ;;
     --sanitize-only) tests=0; bench=none ;;
+    --no-sanitize) sanitize=0 ;;
     --gpu-cases) export MOE_FP8_SKIP_CPU_CASES=1 ;;
     *) echo "gpu_ci.sh: unknown option $a" >&2; exit 2 ;;
   esac
