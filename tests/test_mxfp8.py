@@ -658,14 +658,17 @@ def test_rowwise_m_groups_placement_same_as_cpu(rounding):
     # the groups' padded rows separately. Cases: tiny groups (nearly every blocked row
     # padding, up to 127 a group), router-like groups of multiples of 16 with rows past
     # the last group (a third of the first guesses wrong), odd sizes (shifts of every
-    # parity), one group of every row (every guess right), and more groups than the
-    # kernel's own table holds (1024: the op's start table instead).
+    # parity), one group of every row (every guess right), one group with rows past it,
+    # and more groups than the kernel's own table holds (1024: the op's start table
+    # instead). The router-like case and the one-group case of 4096 rows run the grid of
+    # 6 blocks an SM (padding at most an eighth of the rows), the others that of 8.
     g = torch.Generator().manual_seed(7)
     cases = [
         (700, 256, offs_from_sizes(torch.randint(0, 4, (300,), generator=g).tolist())),
         (16384, 2048, offs_from_sizes([1392, 2496, 2640, 1376, 2480, 2512, 1568, 1904])),
         (5000, 160, offs_from_sizes(torch.randint(0, 80, (64,), generator=g).tolist())),
         (1000, 64, torch.tensor([1000], dtype=torch.int32)),
+        (4096, 96, torch.tensor([4000], dtype=torch.int32)),
         (3000, 32, offs_from_sizes(torch.randint(0, 3, (1100,), generator=g).tolist())),
     ]
     for m, k, offs in cases:

@@ -962,8 +962,10 @@ int launch_quantize_rows_blocked(const RowsArgs& a, gpuStream_t stream) {
   p.units = static_cast<uint32_t>(units);
   // M groups without group_starts: the block's table of group starts (dynamic shared memory)
   const size_t smem = mgroups && a.group_starts == nullptr ? static_cast<size_t>(a.groups) * sizeof(int32_t) : 0;
-  auto launch = [&](auto kernel) {
-    const int64_t resident = static_cast<int64_t>(resident_blocks(kernel, TG::kThreads, smem)) * multiprocessor_count();
+  // per_sm: blocks an SM at most (0: as many as fit)
+  auto launch = [&](auto kernel, int per_sm) {
+    const int fit = resident_blocks(kernel, TG::kThreads, smem);
+    const int64_t resident = static_cast<int64_t>(per_sm > 0 ? std::min(fit, per_sm) : fit) * multiprocessor_count();
     const dim3 grid(static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>(bound, resident))));
     return launch_kernel(kernel, grid, dim3(TG::kThreads), smem, stream, 1, a, p);
   };
@@ -978,8 +980,20 @@ int launch_quantize_rows_blocked(const RowsArgs& a, gpuStream_t stream) {
   // spare stage: a wrong guess waits for its copies) was 1-4 points slower at the larger
   // shapes. ROCm: no target (hipcc reads the bound as waves an EU, which these kernels do
   // not meet), as before the split.
-  if (mgroups) return launch(quantize_rows_blocked_kernel<K, F, Rule, kBlock, true, kRocm ? 1 : 8>);
-  return launch(quantize_rows_blocked_kernel<K, F, Rule, kBlock, false, kRocm ? 1 : 9>);
+  //
+  // The M-group instance's grid: 6 blocks an SM, not the 8 that fit, where the groups'
+  // padding (at most 127 rows a group) is at most an eighth of the rows. Kernel time over
+  // plain scales, H100, 8 an SM -> 6 (docs/EXPERIMENTS.md, "The M-group kernel's grid"):
+  // router-like G=8 at (16384, 2048) +6.9..+7.4% -> +4.9..+5.2%, one group +5.8..+6.4%
+  // -> +4.3..+4.6%; G=8 at (16384, 7168), (65536, 7168), (131072, 2048) +0.5..+1.3% ->
+  // -0.7..+0.4%. With 64 groups at M = 16384 (a quarter of the blocked rows padding) 6
+  // and 7 an SM lost 2-4 points, so those keep 8. Not measured on other GPUs; ROCm keeps
+  // its grid.
+  if (mgroups) {
+    const int per_sm = !kRocm && int64_t{8} * 128 * a.groups <= a.rows ? 6 : 0;
+    return launch(quantize_rows_blocked_kernel<K, F, Rule, kBlock, true, kRocm ? 1 : 8>, per_sm);
+  }
+  return launch(quantize_rows_blocked_kernel<K, F, Rule, kBlock, false, kRocm ? 1 : 9>, 0);
 }
 
 template <InputKind K, Fp8Format F, class Rule, int kBlock, class Layout>
