@@ -5,6 +5,7 @@
 #pragma once
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstdlib>
 
@@ -931,6 +932,11 @@ inline bool rows_vector_ok(const RowsArgs& a) {
          reinterpret_cast<uintptr_t>(a.x) % 16 == 0;
 }
 
+// The M-group tile kernel's blocks an SM on an H100 SXM (launch_quantize_rows_blocked),
+// and that GPU's peak DRAM bandwidth an SM (2 x 2619 MHz x 640 bytes / 132 SMs).
+constexpr int kTileMGroupBlocksPerSm = 6;
+constexpr double kTileRefBytesPerNsPerSm = 25.4;
+
 // The octet-tile kernel for blocked scales (vector path, rows > 0, cols > 0).
 template <InputKind K, Fp8Format F, class Rule, int kBlock>
 int launch_quantize_rows_blocked(const RowsArgs& a, gpuStream_t stream) {
@@ -987,10 +993,19 @@ int launch_quantize_rows_blocked(const RowsArgs& a, gpuStream_t stream) {
   // router-like G=8 at (16384, 2048) +6.9..+7.4% -> +4.9..+5.2%, one group +5.8..+6.4%
   // -> +4.3..+4.6%; G=8 at (16384, 7168), (65536, 7168), (131072, 2048) +0.5..+1.3% ->
   // -0.7..+0.4%. With 64 groups at M = 16384 (a quarter of the blocked rows padding) 6
-  // and 7 an SM lost 2-4 points, so those keep 8. Not measured on other GPUs; ROCm keeps
-  // its grid.
+  // and 7 an SM lost 2-4 points, so those keep 8.
+  // On an H200 (about 1.4x the DRAM bandwidth an SM) 8 an SM beat 6 at every shape
+  // above, by 1.4-5 points: more bandwidth wants more bytes in flight. So the 6 scale
+  // with the device's bandwidth an SM against the H100's, never below 6 (fewer were
+  // slower on the H100); an H200 gets the 8 that fit. ROCm keeps its grid.
   if (mgroups) {
-    const int per_sm = !kRocm && int64_t{8} * 128 * a.groups <= a.rows ? 6 : 0;
+    int per_sm = 0;
+    if (!kRocm && int64_t{8} * 128 * a.groups <= a.rows) {
+      const double bw = dram_bytes_per_ns_per_sm(current_device());
+      per_sm = bw > 0 ? std::max(kTileMGroupBlocksPerSm,
+                                 static_cast<int>(std::ceil(kTileMGroupBlocksPerSm * bw / kTileRefBytesPerNsPerSm - 0.05)))
+                      : 0;
+    }
     return launch(quantize_rows_blocked_kernel<K, F, Rule, kBlock, true, kRocm ? 1 : 8>, per_sm);
   }
   return launch(quantize_rows_blocked_kernel<K, F, Rule, kBlock, false, kRocm ? 1 : 9>, 0);
