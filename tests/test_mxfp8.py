@@ -660,9 +660,10 @@ def test_rowwise_m_groups_placement_same_as_cpu(rounding):
     # the last group (on an H100, 88 of the 792 blocks guess their first unit wrong), odd
     # sizes (shifts of every parity), one group of every row (every guess right), one
     # group with rows past it, and more groups than the kernel's own table holds (1024:
-    # the op's start table instead). The router-like case and the one-group case of 4096
-    # rows run the grid of 6 blocks an SM (padding at most an eighth of the rows), the
-    # others that of 8.
+    # the op's start table instead). On an H100 the router-like case and the one-group
+    # case of 4096 rows run the grid of 6 blocks an SM (padding at most an eighth of the
+    # rows), the others that of 8; on an H200 all run 8 (the grid scales with the DRAM
+    # bandwidth an SM).
     g = torch.Generator().manual_seed(7)
     cases = [
         (700, 256, offs_from_sizes(torch.randint(0, 4, (300,), generator=g).tolist())),
