@@ -36,6 +36,13 @@ have = importlib.metadata.version("nvidia-cutlass")
 if have != pin:
     sys.exit(f"prebuild.sh: nvidia-cutlass {have} installed, pyproject.toml pins {pin}")
 PYEOF
+# Objects whose header dependencies ninja holds no record of would not rebuild when only a
+# header changes (2026-11-27: CUDA objects of an earlier build read "#deps 0", and a
+# header edit left them stale in the module): their sources are touched so they rebuild.
+if [ -f build/cmake-cuda/.ninja_deps ] && command -v ninja >/dev/null; then
+  ninja -C build/cmake-cuda -t deps 2>/dev/null | sed -n 's|^CMakeFiles/_C\.dir/\(csrc/.*\)\.o: #deps 0,.*|\1|p' |
+    while read -r src; do [ -f "$src" ] && touch "$src"; done || true
+fi
 before=$($PY scripts/prebuilt.py digest)
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT

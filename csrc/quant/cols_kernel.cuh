@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 
 #include "../core/numerics.h"
 #include "../core/portability.h"
@@ -269,10 +270,11 @@ struct ColsAmax {
       w[1] = max_word(w[1], warp_shfl_xor(w[1], m));
     }
   }
-  // The amax of column c as float abs bits.
+  // The amax of column c as float abs bits (c may be a run-time value: selects, not an
+  // indexed register array).
   MOE_FP8_DEVICE uint32_t column_bits(int c) const {
-    if constexpr (!kPacked) return w[c];
-    else return amax16x2_lane_bits<DeviceInput<K>>(w[c / 2], c % 2 != 0);
+    if constexpr (!kPacked) return c == 0 ? w[0] : w[1];
+    else return amax16x2_lane_bits<DeviceInput<K>>(c < 2 ? w[0] : w[1], c % 2 != 0);
   }
 };
 
@@ -398,11 +400,22 @@ __global__ void __launch_bounds__(kColsThreads, kColsMinBlocks)
   if constexpr (kBlock != kWholeSet) {
     // Blocks of kBlock rows (a divisor of one 128-row pass) from the segment's first
     // q row: one pass, each staged row read once. A block's column amax is a butterfly
-    // over the kBlock / kColsFragRows adjacent row-block lanes that hold its fragments.
+    // over the kBlock / kColsFragRows adjacent row-block lanes that hold its fragments;
+    // then lane j of those computes and stores the scale of the thread's column j and
+    // hands its encode multiplier to the others (a shuffle a column), so each scale is
+    // computed once, not by every lane of the block.
     // `cluster` blocks split the segment into slices of whole blocks (no exchange: an
     // ordinary launch, see launch_quantize_cols).
     static_assert(kColsPassRows % kBlock == 0 && kBlock % kColsFragRows == 0, "blocks tile a pass");
     constexpr int kLanes = kBlock / kColsFragRows;
+    // FLOOR's scale is a few integer operations: there the shared form measured slower
+    // (H100, it spills under the 64-register bound), so each lane computes its own.
+    constexpr bool kShareScales = !std::is_same_v<Rule, E8m0Floor>;
+    static_assert(kLanes >= kC && (kLanes & (kLanes - 1)) == 0, "a lane of the block per column");
+    const int lane = static_cast<int>(threadIdx.x % kWarpSize);
+    const int block_lane0 = lane & ~(kLanes - 1);  // the block's first lane
+    const int own_c = (lane - block_lane0) % kC;   // the column whose scale this lane computes
+    const bool own_store = lane - block_lane0 < kC;
     bool col_ok[kC];
 #pragma unroll
     for (int c = 0; c < kC; ++c) col_ok[c] = c0 + cg * kC + c < op.cols;
@@ -435,25 +448,41 @@ __global__ void __launch_bounds__(kColsThreads, kColsMinBlocks)
         ColsAmax<K> amax;
         amax.add(f);
         amax.reduce_lanes(kLanes);
-        if (r0 >= nq) continue;
         const int64_t blk = (my_off + base + r0) / kBlock;
         // Blocked: the offset past scale_base in unsigned 32 bits, under 2^32 while
         // blk < 2^25 (run_cols allows at most 2^30 q rows with blocked scales). In 64 bits
         // it spilled registers in the blocked instances (ptxas -v: 12-20 bytes where this
         // form spills 0-12), and a signed 32-bit product overflows from 2^29 rows.
         const uint32_t blk32 = static_cast<uint32_t>(blk);
-#pragma unroll
-        for (int c = 0; c < kC; ++c) {
-          if (!col_ok[c]) continue;
-          const auto sc = Rule::template from_amax_bits<F>(amax.column_bits(c));
-          if (rb % kLanes == 0 && scales) {
-            const int64_t at =
-                Layout::kBlocked
-                    ? scale_base + (512u * (blk32 / 4) + 16u * c + blk32 % 4)
-                    : Layout::index(op.scale, seg_id, c0 + cg * kC + c, blk, 0, col_base, group_cols);
-            store_scale<Rule>(op.scale, at, seg.zero_fill ? typename Rule::stored_t{} : sc.stored);
+        // The scale of (block, column c) at its place.
+        auto scale_at = [&](int c) -> int64_t {
+          return Layout::kBlocked ? scale_base + (512u * (blk32 / 4) + 16u * static_cast<uint32_t>(c) + blk32 % 4)
+                                  : Layout::index(op.scale, seg_id, c0 + cg * kC + c, blk, 0, col_base, group_cols);
+        };
+        if constexpr (kShareScales) {
+          const auto own = Rule::template from_amax_bits<F>(amax.column_bits(own_c));
+          const float own_enc = seg.zero_fill ? 0.0f : own.encode;
+          // the block's scales go with its first rows (a last block may end inside the chunk)
+          if (r0 - (lane - block_lane0) * kColsFragRows < nq && own_store && scales && c0 + cg * kC + own_c < op.cols) {
+            store_scale<Rule>(op.scale, scale_at(own_c), seg.zero_fill ? typename Rule::stored_t{} : own.stored);
           }
-          store_fragment_run<K, F>(f, c, seg.zero_fill ? 0.0f : sc.encode, qblk + c * op.q_sc + base + r0, nq - r0);
+          // every lane takes part in the shuffles: rows past the chunk store nothing
+#pragma unroll
+          for (int c = 0; c < kC; ++c) {
+            const float enc = bits_float(warp_shfl(float_bits(own_enc), block_lane0 + c));
+            if (r0 < nq && col_ok[c]) store_fragment_run<K, F>(f, c, enc, qblk + c * op.q_sc + base + r0, nq - r0);
+          }
+        } else {
+          if (r0 >= nq) continue;
+#pragma unroll
+          for (int c = 0; c < kC; ++c) {
+            if (!col_ok[c]) continue;
+            const auto sc = Rule::template from_amax_bits<F>(amax.column_bits(c));
+            if (rb % kLanes == 0 && scales) {
+              store_scale<Rule>(op.scale, scale_at(c), seg.zero_fill ? typename Rule::stored_t{} : sc.stored);
+            }
+            store_fragment_run<K, F>(f, c, seg.zero_fill ? 0.0f : sc.encode, qblk + c * op.q_sc + base + r0, nq - r0);
+          }
         }
       }
     }
