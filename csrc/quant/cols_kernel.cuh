@@ -414,8 +414,9 @@ __global__ void __launch_bounds__(kColsThreads, kColsMinBlocks)
     static_assert(kLanes >= kC && (kLanes & (kLanes - 1)) == 0, "a lane of the block per column");
     const int lane = static_cast<int>(threadIdx.x % kWarpSize);
     const int block_lane0 = lane & ~(kLanes - 1);  // the block's first lane
-    const int own_c = (lane - block_lane0) % kC;   // the column whose scale this lane computes
-    const bool own_store = lane - block_lane0 < kC;
+    const int in_block = lane - block_lane0;       // this lane's place among the block's (rb % kLanes)
+    const int own_c = in_block % kC;               // the column whose scale this lane computes
+    const bool own_store = in_block < kC;
     bool col_ok[kC];
 #pragma unroll
     for (int c = 0; c < kC; ++c) col_ok[c] = c0 + cg * kC + c < op.cols;
@@ -463,7 +464,7 @@ __global__ void __launch_bounds__(kColsThreads, kColsMinBlocks)
           const auto own = Rule::template from_amax_bits<F>(amax.column_bits(own_c));
           const float own_enc = seg.zero_fill ? 0.0f : own.encode;
           // the block's scales go with its first rows (a last block may end inside the chunk)
-          if (r0 - (lane - block_lane0) * kColsFragRows < nq && own_store && scales && c0 + cg * kC + own_c < op.cols) {
+          if (r0 - in_block * kColsFragRows < nq && own_store && scales && c0 + cg * kC + own_c < op.cols) {
             store_scale<Rule>(op.scale, scale_at(own_c), seg.zero_fill ? typename Rule::stored_t{} : own.stored);
           }
           // every lane takes part in the shuffles: rows past the chunk store nothing
