@@ -8,6 +8,7 @@
 #include <cstring>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <tuple>
 #include <utility>
 
@@ -423,6 +424,29 @@ inline int multiprocessor_count() {
   return ok && n > 0 ? n : 1;
 }
 
+// Host side: the value make() gives for key, kept for the life of the process once
+// make() gives one (a device query that costs host time on every launch otherwise); an
+// empty answer (a failed query) is not kept, so the next call asks again. One cache a
+// call site: each caller's lambda is a type of its own. make() runs outside the lock, so
+// two threads may both ask; both get the same answer.
+template <typename Key, typename Make>
+inline auto cached_by(const Key& key, Make&& make) -> decltype(make()) {
+  using Value = typename decltype(make())::value_type;
+  static std::mutex mu;
+  static std::map<Key, Value> cache;
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    const auto it = cache.find(key);
+    if (it != cache.end()) return it->second;
+  }
+  const auto made = make();
+  if (made) {
+    std::lock_guard<std::mutex> lock(mu);
+    cache.emplace(key, *made);
+  }
+  return made;
+}
+
 // How many clusters of `cluster_x` blocks (along x) of `kernel` can be resident on the
 // current device at once; 0 where there are no clusters or the query fails. Cached by
 // (device, kernel, threads, shared memory, cluster): the query costs host time.
@@ -432,28 +456,21 @@ inline int resident_clusters_x(void (*kernel)(KArgs...), int threads, size_t sme
   (void)kernel, (void)threads, (void)smem_bytes, (void)cluster_x;
   return 0;
 #else
-  using Key = std::tuple<int, const void*, int, size_t, int>;
-  static std::mutex mu;
-  static std::map<Key, int> cache;
   int device = 0;
   if (cudaGetDevice(&device) != cudaSuccess) return 0;
-  const Key key{device, reinterpret_cast<const void*>(kernel), threads, smem_bytes, cluster_x};
-  {
-    std::lock_guard<std::mutex> lock(mu);
-    const auto it = cache.find(key);
-    if (it != cache.end()) return it->second;
-  }
-  if (allow_dynamic_smem(kernel, smem_bytes) != 0) return 0;
-  const dim3 cluster(static_cast<unsigned>(cluster_x));
-  const ClusterLaunchConfig c(cluster, dim3(static_cast<unsigned>(threads)), smem_bytes, nullptr, cluster);
-  int n = 0;
-  if (cudaOccupancyMaxActiveClusters(&n, kernel, &c.cfg) != cudaSuccess || n < 0) {
-    (void)cudaGetLastError();  // a failed query leaves no sticky error behind
-    return 0;
-  }
-  std::lock_guard<std::mutex> lock(mu);
-  cache[key] = n;
-  return n;
+  const std::tuple<int, const void*, int, size_t, int> key{device, reinterpret_cast<const void*>(kernel), threads,
+                                                           smem_bytes, cluster_x};
+  return cached_by(key, [&]() -> std::optional<int> {
+    if (allow_dynamic_smem(kernel, smem_bytes) != 0) return std::nullopt;
+    const dim3 cluster(static_cast<unsigned>(cluster_x));
+    const ClusterLaunchConfig c(cluster, dim3(static_cast<unsigned>(threads)), smem_bytes, nullptr, cluster);
+    int n = 0;
+    if (cudaOccupancyMaxActiveClusters(&n, kernel, &c.cfg) != cudaSuccess || n < 0) {
+      (void)cudaGetLastError();  // a failed query leaves no sticky error behind
+      return std::nullopt;
+    }
+    return n;
+  }).value_or(0);
 #endif
 }
 
@@ -492,29 +509,22 @@ inline int64_t l2_cache_bytes(int device) {
 // by device: the memory clock query costs about half a millisecond of host time (seen
 // on an H200 as +0.6 ms a call of the op that asked it every launch).
 inline double dram_bytes_per_ns_per_sm(int device) {
-  static std::mutex mu;
-  static std::map<int, double> cache;
-  {
-    std::lock_guard<std::mutex> lock(mu);
-    const auto it = cache.find(device);
-    if (it != cache.end()) return it->second;
-  }
-  int khz = 0, bits = 0, sms = 0;
+  // a device that does not say is asked once too (its answer does not change)
+  return *cached_by(device, [device]() -> std::optional<double> {
+    int khz = 0, bits = 0, sms = 0;
 #if defined(USE_ROCM)
-  const bool ok = hipDeviceGetAttribute(&khz, hipDeviceAttributeMemoryClockRate, device) == hipSuccess &&
-                  hipDeviceGetAttribute(&bits, hipDeviceAttributeMemoryBusWidth, device) == hipSuccess &&
-                  hipDeviceGetAttribute(&sms, hipDeviceAttributeMultiprocessorCount, device) == hipSuccess;
-  if (!ok) (void)hipGetLastError();  // a failed query leaves no error for the next launch's check
+    const bool ok = hipDeviceGetAttribute(&khz, hipDeviceAttributeMemoryClockRate, device) == hipSuccess &&
+                    hipDeviceGetAttribute(&bits, hipDeviceAttributeMemoryBusWidth, device) == hipSuccess &&
+                    hipDeviceGetAttribute(&sms, hipDeviceAttributeMultiprocessorCount, device) == hipSuccess;
+    if (!ok) (void)hipGetLastError();  // a failed query leaves no error for the next launch's check
 #else
-  const bool ok = cudaDeviceGetAttribute(&khz, cudaDevAttrMemoryClockRate, device) == cudaSuccess &&
-                  cudaDeviceGetAttribute(&bits, cudaDevAttrGlobalMemoryBusWidth, device) == cudaSuccess &&
-                  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) == cudaSuccess;
-  if (!ok) (void)cudaGetLastError();  // a failed query leaves no error for the next launch's check
+    const bool ok = cudaDeviceGetAttribute(&khz, cudaDevAttrMemoryClockRate, device) == cudaSuccess &&
+                    cudaDeviceGetAttribute(&bits, cudaDevAttrGlobalMemoryBusWidth, device) == cudaSuccess &&
+                    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) == cudaSuccess;
+    if (!ok) (void)cudaGetLastError();  // a failed query leaves no error for the next launch's check
 #endif
-  const double bw = ok && khz > 0 && bits > 0 && sms > 0 ? 2.0 * khz * 1e-6 * (bits / 8.0) / sms : 0.0;
-  std::lock_guard<std::mutex> lock(mu);
-  cache[device] = bw;
-  return bw;
+    return ok && khz > 0 && bits > 0 && sms > 0 ? 2.0 * khz * 1e-6 * (bits / 8.0) / sms : 0.0;
+  });
 }
 
 inline int max_dynamic_smem_per_block(int device) {
