@@ -643,13 +643,15 @@ inline ColsLaunchPlan plan_cols_launch(int64_t expected_rows, int num_segments, 
 // mean group, so a group several times the mean has blocks that walk several times the
 // rows of the others' (router-like groups of up to 2464 rows at (65536, 2048, G=64):
 // two slices of about 1232 rows). Instead each group gets up to twice the mean's
-// slices, and uses as many as slices of about kColsBlockSliceRows rows need;
-// its other blocks have no rows (quantize_cols_kernel). Only for narrow operands (at
-// most kColsGroupSlicesMaxTiles column tiles). Measured on H100 (same-run A/B against
-// the plan above, router-like groups): 2048 bf16 columns, MXFP8 colwise G=64 79% -> 82%
-// of a copy (blocked 81% both), blockwise act_rhs G=8 over 65536 rows 81% -> 85%; 5120
-// and 7168 columns lost 2-7% (MXFP8 colwise G=8/16 84-85% -> 80-82%, act_rhs G=8 88% ->
-// 85%), so wider operands keep the plan above.
+// slices, and uses as many as slices of one cached pass (cache_rows) need; its other
+// blocks have no rows (quantize_cols_kernel). Only for narrow operands (at most
+// kColsGroupSlicesMaxTiles column tiles): 5120 and 7168 columns lost 2-7% on H100.
+// Kernel time against the plan above, 17 narrow cases (MXFP8 colwise plain and blocked
+// over 8-64 router-like groups, 1024-2048 columns; blockwise act_rhs padded, G=8/16;
+// docs/EXPERIMENTS.md): H100 0.945-0.985 on 15, 1.007 and 1.026 on two; H200 0.957-0.988
+// on 6 of the 7 plain MXFP8 rows (1.016), 0.99-1.10 on the blocked and act_rhs rows.
+// Slices of kColsBlockSliceRows (512 rows: a 384-row pass and a 128-row one), as before,
+// were 0.3-8% slower than these on every case of both.
 constexpr int64_t kColsGroupSlicesMaxTiles = 32;
 
 // Column tiles of a launch (grid.x): tile_cols columns of each operand row a block, the
@@ -663,7 +665,7 @@ inline void plan_cols_group_slices(int segments, int64_t col_tiles, ColsLaunchPl
   const int64_t most = std::min<int64_t>(2 * int64_t{plan->cluster}, 65535 / std::max(segments, 1));
   if (most <= plan->cluster) return;
   plan->cluster = static_cast<int>(most);
-  plan->slice_rows = static_cast<int>(kColsBlockSliceRows);
+  plan->slice_rows = plan->cache_rows;
 }
 
 // Whether a whole-set launch's q runs may start off the 8-byte grid: unpadded token
