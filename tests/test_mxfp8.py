@@ -681,6 +681,71 @@ def test_rowwise_m_groups_placement_same_as_cpu(rounding):
 
 @requires_cuda
 @pytest.mark.gpu
+@pytest.mark.parametrize("walk", ["dynamic", "stride"])
+def test_rowwise_blocked_walks_same_as_cpu(monkeypatch, walk):
+    # The octet-tile kernel (rowwise with blocked scales, with and without M groups) takes
+    # its units from a work counter by default (the stride where MOE_FP8_ROWS_DYNAMIC=0).
+    # The counter is one a stream, set back to zero by each launch's last block: calls back
+    # to back on one stream, with more and with fewer units than the last, each give the CPU
+    # op's bits; so do calls on two side streams at once (one counter each).
+    if walk == "stride":
+        monkeypatch.setenv("MOE_FP8_ROWS_DYNAMIC", "0")
+    q = moe_fp8_ext.quantize_mxfp8_rowwise
+    big = mx_data((16384, 2048), torch.bfloat16, "cuda")
+    small = mx_data((777, 320), torch.bfloat16, "cuda")
+    offs = offs_from_sizes([1392, 2496, 2640, 1376, 2480, 2512, 1568, 1904]).cuda()
+    offs_small = offs_from_sizes([0, 300, 5, 200, 0, 250]).cuda()
+    calls = [(big, None), (small, None), (big, offs), (small, offs_small), (big, offs), (big, None)]
+    want = [ref.quantize_mxfp8_rowwise(x.cpu(), "rceil", True, None if o is None else o.cpu()) for x, o in calls]
+    poison("cuda")
+    got = [q(x, "rceil", True, o) for x, o in calls]
+    for g, w in zip(got, want):
+        check(g, w)
+    streams = [torch.cuda.Stream() for _ in range(2)]
+    for s in streams:
+        s.wait_stream(torch.cuda.current_stream())
+    poison("cuda")
+    got = []
+    for s, (x, o) in zip(streams * 2, calls[2:]):
+        with torch.cuda.stream(s):
+            got.append(q(x, "rceil", True, o))
+    for s in streams:
+        torch.cuda.current_stream().wait_stream(s)
+    for g, w in zip(got, want[2:]):
+        check(g, w)
+
+
+@requires_cuda
+@pytest.mark.gpu
+def test_rowwise_blocked_graph_counters():
+    # Each launch captured into a graph has a work counter of its own, baked into the
+    # graph and set back to zero at the end of every replay: three launches in one graph,
+    # replayed three times between eager calls of the same op on the capture's stream.
+    q = moe_fp8_ext.quantize_mxfp8_rowwise
+    x = mx_data((8192, 1024), torch.bfloat16, "cuda", specials=False)
+    offs = offs_from_sizes([1000, 0, 3000, 17, 4000]).cuda()
+    step = lambda: (*q(x, "rceil", True), *q(x, "rceil", True, offs), *q(x[:4000], "floor", True, offs.clamp(max=4000)))
+    want = [t.clone() for t in step()]
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    for _ in range(3):
+        for t in out:
+            t.view(torch.uint8).fill_(0xFF)
+        graph.replay()
+        eager = step()
+        for g, e, w in zip(out, eager, want):
+            assert torch.equal(g.view(torch.uint8), w.view(torch.uint8))
+            assert torch.equal(e.view(torch.uint8), w.view(torch.uint8))
+
+
+@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", IN_DTYPES)
 def test_odd_shapes_same_as_cpu(dtype):
     for m, k in ((1, 32), (7, 96), (300, 32), (4097, 160)):

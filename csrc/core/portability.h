@@ -537,6 +537,105 @@ inline int max_dynamic_smem_per_block(int device) {
   return ok && bytes > 0 ? bytes : 48 * 1024;
 }
 
+// Host side: work counters, for kernels whose blocks take their units from a counter in
+// device memory rather than by a fixed stride, so that the blocks of faster
+// multiprocessors take more of them (on an H100 the multiprocessors of a grid-stride walk
+// finished up to a third of the kernel's time apart: docs/EXPERIMENTS.md, "Dynamic units").
+// A counter is two uint32 in device memory, {units handed out, blocks done}, zero when
+// given; the launch's last block to finish sets both back to zero. One counter a stream
+// (launches on one stream run one after another) and one of its own for each launch
+// captured into a CUDA graph (the address is baked into the graph, whose launches are
+// ordered with each other). From a pool of kWorkCounters a device, allocated and zeroed
+// by the first call on that device (once; a capture in progress allows it); null where
+// the pool is spent or could not be made, and the caller then walks by its fixed stride.
+constexpr int kWorkCounters = 16384;
+
+inline uint32_t* make_work_counters() {
+  const size_t bytes = sizeof(uint32_t) * 2 * kWorkCounters;
+  void* p = nullptr;
+#if defined(USE_ROCM)
+  hipStreamCaptureMode mode = hipStreamCaptureModeRelaxed;
+  (void)hipThreadExchangeStreamCaptureMode(&mode);
+  hipStream_t s = nullptr;
+  bool ok = hipMalloc(&p, bytes) == hipSuccess && hipStreamCreateWithFlags(&s, hipStreamNonBlocking) == hipSuccess &&
+            hipMemsetAsync(p, 0, bytes, s) == hipSuccess && hipStreamSynchronize(s) == hipSuccess;
+  if (s != nullptr) (void)hipStreamDestroy(s);
+  if (!ok) {
+    if (p != nullptr) (void)hipFree(p);
+    p = nullptr;
+    (void)hipGetLastError();
+  }
+  (void)hipThreadExchangeStreamCaptureMode(&mode);
+#else
+  cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;  // allocation is allowed while this thread captures
+  (void)cudaThreadExchangeStreamCaptureMode(&mode);
+  cudaStream_t s = nullptr;
+  bool ok = cudaMalloc(&p, bytes) == cudaSuccess && cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking) == cudaSuccess &&
+            cudaMemsetAsync(p, 0, bytes, s) == cudaSuccess && cudaStreamSynchronize(s) == cudaSuccess;
+  if (s != nullptr) (void)cudaStreamDestroy(s);
+  if (!ok) {
+    if (p != nullptr) (void)cudaFree(p);
+    p = nullptr;
+    (void)cudaGetLastError();
+  }
+  (void)cudaThreadExchangeStreamCaptureMode(&mode);  // back to the caller's mode
+#endif
+  return static_cast<uint32_t*>(p);
+}
+
+inline uint32_t* work_counter(gpuStream_t stream) {
+  struct Pool {
+    uint32_t* base = nullptr;
+    bool tried = false;
+    int next = 0;
+    std::map<gpuStream_t, int> of_stream;
+  };
+  static std::mutex mu;
+  static std::map<int, Pool> pools;
+  const int device = current_device();
+#if defined(USE_ROCM)
+  hipStreamCaptureStatus status = hipStreamCaptureStatusNone;
+  if (hipStreamIsCapturing(stream, &status) != hipSuccess) {
+    (void)hipGetLastError();
+    return nullptr;
+  }
+  const bool captured = status != hipStreamCaptureStatusNone;
+#else
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  if (cudaStreamIsCapturing(stream, &status) != cudaSuccess) {  // e.g. the legacy stream while another captures
+    (void)cudaGetLastError();
+    return nullptr;
+  }
+  const bool captured = status != cudaStreamCaptureStatusNone;
+#endif
+  std::lock_guard<std::mutex> lock(mu);
+  Pool& pool = pools[device];
+  if (!captured) {
+    const auto it = pool.of_stream.find(stream);
+    if (it != pool.of_stream.end()) return pool.base + 2 * it->second;
+  }
+  if (!pool.tried) {
+    pool.tried = true;
+    pool.base = make_work_counters();
+  }
+  if (pool.base == nullptr || pool.next == kWorkCounters) return nullptr;
+  const int slot = pool.next++;
+  if (!captured) pool.of_stream.emplace(stream, slot);
+  return pool.base + 2 * slot;
+}
+
+// Device side: the last block of a launch to finish with a work counter sets it back to
+// zero for the next launch. Called by one thread of each block after the block's last
+// ticket came back.
+MOE_FP8_DEVICE void release_work_counter(uint32_t* work) {
+  __threadfence();  // this block's tickets before its count as done
+  if (atomicAdd(work + 1, 1u) == gridDim.x * gridDim.y * gridDim.z - 1) {
+    __threadfence();
+    static_cast<volatile uint32_t*>(work)[0] = 0;
+    static_cast<volatile uint32_t*>(work)[1] = 0;
+  }
+}
+
 }  // namespace moe_fp8
 
 #endif  // __CUDACC__ || __HIPCC__

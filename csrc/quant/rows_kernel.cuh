@@ -643,6 +643,7 @@ struct TilePlan {
   uint32_t segments = 1;
   uint32_t units = 0;       // octet units: octets x slices
   int64_t seg_valid = 0;    // rows of a segment that hold scales (no groups): the rest is padding
+  uint32_t* work = nullptr;  // a work counter (work_counter), or null: units by the grid's stride
 };
 
 // Row j (0..7) of octet o of a blocked matrix: rows {2i, 2i+1} + {0, 32, 64, 96} of
@@ -821,6 +822,11 @@ __global__ void __launch_bounds__(kTileThreads, kMinBlocks) quantize_rows_blocke
     return r < a.rows ? static_cast<int32_t>(r) : -1;
   };
   static_assert(kTileStages == 2, "the loop below keeps one unit ahead");
+  // A block's units: blockIdx.x, then blockIdx.x + gridDim.x, then (with a work counter)
+  // 2 gridDim.x plus a ticket from the counter, taken by thread 0 one unit ahead and
+  // handed to the block in s_next; without one, every gridDim.x-th unit. Either way a
+  // block's units only grow (the group cursor's walk above).
+  __shared__ uint32_t s_next;
   uint32_t u = blockIdx.x;
   uint32_t slice = 0;
   int32_t r = u < walk(1) ? unit_row(u, &slice) : -1;
@@ -833,9 +839,15 @@ __global__ void __launch_bounds__(kTileThreads, kMinBlocks) quantize_rows_blocke
   } else {
     issue(r, slice, 0);
   }
-  for (uint32_t i = 0; u < walk(1); ++i, u += gridDim.x) {
+  for (uint32_t i = 0; u < walk(1); ++i) {
+    uint32_t next_u = u + gridDim.x;
+    uint32_t ticket = 0;
+    if (p.work != nullptr) {
+      if (i > 0) next_u = static_cast<const volatile uint32_t*>(&s_next)[0];
+      if (threadIdx.x == 0) ticket = atomicAdd(p.work, 1u);  // back by the end of this unit
+    }
     uint32_t next_slice = 0;
-    const int32_t next_r = u + gridDim.x < walk(1) ? unit_row(u + gridDim.x, &next_slice) : -1;
+    const int32_t next_r = next_u < walk(1) ? unit_row(next_u, &next_slice) : -1;
     issue(next_r, next_slice, static_cast<int>((i + 1) % kTileStages));
     async_copy_wait<kTileStages - 1>();
     __syncthreads();
@@ -851,6 +863,8 @@ __global__ void __launch_bounds__(kTileThreads, kMinBlocks) quantize_rows_blocke
     }
     const auto sc = encode_ring_unit<K, F, Rule, kBlock>(w, r >= 0 ? q_row_at(a, row_pos(a, r)) : a.q, k0, a.cols, r >= 0);
     const bool octet = u < walk(0);
+    // every thread read s_next before the barrier above; the next read is after the one below
+    if (p.work != nullptr && threadIdx.x == 0) s_next = 2 * gridDim.x + ticket;
     if (octet && lane % G::kLanes == 0) {
       // the block's byte in its sector: row j's word at 16 * (j % 2) + 4 * (j / 2)
       const int b = lane / G::kLanes;
@@ -882,8 +896,10 @@ __global__ void __launch_bounds__(kTileThreads, kMinBlocks) quantize_rows_blocke
     // are rewritten after that barrier too
     r = next_r;
     slice = next_slice;
+    u = next_u;
   }
   async_copy_wait_all();
+  if (p.work != nullptr && threadIdx.x == 0) release_work_counter(p.work);
 }
 
 template <InputKind K, Fp8Format F, class Rule, int kBlock, class Layout, bool kVecPath>
@@ -966,6 +982,9 @@ int launch_quantize_rows_blocked(const RowsArgs& a, gpuStream_t stream) {
   p.seg_octets = static_cast<uint32_t>(seg_rows / 8);
   p.segments = static_cast<uint32_t>(segments);
   p.units = static_cast<uint32_t>(units);
+  // Units from a work counter (measured on H100 only: ROCm keeps the stride);
+  // MOE_FP8_ROWS_DYNAMIC=0 walks by the stride (tests).
+  if (!kRocm && rows_env_switch("MOE_FP8_ROWS_DYNAMIC") != 0) p.work = work_counter(stream);
   // M groups without group_starts: the block's table of group starts (dynamic shared memory)
   const size_t smem = mgroups && a.group_starts == nullptr ? static_cast<size_t>(a.groups) * sizeof(int32_t) : 0;
   // per_sm: blocks an SM at most (0: as many as fit)
