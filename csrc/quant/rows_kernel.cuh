@@ -611,8 +611,9 @@ __global__ void __launch_bounds__(1024) quantize_rows_pipelined_kernel(RowsArgs 
 // zeroing. Consecutive units are the slices of one octet, so the CTAs in flight read
 // a compact band of rows (an octet's rows lie 32 apart; walking whole rows octet by
 // octet spreads the concurrent reads over 8x the rows, measured 3-15% slower on
-// H100), and the many small units balance over the grid. On H100 this costs 0-2%
-// over the same quantization with plain scales (bench/RESULTS.md); scattered byte
+// H100), and the many small units balance over the grid (handed out by a work counter:
+// below). On H100 this costs 0-2% over the same quantization with plain scales by a
+// stride walk like the plain kernel's (bench/RESULTS.md); scattered byte
 // stores cost 4-11% plus the memset. The rows of the blocked
 // matrix come from the reduction rows (plain, per segment) or from the token groups
 // (M groups: group g's rows start at group_starts[g]); reduction rows in no group
@@ -1017,7 +1018,8 @@ int launch_quantize_rows_blocked(const RowsArgs& a, gpuStream_t stream) {
   // above, by 1.4-5 points: more bandwidth wants more bytes in flight. So the 6 scale
   // with the device's bandwidth an SM against the H100's, never below 6 (fewer were
   // slower on the H100); an H200 gets the 8 that fit (the 0.05 keeps a ratio a hair
-  // over 1, the attributes' rounding, at 6). ROCm keeps its grid.
+  // over 1, the attributes' rounding, at 6). ROCm keeps its grid. All of this was
+  // measured with the stride walk, before the work counter, and not measured again.
   if (mgroups) {
     int per_sm = 0;
     if (!kRocm && int64_t{8} * 128 * a.groups <= a.rows) {
