@@ -548,6 +548,9 @@ inline int max_dynamic_smem_per_block(int device) {
 // ordered with each other). From a pool of kWorkCounters a device, allocated and zeroed
 // by the first call on that device (once; a capture in progress allows it); null where
 // the pool is spent or could not be made, and the caller then walks by its fixed stride.
+// Not covered: one captured graph instantiated twice and the two replayed at once on two
+// streams (they share the counter), and a destroyed stream's handle given to a new
+// stream while the old one's launch still runs.
 constexpr int kWorkCounters = 16384;
 
 inline uint32_t* make_work_counters() {
