@@ -684,10 +684,12 @@ def test_rowwise_m_groups_placement_same_as_cpu(rounding):
 @pytest.mark.parametrize("walk", ["dynamic", "stride"])
 def test_rowwise_blocked_walks_same_as_cpu(monkeypatch, walk):
     # The octet-tile kernel (rowwise with blocked scales, with and without M groups) takes
-    # its units from a work counter by default (the stride where MOE_FP8_ROWS_DYNAMIC=0).
-    # The counter is one a stream, set back to zero by each launch's last block: calls back
-    # to back on one stream, with more and with fewer units than the last, each give the CPU
-    # op's bits; so do calls on two side streams at once (one counter each).
+    # its units from a work counter by default where a block can take more than two (the
+    # stride where MOE_FP8_ROWS_DYNAMIC=0). The counter is one a stream, set back to zero
+    # by each launch's last block: calls back to back on one stream, with more and with
+    # fewer units than the last (the (16384, 2048) calls: 8192 units or more, over at most
+    # 1188 blocks on an H100 or H200), each give the CPU op's bits into poisoned memory; so
+    # do calls on two side streams (one counter each; their launches may overlap).
     if walk == "stride":
         monkeypatch.setenv("MOE_FP8_ROWS_DYNAMIC", "0")
     q = moe_fp8_ext.quantize_mxfp8_rowwise
@@ -704,7 +706,8 @@ def test_rowwise_blocked_walks_same_as_cpu(monkeypatch, walk):
     streams = [torch.cuda.Stream() for _ in range(2)]
     for s in streams:
         s.wait_stream(torch.cuda.current_stream())
-    poison("cuda")
+        with torch.cuda.stream(s):
+            poison("cuda")  # this stream's free blocks (poison fills the current stream's)
     got = []
     for s, (x, o) in zip(streams * 2, calls[2:]):
         with torch.cuda.stream(s):
@@ -719,13 +722,18 @@ def test_rowwise_blocked_walks_same_as_cpu(monkeypatch, walk):
 @pytest.mark.gpu
 def test_rowwise_blocked_graph_counters():
     # Each launch captured into a graph has a work counter of its own, baked into the
-    # graph and set back to zero at the end of every replay: three launches in one graph,
-    # replayed three times between eager calls of the same op on the capture's stream.
+    # graph and set back to zero at the end of every replay: three launches of 8192 units
+    # or more in one graph (torch captures on a stream of its own), replayed three times
+    # into poisoned outputs, each replay followed by eager calls on the current stream
+    # into poisoned memory, all against the CPU op.
     q = moe_fp8_ext.quantize_mxfp8_rowwise
-    x = mx_data((8192, 1024), torch.bfloat16, "cuda", specials=False)
-    offs = offs_from_sizes([1000, 0, 3000, 17, 4000]).cuda()
-    step = lambda: (*q(x, "rceil", True), *q(x, "rceil", True, offs), *q(x[:4000], "floor", True, offs.clamp(max=4000)))
-    want = [t.clone() for t in step()]
+    x = mx_data((16384, 2048), torch.bfloat16, "cuda", specials=False)
+    offs = offs_from_sizes([1000, 0, 3000, 17, 4000, 8000]).cuda()
+    offs_cut = offs_from_sizes([1000, 0, 3000, 17, 4000, 4000]).cuda()
+    step = lambda: (*q(x, "rceil", True), *q(x, "rceil", True, offs), *q(x[:12017], "floor", True, offs_cut))
+    xc = x.cpu()
+    want = [*ref.quantize_mxfp8_rowwise(xc, "rceil", True), *ref.quantize_mxfp8_rowwise(xc, "rceil", True, offs.cpu()),
+            *ref.quantize_mxfp8_rowwise(xc[:12017], "floor", True, offs_cut.cpu())]
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -738,10 +746,11 @@ def test_rowwise_blocked_graph_counters():
         for t in out:
             t.view(torch.uint8).fill_(0xFF)
         graph.replay()
+        poison("cuda")
         eager = step()
         for g, e, w in zip(out, eager, want):
-            assert torch.equal(g.view(torch.uint8), w.view(torch.uint8))
-            assert torch.equal(e.view(torch.uint8), w.view(torch.uint8))
+            assert torch.equal(g.view(torch.uint8).cpu(), w.view(torch.uint8))
+            assert torch.equal(e.view(torch.uint8).cpu(), w.view(torch.uint8))
 
 
 @requires_cuda

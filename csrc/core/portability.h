@@ -548,9 +548,11 @@ inline int max_dynamic_smem_per_block(int device) {
 // ordered with each other). From a pool of kWorkCounters a device, allocated and zeroed
 // by the first call on that device (once; a capture in progress allows it); null where
 // the pool is spent or could not be made, and the caller then walks by its fixed stride.
-// Not covered: one captured graph instantiated twice and the two replayed at once on two
-// streams (they share the counter), and a destroyed stream's handle given to a new
-// stream while the old one's launch still runs.
+// The per-thread default stream's handle names a different stream on each host thread,
+// so it gets none. Not covered: one captured graph instantiated twice and the two
+// replayed at once on two streams (they share the counter), and a destroyed stream's
+// handle given to a new stream while the old one's launch still runs. A pool that could
+// not be made is not tried again (the device keeps the stride walk).
 constexpr int kWorkCounters = 16384;
 
 inline uint32_t* make_work_counters() {
@@ -604,6 +606,7 @@ inline uint32_t* work_counter(gpuStream_t stream) {
   }
   const bool captured = status != hipStreamCaptureStatusNone;
 #else
+  if (stream == cudaStreamPerThread) return nullptr;
   cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
   if (cudaStreamIsCapturing(stream, &status) != cudaSuccess) {  // e.g. the legacy stream while another captures
     (void)cudaGetLastError();

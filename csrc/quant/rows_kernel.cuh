@@ -983,9 +983,9 @@ int launch_quantize_rows_blocked(const RowsArgs& a, gpuStream_t stream) {
   p.seg_octets = static_cast<uint32_t>(seg_rows / 8);
   p.segments = static_cast<uint32_t>(segments);
   p.units = static_cast<uint32_t>(units);
-  // Units from a work counter (measured on H100 only: ROCm keeps the stride);
-  // MOE_FP8_ROWS_DYNAMIC=0 walks by the stride (tests).
-  if (!kRocm && rows_env_switch("MOE_FP8_ROWS_DYNAMIC") != 0) p.work = work_counter(stream);
+  // Units from a work counter where a block can take more than two (measured on H100
+  // only: ROCm keeps the stride); MOE_FP8_ROWS_DYNAMIC=0 walks by the stride (tests).
+  const bool dynamic = !kRocm && rows_env_switch("MOE_FP8_ROWS_DYNAMIC") != 0;
   // M groups without group_starts: the block's table of group starts (dynamic shared memory)
   const size_t smem = mgroups && a.group_starts == nullptr ? static_cast<size_t>(a.groups) * sizeof(int32_t) : 0;
   // per_sm: blocks an SM at most (0: as many as fit)
@@ -993,6 +993,7 @@ int launch_quantize_rows_blocked(const RowsArgs& a, gpuStream_t stream) {
     const int fit = resident_blocks(kernel, TG::kThreads, smem);
     const int64_t resident = static_cast<int64_t>(per_sm > 0 ? std::min(fit, per_sm) : fit) * multiprocessor_count();
     const dim3 grid(static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>(bound, resident))));
+    if (dynamic && bound > 2 * static_cast<int64_t>(grid.x)) p.work = work_counter(stream);
     return launch_kernel(kernel, grid, dim3(TG::kThreads), smem, stream, 1, a, p);
   };
   // Blocks an SM (launch bounds): the plain instance fits 9 in 48-56 registers without
