@@ -459,11 +459,29 @@ class _Experts(torch.autograd.Function):
             else:
                 operands = wgrad_operands(grad_h13, x)
             g13_op = x_op = grad_h13 = None
-            grad_w13 = wgrad(operands, ctx.dtypes[1], ctx.gemm_dtype)  # (E, 2H, D); grad_h13's dtype
+            # W1's and W3's gradients each in a tensor of its own, in the weight's layout, so
+            # that autograd takes them without a copy: one GEMM per half of grad_h13.
+            dtype = _gemm_out_dtype(recipe, backend, ctx.dtypes[1], ctx.gemm_dtype)
+            grad_w1, grad_w3 = _wgrad_parts(recipe, operands, wgrad_offs, dtype, backend,
+                                            ((0, hidden) if need_w1 else None, (hidden, 2 * hidden) if need_w3 else None))
             del operands
-            grad_w1 = grad_w13[:, :hidden].to(ctx.dtypes[1]) if need_w1 else None
-            grad_w3 = grad_w13[:, hidden:].to(ctx.dtypes[2]) if need_w3 else None
+            grad_w1 = grad_w1.to(ctx.dtypes[1]) if need_w1 else None
+            grad_w3 = grad_w3.to(ctx.dtypes[2]) if need_w3 else None
         return grad_x, grad_w1, grad_w3, grad_w2, None, None, None, None, None, None, None
+
+
+def _wgrad_parts(recipe: Recipe, operands, offs: Tensor, dtype: torch.dtype, backend: str, parts):
+    """``recipe.mm_2d2d`` for the output rows [start, stop) of each part (None: not
+    wanted), each part a contiguous tensor of its own: a GEMM on a view of the
+    left operand's rows, or one GEMM over all rows and a copy of each part where the
+    recipe cannot view a part (``Recipe.wgrad_lhs_rows``)."""
+    grad_t, a = operands
+    views = [None if p is None else recipe.wgrad_lhs_rows(grad_t, *p) for p in parts]
+    full = None
+    if any(p is not None and v is None for p, v in zip(parts, views)):
+        full = recipe.mm_2d2d(grad_t, a, offs, dtype, backend)
+    return [None if p is None else recipe.mm_2d2d(v, a, offs, dtype, backend) if v is not None
+            else full[:, p[0]:p[1]].contiguous() for p, v in zip(parts, views)]
 
 
 # torch.compile of the fused Function returns zero gradients with torch 2.11 (CPU and

@@ -299,6 +299,12 @@ class Recipe:
     def mm_2d2d(self, grad_t: Operand, a: Operand, offs: Tensor, out_dtype: torch.dtype, backend: str) -> Tensor:
         raise NotImplementedError
 
+    def wgrad_lhs_rows(self, grad_t: Operand, start: int, stop: int) -> Optional[Operand]:
+        """``grad_t``'s operand for the rows [start, stop) of ``mm_2d2d``'s output, as a
+        view (the gradient of one weight of a concatenation, e.g. W1 of [W1; W3], in a
+        tensor of its own); None where the layout cannot take a part without a copy."""
+        return None
+
 
 # ---- the emulation: dequantized operands, fp32 accumulation ----------------------------
 
@@ -502,6 +508,10 @@ class Fp8Rowwise(Recipe):
         g, _ = row_groups(offs, qa.shape[0])
         return emulated_grouped_mm_2d2d(qg_t.float() * sg[g].t(), qa.float() * sa[g], offs).to(out_dtype)
 
+    def wgrad_lhs_rows(self, grad_t, start, stop):
+        qg_t, sg = grad_t  # (N, M) row-major, (E, N)
+        return qg_t[start:stop], sg[:, start:stop]
+
 
 # ---- bf16: torch._grouped_mm, the baseline ---------------------------------------------
 
@@ -572,6 +582,9 @@ class Bf16(Recipe):
 
     def mm_2d2d(self, grad_t, a, offs, out_dtype, backend):
         return torch._grouped_mm(grad_t, a, offs=offs)
+
+    def wgrad_lhs_rows(self, grad_t, start, stop):
+        return grad_t[start:stop]
 
 
 # ---- MXFP8 (DESIGN §7) -----------------------------------------------------------------
@@ -958,6 +971,10 @@ class Fp8Blockwise(Recipe):
         g_t = qg.float() * _expand_tiles(sg, n, mp, 1, _bw.BW_BLOCK)
         a_ = qa.float() * _expand_tiles(sa, mp, k, _bw.BW_BLOCK, 1)
         return emulated_grouped_mm_2d2d(g_t, a_, offs).to(out_dtype)
+
+    def wgrad_lhs_rows(self, grad_t, start, stop):
+        qg, sg = grad_t  # (N, Mp) row-major, (N, Mp/128) column-major
+        return qg[start:stop], sg[start:stop]
 
 
 # ---- registry --------------------------------------------------------------------------

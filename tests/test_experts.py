@@ -88,6 +88,34 @@ def test_matches_fp32_reference(device, recipe):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("recipe", ["fp8_rowwise", "mxfp8", "fp8_blockwise", "bf16"])
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_weight_gradients_taken_without_copy(device, recipe, accumulate):
+    """loss.backward() into .grad: each weight's gradient comes out contiguous in the
+    weight's layout, in a storage of its own, so autograd keeps the very tensor the
+    layer returned (no copy); with .grad already set it accumulates into it in place."""
+    x, w1, w3, w2, offs, grad = make(3, 160, 96, 200, device, offs=[50, 50, 200])
+    ws = [w.clone().requires_grad_() for w in (w1, w3, w2)]
+    seen = {}  # (the hook must not hold the gradient: a second reference makes autograd copy it)
+    for i, w in enumerate(ws):
+        w.register_hook(lambda g, i=i: seen.__setitem__(i, (
+            g.data_ptr(), g.is_contiguous() and g.untyped_storage().nbytes() == g.numel() * g.element_size())))
+    if accumulate:
+        for w in ws:
+            w.grad = torch.full_like(w, 0.5)
+    before = [w.grad.data_ptr() if accumulate else None for w in ws]
+    experts(x, *ws, offs, recipe=recipe).backward(grad)
+    _, fresh = run(lambda *a: experts(*a, recipe=recipe), (x, *ws, offs), grad)
+    for i, w in enumerate(ws):
+        ptr, own_layout = seen[i]
+        assert own_layout, i
+        if accumulate:
+            assert w.grad.data_ptr() == before[i] and torch.equal(w.grad, fresh[i + 1] + 0.5), i
+        else:
+            assert w.grad.data_ptr() == ptr and torch.equal(w.grad, fresh[i + 1]), i
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("hidden", [128, 144])
 def test_blockwise_joins_w13_dgrad_for_whole_tiles(device, hidden, monkeypatch):
     # fp8_blockwise runs the input gradient through W1 and W3 as one GEMM where the
