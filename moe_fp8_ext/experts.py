@@ -5,105 +5,40 @@ token groups, as ONE differentiable function that owns the whole FFN.
     layer = moe_fp8_ext.GroupedExperts(dim, hidden, experts)    # torchtitan's layout
     out = layer(x, num_tokens_per_expert)
 
-Against three :func:`~moe_fp8_ext.grouped_mm` calls (same recipe, same math up to fp8
-rounding) it:
+Against three :func:`~moe_fp8_ext.grouped_mm` calls (same math up to fp8 rounding) it:
 
-- runs W1 and W3 as one grouped GEMM (N = 2·hidden) in the forward (x quantized once,
-  both weights quantized straight into one operand) and, where the recipe makes both
-  operands without a copy (``Recipe.joins_w13_dgrad``), the input gradient as one GEMM
-  too, grad_h13 [W1; W3] (K = 2·hidden): fp8_rowwise, one scale per row of grad_h13 and
-  per (expert, column) of [W1; W3] spans both halves, each operand written by one
-  kernel that reads w1 and w3 (or both halves of grad_h13) in place; fp8_blockwise with
-  a hidden size a multiple of 128, 1x128 blocks of grad_h13 and 128x128 tiles of
-  [W1; W3], the halves' own. Otherwise two GEMMs over the halves, summed;
-- makes x's two fp8 operands together, and grad_out's (``Recipe.keeps_fp8_activations``;
-  fp8_rowwise: ``quantize_rowwise_jagged_dual``): the rowwise one of the forward (dgrad)
-  GEMM and the per-group colwise one of the weight gradient, in the padded layout. By
-  default that is the two quantizations; ``MOE_FP8_ONE_READ_ACTIVATIONS=1`` makes both
-  from one DRAM read where a mean token group fits the L2 budget, which on the H100
-  measured 0.87-0.93x the two ops' speed (bench/RESULTS.md), hence off;
-- saves less for backward: x's fp8 weight-gradient operand (M·D bytes and a (G, D)
-  scale; x itself where the recipe cannot; nothing of x where W1/W3 need no gradient,
-  and nothing of a weight only an unwanted gradient reads) and the W13
-  output h13 (bf16), nothing else. h = silu(h1)·h3 is recomputed from h13 in backward
-  instead of being saved (by the dSwiGLU kernel, on the same read of h13; fp8_blockwise
-  on a GPU keeps h's fp8 weight-gradient operand instead, M·hidden bytes). A bf16
-  torchtitan ``GroupedExperts`` keeps x, h1, silu(h1), h3 and h (2·M·D + 8·M·hidden
-  bytes); this keeps M·D + 4·M·hidden (fp8_blockwise on a GPU: M·D + 5·M·hidden);
-- fuses SwiGLU into quantization (:mod:`moe_fp8_ext.swiglu`, through
-  ``Recipe.lhs_swiglu`` / ``lhs_swiglu_backward_joint``): the forward reads h13 once
-  and, for fp8_rowwise, writes only h's fp8 operand (h is never written in bf16); the
-  backward reads grad_h and h13 once and writes grad_h13, its fp8 operand and h (for
-  W2's weight gradient). A recipe without such kernels whose two operands of a tensor
-  come from one read (``Recipe.makes_swiglu_operands``: fp8_blockwise on a GPU) instead
-  makes h's two in the forward, keeping W2's weight-gradient one (M·hidden bytes), and
-  computes no h in the backward; where the input gradient through W1 and W3 is one GEMM
-  it drops grad_h and h13 once grad_h13 exists and, when W1/W3 need gradients, makes
-  grad_h13's two operands together (grad_h13 read once) and drops grad_h13 too;
-- frees as it goes: the backward drops each operand once its GEMM is issued, frees
-  h13 once dSwiGLU has read it (h13 is then kept on ctx, not in ``save_for_backward``,
-  so a second backward over one forward raises; under saved-tensor hooks, i.e.
-  activation checkpointing or offloading, and under torch.compile it is saved
-  normally), and (two-GEMM recipes) sums the input-gradient GEMMs in place: the step's
-  peak is at or below the bf16 module's on issue 15's shapes (bench/RESULTS.md);
-- reuses quantized weights while the weights are unchanged (:class:`WeightCache`):
-  gradient-accumulation micro-batches and activation-checkpoint recompute quantize
-  each weight once per optimizer step instead of once per call.
+- runs W1 and W3 as one GEMM (N = 2·hidden) in the forward, and the input gradient
+  grad_h13 @ [W1; W3] as one GEMM where the recipe makes both operands without a copy
+  (``Recipe.joins_w13_dgrad``); W1's and W3's weight gradients are two GEMMs, each
+  written into a tensor of its own in the weight's layout (autograd keeps it as is);
+- makes an activation's two fp8 operands together (the GEMM's and the weight
+  gradient's, in the padded layout) and saves x's fp8 weight-gradient operand instead
+  of x; saves h13 and recomputes h in the backward (fp8_blockwise on a GPU keeps h's
+  fp8 weight-gradient operand instead);
+- fuses SwiGLU and dSwiGLU with quantization (:mod:`moe_fp8_ext.swiglu`);
+- frees as it goes: each operand is dropped once its GEMM is issued, and h13 once
+  dSwiGLU has read it (kept on ctx, outside ``save_for_backward``, except under
+  saved-tensor hooks and torch.compile), so a second backward over one forward raises;
+- optionally reuses quantized weights while they are unchanged
+  (:mod:`moe_fp8_ext.weight_cache`, opt-in).
 
-A weight's two orientations come from one read (``quantize_experts_dual_cat``) where
-an expert's matrix fits the L2 budget (``MOE_FP8_DUAL_L2_BYTES``, DESIGN §10; for
-fp8_blockwise always, W1 and W3 together by ``quantize_blockwise_weight_dual_cat`` where
-the hidden size is a multiple of 128): there
-(``Recipe.reads_weights_once``), the forward makes each weight's backward operand with
-its forward one and keeps it on ctx until the backward uses it (or in the cache).
-Without a cache, ``MOE_FP8_HOLD_WEIGHT_OPERANDS=0`` turns the ctx-held operand off (the
-backward quantizes the weight again; nothing derived from a weight lives from the
-forward to the backward); with a cache it changes nothing, since the cache keeps both
-orientations until the next optimizer step anyway. A ctx-held operand is the weight as
-the forward read it: :func:`clear_weight_caches` does not reach it, so a write through
-``w.data`` between a forward and its backward is seen by the backward only where
-nothing was held (writes autograd sees raise its in-place error, the weights being
-saved).
-The layer is recipe-agnostic: any registered recipe runs through the
-:class:`~moe_fp8_ext.recipes.Recipe` contract.
-
-Weight reuse, precisely. A cache entry is the quantized operand of one weight (W13 in
-the forward and backward orientations, W2 likewise; W1 and W3 backward apart for a
-recipe without ``joint_w13_dgrad``) with the key (the weight tensor
-itself, its ``_version``, data pointer, shape, strides, dtype, recipe, fp8 dtype). Any
-in-place write to the weight through autograd-visible ops (an optimizer step, ``w.add_``,
-``w.copy_``, ``load_state_dict``) bumps ``_version`` and the next call requantizes;
-on top of that every cache is emptied after any ``torch.optim`` optimizer step (a
-global step hook), so an optimizer that writes through ``.data`` cannot leave a stale
-entry either. What is NOT seen: writes through ``w.data`` (or under
-``torch.autograd._unsafe_preserve_version_counter``) outside an optimizer step; call
-:func:`clear_weight_caches` after such a write. Memory held: one fp8 copy of every
-weight in each orientation (``WeightCache.nbytes()``), i.e. about the size of the
-bf16 weights themselves, kept until the next optimizer step or ``clear()``. Turn it off
-with ``GroupedExperts(..., reuse_weights=False)`` or ``weight_cache=None``.
-Under FSDP2 (``fully_shard`` on the layer) the layer bypasses its cache: the
-all-gather writes the unsharded weights without bumping their version counter. When
-``fully_shard`` wraps a parent module instead, the layer cannot tell: pass
-``reuse_weights=False`` there (what ``integrations.torchtitan.convert`` does by default)
-or call :func:`clear_weight_caches` after writing the sharded weights outside an
-optimizer step. Under ``torch.compile`` the cache is bypassed (plain recompute: the version counter is
-not traceable; with torch < 2.13 a compiled call runs three grouped_mm calls, see
-``COMPILE_COMPOSITE``), and so it is for weights that are views made per call (FSDP2's
-``to_local()`` of a DTensor, a ``w.bfloat16()`` cast): their identity changes every
-call, so nothing is ever reused from them (never stale, no gain).
+Where one read makes a weight's two orientations (``Recipe.reads_weights_once``) the
+forward makes the backward operand too and holds it on ctx until the backward uses it
+(``MOE_FP8_HOLD_WEIGHT_OPERANDS=0``: nothing derived from a weight lives from a forward
+to its backward). Under ``torch.compile`` the cache is bypassed; with torch < 2.13 a
+compiled call runs three grouped_mm calls (``COMPILE_COMPOSITE``).
 """
 
-import weakref
 from typing import Dict, Optional, Tuple, Union
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 from torch.torch_version import TorchVersion
-from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from . import token_groups
 from .grouped_mm import (
+    _debug,
     _gemm_out_dtype,
     _holds_weight_operands,
     _may_free_early,
@@ -117,103 +52,21 @@ from .grouped_mm import (
 )
 from .recipes import FLOAT_DTYPES, Recipe, get_recipe
 from .swiglu import swiglu, swiglu_backward
+from .weight_cache import WeightCache, cached as _cached, clear_weight_caches, weight_keys
 
 _ops = torch.ops.moe_fp8
 
-__all__ = ["GroupedExperts", "WeightCache", "clear_weight_caches", "experts"]
-
-# ---- weight reuse ----------------------------------------------------------------------
-
-_CACHES: "weakref.WeakSet[WeightCache]" = weakref.WeakSet()
-_HOOK = None
-
-
-def clear_weight_caches() -> None:
-    """Empty every :class:`WeightCache` (after weights were written in a way the caches
-    cannot see, e.g. through ``w.data``)."""
-    for c in list(_CACHES):
-        c.clear()
-
-
-def _after_optimizer_step(optimizer, args, kwargs) -> None:
-    clear_weight_caches()
-
-
-def _weight_key(w: Tensor) -> tuple:
-    return (w._version, w.data_ptr(), tuple(w.shape), w.stride(), w.dtype, w.device)
-
-
-class WeightCache:
-    """Quantized expert weights, reused while the weights are unchanged (see the module
-    docstring for the exact rule). One per layer; ``hits`` and ``misses`` count lookups."""
-
-    def __init__(self):
-        global _HOOK
-        self._entries: Dict[str, tuple] = {}
-        self.hits = 0
-        self.misses = 0
-        _CACHES.add(self)
-        if _HOOK is None:
-            _HOOK = register_optimizer_step_post_hook(_after_optimizer_step)
-
-    def clear(self) -> None:
-        self._entries.clear()
-
-    def nbytes(self) -> int:
-        """Bytes held by the cached operands."""
-        total = 0
-        for _, _, operand in self._entries.values():
-            for t in _tensors(operand):
-                total += t.numel() * t.element_size()
-        return total
-
-    def get(self, name: str, weights: Tuple[Tensor, ...], tag: tuple, make):
-        """The cached operand ``name`` of ``weights`` if none of them changed since it was
-        made (same tensors, versions, storage, recipe and fp8 dtype ``tag``), else
-        ``make()``, kept for next time."""
-        key = tuple(_weight_key(w) for w in weights) + tag
-        hit = self._entries.get(name)
-        if hit is not None and hit[0] == key and all(r() is w for r, w in zip(hit[1], weights)):
-            self.hits += 1
-            return hit[2]
-        self.misses += 1
-        # Drop the stale operand before making its replacement: both alive at once were a
-        # weight-sized transient on top of the step (and allocator churn on an H100).
-        self._entries.pop(name, None)
-        hit = None  # the local held the stale operand too
-        operand = make()
-        self._entries[name] = (key, tuple(weakref.ref(w) for w in weights), operand)
-        return operand
-
-    def discard(self, name: str) -> None:
-        self._entries.pop(name, None)
-
-    def put(self, name: str, weights: Tuple[Tensor, ...], tag: tuple, operand) -> None:
-        """Keep ``operand`` as ``name`` of ``weights`` (made together with another entry:
-        the backward operand of a weight read once for both), not counted as a lookup."""
-        key = tuple(_weight_key(w) for w in weights) + tag
-        self._entries[name] = (key, tuple(weakref.ref(w) for w in weights), operand)
-
-
-def _tensors(x):
-    if isinstance(x, Tensor):
-        yield x
-    elif isinstance(x, (tuple, list)):
-        for y in x:
-            yield from _tensors(y)
-
-
-def _cached(cache: Optional[WeightCache], name, weights, tag, make):
-    return make() if cache is None else cache.get(name, weights, tag, make)
-
+__all__ = ["GroupedExperts", "WeightCache", "clear_weight_caches", "experts", "offsets_from_counts"]
 
 # ---- the function ----------------------------------------------------------------------
 
 
 class _Experts(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, w1, w3, w2, offs, recipe, fp8_dtype, backend, pad_wgrad, cache, grad_mode):
+    def forward(ctx, x, w1, w3, w2, offs, recipe, fp8_dtype, backend, pad_wgrad, cache, keys, grad_mode):
+        # keys: the tensors that say whether w1, w3, w2 changed (weight_cache.weight_keys)
         ctx.recipe, ctx.fp8_dtype, ctx.backend, ctx.pad_wgrad, ctx.cache = recipe, fp8_dtype, backend, pad_wgrad, cache
+        ctx.keys = keys = (w1, w3, w2) if keys is None else keys
         ctx.dtypes = (x.dtype, w1.dtype, w3.dtype, w2.dtype)
         hidden = w1.shape[1]
         ctx.hidden = hidden
@@ -234,7 +87,7 @@ class _Experts(torch.autograd.Function):
         need_w13 = grad_mode and (ctx.needs_input_grad[1] or ctx.needs_input_grad[2])
         box = ctx.bwd_box = {} if cache is not None or (_may_free_early() and _holds_weight_operands()) else None
 
-        def weight_fwd(name, weights, parts, needs_bwd):
+        def weight_fwd(name, weights, parts, needs_bwd):  # weights: the cache keys
             def make():
                 if box is not None and needs_bwd and recipe.reads_weights_once(parts):
                     if cache is not None:
@@ -252,7 +105,7 @@ class _Experts(torch.autograd.Function):
             return _cached(cache, name + "_fwd", weights, tag, make)
 
         # (W13's backward operand: the joint input-gradient GEMM's, rhs_bwd_cat)
-        rhs13 = weight_fwd("w13", (w1, w3), [w1.transpose(-2, -1), w3.transpose(-2, -1)],
+        rhs13 = weight_fwd("w13", keys[:2], [w1.transpose(-2, -1), w3.transpose(-2, -1)],
                            need_x and recipe.joins_w13_dgrad(w1, w3))
         # x's two fp8 operands made together (Recipe.keeps_fp8_activations): the W13
         # GEMM's, and W13's weight-gradient one, saved instead of x (half its bytes).
@@ -290,7 +143,7 @@ class _Experts(torch.autograd.Function):
         if ctx.h_saved and ctx.h_box is None:
             kept += list(h_wop)
         del x_op, h_wop
-        rhs2 = weight_fwd("w2", (w2,), [w2.transpose(-2, -1)], need_x or need_w13)
+        rhs2 = weight_fwd("w2", keys[2:], [w2.transpose(-2, -1)], need_x or need_w13)
         out = _mm_2d3d(recipe, h_op, rhs2, offs, gemm_dtype, backend)
         del h_op
         ctx.num_tokens = x.shape[0]
@@ -316,7 +169,7 @@ class _Experts(torch.autograd.Function):
         if ctx.no_groups:  # the output is a constant zero: zero gradients
             grads = tuple(grad_out.new_zeros(s, dtype=d) if need else None
                           for s, d, need in zip(ctx.shapes, ctx.dtypes, ctx.needs_input_grad))
-            return grads + (None,) * 7
+            return grads + (None,) * 8
         x, w1, w3, w2, offs, *rest = ctx.saved_tensors
         kept, rest = rest[:ctx.kept], rest[ctx.kept:]
         if ctx.h13_box is None:
@@ -382,7 +235,7 @@ class _Experts(torch.autograd.Function):
         # would otherwise live through the dgrad GEMM and dSwiGLU, the step's peak).
         g_op = None
         if need_x or need_w13:  # grad_h feeds only the gradients below W2
-            rhs2 = weight_bwd("w2", (w2,), lambda: recipe.rhs_bwd({"B_t": w2.transpose(-2, -1)}, f8))
+            rhs2 = weight_bwd("w2", ctx.keys[2:], lambda: recipe.rhs_bwd({"B_t": w2.transpose(-2, -1)}, f8))
             if need_w2 and ctx.pad_wgrad and recipe.keeps_fp8_activations and recipe.reads_activations_once(grad_out):
                 lhs_g, g_op = recipe.lhs_with_wgrad_operand(grad_out, offs, f8, starts)
             else:
@@ -433,15 +286,15 @@ class _Experts(torch.autograd.Function):
         if need_x:
             dtype = _gemm_out_dtype(recipe, backend, ctx.dtypes[0], ctx.gemm_dtype)  # grad_h13's dtype
             if joint:
-                rhs = weight_bwd("w13", (w1, w3), lambda: recipe.rhs_bwd_cat(
+                rhs = weight_bwd("w13", ctx.keys[:2], lambda: recipe.rhs_bwd_cat(
                     [w1.transpose(-2, -1), w3.transpose(-2, -1)], f8))
                 grad_x = recipe.mm_2d3d(lhs13, rhs, offs, dtype, backend)
                 del lhs13, rhs
             else:
-                rhs = _cached(cache, "w1_bwd", (w1,), tag, lambda: recipe.rhs_bwd({"B_t": w1.transpose(-2, -1)}, f8))
+                rhs = _cached(cache, "w1_bwd", ctx.keys[:1], tag, lambda: recipe.rhs_bwd({"B_t": w1.transpose(-2, -1)}, f8))
                 grad_x = recipe.mm_2d3d(lhs1, rhs, offs, dtype, backend)
                 del lhs1, rhs
-                rhs = _cached(cache, "w3_bwd", (w3,), tag, lambda: recipe.rhs_bwd({"B_t": w3.transpose(-2, -1)}, f8))
+                rhs = _cached(cache, "w3_bwd", ctx.keys[1:2], tag, lambda: recipe.rhs_bwd({"B_t": w3.transpose(-2, -1)}, f8))
                 part = recipe.mm_2d3d(lhs3, rhs, offs, dtype, backend)
                 del lhs3, rhs
                 # In place in eager mode (three (M, dim) tensors at once were the step's
@@ -467,7 +320,7 @@ class _Experts(torch.autograd.Function):
             del operands
             grad_w1 = grad_w1.to(ctx.dtypes[1]) if need_w1 else None
             grad_w3 = grad_w3.to(ctx.dtypes[2]) if need_w3 else None
-        return grad_x, grad_w1, grad_w3, grad_w2, None, None, None, None, None, None, None
+        return grad_x, grad_w1, grad_w3, grad_w2, None, None, None, None, None, None, None, None
 
 
 def _wgrad_parts(recipe: Recipe, operands, offs: Tensor, dtype: torch.dtype, backend: str, parts):
@@ -518,6 +371,10 @@ def _check(x, w1, w3, w2, offs, recipe: Recipe, backend: str, fp8_dtype):
     for name, t in (("x", x), ("w1", w1), ("w3", w3), ("w2", w2)):
         if t.dtype not in FLOAT_DTYPES:
             raise ValueError(f"experts: expected {name} of dtype bfloat16, float16 or float32, got {t.dtype}")
+    if w3.dtype != w1.dtype:
+        raise ValueError(f"experts: expected w1 and w3 of one dtype (one [W1; W3] operand), got {w1.dtype} and {w3.dtype}")
+    if hidden == 0 or dim == 0:
+        raise ValueError(f"experts: expected hidden and dim > 0, got w1 of shape {tuple(w1.shape)}")
     # The recipe's own rules (K, N multiples of 16 or 32, dtypes) for the two products
     # (shapes only: weights on the meta device, no copy).
     recipe.check_inputs(x, torch.empty((e, dim, 2 * hidden), dtype=w1.dtype, device="meta"))
@@ -535,6 +392,7 @@ def experts(
     recipe: Union[str, Recipe] = "fp8_rowwise",
     fp8_dtype: Optional[torch.dtype] = None,
     weight_cache: Optional[WeightCache] = None,
+    weight_keys: Optional[Tuple[Tensor, Tensor, Tensor]] = None,
     pad_groups: bool = True,
 ) -> Tensor:
     """The SwiGLU expert FFN ``(silu(x w1[e]ᵀ) ⊙ (x w3[e]ᵀ)) w2[e]ᵀ`` for the rows of each
@@ -546,14 +404,21 @@ def experts(
     rows past ``offs[-1]`` are zero, and so is their gradient. ``recipe`` and
     ``fp8_dtype`` as for :func:`~moe_fp8_ext.grouped_mm` (the GEMMs run in bf16 out).
     ``weight_cache``: a :class:`WeightCache` to reuse quantized weights while they are
-    unchanged (None: quantize every call). Works under
-    ``torch.compile(fullgraph=True)`` (the cache is bypassed there).
+    unchanged (None: quantize every call); ``weight_keys``: the three tensors whose
+    versions say whether w1, w3, w2 changed, where those are not the weights themselves
+    (FSDP2's sharded parameters: :func:`moe_fp8_ext.weight_cache.weight_keys`). Works
+    under ``torch.compile(fullgraph=True)`` (the cache is bypassed there).
     """
     r = get_recipe(recipe, "experts")
     backend = r.backend(x.device) if isinstance(x, Tensor) else None
     f8 = _check(x, w1, w3, w2, offs, r, backend, fp8_dtype)
     if not isinstance(pad_groups, bool):
         raise TypeError(f"experts: expected pad_groups to be a bool, got {type(pad_groups).__name__}")
+    if weight_cache is not None and not isinstance(weight_cache, WeightCache):
+        raise TypeError(f"experts: expected weight_cache to be a moe_fp8_ext.WeightCache or None, got "
+                        f"{type(weight_cache).__name__}")
+    if weight_keys is not None and (len(weight_keys) != 3 or not all(isinstance(k, Tensor) for k in weight_keys)):
+        raise TypeError("experts: expected weight_keys to be None or three tensors (for w1, w3, w2)")
     check_offs_where_cheap(offs, x.shape[0], "experts", "x")
     offs = device_offs(offs, x.shape[0])
     if torch.compiler.is_compiling():
@@ -562,27 +427,35 @@ def experts(
             return _composite(x, w1, w3, w2, offs, r, f8, pad_groups)
     if pad_groups and r.alignment > 1 and r.pads_token_groups(backend) and offs.shape[0] > 0:
         x_p, starts, ends = token_groups.pad_token_groups(x, offs, r.alignment)
-        out_p = _Experts.apply(x_p, w1, w3, w2, ends, r, f8, backend, False, weight_cache, torch.is_grad_enabled())
+        out_p = _Experts.apply(x_p, w1, w3, w2, ends, r, f8, backend, False, weight_cache, weight_keys,
+                               torch.is_grad_enabled())
         return token_groups.unpad_token_groups(out_p, offs, starts, x.shape[0])
     return _Experts.apply(x, w1, w3, w2, offs, r, f8, backend, pads_wgrad(r, pad_groups, x.shape[0]), weight_cache,
-                          torch.is_grad_enabled())
+                          weight_keys, torch.is_grad_enabled())
 
 
 # ---- the module ------------------------------------------------------------------------
 
 
-def _fsdp_managed(module: torch.nn.Module) -> bool:
-    """Whether FSDP2's ``fully_shard`` was applied to ``module`` itself. FSDP2 all-gathers
-    the unsharded weights into the same parameter objects without bumping their version
-    counter (seen on torch 2.13), so the reuse key cannot see a weight that changed
-    between optimizer steps (a checkpoint load into the sharded parameters): the layer
-    then quantizes every call."""
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # a torch without distributed
-        return False
-    return isinstance(module, FSDPModule)
-
+def offsets_from_counts(counts: Tensor, num_tokens: int, op: str = "GroupedExperts") -> Tensor:
+    """int32 cumulative group ends (``offs``) from per-expert token counts, as
+    torchtitan's ``GroupedExperts`` computes them, without its silent casts: counts must
+    be integers (not bool or float), summed in int64 and clamped into [0, num_tokens]
+    (no wrap past 2^31). Negative counts or a sum over ``num_tokens`` raise on the CPU
+    (and with ``MOE_FP8_DEBUG=1``); on a GPU they clamp like any bad offs (DESIGN §3)."""
+    if not isinstance(counts, Tensor):
+        raise TypeError(f"{op}: expected num_tokens_per_expert to be a torch.Tensor, got {type(counts).__name__}")
+    if counts.dtype == torch.bool or counts.is_floating_point() or counts.is_complex():
+        raise TypeError(f"{op}: expected num_tokens_per_expert of an integer dtype, got {counts.dtype}")
+    if counts.dim() != 1:
+        raise ValueError(f"{op}: expected num_tokens_per_expert 1-D (E,), got shape {tuple(counts.shape)}")
+    offs = torch.cumsum(counts, dim=0, dtype=torch.int64)
+    if (counts.device.type == "cpu" or _debug()) and not torch.compiler.is_compiling() and counts.numel():
+        low, total = int(counts.min()), int(offs[-1])  # host-sync-ok: a CPU tensor, or MOE_FP8_DEBUG only
+        if low < 0 or total > num_tokens:
+            raise ValueError(f"{op}: expected num_tokens_per_expert >= 0 summing to at most {num_tokens} (the rows "
+                             f"of x), got a minimum of {low} and a sum of {total}")
+    return offs.clamp(0, num_tokens).to(torch.int32)
 
 
 class GroupedExperts(torch.nn.Module):
@@ -593,7 +466,7 @@ class GroupedExperts(torch.nn.Module):
     see the module docstring for when it is used and what it holds)."""
 
     def __init__(self, dim: int, hidden_dim: int, num_experts: int, *, recipe: Union[str, Recipe] = "fp8_rowwise",
-                 reuse_weights: bool = True, dtype: Optional[torch.dtype] = None, device=None):
+                 reuse_weights: bool = False, dtype: Optional[torch.dtype] = None, device=None):
         super().__init__()
         self.num_experts, self.dim, self.hidden_dim = num_experts, dim, hidden_dim
         self.recipe = get_recipe(recipe, "GroupedExperts")
@@ -612,9 +485,10 @@ class GroupedExperts(torch.nn.Module):
                 torch.nn.init.trunc_normal_(w, mean=0.0, std=init_std, a=-2 * init_std, b=2 * init_std)
 
     def forward(self, x: Tensor, num_tokens_per_expert: Tensor) -> Tensor:
-        offs = torch.cumsum(num_tokens_per_expert, dim=0, dtype=torch.int32)
-        cache = None if _fsdp_managed(self) else self.weight_cache
-        return experts(x, self.w1, self.w3, self.w2, offs, recipe=self.recipe, weight_cache=cache)
+        offs = offsets_from_counts(num_tokens_per_expert, x.shape[0])
+        keys = weight_keys(self, ("w1", "w3", "w2")) if self.weight_cache is not None else None
+        return experts(x, self.w1, self.w3, self.w2, offs, recipe=self.recipe, weight_cache=self.weight_cache,
+                       weight_keys=keys)
 
     def extra_repr(self) -> str:
         return (f"dim={self.dim}, hidden_dim={self.hidden_dim}, num_experts={self.num_experts}, "

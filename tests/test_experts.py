@@ -57,6 +57,7 @@ def reference(x, w1, w3, w2, offs):
 def layer_with(w1, w3, w2, **kwargs):
     """A GroupedExperts holding copies of the weights w1, w3 (E, hidden, dim), w2."""
     e, hidden, dim = w1.shape
+    kwargs.setdefault("reuse_weights", True)
     layer = GroupedExperts(dim, hidden, e, dtype=w1.dtype, device=w1.device, **kwargs)
     with torch.no_grad():
         for p, w in zip((layer.w1, layer.w3, layer.w2), (w1, w3, w2)):
@@ -308,7 +309,7 @@ def test_w13_forward_operand_freed_before_w2_gemm(recipe_name, monkeypatch):
     the gradients are unchanged."""
     import weakref
 
-    tensors = importlib.import_module("moe_fp8_ext.experts")._tensors
+    tensors = importlib.import_module("moe_fp8_ext.weight_cache")._tensors
     x, w1, w3, w2, offs, grad = make(3, 128, 96, 300, "cpu", offs=[40, 170, 300])
     _, full = run(lambda *a: experts(*a, recipe=recipe_name), (x, w1, w3, w2, offs), grad)
     recipe_cls = type(get_recipe(recipe_name))
@@ -473,10 +474,13 @@ def test_no_grad_makes_nothing_for_backward(recipe_name, monkeypatch):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_weight_reuse_never_stale(device):
-    """In-place writes (through autograd-visible ops) and optimizer steps invalidate:
-    the layer's output after each equals a cache-free call on the new weights."""
+    """Every write the cache can see invalidates: in-place writes through autograd-visible
+    ops, optimizer steps, a new storage through ``.data =`` (even where the allocator
+    hands back the old address) and swap_tensors. Writes it cannot see are documented,
+    with clear_weight_caches as the remedy. After each, the layer's output equals a
+    cache-free call on the new weights."""
     x, _, _, _, offs, grad = make(2, 32, 64, 64, device, offs=[30, 64])
-    layer = GroupedExperts(64, 32, 2, dtype=torch.bfloat16, device=device)
+    layer = GroupedExperts(64, 32, 2, dtype=torch.bfloat16, device=device, reuse_weights=True)
     counts = torch.diff(offs, prepend=offs.new_zeros(1))
 
     def fresh():
@@ -492,10 +496,65 @@ def test_weight_reuse_never_stale(device):
     opt.step()
     assert len(layer.weight_cache._entries) == 0  # the optimizer hook emptied it
     assert torch.equal(layer(x, counts), fresh())
-    # a write the version counter cannot see, then the documented remedy
+    # a new storage for w3 through .data; the old one freed first, so that the allocator
+    # may hand its address back
+    new = layer.w3.detach().clone() * 3
+    layer.w3.data = torch.empty(0, dtype=torch.bfloat16, device=device)
+    layer.w3.data = new
+    del new
+    assert torch.equal(layer(x, counts), fresh())
+    misses = layer.weight_cache.misses
+    torch.utils.swap_tensors(layer.w1, torch.nn.Parameter(layer.w1.detach() * -1))  # (needs no weakref to w1)
+    assert torch.equal(layer(x, counts), fresh()) and layer.weight_cache.misses > misses
+    # writes the version counter cannot see, then the documented remedy
     layer.w1.data.mul_(-1)
+    layer.w2.untyped_storage().copy_((layer.w2.detach() * 0.5).untyped_storage())
     clear_weight_caches()
     assert torch.equal(layer(x, counts), fresh())
+
+
+def test_weight_cache_errors_and_pickling():
+    x, w1, w3, w2, offs, _ = make(2, 32, 64, 64, "cpu", offs=[30, 64])
+    with pytest.raises(TypeError, match="expected weight_cache to be a moe_fp8_ext.WeightCache or None, got bool"):
+        experts(x, w1, w3, w2, offs, weight_cache=True)
+    layer = layer_with(w1, w3, w2)
+    layer(x, torch.tensor([30, 34]))
+    assert layer.weight_cache.nbytes() > 0
+    import io
+    buf = io.BytesIO()
+    torch.save(layer, buf)
+    buf.seek(0)
+    back = torch.load(buf, weights_only=False)
+    assert isinstance(back.weight_cache, WeightCache) and back.weight_cache.nbytes() == 0
+    assert torch.equal(back(x, torch.tensor([30, 34])), layer(x, torch.tensor([30, 34])))
+
+
+@pytest.mark.parametrize("counts, error, match", [
+    (torch.tensor([2 ** 32 + 20, 44]), ValueError, "summing to at most 64"),
+    (torch.tensor([20.7, 43.6]), TypeError, "integer dtype, got torch.float32"),
+    (torch.tensor([True, True]), TypeError, "integer dtype, got torch.bool"),
+    (torch.tensor([-4, 40]), ValueError, "minimum of -4"),
+    (torch.tensor([[20, 44]]), ValueError, "1-D"),
+])
+def test_bad_token_counts_raise(counts, error, match):
+    layer = GroupedExperts(64, 32, 2, dtype=torch.bfloat16)
+    with pytest.raises(error, match=match):
+        layer(torch.randn(64, 64, dtype=torch.bfloat16), counts)
+
+
+def test_counts_never_wrap_on_the_device_path():
+    """Without the CPU check (a GPU's counts, unchecked to avoid a sync) counts past 2^31
+    clamp into [0, M] in int64, never wrap to a small valid-looking table."""
+    from moe_fp8_ext.experts import offsets_from_counts
+
+    class Gpu(torch.Tensor):  # a CPU tensor that reports a CUDA device to the check
+        @property
+        def device(self):
+            return torch.device("cuda", 0)
+
+    counts = torch.tensor([2 ** 32 + 20, 44]).as_subclass(Gpu)
+    offs = offsets_from_counts(counts, 64)
+    assert offs.dtype == torch.int32 and offs.as_subclass(torch.Tensor).tolist() == [64, 64]
 
 
 @pytest.mark.parametrize("reentrant", [False, True])
@@ -559,10 +618,13 @@ def test_compiled_module_bypasses_the_cache(device, backend):
     assert got[0] > 35 and min(got[1:]) > 30, got
 
 
-def test_fsdp2_bypasses_the_cache(tmp_path):
-    """FSDP2 (fully_shard, one CPU rank over gloo): the layer trains like the unsharded
-    one and never uses its cache (FSDP2's all-gather does not bump the weights' version
-    counters, so reuse could not see a changed weight)."""
+@pytest.mark.parametrize("on_parent", [False, True])
+def test_fsdp2_reuses_by_the_sharded_parameters(tmp_path, on_parent):
+    """FSDP2 (fully_shard on the layer or on a parent; one CPU rank over gloo): the
+    all-gather rewrites the unsharded weights without a version bump, so reuse is keyed
+    on the sharded parameters the optimizer writes. Micro-batches hit; an optimizer
+    step, load_state_dict and an in-place write into the sharded parameter each make
+    the next call requantize, and outputs always equal the unsharded layer's."""
     dist = pytest.importorskip("torch.distributed")
     if not dist.is_available() or not dist.is_gloo_available():
         pytest.skip("torch.distributed with gloo is not available")
@@ -572,19 +634,50 @@ def test_fsdp2_bypasses_the_cache(tmp_path):
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
     try:
         ref = GroupedExperts(64, 32, 2, dtype=torch.float32)
-        layer = GroupedExperts(64, 32, 2, dtype=torch.float32)
+        layer = GroupedExperts(64, 32, 2, dtype=torch.float32, reuse_weights=True)
         layer.load_state_dict(ref.state_dict())
-        fully_shard(layer, mesh=init_device_mesh("cpu", (1,)))
+        mesh = init_device_mesh("cpu", (1,))
+        class Parent(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.experts = layer
+
+            def forward(self, x, counts):
+                return self.experts(x, counts)
+
+        root = Parent() if on_parent else layer
+        fully_shard(root, mesh=mesh)
+        opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ref, layer)]
         x = torch.randn(40, 64)
         counts = torch.tensor([25, 15])
-        for _ in range(2):
-            want = ref(x, counts)
-            want.sum().backward()
-            out = layer(x, counts)
-            out.sum().backward()
-            assert torch.equal(out, want)
-        assert layer.weight_cache.hits == 0 and layer.weight_cache.misses == 0
-        assert torch.equal(layer.w1.grad.full_tensor(), ref.w1.grad)
+        cache = layer.weight_cache
+
+        def step(micro_batches=2):
+            for _ in range(micro_batches):
+                want = ref(x, counts)
+                want.sum().backward()
+                out = root(x, counts)
+                out.sum().backward()
+                assert torch.equal(out, want)
+
+        step()
+        assert cache.hits > 0
+        for o in opts:
+            o.step()
+            o.zero_grad()
+        step()
+        assert torch.equal(layer.w1.full_tensor(), ref.w1)
+        new = {k: v * 0.5 for k, v in ref.state_dict().items()}
+        ref.load_state_dict(new)
+        layer.load_state_dict({k: torch.distributed.tensor.distribute_tensor(v, mesh, [torch.distributed.tensor.Shard(0)])
+                               for k, v in new.items()})
+        misses = cache.misses
+        step(1)
+        assert cache.misses > misses
+        with torch.no_grad():
+            ref.w2.mul_(-1)
+            layer.w2.mul_(-1)  # (outside forward: the sharded parameter)
+        step(1)
     finally:
         dist.destroy_process_group()
 
