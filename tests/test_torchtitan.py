@@ -100,3 +100,90 @@ def test_convert_errors():
     with pytest.raises(TypeError, match="nn.Module"):
         convert("model")
     assert convert(torch.nn.Linear(2, 2)) == 0
+
+
+def moe_config(e=8, dim=128, hidden=64, top_k=2):
+    """The config tree of build_moe's layer (shared experts left out)."""
+    from torchtitan.models.common.linear import Linear
+    from torchtitan.models.common.token_dispatcher import LocalTokenDispatcher
+
+    return tt_moe.MoE.Config(
+        num_experts=e,
+        routed_experts=tt_moe.RoutedExperts.Config(
+            inner_experts=tt_moe.GroupedExperts.Config(dim=dim, hidden_dim=hidden, num_experts=e),
+            token_dispatcher=LocalTokenDispatcher.Config(num_experts=e, top_k=top_k)),
+        router=tt_moe.TokenChoiceTopKRouter.Config(num_experts=e, gate=Linear.Config(in_features=dim, out_features=e,
+                                                                                   bias=False), top_k=top_k),
+    )
+
+
+@pytest.mark.parametrize("recipe", ["fp8_rowwise", "fp8_blockwise", "mxfp8", "bf16"])
+def test_config_converter_builds_fp8_experts(recipe):
+    """ExpertsConverter in torchtitan's converters=[...] path: the GroupedExperts config
+    becomes ours, the built module runs moe_fp8_ext.experts with the recipe (the same
+    output as converting the built bf16 module) and keeps torchtitan's parameters and
+    token dispatcher."""
+    from torchtitan.models.common.token_dispatcher import LocalTokenDispatcher
+
+    from moe_fp8_ext.integrations.torchtitan import ExpertsConverter
+
+    cfg = ExpertsConverter.Config(recipe=recipe).build().convert(moe_config())
+    inner_cfg = cfg.routed_experts.inner_experts
+    assert isinstance(inner_cfg, tt_moe.GroupedExperts.Config) and inner_cfg.moe_fp8_recipe == recipe
+    assert type(cfg.routed_experts.token_dispatcher) is LocalTokenDispatcher.Config  # (no padding swap)
+    torch.manual_seed(0)
+    built = cfg.build()
+    torch.manual_seed(0)
+    plain = moe_config().build()
+    for module in (built, plain):
+        g = torch.Generator().manual_seed(3)
+        with torch.no_grad():
+            for p in module.parameters():
+                p.copy_(torch.randn(p.shape, generator=g) * p.shape[-1] ** -0.5)
+    convert(plain, recipe)
+    inner = built.routed_experts.inner_experts
+    assert type(inner).__name__ == "Fp8GroupedExperts" and inner.moe_fp8_recipe.name == recipe
+    assert [n for n, _ in built.named_parameters()] == [n for n, _ in plain.named_parameters()]
+    x = torch.randn(2, 48, 128)
+    assert torch.equal(built(x), plain(x))
+
+
+def test_config_converter_filter_and_errors():
+    from moe_fp8_ext.integrations.torchtitan import ExpertsConverter
+
+    cfg = ExpertsConverter.Config(filter_fqns=["routed_experts"]).build().convert(moe_config())
+    assert type(cfg.routed_experts.inner_experts) is tt_moe.GroupedExperts.Config
+    with pytest.raises(ValueError, match="recipe"):
+        ExpertsConverter.Config(recipe="fp9").build()
+
+
+def test_convert_refuses_what_it_cannot_run():
+    class Biased(tt_moe.GroupedExperts):
+        def forward(self, x, counts):
+            return super().forward(x, counts) + 1
+
+    module = Biased(tt_moe.GroupedExperts.Config(dim=64, hidden_dim=64, num_experts=2))
+    with pytest.raises(TypeError, match="overrides forward"):
+        convert(module)
+    assert type(module) is Biased
+    odd = tt_moe.GroupedExperts(tt_moe.GroupedExperts.Config(dim=48, hidden_dim=40, num_experts=2))
+    with pytest.raises(ValueError, match="cannot run recipe 'mxfp8'"):
+        convert(odd, "mxfp8")
+    assert type(odd) is tt_moe.GroupedExperts
+
+
+def test_converted_model_pickles_and_copies():
+    import io
+
+    moe = build_moe()
+    convert(moe, "fp8_blockwise", reuse_weights=True)
+    x = torch.randn(2, 40, 128, dtype=torch.bfloat16)
+    want = moe(x)
+    buf = io.BytesIO()
+    torch.save(moe, buf)
+    buf.seek(0)
+    for back in (torch.load(buf, weights_only=False), copy.deepcopy(moe)):
+        inner = back.routed_experts.inner_experts
+        assert type(inner) is type(moe.routed_experts.inner_experts)
+        assert inner.moe_fp8_recipe.name == "fp8_blockwise" and isinstance(inner.moe_fp8_weight_cache, WeightCache)
+        assert torch.equal(back(x), want)

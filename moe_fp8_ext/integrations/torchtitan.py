@@ -1,102 +1,226 @@
-"""One-line FP8 for torchtitan MoE models (torchtitan 0.3.0; the package is optional and
-imported only here):
+"""FP8 experts for torchtitan 0.3.0 models. Either list the converter in the model's
+``converters`` (the config tree is converted before the model is built, as torchtitan's
+own Float8/MXFP8 ``GroupedExperts`` converters do)::
+
+    from moe_fp8_ext.integrations.torchtitan import ExpertsConverter
+    converters=[ExpertsConverter.Config(recipe="fp8_blockwise")]
+
+or convert a built model, before or after torchtitan parallelized it::
 
     from moe_fp8_ext.integrations.torchtitan import convert
-    convert(model, recipe="fp8_rowwise")     # every GroupedExperts in the model
+    convert(model, recipe="fp8_blockwise")
 
-Each torchtitan ``GroupedExperts`` module is converted IN PLACE: its class becomes a
-subclass whose ``forward`` runs :func:`moe_fp8_ext.experts` (one fused W1/W3 GEMM,
-SwiGLU, W2, with the recipe's FP8 GEMMs). Everything else stays: the parameter objects
-(``w1_EFD``, ``w2_EDF``, ``w3_EFD``), so state_dict keys, initialization
-(``init_weights``), optimizer state and any sharding already applied. Token groups of
-any size work, so torchtitan's dispatcher needs no padding swap.
-
-Weights: torchtitan casts them to bf16 per call (``w.bfloat16()``); the converted
-forward quantizes the parameters directly (fp32 or bf16, the kernels read both), so no
-bf16 copy is made. DTensor parameters (expert parallelism) are used through ``to_local()``
-as torchtitan does. ``reuse_weights`` (default **False**) keeps a
-:class:`moe_fp8_ext.experts.WeightCache` per converted module: off by default because
-torchtitan trains under FSDP2, whose all-gather rewrites the unsharded weights without
-bumping their version counter, so a weight changed outside an optimizer step (a
-checkpoint load) could be served stale. Turn it on without FSDP2, or with FSDP2 when the
-weights change only through optimizer steps (every ``torch.optim`` step empties the
-caches).
+Every ``GroupedExperts`` becomes a subclass whose ``forward`` runs
+:func:`moe_fp8_ext.experts` (W1 and W3 as one GEMM, fused SwiGLU, W2). Parameters,
+state_dict keys, initialization, optimizer state and sharding stay as they are, and
+token groups of any size work, so the token dispatcher is not swapped for a padding
+one. A module this cannot convert is an error, never a module left in bf16.
 """
 
-from typing import Union
+from dataclasses import dataclass, field, fields
+from typing import List, Union
 
 import torch
+from torch import Tensor
+from torchtitan.components.quantization import QuantizationConverter
+from torchtitan.models.common.moe import GroupedExperts
 
-from ..experts import WeightCache, experts
+from ..experts import _check, experts, offsets_from_counts
 from ..recipes import Recipe, get_recipe
+from ..weight_cache import WeightCache, weight_keys
 
-_CONVERTED = {}
+__all__ = ["ExpertsConverter", "build_moe", "convert", "unconvert"]
 
-
-def _grouped_experts_classes():
-    from torchtitan.models.common.moe import GroupedExperts
-
-    return (GroupedExperts,)
+_NAMES = ("w1_EFD", "w3_EFD", "w2_EDF")
 
 
-def _local(p):
-    from torch.distributed.tensor import DTensor
-
-    return p.to_local() if isinstance(p, DTensor) else p
+def _local(p: Tensor) -> Tensor:
+    return p.to_local() if hasattr(p, "to_local") else p  # (a DTensor under expert parallelism)
 
 
-def _fp8_forward(self, x_RD: torch.Tensor, num_tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
-    offs = torch.cumsum(num_tokens_per_expert_E, dim=0, dtype=torch.int32)
-    w1, w2, w3 = _local(self.w1_EFD), _local(self.w2_EDF), _local(self.w3_EFD)
-    out = experts(x_RD, w1, w3, w2, offs, recipe=self.moe_fp8_recipe, weight_cache=self.moe_fp8_weight_cache)
+def _fp8_forward(self, x_RD: Tensor, num_tokens_per_expert_E: Tensor) -> Tensor:
+    offs = offsets_from_counts(num_tokens_per_expert_E, x_RD.shape[0], "GroupedExperts")
+    recipe, cache = self.moe_fp8_recipe, self.moe_fp8_weight_cache
+    x, w1, w3, w2 = x_RD, *(_local(getattr(self, n)) for n in _NAMES)
+    if recipe.gemm == "bf16":  # torchtitan's casts; the fp8 recipes quantize fp32 weights directly
+        x, w1, w3, w2 = (t.bfloat16() for t in (x, w1, w3, w2))
+    keys = weight_keys(self, _NAMES) if cache is not None else None
+    out = experts(x, w1, w3, w2, offs, recipe=recipe, weight_cache=cache, weight_keys=keys)
     return out.type_as(x_RD)
 
 
-def _converted_class(cls):
-    if cls not in _CONVERTED:
-        _CONVERTED[cls] = type(f"Fp8{cls.__name__}", (cls,), {"forward": _fp8_forward, "_moe_fp8_base": cls})
-    return _CONVERTED[cls]
+def _configure(module, recipe: Recipe, reuse_weights: bool) -> None:
+    module.moe_fp8_recipe = recipe
+    module.moe_fp8_weight_cache = WeightCache() if reuse_weights else None
+
+
+_CLASSES = {}
+
+
+def _new_converted(base: type):
+    cls = converted_class(base)
+    return cls.__new__(cls)
+
+
+def converted_class(base: type) -> type:
+    """The subclass of the ``GroupedExperts`` class ``base`` that runs
+    :func:`moe_fp8_ext.experts`; its ``Config`` adds ``moe_fp8_recipe`` and
+    ``moe_fp8_reuse_weights`` to ``base.Config``. One class per base; instances pickle
+    by their base (the class itself is made at run time)."""
+    if base not in _CLASSES:
+        @dataclass(kw_only=True, slots=True)
+        class Config(base.Config):
+            moe_fp8_recipe: str = "fp8_rowwise"
+            moe_fp8_reuse_weights: bool = False
+
+        def __init__(self, config):
+            base.__init__(self, config)
+            _configure(self, get_recipe(config.moe_fp8_recipe, "ExpertsConverter"), config.moe_fp8_reuse_weights)
+
+        def __reduce_ex__(self, protocol):
+            return _new_converted, (base,), self.__getstate__()
+
+        name = f"Fp8{base.__name__}"
+        _CLASSES[base] = type(name, (base,), {
+            "Config": Config, "__init__": __init__, "forward": _fp8_forward, "__reduce_ex__": __reduce_ex__,
+            "_moe_fp8_base": base, "__module__": __name__, "__qualname__": name})
+    return _CLASSES[base]
+
+
+def _check_convertible(fqn: str, module, recipe: Recipe) -> None:
+    """Errors that would otherwise come at the first forward, or never."""
+    base = type(module)
+    if base.forward is not GroupedExperts.forward and base.forward is not _fp8_forward:
+        raise TypeError(f"convert: expected {fqn or 'the model'} to be a GroupedExperts with torchtitan's SwiGLU forward, "
+                        f"got {base.__name__}, which overrides forward (moe_fp8_ext.experts would not compute it)")
+    w1, w3, w2 = (getattr(module, n) for n in _NAMES)
+    x = torch.empty((0, w1.shape[-1]), dtype=torch.bfloat16, device="meta")
+    dtype = (lambda w: torch.bfloat16) if recipe.gemm == "bf16" else (lambda w: w.dtype)
+    meta = [torch.empty(w.shape, dtype=dtype(w), device="meta") for w in (w1, w3, w2)]
+    offs = torch.empty((meta[0].shape[0],), dtype=torch.int32, device="meta")
+    try:
+        _check(x, *meta, offs, recipe, recipe.backend(w1.device), None)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"convert: {fqn or 'the model'} cannot run recipe {recipe.name!r}: {e}") from None
+
+
+def _rewrap_parallelized_forward(fqn: str, module) -> None:
+    """torchtitan's ``Module.parallelize`` stores a ``forward`` on the instance that
+    wraps the bound forward of the class it had then (input/output redistribution
+    around an optional local_map); it would keep running torchtitan's bf16 forward
+    after a class swap. Rebuild it the same way around the converted forward, or raise."""
+    wrapped = module.__dict__.get("forward")
+    if wrapped is None:
+        return
+    names = getattr(wrapped, "__code__", None) and wrapped.__code__.co_freevars
+    cells = dict(zip(names or (), (c.cell_contents for c in (wrapped.__closure__ or ()))))
+    parallel_dims = cells.get("parallel_dims")
+    if (getattr(wrapped, "__name__", "") != "forward_with_redistribution" or parallel_dims is None
+            or cells.get("self") is not module or not hasattr(module, "_maybe_wrap_with_local_region")):
+        raise RuntimeError(
+            f"convert: {fqn or 'the model'} has a forward set on the instance ({wrapped!r}) that this version cannot "
+            "rebuild around the FP8 forward; convert before parallelizing: list "
+            "moe_fp8_ext.integrations.torchtitan.ExpertsConverter.Config in the model's converters, or call "
+            "convert(model) right after building it")
+    del module.forward
+    module.forward = _redistributing(module, parallel_dims)
+
+
+def _redistributing(self, parallel_dims):
+    """``Module.parallelize``'s wrapper, around the forward of ``self``'s class now."""
+    fn = self._maybe_wrap_with_local_region(self.forward, parallel_dims)
+
+    def forward_with_redistribution(*args, **kwargs):
+        args, kwargs = self._redistribute_inputs(parallel_dims, args, kwargs)
+        outputs = fn(*args, **kwargs)
+        return self._redistribute_outputs(parallel_dims, outputs)
+
+    return forward_with_redistribution
 
 
 def convert(model: torch.nn.Module, recipe: Union[str, Recipe] = "fp8_rowwise", *, reuse_weights: bool = False) -> int:
     """Convert every torchtitan ``GroupedExperts`` in ``model`` (the model itself
-    included) to run :func:`moe_fp8_ext.experts` with ``recipe``; returns how many were
-    converted. Converting again changes the recipe. Raises ImportError when torchtitan
-    is not installed, ValueError for an unknown recipe."""
+    included) to run :func:`moe_fp8_ext.experts` with ``recipe``, in place; returns how
+    many were converted. Converting again changes the recipe. Works before or after
+    torchtitan's ``parallelize`` and FSDP2. ``reuse_weights``: a
+    :class:`~moe_fp8_ext.WeightCache` per module (opt-in: see
+    :mod:`moe_fp8_ext.weight_cache` for the writes it cannot see). Raises ValueError for
+    an unknown recipe or shapes the recipe cannot run, TypeError for a GroupedExperts
+    subclass with another forward, RuntimeError where a parallelized forward cannot be
+    rebuilt."""
     r = get_recipe(recipe, "convert")
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"convert: expected a torch.nn.Module, got {type(model).__name__}")
-    classes = _grouped_experts_classes()
-    n = 0
-    for module in model.modules():
-        if not isinstance(module, classes):
-            continue
+    found = [(fqn, m) for fqn, m in model.named_modules() if isinstance(m, GroupedExperts)]
+    for fqn, module in found:  # every check before any change
+        _check_convertible(fqn, module, r)
+    for fqn, module in found:
         base = getattr(type(module), "_moe_fp8_base", type(module))
-        module.__class__ = _converted_class(base)
-        module.moe_fp8_recipe = r
-        module.moe_fp8_weight_cache = WeightCache() if reuse_weights else None
-        n += 1
-    return n
+        module.__class__ = converted_class(base)
+        _configure(module, r, reuse_weights)
+        _rewrap_parallelized_forward(fqn, module)
+    return len(found)
 
 
 def unconvert(model: torch.nn.Module) -> int:
     """Undo :func:`convert`: the modules run torchtitan's own forward again."""
     n = 0
-    for module in model.modules():
+    for fqn, module in model.named_modules():
         base = getattr(type(module), "_moe_fp8_base", None)
         if base is not None:
             module.__class__ = base
             del module.moe_fp8_recipe, module.moe_fp8_weight_cache
+            _rewrap_parallelized_forward(fqn, module)
             n += 1
     return n
 
 
+class ExpertsConverter(QuantizationConverter):
+    """torchtitan model converter: every ``GroupedExperts.Config`` in the model's config
+    tree becomes the config of :func:`converted_class`, so the model is built with
+    moe_fp8_ext's experts and ``parallelize`` wraps their forward."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(QuantizationConverter.Config):
+        recipe: str = "fp8_rowwise"
+        """fp8_rowwise, fp8_blockwise, mxfp8 or bf16 (moe_fp8_ext.recipes.RECIPES)."""
+        reuse_weights: bool = False
+        """Reuse quantized weights until the optimizer step (moe_fp8_ext.weight_cache)."""
+        filter_fqns: List[str] = field(default_factory=list)
+        """Experts whose fully qualified name contains one of these stay as they are."""
+
+    def __init__(self, config: Config):
+        self.config = config
+        get_recipe(config.recipe, "ExpertsConverter")  # (an unknown name fails here, not at build)
+
+    def convert(self, model_config):
+        cfg = self.config
+        for fqn, config, parent, attr in model_config.traverse(GroupedExperts.Config):
+            if any(f in fqn for f in cfg.filter_fqns):
+                continue
+            base = type(config)._owner
+            base = getattr(base, "_moe_fp8_base", base)
+            if base.forward is not GroupedExperts.forward:
+                raise TypeError(f"ExpertsConverter: expected {fqn or 'the model'} to be a GroupedExperts with "
+                                f"torchtitan's SwiGLU forward, got {base.__name__}, which overrides forward")
+            values = {f.name: getattr(config, f.name) for f in fields(config)}
+            values.update(moe_fp8_recipe=cfg.recipe, moe_fp8_reuse_weights=cfg.reuse_weights)
+            new = converted_class(base).Config(**values)
+            if parent is None:
+                model_config = new
+            elif isinstance(parent, list):
+                parent[attr] = new
+            else:
+                setattr(parent, attr, new)
+        return model_config
+
+
 def build_moe(dim: int, hidden: int, experts: int, top_k: int = 2, *, device="cpu", dtype=torch.bfloat16,
-              seed: int = 0) -> torch.nn.Module:
+              seed: int = 0, shared_experts: bool = True) -> torch.nn.Module:
     """A torchtitan 0.3.0 ``MoE`` layer (top-k router, LocalTokenDispatcher,
     GroupedExperts, shared experts) built from torchtitan's own configs, every weight
-    drawn from N(0, 1/fan_in) with ``seed``: the unconverted layer that the tests and
-    ``scripts/train_curve.py`` convert."""
+    drawn from N(0, 1/fan_in) with ``seed``: the unconverted layer that the tests,
+    benchmarks and ``scripts/train_curve.py`` convert."""
     import torchtitan.models.common.moe as tt_moe
     from torchtitan.models.common.feed_forward import FeedForward
     from torchtitan.models.common.linear import Linear
@@ -111,7 +235,8 @@ def build_moe(dim: int, hidden: int, experts: int, top_k: int = 2, *, device="cp
             inner_experts=tt_moe.GroupedExperts.Config(dim=dim, hidden_dim=hidden, num_experts=experts),
             token_dispatcher=LocalTokenDispatcher.Config(num_experts=experts, top_k=top_k)),
         router=tt_moe.TokenChoiceTopKRouter.Config(num_experts=experts, gate=lin(dim, experts), top_k=top_k),
-        shared_experts=FeedForward.Config(w1=lin(dim, hidden), w2=lin(hidden, dim), w3=lin(dim, hidden)),
+        shared_experts=FeedForward.Config(w1=lin(dim, hidden), w2=lin(hidden, dim), w3=lin(dim, hidden))
+        if shared_experts else None,
     )
     moe = cfg.build()
     g = torch.Generator().manual_seed(seed)
