@@ -1,182 +1,351 @@
-"""The SwiGLU experts layer, forward + backward (DESIGN §10, issue 15's shapes):
-bf16 (torchtitan's GroupedExperts math: three torch._grouped_mm calls, silu * mul, under
-torch autograd), ours = moe_fp8_ext.experts (fp8_rowwise) without and with weight reuse
-(4 micro-batches per optimizer step: the time is per micro-batch, the weights quantized
-once), the previous way, three moe_fp8_ext.grouped_mm calls, and the peer: the same
-torchtitan math with torchao 0.18's FP8 rowwise grouped GEMM in each of the three
-calls (what torchtitan's FP8 MoE conversion runs). Peak memory of one fwd+bwd above
-the weights, and the activation bytes saved for backward (x included: in a model the
-layer's input is the permuted tokens, an activation only the layer keeps alive), bf16
-vs ours; for both, x enters the step as a fresh tensor (a clone), as the permuted tokens
-do, so a layer that does not save it lets it go after the forward. Eager; with --compile also
-torch.compile'd (our layer runs as three grouped_mm calls under compile with torch <
-2.13, see moe_fp8_ext.experts.COMPILE_COMPOSITE).
+"""The user's path: torchtitan 0.3.0's own ``GroupedExperts`` and ``MoE`` modules, bf16,
+converted by moe_fp8_ext (``integrations.torchtitan.convert``), and torchtitan's own FP8
+path (torchao's Float8 grouped GEMMs, whose token groups torchtitan pads to 16 rows).
 
-Correctness first: each shape's output and input gradient are checked against the
-bf16 layer (SQNR) before timing. Run: python bench/bench_experts.py [--quick] [--compile]
-[--recipe fp8_blockwise] (ours, reuse and the three grouped_mm calls in that recipe; the
-torchao column stays its FP8 rowwise layer)
+A step is the forward and ``out.backward(grad)`` (a loss's backward) into the
+parameters' ``.grad``: "fresh" sets every ``.grad`` to None first (the first
+micro-batch), "accum" keeps them (later micro-batches add in place). Token groups are a
+router's: unaligned sizes drawn around tokens/experts (the MoE table routes real tokens
+through torchtitan's router). Peak is the most memory one fresh step allocates above
+what was allocated before it (activations, operands and the new gradients). The
+``autograd.grad`` column times ``torch.autograd.grad`` of the same step (no ``.grad``).
+Variants are timed in alternating rounds. Eager, and with --compile torch.compile'd
+modules. Each shape is checked first: ours against bf16 by SQNR.
+
+    python bench/bench_experts.py [--quick] [--compile] [--moe] [--shapes 0,2]
+
+Prints tables and writes $OUT/bench_experts.json (bench/report.py renders RESULTS.md).
 """
 
 import argparse
+import copy
+import os
 import sys
 
 import torch
-import torch.nn.functional as F
 
-import moe_fp8_ext
-from moe_fp8_ext.experts import WeightCache, experts
-from moe_fp8_ext.moe import balanced_offs
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import bench_interleaved_us, fmt, print_table, sqnr, write_json  # noqa: E402
 
-sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from common import bench_us, fmt, peak_mib, print_table, sqnr, torchao_gmm, try_peer  # noqa: E402
+from moe_fp8_ext.moe import router_counts  # noqa: E402
 
-SHAPES = [(32768, 7168, 2048, 8), (16384, 5120, 1536, 16), (65536, 2048, 1408, 64), (65536, 2048, 768, 128)]
-
-
-def bf16_layer(x, w1, w3, w2, offs):
-    """torchtitan 0.3.0 GroupedExperts.forward, without the module."""
-    def mm(a, w):
-        return torch._grouped_mm(a, w.transpose(-2, -1), offs=offs)
-    return mm(F.silu(mm(x, w1)) * mm(x, w3), w2)
+EXPERTS_SHAPES = [(32768, 7168, 2048, 8), (16384, 5120, 1536, 16), (65536, 2048, 1408, 64), (65536, 2048, 768, 128)]
+MOE_SHAPES = [(16384, 2048, 1408, 64, 6), (8192, 7168, 2048, 32, 8)]  # tokens, dim, hidden, experts, top-k
+RECIPES = ("fp8_rowwise", "fp8_blockwise")
+DEVICE = "cuda"  # --smoke: "cpu", tiny shapes, one timed call (a check of the script, not a benchmark)
 
 
-def problem(m, d, h, e, seed=0):
-    """One experts step on the GPU: x (m, d) and w1, w3 (e, h, d), w2 (e, d, h) bf16
-    leaves (weights ~ N(0, 1/fan_in)), balanced group ends, an output gradient."""
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    x = torch.randn(m, d, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
-    w1 = (torch.randn(e, h, d, device="cuda", dtype=torch.bfloat16, generator=g) * d ** -0.5).requires_grad_()
-    w3 = (torch.randn(e, h, d, device="cuda", dtype=torch.bfloat16, generator=g) * d ** -0.5).requires_grad_()
-    w2 = (torch.randn(e, d, h, device="cuda", dtype=torch.bfloat16, generator=g) * h ** -0.5).requires_grad_()
-    offs = balanced_offs(m, e, device="cuda")
-    grad = torch.randn(m, d, device="cuda", dtype=torch.bfloat16, generator=g)
-    return x, w1, w3, w2, offs, grad
+def padded(counts: torch.Tensor, multiple: int = 16) -> torch.Tensor:
+    return (counts + multiple - 1) // multiple * multiple
 
 
-def step_parser(doc):
-    """The command line of the per-step scripts (scripts/profile_experts.py,
-    scripts/memory_experts.py): a shape (tokens dim hidden experts) and --recipe."""
-    p = argparse.ArgumentParser(description=doc)
-    p.add_argument("shape", nargs="*", type=int, default=[65536, 2048, 1408, 64])
-    p.add_argument("--recipe", default="fp8_rowwise")
-    return p
+def torchao_fp8(module: torch.nn.Module) -> torch.nn.Module:
+    """torchtitan's Float8GroupedExperts conversion of a GroupedExperts (torchao)."""
+    from torchao.prototype.moe_training.config import Float8TrainingOpConfig
+    from torchao.quantization.quant_api import quantize_
+    from torchtitan.models.common.moe import GroupedExperts
+
+    quantize_(module, config=Float8TrainingOpConfig(), filter_fn=lambda m, _fqn: isinstance(m, GroupedExperts))
+    return module
 
 
-def steps(args):
-    """{name: one forward + backward} for the bf16 module, ``args.recipe`` and (with
-    ``args.reuse``) ``args.recipe`` with its quantized weights reused (a call that hits
-    the cache for every weight: 3 of 4 micro-batches) on ``args.shape``, and the shape."""
-    m, d, h, e = args.shape
-    x, w1, w3, w2, offs, grad = problem(m, d, h, e)
-    impls = {"bf16": bf16_layer, args.recipe: lambda *t: experts(*t, recipe=args.recipe)}
-    if getattr(args, "reuse", False):
-        cache = WeightCache()
-        impls[args.recipe + ", weights reused"] = lambda *t: experts(*t, recipe=args.recipe, weight_cache=cache)
-    return {name: (lambda fn=fn: torch.autograd.grad(fn(x, w1, w3, w2, offs), (x, w1, w3, w2), grad))
-            for name, fn in impls.items()}, (m, d, h, e)
+def grouped_experts(dim, hidden, experts, seed=0):
+    from torchtitan.models.common.moe import GroupedExperts
+
+    module = GroupedExperts.Config(dim=dim, hidden_dim=hidden, num_experts=experts).build()
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * p.shape[-1] ** -0.5)
+    return module.to(device=DEVICE, dtype=torch.bfloat16)
 
 
-def torchao_layer(x, w1, w3, w2, offs):
-    """torchtitan's GroupedExperts math on torchao's FP8 grouped GEMM."""
-    gmm = torchao_gmm()
+def steps_of(module, args, grad, mode):
+    """(fresh step, accumulating step, autograd.grad step) of ``module(*args)``."""
+    params = [p for p in module.parameters() if p.requires_grad]
+    x = args[0]
 
-    def mm(a, w):
-        return gmm(a, w.transpose(-2, -1), offs)
-    return mm(F.silu(mm(x, w1)) * mm(x, w3), w2)
+    def fresh():
+        for t in params + [x]:
+            t.grad = None
+        module(*args).backward(grad)
 
+    def accum():
+        module(*args).backward(grad)
 
-def three_grouped_mm(x, w1, w3, w2, offs, recipe="fp8_rowwise"):
-    def mm(a, w):
-        return moe_fp8_ext.grouped_mm(a, w.transpose(-2, -1), offs, recipe=recipe)
-    return mm(F.silu(mm(x, w1)) * mm(x, w3), w2)
+    def agrad():
+        torch.autograd.grad(module(*args), params + [x], grad)
 
-
-def saved_bytes(fn, *args):
-    """Bytes of the tensors autograd keeps for backward (distinct storages, the weights
-    and offs excluded; x counts: it is an activation)."""
-    seen, inputs = {}, {a.untyped_storage().data_ptr() for a in args[1:] if isinstance(a, torch.Tensor)}
-
-    def pack(t):
-        p = t.untyped_storage().data_ptr()
-        if p not in inputs:
-            seen[p] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        fn(*args)
-    return sum(seen.values())
+    return fresh, accum, agrad
 
 
-HEADER = ["(tokens, dim, hidden, E)", "mode", "bf16 ms", "ours ms", "vs bf16", "reuse ms", "vs bf16", "3x grouped_mm ms",
-          "vs bf16", "torchao ms", "vs bf16", "peak MiB bf16", "ours", "saved MiB bf16", "ours", "SQNR out", "SQNR dx"]
+def peak_step_mib(step) -> float:
+    if DEVICE == "cpu":
+        step()
+        return float("nan")
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    step()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2**20
+
+
+def once_us(fns):
+    import time
+
+    ts = []
+    for fn in fns:
+        t0 = time.perf_counter()
+        fn()
+        ts.append((time.perf_counter() - t0) * 1e6)
+    return ts, None
+
+
+def measure(variants, mode):
+    """{name: (fresh ms, accum ms, autograd.grad ms, peak MiB)} for {name: (module, args, grad)}."""
+    fns = {n: steps_of(m, a, g, mode) for n, (m, a, g) in variants.items()}
+    names = list(fns)
+    peak = {}
+    for n in names:
+        fns[n][0]()  # warm-up (and compile)
+        for p in variants[n][0].parameters():
+            p.grad = None
+        variants[n][1][0].grad = None
+        peak[n] = peak_step_mib(fns[n][0])
+    timed = bench_interleaved_us if DEVICE == "cuda" else once_us
+    fresh, _ = timed([fns[n][0] for n in names])
+    for n in names:
+        fns[n][1]()  # .grad exists from here on
+    accum, _ = timed([fns[n][1] for n in names])
+    agrad, _ = timed([fns[n][2] for n in names])
+    for m, a, _ in variants.values():
+        for p in m.parameters():
+            p.grad = None
+        a[0].grad = None
+    return {n: (fresh[i] / 1e3, accum[i] / 1e3, agrad[i] / 1e3, peak[n]) for i, n in enumerate(names)}
+
+
+def rows_of(shape, mode, res, checks):
+    base = res["bf16"]
+    rows, records = [], []
+    for name, (fresh, accum, agrad, peak) in res.items():
+        rows.append([shape, mode, name, fmt(fresh, "{:.2f}"), fmt(base[0] / fresh, "{:.2f}x"), fmt(accum, "{:.2f}"),
+                     fmt(base[1] / accum, "{:.2f}x"), fmt(agrad, "{:.2f}"), fmt(base[2] / agrad, "{:.2f}x"),
+                     fmt(peak, "{:.0f}"), fmt(peak / base[3], "{:.2f}x"), checks.get(name, "")])
+        records.append(dict(shape=shape, mode=mode, variant=name, fresh_ms=fresh, accum_ms=accum, autograd_grad_ms=agrad,
+                            peak_mib=peak, fresh_vs_bf16=base[0] / fresh, accum_vs_bf16=base[1] / accum,
+                            autograd_grad_vs_bf16=base[2] / agrad, peak_vs_bf16=peak / base[3], check=checks.get(name)))
+    return rows, records
+
+
+def compiled(variants):
+    return {n: (torch.compile(m, fullgraph=True), a, g) for n, (m, a, g) in variants.items()}
+
+
+def bench_grouped_experts(shapes, modes, peer):
+    from moe_fp8_ext.integrations.torchtitan import convert
+
+    rows, records = [], []
+    for m, d, h, e in shapes:
+        counts = router_counts(m, e).to(DEVICE)
+        g = torch.Generator(device=DEVICE).manual_seed(1)
+        x = torch.randn(m, d, device=DEVICE, dtype=torch.bfloat16, generator=g).requires_grad_()
+        grad = torch.randn(m, d, device=DEVICE, dtype=torch.bfloat16, generator=g)
+        bf16 = grouped_experts(d, h, e)
+        variants = {"bf16": (bf16, (x, counts), grad)}
+        for r in RECIPES:
+            mod = copy.deepcopy(bf16)
+            convert(mod, r)
+            variants[r] = (mod, (x, counts), grad)
+        if peer:
+            try:  # torchao needs groups of multiples of 16: the padded rows torchtitan's dispatcher adds
+                pc = padded(counts)
+                xp = torch.randn(int(pc.sum()), d, device=DEVICE, dtype=torch.bfloat16, generator=g).requires_grad_()
+                gp = torch.randn(xp.shape, device=DEVICE, dtype=torch.bfloat16, generator=g)
+                variants["torchao fp8 (padded)"] = (torchao_fp8(copy.deepcopy(bf16)), (xp, pc), gp)
+                variants["torchao fp8 (padded)"][0](xp, pc).sum().backward()
+            except Exception as ex:  # a peer that cannot run must not stop our numbers
+                print(f"  (torchao peer unavailable: {type(ex).__name__}: {str(ex).splitlines()[0][:120]})")
+                variants.pop("torchao fp8 (padded)", None)
+        with torch.no_grad():
+            want = bf16(x, counts)
+            checks = {r: f"{sqnr(want, variants[r][0](x, counts)):.1f} dB" for r in RECIPES}
+        for mode in modes:
+            res = measure(compiled(variants) if mode == "compiled" else variants, mode)
+            rw, rec = rows_of(f"({m}, {d}, {h}, {e})", mode, res, checks)
+            rows += rw
+            records += rec
+            print("\n".join(" | ".join(r) for r in rw), flush=True)
+        del variants, bf16, x, grad
+        torch._dynamo.reset()
+        torch.cuda.empty_cache()
+    return rows, records
+
+
+def moe_layer(tokens, dim, hidden, experts, top_k, converter=None):
+    import torchtitan.models.common.moe as tt_moe
+    from torchtitan.models.common.feed_forward import FeedForward
+    from torchtitan.models.common.linear import Linear
+    from torchtitan.models.common.token_dispatcher import LocalTokenDispatcher
+
+    def lin(i, o):
+        return Linear.Config(in_features=i, out_features=o, bias=False)
+
+    cfg = tt_moe.MoE.Config(
+        num_experts=experts,
+        routed_experts=tt_moe.RoutedExperts.Config(
+            inner_experts=tt_moe.GroupedExperts.Config(dim=dim, hidden_dim=hidden, num_experts=experts),
+            token_dispatcher=LocalTokenDispatcher.Config(num_experts=experts, top_k=top_k)),
+        router=tt_moe.TokenChoiceTopKRouter.Config(num_experts=experts, gate=lin(dim, experts), top_k=top_k),
+        shared_experts=FeedForward.Config(w1=lin(dim, hidden), w2=lin(hidden, dim), w3=lin(dim, hidden)),
+    )
+    if converter is not None:
+        cfg = converter.build().convert(cfg)
+    moe = cfg.build()
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * p.shape[-1] ** -0.5)
+        moe.expert_bias_E.zero_()
+    return moe.to(device=DEVICE, dtype=torch.bfloat16)
+
+
+def bench_moe(shapes, modes, peer):
+    from moe_fp8_ext.integrations.torchtitan import ExpertsConverter
+
+    rows, records = [], []
+    for t, d, h, e, k in shapes:
+        g = torch.Generator(device=DEVICE).manual_seed(1)
+        x = torch.randn(1, t, d, device=DEVICE, dtype=torch.bfloat16, generator=g).requires_grad_()
+        grad = torch.randn(1, t, d, device=DEVICE, dtype=torch.bfloat16, generator=g)
+        variants = {"bf16": (moe_layer(t, d, h, e, k), (x,), grad)}
+        for r in RECIPES:
+            variants[r] = (moe_layer(t, d, h, e, k, ExpertsConverter.Config(recipe=r)), (x,), grad)
+        if peer:
+            try:
+                from torchtitan.components.quantization import Float8GroupedExpertsConverter
+
+                variants["torchao fp8"] = (moe_layer(t, d, h, e, k, Float8GroupedExpertsConverter.Config()), (x,), grad)
+                variants["torchao fp8"][0](x).sum().backward()
+            except Exception as ex:
+                print(f"  (torchao peer unavailable: {type(ex).__name__}: {str(ex).splitlines()[0][:120]})")
+                variants.pop("torchao fp8", None)
+        with torch.no_grad():
+            want = variants["bf16"][0](x)
+            checks = {r: f"{sqnr(want, variants[r][0](x)):.1f} dB" for r in RECIPES}
+        for mode in modes:
+            res = measure(compiled(variants) if mode == "compiled" else variants, mode)
+            rw, rec = rows_of(f"({t}, {d}, {h}, {e}, top-{k})", mode, res, checks)
+            rows += rw
+            records += rec
+            print("\n".join(" | ".join(r) for r in rw), flush=True)
+        del variants, x, grad
+        torch._dynamo.reset()
+        torch.cuda.empty_cache()
+    return rows, records
+
+
+FAMILIES = [  # (label, regex on the kernel name), first match wins
+    ("fp8 grouped GEMM", r"f8f8bf16|fp8.*grouped|scaled.*grouped|cutlass.*(e4m3|f8)|GroupProblemShape.*e4m3|Blockwise"),
+    ("bf16 grouped GEMM", r"grouped|cutlass|sm90_xmma|gemm|nvjet"),
+    ("swiglu (ours)", r"swiglu"),
+    ("quantization (ours)", r"quantize|tiles|rows_kernel|cols_kernel"),
+    ("token groups / offs", r"copy_rows|padded_offsets|zero_rows|permute|invert|build_tables"),
+    ("gradient copy / accumulate", r"copy_kernel|CatArrayBatched|add_kernel|AddFunctor"),
+    ("elementwise / reduce (torch)", r"elementwise|vectorized|unrolled|silu|reduce_kernel|fill|cumsum|scan"),
+]
+
+
+def profile_step(name, step, top=10):
+    """torch.profiler's GPU kernel time of one step, summed by kernel family."""
+    import collections
+    import re
+
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            step()
+        torch.cuda.synchronize()
+    fam, kern = collections.Counter(), collections.Counter()
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            label = next((lb for lb, pat in FAMILIES if re.search(pat, ev.name, re.I)), "other")
+            fam[label] += ev.device_time / 5e3
+            kern[ev.name[:100]] += ev.device_time / 5e3
+    total = sum(fam.values())
+    print(f"\n#### {name}: GPU kernel time per step {total:.2f} ms")
+    print("| family | ms | share |\n|---|---|---|")
+    for k, v in fam.most_common():
+        print(f"| {k} | {v:.3f} | {100 * v / total:.1f}% |")
+    print(f"top {top} kernels:")
+    for k, v in kern.most_common(top):
+        print(f"  {v:7.3f} ms  {k}")
+    return {"total_ms": total, "families": dict(fam), "kernels": dict(kern.most_common(top))}
+
+
+def profile_experts(shapes):
+    """The per-kernel profile of a fresh user-path step, bf16 and each recipe."""
+    from moe_fp8_ext.integrations.torchtitan import convert
+
+    out = []
+    for m, d, h, e in shapes:
+        counts = router_counts(m, e).to(DEVICE)
+        x = torch.randn(m, d, device=DEVICE, dtype=torch.bfloat16).requires_grad_()
+        grad = torch.randn(m, d, device=DEVICE, dtype=torch.bfloat16)
+        bf16 = grouped_experts(d, h, e)
+        for name in ("bf16",) + RECIPES:
+            mod = bf16 if name == "bf16" else copy.deepcopy(bf16)
+            if name != "bf16":
+                convert(mod, name)
+            res = profile_step(f"({m}, {d}, {h}, {e}) {name}", steps_of(mod, (x, counts), grad, "eager")[0])
+            out.append(dict(shape=f"({m}, {d}, {h}, {e})", variant=name, **res))
+            del mod
+        del bf16, x, grad
+        torch.cuda.empty_cache()
+    return out
+
+
+HEADER = ["shape", "mode", "variant", "fresh ms", "vs bf16", "accum ms", "vs bf16", "autograd.grad ms", "vs bf16",
+          "peak MiB", "vs bf16", "SQNR out"]
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--quick", action="store_true", help="the first shape only")
-    p.add_argument("--compile", action="store_true", help="also torch.compile'd rows")
-    p.add_argument("--shapes", default=None, help="indices into SHAPES, comma-separated (e.g. 1,2)")
-    p.add_argument("--recipe", default="fp8_rowwise",
-                   help="the recipe of ours, reuse and 3x grouped_mm (the torchao peer is its FP8 rowwise)")
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="the first shape of each table only")
+    p.add_argument("--compile", action="store_true", help="also torch.compile'd modules")
+    p.add_argument("--moe", action="store_true", help="only the MoE-layer table")
+    p.add_argument("--experts", action="store_true", help="only the GroupedExperts table")
+    p.add_argument("--shapes", default=None, help="indices into the experts shapes, comma-separated")
+    p.add_argument("--no-peer", action="store_true", help="without torchtitan's torchao FP8 path")
+    p.add_argument("--smoke", action="store_true", help="CPU, tiny shapes, one call each: checks the script")
+    p.add_argument("--profile", action="store_true", help="only the per-kernel profile of a fresh experts step")
     args = p.parse_args()
-    recipe = args.recipe
-    shapes = SHAPES[:1] if args.quick else SHAPES
+    if args.smoke:
+        global DEVICE, EXPERTS_SHAPES, MOE_SHAPES
+        DEVICE, EXPERTS_SHAPES, MOE_SHAPES = "cpu", [(300, 128, 128, 4)], [(200, 128, 128, 8, 2)]
+        args.no_peer = True
+    modes = ("eager", "compiled") if args.compile else ("eager",)
+    shapes = EXPERTS_SHAPES[:1] if args.quick else EXPERTS_SHAPES
     if args.shapes:
-        shapes = [SHAPES[int(i)] for i in args.shapes.split(",")]
-    rows = []
-    for m, d, h, e in shapes:
-        x, w1, w3, w2, offs, grad = problem(m, d, h, e)
-        params = (x, w1, w3, w2)
-        cache = WeightCache()
-        impls = {
-            "bf16": bf16_layer,
-            "ours": lambda *a: experts(*a, recipe=recipe),
-            "reuse": lambda *a: experts(*a, recipe=recipe, weight_cache=cache),
-            "3x": lambda *a: three_grouped_mm(*a, recipe=recipe),
-        }
-        if try_peer(lambda: (lambda: torchao_layer(x, w1, w3, w2, offs))):
-            impls["torchao"] = torchao_layer
-        # correctness against the bf16 layer
-        outs = {}
-        for name in ("bf16", "ours"):
-            out = impls[name](x, w1, w3, w2, offs)
-            outs[name] = (out.detach(), torch.autograd.grad(out, x, grad)[0])
-        q_out, q_dx = sqnr(outs["bf16"][0], outs["ours"][0]), sqnr(outs["bf16"][1], outs["ours"][1])
-        assert q_out > 20 and q_dx > 20, (q_out, q_dx)
-        del outs
-        saved = {n: saved_bytes(impls[n], x.clone(), w1, w3, w2, offs) / 2**20 for n in ("bf16", "ours")}
-        for mode in ("eager", "compiled") if args.compile else ("eager",):
-            fns = impls if mode == "eager" else {
-                n: torch.compile(f) for n, f in impls.items() if n != "reuse"}
-            t, mem = {}, {}
-            for name, f in fns.items():
-                step = lambda f=f: torch.autograd.grad(f(x, w1, w3, w2, offs), params, grad)
-                if name == "reuse":
-                    # 4 micro-batches per optimizer step: every weight changes (its
-                    # version counter moves, as an optimizer's in-place update moves it;
-                    # no kernel, so the update's own cost is not timed) every 4th call,
-                    # so 1 in 4 requantizes every weight.
-                    def step4(step=step):
-                        for w in (w1, w3, w2):
-                            torch.autograd.graph.increment_version(w)
-                        for _ in range(4):
-                            step()
-                    t[name] = bench_us(step4) / 4 / 1000
-                else:
-                    t[name] = bench_us(step) / 1000
-                    mem[name] = peak_mib(lambda f=f: torch.autograd.grad(f(x.clone(), w1, w3, w2, offs), params, grad))
-            rows.append([f"({m}, {d}, {h}, {e})", mode, fmt(t["bf16"], "{:.2f}"), fmt(t["ours"], "{:.2f}"),
-                         fmt(t["bf16"] / t["ours"], "{:.2f}x"), fmt(t.get("reuse"), "{:.2f}"),
-                         fmt(t.get("reuse") and t["bf16"] / t["reuse"], "{:.2f}x"), fmt(t["3x"], "{:.2f}"),
-                         fmt(t["bf16"] / t["3x"], "{:.2f}x"), fmt(t.get("torchao"), "{:.2f}"),
-                         fmt(t.get("torchao") and t["bf16"] / t["torchao"], "{:.2f}x"),
-                         fmt(mem["bf16"], "{:.0f}"), fmt(mem["ours"], "{:.0f}"),
-                         fmt(saved["bf16"], "{:.0f}"), fmt(saved["ours"], "{:.0f}"), fmt(q_out), fmt(q_dx)])
-        del x, w1, w3, w2, grad, cache, impls
-        torch.cuda.empty_cache()
-    print_table(f"SwiGLU experts fwd+bwd: bf16 (torchtitan math) vs moe_fp8_ext.experts ({recipe})", HEADER, rows,
-                "bench_experts.md" if recipe == "fp8_rowwise" else f"bench_experts_{recipe}.md")
+        shapes = [EXPERTS_SHAPES[int(i)] for i in args.shapes.split(",")]
+    out = {}
+    if args.profile:
+        write_json("profile_experts", profile_experts(shapes), sys.argv)
+        return
+    if not args.moe:
+        rows, out["grouped_experts"] = bench_grouped_experts(shapes, modes, not args.no_peer)
+        print_table("torchtitan GroupedExperts, fwd + backward into .grad: bf16 vs converted", HEADER, rows,
+                    "bench_experts.md")
+    if not args.experts:
+        rows, out["moe"] = bench_moe(MOE_SHAPES[:1] if args.quick else MOE_SHAPES, modes, not args.no_peer)
+        print_table("torchtitan MoE layer (router, dispatcher, experts, shared experts), fwd + backward into .grad",
+                    HEADER, rows, "bench_experts.md")
+    write_json("bench_experts", out, sys.argv)
 
 
 if __name__ == "__main__":

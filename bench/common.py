@@ -143,7 +143,7 @@ def sqnr(ref: torch.Tensor, x: torch.Tensor) -> float:
 def print_table(title: str, header: Sequence[str], rows: List[Sequence[str]], out_name: str) -> str:
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
     line = lambda cells: "| " + " | ".join(c.rjust(w) for c, w in zip(cells, widths)) + " |"
-    dev = torch.cuda.get_device_name()
+    dev = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     text = "\n".join(
         [
             f"### {title}",
@@ -161,3 +161,27 @@ def print_table(title: str, header: Sequence[str], rows: List[Sequence[str]], ou
         with open(os.path.join(out, out_name), "a") as f:
             f.write(text + "\n")
     return text
+
+
+def write_json(name: str, data, argv) -> None:
+    """$OUT/<name>.json: the run's device, torch, commit ($BENCH_COMMIT, else git's),
+    date and command beside ``data`` (bench/report.py renders RESULTS.md from it)."""
+    import json
+    import subprocess
+    import sys
+
+    commit = os.environ.get("BENCH_COMMIT")
+    if not commit:
+        try:
+            commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                    cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or None
+        except OSError:
+            commit = None
+    doc = dict(benchmark=name, device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+               torch=torch.__version__, commit=commit, date=datetime.date.today().isoformat(),
+               command=" ".join(["python", os.path.relpath(argv[0])] + list(argv[1:])), data=data)
+    out = os.environ.get("OUT", ".")
+    path = os.path.join(out, f"{name}.json")
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=1)
+    print(f"wrote {path}", file=sys.stderr)

@@ -1,10 +1,12 @@
-"""python -m moe_fp8_ext: train a small MoE expert layer in bf16 and in fp8.
+"""python -m moe_fp8_ext: train an MoE expert layer in bf16 and in fp8.
 
 Trains a ``moe_fp8_ext.GroupedExperts`` layer (the SwiGLU experts, torchtitan's layout
-and forward) on a regression task with each recipe, on the GPU if there is one (else
-on the CPU at a small size, with an fp32 baseline), and prints the step time and peak
-memory of each, the speedup, the final losses and the SQNR of one fp8 forward against
-the baseline. ``--recipe`` picks the fp8 recipe (fp8_rowwise, fp8_blockwise, mxfp8).
+and forward) on a regression task with each recipe, on the GPU if there is one at a
+DeepSeek-V3 expert shape per GPU (32768 routed tokens, dim 7168, hidden 2048, 8 local
+experts; else on the CPU at a small size, with an fp32 baseline), with a router's
+unaligned token groups, ``loss.backward()`` into fresh gradients and an AdamW step, and
+prints the step time and peak memory of each, the speedup, the final losses and the
+SQNR of one fp8 forward against the baseline. ``--recipe`` picks the fp8 recipe (fp8_rowwise, fp8_blockwise, mxfp8).
 `--check` instead runs every quantization op and verifies it bit for bit against
 moe_fp8_ext.reference, with timings.
 """
@@ -17,7 +19,7 @@ import torch
 
 import moe_fp8_ext
 from moe_fp8_ext import reference as ref
-from moe_fp8_ext.moe import balanced_offs
+from moe_fp8_ext.moe import router_counts
 
 
 def _time_ms(fn, device, iters):
@@ -88,8 +90,8 @@ def _train(recipe, device, dtype, tokens, dim, hidden, experts, steps, counts, l
 def train_demo(args):
     device = args.device or ("cuda" if torch.cuda.is_available() and moe_fp8_ext.build_info()["cuda"] else "cpu")
     gpu = device == "cuda"
-    tokens, dim, hidden = args.tokens or (16384 if gpu else 512), args.hidden or (4096 if gpu else 64), args.ffn or (1536 if gpu else 128)
-    experts, steps = args.experts, args.steps or (200 if gpu else 60)
+    tokens, dim, hidden = args.tokens or (32768 if gpu else 512), args.hidden or (7168 if gpu else 64), args.ffn or (2048 if gpu else 128)
+    experts, steps = args.experts, args.steps or (100 if gpu else 60)
     # bf16 on a GPU; on the CPU the baseline is fp32 (bf16 grouped GEMMs are not
     # available on every CPU) and the fp8 run quantizes the same fp32 activations.
     dtype = torch.bfloat16 if gpu else torch.float32
@@ -97,8 +99,7 @@ def train_demo(args):
     print(f"moe_fp8_ext: training an MoE expert FFN on {where}")
     print(f"tokens={tokens} dim={dim} hidden={hidden} experts={experts} steps={steps}; "
           f"{args.recipe} GEMM path: {moe_fp8_ext.grouped_mm_backend(device, args.recipe)}\n")
-    offs = balanced_offs(tokens, experts, device=device)
-    counts = torch.diff(offs, prepend=offs.new_zeros(1))  # tokens per expert, as a router gives them
+    counts = router_counts(tokens, experts).to(device)  # tokens per expert, as a router gives them
     base_name = "bf16" if gpu else "fp32"
     fp8 = args.recipe
     m_base, t_base, l_base, p_base = _train("bf16", device, dtype, tokens, dim, hidden, experts, steps, counts, base_name)
@@ -123,10 +124,10 @@ def train_demo(args):
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m moe_fp8_ext", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--check", action="store_true", help="verify every quantization op against the reference instead")
-    p.add_argument("--steps", type=int, default=None, help="training steps (default 200 on a GPU, 60 on the CPU)")
-    p.add_argument("--tokens", type=int, default=None, help="tokens M (default 16384 on a GPU, small on the CPU)")
-    p.add_argument("--hidden", type=int, default=None, help="model dim (default 4096 training / 7168 --check on a GPU)")
-    p.add_argument("--ffn", type=int, default=None, help="expert hidden dim (default 1536 training / 2048 --check on a GPU)")
+    p.add_argument("--steps", type=int, default=None, help="training steps (default 100 on a GPU, 60 on the CPU)")
+    p.add_argument("--tokens", type=int, default=None, help="routed tokens M (default 32768 training / 16384 --check on a GPU)")
+    p.add_argument("--hidden", type=int, default=None, help="model dim (default 7168 on a GPU)")
+    p.add_argument("--ffn", type=int, default=None, help="expert hidden dim (default 2048 on a GPU)")
     p.add_argument("--experts", type=int, default=8, help="experts E (default 8)")
     p.add_argument("--fp8-dtype", choices=["e4m3fn", "e4m3fnuz"], default=None, help="default: the platform's")
     p.add_argument("--device", choices=["cuda", "cpu"], default=None, help="default: cuda when available")

@@ -36,3 +36,11 @@ def balanced_offs(tokens: int, experts: int, alignment: int = 16, generator=None
     sizes = (w / w.sum() * tokens / alignment).floor().long() * alignment
     sizes[-1] += tokens - int(sizes.sum())
     return torch.cumsum(sizes, 0).to(torch.int32).to(device)
+
+
+def router_counts(tokens: int, experts: int, seed: int = 0) -> torch.Tensor:
+    """Tokens per expert as a router with load balancing gives them: a multinomial over
+    softly skewed expert probabilities, unaligned sizes summing to `tokens` (int64, CPU)."""
+    g = torch.Generator().manual_seed(seed)
+    p = torch.softmax(0.5 * torch.randn(experts, generator=g), 0)
+    return torch.bincount(torch.multinomial(p, tokens, replacement=True, generator=g), minlength=experts)

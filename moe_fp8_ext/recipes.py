@@ -339,8 +339,11 @@ def emulated_grouped_mm_2d2d(a_t: Tensor, b: Tensor, offs: Tensor) -> Tensor:
     if a_t.is_cuda:
         return torch._grouped_mm(a_t.bfloat16(), b.bfloat16(), offs=offs).float()
     g, inside = row_groups(offs, b.shape[0])
-    onehot = F.one_hot(g.long(), offs.numel()).to(a_t.dtype) * inside[:, None]  # (M, E)
-    return torch.einsum("nm,me,mk->enk", a_t, onehot, b)
+    # Each expert's rows selected with where, not a 0/1 product: 0 * NaN would carry a
+    # NaN or Inf of one expert's tokens into every expert's gradient.
+    mask = (g.long()[None, :] == torch.arange(offs.numel(), device=offs.device)[:, None]) & inside  # (E, M)
+    zero = a_t.new_zeros(())
+    return torch.bmm(torch.where(mask[:, None, :], a_t, zero), torch.where(mask[:, :, None], b, zero))
 
 
 # ---- fp8 rowwise (DESIGN §5) -----------------------------------------------------------

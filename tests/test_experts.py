@@ -766,3 +766,22 @@ def test_bad_arguments(bad, match):
     with pytest.raises(ValueError, match="multiples of 8"):
         w1b = torch.zeros(2, 30, 32, dtype=torch.bfloat16)
         experts(x, w1b, w1b, torch.zeros(2, 32, 30, dtype=torch.bfloat16), offs, recipe="bf16")
+
+
+def test_reuse_under_swapped_module_params():
+    """load_state_dict and .to() swap parameter tensors under
+    set_swap_module_params_on_conversion(True) (torch.utils.swap_tensors): the cache holds
+    no reference that stops them, and the swapped-in weights are used."""
+    x, w1, w3, w2, offs, _ = make(2, 32, 64, 64, "cpu", offs=[30, 64])
+    counts = torch.tensor([30, 34])
+    layer = layer_with(w1, w3, w2)
+    layer(x, counts)
+    before = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        layer.load_state_dict({k: v * 2 for k, v in layer.state_dict().items()})
+        assert torch.equal(layer(x, counts), experts(x, layer.w1, layer.w3, layer.w2, offs))
+        layer.to(torch.float32)
+        assert torch.equal(layer(x.float(), counts), experts(x.float(), layer.w1, layer.w3, layer.w2, offs))
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(before)

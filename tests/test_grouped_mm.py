@@ -1331,3 +1331,31 @@ def test_blockwise_backend_and_errors():
     out = moe_fp8_ext.grouped_mm(a, b_t, offs, recipe="fp8_blockwise", fp8_dtype=torch.float8_e4m3fnuz)
     assert out.shape == (64, 64) and torch.isfinite(out).all()
 
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("recipe", ["fp8_rowwise", "fp8_blockwise", "mxfp8", "bf16"])
+@pytest.mark.parametrize("where", ["A", "grad_out", "weight"])
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_nan_and_inf_stay_in_their_expert(device, recipe, where, value):
+    """A NaN or Inf in one expert's tokens (or weights) reaches that expert's outputs and
+    gradients only: every other expert's weight gradient, and the other groups' rows of
+    the output and of grad_A, stay finite and equal a clean run's."""
+    offs = torch.tensor([64, 64, 192], dtype=torch.int32, device=device)  # group 1 empty
+    a = randn((192, 64), torch.bfloat16, device)
+    b_t = (randn((3, 64, 64), torch.bfloat16, device, outliers=False) * 0.1).transpose(1, 2).contiguous()
+    grad = randn((192, 64), torch.bfloat16, device, outliers=False)
+    results = []
+    for poisoned in (False, True):
+        a_, b_, g_ = a.clone(), b_t.clone(), grad.clone()
+        if poisoned:
+            {"A": a_, "grad_out": g_, "weight": b_[0]}[where][5, 3] = value  # all in group / expert 0
+        a_.requires_grad_()
+        b_.requires_grad_()
+        out = moe_fp8_ext.grouped_mm(a_, b_, offs, recipe=recipe)
+        out.backward(g_)
+        results.append((out.detach(), a_.grad, b_.grad))
+    (out0, ga0, gb0), (out1, ga1, gb1) = results
+    assert torch.equal(gb1[1:], gb0[1:]), "another expert's weight gradient changed"
+    assert torch.equal(out1[64:], out0[64:]) and torch.equal(ga1[64:], ga0[64:]), "another group's rows changed"
+    assert not torch.isfinite(gb1[0]).all() or where == "weight"  # (the poison did reach its own expert)
