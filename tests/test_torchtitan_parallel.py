@@ -1,0 +1,57 @@
+"""moe_fp8_ext's experts under torchtitan 0.3.0's own parallelisms, on 2 and 4 CPU ranks
+(gloo): FSDP2 (apply_fsdp_to_decoder), expert parallelism (Module.parallelize with the
+all-to-all token dispatcher) and both, with every recipe converted before
+parallelizing, after it, and by the config converter (tests/torchtitan_parallel.py
+trains each for 20 steps). Skipped without torchtitan (CI installs it)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("torchtitan.models.qwen3")
+pytest.importorskip("spmd_types")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "tests", "torchtitan_parallel.py")
+LAYERS, STEPS = 2, 20  # (as in the script)
+
+# Step 0 runs the same model on the same tokens as one process: the fp8 operands are the
+# same bits, only the fp32 sums of the loss and the GEMMs add in another order.
+STEP0_RTOL = 1e-5
+CURVE_RTOL = 0.01  # every step's loss within 1% of the bf16 run's
+
+
+def train(ranks, specs):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", SCRIPT, *specs]
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=ROOT, env=env)
+    results = [json.loads(line.split("RESULT ", 1)[1]) for line in out.stdout.splitlines() if line.startswith("RESULT ")]
+    assert out.returncode == 0 and len(results) == len(specs), out.stdout[-3000:] + out.stderr[-3000:]
+    return {r["spec"]: r for r in results}
+
+
+@pytest.mark.parametrize("ranks, layout, runs", [
+    (2, "fsdp", ["before:fp8_rowwise", "after:fp8_blockwise", "config:mxfp8"]),
+    (2, "ep", ["after:fp8_rowwise", "config:fp8_blockwise", "before:mxfp8"]),
+    (4, "ep_fsdp", ["config:fp8_rowwise", "before:fp8_blockwise", "after:mxfp8", "after:fp8_blockwise:micro",
+                    "after:fp8_blockwise:reuse"]),
+    (4, "ep", ["after:fp8_rowwise"]),
+])
+def test_trains_under_torchtitan_parallelisms(ranks, layout, runs):
+    specs = [f"{layout}:none:bf16"] + [f"{layout}:{r}" for r in runs]
+    results = train(ranks, specs)
+    bf16 = results[specs[0]]
+    assert bf16["fp8_calls"] == 0
+    for spec in specs[1:]:
+        r = results[spec]
+        micro = 2 if spec.endswith((":micro", ":reuse")) else 1
+        assert r["fp8_calls"] == LAYERS * STEPS * micro, (spec, r["fp8_calls"])  # never left in bf16
+        assert abs(r["losses"][0] - r["single_step0"]) <= STEP0_RTOL * r["single_step0"], (spec, r)
+        worst = max(abs(a - b) / b for a, b in zip(r["losses"], bf16["losses"]))
+        assert worst < CURVE_RTOL, (spec, worst)
+    if f"{layout}:after:fp8_blockwise:reuse" in results:
+        reuse, micro = results[f"{layout}:after:fp8_blockwise:reuse"], results[f"{layout}:after:fp8_blockwise:micro"]
+        assert reuse["hits"] > 0 and reuse["losses"] == micro["losses"], (reuse["hits"], reuse["losses"], micro["losses"])

@@ -1,0 +1,192 @@
+"""torchtitan 0.3.0's own parallelisms with moe_fp8_ext's experts, on CPU ranks (gloo):
+a small qwen3 MoE decoder built from torchtitan's config tree, ParallelDims,
+Module.parallelize (expert parallelism through its all-to-all token dispatcher) and
+apply_fsdp_to_decoder, as torchtitan's qwen3 parallelize function applies them.
+
+    torchrun --nproc-per-node=4 tests/torchtitan_parallel.py ep_fsdp:config:fp8_rowwise ...
+
+Each run is LAYOUT:CONVERSION:RECIPE[:reuse]: layout fsdp (ep 1), ep (ep = ranks) or
+ep_fsdp (ep 2 over 4 ranks); conversion before (convert the built model), after
+(convert after parallelize and FSDP2), config (ExpertsConverter in the config tree) or
+none (bf16, unconverted); ":micro" trains two micro-batches a step, ":reuse" too, with
+reuse_weights.
+Every run trains 20 steps; rank 0 prints one JSON line per run (step losses, the
+single-process step-0 loss of the same model, how many experts calls went through
+moe_fp8_ext, weight-cache hits). tests/test_torchtitan_parallel.py checks them.
+"""
+
+import json
+import logging
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+STEPS, LR, SEQ, GLOBAL_BATCH, VOCAB, LAYERS = 20, 1e-3, 32, 8, 512, 2
+
+
+def config(ep_enabled, converter=None):
+    import torchtitan.models.qwen3 as q3
+    from torchtitan.models.common import CosSinRoPE, Embedding, Linear
+    from torchtitan.models.common.attention import ScaledDotProductAttention
+    from torchtitan.models.qwen3.sharding import set_qwen3_sharding_config
+
+    dim, head_dim = 128, 32
+    cfg = q3.Qwen3Model.Config(
+        vocab_size=VOCAB, dim=dim, norm=q3._qwen3_norm(dim),
+        tok_embeddings=Embedding.Config(num_embeddings=VOCAB, embedding_dim=dim, param_init=q3._EMBEDDING_INIT),
+        lm_head=Linear.Config(in_features=dim, out_features=VOCAB, param_init=q3._LINEAR_INIT),
+        layers=q3._build_qwen3_moe_layers(
+            fuse_qkv=True, n_layers=LAYERS, dim=dim, n_heads=4, n_kv_heads=2, head_dim=head_dim, moe_hidden_dim=128,
+            num_experts=8, top_k=2, attn_backend="flex",
+            rope=CosSinRoPE.Config(dim=head_dim, max_seq_len=SEQ + 1, theta=1e6), moe_comm_backend="standard"))
+    for layer in cfg.layers:  # (flex attention has no CPU backward)
+        layer.attention.inner_attention = ScaledDotProductAttention.Config()
+    if converter is not None:  # what model_registry(..., converters=[...]) does
+        cfg = converter.build().convert(cfg)
+    set_qwen3_sharding_config(cfg, enable_sp=False, enable_ep=ep_enabled)  # what update_from_config does
+    return cfg
+
+
+def build(ep_enabled, converter=None):
+    cfg = config(ep_enabled, converter)
+    torch.manual_seed(0)  # the same full model on every rank, before any sharding
+    model = cfg.build()
+    with torch.no_grad():
+        model.init_states()
+    return model
+
+
+def batch(step):
+    g = torch.Generator().manual_seed(1000 + step % 4)
+    seq = torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ + 1), generator=g)
+    return seq[:, :-1], seq[:, 1:]
+
+
+def gloo_uneven_all_to_all():
+    """spmd_types' uneven all-to-all (the EP dispatcher's) sends lists of unequal chunks,
+    which gloo refuses; the same exchange through all_to_all_single with split sizes."""
+    from spmd_types import _collectives as C
+    from spmd_types import _dist
+
+    def forward(ctx, x, axis, output_split_sizes, input_split_sizes, dtype_options):
+        ctx.axis, ctx.backward_options = axis, dtype_options.backward_options
+        x = C._apply_op_dtype(x, dtype_options.op_dtype)
+        ws = _dist.dist.get_world_size(axis)
+        input_split_sizes = input_split_sizes or [x.shape[0] // ws] * ws
+        output_split_sizes = output_split_sizes or [x.shape[0] // ws] * ws
+        ctx.output_split_sizes, ctx.input_split_sizes = output_split_sizes, input_split_sizes
+        out = x.new_empty([sum(output_split_sizes)] + list(x.shape[1:]))
+        _dist.dist.all_to_all_single(out, x.contiguous(), list(output_split_sizes), list(input_split_sizes),
+                                     group=axis)
+        return C._apply_out_dtype(out, dtype_options.out_dtype)
+
+    C._AllToAllUneven.forward = staticmethod(forward)
+
+
+def single_step0_loss(conversion, recipe):
+    from moe_fp8_ext.integrations.torchtitan import ExpertsConverter, convert
+
+    model = build(False, ExpertsConverter.Config(recipe=recipe) if conversion == "config" else None)
+    if conversion in ("before", "after"):
+        convert(model, recipe)
+    inp, lab = batch(0)
+    with torch.no_grad():
+        return F.cross_entropy(model(inp).flatten(0, 1).float(), lab.flatten(0, 1)).item()
+
+
+_DIMS = {}
+
+
+def run(spec, world, calls):
+    from torch.distributed.fsdp import FSDPModule
+    from torchtitan.distributed import ParallelDims
+    from torchtitan.distributed import utils as dist_utils
+    from torchtitan.distributed.fsdp import apply_fsdp_to_decoder
+    from torchtitan.distributed.full_dtensor import resolve_fsdp_mesh, resolve_sparse_fsdp_mesh, validate_config
+    from torchtitan.distributed.spmd_types import annotate_input_spmd_types
+
+    from moe_fp8_ext.integrations.torchtitan import ExpertsConverter, convert
+
+    layout, conversion, recipe, *extra = spec.split(":")
+    reuse = "reuse" in extra
+    ep = {"fsdp": 1, "ep": world, "ep_fsdp": 2}[layout]
+    converter = ExpertsConverter.Config(recipe=recipe, reuse_weights=reuse) if conversion == "config" else None
+    model = build(ep > 1, converter)
+    if conversion == "before":
+        convert(model, recipe, reuse_weights=reuse)
+    if ep not in _DIMS:  # (one set of meshes a layout: FSDP2 wants the very mesh objects)
+        _DIMS[ep] = ParallelDims(dp_replicate=1, dp_shard=world, cp=1, tp=1, pp=1, ep=ep, world_size=world,
+                                 spmd_backend="spmd_types")
+        _DIMS[ep].build_mesh()
+    dims = _DIMS[ep]
+    validate_config(dims, model)
+    model.parallelize(dims)
+    dp_mesh, dp_mesh_dims = resolve_fsdp_mesh(dims)
+    edp_mesh, edp_mesh_dims = resolve_sparse_fsdp_mesh(dims)
+    apply_fsdp_to_decoder(model, dp_mesh, param_dtype=torch.float32, reduce_dtype=torch.float32, pp_enabled=False,
+                          ep_degree=ep, edp_mesh=edp_mesh, dp_mesh_dims=dp_mesh_dims, edp_mesh_dims=edp_mesh_dims)
+    for m in model.modules():  # (gloo has no PREMUL_SUM: the same sums, as plain SUM)
+        if isinstance(m, FSDPModule):
+            m.set_force_sum_reduction_for_comms(True)
+    if conversion == "after":
+        convert(model, recipe, reuse_weights=reuse)
+    batch_mesh = dims.get_mesh("batch")
+    rows = GLOBAL_BATCH // batch_mesh.size()
+    first = batch_mesh.get_local_rank() * rows
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1, foreach=True)
+    calls.clear()
+    losses = []
+    micro = 2 if reuse or "micro" in extra else 1
+    for step in range(STEPS):
+        inp, lab = batch(step)
+        inp, lab = inp[first:first + rows], lab[first:first + rows]
+        total = torch.zeros(())
+        for mb in range(micro):
+            part = slice(mb * rows // micro, (mb + 1) * rows // micro)
+            with dist_utils.get_spmd_context(parallel_dims=dims)():
+                x, y, _ = annotate_input_spmd_types(dims, inp[part], lab[part], {})
+                loss = F.cross_entropy(model(x).flatten(0, 1).float(), y.flatten(0, 1), reduction="sum")
+                (loss / (GLOBAL_BATCH * SEQ)).backward()
+            total += loss.detach() / (GLOBAL_BATCH * SEQ)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        dist.all_reduce(total)
+        losses.append(total.item())
+    hits = sum(getattr(m.moe_fp8_weight_cache, "hits", 0) for m in model.modules()
+               if getattr(m, "moe_fp8_weight_cache", None) is not None)
+    return dict(spec=spec, world=world, losses=losses, fp8_calls=len(calls), hits=hits,
+                single_step0=single_step0_loss(conversion, recipe) if recipe != "bf16" else None)
+
+
+def main():
+    torch.set_num_threads(1)
+    logging.getLogger("torchtitan").setLevel(logging.WARNING)
+    import torchtitan.distributed.parallel_dims as tt_pd
+    import torchtitan.tools.utils as tt_utils
+    from torchtitan.distributed import utils as dist_utils
+
+    import moe_fp8_ext.integrations.torchtitan as integration
+
+    tt_pd.device_type = tt_utils.device_type = "cpu"  # (torchtitan assumes "cuda" without an accelerator)
+    dist_utils.set_spmd_backend("spmd_types")
+    gloo_uneven_all_to_all()
+    calls = []
+    experts = integration.experts
+    integration.experts = lambda *a, **k: calls.append(1) or experts(*a, **k)  # count the FP8 layer's calls
+    dist.init_process_group("gloo")
+    world = dist.get_world_size()
+    for spec in sys.argv[1:]:
+        result = run(spec, world, calls)
+        if dist.get_rank() == 0:
+            print("RESULT " + json.dumps(result), flush=True)
+    dist.barrier()
+
+
+if __name__ == "__main__":
+    main()
+    sys.stdout.flush()
+    import os
+
+    os._exit(0)  # (no teardown: gloo's destructors have aborted processes at exit)
