@@ -105,10 +105,17 @@ def once_us(fns):
 def measure(variants, mode):
     """{name: (fresh ms, accum ms, autograd.grad ms, peak MiB)} for {name: (module, args, grad)}."""
     fns = {n: steps_of(m, a, g, mode) for n, (m, a, g) in variants.items()}
+    for n in list(fns):
+        try:
+            fns[n][0]()  # warm-up (and compile)
+        except Exception as ex:  # one variant that cannot run (a peer under compile) must not stop the rest
+            if n == "bf16":
+                raise
+            print(f"  ({n}, {mode}: {type(ex).__name__}: {str(ex).splitlines()[0][:160]})", flush=True)
+            del fns[n]
     names = list(fns)
     peak = {}
     for n in names:
-        fns[n][0]()  # warm-up (and compile)
         for p in variants[n][0].parameters():
             p.grad = None
         variants[n][1][0].grad = None

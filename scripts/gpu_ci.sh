@@ -8,8 +8,9 @@
 # them (default: all), e.g. BENCHES="bench_token_groups bench_grouped_mm".
 # --sanitize-only: build, then only the compute-sanitizer passes; --no-sanitize: without them
 # (the tests and the sanitizer passes together run past one 10-minute device call).
-# --ep (a machine with two or more GPUs): build, then only the two-GPU examples under
-# torchrun (expert parallelism, FSDP2 over the experts layer) and their tests.
+# --ep (a machine with two or more GPUs): build, then only the multi-GPU examples under
+# torchrun on 2 and 4 GPUs where there are (expert parallelism, FSDP2 over the experts
+# layer) and their tests.
 # TEST_WORKERS=N runs the tests in N processes where pytest-xdist is installed.
 # --gpu-cases: the test cases whose `device` parameter is "cpu" are left to CI, which
 # runs them on every commit (MOE_FP8_SKIP_CPU_CASES=1, tests/conftest.py): for a GPU
@@ -100,11 +101,15 @@ $PY -c "import moe_fp8_ext, torch; print(moe_fp8_ext.build_info(), torch.cuda.ge
 bash scripts/diag_toolchain.sh
 $PY scripts/check_sass.py  # a known ptxas miscompile (odd descriptor registers), before any kernel runs
 if [ "$ep" = 1 ]; then
-  echo "== expert parallel on $($PY -c 'import torch; print(torch.cuda.device_count())') GPUs"
-  $PY -m torch.distributed.run --standalone --nproc-per-node=2 examples/expert_parallel.py 2>&1 | tee "$OUT/expert_parallel.log"
-  test ${PIPESTATUS[0]} -eq 0
-  $PY -m torch.distributed.run --standalone --nproc-per-node=2 examples/fsdp2_experts.py 2>&1 | tee -a "$OUT/expert_parallel.log"
-  test ${PIPESTATUS[0]} -eq 0
+  gpus=$($PY -c 'import torch; print(torch.cuda.device_count())')
+  echo "== expert parallel and FSDP2 on $gpus GPUs"
+  for n in 2 4; do
+    [ "$gpus" -ge "$n" ] || continue
+    for ex in expert_parallel fsdp2_experts; do
+      $PY -m torch.distributed.run --standalone --nproc-per-node=$n examples/$ex.py 2>&1 | tee -a "$OUT/expert_parallel.log" | grep -v "^W"
+      test ${PIPESTATUS[0]} -eq 0
+    done
+  done
   $PY -m pytest tests/test_expert_parallel.py -q -rs 2>&1 | tee -a "$OUT/expert_parallel.log" | tail -5
   test ${PIPESTATUS[0]} -eq 0
   exit 0
