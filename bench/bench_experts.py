@@ -10,7 +10,7 @@ through torchtitan's router). Peak is the most memory one fresh step allocates a
 what was allocated before it (activations, operands and the new gradients). The
 ``autograd.grad`` column times ``torch.autograd.grad`` of the same step (no ``.grad``).
 Variants are timed in alternating rounds. Eager, and with --compile torch.compile'd
-modules. Each shape is checked first: ours against bf16 by SQNR.
+modules (fullgraph, as torchtitan compiles its blocks) at the --compile-shapes. Each shape is checked first: ours against bf16 by SQNR.
 
     python bench/bench_experts.py [--quick] [--compile] [--moe] [--shapes 0,2]
 
@@ -150,7 +150,7 @@ def compiled(variants):
     return {n: (torch.compile(m, fullgraph=True), a, g) for n, (m, a, g) in variants.items()}
 
 
-def bench_grouped_experts(shapes, modes, peer):
+def bench_grouped_experts(shapes, modes, peer, compile_shapes=()):
     from moe_fp8_ext.integrations.torchtitan import convert
 
     rows, records = [], []
@@ -179,6 +179,8 @@ def bench_grouped_experts(shapes, modes, peer):
             want = bf16(x, counts)
             checks = {r: f"{sqnr(want, variants[r][0](x, counts)):.1f} dB" for r in RECIPES}
         for mode in modes:
+            if mode == "compiled" and (m, d, h, e) not in compile_shapes:
+                continue
             res = measure(compiled(variants) if mode == "compiled" else variants, mode)
             rw, rec = rows_of(f"({m}, {d}, {h}, {e})", mode, res, checks)
             rows += rw
@@ -325,6 +327,7 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="the first shape of each table only")
     p.add_argument("--compile", action="store_true", help="also torch.compile'd modules")
+    p.add_argument("--compile-shapes", default="0,3", help="the experts shapes compiled too (indices)")
     p.add_argument("--moe", action="store_true", help="only the MoE-layer table")
     p.add_argument("--experts", action="store_true", help="only the GroupedExperts table")
     p.add_argument("--shapes", default=None, help="indices into the experts shapes, comma-separated")
@@ -345,11 +348,12 @@ def main():
         write_json("profile_experts", profile_experts(shapes), sys.argv)
         return
     if not args.moe:
-        rows, out["grouped_experts"] = bench_grouped_experts(shapes, modes, not args.no_peer)
+        compile_shapes = [EXPERTS_SHAPES[int(i)] for i in args.compile_shapes.split(",")]
+        rows, out["grouped_experts"] = bench_grouped_experts(shapes, modes, not args.no_peer, compile_shapes)
         print_table("torchtitan GroupedExperts, fwd + backward into .grad: bf16 vs converted", HEADER, rows,
                     "bench_experts.md")
     if not args.experts:
-        rows, out["moe"] = bench_moe(MOE_SHAPES[:1] if args.quick else MOE_SHAPES, modes, not args.no_peer)
+        rows, out["moe"] = bench_moe(MOE_SHAPES[:1] if args.quick else MOE_SHAPES, ("eager",), not args.no_peer)
         print_table("torchtitan MoE layer (router, dispatcher, experts, shared experts), fwd + backward into .grad",
                     HEADER, rows, "bench_experts.md")
     write_json("bench_experts", out, sys.argv)
