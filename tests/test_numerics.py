@@ -115,3 +115,42 @@ def test_every_nan_is_torchs_cast_of_positive_nan(device, in_dtype, fp8_dtype):
         "quantize_rowwise: expected +-0 for the finite values of an Inf row")
     assert scale[-1].item() == 0x7F800000, f"quantize_rowwise: expected the scale +Inf, got {scale[-1].item():#x}"
 
+
+# fp32 amax values at the edges of fp32: zero, the smallest subnormal, subnormal maxima,
+# the smallest normal, 1e-12f and its neighbours, a max near fp32's limit, its max, Inf.
+EDGE_AMAX = [0.0, 1e-45, 1e-39, 5.9e-39, 2.0**-126, 9.9999994e-13, 1e-12, 1.0000001e-12, 1.0, 448.0, 3e38,
+             3.4028235e38, float("inf")]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fp8_dtype", FP8_DTYPES + [torch.float8_e5m2])
+@pytest.mark.parametrize("pow2", [True, False])
+def test_scales_are_ieee_fp32_at_fp32_edges(device, fp8_dtype, pow2):
+    # DESIGN §5: s = fp8_max / max(amax, 1e-12f) and 1 / s in IEEE fp32 with subnormals,
+    # computed here by numpy; rows whose max is each edge value (and the same in 1x128
+    # blocks). A flush to zero or an approximate division would change these scales.
+    import numpy as np
+
+    np_max = np.float32(torch.finfo(fp8_dtype).max)
+    rows = []
+    for a in EDGE_AMAX:
+        r = torch.linspace(-0.9, 0.9, 128, dtype=torch.float64) * a if a != float("inf") else torch.zeros(128)
+        r[37] = a
+        rows.append(r.float())
+    x = torch.stack(rows)
+    with np.errstate(divide="ignore", over="ignore"):
+        amax = np.abs(x.numpy()).max(axis=1)
+        s = np_max / np.maximum(amax, np.float32(1e-12))
+        if pow2:
+            s = (s.view(np.uint32) & np.uint32(0x7F800000)).view(np.float32)
+        want = (np.float32(1) / s).astype(np.float32)
+    poison(device)
+    _, scale = moe_fp8_ext.quantize_rowwise(x.to(device), fp8_dtype, pow2)
+    got = scale.cpu().view(torch.int32).flatten()
+    assert torch.equal(got, torch.from_numpy(want.view(np.int32))), (
+        f"quantize_rowwise: expected scales {want.view(np.uint32).tolist()}, got {got.tolist()}")
+    if not pow2 and fp8_dtype != torch.float8_e5m2:
+        _, scale = moe_fp8_ext.quantize_blockwise_act_lhs(x.to(device), fp8_dtype)
+        got = scale.cpu().contiguous().view(torch.int32).flatten()
+        assert torch.equal(got, torch.from_numpy(want.view(np.int32))), (
+            f"quantize_blockwise_act_lhs: expected scales {want.view(np.uint32).tolist()}, got {got.tolist()}")
