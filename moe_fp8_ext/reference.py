@@ -1,11 +1,13 @@
 """Pure-torch reference of every op: the spec in code (DESIGN §4, §5).
 
-The kernels match these bit for bit. Two details matter for that: the encode
+The kernels match these bit for bit. Three details matter for that: the encode
 scale is ``fp8_max / amax`` as a true fp32 division (``scalar / tensor`` in torch
-multiplies by a reciprocal, which rounds differently), and the power-of-two
-rounding takes the exponent bits of the scale (``exp2(floor(log2(s)))`` in fp32
-can round up just below a power of two). The reference syncs with the host; it
-is for tests, not for training.
+multiplies by a reciprocal, which rounds differently); the power-of-two rounding
+takes the exponent bits of the scale (``exp2(floor(log2(s)))`` in fp32 can round
+up just below a power of two); and every NaN is made the positive NaN before a cast
+and in fp32 scales (the sign and payload of a NaN that torch's arithmetic makes
+depend on the operand order and on vectorization). The reference syncs with the
+host; it is for tests, not for training.
 """
 
 from typing import Tuple
@@ -16,6 +18,16 @@ from torch import Tensor
 
 def fp8_max(fp8_dtype: torch.dtype) -> float:
     return float(torch.finfo(fp8_dtype).max)
+
+
+F32_NAN_BITS = 0x7FFFFFFF  # the one fp32 NaN of the outputs: +NaN, every payload bit (NVIDIA's)
+
+
+def positive_nan(v: Tensor) -> Tensor:
+    """v (fp32) with every NaN replaced by F32_NAN_BITS: what the ops write for a NaN
+    (DESIGN §4), whatever NaN the arithmetic made."""
+    nan = torch.tensor(F32_NAN_BITS, dtype=torch.int32, device=v.device).view(torch.float32)
+    return torch.where(torch.isnan(v), nan, v)
 
 
 def amax(x: Tensor, dim: int) -> Tensor:
@@ -34,12 +46,12 @@ def scales_from_amax(a: Tensor, fp8_dtype: torch.dtype, pow2_scale: bool) -> Tup
     if pow2_scale:
         pow2 = (s.view(torch.int32) & 0x7F800000).view(torch.float32)
         s = torch.where(torch.isnan(s), s, pow2)
-    return s, torch.ones_like(s) / s
+    return positive_nan(s), positive_nan(torch.ones_like(s) / s)
 
 
 def encode(x: Tensor, s: Tensor, fp8_dtype: torch.dtype) -> Tensor:
     m = fp8_max(fp8_dtype)
-    return torch.clamp(x.float() * s, min=-m, max=m).to(fp8_dtype)
+    return positive_nan(torch.clamp(x.float() * s, min=-m, max=m)).to(fp8_dtype)
 
 
 def column_major(q: Tensor) -> Tensor:
@@ -192,7 +204,7 @@ def _mx_blocks(xb: Tensor, rounding: str) -> Tuple[Tensor, Tensor]:
     a = torch.amax(xb.float().abs(), dim=-1) if xb.shape[-1] else torch.zeros(xb.shape[:-1])
     b = e8m0_from_amax(a, rounding)
     m = e8m0_multiplier(b, rounding)
-    q = torch.clamp(xb.float() * m[..., None], min=-448.0, max=448.0).to(torch.float8_e4m3fn)
+    q = positive_nan(torch.clamp(xb.float() * m[..., None], min=-448.0, max=448.0)).to(torch.float8_e4m3fn)
     return q, b.to(torch.uint8)
 
 

@@ -5,8 +5,9 @@ result equal to moe_fp8_ext.reference, element for element — never garbage.
 A row of the table is an OpCase: the callable, a builder of valid arguments, the
 reference, and the mutators that turn valid arguments into one case of a class. The
 generic classes come from the roles of the arguments (`data_mutators`,
-`index_mutators`, `size_mutators`); op-specific ones are listed next to the op. New
-families join by appending OpCases to CASES.
+`index_mutators`, `size_mutators`; `edge_mutators`: valid data holding each edge
+class of the quantizers, NaN to subnormal maxima, DESIGN §4-§7); op-specific ones
+are listed next to the op. New families join by appending OpCases to CASES.
 
 Outputs are poisoned: CPU allocations are filled with 0x5a by glibc (mallopt
 M_PERTURB, the in-process MALLOC_PERTURB_), GPU ones with 0xff (conftest.poison), so an
@@ -29,6 +30,7 @@ import moe_fp8_ext as M
 from moe_fp8_ext import reference as ref
 
 from conftest import HAS_CUDA, poison
+from edge_data import edge_matrix, steps
 
 I32 = torch.int32
 DEBUG = os.environ.get("MOE_FP8_DEBUG") == "1"
@@ -64,7 +66,7 @@ def data(rows, cols, dtype=torch.bfloat16, device="cpu", seed=0):
 
 @dataclasses.dataclass
 class Mut:
-    cls: str  # the bad-input class: dtype, rank, none, device, meta, strides, int32, empty, content, args, inplace
+    cls: str  # the input class: dtype, rank, none, device, meta, strides, int32, empty, content, args, inplace, edge
     label: str
     apply: Callable[[Dict[str, Any], str], Dict[str, Any]]  # (valid args, device) -> args of this case
     valid: bool = False  # a valid input: the result must equal the reference
@@ -139,15 +141,58 @@ def data_mutators(n):
     ]
 
 
+def _strided(t):
+    """The values of t in a view of stride 2 (-7 between them): the kernels must read
+    the values, not the memory after the data pointer (issue 66)."""
+    return torch.stack([t, torch.full_like(t, -7)], 1)[:, 0]
+
+
 def index_mutators(n):
-    """An int32 1-D index tensor: other dtypes and ranks, None."""
+    """An int32 1-D index tensor: other dtypes and ranks, None; valid strides."""
     return [
         Mut("dtype", f"{n} int64", setarg(n, lambda a, d, n=n: a[n].long())),
         Mut("dtype", f"{n} float32", setarg(n, lambda a, d, n=n: a[n].float())),
         Mut("rank", f"{n} 2-D", setarg(n, lambda a, d, n=n: a[n].unsqueeze(0))),
         Mut("rank", f"{n} 0-D", setarg(n, lambda a, d: torch.tensor(3, dtype=I32, device=d))),
         Mut("none", f"{n} None", setarg(n, None)),
+        Mut("strides", f"{n} strided (every other element)", setarg(n, lambda a, d, n=n: _strided(a[n])), valid=True),
     ]
+
+
+# The edge classes of tests/edge_data.py, a group at a time so that every block (and
+# every whole reduction set) of any geometry holds the group's class: NaN of either
+# sign with payloads, +-Inf, maxima of exactly 448 * 2^k or 240 * 2^k, subnormal
+# maxima, maxima near the dtype's limit, -0.0 / zero blocks.
+EDGE_GROUPS = {
+    "NaN (+, -, payloads)": ("nan", "-nan", "snan"),
+    "+-Inf": ("inf", "-inf"),
+    "maxima 448*2^k, 240*2^k": ("exact448", "exact240"),
+    "subnormal maxima": ("subnormal",),
+    "maxima near the dtype's limit": ("huge",),
+    "-0.0 and zero blocks": ("-zero", "zero", "normal"),
+}
+
+
+def edge_mutators(names):
+    """Valid data of every edge class (all of `names` at once: they share a dtype), cut
+    into blocks of 32 along the last dim: in fp32, and the NaN and Inf groups (whose
+    bits the input conversion carries) in bf16 and fp16 too. tests/test_edges.py has
+    every class in every dtype and layout, against the reference and CPU against GPU."""
+
+    def make(t, dt, classes, seed, device):
+        rows, cols = t.numel() // max(t.shape[-1], 1), t.shape[-1]
+        x = edge_matrix(rows, cols, dt, steps(rows, 1), steps(cols, 32), seed, classes)
+        return x.view(t.shape).to(device)
+
+    muts = []
+    for label, classes in EDGE_GROUPS.items():
+        for dt in (torch.float32,) + ((torch.bfloat16, torch.float16) if "Inf" in label or "NaN" in label else ()):
+            def apply(a, d, classes=classes, dt=dt):
+                return {**a, **{n: make(a[n], dt, classes, i, d) for i, n in enumerate(names)}}
+
+            muts.append(Mut("edge", f"{', '.join(names)}: {label} ({str(dt).replace('torch.', '')})", apply,
+                            valid=True))
+    return muts
 
 
 def size_mutators(n, huge_ok=False):
@@ -528,7 +573,7 @@ def _rowwise_case(fn, label, public):
         return {"x": data(M_ROWS, D_COLS, device=device), "fp8_dtype": F8, "pow2_scale": True}
 
     muts = (
-        quant_data_mutators("x") + fp8_dtype_mutators(public) + device_mutators(["x"])
+        quant_data_mutators("x") + fp8_dtype_mutators(public) + device_mutators(["x"]) + edge_mutators(["x"])
         + [
             Mut("empty", "x with 0 rows", setarg("x", lambda a, d: a["x"][:0]), valid=True),
             Mut("empty", "x with 0 columns", setarg("x", lambda a, d: a["x"][:, :0]), valid=True),
@@ -563,6 +608,7 @@ def _experts_case(fn, label, public, name):
 
     muts = (
         quant_data_mutators("b_t", rank=3) + fp8_dtype_mutators(public) + device_mutators(["b_t"])
+        + edge_mutators(["b_t"])
         + [
             Mut("strides", "b_t permuted (K, E, N)", setarg("b_t", lambda a, d: a["b_t"].permute(1, 0, 2).contiguous()
                                                            .permute(1, 0, 2)), valid=True),
@@ -623,6 +669,7 @@ def _jagged_case(fn, label, public, padded, dual=False):
                             lambda a, d, t=t: {**a, "x1": a["x1"].to(t), "x2": a["x2"].to(t)}, valid=True))
     tensors = xs + ["offs"] + (["padded_starts"] if padded else [])
     muts += fp8_dtype_mutators(public) + index_mutators("offs") + device_mutators(tensors) + offs_content_mutators()
+    muts += edge_mutators(xs)
     rows0 = {n: (lambda a, d, n=n: a[n][:0]) for n in xs}
     muts += [
         Mut("empty", "G = 0", _empty_groups(["offs"] + (["padded_starts"] if padded else [])), valid=True),
@@ -705,7 +752,7 @@ def _mx_rowwise_case(fn, label, blocked, grouped):
 
     muts = (
         [m for m in quant_data_mutators("x") if m.label != "x every other column"] + rounding_mutators()
-        + device_mutators(["x", "offs"] if grouped else ["x"])
+        + device_mutators(["x", "offs"] if grouped else ["x"]) + edge_mutators(["x"])
         + [
             Mut("strides", "x every other column", setarg("x", lambda a, d: a["x"].repeat(1, 2)[:, ::2]), valid=True),
             Mut("args", "K = 48 (not a multiple of 32)", setarg("x", lambda a, d: a["x"][:, :48])),
@@ -747,7 +794,7 @@ def _mx_colwise_case(fn, label, blocked, mode):
         return ref.quantize_mxfp8_colwise(a["x"], a["rounding"], a["blocked"], a["offs"])
 
     tensors = ["x"] + (["offs"] if mode != "plain" else []) + (["padded_starts"] if mode == "padded" else [])
-    muts = quant_data_mutators("x") + rounding_mutators() + device_mutators(tensors) + [
+    muts = quant_data_mutators("x") + rounding_mutators() + device_mutators(tensors) + edge_mutators(["x"]) + [
         Mut("empty", "x with 0 columns", setarg("x", lambda a, d: a["x"][:, :0]), valid=True),
     ]
     if mode == "plain":
@@ -804,7 +851,7 @@ def _mx_experts_case(fn, label, blocked):
                 "blocked": blocked}
 
     muts = (
-        quant_data_mutators("b", rank=3) + rounding_mutators() + device_mutators(["b"])
+        quant_data_mutators("b", rank=3) + rounding_mutators() + device_mutators(["b"]) + edge_mutators(["b"])
         + [
             Mut("strides", "b the transpose of (E, N, K)", setarg("b", lambda a, d: a["b"].transpose(1, 2).contiguous()
                                                                   .transpose(1, 2)), valid=True),
@@ -866,7 +913,7 @@ def _bw_lhs_case(fn, label, public):
         return {"x": data(M_ROWS, 300, device=device), "fp8_dtype": F8}
 
     muts = (
-        quant_data_mutators("x") + _bw_fp8_mutators(public) + device_mutators(["x"])
+        quant_data_mutators("x") + _bw_fp8_mutators(public) + device_mutators(["x"]) + edge_mutators(["x"])
         + [
             Mut("empty", "x with 0 rows", setarg("x", lambda a, d: a["x"][:0]), valid=True),
             Mut("empty", "x with 0 columns", setarg("x", lambda a, d: a["x"][:, :0]), valid=True),
@@ -901,7 +948,7 @@ def _bw_cols_case(fn, name, label, public, mode):
         return refn(a["x"], _fp8(a), a["offs"], a["alignment"] if a["padded_starts"] is not None else None)
 
     tensors = ["x"] + (["offs"] if mode != "plain" else []) + (["padded_starts"] if mode == "padded" else [])
-    muts = quant_data_mutators("x") + _bw_fp8_mutators(public) + device_mutators(tensors) + [
+    muts = quant_data_mutators("x") + _bw_fp8_mutators(public) + device_mutators(tensors) + edge_mutators(["x"]) + [
         Mut("empty", "x with 0 columns", setarg("x", lambda a, d: a["x"][:, :0]), valid=True),
     ]
     if mode == "plain":
@@ -966,9 +1013,11 @@ def _blockwise_cases():
 def raw(case: OpCase) -> OpCase:
     """The same row for the torch.ops entry point: a None tensor never reaches it (the
     dispatcher itself answers "tensor does not have a device", before any kernel or
-    fake), so that class is left to the public functions."""
-    case.mutators = [m for m in case.mutators if not (m.cls == "none" and "alignment" not in m.label
-                                                      and not any(k in m.label for k in ("num_", "max_len", "experts")))]
+    fake), so that class is left to the public functions; so are the edge rows (the
+    public functions run the same op on them)."""
+    keep_none = ("alignment", "num_", "max_len", "experts")
+    case.mutators = [m for m in case.mutators if m.cls != "edge" and not (
+        m.cls == "none" and not any(k in m.label for k in keep_none))]
     return case
 
 

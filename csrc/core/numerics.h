@@ -1,7 +1,8 @@
 // Scalar numerics shared bit-for-bit by the CPU and GPU kernels (DESIGN §4, §5):
 // fp8 encoders (round-to-nearest-even, saturating, bit-exact with PyTorch's casts
-// for every finite input after the clamp), the NaN-propagating amax, and the
-// scale rule with exact power-of-two rounding from the exponent bits.
+// for every finite input after the clamp; every NaN becomes the format's positive
+// NaN), the NaN-propagating amax, and the scale rule with exact power-of-two
+// rounding from the exponent bits.
 #pragma once
 
 #include <cstdint>
@@ -25,8 +26,8 @@ struct Fp8Spec<Fp8Format::kE4M3FN> {
   static constexpr int kBias = 7;
   static constexpr uint32_t kMaxCode = 0x7E;     // 448
   static constexpr uint32_t kMaxBits = 0x43E00000u;  // 448.0f
-  static constexpr uint32_t kNaN = 0x7F;
-  static constexpr bool kSigned = true;          // has -0 and a signed NaN
+  static constexpr uint32_t kNaN = 0x7F;         // the NaN written (torch's cast of +NaN)
+  static constexpr bool kSigned = true;          // has -0
   static constexpr float kMax = 448.0f;
 };
 
@@ -64,6 +65,11 @@ MOE_FP8_HD float bits_float(uint32_t u) {
   return f;
 }
 
+// The fp32 NaN of every NaN scale (a NaN amax): +NaN with every payload bit, the NaN
+// NVIDIA GPUs make. scale_from_amax_bits divides by it, so payload propagation (x86)
+// and canonicalization (CUDA) agree on the result, with no select after the division.
+constexpr uint32_t kF32NaN = 0x7FFFFFFFu;
+
 MOE_FP8_HD int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 MOE_FP8_HD int64_t round_up(int64_t a, int64_t b) { return ceil_div(a, b) * b; }
 
@@ -77,16 +83,16 @@ MOE_FP8_HD uint32_t rne_shift(uint32_t v, int shift) {
   return (v + ((1u << (shift - 1)) - 1u) + ((v >> shift) & 1u)) >> shift;
 }
 
-// Software encoder: integer-only so that host and device give identical bits.
+// Software encoder: integer-only so that host and device give identical bits. Every
+// NaN, whatever its sign and payload, gives kNaN (DESIGN §4: the sign of a computed
+// NaN is left open by IEEE and differs between x86, torch's kernels and GPUs).
 template <Fp8Format F>
 MOE_FP8_HD uint8_t encode_fp8_sw(float x) {
   using S = Fp8Spec<F>;
   const uint32_t bits = float_bits(x);
   const uint32_t sign = bits >> 31;
   const uint32_t a = bits & 0x7FFFFFFFu;
-  if (a > 0x7F800000u) {
-    return static_cast<uint8_t>(S::kSigned ? (S::kNaN | (sign << 7)) : S::kNaN);
-  }
+  if (a > 0x7F800000u) return static_cast<uint8_t>(S::kNaN);
   constexpr int kShift = 23 - S::kManBits;
   constexpr uint32_t kMinNormalBits = static_cast<uint32_t>(127 - S::kBias + 1) << 23;
   uint32_t code;
@@ -113,8 +119,8 @@ MOE_FP8_HD uint32_t fnuz_fix_byte(uint32_t b, float x) {
   return (b & 0x7Fu) == 0 ? 0u : b;
 }
 
-// Two values at once, low byte first; hardware conversion where it is bit-exact
-// (see portability.h for which instruction gives which encoding).
+// Two values at once, low byte first; hardware conversion where it is bit-exact, NaN
+// included (see portability.h for which instruction gives which encoding).
 template <Fp8Format F>
 MOE_FP8_HD uint16_t encode_fp8x2(float lo, float hi) {
 #if MOE_FP8_HW_E4M3FNUZ
@@ -153,8 +159,9 @@ MOE_FP8_HD uint8_t encode_fp8(float x) {
   return static_cast<uint8_t>(encode_fp8x2<F>(x, 0.0f) & 0xFFu);
 }
 
-// Encode scale s and decode scale 1/s from amax (DESIGN §5). NaN amax gives NaN
-// scales, so the whole reduction set becomes NaN rather than silently finite.
+// Encode scale s and decode scale 1/s from amax (DESIGN §5), IEEE fp32 with subnormals
+// (nvcc: div.rn and rcp.rn; no flush to zero). A NaN amax gives NaN scales (kF32NaN
+// from scale_from_amax_bits), so the whole reduction set becomes NaN, never finite.
 struct QuantScale {
   float encode;
   float decode;
@@ -167,8 +174,12 @@ MOE_FP8_HD QuantScale scale_from_amax(float amax, float fp8_max, bool pow2) {
   return {s, 1.0f / s};
 }
 
+// amax_bits: abs bits (no sign). A NaN gets every mantissa bit set, so it is kF32NaN,
+// by integer ops before the division (nvcc turns a float select of the divisor into
+// two divisions).
 MOE_FP8_HD QuantScale scale_from_amax_bits(uint32_t amax_bits, float fp8_max, bool pow2) {
-  return scale_from_amax(bits_float(amax_bits), fp8_max, pow2);
+  const uint32_t bits = amax_bits | (amax_bits > 0x7F800000u ? 0x007FFFFFu : 0u);
+  return scale_from_amax(bits_float(bits), fp8_max, pow2);
 }
 
 // E8M0 scale bytes (OCP microscaling, DESIGN §7): value 2^(b - 127), b = 255 is NaN.

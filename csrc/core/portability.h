@@ -84,14 +84,18 @@ MOE_FP8_DEVICE float half_bits_to_float(uint16_t bits) {
 
 // Hardware float -> fp8 conversion of two values (low byte first), round to nearest
 // even; callers clamp to +-max first, so saturation never matters. Where no
-// instruction exists the bit-exact software encoder of numerics.h is used.
-//  * CUDA sm89+: cvt.rn.satfinite.e4m3x2.f32 gives OCP e4m3fn.
+// instruction exists the bit-exact software encoder of numerics.h is used. Every NaN
+// must come out as the positive NaN 0x7F (e4m3fn; numerics.h fixes fnuz bytes).
+//  * CUDA sm89+: cvt.rn.satfinite.e4m3x2.f32 gives OCP e4m3fn, 0x7F for any NaN (as
+//    cuda_fp8.hpp's reference path of the same conversion, which turns a NaN input
+//    into 0x7FFFFFFF first; the inputs are also products, canonical NaNs on NVIDIA).
 //  * gfx940/941/942 (MI300): v_cvt_pk_fp8_f32 gives e4m3fnuz (bias 8).
-//  * gfx950 (MI350): the same instruction gives OCP e4m3fn.
+//  * gfx950 (MI350): the same instruction gives OCP e4m3fn; its NaN sign unverified,
+//    so the wrapper clears the sign bit of NaN bytes.
 #if !defined(USE_ROCM) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
 #define MOE_FP8_HW_E4M3FN 1
-// cvt.rn.satfinite saturates finite values to +-448 and keeps NaN, exactly what the
-// clamp before the software encoder does, so callers may skip the clamp.
+// cvt.rn.satfinite saturates finite values to +-448 and writes NaN as 0x7F, exactly
+// what the clamp and the software encoder do, so callers may skip the clamp.
 #define MOE_FP8_HW_E4M3FN_SATFINITE 1
 MOE_FP8_DEVICE uint16_t hw_cvt_e4m3fn_x2(float lo, float hi) {
   return static_cast<uint16_t>(
@@ -107,7 +111,8 @@ MOE_FP8_DEVICE uint16_t hw_cvt_e4m3fnuz_x2(float lo, float hi) {
 #elif defined(__gfx950__)
 #define MOE_FP8_HW_E4M3FN 1
 MOE_FP8_DEVICE uint16_t hw_cvt_e4m3fn_x2(float lo, float hi) {
-  return static_cast<uint16_t>(__builtin_amdgcn_cvt_pk_fp8_f32(lo, hi, 0, false) & 0xFFFF);
+  const uint32_t h = __builtin_amdgcn_cvt_pk_fp8_f32(lo, hi, 0, false) & 0xFFFF;
+  return static_cast<uint16_t>(h & ~(((h & 0x7F7Fu) + 0x0101u) & 0x8080u));  // 0xFF (-NaN) -> 0x7F
 }
 #endif
 #endif

@@ -56,8 +56,8 @@ MOE_FP8_DEVICE void store_elems(T* p, const Array<T, N>& a) {
   *reinterpret_cast<Array<T, N>*>(p) = a;
 }
 
-// x * s as fp8: CUDA's e4m3fn conversion saturates to +-448 and keeps NaN itself
-// (cvt.rn.satfinite), exactly what scale_clamp does; other encoders clamp first.
+// x * s as fp8: CUDA's e4m3fn conversion saturates to +-448 and writes 0x7F for NaN
+// (cvt.rn.satfinite), exactly what scale_clamp and the encoder do; others clamp first.
 // (Each value with its own scale: the two columns of a column-scaled pair.)
 template <Fp8Format F>
 MOE_FP8_DEVICE uint16_t scaled_fp8x2(float lo, float hi, float s_lo, float s_hi) {

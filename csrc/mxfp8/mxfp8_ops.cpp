@@ -106,7 +106,7 @@ std::tuple<at::Tensor, at::Tensor> quantize_mxfp8_rowwise(const QuantKernels& k,
   a.rows_inner = std::max<int64_t>(M, 1);
   a.stride_inner = x.stride(0);
   a.stride_col = x.stride(1);
-  at::Tensor scale, starts;
+  at::Tensor scale, starts, offs_c;
   if (!blocked) {
     scale = e8m0_scales({M, C}, x, false);
     a.scale = linear_scales(scale, 0, C);
@@ -117,7 +117,8 @@ std::tuple<at::Tensor, at::Tensor> quantize_mxfp8_rowwise(const QuantKernels& k,
     const int64_t G = offs->numel();
     scale = e8m0_scales({M + 128 * G, Cp}, x, M == 0 || K == 0);
     a.scale = blocked_scales(scale, 0, Cp, BlockedGroups::kMGroups);
-    a.offs = offs->data_ptr<int32_t>();
+    offs_c = offs->contiguous();  // the kernels index offs[g]: a strided view is copied
+    a.offs = offs_c.data_ptr<int32_t>();
     // Up to kRowsLocalGroups groups the kernel on the contiguous path sums the groups'
     // starts itself (engine.h); the others read the table (no per-row sums).
     if (G > kRowsLocalGroups || !x.is_contiguous()) {
@@ -149,7 +150,7 @@ std::tuple<at::Tensor, at::Tensor> quantize_mxfp8_colwise(const QuantKernels& k,
   at::Tensor gstarts;
   if (!a.padded) check_multiple_of_block(M, op, "M (x.size(0))");
   if (a.jagged && !a.padded && check_content(*offs)) {
-    const at::Tensor host = offs->cpu();  // host-sync-ok: CPU or MOE_FP8_DEBUG only
+    const at::Tensor host = j.offs.cpu();  // host-sync-ok: CPU or MOE_FP8_DEBUG only
     const int32_t* o = host.data_ptr<int32_t>();
     for (int64_t g = 0; g < a.num_segments; ++g) {
       const int64_t n = o[g] - (g == 0 ? 0 : o[g - 1]);
