@@ -196,7 +196,7 @@ def moe_layer(tokens, dim, hidden, experts, top_k, converter=None):
     import torchtitan.models.common.moe as tt_moe
     from torchtitan.models.common.feed_forward import FeedForward
     from torchtitan.models.common.linear import Linear
-    from torchtitan.models.common.token_dispatcher import LocalTokenDispatcher
+    from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher
 
     def lin(i, o):
         return Linear.Config(in_features=i, out_features=o, bias=False)
@@ -205,7 +205,7 @@ def moe_layer(tokens, dim, hidden, experts, top_k, converter=None):
         num_experts=experts,
         routed_experts=tt_moe.RoutedExperts.Config(
             inner_experts=tt_moe.GroupedExperts.Config(dim=dim, hidden_dim=hidden, num_experts=experts),
-            token_dispatcher=LocalTokenDispatcher.Config(num_experts=experts, top_k=top_k)),
+            token_dispatcher=AllToAllTokenDispatcher.Config(num_experts=experts, top_k=top_k)),  # (local without EP)
         router=tt_moe.TokenChoiceTopKRouter.Config(num_experts=experts, gate=lin(dim, experts), top_k=top_k),
         shared_experts=FeedForward.Config(w1=lin(dim, hidden), w2=lin(hidden, dim), w3=lin(dim, hidden)),
     )
