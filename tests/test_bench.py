@@ -20,7 +20,7 @@ def test_bench_experts_smoke(tmp_path, table):
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     doc = json.load(open(tmp_path / "bench_experts.json"))
     rows = next(iter(doc["data"].values()))
-    assert {r["variant"] for r in rows} == {"bf16", "fp8_rowwise", "fp8_blockwise"}
+    assert {"bf16", "fp8_rowwise", "fp8_blockwise"} <= {r["variant"] for r in rows}
     assert all(r["fresh_ms"] > 0 and r["accum_ms"] > 0 for r in rows)
 
 
