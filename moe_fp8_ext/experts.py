@@ -29,7 +29,7 @@ to its backward). Under ``torch.compile`` the cache is bypassed; with torch < 2.
 compiled call runs three grouped_mm calls (``COMPILE_COMPOSITE``).
 """
 
-from typing import Dict, Optional, Tuple, Union
+from typing import Optional, Tuple, Union
 
 import torch
 import torch.nn.functional as F

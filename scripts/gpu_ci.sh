@@ -126,8 +126,34 @@ if [ "$tests" = 1 ]; then
     workers=(-n "$TEST_WORKERS")
     export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
   fi
-  $PY -m pytest tests -q -rs --maxfail=20 ${workers[@]+"${workers[@]}"} 2>&1 | tee "$OUT/tests.log" | tail -25
-  test ${PIPESTATUS[0]} -eq 0
+  gpus=$($PY -c 'import torch; print(torch.cuda.device_count())')
+  if [ "$gpus" -gt 1 ]; then
+    # One pytest a GPU, each over its share of the test files (by size, largest first, to
+    # the least loaded GPU); the multi-GPU tests run with --ep.
+    mapfile -t shares < <($PY - "$gpus" <<'PYEOF'
+import glob, os, sys
+n = int(sys.argv[1]); load = [0] * n; parts = [[] for _ in range(n)]
+files = [f for f in glob.glob("tests/test_*.py") if not f.endswith("test_expert_parallel.py")]
+for f in sorted(files, key=os.path.getsize, reverse=True):
+    i = load.index(min(load)); parts[i].append(f); load[i] += os.path.getsize(f)
+print("\n".join(" ".join(p) for p in parts))
+PYEOF
+)
+    pids=()
+    for i in "${!shares[@]}"; do
+      # shellcheck disable=SC2086
+      CUDA_VISIBLE_DEVICES=$i $PY -m pytest ${shares[$i]} -q -rs --maxfail=20 ${workers[@]+"${workers[@]}"} \
+        >"$OUT/tests.$i.log" 2>&1 &
+      pids+=($!)
+    done
+    failed=0
+    for i in "${!pids[@]}"; do wait "${pids[$i]}" || failed=1; echo "GPU $i: $(tail -1 "$OUT/tests.$i.log")"; done
+    cat "$OUT"/tests.*.log >"$OUT/tests.log"
+    test $failed -eq 0 || { grep -h -E "^(FAILED|ERROR)" "$OUT"/tests.*.log | head -40; exit 1; }
+  else
+    $PY -m pytest tests -q -rs --maxfail=20 ${workers[@]+"${workers[@]}"} 2>&1 | tee "$OUT/tests.log" | tail -25
+    test ${PIPESTATUS[0]} -eq 0
+  fi
 fi
 if [ "$sanitize" = 1 ]; then
   echo "== compute-sanitizer (garbage offs, odd shapes)"
