@@ -358,6 +358,7 @@ def main():
     if args.smoke:
         global DEVICE, EXPERTS_SHAPES, MOE_SHAPES
         DEVICE, EXPERTS_SHAPES, MOE_SHAPES = "cpu", [(300, 128, 128, 4)], [(200, 128, 128, 8, 2)]
+        args.compile_shapes = "0"
         args.no_peer = True
     modes = ("eager", "compiled") if args.compile else ("eager",)
     shapes = EXPERTS_SHAPES[:1] if args.quick else EXPERTS_SHAPES
@@ -368,7 +369,7 @@ def main():
         write_json("profile_experts", profile_experts(shapes), sys.argv)
         return
     if not args.moe:
-        compile_shapes = [EXPERTS_SHAPES[int(i)] for i in args.compile_shapes.split(",")]
+        compile_shapes = [EXPERTS_SHAPES[int(i)] for i in args.compile_shapes.split(",")] if args.compile else []
         rows, out["grouped_experts"] = bench_grouped_experts(shapes, modes, not args.no_peer, compile_shapes)
         print_table("torchtitan GroupedExperts, fwd + backward into .grad: bf16 vs converted", HEADER, rows,
                     "bench_experts.md")

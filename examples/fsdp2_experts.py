@@ -82,7 +82,8 @@ def main():
             x = torch.randn(tokens, dim, device=device, generator=g).to(torch.bfloat16)
             counts = torch.full((args.experts,), tokens // args.experts, device=device, dtype=torch.int64)
             counts[-1] += tokens - int(counts.sum())  # host-sync-ok: set-up of the example
-            grad = torch.randn(tokens, dim, device=device, generator=g).to(torch.bfloat16)
+            # (the gradient of a loss averaged over the tokens: weight updates of a sane size)
+            grad = (torch.randn(tokens, dim, device=device, generator=g) / tokens).to(torch.bfloat16)
             out = layer(x, counts)
             out.backward(grad)
             ref_out = ref(x, counts)
