@@ -52,30 +52,41 @@ def _table(rows):
 
 
 def load(folder):
-    runs = {}
+    """{benchmark: run}, each benchmark's latest run (by date, then file name) first."""
+    docs = []
     for path in sorted(glob.glob(os.path.join(folder, "*.json"))):
         with open(path) as f:
-            doc = json.load(f)
-        runs[doc["benchmark"]] = doc
-    return runs
+            docs.append(json.load(f))
+    return {d["benchmark"]: d for d in sorted(docs, key=lambda d: (d["benchmark"].split()[0], d["benchmark"]))}
 
 
 def targets_table(runs):
-    lines = ["| target | shape | variant | measured | bound | met |", "|---|---|---|---|---|---|"]
+    lines = ["| target | shape | variant | measured | bound | met | commit |", "|---|---|---|---|---|---|---|"]
     for what, bench, table, shape, variant, mode, col, op, bound in TARGETS:
-        rows = runs.get(bench, {}).get("data", {}).get(table, [])
-        hit = next((r for r in rows if r["shape"] == shape and r["variant"] == variant and r["mode"] == mode), None)
+        hit, where = None, None
+        for name, doc in runs.items():  # the benchmark's latest run first, then earlier ones that have the row
+            rows = doc.get("data", {}).get(table, []) if name.startswith(bench) else []
+            hit = next((r for r in rows if r["shape"] == shape and r["variant"] == variant and r["mode"] == mode), None)
+            if hit is not None:
+                where = doc["commit"]
+                break
         v = None if hit is None else hit.get(col)
         met = "not run" if v is None else ("yes" if (v >= bound if op == ">=" else v <= bound) else "**no**")
-        lines.append(f"| {what} | {shape} | {variant} | {_fmt(v)} | {op} {bound:.2f} | {met} |")
+        lines.append(f"| {what} | {shape} | {variant} | {_fmt(v)} | {op} {bound:.2f} | {met} | {where or ''} |")
     return lines
 
 
 def compiled_table(runs):
-    """Compiled at least as fast as eager, within noise (3%): each variant's fresh step."""
-    rows = runs.get("bench_experts", {}).get("data", {}).get("grouped_experts", [])
+    """Compiled at least as fast as eager, within noise (3%): each variant's fresh step,
+    from the latest run that has compiled rows."""
+    doc = next((d for n, d in runs.items() if n.startswith("bench_experts")
+                and any(x["mode"] == "compiled" for x in d["data"].get("grouped_experts", []))), None)
+    if doc is None:
+        return ["(no compiled rows)"]
+    rows = doc["data"]["grouped_experts"]
     eager = {(r["shape"], r["variant"]): r["fresh_ms"] for r in rows if r["mode"] == "eager"}
-    lines = ["| shape | variant | eager ms | compiled ms | eager / compiled | met (>= 0.97) |", "|---|---|---|---|---|---|"]
+    lines = [f"Commit {doc['commit']}, {doc['device']}.", "",
+             "| shape | variant | eager ms | compiled ms | eager / compiled | met (>= 0.97) |", "|---|---|---|---|---|---|"]
     for r in rows:
         e = eager.get((r["shape"], r["variant"]))
         if r["mode"] == "compiled" and e:
