@@ -27,7 +27,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import bench_interleaved_us, fmt, print_table, sqnr, write_json  # noqa: E402
+from common import bench_interleaved_us, fmt, peak_mib, print_table, sqnr, write_json  # noqa: E402
 
 from moe_fp8_ext.moe import router_counts  # noqa: E402
 
@@ -99,12 +99,7 @@ def peak_step_mib(step) -> float:
     if DEVICE == "cpu":
         step()
         return float("nan")
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    step()
-    torch.cuda.synchronize()
-    return (torch.cuda.max_memory_allocated() - base) / 2**20
+    return peak_mib(step)
 
 
 def once_us(fns):
@@ -213,31 +208,9 @@ def bench_grouped_experts(shapes, modes, peer, compile_shapes=()):
 
 
 def moe_layer(tokens, dim, hidden, experts, top_k, converter=None):
-    import torchtitan.models.common.moe as tt_moe
-    from torchtitan.models.common.feed_forward import FeedForward
-    from torchtitan.models.common.linear import Linear
-    from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher
+    from moe_fp8_ext.integrations.torchtitan import build_moe
 
-    def lin(i, o):
-        return Linear.Config(in_features=i, out_features=o, bias=False)
-
-    cfg = tt_moe.MoE.Config(
-        num_experts=experts,
-        routed_experts=tt_moe.RoutedExperts.Config(
-            inner_experts=tt_moe.GroupedExperts.Config(dim=dim, hidden_dim=hidden, num_experts=experts),
-            token_dispatcher=AllToAllTokenDispatcher.Config(num_experts=experts, top_k=top_k)),  # (local without EP)
-        router=tt_moe.TokenChoiceTopKRouter.Config(num_experts=experts, gate=lin(dim, experts), top_k=top_k),
-        shared_experts=FeedForward.Config(w1=lin(dim, hidden), w2=lin(hidden, dim), w3=lin(dim, hidden)),
-    )
-    if converter is not None:
-        cfg = converter.build().convert(cfg)
-    moe = cfg.build()
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for p in moe.parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * p.shape[-1] ** -0.5)
-        moe.expert_bias_E.zero_()
-    return moe.to(device=DEVICE, dtype=torch.bfloat16)
+    return build_moe(dim, hidden, experts, top_k, device=DEVICE, all_to_all=True, converter=converter)
 
 
 def bench_moe(shapes, modes, peer):

@@ -216,28 +216,33 @@ class ExpertsConverter(QuantizationConverter):
 
 
 def build_moe(dim: int, hidden: int, experts: int, top_k: int = 2, *, device="cpu", dtype=torch.bfloat16,
-              seed: int = 0, shared_experts: bool = True) -> torch.nn.Module:
-    """A torchtitan 0.3.0 ``MoE`` layer (top-k router, LocalTokenDispatcher,
-    GroupedExperts, shared experts) built from torchtitan's own configs, every weight
-    drawn from N(0, 1/fan_in) with ``seed``: the unconverted layer that the tests,
-    benchmarks and ``scripts/train_curve.py`` convert."""
+              seed: int = 0, shared_experts: bool = True, all_to_all: bool = False, converter=None) -> torch.nn.Module:
+    """A torchtitan 0.3.0 ``MoE`` layer (top-k router, token dispatcher, GroupedExperts,
+    shared experts) built from torchtitan's own configs, every weight drawn from
+    N(0, 1/fan_in) with ``seed``: the layer the tests, benchmarks and
+    ``scripts/train_curve.py`` convert. ``all_to_all``: torchtitan's all-to-all dispatcher
+    (local without expert parallelism) instead of the local one; ``converter``: a model
+    converter config applied to the config tree first."""
     import torchtitan.models.common.moe as tt_moe
     from torchtitan.models.common.feed_forward import FeedForward
     from torchtitan.models.common.linear import Linear
-    from torchtitan.models.common.token_dispatcher import LocalTokenDispatcher
+    from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher, LocalTokenDispatcher
 
     def lin(i, o):
         return Linear.Config(in_features=i, out_features=o, bias=False)
 
+    dispatcher = (AllToAllTokenDispatcher if all_to_all else LocalTokenDispatcher).Config(num_experts=experts, top_k=top_k)
     cfg = tt_moe.MoE.Config(
         num_experts=experts,
         routed_experts=tt_moe.RoutedExperts.Config(
             inner_experts=tt_moe.GroupedExperts.Config(dim=dim, hidden_dim=hidden, num_experts=experts),
-            token_dispatcher=LocalTokenDispatcher.Config(num_experts=experts, top_k=top_k)),
+            token_dispatcher=dispatcher),
         router=tt_moe.TokenChoiceTopKRouter.Config(num_experts=experts, gate=lin(dim, experts), top_k=top_k),
         shared_experts=FeedForward.Config(w1=lin(dim, hidden), w2=lin(hidden, dim), w3=lin(dim, hidden))
         if shared_experts else None,
     )
+    if converter is not None:
+        cfg = converter.build().convert(cfg)
     moe = cfg.build()
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
