@@ -1,13 +1,15 @@
 """moe_fp8_ext: FP8 Mixture-of-Experts training kernels for PyTorch.
 
 Importing the package loads the compiled extension, which registers the ops under
-``torch.ops.moe_fp8``; the functions here are thin, documented wrappers.
+``torch.ops.moe_fp8``. The public names are in ``__all__``: the experts layer and the
+grouped GEMM, the token-group helpers, the recipes and build information. The raw ops,
+documented one family a module, are in ``moe_fp8_ext.ops.<family>``.
 """
 
 import importlib.util
 import os
 
-import torch
+import torch  # noqa: F401  (loads libtorch before the extension)
 
 if importlib.util.find_spec(__name__ + "._C") is None:
     raise ImportError(
@@ -18,108 +20,40 @@ if importlib.util.find_spec(__name__ + "._C") is None:
 from . import _C  # noqa: F401,E402  (registers torch.ops.moe_fp8.*)
 from . import blockwise_gemm  # noqa: F401,E402  (the GEMMs' fakes, for torch.compile)
 from . import rowwise_gemm  # noqa: F401,E402
-from .blockwise import (
-    quantize_blockwise_act_dual,
-    quantize_blockwise_act_lhs,
-    quantize_blockwise_act_rhs,
-    quantize_blockwise_act_transposed_lhs,
-    quantize_blockwise_weight_dual,
-    quantize_blockwise_weight_dual_cat,
-    quantize_blockwise_weight_rhs,
-    quantize_blockwise_weight_rhs_cat,
-    quantize_blockwise_weight_transposed_rhs,
-    quantize_blockwise_weight_transposed_rhs_cat,
-)
-from .experts import GroupedExperts, WeightCache, clear_weight_caches, experts
-from .grouped_mm import grouped_mm, grouped_mm_backend
-from .mxfp8 import (
-    from_blocked_scales,
-    from_blocked_scales_k_groups,
-    from_blocked_scales_m_groups,
-    quantize_mxfp8_colwise,
-    quantize_mxfp8_experts,
-    quantize_mxfp8_rowwise,
-    to_blocked_scales,
-    to_blocked_scales_k_groups,
-    to_blocked_scales_m_groups,
-)
-from .ops import (
-    gather_rows,
-    padded_group_offsets,
-    padded_rows,
-    permute_indices,
-    quantize_experts_bwd,
-    quantize_experts_bwd_cat,
-    quantize_experts_dual_cat,
-    quantize_experts_fwd,
-    quantize_experts_fwd_cat,
-    quantize_jagged_colwise,
-    quantize_jagged_colwise_dual,
-    quantize_rowwise_jagged_dual,
-    quantize_rowwise,
-    scatter_rows,
-    zero_rows_past_groups_,
-)
-from .platform import build_info, default_fp8_dtype
-from .swiglu import (
-    swiglu,
-    swiglu_backward,
-    swiglu_backward_quantize_rowwise,
-    swiglu_backward_with_h_quantize_rowwise,
-    swiglu_quantize_rowwise,
-)
-from .token_groups import pad_token_groups, permute_and_pad, unpad_token_groups, unpermute
+from .experts import GroupedExperts, experts  # noqa: E402
+from .grouped_mm import grouped_mm, grouped_mm_backend  # noqa: E402
+from .platform import build_info, default_fp8_dtype  # noqa: E402
+from .recipes import Bf16, Fp8Blockwise, Fp8Rowwise, Mxfp8, Recipe, get_recipe  # noqa: E402
+from .token_groups import pad_token_groups, permute_and_pad, unpad_token_groups, unpermute  # noqa: E402
+from .weight_cache import WeightCache, clear_weight_caches  # noqa: E402
+from .ops import blockwise as _ops_blockwise, mxfp8 as _ops_mxfp8, rowwise as _ops_rowwise  # noqa: E402,F401
+from .ops import swiglu as _ops_swiglu, token_groups as _ops_token_groups  # noqa: E402,F401  (ops.<family>)
+
+# The raw ops live in moe_fp8_ext.ops.<family>. Their former top-level names stay as
+# aliases for existing code; they are not part of the public surface (__all__).
+from .ops.blockwise import *  # noqa: E402,F401,F403
+from .ops.mxfp8 import *  # noqa: E402,F401,F403
+from .ops.rowwise import *  # noqa: E402,F401,F403
+from .ops.swiglu import *  # noqa: E402,F401,F403
+from .ops.token_groups import *  # noqa: E402,F401,F403
 
 __all__ = [
+    "Bf16",
+    "Fp8Blockwise",
+    "Fp8Rowwise",
     "GroupedExperts",
+    "Mxfp8",
+    "Recipe",
     "WeightCache",
     "build_info",
     "clear_weight_caches",
     "default_fp8_dtype",
     "experts",
-    "from_blocked_scales",
-    "from_blocked_scales_k_groups",
-    "from_blocked_scales_m_groups",
-    "gather_rows",
+    "get_recipe",
     "grouped_mm",
     "grouped_mm_backend",
     "pad_token_groups",
-    "padded_group_offsets",
-    "padded_rows",
     "permute_and_pad",
-    "permute_indices",
-    "quantize_blockwise_act_dual",
-    "quantize_blockwise_act_lhs",
-    "quantize_blockwise_act_rhs",
-    "quantize_blockwise_act_transposed_lhs",
-    "quantize_blockwise_weight_dual",
-    "quantize_blockwise_weight_dual_cat",
-    "quantize_blockwise_weight_rhs",
-    "quantize_blockwise_weight_rhs_cat",
-    "quantize_blockwise_weight_transposed_rhs",
-    "quantize_blockwise_weight_transposed_rhs_cat",
-    "quantize_experts_bwd",
-    "quantize_experts_bwd_cat",
-    "quantize_experts_dual_cat",
-    "quantize_experts_fwd",
-    "quantize_experts_fwd_cat",
-    "quantize_jagged_colwise",
-    "quantize_jagged_colwise_dual",
-    "quantize_rowwise_jagged_dual",
-    "quantize_mxfp8_colwise",
-    "quantize_mxfp8_experts",
-    "quantize_mxfp8_rowwise",
-    "quantize_rowwise",
-    "scatter_rows",
-    "swiglu",
-    "swiglu_backward",
-    "swiglu_backward_quantize_rowwise",
-    "swiglu_backward_with_h_quantize_rowwise",
-    "swiglu_quantize_rowwise",
-    "to_blocked_scales",
-    "to_blocked_scales_k_groups",
-    "to_blocked_scales_m_groups",
     "unpad_token_groups",
     "unpermute",
-    "zero_rows_past_groups_",
 ]

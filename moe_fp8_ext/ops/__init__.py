@@ -1,4 +1,7 @@
-"""Python wrappers of the FP8 rowwise ops (DESIGN §5), each with its fake (meta)
+"""The raw ops, one namespace a family: ``moe_fp8_ext.ops.rowwise``, ``.blockwise``,
+``.mxfp8``, ``.swiglu``, ``.token_groups`` (the ``torch.ops.moe_fp8.*`` schemas are in
+csrc/bindings.cpp). This module holds the FP8 rowwise wrappers (DESIGN §5) and the
+argument checks every wrapper and fake kernel shares; each wrapper has its fake (meta)
 implementation right beside it so the ops trace under ``torch.compile``.
 
 All scales are *decode* scales: ``x ≈ q.float() * scale``. With ``pow2_scale`` (the
@@ -11,8 +14,8 @@ from typing import Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-from . import _C
-from .platform import default_fp8_dtype
+from .. import _C
+from ..platform import default_fp8_dtype
 
 _ops = torch.ops.moe_fp8
 
