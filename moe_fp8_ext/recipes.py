@@ -944,11 +944,9 @@ class Fp8Blockwise(Recipe):
         ql, sl, qr, sr = _ops.quantize_blockwise_act_dual(x, fp8_dtype, offs, padded_starts, alignment)
         return (ql, sl), (qr, sr)
 
-    # h's and grad_h13's two operands from one read each (quantize_blockwise_act_dual,
-    # after the SwiGLU op) where that kernel runs (a GPU, bf16/fp16, hidden a multiple of
-    # 8): the backward computes no h and, on the joint path, reads grad_h13 once.
-    # (In-kernel SwiGLU math was slower than the SwiGLU op then act_dual:
-    # docs/EXPERIMENTS.md.)
+    # h's and grad_h13's two operands from one read each (the SwiGLU op, then act_dual) where that
+    # kernel runs (a GPU, bf16/fp16, hidden a multiple of 8): no h in the backward, grad_h13 read
+    # once on the joint path; in-kernel SwiGLU was slower (docs/decisions/015-swiglu-in-act-dual.md).
     def makes_swiglu_operands(self, h13):
         return _bw.act_dual_reads_once(h13) and (h13.shape[1] // 2) % 8 == 0
 
