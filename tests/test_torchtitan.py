@@ -187,3 +187,14 @@ def test_converted_model_pickles_and_copies():
         assert type(inner) is type(moe.routed_experts.inner_experts)
         assert inner.moe_fp8_recipe.name == "fp8_blockwise" and isinstance(inner.moe_fp8_weight_cache, WeightCache)
         assert torch.equal(back(x), want)
+
+
+def test_convert_refuses_an_instance_forward_it_does_not_know():
+    """A forward stored on the instance by anything but torchtitan's parallelize would keep
+    the bf16 forward running after a class swap: convert raises and changes nothing."""
+    moe = build_moe()
+    inner = moe.routed_experts.inner_experts
+    inner.forward = lambda x, counts: tt_moe.GroupedExperts.forward(inner, x, counts)
+    with pytest.raises(RuntimeError, match="cannot rebuild"):
+        convert(moe, "fp8_rowwise")
+    assert type(inner) is tt_moe.GroupedExperts and not hasattr(inner, "moe_fp8_recipe")

@@ -104,14 +104,15 @@ def _check_convertible(fqn: str, module, recipe: Recipe) -> None:
         raise ValueError(f"convert: {fqn or 'the model'} cannot run recipe {recipe.name!r}: {e}") from None
 
 
-def _rewrap_parallelized_forward(fqn: str, module) -> None:
+def _parallel_dims(fqn: str, module):
     """torchtitan's ``Module.parallelize`` stores a ``forward`` on the instance that
     wraps the bound forward of the class it had then (input/output redistribution
-    around an optional local_map); it would keep running torchtitan's bf16 forward
-    after a class swap. Rebuild it the same way around the converted forward, or raise."""
+    around an optional local_map): it would keep running that forward after a class
+    swap. The ParallelDims it was made with, to rebuild it around the converted forward;
+    None without such a wrapper; an error for an instance forward of any other kind."""
     wrapped = module.__dict__.get("forward")
     if wrapped is None:
-        return
+        return None
     names = getattr(wrapped, "__code__", None) and wrapped.__code__.co_freevars
     cells = dict(zip(names or (), (c.cell_contents for c in (wrapped.__closure__ or ()))))
     parallel_dims = cells.get("parallel_dims")
@@ -122,8 +123,14 @@ def _rewrap_parallelized_forward(fqn: str, module) -> None:
             "rebuild around the FP8 forward; convert before parallelizing: list "
             "moe_fp8_ext.integrations.torchtitan.ExpertsConverter.Config in the model's converters, or call "
             "convert(model) right after building it")
-    del module.forward
-    module.forward = _redistributing(module, parallel_dims)
+    return parallel_dims
+
+
+def _swap_class(module, cls, parallel_dims) -> None:
+    module.__class__ = cls
+    if parallel_dims is not None:
+        del module.forward
+        module.forward = _redistributing(module, parallel_dims)
 
 
 def _redistributing(self, parallel_dims):
@@ -152,27 +159,24 @@ def convert(model: torch.nn.Module, recipe: Union[str, Recipe] = "fp8_rowwise", 
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"convert: expected a torch.nn.Module, got {type(model).__name__}")
     found = [(fqn, m) for fqn, m in model.named_modules() if isinstance(m, GroupedExperts)]
+    dims = []
     for fqn, module in found:  # every check before any change
         _check_convertible(fqn, module, r)
-    for fqn, module in found:
-        base = getattr(type(module), "_moe_fp8_base", type(module))
-        module.__class__ = converted_class(base)
+        dims.append(_parallel_dims(fqn, module))
+    for (fqn, module), parallel_dims in zip(found, dims):
+        _swap_class(module, converted_class(getattr(type(module), "_moe_fp8_base", type(module))), parallel_dims)
         _configure(module, r, reuse_weights)
-        _rewrap_parallelized_forward(fqn, module)
     return len(found)
 
 
 def unconvert(model: torch.nn.Module) -> int:
     """Undo :func:`convert`: the modules run torchtitan's own forward again."""
-    n = 0
-    for fqn, module in model.named_modules():
-        base = getattr(type(module), "_moe_fp8_base", None)
-        if base is not None:
-            module.__class__ = base
-            del module.moe_fp8_recipe, module.moe_fp8_weight_cache
-            _rewrap_parallelized_forward(fqn, module)
-            n += 1
-    return n
+    found = [(fqn, m) for fqn, m in model.named_modules() if hasattr(type(m), "_moe_fp8_base")]
+    dims = [_parallel_dims(fqn, m) for fqn, m in found]
+    for (fqn, module), parallel_dims in zip(found, dims):
+        _swap_class(module, type(module)._moe_fp8_base, parallel_dims)
+        del module.moe_fp8_recipe, module.moe_fp8_weight_cache
+    return len(found)
 
 
 class ExpertsConverter(QuantizationConverter):
