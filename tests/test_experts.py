@@ -168,7 +168,7 @@ def test_blockwise_swiglu_operands(device, hidden, mode, needs, monkeypatch):
         real = recipes.Fp8Blockwise.lhs_with_wgrad_operand
         monkeypatch.setattr(recipes.Fp8Blockwise, "lhs_with_wgrad_operand",
                             lambda self, t, *a: calls.append(t.shape[1]) or real(self, t, *a))
-        for mod in (experts_mod, recipes._sw):
+        for mod in (experts_mod, importlib.import_module("moe_fp8_ext.swiglu")):
             monkeypatch.setattr(mod, "swiglu", lambda h13, real=mod.swiglu: swiglus.append(1) or real(h13))
         leaves = [t.detach().clone().requires_grad_(i in needs) for i, t in enumerate((x, w1, w3, w2))]
         with contextlib.ExitStack() as stack:

@@ -844,7 +844,7 @@ def test_rowwise_torch_gemm_path_zeroes_the_tail(monkeypatch):
         out[int(offs[-1]):] = float("nan")
         return out.to(out_dtype)
 
-    monkeypatch.setattr(recipes, "scaled_grouped_mm_rowwise", torch_gemm)
+    monkeypatch.setattr(recipes.rowwise, "scaled_grouped_mm_rowwise", torch_gemm)
     calls = count_zero_rows_calls(monkeypatch)
     offs = i32(48, 100)
     a, b_t = randn((160, 64), torch.bfloat16), randn((2, 64, 48), torch.bfloat16)
