@@ -167,11 +167,10 @@ def test_weight_backward_operand_made_in_forward(device, recipe_name, dual_kerne
     # makes B_t's input-gradient operand, holds it on ctx and the backward drops it
     # after the dgrad GEMM: the same bits as making it in the backward (rowwise) or
     # saving the dual's transposed half (blockwise, forced off). A second backward
-    # (retain_graph) quantizes B_t again; MOE_FP8_HOLD_WEIGHT_OPERANDS=0 holds nothing.
+    # (retain_graph) quantizes B_t again; hold_weight_operands=False holds nothing.
     import weakref
 
     set_dual_kernel_budget(monkeypatch, dual_kernel)
-    monkeypatch.delenv("MOE_FP8_HOLD_WEIGHT_OPERANDS", raising=False)
     m, k, n, sizes = (123, 64, 48, [40, 0, 25, 51]) if recipe_name == "fp8_rowwise" else (300, 256, 128, [130, 0, 170])
     offs = make_offs(sizes, device)
     a = randn((m, k), torch.bfloat16, device)
@@ -202,15 +201,15 @@ def test_weight_backward_operand_made_in_forward(device, recipe_name, dual_kerne
     for x, y in zip(*results):
         assert torch.equal(x, y)
     # Switched off: nothing held, the same bits.
-    monkeypatch.setenv("MOE_FP8_HOLD_WEIGHT_OPERANDS", "0")
+    held_nothing = dataclasses.replace(moe_fp8_ext.recipes.get_recipe(recipe_name), hold_weight_operands=False)
+    assert hash(held_nothing) != hash(moe_fp8_ext.recipes.get_recipe(recipe_name))  # (a compile-time constant)
     aa, bb = a.clone().requires_grad_(), b_t.clone().requires_grad_()
-    out = moe_fp8_ext.grouped_mm(aa, bb, offs, recipe=recipe_name)
+    out = moe_fp8_ext.grouped_mm(aa, bb, offs, recipe=held_nothing)
     assert out.grad_fn.bwd_box is None
     if recipe_name == "fp8_blockwise":  # not even the dual's transposed half in save_for_backward
         assert "q_bwd" not in out.grad_fn.names
     for x, y in zip((out.detach(), *torch.autograd.grad(out, (aa, bb), grad)), results[0]):
         assert torch.equal(x, y)
-    monkeypatch.delenv("MOE_FP8_HOLD_WEIGHT_OPERANDS")
     # Only where the input gradient is wanted; and never under saved-tensor hooks
     # (activation checkpointing must see every saved tensor).
     out = moe_fp8_ext.grouped_mm(a, b_t.clone().requires_grad_(), offs, recipe=recipe_name)
@@ -288,7 +287,6 @@ def test_in_place_weight_write_before_backward_raises(recipe_name, monkeypatch):
     # error, as the bf16 recipe does, instead of a dgrad from the held operand of the
     # old weight next to a wgrad of the new one. (Under saved-tensor hooks PyTorch
     # checks no versions, for any recipe.)
-    monkeypatch.delenv("MOE_FP8_HOLD_WEIGHT_OPERANDS", raising=False)
     recipe = type(moe_fp8_ext.recipes.get_recipe(recipe_name))
     if recipe_name != "bf16":
         monkeypatch.setattr(recipe, "reads_weights_once", lambda self, b_ts: True)  # the held path on the CPU too
@@ -804,26 +802,24 @@ def test_no_zeroing_kernel_after_a_gemm_that_zeroes(zeroes, monkeypatch):
 def test_rowwise_zeroes_the_tail_once(gemm, monkeypatch):
     """fp8_rowwise's 2d3d GEMMs leave the rows past offs[-1] zero with one kernel at most:
     on a GPU our GEMM's table kernel writes them (no zeroing kernel after it); behind
-    PyTorch's GEMM (MOE_FP8_ROWWISE_GEMM=torch), which leaves them unwritten, the recipe
+    PyTorch's GEMM (gemm_kernel="torch"), which leaves them unwritten, the recipe
     zeroes them, one kernel a GEMM; emulated, grouped_mm does. Zero over poisoned
     memory either way."""
-    from moe_fp8_ext import recipes, rowwise_gemm
+    from moe_fp8_ext import recipes
 
     r = recipes.get_recipe("fp8_rowwise")
     assert r.mm_2d3d_zeroes_tail("fp8_gemm") and not r.mm_2d3d_zeroes_tail("emulated")
     device = "cuda" if r.backend(torch.device("cuda")) == "fp8_gemm" else "cpu"
     if gemm == "torch":
-        monkeypatch.setenv("MOE_FP8_ROWWISE_GEMM", "torch")
-    else:
-        monkeypatch.delenv("MOE_FP8_ROWWISE_GEMM", raising=False)
-    ours = device == "cuda" and rowwise_gemm.in_use(torch.empty(0, dtype=torch.float8_e4m3fn, device=device))
+        r = recipes.Fp8Rowwise(gemm_kernel="torch")
+    ours = device == "cuda" and r._ours(torch.empty(0, dtype=torch.float8_e4m3fn, device=device))
     if gemm == "ours" and device == "cuda" and not ours:
         pytest.skip("our rowwise GEMM does not run on this GPU")
     calls = count_zero_rows_calls(monkeypatch)
     poison(device)
     a = randn((160, 64), torch.bfloat16, device).requires_grad_()
     b_t = randn((2, 64, 48), torch.bfloat16, device).requires_grad_()
-    out = moe_fp8_ext.grouped_mm(a, b_t, i32(48, 100, device=device), recipe="fp8_rowwise")
+    out = moe_fp8_ext.grouped_mm(a, b_t, i32(48, 100, device=device), recipe=r)
     out.backward(torch.ones_like(out))
     assert len(calls) == (0 if ours else 2)
     assert bool((out[100:] == 0).all()) and bool((a.grad[100:] == 0).all())

@@ -170,8 +170,8 @@ def _check_dual_cat(b_ts, fp8_dtype):
 
 def dual_cat_reads_once(b_ts: Sequence[Tensor]) -> bool:
     """Whether ``quantize_experts_dual_cat(b_ts)`` runs the one-read kernel (the rule of
-    rowwise_ops.cpp in Python, with the budget asked of the extension, which reads
-    ``MOE_FP8_DUAL_L2_BYTES``; tests/test_rowwise.py checks the two agree)."""
+    rowwise_ops.cpp in Python, with the extension's L2 budget (docs/TUNING.md);
+    tests/test_rowwise.py checks the two agree)."""
     if not 1 <= len(b_ts) <= 2 or not b_ts[0].is_cuda or b_ts[0].element_size() != 2:
         return False
     e, k = b_ts[0].shape[0], b_ts[0].shape[1]
@@ -193,9 +193,9 @@ def quantize_experts_dual_cat(b_ts: Sequence[Tensor], fp8_dtype: Optional[torch.
     One-read kernel (DESIGN §10): weights on a GPU stored (E, N_i, K) with K contiguous
     (``b_t = W.transpose(-2, -1)``, torchtitan's layout), bf16 or fp16, N and K multiples
     of 16, whose two experts' matrices fit the L2 budget are read from DRAM once: a tile
-    is read again from L2 once its expert's amaxes are complete. The budget is
-    ``MOE_FP8_DUAL_L2_BYTES``: unset or "l2" = three fifths of L2 (16 MB a matrix on an
-    H100), a byte count, or 0 = never. Measured 1.12-1.40x faster than the two ops on an
+    is read again from L2 once its expert's amaxes are complete. The budget is the
+    extension's L2 budget (docs/TUNING.md): by default three fifths of L2 (16 MB a
+    matrix on an H100). Measured 1.12-1.40x faster than the two ops on an
     H100 where it applies (bench/RESULTS.md). Anything else runs the two ops."""
     _check_dual_cat(b_ts, fp8_dtype)
     return _ops.quantize_experts_dual_cat(list(b_ts), _dtype(fp8_dtype, b_ts[0]), pow2_scale)
@@ -322,14 +322,7 @@ def quantize_rowwise_jagged_dual(
     the operand of a token-grouped tensor's forward (or dgrad) GEMM and its operand of
     the weight-gradient GEMM, ``(q_rows, scale_rows, q_cols, scale_cols)``.
 
-    By default this runs the two ops. With ``MOE_FP8_ONE_READ_ACTIVATIONS=1``, on a GPU
-    that has the kernel (CUDA; DESIGN §10) and with ``padded_starts`` (the padded
-    layout the recipes use), both come from ONE read of ``x``: each group is read from
-    DRAM once for its amaxes and again, from L2, for both outputs, so it needs a mean
-    group (M/G rows) whose bf16 bytes fit twice in the L2 budget of
-    ``MOE_FP8_DUAL_L2_BYTES``; larger groups, fp32 input, or no padded layout run the
-    two ops (the same bits). Off by default: on the H100 it measured 0.87-0.93x the
-    two ops' speed (bench/RESULTS.md).
+    It runs the two ops, one call (the fp8_rowwise recipe's ``lhs_with_wgrad_operand``).
     """
     check_quantize_rowwise_jagged_dual(x, offs, fp8_dtype, padded_starts, alignment)
     return _ops.quantize_rowwise_jagged_dual(x, offs, _dtype(fp8_dtype, x), pow2_scale, padded_starts, alignment)

@@ -39,7 +39,11 @@ FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz, torch.float8_e5m2)
 class Recipe:
     """How ``grouped_mm(A, B_t, offs)`` computes its three products. Base class: a recipe
     is a frozen dataclass (hashable, so ``torch.compile`` treats it as a constant)
-    overriding the methods below; the defaults are the high-precision ones.
+    overriding the methods below; the defaults are the high-precision ones. Its fields
+    are what a user sets (``name``, ``alignment`` and each recipe's own, e.g.
+    ``Fp8Rowwise(pow2_scale=False)``); ``dataclasses.replace`` makes a variant, which
+    ``grouped_mm``, ``experts``, ``GroupedExperts`` and the torchtitan converter take as
+    is or, registered, by name.
 
     The products, with A (M, K), B_t (E, K, N), grad_out (M, N) and token groups
     ``offs`` along M::
@@ -78,7 +82,7 @@ class Recipe:
       mode only: it may read data pointers, which do not trace) grouped_mm calls
       ``rhs_dual_cat([B_t])`` for both weight operands in the forward; where nothing
       of the weight is to be kept for the backward (no input gradient follows, or
-      ``MOE_FP8_HOLD_WEIGHT_OPERANDS=0``), ``rhs_fwd_only`` instead of ``rhs_fwd``.
+      ``hold_weight_operands`` is False), ``rhs_fwd_only`` instead of ``rhs_fwd``.
     - **GEMMs.** ``mm_2d3d(lhs, rhs, offs, out_dtype, backend)`` -> (M, N) and
       ``mm_2d2d(grad_t, a, offs, out_dtype, backend)`` -> (E, N, K); rows past
       ``offs[-1]`` may hold anything (grouped_mm and the experts layer zero them after
@@ -104,8 +108,17 @@ class Recipe:
 
     name: str
     alignment: int = 1
-    #: what the GEMM computes in, for messages ("fp8", "bf16")
-    gemm: str = "fp8"
+
+    # Class attributes, not fields (no annotation: a field's place in the constructor
+    # would follow the base's).
+    #: What the GEMMs compute in ("fp8", "bf16"): for messages, and the torchtitan
+    #: converter casts the inputs of a "bf16" recipe.
+    precision = "fp8"
+    #: Whether a forward followed by an input gradient may make the weight's operand
+    #: for it and hold it until then (where ``reads_weights_once``). A field of the
+    #: recipes whose forward can (Fp8Rowwise, Fp8Blockwise); False: nothing derived from
+    #: a weight lives from a forward to its backward (the backward quantizes it again).
+    hold_weight_operands = True
 
     # ---- where and how it runs -----------------------------------------------------
     def backend(self, device: torch.device) -> str:

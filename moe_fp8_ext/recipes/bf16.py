@@ -32,7 +32,7 @@ class Bf16(Recipe):
 
     name: str = "bf16"
     alignment: int = 1
-    gemm: str = "bf16"
+    precision = "bf16"  # (a class attribute: Recipe.precision)
 
     def backend(self, device):
         return "grouped_mm"

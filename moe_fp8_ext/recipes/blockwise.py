@@ -33,7 +33,7 @@ class Fp8Blockwise(Recipe):
     the backward (fp8, instead of requantizing the bf16 weight; on ctx until the dgrad
     GEMM has used it where grouped_mm may hold it there, see ``_may_free_early``, else
     saved; only the forward one, ``rhs_fwd_only``, where no input gradient follows or
-    ``MOE_FP8_HOLD_WEIGHT_OPERANDS=0``); ``wgrad_operands``
+    ``hold_weight_operands=False``: the backward quantizes the weight again); ``wgrad_operands``
     grad_outᵀ in 1x128 blocks along the tokens and A in 128x1 blocks along the tokens,
     straight into the padded layout (alignment 128: any group sizes with
     ``pad_groups=True``, no sync). Where the padded layout is used, A's (and
@@ -54,6 +54,11 @@ class Fp8Blockwise(Recipe):
 
     name: str = "fp8_blockwise"
     alignment: int = 128
+    hold_weight_operands: bool = True
+
+    def __post_init__(self):
+        if not isinstance(self.hold_weight_operands, bool):
+            raise TypeError(f"Fp8Blockwise: expected hold_weight_operands to be a bool, got {self.hold_weight_operands!r}")
 
     def backend(self, device):
         from .. import blockwise_gemm

@@ -2,7 +2,6 @@
 weights and per (group, column) for the weight gradient."""
 
 import dataclasses
-import os
 from typing import Dict
 
 import torch
@@ -17,6 +16,7 @@ from .base import FLOAT_DTYPES, FP8_DTYPES, Recipe, _zero_tail, emulated_grouped
 
 _ops = torch.ops.moe_fp8
 
+GEMM_KERNELS = ("auto", "torch")  # Fp8Rowwise.gemm_kernel
 _BACKENDS: Dict[tuple, str] = {}  # (recipe, device type, index) -> Fp8Rowwise.backend, eager calls
 
 
@@ -40,16 +40,41 @@ class Fp8Rowwise(Recipe):
     scales unless ``pow2_scale=False``.
 
     Operands: ``(q, scale)`` with scale (M,) for ``lhs``, (E, N) / (E, K) for the
-    weights, (E, D) per group for the wgrad pair. GEMM: ``torch._scaled_grouped_mm``
-    (``"fp8_gemm"``) on CUDA sm90+ and ROCm GPUs whose torch has it, else emulated.
-    That GEMM writes bfloat16 only (torch's f8f8bf16 grouped kernel; its meta kernel
-    checks the same): ``out_dtype`` must be bfloat16 there, while the emulation also
-    writes float16 and float32.
+    weights, (E, D) per group for the wgrad pair. GEMM (``"fp8_gemm"``, on CUDA sm90+
+    and ROCm GPUs whose torch has ``torch._scaled_grouped_mm``; else emulated): with
+    ``gemm_kernel="auto"`` this package's CUTLASS kernels on Hopper (capability 9.0)
+    where built with them (:mod:`moe_fp8_ext.rowwise_gemm`), PyTorch's elsewhere;
+    ``gemm_kernel="torch"``: PyTorch's everywhere (the same math up to the order of
+    fp32 sums). It writes bfloat16 only (torch's f8f8bf16 grouped kernel; its meta
+    kernel checks the same): ``out_dtype`` must be bfloat16 there, while the emulation
+    also writes float16 and float32.
+
+    ``hold_weight_operands`` (default True): where one read makes both orientations of
+    a weight (``quantize_experts_dual_cat``, while two experts' matrices fit the
+    extension's L2 budget), the forward makes the backward operand too and holds it
+    until the input gradient has used it (E·N·K fp8 bytes per weight and call); False:
+    the backward quantizes the weight again.
+
+        Fp8Rowwise(gemm_kernel="torch", hold_weight_operands=False)
     """
 
     name: str = "fp8_rowwise"
     alignment: int = 16
     pow2_scale: bool = True
+    #: "auto": our grouped GEMM on Hopper where built, PyTorch's elsewhere; "torch": PyTorch's
+    gemm_kernel: str = "auto"
+    hold_weight_operands: bool = True
+
+    def __post_init__(self):
+        if self.gemm_kernel not in GEMM_KERNELS:
+            raise ValueError(f"Fp8Rowwise: expected gemm_kernel in {GEMM_KERNELS}, got {self.gemm_kernel!r}")
+        if not isinstance(self.hold_weight_operands, bool):
+            raise TypeError(f"Fp8Rowwise: expected hold_weight_operands to be a bool, got {self.hold_weight_operands!r}")
+
+    def _ours(self, a: Tensor) -> bool:
+        """Whether the fp8 GEMM of operand ``a`` runs on our kernels (a constant under
+        torch.compile)."""
+        return self.gemm_kernel == "auto" and _rowwise_gemm.in_use(a)
 
     def backend(self, device):
         # asked three or four times a grouped_mm or experts call: remembered per device
@@ -147,13 +172,8 @@ class Fp8Rowwise(Recipe):
         (qg, sg), (qa, sa) = grad, a
         return (qg.t(), sg), (qa, sa)
 
-    def reads_activations_once(self, x=None):
-        # (read when called: a trace-time constant under torch.compile)
-        return os.environ.get("MOE_FP8_ONE_READ_ACTIVATIONS") == "1"
-
     def lhs_with_wgrad_operand(self, x, offs, fp8_dtype, padded_starts):
-        # The two quantizations, or one read of x where that kernel is switched on
-        # (MOE_FP8_ONE_READ_ACTIVATIONS=1); the same bits either way.
+        # The two quantizations in one op (reads_activations_once: no, the default).
         qr, sr, qc, sc = _ops.quantize_rowwise_jagged_dual(x, offs, fp8_dtype, self.pow2_scale, padded_starts,
                                                            self.alignment)
         return (qr, sr.squeeze(-1)), (qc, sc)
@@ -166,7 +186,7 @@ class Fp8Rowwise(Recipe):
     def mm_2d3d(self, lhs, rhs, offs, out_dtype, backend):
         (qa, sa), (qb, sb) = lhs, rhs
         if backend == "fp8_gemm":
-            if out_dtype == torch.bfloat16 and _rowwise_gemm.in_use(qa):
+            if out_dtype == torch.bfloat16 and self._ours(qa):
                 return _ops.rowwise_grouped_mm_2d3d(qa, sa, qb, sb, offs, out_dtype)
             return _zero_tail(scaled_grouped_mm_rowwise(qa, qb, sa, sb, offs, out_dtype), offs)
         return emulated_grouped_mm_2d3d(qa.float() * sa[:, None], qb.float() * sb[:, None, :], offs).to(out_dtype)
@@ -174,7 +194,7 @@ class Fp8Rowwise(Recipe):
     def mm_2d2d(self, grad_t, a, offs, out_dtype, backend):
         (qg_t, sg), (qa, sa) = grad_t, a  # (N, M), (E, N); (M, K), (E, K)
         if backend == "fp8_gemm":
-            if out_dtype == torch.bfloat16 and _rowwise_gemm.in_use(qa):
+            if out_dtype == torch.bfloat16 and self._ours(qa):
                 return _ops.rowwise_grouped_mm_2d2d(qg_t, sg, qa, sa, offs, out_dtype)
             return scaled_grouped_mm_rowwise(qg_t, qa, sg.reshape(-1), sa.reshape(-1), offs, out_dtype)
         g, _ = row_groups(offs, qa.shape[0])
