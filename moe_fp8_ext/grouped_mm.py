@@ -5,10 +5,10 @@
     out = grouped_mm(A, B_t, offs, recipe="bf16")       # the torch._grouped_mm baseline
 
 ONE autograd Function, driven by a :class:`~moe_fp8_ext.recipes.Recipe` (see
-``recipes.py`` for the contract): the recipe quantizes each operand and runs the
+``recipes/base.py`` for the contract): the recipe quantizes each operand and runs the
 GEMMs, this file wires the three products, validates the arguments, zeroes the rows
 that belong to no group and lays the weight gradient out for the recipe's alignment.
-A new recipe is registered in ``recipes.py``; nothing here changes.
+A new recipe is a Recipe subclass (``moe_fp8_ext.recipes``); nothing here changes.
 
 fp8_rowwise: every operand is quantized with this package's kernels and multiplied by
 PyTorch's FP8 grouped GEMM::

@@ -579,7 +579,7 @@ def test_backend_answers_are_remembered_per_device():
 class ToyTensorwise(recipes.Recipe):
     """fp8 with ONE scale per tensor (per expert for the weights, per group for the
     wgrad pair), written in pure torch here: the test that a recipe plugs in through
-    recipes.py alone. It keeps its fp8 operands for backward (not A and B_t), as the
+    the Recipe protocol alone. It keeps its fp8 operands for backward (not A and B_t), as the
     contract allows, and its weight gradient needs groups aligned to 8 (so grouped_mm
     lays the wgrad operands out padded)."""
 

@@ -11,17 +11,60 @@ default) every scale is an exact power of two. ``fp8_dtype=None`` picks
 :func:`moe_fp8_ext.default_fp8_dtype`.
 """
 
-from ._checks import (FP8_DTYPES, INT32_MAX, INT64_MAX, MAX_JAGGED_GROUPS, QUANT_IN_DTYPES, _check_padded_starts,  # noqa: F401
-                      _dtype, _dtype_name, _require, check_alignment, check_block_jagged, check_fp8_dtype, check_index,
-                      check_int, check_jagged_layout, check_quant_input, check_rows_alloc, check_same_device,
-                      check_tensor, checked_padded_rows, padded_rows)
-from .rowwise import (MAX_EXPERTS_COLS, check_quantize_experts, check_quantize_experts_cat,  # noqa: F401
-                      check_quantize_jagged_colwise, check_quantize_jagged_colwise_dual, check_quantize_rowwise,
-                      check_quantize_rowwise_jagged_dual, dual_cat_reads_once, quantize_experts_bwd,
-                      quantize_experts_bwd_cat, quantize_experts_dual_cat, quantize_experts_fwd, quantize_experts_fwd_cat,
-                      quantize_jagged_colwise, quantize_jagged_colwise_dual, quantize_rowwise,
-                      quantize_rowwise_jagged_dual)
-from .token_groups import (check_gather_rows, check_pad_token_groups, check_pad_token_groups_at,  # noqa: F401
-                           check_padded_group_offsets, check_permute_indices, check_scatter_rows,
-                           check_unpad_token_groups, check_zero_rows_past_groups_, gather_rows, padded_group_offsets,
-                           permute_indices, scatter_rows, zero_rows_past_groups_)
+from ._checks import (  # noqa: F401
+    FP8_DTYPES,
+    INT32_MAX,
+    INT64_MAX,
+    MAX_JAGGED_GROUPS,
+    QUANT_IN_DTYPES,
+    _check_padded_starts,
+    _dtype,
+    _dtype_name,
+    _require,
+    check_alignment,
+    check_block_jagged,
+    check_fp8_dtype,
+    check_index,
+    check_int,
+    check_jagged_layout,
+    check_quant_input,
+    check_rows_alloc,
+    check_same_device,
+    check_tensor,
+    checked_padded_rows,
+    padded_rows,
+)
+from .rowwise import (  # noqa: F401
+    MAX_EXPERTS_COLS,
+    check_quantize_experts,
+    check_quantize_experts_cat,
+    check_quantize_jagged_colwise,
+    check_quantize_jagged_colwise_dual,
+    check_quantize_rowwise,
+    check_quantize_rowwise_jagged_dual,
+    dual_cat_reads_once,
+    quantize_experts_bwd,
+    quantize_experts_bwd_cat,
+    quantize_experts_dual_cat,
+    quantize_experts_fwd,
+    quantize_experts_fwd_cat,
+    quantize_jagged_colwise,
+    quantize_jagged_colwise_dual,
+    quantize_rowwise,
+    quantize_rowwise_jagged_dual,
+)
+from .token_groups import (  # noqa: F401
+    check_gather_rows,
+    check_pad_token_groups,
+    check_pad_token_groups_at,
+    check_padded_group_offsets,
+    check_permute_indices,
+    check_scatter_rows,
+    check_unpad_token_groups,
+    check_zero_rows_past_groups_,
+    gather_rows,
+    padded_group_offsets,
+    permute_indices,
+    scatter_rows,
+    zero_rows_past_groups_,
+)

@@ -14,7 +14,14 @@ import torch
 from torch import Tensor
 
 from .. import _C
-from ._checks import _dtype, _dtype_name, _require, check_fp8_dtype, check_jagged_layout, check_quant_input
+from ._checks import (
+    _dtype,
+    _dtype_name,
+    _require,
+    check_fp8_dtype,
+    check_jagged_layout,
+    check_quant_input,
+)
 
 _ops = torch.ops.moe_fp8
 

@@ -9,8 +9,19 @@ from typing import Tuple
 import torch
 from torch import Tensor
 
-from ._checks import (INT32_MAX, _check_padded_starts, _require, check_alignment, check_index, check_int,
-                      check_rows_alloc, check_same_device, check_tensor, checked_padded_rows, padded_rows)
+from ._checks import (
+    INT32_MAX,
+    _check_padded_starts,
+    _require,
+    check_alignment,
+    check_index,
+    check_int,
+    check_rows_alloc,
+    check_same_device,
+    check_tensor,
+    checked_padded_rows,
+    padded_rows,
+)
 
 _ops = torch.ops.moe_fp8
 

@@ -24,13 +24,37 @@ Registered: ``"fp8_rowwise"`` (:class:`Fp8Rowwise`, DESIGN §5), ``"mxfp8"``
 each: ``rowwise``, ``mxfp8``, ``blockwise``, ``bf16``.
 """
 
-from .base import (FLOAT_DTYPES, FP8_DTYPES, RECIPES, Operand, Recipe, _zero_tail, emulated_grouped_mm_2d2d,
-                   emulated_grouped_mm_2d3d, get_recipe, register_recipe, row_groups)
+from .base import (
+    FLOAT_DTYPES,
+    FP8_DTYPES,
+    RECIPES,
+    Operand,
+    Recipe,
+    _zero_tail,
+    emulated_grouped_mm_2d2d,
+    emulated_grouped_mm_2d3d,
+    get_recipe,
+    register_recipe,
+    row_groups,
+)
 from .bf16 import Bf16, _gemm_ready
 from .blockwise import Fp8Blockwise, _expand_tiles
-from .mxfp8 import (Mxfp8, _ceil_to, _expand_blocks, scaled_grouped_mm_mxfp8, unblock_scales, unblock_scales_experts,
-                    unblock_scales_k_groups, unblock_scales_m_groups)
-from .rowwise import _BACKENDS, Fp8Rowwise, has_scaled_grouped_mm, scaled_grouped_mm_rowwise
+from .mxfp8 import (
+    Mxfp8,
+    _ceil_to,
+    _expand_blocks,
+    scaled_grouped_mm_mxfp8,
+    unblock_scales,
+    unblock_scales_experts,
+    unblock_scales_k_groups,
+    unblock_scales_m_groups,
+)
+from .rowwise import (
+    _BACKENDS,
+    Fp8Rowwise,
+    has_scaled_grouped_mm,
+    scaled_grouped_mm_rowwise,
+)
 
 __all__ = [
     "FLOAT_DTYPES",

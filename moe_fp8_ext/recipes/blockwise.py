@@ -8,7 +8,12 @@ from torch import Tensor
 
 from .. import blockwise as _bw
 from ..platform import default_fp8_dtype
-from .base import FLOAT_DTYPES, Recipe, emulated_grouped_mm_2d2d, emulated_grouped_mm_2d3d
+from .base import (
+    FLOAT_DTYPES,
+    Recipe,
+    emulated_grouped_mm_2d2d,
+    emulated_grouped_mm_2d3d,
+)
 
 _ops = torch.ops.moe_fp8
 

@@ -10,7 +10,13 @@ from torch import Tensor
 
 from .. import mxfp8 as _mx
 from ..mxfp8 import MX_BLOCK
-from .base import FLOAT_DTYPES, Recipe, emulated_grouped_mm_2d2d, emulated_grouped_mm_2d3d, row_groups
+from .base import (
+    FLOAT_DTYPES,
+    Recipe,
+    emulated_grouped_mm_2d2d,
+    emulated_grouped_mm_2d3d,
+    row_groups,
+)
 from .rowwise import has_scaled_grouped_mm
 
 #

@@ -12,7 +12,15 @@ from .. import ops
 from .. import rowwise_gemm as _rowwise_gemm
 from .. import swiglu as _sw
 from ..platform import default_fp8_dtype, remembered_per_device
-from .base import FLOAT_DTYPES, FP8_DTYPES, Recipe, _zero_tail, emulated_grouped_mm_2d2d, emulated_grouped_mm_2d3d, row_groups
+from .base import (
+    FLOAT_DTYPES,
+    FP8_DTYPES,
+    Recipe,
+    _zero_tail,
+    emulated_grouped_mm_2d2d,
+    emulated_grouped_mm_2d3d,
+    row_groups,
+)
 
 _ops = torch.ops.moe_fp8
 
