@@ -35,7 +35,7 @@ import torch  # noqa: E402
 sys.path.insert(0, os.path.join(os.getcwd(), "bench"))
 import moe_fp8_ext  # noqa: E402
 from common import bench_us, copy_us  # noqa: E402
-from moe_fp8_ext.moe import balanced_offs  # noqa: E402
+from workloads import balanced_offs  # noqa: E402
 
 F8 = torch.float8_e4m3fn
 torch.manual_seed(0)

@@ -29,7 +29,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import bench_interleaved_us, fmt, peak_mib, print_table, sqnr, write_json  # noqa: E402
 
-from moe_fp8_ext.moe import router_counts  # noqa: E402
+from moe_fp8_ext.token_groups import router_counts  # noqa: E402
 
 EXPERTS_SHAPES = [(32768, 7168, 2048, 8), (16384, 5120, 1536, 16), (65536, 2048, 1408, 64), (65536, 2048, 768, 128)]
 MOE_SHAPES = [(16384, 2048, 1408, 64, 6), (8192, 7168, 2048, 32, 8)]  # tokens, dim, hidden, experts, top-k

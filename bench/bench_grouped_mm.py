@@ -15,9 +15,9 @@ import sys
 import torch
 
 import moe_fp8_ext
-from moe_fp8_ext.moe import MoEExperts, balanced_offs
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
+from workloads import MoEExperts, balanced_offs  # noqa: E402
 from common import (  # noqa: E402
     GROUPED_MM_SHAPES, bench_interleaved_us, bench_us, fmt, linear_problem, peak_mib, print_table, sqnr, torchao_gmm, try_peer)
 

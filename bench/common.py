@@ -115,7 +115,7 @@ def linear_problem(m: int, k: int, n: int, e: int):
     """One grouped linear on the GPU, as every grouped_mm benchmark draws it: A (m, k)
     and W (e, n, k) bf16 leaves that require grad (W ~ N(0, 0.02); B_t = W^T),
     router-like group ends (multiples of 16) and an output gradient (m, n)."""
-    from moe_fp8_ext.moe import balanced_offs
+    from workloads import balanced_offs
 
     a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     w = (torch.randn(e, n, k, device="cuda", dtype=torch.bfloat16) * 0.02).requires_grad_()

@@ -19,7 +19,7 @@ import torch
 
 import moe_fp8_ext
 from moe_fp8_ext import reference as ref
-from moe_fp8_ext.moe import router_counts
+from moe_fp8_ext.token_groups import router_counts
 
 
 def _time_ms(fn, device, iters):

@@ -24,8 +24,8 @@ Against three :func:`~moe_fp8_ext.grouped_mm` calls (same math up to fp8 roundin
 
 Where one read makes a weight's two orientations (``Recipe.reads_weights_once``) the
 forward makes the backward operand too and holds it on ctx until the backward uses it
-(``MOE_FP8_HOLD_WEIGHT_OPERANDS=0``: nothing derived from a weight lives from a forward
-to its backward). Under ``torch.compile`` the cache is bypassed; with torch < 2.13 a
+(a recipe with ``hold_weight_operands=False``: nothing derived from a weight lives from
+a forward to its backward). Under ``torch.compile`` the cache is bypassed; with torch < 2.13 a
 compiled call runs three grouped_mm calls (``COMPILE_COMPOSITE``).
 """
 
@@ -40,7 +40,6 @@ from . import token_groups
 from .grouped_mm import (
     _debug,
     _gemm_out_dtype,
-    _holds_weight_operands,
     _may_free_early,
     _mm_2d3d,
     _zero_tail,
@@ -85,7 +84,7 @@ class _Experts(torch.autograd.Function):
         # no_grad too, where nothing is to be made for a backward)
         need_x = grad_mode and ctx.needs_input_grad[0]
         need_w13 = grad_mode and (ctx.needs_input_grad[1] or ctx.needs_input_grad[2])
-        box = ctx.bwd_box = {} if cache is not None or (_may_free_early() and _holds_weight_operands()) else None
+        box = ctx.bwd_box = {} if cache is not None or (_may_free_early() and recipe.hold_weight_operands) else None
 
         def weight_fwd(name, weights, parts, needs_bwd):  # weights: the cache keys
             def make():

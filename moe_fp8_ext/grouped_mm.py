@@ -5,10 +5,10 @@
     out = grouped_mm(A, B_t, offs, recipe="bf16")       # the torch._grouped_mm baseline
 
 ONE autograd Function, driven by a :class:`~moe_fp8_ext.recipes.Recipe` (see
-``recipes.py`` for the contract): the recipe quantizes each operand and runs the
+``recipes/base.py`` for the contract): the recipe quantizes each operand and runs the
 GEMMs, this file wires the three products, validates the arguments, zeroes the rows
 that belong to no group and lays the weight gradient out for the recipe's alignment.
-A new recipe is registered in ``recipes.py``; nothing here changes.
+A new recipe is a Recipe subclass (``moe_fp8_ext.recipes``); nothing here changes.
 
 fp8_rowwise: every operand is quantized with this package's kernels and multiplied by
 PyTorch's FP8 grouped GEMM::
@@ -18,12 +18,12 @@ PyTorch's FP8 grouped GEMM::
     wgrad    grad_B = grad_out_q(cols per group)^T @ A_q(cols per group)
 
 Where one read makes both operands of the weight (``Recipe.reads_weights_once``:
-fp8_rowwise's dual kernel where two experts' matrices fit the L2 budget,
-``MOE_FP8_DUAL_L2_BYTES``; fp8_blockwise always) the forward makes B's dgrad operand
-with B_t's and holds it (E·N·K fp8 bytes and its scales) until the dgrad GEMM has used
-it; not under torch.compile or saved-tensor hooks (see ``_may_free_early``), nor with
-``MOE_FP8_HOLD_WEIGHT_OPERANDS=0`` (then nothing derived from the weight lives from a
-forward to its backward: in a deep model, one such operand per layer otherwise).
+fp8_rowwise's dual kernel where two experts' matrices fit the extension's L2 budget,
+docs/TUNING.md; fp8_blockwise always) the forward makes B's dgrad operand with B_t's
+and holds it (E·N·K fp8 bytes and its scales) until the dgrad GEMM has used it; not
+under torch.compile or saved-tensor hooks (see ``_may_free_early``), nor with a recipe
+whose ``hold_weight_operands`` is False (then nothing derived from the weight lives
+from a forward to its backward: in a deep model, one such operand per layer otherwise).
 
 Where the FP8 grouped GEMM is not available (a CPU, a GPU before sm90) the same
 quantized operands are dequantized and multiplied in fp32 ("emulated"), so results and
@@ -84,15 +84,6 @@ def _gemm_out_dtype(recipe: Recipe, backend: str, want: torch.dtype, in_dtype: t
     return want if want in supported else supported[0]
 
 
-def _holds_weight_operands() -> bool:
-    """Whether a forward that will be followed by an input gradient may make the
-    weight's operand for it and hold it until then (grouped_mm, the experts layer
-    without a weight cache): unless ``MOE_FP8_HOLD_WEIGHT_OPERANDS=0``, read when
-    called (a trace-time constant under torch.compile). Off, the backward quantizes the
-    weight again: nothing derived from it lives from a forward to its backward."""
-    return os.environ.get("MOE_FP8_HOLD_WEIGHT_OPERANDS", "1") != "0"
-
-
 def _may_free_early() -> bool:
     """Whether a forward may keep an intermediate outside ``save_for_backward`` so that
     the backward can free it half way (autograd's docs allow intermediates on ctx): the
@@ -140,11 +131,11 @@ class _GroupedMM(torch.autograd.Function):
         # matrix fits the L2 budget, fp8_blockwise's weight dual), held on ctx until
         # the dgrad GEMM has used it, then dropped (so not through the weight-gradient
         # GEMM, a single call's peak; a model holds one per layer from its forward to
-        # its backward: MOE_FP8_HOLD_WEIGHT_OPERANDS=0 turns it off). B_t stays saved: a
+        # its backward: Recipe.hold_weight_operands=False turns it off). B_t stays saved: a
         # second backward (retain_graph) quantizes it again.
         # (_may_free_early before the recipe's check: under torch.compile that check,
         # which reads data pointers, must not be traced.)
-        hold = dgrad and _holds_weight_operands()
+        hold = dgrad and recipe.hold_weight_operands
         if hold and _may_free_early() and recipe.reads_weights_once([B_t]):
             rhs, bwd = recipe.rhs_dual_cat([B_t], fp8_dtype)
             ctx.bwd_box = {"B": bwd}
@@ -283,7 +274,7 @@ def _check_debug_alignment(offs: Tensor, recipe: Recipe) -> None:
     bad = (sizes % alignment != 0).nonzero().flatten().tolist()  # host-sync-ok: MOE_FP8_DEBUG only
     if bad:
         raise ValueError(
-            f"grouped_mm: expected group sizes that are multiples of {alignment} for the {recipe.gemm} GEMM, "
+            f"grouped_mm: expected group sizes that are multiples of {alignment} for the {recipe.precision} GEMM, "
             f"got {sizes[bad[0]].item()} for group {bad[0]}"  # host-sync-ok: MOE_FP8_DEBUG only
         )
 

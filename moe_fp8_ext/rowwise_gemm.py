@@ -15,13 +15,12 @@ pointers built on the GPU from ``offs`` (no host sync; CUDA-graph capturable).
   (the padded layout of DESIGN §3); an empty group gives zeros.
 
 The recipe calls them where :func:`in_use` says so: a Hopper GPU (compute capability
-9.0) of a build with the sm_90a kernels, unless ``MOE_FP8_ROWWISE_GEMM=torch`` (then
-PyTorch's kernel, as before). Their fakes (below) let them trace under
+9.0) of a build with the sm_90a kernels, unless the recipe asks for PyTorch's kernel
+(``Fp8Rowwise(gemm_kernel="torch")``). Their fakes (below) let them trace under
 ``torch.compile(fullgraph=True)``.
 """
 
 import functools
-import os
 
 import torch
 from torch import Tensor
@@ -60,11 +59,9 @@ def available(device=None) -> bool:
 
 
 def in_use(a: Tensor) -> bool:
-    """Whether the fp8_rowwise recipe runs its GEMMs on these kernels for operand ``a``:
-    :func:`available` on its device, e4m3fn, and not switched off
-    (``MOE_FP8_ROWWISE_GEMM=torch``; read at each call, a constant under torch.compile)."""
-    if os.environ.get("MOE_FP8_ROWWISE_GEMM", "") == "torch":
-        return False
+    """Whether the fp8_rowwise recipe (``gemm_kernel="auto"``) runs its GEMMs on these
+    kernels for operand ``a``: :func:`available` on its device, and e4m3fn (a constant
+    under torch.compile)."""
     return a.dtype == torch.float8_e4m3fn and available(a.device)
 
 

@@ -145,3 +145,12 @@ def unpermute(y: Tensor, indices: Tensor, num_tokens: int) -> Tensor:
     to the rank-major order, (num_tokens, D); padding rows are dropped. Differentiable."""
     check_scatter_rows(y, indices, num_tokens, op="unpermute")
     return _Scatter.apply(y, indices, num_tokens)
+
+
+def router_counts(tokens: int, experts: int, seed: int = 0) -> Tensor:
+    """Tokens per expert as a router with load balancing gives them: a multinomial over
+    softly skewed expert probabilities, unaligned sizes summing to `tokens` (int64, CPU).
+    The group sizes of the main job (``python -m moe_fp8_ext``) and the benchmarks."""
+    g = torch.Generator().manual_seed(seed)
+    p = torch.softmax(0.5 * torch.randn(experts, generator=g), 0)
+    return torch.bincount(torch.multinomial(p, tokens, replacement=True, generator=g), minlength=experts)

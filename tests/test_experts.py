@@ -131,8 +131,8 @@ def test_blockwise_joins_w13_dgrad_for_whole_tiles(device, hidden, monkeypatch):
     calls = []
     real = recipes.Fp8Blockwise.rhs_bwd_cat
     monkeypatch.setattr(recipes.Fp8Blockwise, "rhs_bwd_cat", lambda self, *a: calls.append(1) or real(self, *a))
-    monkeypatch.setenv("MOE_FP8_HOLD_WEIGHT_OPERANDS", "0")  # the backward makes W13's operand itself
-    out, grads = run(lambda *a: experts(*a, recipe="fp8_blockwise"), (x, w1, w3, w2, offs), grad)
+    held_nothing = recipes.Fp8Blockwise(hold_weight_operands=False)  # the backward makes W13's operand itself
+    out, grads = run(lambda *a: experts(*a, recipe=held_nothing), (x, w1, w3, w2, offs), grad)
     assert len(calls) == (1 if hidden % 128 == 0 else 0)
     ref_out, ref_grads = run(reference, (x.float(), w1.float(), w3.float(), w2.float(), offs), grad.float())
     assert sqnr(ref_out, out) >= 23 and sqnr(ref_grads[0], grads[0]) >= 23
@@ -168,7 +168,7 @@ def test_blockwise_swiglu_operands(device, hidden, mode, needs, monkeypatch):
         real = recipes.Fp8Blockwise.lhs_with_wgrad_operand
         monkeypatch.setattr(recipes.Fp8Blockwise, "lhs_with_wgrad_operand",
                             lambda self, t, *a: calls.append(t.shape[1]) or real(self, t, *a))
-        for mod in (experts_mod, recipes._sw):
+        for mod in (experts_mod, importlib.import_module("moe_fp8_ext.swiglu")):
             monkeypatch.setattr(mod, "swiglu", lambda h13, real=mod.swiglu: swiglus.append(1) or real(h13))
         leaves = [t.detach().clone().requires_grad_(i in needs) for i, t in enumerate((x, w1, w3, w2))]
         with contextlib.ExitStack() as stack:

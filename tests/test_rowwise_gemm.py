@@ -10,8 +10,8 @@ dgrad) and rowwise_grouped_mm_2d2d (wgrad).
   (random shapes, empty groups, one group, rows past the last group, partial tiles,
   strided rows), outputs into poisoned memory; misaligned wgrad groups come out zero
   (an error with MOE_FP8_DEBUG=1); CUDA-graph capture (no host sync); opcheck; the
-  recipe's GEMMs run on our kernels (profiler) and ``MOE_FP8_ROWWISE_GEMM=torch``
-  switches back; the C++ op's argument checks give the fakes' messages.
+  recipe's GEMMs run on our kernels (profiler) and ``Fp8Rowwise(gemm_kernel="torch")``
+  runs PyTorch's; the C++ op's argument checks give the fakes' messages.
 
 Tolerance against the fp32 GEMM of the dequantized operands (fast accumulation: the
 tensor cores' partial sums keep about 14 bits, never promoted):
@@ -177,18 +177,21 @@ def test_in_use_traces_under_compile_fullgraph(monkeypatch):
 
 
 def test_in_use_rules(monkeypatch):
-    # Where the kernels are available (pretended here), in_use takes e4m3fn operands
-    # unless MOE_FP8_ROWWISE_GEMM=torch; the recipe then keeps PyTorch's GEMM.
+    # Where the kernels are available (pretended here), in_use takes e4m3fn operands,
+    # and the recipe runs them unless gemm_kernel="torch" (then PyTorch's GEMM).
+    from moe_fp8_ext.recipes import Fp8Rowwise
+
     monkeypatch.setattr(rg, "available", lambda device=None: True)
-    monkeypatch.delenv("MOE_FP8_ROWWISE_GEMM", raising=False)
     assert rg.in_use(torch.empty(1, dtype=E4M3))
     assert not rg.in_use(torch.empty(1, dtype=torch.float8_e4m3fnuz))
     assert not rg.in_use(torch.empty(1, dtype=torch.float8_e5m2))
-    monkeypatch.setenv("MOE_FP8_ROWWISE_GEMM", "torch")
-    assert not rg.in_use(torch.empty(1, dtype=E4M3))
+    assert Fp8Rowwise()._ours(torch.empty(1, dtype=E4M3))
+    assert not Fp8Rowwise(gemm_kernel="torch")._ours(torch.empty(1, dtype=E4M3))
+    with pytest.raises(ValueError, match="Fp8Rowwise: expected gemm_kernel in \\('auto', 'torch'\\), got 'cutlass'"):
+        Fp8Rowwise(gemm_kernel="cutlass")
     monkeypatch.setattr(rg, "available", lambda device=None: False)
-    monkeypatch.delenv("MOE_FP8_ROWWISE_GEMM")
     assert not rg.in_use(torch.empty(1, dtype=E4M3))
+    assert not Fp8Rowwise()._ours(torch.empty(1, dtype=E4M3))
 
 
 # ---- on an sm90 GPU -----------------------------------------------------------------------
@@ -434,13 +437,13 @@ def test_recipe_runs_our_gemms(monkeypatch):
     w = torch.randn(4, 128, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     offs = offs_from_sizes([100, 0, 300, 112], "cuda")
 
-    def step():
-        out = moe_fp8_ext.grouped_mm(x, w.transpose(1, 2), offs)
+    def step(recipe="fp8_rowwise"):
+        out = moe_fp8_ext.grouped_mm(x, w.transpose(1, 2), offs, recipe=recipe)
         torch.autograd.grad(out.float().square().sum(), (x, w))
 
-    def gemm_kernels():
+    def gemm_kernels(recipe="fp8_rowwise"):
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            step()
+            step(recipe)
             torch.cuda.synchronize()
         names = [ev.name for ev in prof.events() if ev.device_type == torch.autograd.DeviceType.CUDA]
         return sum("build_tables_2d" in n for n in names), sum("_scaled_grouped" in n or "prepare_grouped_gemm" in n
@@ -448,6 +451,5 @@ def test_recipe_runs_our_gemms(monkeypatch):
 
     ours, theirs = gemm_kernels()
     assert ours == 3 and theirs == 0, (ours, theirs)  # fwd, dgrad (2d3d) and wgrad (2d2d)
-    monkeypatch.setenv("MOE_FP8_ROWWISE_GEMM", "torch")
-    ours, theirs = gemm_kernels()
+    ours, theirs = gemm_kernels(moe_fp8_ext.recipes.Fp8Rowwise(gemm_kernel="torch"))
     assert ours == 0 and theirs >= 3, (ours, theirs)

@@ -13,6 +13,7 @@ tt_moe = pytest.importorskip("torchtitan.models.common.moe")
 from moe_fp8_ext.experts import WeightCache  # noqa: E402
 from moe_fp8_ext.integrations.torchtitan import build_moe as titan_moe  # noqa: E402
 from moe_fp8_ext.integrations.torchtitan import convert, unconvert  # noqa: E402
+from moe_fp8_ext.recipes import Fp8Rowwise, get_recipe  # noqa: E402
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
@@ -117,7 +118,9 @@ def moe_config(e=8, dim=128, hidden=64, top_k=2):
     )
 
 
-@pytest.mark.parametrize("recipe", ["fp8_rowwise", "fp8_blockwise", "mxfp8", "bf16"])
+@pytest.mark.parametrize("recipe", ["fp8_rowwise", "fp8_blockwise", "mxfp8", "bf16",
+                                    pytest.param(Fp8Rowwise(gemm_kernel="torch", hold_weight_operands=False),
+                                                 id="Fp8Rowwise-fields")])
 def test_config_converter_builds_fp8_experts(recipe):
     """ExpertsConverter in torchtitan's converters=[...] path: the GroupedExperts config
     becomes ours, the built module runs moe_fp8_ext.experts with the recipe (the same
@@ -142,7 +145,7 @@ def test_config_converter_builds_fp8_experts(recipe):
                 p.copy_(torch.randn(p.shape, generator=g) * p.shape[-1] ** -0.5)
     convert(plain, recipe)
     inner = built.routed_experts.inner_experts
-    assert type(inner).__name__ == "Fp8GroupedExperts" and inner.moe_fp8_recipe.name == recipe
+    assert type(inner).__name__ == "Fp8GroupedExperts" and inner.moe_fp8_recipe == get_recipe(recipe)
     assert [n for n, _ in built.named_parameters()] == [n for n, _ in plain.named_parameters()]
     x = torch.randn(2, 48, 128)
     assert torch.equal(built(x), plain(x))

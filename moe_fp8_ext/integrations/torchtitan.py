@@ -42,7 +42,7 @@ def _fp8_forward(self, x_RD: Tensor, num_tokens_per_expert_E: Tensor) -> Tensor:
     offs = offsets_from_counts(num_tokens_per_expert_E, x_RD.shape[0], "GroupedExperts")
     recipe, cache = self.moe_fp8_recipe, self.moe_fp8_weight_cache
     x, w1, w3, w2 = x_RD, *(_local(getattr(self, n)) for n in _NAMES)
-    if recipe.gemm == "bf16":  # torchtitan's casts; the fp8 recipes quantize fp32 weights directly
+    if recipe.precision == "bf16":  # torchtitan's casts; the fp8 recipes quantize fp32 weights directly
         x, w1, w3, w2 = (t.bfloat16() for t in (x, w1, w3, w2))
     keys = weight_keys(self, _NAMES) if cache is not None else None
     out = experts(x, w1, w3, w2, offs, recipe=recipe, weight_cache=cache, weight_keys=keys)
@@ -70,7 +70,7 @@ def converted_class(base: type) -> type:
     if base not in _CLASSES:
         @dataclass(kw_only=True, slots=True)
         class Config(base.Config):
-            moe_fp8_recipe: str = "fp8_rowwise"
+            moe_fp8_recipe: Union[str, Recipe] = "fp8_rowwise"
             moe_fp8_reuse_weights: bool = False
 
         def __init__(self, config):
@@ -95,7 +95,7 @@ def _check_convertible(fqn: str, module, recipe: Recipe) -> None:
                         f"got {base.__name__}, which overrides forward (moe_fp8_ext.experts would not compute it)")
     w1, w3, w2 = (getattr(module, n) for n in _NAMES)
     x = torch.empty((0, w1.shape[-1]), dtype=torch.bfloat16, device="meta")
-    dtype = (lambda w: torch.bfloat16) if recipe.gemm == "bf16" else (lambda w: w.dtype)
+    dtype = (lambda w: torch.bfloat16) if recipe.precision == "bf16" else (lambda w: w.dtype)
     meta = [torch.empty(w.shape, dtype=dtype(w), device="meta") for w in (w1, w3, w2)]
     offs = torch.empty((meta[0].shape[0],), dtype=torch.int32, device="meta")
     try:
@@ -186,8 +186,9 @@ class ExpertsConverter(QuantizationConverter):
 
     @dataclass(kw_only=True, slots=True)
     class Config(QuantizationConverter.Config):
-        recipe: str = "fp8_rowwise"
-        """fp8_rowwise, fp8_blockwise, mxfp8 or bf16 (moe_fp8_ext.recipes.RECIPES)."""
+        recipe: Union[str, Recipe] = "fp8_rowwise"
+        """fp8_rowwise, fp8_blockwise, mxfp8 or bf16 (moe_fp8_ext.recipes.RECIPES), or a
+        Recipe, e.g. ``Fp8Rowwise(hold_weight_operands=False)``."""
         reuse_weights: bool = False
         """Reuse quantized weights until the optimizer step (moe_fp8_ext.weight_cache)."""
         filter_fqns: List[str] = field(default_factory=list)

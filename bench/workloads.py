@@ -1,17 +1,19 @@
-"""A minimal MoE expert layer on top of grouped_mm, for the main job, tests and
-benchmarks: the experts' SwiGLU FFN ``w2(silu(x w1^T) * (x w3^T))`` over token groups."""
+"""Workloads the benchmarks and tests share (not part of the package): a minimal MoE
+expert layer on top of grouped_mm, and router-like aligned token groups. Tests import it
+with bench/ on sys.path."""
 
 import torch
 import torch.nn.functional as F
 
-from .grouped_mm import grouped_mm
+from moe_fp8_ext import grouped_mm
 
 
 class MoEExperts(torch.nn.Module):
     """E experts with weights w1, w3 (E, hidden, dim) and w2 (E, dim, hidden), the usual
-    nn.Linear layout; tokens arrive sorted by expert with group ends ``offs``."""
+    nn.Linear layout; tokens arrive sorted by expert with group ends ``offs``: the
+    experts' SwiGLU FFN ``w2(silu(x w1^T) * (x w3^T))`` as three grouped_mm calls."""
 
-    def __init__(self, experts: int, dim: int, hidden: int, recipe: str = "fp8_rowwise", dtype=torch.bfloat16,
+    def __init__(self, experts: int, dim: int, hidden: int, recipe="fp8_rowwise", dtype=torch.bfloat16,
                  device=None, seed: int = 0):
         super().__init__()
         g = torch.Generator().manual_seed(seed)
@@ -36,11 +38,3 @@ def balanced_offs(tokens: int, experts: int, alignment: int = 16, generator=None
     sizes = (w / w.sum() * tokens / alignment).floor().long() * alignment
     sizes[-1] += tokens - int(sizes.sum())
     return torch.cumsum(sizes, 0).to(torch.int32).to(device)
-
-
-def router_counts(tokens: int, experts: int, seed: int = 0) -> torch.Tensor:
-    """Tokens per expert as a router with load balancing gives them: a multinomial over
-    softly skewed expert probabilities, unaligned sizes summing to `tokens` (int64, CPU)."""
-    g = torch.Generator().manual_seed(seed)
-    p = torch.softmax(0.5 * torch.randn(experts, generator=g), 0)
-    return torch.bincount(torch.multinomial(p, tokens, replacement=True, generator=g), minlength=experts)

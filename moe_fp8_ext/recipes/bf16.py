@@ -1,0 +1,82 @@
+"""The bf16 recipe: ``torch._grouped_mm`` for each product, the high-precision baseline."""
+
+import dataclasses
+
+import torch
+from torch import Tensor
+
+from .. import ops
+from .base import Recipe
+
+_ops = torch.ops.moe_fp8
+
+def _gemm_ready(x: Tensor) -> Tensor:
+    """x itself when torch._grouped_mm takes its layout (row- or column-major in the
+    last two dims), else a row-major copy. Expanded views (a stride of 0, e.g. the
+    gradient of ``out.sum()``) are what torch's own _grouped_mm backward trips on."""
+    s, n = x.stride(), x.shape
+    row = s[-1] == 1 and s[-2] >= max(1, n[-1])
+    col = s[-2] == 1 and s[-1] >= max(1, n[-2])
+    return x if row or col else x.contiguous()
+
+
+@dataclasses.dataclass(frozen=True)
+class Bf16(Recipe):
+    """The high-precision baseline: ``torch._grouped_mm`` for each of the three products,
+    in the inputs' dtype (bf16, or fp16/fp32 where torch has those: the CPU). Our own
+    backward (torch's stumbles on expanded gradients such as that of ``out.sum()``).
+    ``out_dtype`` must be A's dtype (torch._grouped_mm writes nothing else); there is
+    no ``fp8_dtype``. Groups of any size: the weight gradient contracts over the token
+    dim with it as the outer (strided) dim, so group starts need no alignment.
+    """
+
+    name: str = "bf16"
+    alignment: int = 1
+    precision = "bf16"  # (a class attribute: Recipe.precision)
+
+    def backend(self, device):
+        return "grouped_mm"
+
+    def out_dtypes(self, backend, in_dtype):
+        return (in_dtype,)
+
+    def default_out_dtype(self, in_dtype):
+        return in_dtype
+
+    def check_inputs(self, A, B_t):
+        if A.dtype != B_t.dtype:
+            raise ValueError(f"grouped_mm: expected A and B_t of one dtype for recipe 'bf16' (torch._grouped_mm), "
+                             f"got {A.dtype} and {B_t.dtype}")
+        per_16_bytes = 16 // A.element_size()
+        k, n = B_t.shape[1], B_t.shape[2]
+        if k % per_16_bytes or n % per_16_bytes:
+            raise ValueError(f"grouped_mm: expected K and N to be multiples of {per_16_bytes} for recipe 'bf16' with "
+                             f"{A.dtype} (torch._grouped_mm needs 16-byte aligned rows), got K={k}, N={n}")
+
+    def lhs(self, x, fp8_dtype):
+        return _gemm_ready(x)
+
+    def rhs_fwd(self, b_t, fp8_dtype):
+        return _gemm_ready(b_t)
+
+    def rhs_bwd(self, saved, fp8_dtype):
+        return _gemm_ready(saved["B_t"].transpose(-2, -1))
+
+    def wgrad_operands(self, grad_out, saved, offs, fp8_dtype, padded_starts):
+        A = _gemm_ready(saved["A"])
+        grad_out = _gemm_ready(grad_out)
+        if padded_starts is not None:  # only if a subclass sets an alignment
+            rows = ops.padded_rows(A.shape[0], offs.shape[0], self.alignment)
+            A = _ops.pad_token_groups_at(A.contiguous(), offs, padded_starts, rows)
+            grad_out = _ops.pad_token_groups_at(grad_out.contiguous(), offs, padded_starts, rows)
+        return grad_out.t(), A
+
+    def mm_2d3d(self, lhs, rhs, offs, out_dtype, backend):
+        return torch._grouped_mm(lhs, rhs, offs=offs)
+
+    def mm_2d2d(self, grad_t, a, offs, out_dtype, backend):
+        return torch._grouped_mm(grad_t, a, offs=offs)
+
+    def wgrad_lhs_rows(self, grad_t, start, stop):
+        return grad_t[start:stop]
+

@@ -1,0 +1,214 @@
+"""The fp8_rowwise recipe (DESIGN §5): one scale per row, per (expert, column) of the
+weights and per (group, column) for the weight gradient."""
+
+import dataclasses
+from typing import Dict
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .. import ops
+from .. import rowwise_gemm as _rowwise_gemm
+from .. import swiglu as _sw
+from ..platform import default_fp8_dtype, remembered_per_device
+from .base import (
+    FLOAT_DTYPES,
+    FP8_DTYPES,
+    Recipe,
+    _zero_tail,
+    emulated_grouped_mm_2d2d,
+    emulated_grouped_mm_2d3d,
+    row_groups,
+)
+
+_ops = torch.ops.moe_fp8
+
+GEMM_KERNELS = ("auto", "torch")  # Fp8Rowwise.gemm_kernel
+_BACKENDS: Dict[tuple, str] = {}  # (recipe, device type, index) -> Fp8Rowwise.backend, eager calls
+
+
+def has_scaled_grouped_mm() -> bool:
+    return hasattr(torch, "_scaled_grouped_mm") or hasattr(F, "scaled_grouped_mm")
+
+
+def scaled_grouped_mm_rowwise(a: Tensor, b: Tensor, scale_a: Tensor, scale_b: Tensor, offs: Tensor, out_dtype) -> Tensor:
+    """PyTorch's FP8 grouped GEMM with decode scales (rowwise for 2-D x 3-D; flat
+    per-group scales for 2-D x 2-D), whichever entry point this torch has."""
+    if hasattr(torch, "_scaled_grouped_mm"):
+        return torch._scaled_grouped_mm(a, b, scale_a, scale_b, offs=offs, out_dtype=out_dtype, use_fast_accum=True)
+    rowwise = F.ScalingType.RowWise
+    return F.scaled_grouped_mm(a, b, scale_a, rowwise, scale_b, rowwise, offs=offs, output_dtype=out_dtype, use_fast_accum=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8Rowwise(Recipe):
+    """FP8 with one scale per row of A / grad_out, per (expert, output column) of the
+    weights, and per (group, column) for the weight gradient (DESIGN §5); power-of-two
+    scales unless ``pow2_scale=False``.
+
+    Operands: ``(q, scale)`` with scale (M,) for ``lhs``, (E, N) / (E, K) for the
+    weights, (E, D) per group for the wgrad pair. GEMM (``"fp8_gemm"``, on CUDA sm90+
+    and ROCm GPUs whose torch has ``torch._scaled_grouped_mm``; else emulated): with
+    ``gemm_kernel="auto"`` this package's CUTLASS kernels on Hopper (capability 9.0)
+    where built with them (:mod:`moe_fp8_ext.rowwise_gemm`), PyTorch's elsewhere;
+    ``gemm_kernel="torch"``: PyTorch's everywhere (the same math up to the order of
+    fp32 sums). It writes bfloat16 only (torch's f8f8bf16 grouped kernel; its meta
+    kernel checks the same): ``out_dtype`` must be bfloat16 there, while the emulation
+    also writes float16 and float32.
+
+    ``hold_weight_operands`` (default True): where one read makes both orientations of
+    a weight (``quantize_experts_dual_cat``, while two experts' matrices fit the
+    extension's L2 budget), the forward makes the backward operand too and holds it
+    until the input gradient has used it (E·N·K fp8 bytes per weight and call); False:
+    the backward quantizes the weight again.
+
+        Fp8Rowwise(gemm_kernel="torch", hold_weight_operands=False)
+    """
+
+    name: str = "fp8_rowwise"
+    alignment: int = 16
+    pow2_scale: bool = True
+    #: "auto": our grouped GEMM on Hopper where built, PyTorch's elsewhere; "torch": PyTorch's
+    gemm_kernel: str = "auto"
+    hold_weight_operands: bool = True
+
+    def __post_init__(self):
+        if self.gemm_kernel not in GEMM_KERNELS:
+            raise ValueError(f"Fp8Rowwise: expected gemm_kernel in {GEMM_KERNELS}, got {self.gemm_kernel!r}")
+        if not isinstance(self.hold_weight_operands, bool):
+            raise TypeError(f"Fp8Rowwise: expected hold_weight_operands to be a bool, got {self.hold_weight_operands!r}")
+
+    def _ours(self, a: Tensor) -> bool:
+        """Whether the fp8 GEMM of operand ``a`` runs on our kernels (a constant under
+        torch.compile)."""
+        return self.gemm_kernel == "auto" and _rowwise_gemm.in_use(a)
+
+    def backend(self, device):
+        # asked three or four times a grouped_mm or experts call: remembered per device
+        return remembered_per_device(_BACKENDS, torch.device(device), self._backend, self)
+
+    def _backend(self, device):
+        if device.type != "cuda" or not torch.cuda.is_available():
+            return "emulated"
+        if torch.version.hip:
+            return "fp8_gemm" if has_scaled_grouped_mm() else "emulated"
+        major, _ = torch.cuda.get_device_capability(device)
+        return "fp8_gemm" if has_scaled_grouped_mm() and major >= 9 else "emulated"
+
+    def out_dtypes(self, backend, in_dtype):
+        return (torch.bfloat16,) if backend == "fp8_gemm" else FLOAT_DTYPES
+
+    def fp8_dtypes(self, backend, device):
+        if backend == "fp8_gemm":  # what torch's scaled grouped GEMM takes on this GPU
+            return (default_fp8_dtype(torch.device(device)),)
+        return FP8_DTYPES
+
+    def check_inputs(self, A, B_t):
+        k, n = B_t.shape[1], B_t.shape[2]
+        if self.backend(A.device) == "fp8_gemm" and (k % 16 or n % 16):
+            raise ValueError(f"grouped_mm: expected K and N to be multiples of 16 for the fp8 GEMM on {A.device} "
+                             f"(16-byte aligned fp8 rows), got K={k}, N={n}")
+
+    def pads_token_groups(self, backend):
+        # PyTorch's CUDA grouped GEMMs take M groups of any size (per-group pointers
+        # only need 16-byte aligned rows, K % 16 == 0: aten/src/ATen/native/cuda/
+        # GroupMMCommon.cuh). On ROCm that is not established: pad there.
+        return backend == "fp8_gemm" and bool(torch.version.hip)
+
+    def lhs(self, x, fp8_dtype):
+        q, s = _ops.quantize_rowwise(x, fp8_dtype, self.pow2_scale)
+        return q, s.squeeze(-1)
+
+    def rhs_fwd(self, b_t, fp8_dtype):
+        q, s = _ops.quantize_experts_fwd(b_t, fp8_dtype, self.pow2_scale)
+        return q, s.squeeze(1)
+
+    def rhs_fwd_cat(self, b_ts, fp8_dtype):
+        # One scale per (expert, output column) over K: each part quantizes alone, with
+        # the bits of the concatenation, written in place into the one operand.
+        q, s = _ops.quantize_experts_fwd_cat(list(b_ts), fp8_dtype, self.pow2_scale)
+        return q, s.squeeze(1)
+
+    def rhs_bwd(self, saved, fp8_dtype):
+        q, s = _ops.quantize_experts_bwd(saved["B_t"], fp8_dtype, self.pow2_scale)  # (E, N, K) column-major
+        return q, s.squeeze(1)
+
+    def lhs_swiglu(self, h13, fp8_dtype):
+        q, s = _sw.swiglu_quantize_rowwise(h13, fp8_dtype, self.pow2_scale)  # = lhs(swiglu(h13)), bit for bit
+        return q, s.squeeze(-1)
+
+    def lhs_swiglu_backward(self, grad_h, h13, fp8_dtype):
+        g13, q1, s1, q3, s3 = _sw.swiglu_backward_quantize_rowwise(grad_h, h13, fp8_dtype, self.pow2_scale)
+        return g13, (q1, s1.squeeze(-1)), (q3, s3.squeeze(-1))
+
+    # One scale per row of grad_h13 and per (expert, column) of [W1; W3] over both
+    # halves: written by one kernel each, no copy.
+    joint_w13_dgrad = True
+
+    def lhs_swiglu_backward_joint(self, grad_h, h13, fp8_dtype):
+        g13, q, s, h = _sw.swiglu_backward_with_h_quantize_rowwise(grad_h, h13, fp8_dtype, self.pow2_scale)
+        return g13, (q, s.squeeze(-1)), h
+
+    def rhs_bwd_cat(self, b_ts, fp8_dtype):
+        q, s = _ops.quantize_experts_bwd_cat(list(b_ts), fp8_dtype, self.pow2_scale)  # (E, ΣN, K) column-major
+        return q, s.squeeze(1)
+
+    def reads_weights_once(self, b_ts):
+        return ops.dual_cat_reads_once(b_ts)
+
+    def rhs_dual_cat(self, b_ts, fp8_dtype):
+        qf, sf, qb, sb = _ops.quantize_experts_dual_cat(list(b_ts), fp8_dtype, self.pow2_scale)
+        return (qf, sf.squeeze(1)), (qb, sb.squeeze(1))
+
+    def wgrad_operands(self, grad_out, saved, offs, fp8_dtype, padded_starts):
+        A = saved["A"]
+        if grad_out.dtype == A.dtype:
+            qg, sg, qa, sa = _ops.quantize_jagged_colwise_dual(grad_out, A, offs, fp8_dtype, self.pow2_scale,
+                                                               padded_starts, self.alignment)
+            return self.wgrad_operands_from((qg, sg), (qa, sa))
+        return self.wgrad_operands_from(self.wgrad_operand(grad_out, offs, fp8_dtype, padded_starts),
+                                        self.wgrad_operand(A, offs, fp8_dtype, padded_starts))
+
+    # (q (M, D) column-major, scale (G, D)) per tensor; the GEMM takes grad_out's transposed.
+    keeps_fp8_activations = True
+
+    def wgrad_operand(self, x, offs, fp8_dtype, padded_starts):
+        return _ops.quantize_jagged_colwise(x, offs, fp8_dtype, self.pow2_scale, padded_starts, self.alignment)
+
+    def wgrad_operands_from(self, grad, a):
+        (qg, sg), (qa, sa) = grad, a
+        return (qg.t(), sg), (qa, sa)
+
+    def lhs_with_wgrad_operand(self, x, offs, fp8_dtype, padded_starts):
+        # The two quantizations in one op (reads_activations_once: no, the default).
+        qr, sr, qc, sc = _ops.quantize_rowwise_jagged_dual(x, offs, fp8_dtype, self.pow2_scale, padded_starts,
+                                                           self.alignment)
+        return (qr, sr.squeeze(-1)), (qc, sc)
+
+    def mm_2d3d_zeroes_tail(self, backend):
+        # Our GEMM's table kernel zeroes the rows past offs[-1]; behind PyTorch's GEMM,
+        # which leaves them unwritten, mm_2d3d zeroes them itself.
+        return backend == "fp8_gemm"
+
+    def mm_2d3d(self, lhs, rhs, offs, out_dtype, backend):
+        (qa, sa), (qb, sb) = lhs, rhs
+        if backend == "fp8_gemm":
+            if out_dtype == torch.bfloat16 and self._ours(qa):
+                return _ops.rowwise_grouped_mm_2d3d(qa, sa, qb, sb, offs, out_dtype)
+            return _zero_tail(scaled_grouped_mm_rowwise(qa, qb, sa, sb, offs, out_dtype), offs)
+        return emulated_grouped_mm_2d3d(qa.float() * sa[:, None], qb.float() * sb[:, None, :], offs).to(out_dtype)
+
+    def mm_2d2d(self, grad_t, a, offs, out_dtype, backend):
+        (qg_t, sg), (qa, sa) = grad_t, a  # (N, M), (E, N); (M, K), (E, K)
+        if backend == "fp8_gemm":
+            if out_dtype == torch.bfloat16 and self._ours(qa):
+                return _ops.rowwise_grouped_mm_2d2d(qg_t, sg, qa, sa, offs, out_dtype)
+            return scaled_grouped_mm_rowwise(qg_t, qa, sg.reshape(-1), sa.reshape(-1), offs, out_dtype)
+        g, _ = row_groups(offs, qa.shape[0])
+        return emulated_grouped_mm_2d2d(qg_t.float() * sg[g].t(), qa.float() * sa[g], offs).to(out_dtype)
+
+    def wgrad_lhs_rows(self, grad_t, start, stop):
+        qg_t, sg = grad_t  # (N, M) row-major, (E, N)
+        return qg_t[start:stop], sg[:, start:stop]
+
