@@ -25,14 +25,12 @@ Against three :func:`~moe_fp8_ext.grouped_mm` calls (same math up to fp8 roundin
 Where one read makes a weight's two orientations (``Recipe.reads_weights_once``) the
 forward makes the backward operand too and holds it on ctx until the backward uses it
 (a recipe with ``hold_weight_operands=False``: nothing derived from a weight lives from
-a forward to its backward). Under ``torch.compile`` the cache is bypassed; with torch < 2.13 a
-compiled call runs three grouped_mm calls (``COMPILE_COMPOSITE``).
+a forward to its backward). Under ``torch.compile`` the cache is bypassed.
 """
 
 from typing import Optional, Tuple, Union
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 from torch.torch_version import TorchVersion
 
@@ -45,7 +43,6 @@ from .grouped_mm import (
     _zero_tail,
     check_offs_where_cheap,
     device_offs,
-    grouped_mm,
     pads_wgrad,
     resolve_fp8_dtype,
 )
@@ -161,7 +158,8 @@ class _Experts(torch.autograd.Function):
         else:
             ctx.save_for_backward(*saved, h13)
             ctx.h13_box = None
-        return out.to(x.dtype)
+        out = out.to(x.dtype)
+        return out.clone() if _COPY_COMPILED_OUTPUT and torch.compiler.is_compiling() else out
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -336,19 +334,9 @@ def _wgrad_parts(recipe: Recipe, operands, offs: Tensor, dtype: torch.dtype, bac
             else full[:, p[0]:p[1]].contiguous() for p, v in zip(parts, views)]
 
 
-# torch.compile of the fused Function returns zero gradients with torch 2.11 (CPU and
-# CUDA, aot_eager; inductor fails to compile it): found on the H100 with torch 2.11,
-# not isolated yet (an out-of-place sum and a plain-bool ctx flag did not change it). torch 2.13 compiles it correctly. Before 2.13, a compiled call
-# runs the same FFN as three grouped_mm calls (their compiled backward is tested on
-# 2.11): the same math up to fp8 rounding, without the fusion.
-COMPILE_COMPOSITE = TorchVersion(torch.__version__) < "2.13"
-
-
-def _composite(x, w1, w3, w2, offs, recipe, fp8_dtype, pad_groups):
-    def mm(a, w):
-        return grouped_mm(a, w.transpose(-2, -1), offs, recipe=recipe, fp8_dtype=fp8_dtype, pad_groups=pad_groups)
-
-    return mm(F.silu(mm(x, w1)) * mm(x, w3), w2).to(x.dtype)
+# torch < 2.13 under compile: a Function output last written by an in-place op (the
+# tail zeroing) gets all-zero gradients; a copy of it does not (tests/test_experts.py).
+_COPY_COMPILED_OUTPUT = TorchVersion(torch.__version__) < "2.13"
 
 
 def _check(x, w1, w3, w2, offs, recipe: Recipe, backend: str, fp8_dtype):
@@ -422,8 +410,6 @@ def experts(
     offs = device_offs(offs, x.shape[0])
     if torch.compiler.is_compiling():
         weight_cache = None
-        if COMPILE_COMPOSITE:
-            return _composite(x, w1, w3, w2, offs, r, f8, pad_groups)
     if pad_groups and r.alignment > 1 and r.pads_token_groups(backend) and offs.shape[0] > 0:
         x_p, starts, ends = token_groups.pad_token_groups(x, offs, r.alignment)
         out_p = _Experts.apply(x_p, w1, w3, w2, ends, r, f8, backend, False, weight_cache, weight_keys,
