@@ -13,6 +13,7 @@
 #include "../core/portability.h"
 #include "../core/reduce.cuh"
 #include "../core/scan.cuh"
+#include "../core/tuning.h"
 #include "../core/vec.cuh"
 #include "engine.h"
 
@@ -447,12 +448,6 @@ constexpr int64_t kGatherMinSteps = 8;         // steps a cluster, at least
 // consecutive rows in kGather consecutive steps, keeps their scales in its own shared
 // memory and stores each block column's run after the last of them. The rows in flight
 // then span kGather times the band of the row-by-row walk.
-// Host side: an environment switch of the ring kernel's scale stores: -1 unset or empty
-// (the launcher decides), 0 for a value starting with '0' (never), 1 otherwise (always).
-inline int rows_env_switch(const char* name) {
-  const char* v = std::getenv(name);
-  return v == nullptr || v[0] == '\0' ? -1 : (v[0] == '0' ? 0 : 1);
-}
 constexpr int kRunMaxCols = 16;  // block columns of a row, at most (2048 elements in blocks of 128)
 constexpr int64_t kRunMinRowBytes = 4096;  // rows of at least 2048 16-bit elements (so, with the above, 2048)
 constexpr int64_t kRunMinRuns = 2;         // runs a resident block, at least
@@ -984,8 +979,8 @@ int launch_quantize_rows_blocked(const RowsArgs& a, gpuStream_t stream) {
   p.segments = static_cast<uint32_t>(segments);
   p.units = static_cast<uint32_t>(units);
   // Units from a work counter where a block can take more than two (measured on H100
-  // only: ROCm keeps the stride); MOE_FP8_ROWS_DYNAMIC=0 walks by the stride (tests).
-  const bool dynamic = !kRocm && rows_env_switch("MOE_FP8_ROWS_DYNAMIC") != 0;
+  // only: ROCm keeps the stride); tuning rows_dynamic="0" walks by the stride (tests).
+  const bool dynamic = !kRocm && tuning_switch(Knob::kRowsDynamic) != 0;
   // M groups without group_starts: the block's table of group starts (dynamic shared memory)
   const size_t smem = mgroups && a.group_starts == nullptr ? static_cast<size_t>(a.groups) * sizeof(int32_t) : 0;
   // per_sm: blocks an SM at most (0: as many as fit)
@@ -1073,8 +1068,8 @@ int launch_quantize_rows(const RowsArgs& a, gpuStream_t stream) {
     constexpr int kGather =
         kBlock != kWholeSet && sizeof(T) == 2 && sizeof(typename Rule::stored_t) * kGatherRows == 32 ? kGatherRows : 1;
     if constexpr (kGather > 1) {
-      // MOE_FP8_ROWS_GATHER: 0 = never, 1 = wherever the layout and device allow (tests).
-      const int mode = rows_env_switch("MOE_FP8_ROWS_GATHER");
+      // tuning rows_gather: 0 = never, 1 = wherever the layout and device allow (tests).
+      const int mode = tuning_switch(Knob::kRowsGather);
       if (mode != 0 && a.scale.set_stride == 1 && a.rows >= kGather && supports_clusters(current_device())) {
         auto kernel = quantize_rows_pipelined_kernel<K, F, Rule, kBlock, L, kGather, true>;
         const int64_t clusters = resident_clusters_x(kernel, static_cast<int>(pthreads), smem, kGather);
@@ -1093,8 +1088,8 @@ int launch_quantize_rows(const RowsArgs& a, gpuStream_t stream) {
       // bf16 over 131072 and 65536 rows (about 5.6 and 2.8 runs a resident block, at an
       // estimated 22 blocks an SM) 3-4% and 2% faster, over 16384 rows (0.7) 3% slower;
       // rows of 1536 and 1024 bf16 1% and 9.5% slower.
-      // MOE_FP8_ROWS_RUNS: 0 = never, 1 = wherever the layout allows (tests).
-      const int runs = rows_env_switch("MOE_FP8_ROWS_RUNS");
+      // tuning rows_runs: 0 = never, 1 = wherever the layout allows (tests).
+      const int runs = tuning_switch(Knob::kRowsRuns);
       if (runs != 0 && a.scale.set_stride == 1 && ceil_div(a.cols, int64_t{kBlock}) <= kRunMaxCols) {
         auto kernel = quantize_rows_pipelined_kernel<K, F, Rule, kBlock, L, kGather, false>;
         const int64_t resident =
