@@ -13,6 +13,7 @@
 
 #include <cstdint>
 
+#include "../core/device_runtime.h"
 #include "../core/portability.h"
 #include "../core/scan.cuh"
 #include "swizzle.h"

@@ -24,6 +24,7 @@
 
 #include <cstdint>
 
+#include "../core/device_runtime.h"
 #include "../core/numerics.h"
 #include "../core/portability.h"
 #include "../core/vec.cuh"

@@ -34,6 +34,7 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "../core/device_runtime.h"
 #include "../core/groups.h"
 #include "../core/numerics.h"
 #include "../core/portability.h"

@@ -10,6 +10,7 @@
 #include <optional>
 #include <string>
 
+#include "../core/device_runtime.h"
 #include "../core/dispatch.h"
 #include "../core/launch.h"
 #include "../core/tuning.h"

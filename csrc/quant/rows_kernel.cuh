@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <cstdlib>
 
+#include "../core/device_runtime.h"
 #include "../core/numerics.h"
 #include "../core/portability.h"
 #include "../core/reduce.cuh"

@@ -36,6 +36,7 @@
 #include <cstdint>
 #include <utility>
 
+#include "../core/device_runtime.h"
 #include "../core/numerics.h"
 #include "../core/portability.h"
 #include "../core/reduce.cuh"

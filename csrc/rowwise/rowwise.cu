@@ -8,6 +8,7 @@
 #include <optional>
 #include <string>
 
+#include "../core/device_runtime.h"
 #include "../core/tuning.h"
 #include "../quant/dual_kernel.cuh"
 #include "../quant/engine_cuda.cuh"

@@ -19,7 +19,9 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "../core/device_runtime.h"
 #include "../core/dispatch.h"
+#include "../core/float_ops.h"
 #include "../core/numerics.h"
 #include "../core/portability.h"
 #include "../core/reduce.cuh"
