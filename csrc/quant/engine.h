@@ -297,7 +297,7 @@ inline bool act_dual_vector_ok(const ActDualArgs& a, int64_t element_size) {
 
 // The "dual" shape (FP8 rowwise weights, DESIGN §10): for each expert's matrix X
 // (rows x cols, columns contiguous), X quantized with one scale per row and X^T with
-// one scale per column, from one DRAM read (quant/dual_kernel.cuh).
+// one scale per column, from one DRAM read (quant/specialized/dual_kernel.cuh).
 struct DualArgs {
   // Rows [0, row_split) of expert e are x[0] + e * x_se[0] + r * x_sr[0]; rows from
   // row_split on come from x[1] (row r - row_split). Columns are contiguous.

@@ -14,10 +14,10 @@
 #include "../core/dispatch.h"
 #include "../core/launch.h"
 #include "../core/tuning.h"
-#include "act_dual_kernel.cuh"
 #include "cols_kernel.cuh"
 #include "rows_kernel.cuh"
-#include "tiles_kernel.cuh"
+#include "specialized/act_dual_kernel.cuh"
+#include "specialized/tiles_kernel.cuh"
 
 namespace moe_fp8 {
 namespace engine_cuda {

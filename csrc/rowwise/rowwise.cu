@@ -10,7 +10,8 @@
 
 #include "../core/device_runtime.h"
 #include "../core/tuning.h"
-#include "../quant/dual_kernel.cuh"
+#include "../core/tuning_constants.h"
+#include "../quant/specialized/dual_kernel.cuh"
 #include "../quant/engine_cuda.cuh"
 #include "rowwise_ops.h"
 
@@ -24,7 +25,7 @@ int64_t dual_budget(int device) {
   const std::optional<std::string> v = tuning(Knob::kDualL2Bytes);
   const bool fits = dual_smem_ok(device);
   if (!v && kRocm) return 0;
-  if (!v || *v == "l2") return fits ? l2_cache_bytes(device) * 3 / 5 : 0;
+  if (!v || *v == "l2") return fits ? l2_cache_bytes(device) * kDualL2Fifths / 5 : 0;
   char* end = nullptr;
   const long long n = std::strtoll(v->c_str(), &end, 10);
   TORCH_CHECK(end != v->c_str() && *end == '\0' && n >= 0,

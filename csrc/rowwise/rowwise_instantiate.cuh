@@ -5,7 +5,7 @@
 // unused inline function would let the compiler skip generating the kernels it names.
 #pragma once
 
-#include "../quant/dual_kernel.cuh"
+#include "../quant/specialized/dual_kernel.cuh"
 #include "../quant/engine_instantiate.cuh"
 
 namespace moe_fp8 {

@@ -365,7 +365,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_rowwise_jagg
   (void)fp8_format(fp8_dtype, op);
   check_offs(offs, x, x.size(0), op);
   (void)jagged_layout(x, offs, padded_starts, alignment, op);
-  // The two ops: a one-read kernel measured slower (docs/decisions/README.md).
+  // The two ops: a one-read kernel was slower (docs/decisions/029).
   auto [q_rows, s_rows] = quantize_rowwise(k, x, fp8_dtype, pow2_scale);
   auto [q_cols, s_cols] = quantize_jagged_colwise(k, x, offs, fp8_dtype, pow2_scale, padded_starts, alignment);
   return {q_rows, s_rows, q_cols, s_cols};

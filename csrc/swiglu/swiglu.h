@@ -144,8 +144,7 @@ MOE_FP8_HD float silu_backward_f32(float g, float x, float sig) {
 
 // Round to nearest even (subnormals kept, overflow to Inf); NaN becomes c10's 0x7FC0.
 // bf16_bits_rn is one cvt on sm80+ CUDA: the SwiGLU kernels are bound by instruction
-// issue (ncu on an H100: 76-85% of issue slots busy, DRAM at 38-62%), and this
-// conversion runs two to five times an element.
+// issue (record 030), and this conversion runs two to five times an element.
 MOE_FP8_HD uint16_t float_to_bf16_bits(float f) {
   const uint16_t b = bf16_bits_rn(f);  // unconditionally: a select, not a branch
   return f != f ? static_cast<uint16_t>(0x7FC0u) : b;

@@ -1,3 +1,7 @@
+// Specialized (FP8 rowwise weights only): a weight's rowwise and colwise fp8 from one
+// DRAM read, each tile re-read from L2. It exists because those two need whole rows and
+// whole columns before any byte is written, which the engine's one-pass shapes cannot do.
+//
 // A weight's two rowwise orientations from one DRAM read (DESIGN §10): for each
 // expert's matrix X (rows x cols, columns contiguous; the rows may come from two
 // tensors, [W1; W3]), q_rows = X quantized with one scale per row (over its columns)
@@ -34,14 +38,14 @@
 #include <algorithm>
 #include <cstdint>
 
-#include "../core/device_runtime.h"
-#include "../core/groups.h"
-#include "../core/numerics.h"
-#include "../core/portability.h"
-#include "../core/reduce.cuh"
-#include "../core/scan.cuh"
-#include "../core/vec.cuh"
-#include "engine.h"
+#include "../../core/device_runtime.h"
+#include "../../core/groups.h"
+#include "../../core/numerics.h"
+#include "../../core/portability.h"
+#include "../../core/reduce.cuh"
+#include "../../core/scan.cuh"
+#include "../../core/vec.cuh"
+#include "../engine.h"
 
 namespace moe_fp8 {
 
@@ -338,7 +342,7 @@ struct DualExpertsSchedule {
   MOE_FP8_DEVICE void prologue() const {}
   // The input tile of ticket u into a stage (zeros past the matrix). The second pass's
   // read is the tile's last use: marked evict-first in L2 (the first pass's keeps the
-  // normal priority: an evict-last hint measured no better).
+  // normal priority: an evict-last hint was no better, record 030).
   MOE_FP8_DEVICE void issue(int u, int total, uint8_t* stage, int rg, int cc) const {
     if (u >= total) return;
     const DualTask task = dual_task(u, tiles(), static_cast<int>(a.experts), static_cast<int>(a.lag));
