@@ -26,6 +26,6 @@ constexpr int64_t kColsBlockCacheRows = 384;     // block-mode rows staged at a 
 constexpr int64_t kColsGroupSlicesMaxTiles = 32;  // group slices only for narrow operands; 5120+ cols lost (027)
 
 // ---- one-read weight dual (quant/specialized/dual_kernel.cuh, rowwise/rowwise.cu) ----
-constexpr int kDualL2Fifths = 3;  // default L2 budget: 3/5 of L2, two experts' reads kept (DESIGN §10)
+constexpr int kDualL2Fifths = 3;  // default L2 budget: 3/5 of L2, two experts' reads kept (DESIGN §5)
 
 }  // namespace moe_fp8

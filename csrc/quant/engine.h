@@ -295,7 +295,7 @@ inline bool act_dual_vector_ok(const ActDualArgs& a, int64_t element_size) {
          a.q_rows_total % 128 == 0 && a.alignment % 128 == 0 && a.q_rows_total / 128 * ((a.cols + 127) / 128) < (int64_t{1} << 31);
 }
 
-// The "dual" shape (FP8 rowwise weights, DESIGN §10): for each expert's matrix X
+// The "dual" shape (FP8 rowwise weights, DESIGN §5): for each expert's matrix X
 // (rows x cols, columns contiguous), X quantized with one scale per row and X^T with
 // one scale per column, from one DRAM read (quant/specialized/dual_kernel.cuh).
 struct DualArgs {

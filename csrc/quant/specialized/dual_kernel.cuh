@@ -2,7 +2,7 @@
 // DRAM read, each tile re-read from L2. It exists because those two need whole rows and
 // whole columns before any byte is written, which the engine's one-pass shapes cannot do.
 //
-// A weight's two rowwise orientations from one DRAM read (DESIGN §10): for each
+// A weight's two rowwise orientations from one DRAM read (DESIGN §5): for each
 // expert's matrix X (rows x cols, columns contiguous; the rows may come from two
 // tensors, [W1; W3]), q_rows = X quantized with one scale per row (over its columns)
 // and q_cols = X^T quantized with one scale per column (over its rows), written
