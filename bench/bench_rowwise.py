@@ -11,6 +11,7 @@ import sys
 import torch
 
 import moe_fp8_ext
+from moe_fp8_ext import _tuning
 from moe_fp8_ext import reference as ref
 from moe_fp8_ext.moe import balanced_offs
 
@@ -21,7 +22,10 @@ F8 = torch.float8_e4m3fn
 
 
 def torchao_kernels():
-    from torchao.prototype.moe_training.kernels import float8_rowwise, jagged_float8_scales
+    from torchao.prototype.moe_training.kernels import (
+        float8_rowwise,
+        jagged_float8_scales,
+    )
 
     return float8_rowwise, jagged_float8_scales
 
@@ -107,15 +111,12 @@ def bench_jagged(shapes):
 
 def bench_dual(shapes):
     """Both operands of an experts layer's weights (quantize_experts_dual_cat) with its
-    one-read kernel (the default L2 budget, MOE_FP8_DUAL_L2_BYTES="l2"; "forced": no L2
+    one-read kernel (the default L2 budget, tuning dual_l2_bytes="l2"; "forced": no L2
     limit, where "l2" takes the two ops) against the two ops and torchao's two 3-D
     kernels per weight."""
-    import os
-
     rows = []
     header = ["weights (E, dim, hidden)", "dual µs", "GB/s", "% of copy", "forced µs", "two ops µs", "vs two ops",
               "torchao µs", "vs torchao"]
-    old_env = os.environ.get("MOE_FP8_DUAL_L2_BYTES")
     for e, dim, hidden in shapes:
         w13 = [(torch.randn(e, hidden, dim, device="cuda", dtype=torch.bfloat16) * 0.02).transpose(1, 2) for _ in range(2)]
         w2 = [(torch.randn(e, dim, hidden, device="cuda", dtype=torch.bfloat16) * 0.02).transpose(1, 2)]
@@ -125,13 +126,12 @@ def bench_dual(shapes):
             nbytes = e * k * n * 4 + e * (k + n) * 4  # bf16 in, two fp8 out, the scales
             times = {}
             for setting in ("l2", str(1 << 50)):
-                os.environ["MOE_FP8_DUAL_L2_BYTES"] = setting
-                out = moe_fp8_ext.quantize_experts_dual_cat(parts, F8)
-                check(out[:2], ref.quantize_experts_fwd(cat, F8))
-                check(out[2:], ref.quantize_experts_bwd(cat, F8))
-                del out
-                times[setting] = bench_us(lambda: moe_fp8_ext.quantize_experts_dual_cat(parts, F8))
-            os.environ.pop("MOE_FP8_DUAL_L2_BYTES")
+                with _tuning.override(dual_l2_bytes=setting):
+                    out = moe_fp8_ext.quantize_experts_dual_cat(parts, F8)
+                    check(out[:2], ref.quantize_experts_fwd(cat, F8))
+                    check(out[2:], ref.quantize_experts_bwd(cat, F8))
+                    del out
+                    times[setting] = bench_us(lambda: moe_fp8_ext.quantize_experts_dual_cat(parts, F8))
             del cat
             t, forced = times["l2"], times[str(1 << 50)]
             two = bench_us(lambda: (moe_fp8_ext.quantize_experts_fwd_cat(parts, F8),
@@ -149,42 +149,7 @@ def bench_dual(shapes):
                          fmt(100 * c / t, "{:.0f}%"), fmt(forced), fmt(two), fmt(two / t, "{:.2f}x"), fmt(t_ao),
                          fmt(t_ao and t_ao / t, "{:.2f}x")])
         del w13, w2
-    if old_env is not None:
-        os.environ["MOE_FP8_DUAL_L2_BYTES"] = old_env
     return print_table("quantize_experts_dual_cat (both operands of W1+W3 and of W2, one read)", header, rows,
-                       "bench_rowwise.md")
-
-
-def bench_jagged_dual(shapes):
-    """Both fp8 operands of a token-grouped activation (x in forward, grad_out in
-    backward: rowwise for the GEMM, per-group colwise in the padded layout for the
-    weight gradient) from one read (quantize_rowwise_jagged_dual with
-    MOE_FP8_ONE_READ_ACTIVATIONS=1, default L2 budget) against our two ops (what the op
-    runs by default; each faster than torchao's kernel of the same job: the tables
-    above). A mean group too large for the budget runs the two ops."""
-    import os
-
-    os.environ["MOE_FP8_ONE_READ_ACTIVATIONS"] = "1"
-    rows = []
-    header = ["x (M, D, G)", "one read µs", "GB/s", "% of copy", "two ops µs", "vs two ops"]
-    for m, d, g in shapes:
-        x = torch.randn(m, d, device="cuda", dtype=torch.bfloat16)
-        offs = balanced_offs(m, g, device="cuda")
-        starts, _ = moe_fp8_ext.padded_group_offsets(offs, m, 16)
-        out = moe_fp8_ext.quantize_rowwise_jagged_dual(x, offs, F8, True, starts, 16)
-        check(out[:2], ref.quantize_rowwise(x, F8))
-        check(out[2:], ref.quantize_jagged_colwise_padded(x, offs, 16, F8))
-        r = out[2].shape[0]
-        del out
-        nbytes = m * d * 3 + r * d + m * 4 + g * d * 4
-        t = bench_us(lambda: moe_fp8_ext.quantize_rowwise_jagged_dual(x, offs, F8, True, starts, 16))
-        two = bench_us(lambda: (moe_fp8_ext.quantize_rowwise(x, F8),
-                                moe_fp8_ext.quantize_jagged_colwise(x, offs, F8, padded_starts=starts, alignment=16)))
-        c = copy_us(nbytes)
-        rows.append([f"({m}, {d}, {g})", fmt(t), fmt(nbytes / t / 1e3, "{:.0f}"), fmt(100 * c / t, "{:.0f}%"),
-                     fmt(two), fmt(two / t, "{:.2f}x")])
-        del x
-    return print_table("quantize_rowwise_jagged_dual (an activation's two operands, one read)", header, rows,
                        "bench_rowwise.md")
 
 
@@ -192,15 +157,10 @@ def main():
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--quick", action="store_true", help="first shape of each table only")
     p.add_argument("--dual", action="store_true", help="the dual-orientation weight table only")
-    p.add_argument("--activations", action="store_true", help="the one-read activation table only")
     args = p.parse_args()
     dual = [(8, 7168, 2048), (16, 5120, 1536), (64, 2048, 1408), (128, 2048, 768)]
-    acts = [(32768, 7168, 8), (16384, 5120, 16), (65536, 2048, 64), (65536, 2048, 128)]
     if args.dual:
         bench_dual(dual[:1] if args.quick else dual)
-        return
-    if args.activations:
-        bench_jagged_dual(acts[:1] if args.quick else acts)
         return
     rowwise = [(16384, 7168), (16384, 2048), (65536, 7168), (131072, 2048)]
     experts = [(8, 7168, 2048), (16, 5120, 1536), (64, 2048, 1408)]
@@ -212,7 +172,6 @@ def main():
     bench_experts(experts)
     bench_jagged(jagged)
     bench_dual(dual[:1] if args.quick else dual)
-    bench_jagged_dual(acts[:1] if args.quick else acts)
 
 
 if __name__ == "__main__":

@@ -1,20 +1,20 @@
 """Launch-plan sweep of the transposing ("cols") quantization kernel: for each
 shape, the time of the default plan and of each plan in --plans (cluster size,
-cached rows per block; set through MOE_FP8_COLS_PLAN), as µs and % of a copy of the
+cached rows per block; the private tuning knob cols_plan), as µs and % of a copy of the
 same bytes. The output is the same for every plan (tests/test_rowwise.py checks it);
 this only shows which is fastest. Run: python bench/sweep_cols.py [--plans "4,512 2,768"] [--uniform]
 With --block, the same for block mode (MXFP8 colwise and expert weights, blocks of
 32; blockwise act_rhs / act_transposed_lhs, blocks of 128): plans are "slices,rows"
-(independent slices per segment, rows staged at a time; MOE_FP8_COLS_BLOCK_PLAN).
+(independent slices per segment, rows staged at a time; the knob cols_block_plan).
 """
 
 import argparse
-import os
 import sys
 
 import torch
 
 import moe_fp8_ext
+from moe_fp8_ext import _tuning
 from moe_fp8_ext.moe import balanced_offs
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
@@ -65,7 +65,7 @@ def main():
     p.add_argument("--uniform", action="store_true", help="also the jagged dual with equal groups")
     p.add_argument("--block", action="store_true", help="block mode (MXFP8, blockwise): slices,rows plans")
     args = p.parse_args()
-    env = "MOE_FP8_COLS_BLOCK_PLAN" if args.block else "MOE_FP8_COLS_PLAN"
+    knob = "cols_block_plan" if args.block else "cols_plan"
     if args.block and args.plans == p.get_default("plans"):
         args.plans = "1,512 2,384 4,256 4,384 8,256 16,384"
     plans = args.plans.split()
@@ -74,17 +74,13 @@ def main():
         cp = copy_us(nbytes)
         cells = [name]
         for plan in [None] + plans:
-            if plan is None:
-                os.environ.pop(env, None)
-            else:
-                os.environ[env] = plan
             try:
-                us = bench_us(fn)
+                with _tuning.override(**{knob: plan}):
+                    us = bench_us(fn)
                 cells.append(f"{us:.0f} ({100 * cp / us:.0f}%)")
             except RuntimeError as e:  # a plan the shape cannot launch (grid limits)
                 cells.append("n/a")
                 print(f"  ({plan}: {str(e).splitlines()[0][:100]})")
-        os.environ.pop(env, None)
         rows.append(cells)
     title = "slices,rows" if args.block else "cluster,rows"
     print_table(f"cols kernel launch plans, µs (% of copy); columns are {title}",

@@ -9,7 +9,10 @@
 #include <climits>
 #include <cstring>
 #include <exception>
+#include <optional>
+#include <string>
 
+#include "core/tuning.h"
 #include "quant/engine.h"
 
 // Set by CMakeLists.txt: the GPU backend ("cuda", "hip" or "" for CPU only), its
@@ -154,7 +157,7 @@ int64_t dual_l2_budget(int device) {
 #endif
 }
 
-// The module's two functions, in CPython's stable ABI (Py_LIMITED_API above): the one
+// The module's functions, in CPython's stable ABI (Py_LIMITED_API above): the one
 // module file serves every Python from 3.10 on (a cp310-abi3 wheel), and a module built
 // on one machine loads under another machine's Python if its torch is the same.
 
@@ -207,6 +210,53 @@ PyObject* dual_l2_budget_py(PyObject*, PyObject* arg) {
   return nullptr;
 }
 
+// A str or None argument as an optional string; false (an error set) for anything else.
+bool optional_str(PyObject* arg, const char* what, std::optional<std::string>* out) {
+  if (arg == Py_None) {
+    out->reset();
+    return true;
+  }
+  if (!PyUnicode_Check(arg)) {
+    PyErr_Format(PyExc_TypeError, "%s: expected a str or None", what);
+    return false;
+  }
+  const char* v = PyUnicode_AsUTF8AndSize(arg, nullptr);
+  if (v == nullptr) return false;
+  *out = std::string(v);
+  return true;
+}
+
+PyObject* optional_str_py(const std::optional<std::string>& v) {
+  if (!v) Py_RETURN_NONE;
+  return PyUnicode_FromStringAndSize(v->data(), static_cast<Py_ssize_t>(v->size()));
+}
+
+// _set_tuning(name: str, value: str | None) -> str | None (the previous value), and
+// _get_tuning(name: str) -> str | None: the private tuning table (core/tuning.h).
+template <bool kSet>
+PyObject* tuning_py(PyObject*, PyObject* args) {
+  const char* what = kSet ? "_set_tuning" : "_get_tuning";
+  PyObject* name = nullptr;
+  PyObject* value = Py_None;
+  if (kSet ? !PyArg_UnpackTuple(args, what, 2, 2, &name, &value) : !PyArg_UnpackTuple(args, what, 1, 1, &name)) {
+    return nullptr;
+  }
+  std::optional<std::string> n, v;
+  if (!optional_str(name, what, &n) || !optional_str(value, what, &v)) return nullptr;
+  if (!n) {
+    PyErr_Format(PyExc_TypeError, "%s: expected a str name", what);
+    return nullptr;
+  }
+  try {
+    return optional_str_py(kSet ? moe_fp8::set_tuning(*n, v) : moe_fp8::get_tuning(*n));
+  } catch (const std::exception& e) {
+    PyErr_SetString(PyExc_ValueError, e.what());
+  } catch (...) {
+    PyErr_SetString(PyExc_RuntimeError, "tuning: unknown C++ exception");
+  }
+  return nullptr;
+}
+
 // The "name($module, ...)\n--\n\n" head gives inspect.signature the parameters.
 PyMethodDef kMethods[] = {
     {"build_info", build_info, METH_NOARGS,
@@ -214,6 +264,11 @@ PyMethodDef kMethods[] = {
     {"dual_l2_budget", dual_l2_budget_py, METH_O,
      "dual_l2_budget($module, device, /)\n--\n\n"
      "L2 bytes the one-read dual weight kernel may use on a GPU (0: never)"},
+    {"_set_tuning", tuning_py<true>, METH_VARARGS,
+     "_set_tuning($module, name, value, /)\n--\n\n"
+     "Private: set a tuning knob (None: unset); returns its previous value (moe_fp8_ext._tuning)"},
+    {"_get_tuning", tuning_py<false>, METH_VARARGS,
+     "_get_tuning($module, name, /)\n--\n\nPrivate: a tuning knob's value (None: unset)"},
     {nullptr, nullptr, 0, nullptr}};
 
 PyModuleDef kModule = {PyModuleDef_HEAD_INIT, "_C", "moe_fp8_ext compiled kernels; the ops live in torch.ops.moe_fp8",

@@ -20,6 +20,7 @@
 #   "gemm/blockwise_grouped_sm90.cu   GPU   90a    cutlass"
 set(MOE_FP8_SOURCE_TABLE
   "bindings.cpp                      CPU"
+  "core/tuning.cpp                   CPU"
   "rowwise/rowwise_ops.cpp           CPU"
   "rowwise/rowwise_cpu.cpp           CPU"
   "mxfp8/mxfp8_ops.cpp               CPU"

@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # ROCm checks that need no AMD GPU (run by .ci/run); each one runs, any failure fails:
 #  1. no CUDA/HIP platform test (USE_ROCM, __HIP*__, __gfx*__) in csrc/ outside
-#     core/portability.h (STYLE 7), checked on the original sources;
+#     core/portability.h (device shims) and core/device_runtime.h (host runtime)
+#     (STYLE 7), checked on the original sources;
 #  2. hipify csrc/ into a scratch folder with PyTorch's hipify, and fail if anything
-#     CUDA-only survives in the hipified sources outside core/portability.h (which
-#     keeps its CUDA branches behind !USE_ROCM);
+#     CUDA-only survives in the hipified sources outside those two (which keep their
+#     CUDA branches behind !USE_ROCM);
 #  3. compile the torch-free launchers of every kernel family, hipified, -Werror:
 #       gfx940, gfx90a  Debian's hipcc 5.2 (clang 15)
 #       gfx942          Debian's clang-19 with the same ROCm 5.2 headers and device
@@ -31,12 +32,12 @@ export TMPDIR=$work/tmp
 status=0
 fail() { echo "FAIL $*" >&2; status=1; }
 
-# 1. Platform tests only in core/portability.h.
-if found=$(grep -rnE '\bUSE_ROCM\b|__HIP[A-Z_]*__|__gfx[0-9a-z]+__' csrc | grep -v '^csrc/core/portability\.h:'); then
-  fail "CUDA/HIP platform tests outside csrc/core/portability.h (move them there, STYLE 7):"
+# 1. Platform tests only in core/portability.h and core/device_runtime.h.
+if found=$(grep -rnE '\bUSE_ROCM\b|__HIP[A-Z_]*__|__gfx[0-9a-z]+__' csrc | grep -vE '^csrc/core/(portability|device_runtime)\.h:'); then
+  fail "CUDA/HIP platform tests outside csrc/core/portability.h and device_runtime.h (move them there, STYLE 7):"
   echo "$found" >&2
 else
-  echo "ok   no USE_ROCM / __HIP*__ / __gfx*__ outside core/portability.h"
+  echo "ok   no USE_ROCM / __HIP*__ / __gfx*__ outside core/portability.h, core/device_runtime.h"
 fi
 
 # 2. Hipify; nothing CUDA-only may survive.
@@ -51,13 +52,13 @@ files=$(cd "$src" && for f in $(find . -type f ! -name '*.cmake' | sort); do
     base="${f%.*}"; ext="${f##*.}"
     [ -e "${base}_hip.${ext}" ] || [ "$ext" = cu ] || echo "$f" ;;
   esac
-done | grep -v 'core/portability')
+done | grep -vE 'core/(portability|device_runtime)')
 pattern='__shfl(_[a-z]+)?_sync|cuda_fp8\.h|\b__nv_[a-z0-9_]+|\bcuda[A-Z][A-Za-z]*|cooperative_groups|cp\.async|<<<'
 if leaks=$(cd "$src" && grep -nE "$pattern" $files); then
-  fail "CUDA-only code survives hipify outside core/portability.h:"
+  fail "CUDA-only code survives hipify outside core/portability.h, core/device_runtime.h:"
   echo "$leaks" >&2
 else
-  echo "ok   no CUDA-only code outside core/portability.h"
+  echo "ok   no CUDA-only code outside core/portability.h, core/device_runtime.h"
 fi
 
 # 3. The families' instantiation snippets, hipified (hipify renames a header only

@@ -1,8 +1,9 @@
 """Look through the built extension's SASS for a ptxas miscompile seen with CUDA 13.0
 on sm_90a: a memory instruction whose cache-policy descriptor is an odd uniform register
 (``desc[UR1]``: 64-bit descriptors live in even pairs), which the H100 runs as an
-"illegal instruction" (csrc/quant/dual_kernel.cuh, dual_issue). Exit 1 with the
-offending kernels, 0 when clean, 0 with a note when no cuobjdump is found.
+"illegal instruction" (seen in the dual kernel's jagged schedule, deleted since: record
+029). Exit 1 with the offending kernels, 0 when clean, 0 with a note when no cuobjdump
+is found.
 
     python scripts/check_sass.py [path/to/_C.so]
 """

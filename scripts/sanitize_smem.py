@@ -4,8 +4,6 @@ shapes with valid token groups (scripts/gpu_ci.sh runs it; memcheck over garbage
 is scripts/sanitize_offs.py). Small shapes keep the tools' slowdown affordable; odd
 sizes reach the partial tiles and blocks."""
 
-import os
-
 import torch
 
 import moe_fp8_ext as m
@@ -18,7 +16,7 @@ y = torch.randn(1037, 72, device=dev, dtype=torch.bfloat16)
 offs = torch.tensor([100, 100, 613, 1030], dtype=torch.int32, device=dev)  # an empty group, rows past the last
 w = torch.randn(3, 272, 144, device=dev, dtype=torch.bfloat16)
 
-# FP8 rowwise: rows, cols (whole-set, clusters), the weight dual and the one-read activations.
+# FP8 rowwise: rows, cols (whole-set, clusters), the weight dual, the jagged dual.
 m.quantize_rowwise(x, F8)
 m.quantize_jagged_colwise(x, offs, F8)
 m.quantize_jagged_colwise_dual(x, y, offs, FNUZ)
@@ -27,9 +25,7 @@ m.quantize_jagged_colwise(x, offs, F8, padded_starts=starts, alignment=16)
 m.quantize_experts_fwd(w, F8)
 m.quantize_experts_bwd(w, F8)
 m.quantize_experts_dual_cat([w, w], F8)
-os.environ["MOE_FP8_ONE_READ_ACTIVATIONS"] = "1"
 m.quantize_rowwise_jagged_dual(x, offs, F8, True, starts, 16)
-del os.environ["MOE_FP8_ONE_READ_ACTIVATIONS"]
 
 # FP8 blockwise: the five layouts, the weight dual (2-D and 3-D), the activation dual.
 s128, _ = m.padded_group_offsets(offs, x.shape[0], 128)

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import moe_fp8_ext  # noqa: F401  (registers the ops)
+from moe_fp8_ext import _C, _tuning
 
 FP8_DTYPES = [torch.float8_e4m3fn, torch.float8_e4m3fnuz]
 IN_DTYPES = [torch.bfloat16, torch.float16, torch.float32]
@@ -165,12 +166,20 @@ def poison(device):
 
 
 def set_dual_kernel_budget(monkeypatch, budget):
-    """MOE_FP8_DUAL_L2_BYTES for one test: "default" unsets it (the library's budget),
-    anything else is the variable's value ("0": the dual kernels never run)."""
-    if budget == "default":
-        monkeypatch.delenv("MOE_FP8_DUAL_L2_BYTES", raising=False)
-    else:
-        monkeypatch.setenv("MOE_FP8_DUAL_L2_BYTES", budget)
+    """The dual_l2_bytes tuning knob for one test: "default" unsets it (the library's
+    budget), anything else is its value ("0": the dual kernels never run). The knobs
+    come back after the test (restore_tuning); monkeypatch stays for the callers."""
+    del monkeypatch
+    _C._set_tuning("dual_l2_bytes", None if budget == "default" else budget)
+
+
+@pytest.fixture(autouse=True)
+def restore_tuning():
+    """Every tuning knob (moe_fp8_ext._tuning) as it was before the test."""
+    before = {name: _tuning.get(name) for name in _tuning.KNOBS}
+    yield
+    for name, value in before.items():
+        _C._set_tuning(name, value)
 
 
 class _CountingOps:

@@ -26,6 +26,7 @@ import pytest
 import torch
 
 import moe_fp8_ext
+from moe_fp8_ext import _tuning
 from moe_fp8_ext import reference as ref
 from conftest import (
     strided_layouts_2d,
@@ -932,41 +933,37 @@ def act_lhs_rows_same_as_cpu(dtype, shapes, strided_cols, seed):
 @requires_cuda
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", IN_DTYPES)
-def test_act_lhs_cluster_gather_same_as_cpu(dtype, monkeypatch):
+def test_act_lhs_cluster_gather_same_as_cpu(dtype):
     # Rows of 16-byte-aligned vectors that fit a ring stage (>= 1024 bf16 / 512 fp32 columns):
     # act_lhs's ring kernel, whose 16-bit instance gathers the scales over clusters of 8 rows
-    # on sm90+ (forced wherever it can run: MOE_FP8_ROWS_GATHER=1). Row counts below, at and
+    # on sm90+ (forced wherever it can run: rows_gather="1"). Row counts below, at and
     # past multiples of 8 (a last step of fewer rows; fewer rows than a cluster: the plain
     # ring kernel), a partial last block, M not a multiple of 4 (runs of eight scales not
     # 16-byte aligned: the per-row stores), strided rows, and enough rows that every
     # cluster walks several steps; then the default choice on a large shape.
     widths = (1024, 1032, 2048, 7168) if dtype != torch.float32 else (512, 1032, 2048, 8192)
-    monkeypatch.setenv("MOE_FP8_ROWS_GATHER", "1")
     shapes = [(5, widths[0]), (8, widths[0]), (9, widths[1]), (23, widths[2]), (8195, widths[1]), (4100, widths[3]),
               (16384, widths[2])]
-    act_lhs_rows_same_as_cpu(dtype, shapes, widths[1], seed=3)
-    monkeypatch.delenv("MOE_FP8_ROWS_GATHER")
+    with _tuning.override(rows_gather="1"):
+        act_lhs_rows_same_as_cpu(dtype, shapes, widths[1], seed=3)
     same_as_cpu(lambda u: lhs(u, FP8S[0]), bw_data((16384 + 9, 7168), dtype, "cuda", seed=4))
 
 
 @requires_cuda
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", IN_DTYPES)
-def test_act_lhs_block_runs_same_as_cpu(dtype, monkeypatch):
+def test_act_lhs_block_runs_same_as_cpu(dtype):
     # Rows of at most 16 blocks (2048 columns) that fit a ring stage: act_lhs's ring kernel,
     # whose 16-bit instance gives each block runs of 8 consecutive rows and stores their
-    # scales as 32-byte runs (forced: MOE_FP8_ROWS_RUNS=1, the cluster gather off). Row
+    # scales as 32-byte runs (forced: rows_runs="1", the cluster gather off). Row
     # counts below, at and past multiples of 8 (a last run of fewer rows), a partial last
     # block, M not a multiple of 4 (the per-row stores), more runs than blocks, strided
     # rows; then the default choice on a large shape.
-    monkeypatch.setenv("MOE_FP8_ROWS_GATHER", "0")
-    monkeypatch.setenv("MOE_FP8_ROWS_RUNS", "1")
     widths = (1024, 1032, 2048) if dtype != torch.float32 else (512, 1032, 2048)
     shapes = [(1, widths[0]), (5, widths[0]), (8, widths[2]), (9, widths[1]), (23, widths[2]), (1003, widths[2]),
               (8195, widths[1]), (40000, widths[2])]
-    act_lhs_rows_same_as_cpu(dtype, shapes, widths[2], seed=5)
-    monkeypatch.delenv("MOE_FP8_ROWS_RUNS")
-    monkeypatch.delenv("MOE_FP8_ROWS_GATHER")
+    with _tuning.override(rows_gather="0", rows_runs="1"):
+        act_lhs_rows_same_as_cpu(dtype, shapes, widths[2], seed=5)
     same_as_cpu(lambda u: lhs(u, FP8S[0]), bw_data((65536 + 5, 2048), dtype, "cuda", seed=6))
 
 

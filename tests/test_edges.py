@@ -13,14 +13,13 @@ import pytest
 import torch
 
 import moe_fp8_ext as M
+from moe_fp8_ext import _tuning
 from moe_fp8_ext import reference as ref
 
 from conftest import poison, requires_cuda
 from edge_data import edge_3d, edge_matrix, group_steps, steps
 
 F8S = [torch.float8_e4m3fn, torch.float8_e4m3fnuz]
-# Environment switches of GPU kernel paths that a case may turn on (unset otherwise).
-ENV_SWITCHES = ("MOE_FP8_ONE_READ_ACTIVATIONS", "MOE_FP8_DUAL_L2_BYTES", "MOE_FP8_ROWS_GATHER", "MOE_FP8_ROWS_RUNS")
 IN_DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 E4 = torch.float8_e4m3fn
 
@@ -42,9 +41,9 @@ def _sizes(small, large, size):
     return small if size == "small" else large
 
 
-# ---- the cases: each yields (label, fn, args, reference thunk, environment) ----------------
-# args are CPU tensors; the GPU test moves them. The environment switches on the GPU's
-# one-read kernels where they are opt-in.
+# ---- the cases: each yields (label, fn, args, reference thunk, tuning) ----------------
+# args are CPU tensors; the GPU test moves them. The tuning knobs (moe_fp8_ext._tuning)
+# switch on GPU kernel paths that are not the default for the case's shape.
 
 
 def rowwise_cases(dt, size):
@@ -127,7 +126,7 @@ def jagged_cases(dt, size):
                    lambda pow2=pow2, ps=ps, al=al: (*ref.quantize_rowwise(x, E4, pow2), *(
                        ref.quantize_jagged_colwise(x, offs, E4, pow2) if ps is None
                        else ref.quantize_jagged_colwise_padded(x, offs, al, E4, pow2))),
-                   {"MOE_FP8_ONE_READ_ACTIVATIONS": "1"})
+                   {})
 
 
 def _row_groups(mode, size, plain_rows, grouped, block):
@@ -159,7 +158,7 @@ def blockwise_act_cases(dt, size):
                lambda f8=f8, x=x: ref.quantize_blockwise_act_lhs(x, f8), {})
         yield (f"quantize_blockwise_act_lhs column-major {f8}", M.quantize_blockwise_act_lhs, (_cm(x), f8),
                lambda f8=f8, x=x: ref.quantize_blockwise_act_lhs(x, f8), {})
-        for switch in ENV_SWITCHES[2:]:  # the GPU's scale-gathering kernels, forced
+        for switch in ("rows_gather", "rows_runs"):  # the GPU's scale-gathering kernels, forced
             yield (f"quantize_blockwise_act_lhs {switch}=1 {f8}", M.quantize_blockwise_act_lhs, (x, f8),
                    lambda f8=f8, x=x: ref.quantize_blockwise_act_lhs(x, f8), {switch: "1"})
     for mode in ("plain", "grouped", "padded"):
@@ -394,17 +393,14 @@ def test_blockwise_matches_torchao_reference_on_edges(in_dtype, fp8_dtype):
 @pytest.mark.parametrize("size", ["small", "large"])
 @pytest.mark.parametrize("in_dtype", IN_DTYPES, ids=str)
 @pytest.mark.parametrize("family", FAMILIES, ids=lambda f: f.__name__)
-def test_gpu_matches_cpu_on_edges(family, in_dtype, size, monkeypatch):
+def test_gpu_matches_cpu_on_edges(family, in_dtype, size):
     n = 0
-    for label, fn, args, _want, env in family(in_dtype, size):
-        for name in ENV_SWITCHES:
-            monkeypatch.delenv(name, raising=False)
-        for name, value in env.items():
-            monkeypatch.setenv(name, value)
+    for label, fn, args, _want, knobs in family(in_dtype, size):
         cpu = fn(*args)
         poison("cuda")
-        gpu = fn(*_to(args, "cuda"))
-        torch.cuda.synchronize()
+        with _tuning.override(**knobs):
+            gpu = fn(*_to(args, "cuda"))
+            torch.cuda.synchronize()
         assert_same_bytes(f"{label} ({in_dtype}, {size}) GPU vs CPU", gpu, cpu, strides=True)
         n += 1
     assert n > 0

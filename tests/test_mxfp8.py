@@ -20,6 +20,7 @@ import pytest
 import torch
 
 import moe_fp8_ext
+from moe_fp8_ext import _tuning
 from moe_fp8_ext import reference as ref
 from conftest import (
     strided_layouts_2d,
@@ -682,40 +683,39 @@ def test_rowwise_m_groups_placement_same_as_cpu(rounding):
 @requires_cuda
 @pytest.mark.gpu
 @pytest.mark.parametrize("walk", ["dynamic", "stride"])
-def test_rowwise_blocked_walks_same_as_cpu(monkeypatch, walk):
+def test_rowwise_blocked_walks_same_as_cpu(walk):
     # The octet-tile kernel (rowwise with blocked scales, with and without M groups) takes
     # its units from a work counter by default where a block can take more than two (the
-    # stride where MOE_FP8_ROWS_DYNAMIC=0). The counter is one a stream, set back to zero
+    # stride where rows_dynamic="0"). The counter is one a stream, set back to zero
     # by each launch's last block: calls back to back on one stream, with more and with
     # fewer units than the last (the (16384, 2048) calls: 8192 units or more, over at most
     # 1188 blocks on an H100 or H200), each give the CPU op's bits into poisoned memory; so
     # do calls on two side streams (one counter each; their launches may overlap).
-    if walk == "stride":
-        monkeypatch.setenv("MOE_FP8_ROWS_DYNAMIC", "0")
-    q = moe_fp8_ext.quantize_mxfp8_rowwise
-    big = mx_data((16384, 2048), torch.bfloat16, "cuda")
-    small = mx_data((777, 320), torch.bfloat16, "cuda")
-    offs = offs_from_sizes([1392, 2496, 2640, 1376, 2480, 2512, 1568, 1904]).cuda()
-    offs_small = offs_from_sizes([0, 300, 5, 200, 0, 250]).cuda()
-    calls = [(big, None), (small, None), (big, offs), (small, offs_small), (big, offs), (big, None)]
-    want = [ref.quantize_mxfp8_rowwise(x.cpu(), "rceil", True, None if o is None else o.cpu()) for x, o in calls]
-    poison("cuda")
-    got = [q(x, "rceil", True, o) for x, o in calls]
-    for g, w in zip(got, want):
-        check(g, w)
-    streams = [torch.cuda.Stream() for _ in range(2)]
-    for s in streams:
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            poison("cuda")  # this stream's free blocks (poison fills the current stream's)
-    got = []
-    for s, (x, o) in zip(streams * 2, calls[2:]):
-        with torch.cuda.stream(s):
-            got.append(q(x, "rceil", True, o))
-    for s in streams:
-        torch.cuda.current_stream().wait_stream(s)
-    for g, w in zip(got, want[2:]):
-        check(g, w)
+    with _tuning.override(rows_dynamic="0" if walk == "stride" else None):
+        q = moe_fp8_ext.quantize_mxfp8_rowwise
+        big = mx_data((16384, 2048), torch.bfloat16, "cuda")
+        small = mx_data((777, 320), torch.bfloat16, "cuda")
+        offs = offs_from_sizes([1392, 2496, 2640, 1376, 2480, 2512, 1568, 1904]).cuda()
+        offs_small = offs_from_sizes([0, 300, 5, 200, 0, 250]).cuda()
+        calls = [(big, None), (small, None), (big, offs), (small, offs_small), (big, offs), (big, None)]
+        want = [ref.quantize_mxfp8_rowwise(x.cpu(), "rceil", True, None if o is None else o.cpu()) for x, o in calls]
+        poison("cuda")
+        got = [q(x, "rceil", True, o) for x, o in calls]
+        for g, w in zip(got, want):
+            check(g, w)
+        streams = [torch.cuda.Stream() for _ in range(2)]
+        for s in streams:
+            s.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(s):
+                poison("cuda")  # this stream's free blocks (poison fills the current stream's)
+        got = []
+        for s, (x, o) in zip(streams * 2, calls[2:]):
+            with torch.cuda.stream(s):
+                got.append(q(x, "rceil", True, o))
+        for s in streams:
+            torch.cuda.current_stream().wait_stream(s)
+        for g, w in zip(got, want[2:]):
+            check(g, w)
 
 
 @requires_cuda

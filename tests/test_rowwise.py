@@ -20,6 +20,7 @@ import pytest
 import torch
 
 import moe_fp8_ext
+from moe_fp8_ext import _tuning
 from moe_fp8_ext import reference as ref
 from conftest import (
     DEVICES,
@@ -344,26 +345,10 @@ def check_rowwise_jagged_dual(x, offs, fp8_dtype, pow2, alignment, padded=True):
 @pytest.mark.parametrize("fp8_dtype", FP8_DTYPES)
 @pytest.mark.parametrize("pow2", [True, False])
 @pytest.mark.parametrize("case", ROWWISE_JAGGED_DUAL_CASES)
-@pytest.mark.parametrize("budget", ["off", "default", "tight", "huge", "0"])
-def test_quantize_rowwise_jagged_dual(device, in_dtype, fp8_dtype, pow2, case, budget, monkeypatch):
+def test_quantize_rowwise_jagged_dual(device, in_dtype, fp8_dtype, pow2, case):
     # = (quantize_rowwise, quantize_jagged_colwise in the padded layout), bit for bit.
-    # On a GPU, with the one-read kernel switched on (MOE_FP8_ONE_READ_ACTIVATIONS=1),
-    # the 2-byte inputs with rows 16-byte aligned run it under an L2 budget that holds
-    # two mean groups: "default" (three fifths of L2), "tight" exactly two (lag 1: each
-    # group's second pass right after its first), "huge" any (the lag the grid wants);
-    # "off" (the default switch), "0" and the CPU run the two ops.
+    # (Its one-read kernel measured slower and was deleted: docs/decisions/029.)
     m, d, g, tail, alignment = case
-    if device == "cpu" and budget != "off":
-        pytest.skip("the budget only picks the GPU path")
-    if budget == "off":
-        monkeypatch.delenv("MOE_FP8_ONE_READ_ACTIVATIONS", raising=False)
-    else:
-        monkeypatch.setenv("MOE_FP8_ONE_READ_ACTIVATIONS", "1")
-    if budget in ("off", "default"):
-        monkeypatch.delenv("MOE_FP8_DUAL_L2_BYTES", raising=False)
-    else:
-        tight = 2 * -(-m // max(g, 1)) * d * 2
-        monkeypatch.setenv("MOE_FP8_DUAL_L2_BYTES", {"tight": str(tight), "huge": str(1 << 40), "0": "0"}[budget])
     offs = random_offs(m, g, empty_frac=0.25, tail=tail).to(device)
     for x in _dual_layouts(m, d, in_dtype, device):
         check_rowwise_jagged_dual(x, offs, fp8_dtype, pow2, alignment)
@@ -378,12 +363,9 @@ def test_quantize_rowwise_jagged_dual_unpadded(device):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("in_dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("budget", ["huge", "tight"])
-def test_quantize_rowwise_jagged_dual_special_values(device, in_dtype, budget, monkeypatch):
+def test_quantize_rowwise_jagged_dual_special_values(device, in_dtype):
     # NaN, +-Inf, a zero column inside a group, a zero row, -0: a row's amax and a
     # (group, column) amax see them exactly as the single ops do.
-    monkeypatch.setenv("MOE_FP8_ONE_READ_ACTIVATIONS", "1")
-    monkeypatch.setenv("MOE_FP8_DUAL_L2_BYTES", str(1 << 40 if budget == "huge" else 2 * 100 * 200 * 2))
     x = randn((500, 200), in_dtype, device)
     offs = torch.tensor([90, 90, 260, 400], dtype=torch.int32, device=device)
     x[5, 7] = float("nan")
@@ -398,10 +380,8 @@ def test_quantize_rowwise_jagged_dual_special_values(device, in_dtype, budget, m
 @requires_cuda
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", [(65536, 2048, 64), (16384, 5120, 16), (16384, 2048, 128)])
-def test_quantize_rowwise_jagged_dual_large(shape, monkeypatch):
-    # The benchmark shapes, skewed groups (some larger than the mean, re-read partly from
-    # DRAM: still the same bits).
-    monkeypatch.setenv("MOE_FP8_ONE_READ_ACTIVATIONS", "1")
+def test_quantize_rowwise_jagged_dual_large(shape):
+    # The benchmark shapes, skewed groups.
     m, d, g = shape
     offs = random_offs(m, g, skew=1.0, empty_frac=0.1).cuda()
     check_rowwise_jagged_dual(randn((m, d), torch.bfloat16, "cuda"), offs, F8, True, 16)
@@ -409,33 +389,18 @@ def test_quantize_rowwise_jagged_dual_large(shape, monkeypatch):
 
 @requires_cuda
 @pytest.mark.gpu
-def test_quantize_rowwise_jagged_dual_is_one_kernel(monkeypatch):
-    # Switched on, the one-read path really runs: one plan launch and one dual launch,
-    # no rows or cols kernel; by default, or with the budget at 0, the two ops' kernels.
+def test_quantize_rowwise_jagged_dual_is_two_ops():
+    # The two ops' kernels, whatever the dual kernel's L2 budget (no one-read kernel).
     x = randn((4096, 512), torch.bfloat16, "cuda")
     offs = random_offs(4096, 16).cuda()
     starts, _ = moe_fp8_ext.padded_group_offsets(offs, 4096, 16)
-
-    def kernels():
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+    for budget in (None, str(1 << 40)):
+        with _tuning.override(dual_l2_bytes=budget), torch.profiler.profile(
+                activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             moe_fp8_ext.quantize_rowwise_jagged_dual(x, offs, F8, True, starts, 16)
             torch.cuda.synchronize()
-        return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-
-    monkeypatch.delenv("MOE_FP8_DUAL_L2_BYTES", raising=False)
-    monkeypatch.delenv("MOE_FP8_ONE_READ_ACTIVATIONS", raising=False)
-    names = kernels()
-    assert not any("quantize_dual_kernel" in n for n in names), names
-    monkeypatch.setenv("MOE_FP8_ONE_READ_ACTIVATIONS", "1")
-    names = kernels()
-    assert any("quantize_dual_kernel" in n for n in names), names
-    assert not any("quantize_rows" in n or "quantize_cols" in n for n in names), names
-    monkeypatch.setenv("MOE_FP8_DUAL_L2_BYTES", "0")
-    names = kernels()
-    assert not any("quantize_dual_kernel" in n for n in names), names
-    monkeypatch.setenv("MOE_FP8_ONE_READ_ACTIVATIONS", "yes")
-    with pytest.raises(RuntimeError, match='expected MOE_FP8_ONE_READ_ACTIVATIONS to be "0" or "1", got "yes"'):
-        moe_fp8_ext.quantize_rowwise_jagged_dual(x, offs, F8, True, starts, 16)
+        names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        assert not any("quantize_dual_kernel" in n for n in names), names
 
 
 # ---- opcheck and torch.compile --------------------------------------------------------
@@ -575,7 +540,7 @@ def test_dual_budget_without_gpu_kernels():
 @pytest.mark.parametrize("e, k, n", [(64, 2048, 1408), (128, 2048, 768), (16, 1536, 5120), (40, 1040, 272),
                                      (3, 256, 144)])
 @pytest.mark.parametrize("budget", ["l2", "two", "all"])
-def test_dual_large(fp8_dtype, e, k, n, budget, monkeypatch):
+def test_dual_large(fp8_dtype, e, k, n, budget):
     # The dual kernel on W1 and W3 (E, n, k) and W2 (E, k, n) of an experts layer, in
     # torchtitan's layout: bit for bit the two GPU ops (each equal to the CPU op,
     # test_experts_large), and the CPU op itself on the smaller shapes, with the lag each
@@ -590,23 +555,23 @@ def test_dual_large(fp8_dtype, e, k, n, budget, monkeypatch):
         matrix = parts[0].shape[1] * sum(p.shape[2] for p in parts) * 2  # one expert's K x N, 2 bytes
         if budget == "l2" and 2 * matrix > 0.6 * torch.cuda.get_device_properties(0).L2_cache_size:
             continue  # past that budget: the two ops, tested elsewhere
-        monkeypatch.setenv("MOE_FP8_DUAL_L2_BYTES", budget if budget == "l2" else
-                           str(2 * matrix if budget == "two" else (e + 1) * matrix))
-        poison("cuda")
-        got = moe_fp8_ext.quantize_experts_dual_cat(parts, fp8_dtype)
-        check(got, moe_fp8_ext.quantize_experts_fwd_cat(parts, fp8_dtype) +
-              moe_fp8_ext.quantize_experts_bwd_cat(parts, fp8_dtype))
-        if e * k * n < 2**24:
-            check(got, moe_fp8_ext.quantize_experts_dual_cat([p.cpu() for p in parts], fp8_dtype))
-        assert moe_fp8_ext.ops.dual_cat_reads_once(parts), "the predicate says the kernel does not run"
-        assert _dual_kernel_ran(parts, fp8_dtype), "the profiler saw no dual kernel"
+        with _tuning.override(dual_l2_bytes=budget if budget == "l2" else
+                              str(2 * matrix if budget == "two" else (e + 1) * matrix)):
+            poison("cuda")
+            got = moe_fp8_ext.quantize_experts_dual_cat(parts, fp8_dtype)
+            check(got, moe_fp8_ext.quantize_experts_fwd_cat(parts, fp8_dtype) +
+                  moe_fp8_ext.quantize_experts_bwd_cat(parts, fp8_dtype))
+            if e * k * n < 2**24:
+                check(got, moe_fp8_ext.quantize_experts_dual_cat([p.cpu() for p in parts], fp8_dtype))
+            assert moe_fp8_ext.ops.dual_cat_reads_once(parts), "the predicate says the kernel does not run"
+            assert _dual_kernel_ran(parts, fp8_dtype), "the profiler saw no dual kernel"
 
 
 @requires_cuda
 @requires_dual_gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize("e, k, ns", [(40, 1040, (272, 272)), (16, 5120, (1536,)), (130, 256, (64, 80))])
-def test_dual_repeated(e, k, ns, monkeypatch):
+def test_dual_repeated(e, k, ns):
     # The cross-block protocol (per-expert amaxes by atomics, a release/acquire counter
     # per expert) under many launches: each budget from lag 1 (two experts in L2) to no
     # limit, 40 launches each, every one checked against the two ops' bits, and its
@@ -617,13 +582,13 @@ def test_dual_repeated(e, k, ns, monkeypatch):
     want = moe_fp8_ext.quantize_experts_fwd_cat(parts, F8) + moe_fp8_ext.quantize_experts_bwd_cat(parts, F8)
     matrix = k * sum(ns) * 2
     for budget in (2 * matrix, 3 * matrix, 8 * matrix, 1 << 50):
-        monkeypatch.setenv("MOE_FP8_DUAL_L2_BYTES", str(budget))
-        assert moe_fp8_ext.ops.dual_cat_reads_once(parts)
+        with _tuning.override(dual_l2_bytes=str(budget)):
+            assert moe_fp8_ext.ops.dual_cat_reads_once(parts)
     check_repeated(lambda: moe_fp8_ext.quantize_experts_dual_cat(parts, F8), want,
-                   (2 * matrix, 3 * matrix, 8 * matrix, 1 << 50), 40, monkeypatch)
+                   (2 * matrix, 3 * matrix, 8 * matrix, 1 << 50), 40)
 
 
-def check_repeated(call, want, budgets, reps, monkeypatch):
+def check_repeated(call, want, budgets, reps):
     """call() under each L2 budget, reps times, every output against want's bits, each
     poisoned (0xFF) before it is freed."""
     def raw(t):
@@ -632,59 +597,39 @@ def check_repeated(call, want, budgets, reps, monkeypatch):
     want = [raw(t) for t in want]
     bad = []
     for budget in budgets:
-        monkeypatch.setenv("MOE_FP8_DUAL_L2_BYTES", str(budget))
-        for rep in range(reps):
-            got = call()
-            for i, (g, w) in enumerate(zip(got, want)):
-                if not torch.equal(raw(g), w):
-                    bad.append((budget, rep, i))
-                raw(g).view(torch.uint8).fill_(0xFF)
-            del got
+        with _tuning.override(dual_l2_bytes=str(budget)):
+            for rep in range(reps):
+                got = call()
+                for i, (g, w) in enumerate(zip(got, want)):
+                    if not torch.equal(raw(g), w):
+                        bad.append((budget, rep, i))
+                    raw(g).view(torch.uint8).fill_(0xFF)
+                del got
     assert not bad, f"{len(bad)} mismatching outputs (budget, launch, output): {bad[:8]}"
-
-
-@requires_cuda
-@requires_dual_gpu
-@pytest.mark.gpu
-@pytest.mark.parametrize("m, d, g", [(20000, 1040, 40), (8192, 512, 130), (65536, 256, 8)])
-def test_rowwise_jagged_dual_repeated(m, d, g, monkeypatch):
-    # The one-read activation kernel's cross-block protocol (per-row and per-(group,
-    # column) amaxes by atomics, a counter per group, the plan's ticket table) under many
-    # launches: budgets from lag 1 to no limit, 30 launches each against the two ops'
-    # bits, outputs poisoned before they are freed (as test_dual_repeated).
-    x = randn((m, d), torch.bfloat16, "cuda")
-    offs = random_offs(m, g, skew=1.0, tail=m // 50).cuda()
-    starts, _ = moe_fp8_ext.padded_group_offsets(offs, m, 16)
-    monkeypatch.setenv("MOE_FP8_ONE_READ_ACTIVATIONS", "1")
-    want = moe_fp8_ext.quantize_rowwise(x, F8) + moe_fp8_ext.quantize_jagged_colwise(x, offs, F8, padded_starts=starts,
-                                                                                    alignment=16)
-    group = -(-m // g) * d * 2
-    check_repeated(lambda: moe_fp8_ext.quantize_rowwise_jagged_dual(x, offs, F8, True, starts, 16), want,
-                   (2 * group, 3 * group, 1 << 50), 30, monkeypatch)
 
 
 @requires_cuda
 @pytest.mark.gpu
 @pytest.mark.parametrize("layout", ["titan", "other", "permuted"])
 @pytest.mark.parametrize("shape, ns", [((3, 144), (48, 80)), ((2, 33), (40, 24)), ((2, 48), (0, 32)), ((5, 160), (400,))])
-def test_dual_predicate_matches_kernel(layout, shape, ns, monkeypatch):
+def test_dual_predicate_matches_kernel(layout, shape, ns):
     # ops.dual_cat_reads_once (what the experts layer asks) says what the op does
-    monkeypatch.setenv("MOE_FP8_DUAL_L2_BYTES", "l2")
-    parts = weight_parts(*shape, ns, torch.bfloat16, "cuda", layout)
-    assert moe_fp8_ext.ops.dual_cat_reads_once(parts) == _dual_kernel_ran(parts, F8)
-    half = [p.half() for p in parts]
-    assert moe_fp8_ext.ops.dual_cat_reads_once(half) == _dual_kernel_ran(half, F8)
-    assert not moe_fp8_ext.ops.dual_cat_reads_once([p.float() for p in parts])
+    with _tuning.override(dual_l2_bytes="l2"):
+        parts = weight_parts(*shape, ns, torch.bfloat16, "cuda", layout)
+        assert moe_fp8_ext.ops.dual_cat_reads_once(parts) == _dual_kernel_ran(parts, F8)
+        half = [p.half() for p in parts]
+        assert moe_fp8_ext.ops.dual_cat_reads_once(half) == _dual_kernel_ran(half, F8)
+        assert not moe_fp8_ext.ops.dual_cat_reads_once([p.float() for p in parts])
 
 
 @requires_cuda
 @pytest.mark.gpu
-def test_dual_budget_gate(monkeypatch):
+def test_dual_budget_gate():
     # The budget decides: unset means "l2"; 0 leaves the kernel off (the two ops, the
     # same bits); an expert whose two matrices do not fit runs the two ops.
     w = randn((4, 256, 512), torch.bfloat16, "cuda").transpose(1, 2)
     want = moe_fp8_ext.quantize_experts_dual_cat([w.cpu()], F8)
-    monkeypatch.delenv("MOE_FP8_DUAL_L2_BYTES", raising=False)
+    assert _tuning.get("dual_l2_bytes") is None
     # the default budget, where a block can have the kernel's 85 KB of shared memory
     # (DUAL_GPU); elsewhere 0: the two ops
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
@@ -695,11 +640,11 @@ def test_dual_budget_gate(monkeypatch):
     assert _dual_kernel_ran([w], F8) and moe_fp8_ext.ops.dual_cat_reads_once([w])
     for budget, ran in (("0", False), (str(2 * 256 * 512 * 2 - 1), False), (str(2 * 256 * 512 * 2), True),
                         ("l2", True)):
-        monkeypatch.setenv("MOE_FP8_DUAL_L2_BYTES", budget)
-        check(moe_fp8_ext.quantize_experts_dual_cat([w], F8), want)
-        assert _dual_kernel_ran([w], F8) == ran == moe_fp8_ext.ops.dual_cat_reads_once([w]), budget
-    monkeypatch.setenv("MOE_FP8_DUAL_L2_BYTES", "lots")
-    with pytest.raises(RuntimeError, match='expected MOE_FP8_DUAL_L2_BYTES to be "l2" or a byte count, got "lots"'):
+        with _tuning.override(dual_l2_bytes=budget):
+            check(moe_fp8_ext.quantize_experts_dual_cat([w], F8), want)
+            assert _dual_kernel_ran([w], F8) == ran == moe_fp8_ext.ops.dual_cat_reads_once([w]), budget
+    with _tuning.override(dual_l2_bytes="lots"), pytest.raises(
+            RuntimeError, match='expected tuning dual_l2_bytes to be "l2" or a byte count, got "lots"'):
         moe_fp8_ext.quantize_experts_dual_cat([w], F8)
 
 
@@ -841,22 +786,22 @@ def test_debug_env_checks_offs_on_gpu():
 @requires_cuda
 @pytest.mark.gpu
 @pytest.mark.parametrize("plan", ["1,8", "1,40", "2,64", "4,512", "8,16", "8,256"])
-def test_cols_plan_override_same_bits(monkeypatch, plan):
+def test_cols_plan_override_same_bits(plan):
     # Any launch plan of the transposing kernel gives the CPU op's bits: caches far
     # shorter than a slice (the re-read path), one-fragment caches, single blocks and
     # 8-block clusters, with unaligned groups, a padded layout and the strided path.
-    monkeypatch.setenv("MOE_FP8_COLS_PLAN", plan)
-    m = 3001
-    offs = torch.tensor([0, 5, 1500, 1517, 2999], dtype=torch.int32)  # empty group, tail rows
-    starts, _ = moe_fp8_ext.padded_group_offsets(offs, m, 16)
-    x1, x2 = randn((m, 264), torch.bfloat16, "cuda"), randn((m, 96), torch.bfloat16, "cuda")
-    same_as_cpu(lambda a, b, o, f: moe_fp8_ext.quantize_jagged_colwise_dual(a, b, o, f), x1, x2, offs, torch.float8_e4m3fn)
-    same_as_cpu(lambda a, b, o, f, s: moe_fp8_ext.quantize_jagged_colwise_dual(a, b, o, f, padded_starts=s),
-                x1, x2, offs, torch.float8_e4m3fn, starts)
-    same_as_cpu(moe_fp8_ext.quantize_jagged_colwise, randn((m, 2 * 77), torch.float32, "cuda")[:, ::2], offs,
-                torch.float8_e4m3fnuz)
-    w_t = randn((3, 1000, 136), torch.bfloat16, "cuda").transpose(1, 2)
-    same_as_cpu(moe_fp8_ext.quantize_experts_bwd, w_t, torch.float8_e4m3fn)
+    with _tuning.override(cols_plan=plan):
+        m = 3001
+        offs = torch.tensor([0, 5, 1500, 1517, 2999], dtype=torch.int32)  # empty group, tail rows
+        starts, _ = moe_fp8_ext.padded_group_offsets(offs, m, 16)
+        x1, x2 = randn((m, 264), torch.bfloat16, "cuda"), randn((m, 96), torch.bfloat16, "cuda")
+        same_as_cpu(lambda a, b, o, f: moe_fp8_ext.quantize_jagged_colwise_dual(a, b, o, f), x1, x2, offs, torch.float8_e4m3fn)
+        same_as_cpu(lambda a, b, o, f, s: moe_fp8_ext.quantize_jagged_colwise_dual(a, b, o, f, padded_starts=s),
+                    x1, x2, offs, torch.float8_e4m3fn, starts)
+        same_as_cpu(moe_fp8_ext.quantize_jagged_colwise, randn((m, 2 * 77), torch.float32, "cuda")[:, ::2], offs,
+                    torch.float8_e4m3fnuz)
+        w_t = randn((3, 1000, 136), torch.bfloat16, "cuda").transpose(1, 2)
+        same_as_cpu(moe_fp8_ext.quantize_experts_bwd, w_t, torch.float8_e4m3fn)
 
 
 def _bytes(t):
@@ -866,42 +811,40 @@ def _bytes(t):
 @requires_cuda
 @pytest.mark.gpu
 @pytest.mark.parametrize("plan", ["1,128", "3,128", "2,384", "5,256", "64,512"])
-def test_cols_block_plan_override_same_bits(monkeypatch, plan):
+def test_cols_block_plan_override_same_bits(plan):
     # Block mode (MXFP8 blocks of 32, blockwise blocks of 128) under any plan: the CPU
     # op's bytes, for unaligned-to-the-slice groups, an empty group, blocked and plain
     # scales, the padded layout, and more slices than a segment has blocks.
-    monkeypatch.setenv("MOE_FP8_COLS_BLOCK_PLAN", plan)
-    m = 4096 + 640
-    offs = torch.tensor([0, 96, 1056, 1056, 3200, m], dtype=torch.int32)
-    x = randn((m, 200), torch.bfloat16, "cuda")
-    calls = [
-        lambda t, o: moe_fp8_ext.quantize_mxfp8_colwise(t, "rceil", False, o),
-        lambda t, o: moe_fp8_ext.quantize_mxfp8_colwise(t, "floor", True, o),
-        lambda t, o: moe_fp8_ext.quantize_blockwise_act_rhs(t, torch.float8_e4m3fn),
-        lambda t, o: moe_fp8_ext.quantize_blockwise_act_transposed_lhs(
-            t, torch.float8_e4m3fn, offs=o, padded_starts=moe_fp8_ext.padded_group_offsets(o, m, 128)[0], alignment=128),
-    ]
-    for call in calls:
-        gpu = call(x, offs.cuda())
-        cpu = call(x.cpu(), offs)
-        for g, c in zip(gpu, cpu):
-            assert g.shape == c.shape and torch.equal(_bytes(g).cpu(), _bytes(c)), plan
+    with _tuning.override(cols_block_plan=plan):
+        m = 4096 + 640
+        offs = torch.tensor([0, 96, 1056, 1056, 3200, m], dtype=torch.int32)
+        x = randn((m, 200), torch.bfloat16, "cuda")
+        calls = [
+            lambda t, o: moe_fp8_ext.quantize_mxfp8_colwise(t, "rceil", False, o),
+            lambda t, o: moe_fp8_ext.quantize_mxfp8_colwise(t, "floor", True, o),
+            lambda t, o: moe_fp8_ext.quantize_blockwise_act_rhs(t, torch.float8_e4m3fn),
+            lambda t, o: moe_fp8_ext.quantize_blockwise_act_transposed_lhs(
+                t, torch.float8_e4m3fn, offs=o, padded_starts=moe_fp8_ext.padded_group_offsets(o, m, 128)[0], alignment=128),
+        ]
+        for call in calls:
+            gpu = call(x, offs.cuda())
+            cpu = call(x.cpu(), offs)
+            for g, c in zip(gpu, cpu):
+                assert g.shape == c.shape and torch.equal(_bytes(g).cpu(), _bytes(c)), plan
 
 
 @requires_cuda
 @pytest.mark.gpu
 @pytest.mark.parametrize("plan", ["0,128", "65,128", "2,64", "2,100", "2", "2,128x", "1,100096"])
-def test_cols_block_plan_override_rejects_bad_values(monkeypatch, plan):
-    monkeypatch.setenv("MOE_FP8_COLS_BLOCK_PLAN", plan)
-    with pytest.raises(RuntimeError, match="MOE_FP8_COLS_BLOCK_PLAN"):
+def test_cols_block_plan_override_rejects_bad_values(plan):
+    with _tuning.override(cols_block_plan=plan), pytest.raises(RuntimeError, match="tuning cols_block_plan"):
         moe_fp8_ext.quantize_mxfp8_colwise(randn((64, 64), torch.bfloat16, "cuda"))
 
 
 @requires_cuda
 @pytest.mark.gpu
 @pytest.mark.parametrize("plan", ["3,64", "2,12", "0,64", "2", "2,64x", "1,100000"])
-def test_cols_plan_override_rejects_bad_values(monkeypatch, plan):
-    monkeypatch.setenv("MOE_FP8_COLS_PLAN", plan)
-    with pytest.raises(RuntimeError, match="MOE_FP8_COLS_PLAN"):
+def test_cols_plan_override_rejects_bad_values(plan):
+    with _tuning.override(cols_plan=plan), pytest.raises(RuntimeError, match="tuning cols_plan"):
         # W^T: the reduction dimension is strided, so this is the transposing kernel
         moe_fp8_ext.quantize_experts_bwd(randn((2, 32, 64), torch.bfloat16, "cuda").transpose(1, 2), torch.float8_e4m3fn)

@@ -5,8 +5,8 @@
 #pragma once
 
 #include "../quant/engine_instantiate.cuh"
-#include "../quant/act_dual_kernel.cuh"
-#include "../quant/tiles_kernel.cuh"
+#include "../quant/specialized/act_dual_kernel.cuh"
+#include "../quant/specialized/tiles_kernel.cuh"
 
 namespace moe_fp8 {
 namespace instantiate {

@@ -7,6 +7,7 @@
 #include <c10/cuda/CUDAStream.h>
 #include <c10/util/Exception.h>
 
+#include "device_runtime.h"
 #include "portability.h"
 
 namespace moe_fp8 {

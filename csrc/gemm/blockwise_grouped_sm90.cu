@@ -336,13 +336,9 @@ void run_gemm(const GroupTables<G>& t, int groups, bool raster_along_n, const at
   // Tile order (2d3d). Along M, the scheduler's default, the CTAs in flight walk one
   // N tile column of a group: each A tile is read again for every N tile, from DRAM once
   // the group's A outgrows L2. Along N they cover a few M tile rows in full: A is read
-  // once and the expert's weight stays in L2. Same-run A/B on H100 (docs/EXPERIMENTS.md),
-  // % of dense cuBLAS, along M -> along N: one group of (65536, 2048, 1408) 59 -> 91%
-  // forward, 64 -> 91% dgrad; 4 router-like groups 77 -> 93%, 83 -> 92%; the benchmark
-  // shapes -1..+4 points. No swizzle: with the problem shapes on the device only, the
-  // grouped scheduler's grid is (SMs, 1) and it computes a swizzle of 1 whatever it is
-  // asked (measured: swizzles 2 and 8 gave the same times). The wgrad (2d2d) grid (N x K
-  // output tiles of a group, tokens the contraction) keeps the default.
+  // once and the expert's weight stays in L2 (record 009). No swizzle: with the problem
+  // shapes on the device only, the grouped scheduler computes a swizzle of 1 whatever it
+  // is asked. The wgrad (2d2d) grid keeps the default.
   if (raster_along_n) args.scheduler.raster_order = cutlass::gemm::kernel::detail::RasterOrderOptions::AlongN;
   args.hw_info.device_id = gpu.device();
   args.hw_info.sm_count = sm_count(gpu.device());
@@ -371,48 +367,26 @@ void run_gemm(const GroupTables<G>& t, int groups, bool raster_along_n, const at
 //   128x128's FLOPs (32 KB): a quarter fewer bytes a FLOP through TMA and L2, and half as
 //   many tile epilogues a FLOP. Outputs are bit-equal
 //   across all configurations (the same 64x128 GMMAs, promoted in the same order).
-// - Picks (H100, same-run A/B, docs/EXPERIMENTS.md, time / the 128x128 pick's):
-//   * 2d3d: 256x128 where the mean group has at least 256 rows: forward 0.91-0.97, dgrad
-//     0.83-0.97 on the three benchmark shapes (1024-2048 rows a group, balanced and
-//     router-like) and one group of 16384; with router-like groups of 256 and 512 rows a
-//     mean, 0.93-0.96 forward and 0.80-0.99 dgrad. Smaller groups keep 128x128 (not
-//     measured there: a 256-row tile wastes up to 255 rows at each group's end).
-//   * 2d2d: 256x128 where N is a multiple of 256, else 128x256 where K is, when the mean
-//     group has at most 4096 tokens: 0.91-0.95 at 1024-2048 tokens a group (8-16 k tiles
-//     a tile). With one group of 16384 tokens (128 k tiles) 128x128 is faster (256x128
-//     1.07, 128x256 1.03): over long k loops a warp group's own overlap wins. At 512 and
-//     8192 tokens a group the four were within 3% of each other, at 256 within 6%, with
-//     no winner across shapes (run-to-run noise about 3%).
-//   * 128x256 for 2d3d is not built: its B scales (one per 128 columns, two a tile) need
-//     another scale view (PromotionParts), and it measured 0.91-1.05 against 256x128's
-//     0.83-0.97.
-// - Pingpong 64x128x128 (each warp group its own tile) measured 15-25% slower on H100 for
-//   the benchmark shapes. The cluster is two CTAs that share one operand tile
+// - Picks (record 020): 2d3d 256x128 where the mean group has at least 256 rows (a
+//   256-row tile wastes up to 255 rows at each group's end); 2d2d 256x128 where N is a
+//   multiple of 256, else 128x256 where K is, when the mean group has at most 4096 tokens
+//   (over long k loops a warp group's own overlap wins). 128x256 for 2d3d is not built
+//   (its B scales need another scale view); nor is pingpong 64x128x128 (slower).
+// - The cluster is two CTAs that share one operand tile
 // through TMA multicast: 1x2 shares A across two N tiles, 2x1 shares B across two M
 // tiles. The scheduler rounds every group's tile grid up to the cluster.
 // - 2d3d 128x128 (forward, dgrad): 2x1 where N has an odd number of tiles (1x2 would round
 //   every group up to one more), and where the mean group (M / E rows) has at least 16 M
-//   tiles (2048 rows; now 256x128 there); else 1x2. Under 2x1 a group of an odd number of M tiles runs one tile
-//   row for nothing: with router-like groups (about half of them odd) that is about
-//   1 / (2 n) of the work at n tiles a group, 3% at 16 and 6% at 8. At 16 tiles 2x1's
-//   shared weight tiles saved more than that (net 1-4% below), at 8 less (net +4.3%).
-//   Same-run A/B on H100 (seven interleaved rounds, docs/EXPERIMENTS.md), 2x1 against 1x2,
-//   router-like groups padded to 128: (16384, 7168, 2048, 8) forward -1.2%, dgrad -1.1%;
-//   (32768, 5120, 1536, 16) -3.9%, -1.0%; (65536, 2048, 1408, 64), 8 tiles a group, 34
-//   of 64 groups odd: forward (11 N tiles) -3.7%, dgrad +4.3%.
+//   tiles (2048 rows; now 256x128 there); else 1x2. Under 2x1 a group of an odd number
+//   of M tiles runs one tile row for nothing, about 1 / (2 n) of the work at n tiles a
+//   group; shared weight tiles save more than that from 16 tiles on (record 007).
 // - 2d2d 128x128 (wgrad): 1x2, unless K has an odd and N an even number of tiles (the groups'
-//   tokens are the contraction there, so both tile counts are known on the host). On
-//   the benchmark shapes, which all take 1x2, 2x1 ran 0.5% faster to 8% slower.
+//   tokens are the contraction there, so both tile counts are known on the host; record 007).
 // The output: the consumers hand each tile to the producer warp group's spare warp
 // through the base epilogue's D stages (one per 128x64 subtile), and that warp
 // issues the TMA stores (store_warp_epilogue.cuh; it needs (128, 64) subtiles of bf16:
-// 128-byte swizzled rows). Same-build A/B on H100 (seven interleaved rounds, outputs
-// bit-equal, docs/EXPERIMENTS.md) against the epilogue before it, CUTLASS's with the
-// consumers storing through whole-output descriptors (128x64 subtiles): dgrad 0.93-0.97
-// on six of seven inputs and 1.024 with 64 balanced groups, wgrad 0.93-1.01, forward
-// 0.94-1.01. The 128x64 stages were also that epilogue's best (Nsight put 26% of the
-// consumer warps' stall samples in CUTLASS's automatic 128x32 subtiles; 128x64 was
-// 0.93-0.98 of that on dgrad and wgrad).
+// 128-byte swizzled rows). Against CUTLASS's epilogue: record 017; the 128x64 subtiles:
+// record 013.
 using EpiTile = Shape<_128, _64>;
 using FwdCluster21 = BlockwiseGemm<Shape<_128, _128, _128>, Shape<_2, _1, _1>, false, EpiTile>;
 using FwdCluster12 = BlockwiseGemm<Shape<_128, _128, _128>, Shape<_1, _2, _1>, false, EpiTile>;

@@ -5,8 +5,7 @@
 // CUTLASS's mma() runs each 128-deep k tile as: issue its GMMAs into a partial
 // accumulator, wait for ALL of them (warpgroup_wait<0>), then add partial x scale to
 // the total. While a warp group promotes, it has no GMMA in flight, and the next tile's
-// GMMAs start only after the promotion (on H100 at (65536, 2048, 1408, 64): tensor pipe
-// 56% busy against cuBLAS's 70%, 7x cuBLAS's gmma stalls; docs/EXPERIMENTS.md).
+// GMMAs start only after the promotion (record 008).
 //
 // Here the partial accumulator is double-buffered: tile t's GMMAs go into part[t % 2]
 // and are committed; then the warp group waits only for tile t - 1's group
@@ -16,10 +15,6 @@
 // tile after another), so the result is bit for bit the one of the base mainloop. Cost:
 // one more partial accumulator, 64 fp32 registers a thread at a 128x128 cooperative tile
 // (2 x 64 rows); no spill in any of our instances (ptxas -v).
-//
-// Measured against the base mainloop (H100, four same-run A/Bs, docs/EXPERIMENTS.md): 2-4%
-// faster on the dgrad of (65536, 2048, 1408, 64), about even on the other GEMMs; so the
-// promotion was a small part of that shape's gap to cuBLAS.
 //
 // Stage accounting matches the base: mma() releases every stage but the last, which
 // the kernel's mma_tail() releases. Since the scales are read after the GMMAs, the warps
@@ -274,8 +269,7 @@ struct PipelinedPromotion : PromotionParts<Base> {
 // Each atom is the same GMMAs as in the 128x128 tiles, promoted in the same order: bit
 // for bit the result of PipelinedPromotion. Where an atom's scale factors are a few
 // registers (2d3d), they are read before its GMMAs: no barrier before the release, and the
-// shared-memory reads overlap the GMMAs (H100, against reading them after the GMMAs
-// with no barrier: forward and dgrad 0.96-0.98 of the time; docs/EXPERIMENTS.md).
+// shared-memory reads overlap the GMMAs (record 021).
 template <class Base>
 struct SequencedPromotion : PromotionParts<Base> {
   using Parts = PromotionParts<Base>;

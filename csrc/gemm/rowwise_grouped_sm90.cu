@@ -159,15 +159,10 @@ void run(int config, const Tables& t, int groups, const at::Tensor& like, const 
   TORCH_CHECK(false, op, ": expected a configuration in [0, ", i, "), got ", config);
 }
 
-// The configuration of a GEMM, from an H100 sweep over the experts layer's six GEMMs at
-// issue 15's four shapes (bench/bench_rowwise_gemm.py --sweep; numbers in RESULTS.md):
-// - wgrad (2d2d): cooperative 128x256, cluster 2x1: the fastest (or within 2%) on all
-//   eight; its 256-wide tile halves the reads of A per output over 128x128, which
-//   matters where K (a group's tokens) is short and the epilogue writes a whole (N, K);
-// - forward / dgrad (2d3d): pingpong 128x128, cluster 1x2 where the groups are small
-//   (mean rows per group under 2048: 512-1024 tokens per expert: 4-13% faster than the
-//   cooperative 128x256), whose epilogue overlaps the other warp group's MMAs; the
-//   cooperative 128x256 for large groups (4096 rows per expert: 5-10% faster there).
+// The configuration of a GEMM (bench/bench_rowwise_gemm.py --sweep; record 030):
+// - wgrad (2d2d): cooperative 128x256, cluster 2x1 (a 256-wide tile halves A's reads);
+// - forward / dgrad (2d3d): pingpong 128x128, cluster 1x2 for mean groups under 2048
+//   rows (its epilogue overlaps the other warp group's MMAs), else cooperative 128x256.
 constexpr int kCoop128x256C21 = 2, kPong128x128C12 = 5;  // places in MOE_FP8_RW_CONFIGS
 
 int pick_config_2d3d(int64_t mean_rows) { return mean_rows >= 2048 ? kCoop128x256C21 : kPong128x128C12; }
@@ -248,11 +243,7 @@ at::Tensor rowwise_grouped_mm_2d3d(const at::Tensor& a, const at::Tensor& scale_
   p.groups = static_cast<int>(E);
   at::Tensor storage;
   Tables tables = carve_tables(storage, E, a.options());
-  // Tiles along N where the mean group's A (fp8 bytes) reaches 32 MiB. Same-run A/B on
-  // H100 (bench/RESULTS.md), along N against along M, the default config: one group of
-  // (65536, 2048) x 1408 -15%, of (32768, 7168) x 4096 -11%; 4 groups of 16384 x 2048
-  // (32 MiB) -8..-11%; 8 groups of 4096 x 7168 (28 MiB) about equal; 4096 x 2048,
-  // 1024 x 2048 and 1024 x 5120 0..+4% (the benchmark shapes: along M).
+  // Tiles along N where the mean group's A (fp8 bytes) reaches 32 MiB (record 030).
   tables.raster_along_n = ceil_div(M, E) * K >= (int64_t{32} << 20);
   constexpr int kThreads = 256;
   // Enough threads for the tables, and up to two blocks an SM for the zero tail.

@@ -7,9 +7,7 @@
 // output subtile they write it into shared memory, fence the async proxy, meet at a named
 // barrier (both warp groups), issue the TMA store and wait until an older store has read
 // its stage; at a group change, a consumer warp also rewrites the store descriptor. The
-// tensor cores idle meanwhile: at 12-16 k tiles a tile (the dgrad and wgrad GEMMs of the
-// grouped linear) that once-a-tile code was 16% of the consumers' time on an H100,
-// against 2.4% with one group of 128 k tiles (docs/EXPERIMENTS.md).
+// tensor cores idle meanwhile, most at few k tiles a tile (record 017).
 //
 // How: the base's D stages in shared memory, one per 128x64 subtile (two at a 128x128
 // tile, four at 256x128 and 128x256: WithStagesD), hold one whole tile in the layout the
@@ -25,13 +23,8 @@
 //   which no consumer uses now. The store warp has the next tile's whole mainloop to do
 //   this (11-16 k tiles at the benchmark shapes), so one buffer suffices there; with a
 //   k tile or two a tile (K = 128, wgrad groups of 128 tokens) the consumers wait for it.
-// Same-build A/B on an H100 against the epilogue before it (CUTLASS's, the consumers
-// storing through whole-output descriptors; docs/EXPERIMENTS.md): dgrad 0.93-0.97 of its
-// time on six of seven inputs and 1.024 with 64 balanced groups (a descriptor update at
-// nearly every tile), wgrad 0.93-1.01, forward 0.94-1.01, outputs bit-equal. Tried
-// first: the store warp writing the tile itself (16 bytes a lane) or as one bulk copy a
-// row: 1-20% slower than that epilogue, while the handoff with no store at all (timing
-// only) was 7-9% faster on the dgrad. So the stores must stay few TMA tensor stores.
+// The stores stay few TMA tensor stores: the store warp writing the tile itself, or a
+// bulk copy a row, was slower than CUTLASS's epilogue (record 017).
 //
 // Output: D = the accumulator rounded to bf16 (round to nearest even, as the base's
 // converter), no C, alpha 1 (can_implement refuses anything else), row-major D per

@@ -5,9 +5,10 @@
 // with the CPU registration).
 #include <torch/library.h>
 
-#include "grouping_ops.h"
+#include "../core/device_runtime.h"
 #include "../core/launch.h"
 #include "grouping_kernels.cuh"
+#include "grouping_ops.h"
 
 namespace moe_fp8 {
 namespace {

@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <initializer_list>
 
+#include "../core/device_runtime.h"
 #include "../core/numerics.h"
 #include "../core/portability.h"
 #include "../core/scan.cuh"

@@ -13,6 +13,7 @@
 
 #include <cstdint>
 
+#include "../core/device_runtime.h"
 #include "../core/portability.h"
 #include "../core/scan.cuh"
 #include "swizzle.h"
@@ -90,10 +91,7 @@ MOE_FP8_DEVICE SwizzleTables swizzle_tables(const SwizzleArgs& a, const int32_t*
 // A quad whose 4 bytes are not 4-aligned (K groups: a group's first column is any
 // column) is staged as the two aligned words holding them and shifted when written.
 // Without 32-bit access (SwizzleArgs::vec4: a strided or unaligned input), and for a
-// row's last quad when the row ends inside it, the bytes are read one by one.
-// (Before: a thread per 16 bytes gathering four words straight from global memory,
-// 48-71% of a copy on an H100; a first version of this kernel with register loads,
-// which ptxas serialized behind their branches, was slower still. bench/RESULTS.md.)
+// row's last quad when the row ends inside it, the bytes are read one by one (record 030).
 constexpr int kSwizzleRunStride = kSwizzleRunTiles + 1;  // words per staged row: odd, so
                                                           // neither phase has a bank conflict
 constexpr int kSwizzleRunRowsPerPass = kSwizzleThreads / kSwizzleRunTiles;

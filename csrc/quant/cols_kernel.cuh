@@ -9,9 +9,11 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "../core/device_runtime.h"
 #include "../core/numerics.h"
 #include "../core/portability.h"
 #include "../core/reduce.cuh"
+#include "../core/tuning_constants.h"
 #include "../core/vec.cuh"
 #include "engine.h"
 #include "rows_kernel.cuh"
@@ -344,8 +346,7 @@ MOE_FP8_DEVICE void cols_pass2(const ColsOperand& op, const ColsRows<typename De
 // kShift: the whole-set pass 2 checks whether the slice's q runs are off the 8-byte
 // grid and then stores them as aligned words (cols_runs_may_shift says where the
 // launcher asks for it; without it such runs are stored byte by byte, correct but
-// slow). Two instances, because the check and its loop cost the aligned launches
-// 1-2% (H100, bench/RESULTS.md) where the launcher knows the runs are aligned.
+// slow). Two instances: the check and its loop cost the aligned launches (record 030).
 template <InputKind K, Fp8Format F, class Rule, int kBlock, class Layout, bool kVec, bool kShift>
 __global__ void __launch_bounds__(kColsThreads, kColsMinBlocks)
     quantize_cols_kernel(ColsArgs a, int cluster, int cache_rows, int slice_rows) {
@@ -408,8 +409,8 @@ __global__ void __launch_bounds__(kColsThreads, kColsMinBlocks)
     // ordinary launch, see launch_quantize_cols).
     static_assert(kColsPassRows % kBlock == 0 && kBlock % kColsFragRows == 0, "blocks tile a pass");
     constexpr int kLanes = kBlock / kColsFragRows;
-    // FLOOR's scale is a few integer operations: there the shared form measured slower
-    // (H100, it spills under the 64-register bound), so each lane computes its own.
+    // FLOOR's scale is a few integer operations: there the shared form is slower (it
+    // spills under the 64-register bound), so each lane computes its own (record 026).
     constexpr bool kShareScales = !std::is_same_v<Rule, E8m0Floor>;
     static_assert(kLanes >= kC && (kLanes & (kLanes - 1)) == 0, "a lane of the block per column");
     const int lane = static_cast<int>(threadIdx.x % kWarpSize);
@@ -571,39 +572,21 @@ struct ColsLaunchPlan {
 
 // Choose the cluster size and the cached rows per block from the expected segment
 // length: the fewest blocks (a power of two, up to kColsMaxCluster) whose slices fit
-// the shared-memory budget; the part of a longer slice that does not fit is read
-// twice. Measured on H200 (bench/RESULTS.md, bench/sweep_cols.py): long slices in few
-// blocks beat short ones in many (a 2048-row segment: 4 x 512 rows 82% of a copy,
-// 8 x 256 rows 75%), as long as three blocks fit an SM (the same 4 x 512 rows with a
-// 768-row cache, two blocks an SM: 73%); 72 KB is the largest budget that keeps three.
-constexpr int64_t kColsSmemBudget = 72 * 1024;
+// the shared-memory budget (kColsSmemBudget); the part of a longer slice that does not
+// fit is read twice.
 // Long segments: a slice over kColsLongSliceRows rows in an 8-block cluster caches
 // that many rows (96 KB, two blocks an SM), one over twice as many all the shared
-// memory of an SM (one block). Measured on H100 (same-run A/B, bench/RESULTS.md), the
-// jagged colwise dual of 8 router-like groups: over 131072 rows (slices of 2048) 2028
-// -> 1796 us with the whole SM (768 rows: 1916); over 65536 rows (slices of 1024) 900
-// -> 871 us with 768 rows (the whole SM: 945); over 32768 rows (slices of 512) the
-// budget above stays best.
-constexpr int64_t kColsLongSliceRows = 768;
+// memory of an SM (one block); record 030.
 // Token groups (jagged segments) whose expected group takes a 2-block cluster: one
 // block a group slice instead, caching all the shared memory of an SM (1752 rows), so
-// a group up to 1.5x the planned one is read once and no cluster barrier is waited on.
-// Measured on H100 (same-run A/B, bench/RESULTS.md), the jagged colwise dual of
-// router-like groups: 64 over 65536 rows 0.89x the time (74 -> 83% of a copy), 32 over
-// 32768 rows of 5120 + 1536 columns 0.88x, 64 over 49152 rows 0.96x, 112 over 65536
-// rows (a 2-block cluster of 336 rows before) 1.00x; equal groups 0.94-0.97x.
+// a group up to 1.5x the planned one is read once and no cluster barrier is waited on
+// (record 030).
 
 // Block mode (blocks of 32 or 128 rows) needs no cross-block exchange: the blocks of
 // a segment slice (about kColsBlockSliceRows rows, whole scale blocks) run as
 // independent thread blocks, each in chunks of up to kColsBlockCacheRows rows (whole
-// 128-row passes). Measured on H100 (bench/sweep_cols.py --block, docs/EXPERIMENTS.md):
-// short slices in many blocks beat long ones here, unlike the whole-set reduction
-// above. Against 2048-row slices with a 512-row cache, the previous plan: MXFP8
-// colwise over 2048-row groups 75-79% -> 82-84% of a copy, MXFP8 expert weights
-// (transposing) 80-88% -> 89-90%, blockwise act_rhs 81-85% -> 90-91%; 256- and
-// 512-row caches, and 1024-row slices, measured no better than 384 rows.
-constexpr int64_t kColsBlockSliceRows = 512;
-constexpr int64_t kColsBlockCacheRows = 384;
+// 128-row passes): short slices in many blocks, unlike the whole-set reduction above
+// (record 001).
 inline ColsLaunchPlan plan_cols_launch(int64_t expected_rows, int num_segments, int max_smem_bytes,
                                        bool clusters, int block = kWholeSet, bool jagged = false) {
   const int64_t budget = std::min<int64_t>(max_smem_bytes - 8192, kColsSmemBudget);
@@ -645,14 +628,7 @@ inline ColsLaunchPlan plan_cols_launch(int64_t expected_rows, int num_segments, 
 // two slices of about 1232 rows). Instead each group gets up to twice the mean's
 // slices, and uses as many as slices of one cached pass (cache_rows) need; its other
 // blocks have no rows (quantize_cols_kernel). Only for narrow operands (at most
-// kColsGroupSlicesMaxTiles column tiles): 5120 and 7168 columns lost 2-7% on H100.
-// Kernel time against the plan above, 17 narrow cases (MXFP8 colwise plain and blocked
-// over 8-64 router-like groups, 1024-2048 columns; blockwise act_rhs padded, G=8/16;
-// docs/EXPERIMENTS.md): H100 0.945-0.985 on 15, 1.007 and 1.026 on two; H200 0.957-0.988
-// on 6 of the 7 plain MXFP8 rows (1.016), 0.99-1.10 on the blocked and act_rhs rows.
-// Slices of kColsBlockSliceRows (512 rows: a 384-row pass and a 128-row one), as before,
-// were 0.3-8% slower than these on every case of both.
-constexpr int64_t kColsGroupSlicesMaxTiles = 32;
+// kColsGroupSlicesMaxTiles column tiles; record 027).
 
 // Column tiles of a launch (grid.x): tile_cols columns of each operand row a block, the
 // second operand's tiles after the first's.

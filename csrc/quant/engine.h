@@ -295,9 +295,9 @@ inline bool act_dual_vector_ok(const ActDualArgs& a, int64_t element_size) {
          a.q_rows_total % 128 == 0 && a.alignment % 128 == 0 && a.q_rows_total / 128 * ((a.cols + 127) / 128) < (int64_t{1} << 31);
 }
 
-// The "dual" shape (FP8 rowwise weights, DESIGN §10): for each expert's matrix X
+// The "dual" shape (FP8 rowwise weights, DESIGN §5): for each expert's matrix X
 // (rows x cols, columns contiguous), X quantized with one scale per row and X^T with
-// one scale per column, from one DRAM read (quant/dual_kernel.cuh).
+// one scale per column, from one DRAM read (quant/specialized/dual_kernel.cuh).
 struct DualArgs {
   // Rows [0, row_split) of expert e are x[0] + e * x_se[0] + r * x_sr[0]; rows from
   // row_split on come from x[1] (row r - row_split). Columns are contiguous.
@@ -334,56 +334,6 @@ inline bool dual_kernel_ok(const DualArgs& a, int elem_size) {
   return true;
 }
 
-// The jagged dual shape (dual_kernel.cuh): x (rows, cols) with token groups `offs` ->
-// (quantize_rowwise(x), quantize_jagged_colwise(x, offs) in the padded layout) from one
-// DRAM read: q_rows (rows, cols) row-major and s_rows (rows), q_cols (cols, padded_rows)
-// row-major (the (padded_rows, cols) column-major operand) and s_cols (groups, cols).
-struct DualJaggedArgs {
-  const void* x = nullptr;  // columns contiguous, row r at x + r * x_sr (elements)
-  int64_t x_sr = 0;
-  int64_t rows = 0, cols = 0;
-  const int32_t* offs = nullptr;           // (groups,), cumulative group ends
-  const int32_t* padded_starts = nullptr;  // (groups,), each group's first q_cols row
-  int64_t groups = 0, alignment = 16, padded_rows = 0;
-  uint8_t* q_rows = nullptr;
-  float* s_rows = nullptr;
-  uint8_t* q_cols = nullptr;
-  float* s_cols = nullptr;
-  // dual_jagged_work_words words, 16-byte aligned (the launch fills them itself): per
-  // set (groups + 1: the tail) its rows and tile count (5 words); zeroed: amax bits of
-  // the rows (rows) and of each group's columns (groups * cols), first-pass tiles done
-  // per set (groups + 1), the ticket counter; then the group ends (groups) and the
-  // rounds' first tickets with the total (groups + 1 + lag + 1 <= 2 groups + 3).
-  uint32_t* work = nullptr;
-  int64_t lag = 1;  // sets between a tile's two passes, set by the launcher
-};
-
-inline int64_t dual_jagged_zero_words(int64_t rows, int64_t cols, int64_t groups) {
-  return rows + groups * cols + groups + 2;
-}
-
-inline int64_t dual_jagged_work_words(int64_t rows, int64_t cols, int64_t groups) {
-  return 5 * (groups + 1) + dual_jagged_zero_words(rows, cols, groups) + groups + 2 * groups + 3;
-}
-
-// Whether the jagged dual kernel takes this launch, for a mean group of rows / groups
-// rows: 2-byte inputs, 16-byte aligned rows, columns a multiple of 8, the padded
-// layout with an alignment that keeps q_cols chunks aligned, two mean groups within the
-// L2 budget, and 32-bit tickets for any offs (the plan bounds every set's tiles).
-inline bool dual_jagged_ok(const DualJaggedArgs& a, int elem_size, int64_t l2_budget) {
-  if (elem_size != 2 || a.rows <= 0 || a.cols <= 0 || a.groups <= 0 || a.padded_starts == nullptr) return false;
-  if (a.cols % 8 != 0 || a.x_sr % 8 != 0 || reinterpret_cast<uintptr_t>(a.x) % 16 != 0) return false;
-  if (a.alignment % 16 != 0 || a.padded_rows % 16 != 0) return false;
-  // Set rows in int32, and a tile's first row (a set's start plus its q_cols rows,
-  // whatever offs and padded_starts hold) too.
-  if (a.rows + a.padded_rows >= INT32_MAX) return false;
-  if (2 * ceil_div(a.rows, a.groups) * a.cols * 2 > l2_budget) return false;
-  const int64_t tiles_c = ceil_div(a.cols, 128);
-  const int64_t row_tiles = (a.rows + a.groups * a.alignment) / 128 + a.groups + 1 +
-                            (a.rows > a.padded_rows ? a.rows : a.padded_rows) / 128 + 1;
-  return 2 * tiles_c * row_tiles + (int64_t{1} << 20) < (int64_t{1} << 31);
-}
-
 // Which policies a launch uses, as runtime values; each recipe's .cu and CPU file map
 // the combinations it instantiates (dispatch_quant below) and reject the rest.
 struct QuantSpec {
@@ -404,10 +354,6 @@ struct QuantKernels {
   // when two fit); dual: one launch over a zeroed a.work (dual_work_words).
   int64_t (*dual_budget)(int device) = nullptr;
   void (*dual)(InputKind in, Fp8Format fmt, bool pow2, const DualArgs& a, int device) = nullptr;
-  // The jagged dual shape where a device has it: taken where dual_jagged_ok holds
-  // under dual_jagged_budget (0: never).
-  int64_t (*dual_jagged_budget)(int device) = nullptr;
-  void (*dual_jagged)(InputKind in, Fp8Format fmt, bool pow2, const DualJaggedArgs& a, int device) = nullptr;
 };
 
 // One device's runner of the tiles shape for a recipe's scale rules (blockwise: the

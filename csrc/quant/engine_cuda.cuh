@@ -7,24 +7,24 @@
 #include <c10/util/Exception.h>
 
 #include <cstdio>
-#include <cstdlib>
+#include <optional>
+#include <string>
 
+#include "../core/device_runtime.h"
 #include "../core/dispatch.h"
 #include "../core/launch.h"
-#include "act_dual_kernel.cuh"
+#include "../core/tuning.h"
 #include "cols_kernel.cuh"
 #include "rows_kernel.cuh"
-#include "tiles_kernel.cuh"
+#include "specialized/act_dual_kernel.cuh"
+#include "specialized/tiles_kernel.cuh"
 
 namespace moe_fp8 {
 namespace engine_cuda {
 
-// MOE_FP8_COLS_PLAN="cluster,rows" replaces the launch plan of the whole-set
-// transposing kernel, for tuning sweeps (bench/sweep_cols.py); results are the same
-// for any valid plan, only the speed changes. MOE_FP8_COLS_BLOCK_PLAN="slices,rows"
-// does the same for block mode (blocks of 32 or 128 rows: MXFP8 and blockwise
-// colwise): independent slices per segment (1 to 64) and rows staged at a time (a
-// multiple of one 128-row pass).
+// The tuning knobs cols_plan="cluster,rows" (whole-set mode) and cols_block_plan=
+// "slices,rows" (block mode: slices per segment 1-64, rows a multiple of a 128-row pass)
+// replace the launch plan, for sweeps (bench/sweep_cols.py); only the speed changes.
 inline ColsLaunchPlan cols_plan_override(const char* v, int device, bool block_mode) {
   int first = 0, rows = 0;
   char tail = 0;
@@ -32,13 +32,13 @@ inline ColsLaunchPlan cols_plan_override(const char* v, int device, bool block_m
   const bool rows_fit = static_cast<int64_t>(rows) * kColsTileBytes <= max_dynamic_smem_per_block(device) - 8192;
   if (block_mode) {
     TORCH_CHECK(parsed && first >= 1 && first <= 64 && rows > 0 && rows % kColsPassRows == 0 && rows_fit,
-                "moe_fp8: expected MOE_FP8_COLS_BLOCK_PLAN=\"slices,rows\" with slices in [1, 64] and rows a positive ",
+                "moe_fp8: expected tuning cols_block_plan=\"slices,rows\" with slices in [1, 64] and rows a positive ",
                 "multiple of ", kColsPassRows, " that fits shared memory, got \"", v, "\"");
   } else {
     const int max_cluster = supports_clusters(device) ? kColsMaxCluster : 1;
     TORCH_CHECK(parsed && first >= 1 && first <= max_cluster && (first & (first - 1)) == 0 && rows > 0 &&
                     rows % kColsFragRows == 0 && rows_fit,
-                "moe_fp8: expected MOE_FP8_COLS_PLAN=\"cluster,rows\" with cluster a power of two up to ", max_cluster,
+                "moe_fp8: expected tuning cols_plan=\"cluster,rows\" with cluster a power of two up to ", max_cluster,
                 " and rows a positive multiple of ", kColsFragRows, " that fits shared memory, got \"", v, "\"");
   }
   return {first, rows};
@@ -81,13 +81,13 @@ void run_cols(InputKind in, Fp8Format fmt, const QuantSpec& spec, const ColsArgs
   ColsLaunchPlan plan = plan_cols_launch(expected_segment_rows, segments, max_dynamic_smem_per_block(device),
                                          supports_clusters(device), spec.block, a.jagged);
   const bool whole = spec.block == kWholeSet;
-  const char* override_plan = std::getenv(whole ? "MOE_FP8_COLS_PLAN" : "MOE_FP8_COLS_BLOCK_PLAN");
+  const std::optional<std::string> override_plan = tuning(whole ? Knob::kColsPlan : Knob::kColsBlockPlan);
   // Block mode over token groups: slices sized by each group (narrow operands), unless overridden.
-  const bool group_slices = override_plan == nullptr && !whole && a.jagged && a.num_segments > 0;
-  if (override_plan != nullptr) {
-    plan = cols_plan_override(override_plan, device, !whole);
-    TORCH_CHECK(static_cast<int64_t>(segments) * plan.cluster <= 65535, "moe_fp8: ",
-                whole ? "MOE_FP8_COLS_PLAN cluster " : "MOE_FP8_COLS_BLOCK_PLAN slices ", plan.cluster,
+  const bool group_slices = !override_plan && !whole && a.jagged && a.num_segments > 0;
+  if (override_plan) {
+    plan = cols_plan_override(override_plan->c_str(), device, !whole);
+    TORCH_CHECK(static_cast<int64_t>(segments) * plan.cluster <= 65535, "moe_fp8: tuning ",
+                whole ? "cols_plan cluster " : "cols_block_plan slices ", plan.cluster,
                 " is too large for ", segments, " segments");
   }
   int err = 0;

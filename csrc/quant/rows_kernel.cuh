@@ -9,10 +9,13 @@
 #include <cstdint>
 #include <cstdlib>
 
+#include "../core/device_runtime.h"
 #include "../core/numerics.h"
 #include "../core/portability.h"
 #include "../core/reduce.cuh"
 #include "../core/scan.cuh"
+#include "../core/tuning_constants.h"
+#include "../core/tuning.h"
 #include "../core/vec.cuh"
 #include "engine.h"
 
@@ -148,13 +151,13 @@ __global__ void __launch_bounds__(1024) quantize_rows_kernel(RowsArgs a) {
 //    the scale buffer whole;
 //  * linear scales, vector path, rows of at least kBlockRowMinChunks chunks that fit
 //    a ring stage: the ring kernel (below), the next row's loads in flight while a
-//    row is encoded (78-83% -> 90-92% of a copy on H100 over the by-row walk);
+//    row is encoded (record 030);
 // and, for the rest, two walks over the chunks:
 //  * by row (rows of at least kBlockRowMinChunks chunks): a persistent thread block
 //    per row at a time, its threads across the row, so the row's position and its
 //    scale placement (an M-group lookup) are paid once per row: the flat walk spends
 //    two divisions (and, for M groups, a group search) per chunk, and the kernel is
-//    close to instruction bound (bench/RESULTS.md has the two walks' numbers).
+//    close to instruction bound (record 030).
 //  * flat (short rows): one stream of (row, block, lane), so short rows still fill
 //    whole warps.
 // ---------------------------------------------------------------------------------
@@ -305,8 +308,7 @@ MOE_FP8_DEVICE ScaleCode<typename Rule::stored_t> encode_ring_unit(const uint4 (
     // `store` alike) swap one half, and each store of the pair writes one whole sector:
     // the even lane writes its first half, then the odd lane's first; the odd lane the
     // even lane's second half, then its own. Every lane shuffles (the callers keep the
-    // warp converged). Measured on an H100 against the two plain stores: act_lhs 2.5-7%
-    // faster (85-89% -> 89-92% of a copy), MXFP8 rowwise 0.5-1.7% (docs/EXPERIMENTS.md).
+    // warp converged). Record 002.
     uint4 h[2];
 #pragma unroll
     for (int j = 0; j < kRingVecsPerLane; ++j) {
@@ -408,13 +410,10 @@ MOE_FP8_DEVICE void rows_block_step(const uint4* ring_row, int64_t nvec, uint8_t
 // through a ring of kRowsStages row buffers with async copies, so that the next
 // kRowsStages - 1 rows are always in flight while one row is reduced and encoded,
 // and no registers are spent holding data. Two stages and about eight 16-byte
-// vectors per thread measured best on H200 (sweep of 2/3/4/6 stages x 2/4/8 vectors:
-// small blocks, many per SM, beat deeper rings; bench/RESULTS.md). Both block kinds
+// vectors per thread (tuning_constants.h). Both block kinds
 // use it: a whole-set row is reduced over the thread block; with blocks of kBlock
 // elements each block's lanes reduce it among themselves (rows_block_step above), so
 // the loads of the next row never wait on a row's compute.
-constexpr int kRowsStages = 2;
-constexpr int kRowsVecsPerThread = 8;
 constexpr int64_t kRowsMaxStageBytes = 32 * 1024;
 static_assert(kRowsMaxStageBytes / 16 <= 256 * kRingVecsPerLane * kRingRounds,
               "a ring row of blocks takes at most kRingRounds rounds of 256 threads");
@@ -429,9 +428,7 @@ MOE_FP8_HD int64_t ring_stage_vecs(int64_t nvec) {
 // Scales gathered over a cluster (kGather > 1; CUDA sm90+, fp32 scales of column-major
 // linear layouts: FP8 blockwise act_lhs, scale (M, K/128) with strides (1, M)). Stored
 // row by row, each row puts one 4-byte scale in each of K/128 sectors: as many L2 write
-// requests as the row's q stores make. On H100 those stores cost 2-4% against the same
-// kernel storing them row-major (act_lhs 89-91% of a copy against 91-93%; without any
-// scale store 93-95%; bench/RESULTS.md). Instead the kGather blocks of a cluster (consecutive
+// requests as the row's q stores make (record 030). Instead the kGather blocks of a cluster (consecutive
 // blockIdx.x, so consecutive rows in every step, the band of rows in flight unchanged)
 // put their row's scales in the shared memory of the block that owns the block column
 // (column b: block b % kGather of the cluster), and each owner writes the kGather rows of
@@ -440,22 +437,12 @@ MOE_FP8_HD int64_t ring_stage_vecs(int64_t nvec) {
 // from the other of two buffers. The blocks of a cluster so move in step with the slowest
 // of them: it pays on long rows only (the launcher's conditions below).
 constexpr int kGatherRows = kRocm ? 1 : 8;
-constexpr int64_t kGatherMinRowBytes = 8192;  // rows of at least 4096 bf16
-constexpr int64_t kGatherMinSteps = 8;         // steps a cluster, at least
 // Runs without a cluster (kGather > 1, kCluster false): where a step is too short for
 // the cluster's lockstep (rows of up to kRunMaxCols blocks), each block takes kGather
 // consecutive rows in kGather consecutive steps, keeps their scales in its own shared
 // memory and stores each block column's run after the last of them. The rows in flight
 // then span kGather times the band of the row-by-row walk.
-// Host side: an environment switch of the ring kernel's scale stores: -1 unset or empty
-// (the launcher decides), 0 for a value starting with '0' (never), 1 otherwise (always).
-inline int rows_env_switch(const char* name) {
-  const char* v = std::getenv(name);
-  return v == nullptr || v[0] == '\0' ? -1 : (v[0] == '0' ? 0 : 1);
-}
 constexpr int kRunMaxCols = 16;  // block columns of a row, at most (2048 elements in blocks of 128)
-constexpr int64_t kRunMinRowBytes = 4096;  // rows of at least 2048 16-bit elements (so, with the above, 2048)
-constexpr int64_t kRunMinRuns = 2;         // runs a resident block, at least
 template <int kBlock, int kGather, bool kCluster>
 constexpr int gather_max_cols() {  // block columns a block stores runs of, at most (16-bit rows)
   if constexpr (kGather > 1 && kBlock > 0) {
@@ -610,15 +597,11 @@ __global__ void __launch_bounds__(1024) quantize_rows_pipelined_kernel(RowsArgs 
 // lane, padding (rows and columns of no block) included, so the buffer needs no
 // zeroing. Consecutive units are the slices of one octet, so the CTAs in flight read
 // a compact band of rows (an octet's rows lie 32 apart; walking whole rows octet by
-// octet spreads the concurrent reads over 8x the rows, measured 3-15% slower on
-// H100), and the many small units balance over the grid (handed out by a work counter:
-// below). On H100 this costs 0-2% over the same quantization with plain scales by a
-// stride walk like the plain kernel's (bench/RESULTS.md); scattered byte
-// stores cost 4-11% plus the memset. The rows of the blocked
+// octet spreads the concurrent reads over 8x the rows), and the many small units balance
+// over the grid (a work counter: below). Costs: record 030. The rows of the blocked
 // matrix come from the reduction rows (plain, per segment) or from the token groups
 // (M groups: group g's rows start at group_starts[g]); reduction rows in no group
 // (past the last one) follow as units of eight consecutive rows, with no scales.
-constexpr int kTileSliceBytes = 1024;  // 512 and 2048 measured no better on H100
 constexpr int kTileStages = 2;
 // Threads of the tile kernel: kRingVecsPerLane vectors a lane, eight octet rows (a
 // namespace constant: a template argument list inside __launch_bounds__ does not
@@ -731,8 +714,7 @@ __global__ void __launch_bounds__(kTileThreads, kMinBlocks) quantize_rows_blocke
   // lies in group 0, where blocked row = reduction row. A row whose guess was wrong
   // loads its unit into stage 0 after the prologue, without waiting for the guessed
   // copies (they land in their own stage, never read; the rows they bring into L2 are
-  // read soon by the blocks whose rows they are: with no guess at all the op ran 4-5%
-  // slower at (16384, 2048) on H100, even where every guess was wrong).
+  // read soon by the blocks whose rows they are; records 003, 025).
   // offs is read first, so that its latency overlaps the guessed copies.
   constexpr bool mgroups = kMGroups;
   const bool has_group = mgroups && static_cast<int>(threadIdx.x) < a.groups;
@@ -949,11 +931,6 @@ inline bool rows_vector_ok(const RowsArgs& a) {
          reinterpret_cast<uintptr_t>(a.x) % 16 == 0;
 }
 
-// The M-group tile kernel's blocks an SM on an H100 SXM (launch_quantize_rows_blocked),
-// and that GPU's peak DRAM bandwidth an SM (2 x 2619 MHz x 640 bytes / 132 SMs).
-constexpr int kTileMGroupBlocksPerSm = 6;
-constexpr double kTileRefBytesPerNsPerSm = 25.4;
-
 // The octet-tile kernel for blocked scales (vector path, rows > 0, cols > 0).
 template <InputKind K, Fp8Format F, class Rule, int kBlock>
 int launch_quantize_rows_blocked(const RowsArgs& a, gpuStream_t stream) {
@@ -983,9 +960,9 @@ int launch_quantize_rows_blocked(const RowsArgs& a, gpuStream_t stream) {
   p.seg_octets = static_cast<uint32_t>(seg_rows / 8);
   p.segments = static_cast<uint32_t>(segments);
   p.units = static_cast<uint32_t>(units);
-  // Units from a work counter where a block can take more than two (measured on H100
-  // only: ROCm keeps the stride); MOE_FP8_ROWS_DYNAMIC=0 walks by the stride (tests).
-  const bool dynamic = !kRocm && rows_env_switch("MOE_FP8_ROWS_DYNAMIC") != 0;
+  // Units from a work counter where a block can take more than two (record 028; ROCm
+  // keeps the stride); tuning rows_dynamic="0" walks by the stride (tests).
+  const bool dynamic = !kRocm && tuning_switch(Knob::kRowsDynamic) != 0;
   // M groups without group_starts: the block's table of group starts (dynamic shared memory)
   const size_t smem = mgroups && a.group_starts == nullptr ? static_cast<size_t>(a.groups) * sizeof(int32_t) : 0;
   // per_sm: blocks an SM at most (0: as many as fit)
@@ -996,31 +973,9 @@ int launch_quantize_rows_blocked(const RowsArgs& a, gpuStream_t stream) {
     if (dynamic && bound > 2 * static_cast<int64_t>(grid.x)) p.work = work_counter(stream);
     return launch_kernel(kernel, grid, dim3(TG::kThreads), smem, stream, 1, a, p);
   };
-  // Blocks an SM (launch bounds): the plain instance fits 9 in 48-56 registers without
-  // spilling (the one kernel for both took 72, 7 an SM: +5.6% over plain scales at
-  // (16384, 2048) on H100 against +1.0..2.3% now). The M-group instance fits 8 in 64
-  // (the walk's bounds in shared memory, 32-bit rows; a 4-byte spill in the 16-bit Rceil
-  // instances) and in shared memory up to about 760 groups (25 KB a block with the
-  // guess's stage, plus its group starts, 4 bytes a group; 7 an SM above). Against 7 an SM in
-  // 72 registers it ran 1-2 points faster over plain scales at every shape but (16384,
-  // 2048), where it was equal (H100, two interleaved runs); 9 an SM (56 registers, no
-  // spare stage: a wrong guess waits for its copies) was 1-4 points slower at the larger
-  // shapes. ROCm: no target (hipcc reads the bound as waves an EU, which these kernels do
-  // not meet), as before the split.
-  //
-  // The M-group instance's grid: 6 blocks an SM, not the 8 that fit, where the groups'
-  // padding (at most 127 rows a group) is at most an eighth of the rows. Kernel time over
-  // plain scales, H100, 8 an SM -> 6 (docs/EXPERIMENTS.md, "The M-group kernel's grid"):
-  // router-like G=8 at (16384, 2048) +6.9..+7.4% -> +4.9..+5.2%, one group +5.8..+6.4%
-  // -> +4.3..+4.6%; G=8 at (16384, 7168), (65536, 7168), (131072, 2048) +0.5..+1.3% ->
-  // -0.7..+0.4%. With 64 groups at M = 16384 (a quarter of the blocked rows padding) 6
-  // and 7 an SM lost 2-4 points, so those keep 8.
-  // On an H200 (about 1.4x the DRAM bandwidth an SM) 8 an SM beat 6 at every shape
-  // above, by 1.4-5 points: more bandwidth wants more bytes in flight. So the 6 scale
-  // with the device's bandwidth an SM against the H100's, never below 6 (fewer were
-  // slower on the H100); an H200 gets the 8 that fit (the 0.05 keeps a ratio a hair
-  // over 1, the attributes' rounding, at 6). ROCm keeps its grid. All of this was
-  // measured with the stride walk, before the work counter, and not measured again.
+  // Blocks an SM: plain instance 9 (48-56 registers), M-group instance 8 in 64 (record 004;
+  // ROCm: no target). The M-group grid: 6 an SM where padding is at most an eighth of the
+  // rows, scaled by DRAM bandwidth an SM against the H100's (records 023, 024).
   if (mgroups) {
     int per_sm = 0;
     if (!kRocm && int64_t{8} * 128 * a.groups <= a.rows) {
@@ -1066,15 +1021,12 @@ int launch_quantize_rows(const RowsArgs& a, gpuStream_t stream) {
     const size_t smem = static_cast<size_t>(kRowsStages * ring_stage_vecs<kBlock>(nvec) * 16);
     // fp32 scales in a column-major layout (a row's scale one element after the previous
     // row's): gathered over clusters where the device has them, for rows of at least 8 KB
-    // of 16-bit elements and at least kGatherMinSteps steps a cluster. Measured on H100
-    // (bench/RESULTS.md): 1-4% faster on rows of 4096 to 7168 bf16; 7-16%
-    // slower on rows of 2048 bf16 (a step there is short against the cluster's lockstep),
-    // 3% slower on fp32 rows of 7168, 12% slower with about four steps a cluster.
+    // of 16-bit elements and at least kGatherMinSteps steps a cluster (record 030).
     constexpr int kGather =
         kBlock != kWholeSet && sizeof(T) == 2 && sizeof(typename Rule::stored_t) * kGatherRows == 32 ? kGatherRows : 1;
     if constexpr (kGather > 1) {
-      // MOE_FP8_ROWS_GATHER: 0 = never, 1 = wherever the layout and device allow (tests).
-      const int mode = rows_env_switch("MOE_FP8_ROWS_GATHER");
+      // tuning rows_gather: 0 = never, 1 = wherever the layout and device allow (tests).
+      const int mode = tuning_switch(Knob::kRowsGather);
       if (mode != 0 && a.scale.set_stride == 1 && a.rows >= kGather && supports_clusters(current_device())) {
         auto kernel = quantize_rows_pipelined_kernel<K, F, Rule, kBlock, L, kGather, true>;
         const int64_t clusters = resident_clusters_x(kernel, static_cast<int>(pthreads), smem, kGather);
@@ -1088,13 +1040,10 @@ int launch_quantize_rows(const RowsArgs& a, gpuStream_t stream) {
         }
       }
       // Elsewhere, rows of at most kRunMaxCols blocks: runs of a block's own rows, for
-      // rows of at least kRunMinRowBytes and at least kRunMinRuns runs a resident block.
-      // Measured on H100 (bench/RESULTS.md), runs against the row stores: rows of 2048
-      // bf16 over 131072 and 65536 rows (about 5.6 and 2.8 runs a resident block, at an
-      // estimated 22 blocks an SM) 3-4% and 2% faster, over 16384 rows (0.7) 3% slower;
-      // rows of 1536 and 1024 bf16 1% and 9.5% slower.
-      // MOE_FP8_ROWS_RUNS: 0 = never, 1 = wherever the layout allows (tests).
-      const int runs = rows_env_switch("MOE_FP8_ROWS_RUNS");
+      // rows of at least kRunMinRowBytes and at least kRunMinRuns runs a resident block
+      // (record 030).
+      // tuning rows_runs: 0 = never, 1 = wherever the layout allows (tests).
+      const int runs = tuning_switch(Knob::kRowsRuns);
       if (runs != 0 && a.scale.set_stride == 1 && ceil_div(a.cols, int64_t{kBlock}) <= kRunMaxCols) {
         auto kernel = quantize_rows_pipelined_kernel<K, F, Rule, kBlock, L, kGather, false>;
         const int64_t resident =

@@ -5,7 +5,7 @@
 // unused inline function would let the compiler skip generating the kernels it names.
 #pragma once
 
-#include "../quant/dual_kernel.cuh"
+#include "../quant/specialized/dual_kernel.cuh"
 #include "../quant/engine_instantiate.cuh"
 
 namespace moe_fp8 {
@@ -16,9 +16,8 @@ int rowwise_launchers(const QuantSpec& spec, const RowsArgs& r, const ColsArgs& 
                                                                                                          stream);
 }
 
-// The dual kernels (a weight's two orientations; a token-grouped tensor's rowwise and
-// per-group colwise), 2-byte inputs only.
-int rowwise_dual_launchers(const DualArgs& a, const DualJaggedArgs& j, gpuStream_t stream) {
+// The dual kernel (a weight's two orientations), 2-byte inputs only.
+int rowwise_dual_launchers(const DualArgs& a, gpuStream_t stream) {
   int err = 0;
   for (int in = 0; in < 2; ++in) {
     for (int fmt = 0; fmt < 3; ++fmt) {
@@ -28,8 +27,6 @@ int rowwise_dual_launchers(const DualArgs& a, const DualJaggedArgs& j, gpuStream
         if constexpr (K != InputKind::kFP32) {
           err |= launch_quantize_dual<K, F, Fp32Pow2>(a, 264, 1 << 25, stream);
           err |= launch_quantize_dual<K, F, Fp32Exact>(a, 264, 1 << 25, stream);
-          err |= launch_quantize_dual_jagged<K, F, Fp32Pow2>(j, 264, 1 << 25, stream);
-          err |= launch_quantize_dual_jagged<K, F, Fp32Exact>(j, 264, 1 << 25, stream);
         }
       });
     }

@@ -362,39 +362,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_rowwise_jagg
     const std::optional<at::Tensor>& padded_starts, int64_t alignment) {
   constexpr const char* op = "quantize_rowwise_jagged_dual";
   check_jagged_input(x, op, "x");
-  const Fp8Format fmt = fp8_format(fp8_dtype, op);
+  (void)fp8_format(fp8_dtype, op);
   check_offs(offs, x, x.size(0), op);
-  const JaggedLayout l = jagged_layout(x, offs, padded_starts, alignment, op);
-  // One read where the device has the kernel and it is switched on (the padded layout,
-  // a mean group that fits its L2 budget twice), else the two ops.
-  if (k.dual_jagged != nullptr && k.dual_jagged_budget != nullptr && l.padded_starts.defined() && x.stride(1) == 1) {
-    const at::Tensor offs_c = offs.contiguous();
-    const int64_t M = x.size(0), D = x.size(1), G = offs.numel();
-    DualJaggedArgs a;
-    a.x = x.data_ptr();
-    a.x_sr = x.stride(0);
-    a.rows = M;
-    a.cols = D;
-    a.offs = offs_c.data_ptr<int32_t>();
-    a.padded_starts = l.padded_starts.data_ptr<int32_t>();
-    a.groups = G;
-    a.alignment = l.alignment;
-    a.padded_rows = l.q_rows;
-    if (G <= 65534 && dual_jagged_ok(a, x.element_size(), k.dual_jagged_budget(x.get_device()))) {
-      at::Tensor q_rows = at::empty({M, D}, x.options().dtype(fp8_dtype));
-      at::Tensor s_rows = at::empty({M, 1}, x.options().dtype(at::kFloat));
-      at::Tensor q_cols = at::empty_strided({l.q_rows, D}, {1, l.q_rows}, x.options().dtype(fp8_dtype));
-      at::Tensor s_cols = at::empty({G, D}, x.options().dtype(at::kFloat));
-      at::Tensor work = at::empty({dual_jagged_work_words(M, D, G)}, x.options().dtype(at::kInt));
-      a.q_rows = static_cast<uint8_t*>(q_rows.data_ptr());
-      a.s_rows = s_rows.data_ptr<float>();
-      a.q_cols = static_cast<uint8_t*>(q_cols.data_ptr());
-      a.s_cols = s_cols.data_ptr<float>();
-      a.work = reinterpret_cast<uint32_t*>(work.data_ptr<int32_t>());
-      k.dual_jagged(input_kind(x, op, "x"), fmt, pow2_scale, a, x.get_device());
-      return {q_rows, s_rows, q_cols, s_cols};
-    }
-  }
+  (void)jagged_layout(x, offs, padded_starts, alignment, op);
+  // The two ops: a one-read kernel was slower (docs/decisions/029).
   auto [q_rows, s_rows] = quantize_rowwise(k, x, fp8_dtype, pow2_scale);
   auto [q_cols, s_cols] = quantize_jagged_colwise(k, x, offs, fp8_dtype, pow2_scale, padded_starts, alignment);
   return {q_rows, s_rows, q_cols, s_cols};

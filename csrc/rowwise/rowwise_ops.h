@@ -37,7 +37,7 @@ std::tuple<at::Tensor, at::Tensor> quantize_experts_bwd_cat(const QuantKernels& 
                                                             at::ScalarType fp8_dtype, bool pow2_scale);
 // (quantize_experts_fwd_cat(b_ts), quantize_experts_bwd_cat(b_ts)) bit for bit: both
 // orientations of one or two weights, from one read where the device has the dual
-// kernel and the layout suits it (DESIGN §10), else the two ops.
+// kernel and the layout suits it (DESIGN §5), else the two ops.
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_experts_dual_cat(const QuantKernels& k,
                                                                                     at::TensorList b_ts,
                                                                                     at::ScalarType fp8_dtype,
@@ -54,8 +54,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_jagged_colwi
     at::ScalarType fp8_dtype, bool pow2_scale, const std::optional<at::Tensor>& padded_starts, int64_t alignment);
 // (quantize_rowwise(x), quantize_jagged_colwise(x, offs, ...)) bit for bit: the
 // operands of a token-grouped tensor's forward or dgrad GEMM and of its weight-gradient
-// GEMM, from one read where the device has the jagged dual kernel (the padded layout,
-// DESIGN §10), else the two ops.
+// GEMM: the two ops (a one-read kernel was slower: docs/decisions/029).
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_rowwise_jagged_dual(
     const QuantKernels& k, const at::Tensor& x, const at::Tensor& offs, at::ScalarType fp8_dtype, bool pow2_scale,
     const std::optional<at::Tensor>& padded_starts, int64_t alignment);

@@ -21,6 +21,7 @@
 #include <cmath>
 #include <cstdint>
 
+#include "../core/float_ops.h"
 #include "../core/numerics.h"
 #include "../core/portability.h"
 
@@ -58,7 +59,7 @@ struct SwigluArgs {
   bool pow2 = true;
 };
 
-// ---- fp32 arithmetic with one rounding per operation (f_mul, f_add, f_div: portability.h)
+// ---- fp32 arithmetic with one rounding per operation (f_mul, f_add, f_div: float_ops.h)
 
 MOE_FP8_HD float f_sub(float a, float b) { return f_add(a, -b); }
 
@@ -117,7 +118,7 @@ MOE_FP8_HD SiluQuot silu_quot(float x) {
 // silu_quot's bits without div.rn's operand check and its branch per element (the
 // SwiGLU kernels are bound by instruction issue; a branch per element also kept the
 // compiler from interleaving a vector's elements): rcp_rn_fast and div_rn_fast
-// (portability.h), div.rn's own fast path. ANDs into `ok` whether x is in the range
+// (float_ops.h), div.rn's own fast path. ANDs into `ok` whether x is in the range
 // where that path is sure: x >= -40 (d <= 2^58) and 2^-100 <= |x| <= 2^100, or x == 0
 // (whose sign a select keeps: the residual of -0 is +0). The caller recomputes with
 // silu_quot where `ok` fell (NaN, Inf, x < -40, tiny or huge |x|).
@@ -143,8 +144,7 @@ MOE_FP8_HD float silu_backward_f32(float g, float x, float sig) {
 
 // Round to nearest even (subnormals kept, overflow to Inf); NaN becomes c10's 0x7FC0.
 // bf16_bits_rn is one cvt on sm80+ CUDA: the SwiGLU kernels are bound by instruction
-// issue (ncu on an H100: 76-85% of issue slots busy, DRAM at 38-62%), and this
-// conversion runs two to five times an element.
+// issue (record 030), and this conversion runs two to five times an element.
 MOE_FP8_HD uint16_t float_to_bf16_bits(float f) {
   const uint16_t b = bf16_bits_rn(f);  // unconditionally: a select, not a branch
   return f != f ? static_cast<uint16_t>(0x7FC0u) : b;

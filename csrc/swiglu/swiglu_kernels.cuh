@@ -19,7 +19,9 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "../core/device_runtime.h"
 #include "../core/dispatch.h"
+#include "../core/float_ops.h"
 #include "../core/numerics.h"
 #include "../core/portability.h"
 #include "../core/reduce.cuh"
@@ -53,8 +55,8 @@ MOE_FP8_DEVICE SwigluIn<K, kVec> swiglu_load(const SwigluArgs& a, int64_t row, i
   return in;
 }
 
-// kH: the backward also computes h (a compile-time choice: computing it for a store
-// decided at run time cost the plain backward registers and occupancy on an H100).
+// kH: the backward also computes h (a compile-time choice: a run-time one costs the
+// plain backward registers and occupancy; record 030).
 // silu's divisions take silu_quot_fast for the whole vector on CUDA, and the IEEE path
 // for all of it where an element is outside the fast path's sure range (a branch per
 // vector, not per element, and in practice never taken but for a NaN, an Inf or an
@@ -132,11 +134,7 @@ MOE_FP8_DEVICE void swiglu_store_q(const SwigluArgs& a, int64_t row, int64_t v, 
 
 // Vectors a thread holds (kRegs): warp rows kSwigluRegs; block rows of the quantizing
 // and the backward kernels kSwigluBlockRegs while the row fits that many a thread of
-// kSwigluMaxThreads threads, else kSwigluRegs. 2 rather than 4 a thread at hidden
-// 1408-2048 (twice the threads a row, 62 rather than 84 registers in the quantizing
-// forward, 83 rather than 110 in the backward): 4-7% faster on an H100 (2026-11-24);
-// the plain forward was 10% slower with 2, and warp rows with 2 (block rows from
-// hidden 512 up) 20-40% slower at hidden 768.
+// kSwigluMaxThreads threads, else kSwigluRegs (record 030).
 constexpr int kSwigluRegs = 4;
 constexpr int kSwigluBlockRegs = 2;
 // At most 256 threads a block, so that a thread may hold up to 255 registers (the
@@ -158,19 +156,12 @@ __global__ void swiglu_silu_table_kernel(uint16_t* table) {
 // row (rows of at most kSwigluRegs * warp-size vectors: the amax is a warp shuffle, no
 // block barrier), else a block per row. A thread issues all its loads of a row before
 // any store (a store between them would serialize them: the compiler cannot move a
-// load above a store that may alias it). Prefetching the next row while this one is
-// reduced and encoded measured slower on an H100 (more registers, fewer warps), and so
-// did an async-copy ring of two row stages with persistent blocks (0.7-0.9x, 2026-11-23):
-// these kernels are bound by instruction issue (ncu: 76-85% of issue slots busy, DRAM
-// 38-62%), not by load latency, and the ring adds shared-memory instructions. The
-// forward keeps its outputs in shared memory for the encode pass (a register copy
-// cost occupancy: 99 registers a thread; measured again with the branch-free math of
-// 2026-11-24: 100 rather than 84 registers, 0-14% slower); the backward re-reads the
-// grad_h13 it has just written. Vectors past the register cache (rows longer than
-// kRegs * kSwigluMaxThreads vectors) are read and computed where they are used, twice
-// in a quantizing forward. kH: the quantizing backward also writes h (a.h_out). The
-// forward's cache is measured on an H100: 69 registers and 1.15-1.2x faster. A
-// 64-register bound (4 blocks of 256) spills 50-450 bytes.
+// load above a store that may alias it). No prefetch or async-copy ring: the kernels are
+// bound by instruction issue (record 030). The forward keeps its outputs in shared memory
+// for the encode pass; the backward re-reads the grad_h13 it has just written. Vectors
+// past the register cache (rows longer than kRegs * kSwigluMaxThreads vectors) are read
+// and computed where they are used, twice in a quantizing forward. kH: the quantizing
+// backward also writes h (a.h_out).
 template <InputKind K, Fp8Format F, bool kBwd, bool kQuant, int kVec, bool kWarpRow, bool kH, int kRegs>
 __global__ void __launch_bounds__(kSwigluMaxThreads) swiglu_rows_kernel(SwigluArgs a) {
   using In = DeviceInput<K>;

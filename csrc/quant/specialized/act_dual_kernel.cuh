@@ -1,3 +1,7 @@
+// Specialized (FP8 blockwise only): a token-grouped activation's 1x128 row blocks and
+// padded 128x1 column blocks from one read. It exists because the two engine shapes
+// (rows, cols) read the activation twice; no other recipe has both orientations in blocks.
+//
 // The engine's "activation dual" shape on the GPU (engine.h, ActDualArgs: FP8
 // blockwise activations), templated over the scale rule, and its launcher. Raw
 // pointers, sizes and a stream only (no torch headers), so the file can be
@@ -24,10 +28,11 @@
 
 #include <cstdint>
 
-#include "../core/numerics.h"
-#include "../core/portability.h"
-#include "../core/vec.cuh"
-#include "engine.h"
+#include "../../core/device_runtime.h"
+#include "../../core/numerics.h"
+#include "../../core/portability.h"
+#include "../../core/vec.cuh"
+#include "../engine.h"
 #include "tiles_kernel.cuh"
 
 namespace moe_fp8 {

@@ -1,3 +1,7 @@
+// Specialized (FP8 blockwise only): one scale per 128x128 tile, a weight's two
+// orientations from one read. It exists because no other recipe scales by 2-D tiles,
+// so the engine's rows and cols shapes have no policy for it.
+//
 // The engine's "tiles" shape on the GPU (engine.h: one scale per 128x128 tile; FP8
 // blockwise weights), templated over the scale rule, and its launcher. Raw pointers,
 // sizes and a stream only (no torch headers), so the file can be compile-checked for
@@ -22,11 +26,7 @@
 //     hold 16 adjacent columns of the same 8 rows swap 4 rows (shuffles), each then
 //     stores 16 bytes of 4 rows, so a warp store writes 16 whole 32-byte sectors
 //     (8-byte stores for 8-byte aligned rows; bytes for an odd stride).
-// Measured on H100 against the kernel before, which staged the second kind in shared
-// memory behind two block barriers and encoded each output apart (bench/RESULTS.md):
-// 0.89-0.99x the time on every weight shape with whole tiles; 1.2x on a column-runs
-// output of odd column stride (a (4099, 1000) weight's rhs: byte stores, 4 columns a
-// warp store where there were 2).
+// Against staging the second kind in shared memory: record 030.
 //
 // Scalar kernel (fp32, or any other strides): the tile is staged in shared memory
 // element by element (r * 128 + (c ^ (r % 32)): walking a column reads 32 banks) and
@@ -36,11 +36,12 @@
 #include <cstdint>
 #include <utility>
 
-#include "../core/numerics.h"
-#include "../core/portability.h"
-#include "../core/reduce.cuh"
-#include "../core/vec.cuh"
-#include "engine.h"
+#include "../../core/device_runtime.h"
+#include "../../core/numerics.h"
+#include "../../core/portability.h"
+#include "../../core/reduce.cuh"
+#include "../../core/vec.cuh"
+#include "../engine.h"
 
 namespace moe_fp8 {
 

@@ -1,4 +1,8 @@
-// A weight's two rowwise orientations from one DRAM read (DESIGN §10): for each
+// Specialized (FP8 rowwise weights only): a weight's rowwise and colwise fp8 from one
+// DRAM read, each tile re-read from L2. It exists because those two need whole rows and
+// whole columns before any byte is written, which the engine's one-pass shapes cannot do.
+//
+// A weight's two rowwise orientations from one DRAM read (DESIGN §5): for each
 // expert's matrix X (rows x cols, columns contiguous; the rows may come from two
 // tensors, [W1; W3]), q_rows = X quantized with one scale per row (over its columns)
 // and q_cols = X^T quantized with one scale per column (over its rows), written
@@ -29,25 +33,19 @@
 // shared-memory stages while this one is worked on. q_rows leaves straight from the
 // registers (a half-warp: 128 contiguous bytes of a row), q_cols through a swizzled
 // shared-memory tile in 16-byte stores, 128 bytes a row.
-//
-// The same kernel serves a second schedule (DualJaggedSchedule, at the end): a
-// token-grouped activation x (M, D), whose rows are quantized rowwise (over all columns)
-// and whose columns per token group (the weight gradient's contraction), so the sets
-// are the groups instead of the experts (quantize_rowwise_jagged_dual). The kernel
-// only sees a DualJob per ticket: where the tile's rows are, what it owns, what it
-// waits for.
 #pragma once
 
 #include <algorithm>
 #include <cstdint>
 
-#include "../core/groups.h"
-#include "../core/numerics.h"
-#include "../core/portability.h"
-#include "../core/reduce.cuh"
-#include "../core/scan.cuh"
-#include "../core/vec.cuh"
-#include "engine.h"
+#include "../../core/device_runtime.h"
+#include "../../core/groups.h"
+#include "../../core/numerics.h"
+#include "../../core/portability.h"
+#include "../../core/reduce.cuh"
+#include "../../core/scan.cuh"
+#include "../../core/vec.cuh"
+#include "../engine.h"
 
 namespace moe_fp8 {
 
@@ -95,15 +93,11 @@ constexpr int kDualSmemBytes = 2 * kDualStageBytes + kDualTile * kDualTile;  // 
 // (< nc) is column c0 + j; q_cols rows are counted from the tile's first q row.
 struct DualJob {
   bool second;              // the second pass (else the first)
-  bool cols_amax;           // first pass: fold the column maxima too (not for the jagged tail)
-  bool zero_cols;           // second pass: the tile's q_cols are zeros (the jagged tail)
   bool first_row_tile;      // the tile writes its columns' scales
   bool first_col_tile;      // ... its rows' scales
-  int nr, nc, nq;           // valid input rows, columns; q_cols rows to write (>= nr: zero rows past nr)
+  int nr, nc;               // valid input rows, columns
   uint32_t need;            // first-pass tiles of the tile's set (expert or group)
   uint32_t* done;           // that set's counter of finished first-pass tiles
-  const uint16_t* x;        // element (i, 0) at x + i * sr: for dual_issue (the weight
-  int64_t sr;               //   schedule issues its copies itself and leaves them unset)
   uint32_t* amax_rows;      // of row i at [i]
   uint32_t* amax_cols;      // of column j at [j]
   float* s_rows;            // [i]
@@ -114,35 +108,12 @@ struct DualJob {
   int64_t q_cols_stride;
 };
 
-// The kernel's static shared memory (s_colmax, s_enc, s_ticket, s_job below; the
-// weight schedule's s_job is one entry, the jagged one's three): with the dynamic part,
+// The kernel's static shared memory (s_colmax, s_enc, s_ticket below): with the dynamic part,
 // what a device must give one block (dual_smem_ok).
-constexpr int kDualStaticSmemBytes = 16 * (kDualThreads / 32) * (kDualTile / 4) + 16 * 2 * (kDualTile / 4) + 4 * 3 +
-                                     3 * static_cast<int>(sizeof(DualJob));
+constexpr int kDualStaticSmemBytes = 16 * (kDualThreads / 32) * (kDualTile / 4) + 16 * 2 * (kDualTile / 4) + 4 * 3;
 
 inline bool dual_smem_ok(int device) {
   return max_dynamic_smem_per_block(device) >= kDualSmemBytes + kDualStaticSmemBytes;
-}
-
-// The input tile of a job into a stage ([128 rows][256 bytes]), with asynchronous
-// copies (zeros past the valid rows and columns).
-//
-// The jagged schedule's copies. No L2 hint on the second pass's read here: written as
-// the weight schedule writes it (DualExpertsSchedule::issue), CUDA 13.0's ptxas
-// compiled this one for sm_90a to `LDGSTS [R+UR0], desc[UR1]` (an undefined, odd
-// uniform register pair) and the H100 stopped with "illegal instruction"
-// (scripts/check_sass.py looks for that form in a build).
-MOE_FP8_DEVICE void dual_issue(const DualJob& j, uint8_t* stage, int rg, int cc) {
-#pragma unroll
-  for (int k = 0; k < 8; ++k) {
-    const int i = 8 * rg + k;
-    uint8_t* dst = stage + i * (2 * kDualTile) + 16 * cc;
-    if (i < j.nr && 8 * cc < j.nc) {
-      async_copy_16(dst, j.x + i * j.sr + 8 * cc);
-    } else {
-      *reinterpret_cast<uint4*>(dst) = make_uint4(0u, 0u, 0u, 0u);  // not an input: never the amax
-    }
-  }
 }
 
 // Max over the 16 lanes of a half-warp (the column chunks of one row group).
@@ -203,7 +174,7 @@ MOE_FP8_DEVICE void dual_first_pass(const uint8_t* in, const DualJob& j, int rg,
     mine = cc == k ? m : mine;
   }
   if (cc < 8 && 8 * rg + cc < j.nr) atomicMax(j.amax_rows + 8 * rg + cc, mine);
-  if (j.cols_amax) {
+  {
 #pragma unroll
     for (int q = 0; q < 8; ++q) cmax[q] = umax(cmax[q], warp_shfl_xor(cmax[q], kDualChunks));
     if (rg % 2 == 0) {
@@ -232,7 +203,7 @@ MOE_FP8_DEVICE void dual_second_pass(const uint8_t* in, const DualJob& j, int rg
   {
     const int i = threadIdx.x % kDualTile;
     const bool col = threadIdx.x >= kDualTile;
-    const bool valid = i < (col ? j.nc : j.nr) && !(col && j.zero_cols);
+    const bool valid = i < (col ? j.nc : j.nr);
     const auto sc = Rule::template from_amax_bits<F>(valid ? load_l2((col ? j.amax_cols : j.amax_rows) + i) : 0u);
     reinterpret_cast<float*>(s_enc[col ? 1 : 0])[i] = sc.encode;
     if (valid && (col ? j.first_row_tile : j.first_col_tile)) (col ? j.s_cols : j.s_rows)[i] = sc.stored;
@@ -264,7 +235,7 @@ MOE_FP8_DEVICE void dual_second_pass(const uint8_t* in, const DualJob& j, int rg
     }
 #pragma unroll
     for (int q = 0; q < 8; ++q) {
-      const uint32_t two = j.zero_cols ? 0u : scaled_fp8x2<F>(f0[q], f1[q], enc_c[q]);
+      const uint32_t two = scaled_fp8x2<F>(f0[q], f1[q], enc_c[q]);
       if (k % 4 == 0) {
         wc[q][k / 4] = two;
       } else {
@@ -281,22 +252,22 @@ MOE_FP8_DEVICE void dual_second_pass(const uint8_t* in, const DualJob& j, int rg
   __syncthreads();
   // q_cols out: 16-byte chunks, eight threads a 128-byte row. A chunk (slots 2 ch,
   // 2 ch + 1) is physical chunk ch ^ (s / 2), its halves swapped when s is odd. A
-  // chunk that is partial or not 16-byte aligned (a jagged tile at an odd q row) goes
+  // chunk that is partial or not 16-byte aligned (a tile's last rows) goes
   // out byte by byte.
   constexpr int kOutChunks = kDualTile / 16;
 #pragma unroll
   for (int n = 0; n < kDualTile * kOutChunks / kDualThreads; ++n) {
     const int idx = threadIdx.x + n * kDualThreads;
     const int row = idx / kOutChunks, ch = idx % kOutChunks;
-    if (row < j.nc && 16 * ch < j.nq) {
+    if (row < j.nc && 16 * ch < j.nr) {
       const int sw = (row / 8) % kDualChunks;
       uint4 q = *reinterpret_cast<const uint4*>(q_cols_tile + row * kDualTile + 16 * (ch ^ (sw / 2)));
       if (sw % 2) q = make_uint4(q.z, q.w, q.x, q.y);
       uint8_t* dst = j.q_cols + row * j.q_cols_stride + 16 * ch;
-      if (16 * ch + 16 <= j.nq && reinterpret_cast<uintptr_t>(dst) % 16 == 0) {
+      if (16 * ch + 16 <= j.nr && reinterpret_cast<uintptr_t>(dst) % 16 == 0) {
         store_16_hint(dst, q, out_policy);
       } else {
-        for (int b = 0; b < 16 && 16 * ch + b < j.nq; ++b) {
+        for (int b = 0; b < 16 && 16 * ch + b < j.nr; ++b) {
           const uint32_t w = b < 4 ? q.x : (b < 8 ? q.y : (b < 12 ? q.z : q.w));  // (no local array)
           dst[b] = static_cast<uint8_t>(w >> (8 * (b % 4)));
         }
@@ -310,9 +281,6 @@ MOE_FP8_DEVICE void dual_second_pass(const uint8_t* in, const DualJob& j, int rg
 template <InputKind K, Fp8Format F, class Rule, class Sched>
 __global__ void __launch_bounds__(kDualThreads, 2) quantize_dual_kernel(Sched sched) {
   static_assert(sizeof(typename DeviceInput<K>::storage) == 2, "the dual kernel reads 2-byte inputs");
-  // Jobs decoded once per block by thread 0 into shared memory (a schedule whose
-  // decoding reads tables: the jagged one), or by every thread from its ticket.
-  constexpr bool kShared = Sched::kSharedJobs;
   extern __shared__ uint4 smem_dual[];
   uint8_t* stages = reinterpret_cast<uint8_t*>(smem_dual);  // [2][128 rows][256 bytes]
   uint8_t* q_cols_tile = stages + 2 * kDualStageBytes;      // [128 columns][16 slots of 8 rows], swizzled
@@ -321,50 +289,31 @@ __global__ void __launch_bounds__(kDualThreads, 2) quantize_dual_kernel(Sched sc
   __shared__ uint4 s_colmax[kDualThreads / 32][kDualTile / 4];
   __shared__ float4 s_enc[2][kDualTile / 4];  // [0]: rows, [1]: columns
   __shared__ int s_ticket[3];
-  __shared__ DualJob s_job[kShared ? 3 : 1];
   const int total = sched.total();
   uint32_t* ticket = sched.ticket();
   const int cc = threadIdx.x % kDualChunks, rg = threadIdx.x / kDualChunks;
-  auto issue = [&](int slot, int u, uint8_t* stage) {
-    if constexpr (kShared) {
-      if (u < total) dual_issue(s_job[slot], stage, rg, cc);
-    } else {
-      sched.issue(u, total, stage, rg, cc);
-    }
-  };
+  auto issue = [&](int u, uint8_t* stage) { sched.issue(u, total, stage, rg, cc); };
   // Tickets run two ahead: the current tile, the next (its copy in flight while this
   // one is worked on), and the one after (its number arriving meanwhile).
   if (threadIdx.x == 0) {
     for (int i = 0; i < 2; ++i) {
       s_ticket[i] = static_cast<int>(atomicAdd(ticket, 1u));
-      if constexpr (kShared) {
-        if (s_ticket[i] < total) s_job[i] = sched.job(s_ticket[i]);
-      }
     }
   }
   __syncthreads();
-  issue(0, s_ticket[0], stages);
+  issue(s_ticket[0], stages);
   async_copy_commit();
   sched.template prologue<F, Rule>();
   for (int it = 0;; ++it) {
     const int u = s_ticket[it % 3];
     if (u >= total) break;  // (every later ticket is past the end too)
-    issue((it + 1) % 3, s_ticket[(it + 1) % 3], stages + ((it + 1) & 1) * kDualStageBytes);
+    issue(s_ticket[(it + 1) % 3], stages + ((it + 1) & 1) * kDualStageBytes);
     async_copy_commit();
     uint32_t after_next = 0;
     if (threadIdx.x == 0) {
       after_next = atomicAdd(ticket, 1u);  // stored at the end of the iteration
-      if constexpr (kShared) {
-        // (slot (it + 2) % 3 held the previous iteration's job: free since its last barrier)
-        if (static_cast<int>(after_next) < total) s_job[(it + 2) % 3] = sched.job(static_cast<int>(after_next));
-      }
     }
-    DualJob j;
-    if constexpr (kShared) {
-      j = s_job[it % 3];
-    } else {
-      j = sched.job(u);
-    }
+    const DualJob j = sched.job(u);
     if (j.second && threadIdx.x == 0) {
       while (load_acquire(j.done) < j.need) spin_pause();
     }
@@ -384,7 +333,6 @@ __global__ void __launch_bounds__(kDualThreads, 2) quantize_dual_kernel(Sched sc
 
 // ---- a weight's two orientations (DualArgs) -----------------------------------------
 struct DualExpertsSchedule {
-  static constexpr bool kSharedJobs = false;  // (decoding is a few integer operations)
   DualArgs a;
   int tiles_r, tiles_c;
   MOE_FP8_DEVICE int tiles() const { return tiles_r * tiles_c; }
@@ -394,7 +342,7 @@ struct DualExpertsSchedule {
   MOE_FP8_DEVICE void prologue() const {}
   // The input tile of ticket u into a stage (zeros past the matrix). The second pass's
   // read is the tile's last use: marked evict-first in L2 (the first pass's keeps the
-  // normal priority: an evict-last hint measured no better).
+  // normal priority: an evict-last hint was no better, record 030).
   MOE_FP8_DEVICE void issue(int u, int total, uint8_t* stage, int rg, int cc) const {
     if (u >= total) return;
     const DualTask task = dual_task(u, tiles(), static_cast<int>(a.experts), static_cast<int>(a.lag));
@@ -428,13 +376,10 @@ struct DualExpertsSchedule {
     const int64_t c0 = static_cast<int64_t>(t.tile % tiles_c) * kDualTile;
     DualJob j;
     j.second = t.second;
-    j.cols_amax = true;
-    j.zero_cols = false;
     j.first_row_tile = r0 == 0;
     j.first_col_tile = c0 == 0;
     j.nr = static_cast<int>(a.rows - r0 < kDualTile ? a.rows - r0 : kDualTile);
     j.nc = static_cast<int>(a.cols - c0 < kDualTile ? a.cols - c0 : kDualTile);
-    j.nq = j.nr;
     j.need = static_cast<uint32_t>(tiles());
     uint32_t* amax_rows = a.work;
     uint32_t* amax_cols = amax_rows + a.experts * a.rows;
@@ -468,157 +413,6 @@ int launch_quantize_dual(DualArgs a, int64_t resident, int64_t l2_budget, gpuStr
   const int64_t blocks = resident < 2 * a.experts * tiles ? resident : 2 * a.experts * tiles;
   const DualExpertsSchedule sched{a, static_cast<int>(tiles_r), static_cast<int>(tiles_c)};
   return launch_kernel(quantize_dual_kernel<K, F, Rule, DualExpertsSchedule>, dim3(static_cast<unsigned>(blocks)),
-                       dim3(kDualThreads), kDualSmemBytes, stream, 1, sched);
-}
-
-// ---- a token-grouped tensor's rowwise and per-group colwise fp8 (DualJaggedArgs) -----
-//
-// The sets are the token groups, in order, and a tail (the rows past the last group:
-// rowwise only; it writes the padded layout's q_cols rows past the last group, zeros).
-// Group g's tiles start at its first row (so a tile never mixes groups); its q_cols
-// rows at its padded start. The ticket order goes in rounds: round r is the first
-// pass of set r, then the second pass of set r - lag; a plan kernel (one launch
-// before) scans the rounds' ticket counts (groups sizes are on the device). Group ranges
-// are taken from the running maximum of the clamped offs, so that whatever offs holds
-// the sets are disjoint and the ticket count keeps the host's bound.
-struct DualJaggedSchedule {
-  static constexpr bool kSharedJobs = true;  // (decoding searches the rounds table)
-  DualJaggedArgs a;
-  int tiles_c;
-  // The work words (engine.h, dual_jagged_work_words): per set (groups + 1) its rows
-  // {start, end, q_start, q_len} and its tile count, written by the plan kernel; then
-  // the zeroed part; then the group ends and the rounds' first tickets.
-  MOE_FP8_DEVICE const int4* sets() const { return reinterpret_cast<const int4*>(a.work); }
-  MOE_FP8_DEVICE const int32_t* set_tiles() const { return reinterpret_cast<const int32_t*>(a.work + 4 * (a.groups + 1)); }
-  MOE_FP8_DEVICE uint32_t* amax_rows() const { return a.work + 5 * (a.groups + 1); }
-  MOE_FP8_DEVICE uint32_t* amax_cols() const { return amax_rows() + a.rows; }
-  MOE_FP8_DEVICE uint32_t* done() const { return amax_cols() + a.groups * a.cols; }
-  MOE_FP8_DEVICE uint32_t* ticket() const { return done() + a.groups + 1; }
-  MOE_FP8_DEVICE const int32_t* ends() const { return reinterpret_cast<const int32_t*>(ticket() + 1); }
-  MOE_FP8_DEVICE const int32_t* rounds() const { return ends() + a.groups; }
-  MOE_FP8_DEVICE int num_rounds() const { return static_cast<int>(a.groups + 1 + a.lag); }
-  MOE_FP8_DEVICE int total() const { return rounds()[num_rounds()]; }
-  // Set s's input rows [*start, *end) and q_cols rows [*q_start, *q_start + *q_len)
-  // (the plan kernel's; the loop reads them from sets()).
-  MOE_FP8_DEVICE void set_rows(const int32_t* ends, int s, int64_t* start, int64_t* end, int64_t* q_start,
-                               int64_t* q_len) const {
-    *start = s == 0 ? 0 : ends[s - 1];
-    *end = s < a.groups ? ends[s] : a.rows;
-    if (s < a.groups) {
-      *q_start = clamp_offset(a.padded_starts[s], a.padded_rows);
-      const int64_t n = round_up(*end - *start, a.alignment);
-      *q_len = n < a.padded_rows - *q_start ? n : a.padded_rows - *q_start;
-    } else {
-      int64_t last = 0;  // the end of the last group's padded rows
-      if (s > 0) {
-        const int64_t n = ends[s - 1] - (s > 1 ? ends[s - 2] : 0);
-        last = static_cast<int64_t>(a.padded_starts[s - 1]) + round_up(n, a.alignment);
-      }
-      *q_start = clamp_offset(last, a.padded_rows);
-      *q_len = a.padded_rows - *q_start;
-    }
-  }
-  // Empty groups have no tiles: their scales (amax 0) are written here.
-  template <Fp8Format F, class Rule>
-  MOE_FP8_DEVICE void prologue() const {
-    const int64_t n = a.groups * a.cols;
-    for (int64_t idx = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; idx < n;
-         idx += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-      const int4 set = sets()[idx / a.cols];
-      if (set.x == set.y) a.s_cols[idx] = Rule::template from_amax_bits<F>(0u).stored;
-    }
-  }
-  MOE_FP8_DEVICE DualJob job(int u) const {
-    const int r = last_at_most(rounds(), num_rounds(), u);
-    int v = u - rounds()[r];
-    int s = r;
-    bool second = r > a.groups;
-    if (!second && v >= set_tiles()[r]) {
-      v -= set_tiles()[r];
-      second = true;
-    }
-    if (second) s = r - static_cast<int>(a.lag);
-    const int4 set = sets()[s];  // {start, end, q_start, q_len}, int32 (dual_jagged_ok)
-    const int ri = v / tiles_c, ci = v - ri * tiles_c;
-    const int64_t r0 = set.x + static_cast<int64_t>(ri) * kDualTile, c0 = static_cast<int64_t>(ci) * kDualTile;
-    const bool tail = s == a.groups;
-    DualJob j;
-    j.second = second;
-    j.cols_amax = !tail;
-    j.zero_cols = tail;
-    j.first_row_tile = ri == 0;
-    j.first_col_tile = ci == 0;
-    const int nr = set.y - static_cast<int>(r0), nq = set.w - ri * kDualTile;
-    j.nr = nr < 0 ? 0 : (nr > kDualTile ? kDualTile : nr);
-    j.nc = static_cast<int>(a.cols - c0 < kDualTile ? a.cols - c0 : kDualTile);
-    j.nq = nq < 0 ? 0 : (nq > kDualTile ? kDualTile : nq);
-    j.need = static_cast<uint32_t>(set_tiles()[s]);
-    j.done = done() + s;
-    j.x = static_cast<const uint16_t*>(a.x) + r0 * a.x_sr + c0;
-    j.sr = a.x_sr;
-    j.amax_rows = amax_rows() + r0;
-    j.amax_cols = amax_cols() + (tail ? 0 : s * a.cols) + c0;
-    j.s_rows = a.s_rows + r0;
-    j.s_cols = a.s_cols + (tail ? 0 : s * a.cols) + c0;
-    j.q_rows = a.q_rows + r0 * a.cols + c0;
-    j.q_rows_stride = a.cols;
-    j.q_cols = a.q_cols + c0 * a.padded_rows + set.z + static_cast<int64_t>(ri) * kDualTile;
-    j.q_cols_stride = a.padded_rows;
-    return j;
-  }
-};
-
-// Before the dual launch, one launch: zeroes the amax words, counters and ticket (all
-// blocks); block 0 writes the running-max group ends, each set's rows and tile count,
-// and the rounds' first tickets with the total at their end.
-__global__ void __launch_bounds__(256) dual_jagged_plan_kernel(DualJaggedSchedule s, int64_t zero_words) {
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < zero_words;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    s.amax_rows()[i] = 0u;
-  }
-  if (blockIdx.x != 0) return;
-  __shared__ int64_t s_tmp[kMaxWarpsPerBlock];
-  int32_t* ends = const_cast<int32_t*>(s.ends());
-  const int groups = static_cast<int>(s.a.groups);
-  block_scan<true>([&](int g) { return clamp_offset(s.a.offs[g], s.a.rows); }, groups, ends, false, s_tmp);
-  int4* sets = const_cast<int4*>(s.sets());
-  int32_t* tiles = const_cast<int32_t*>(s.set_tiles());
-  for (int set = threadIdx.x; set <= groups; set += blockDim.x) {
-    int64_t start, end, q_start, q_len;
-    s.set_rows(ends, set, &start, &end, &q_start, &q_len);
-    sets[set] = make_int4(static_cast<int>(start), static_cast<int>(end), static_cast<int>(q_start),
-                          static_cast<int>(q_len));
-    // as many row tiles as its input rows or its q_cols rows need
-    tiles[set] = static_cast<int32_t>(ceil_div(end - start > q_len ? end - start : q_len, int64_t{kDualTile}) * s.tiles_c);
-  }
-  __syncthreads();
-  const int lag = static_cast<int>(s.a.lag);
-  int32_t* rounds = const_cast<int32_t*>(s.rounds());
-  const int n = s.num_rounds();
-  const int64_t total = block_exclusive_scan(
-      [&](int r) { return int64_t{r <= groups ? tiles[r] : 0} + (r >= lag ? tiles[r - lag] : 0); }, n, rounds, s_tmp);
-  if (threadIdx.x == 0) rounds[n] = static_cast<int32_t>(total < INT32_MAX ? total : INT32_MAX);
-}
-
-template <InputKind K, Fp8Format F, class Rule>
-int launch_quantize_dual_jagged(DualJaggedArgs a, int64_t resident, int64_t l2_budget, gpuStream_t stream) {
-  const int64_t tiles_c = ceil_div(a.cols, kDualTile);
-  const int64_t groups = a.groups > 0 ? a.groups : 1;
-  const int64_t group_rows = ceil_div(a.rows, groups);
-  // Enough lag that a group's second pass seldom waits for its first, no more than the
-  // L2 budget holds (for groups of the mean size: larger ones re-read part from DRAM).
-  int64_t lag = ceil_div(resident, tiles_c * ceil_div(group_rows, int64_t{kDualTile}));
-  const int64_t fit = l2_budget / (group_rows * a.cols * 2 > 0 ? group_rows * a.cols * 2 : 1) - 1;
-  lag = lag > fit ? fit : lag;
-  lag = lag < 1 ? 1 : (lag > a.groups + 1 ? a.groups + 1 : lag);
-  a.lag = lag;
-  const DualJaggedSchedule sched{a, static_cast<int>(tiles_c)};
-  const int64_t zero_words = dual_jagged_zero_words(a.rows, a.cols, a.groups);
-  const int64_t plan_blocks = std::min<int64_t>(ceil_div(zero_words, int64_t{256}), 1024);
-  int err = launch_kernel(dual_jagged_plan_kernel, dim3(static_cast<unsigned>(plan_blocks)), dim3(256), 0, stream, 1,
-                          sched, zero_words);
-  if (err != 0) return err;
-  return launch_kernel(quantize_dual_kernel<K, F, Rule, DualJaggedSchedule>, dim3(static_cast<unsigned>(resident)),
                        dim3(kDualThreads), kDualSmemBytes, stream, 1, sched);
 }
 

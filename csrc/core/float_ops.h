@@ -1,0 +1,95 @@
+// fp32 arithmetic with the same bits on host and device: rounded once, never contracted
+// (f_mul, f_add, f_div, f_rcp), div.rn's fast path where it is exact (CUDA device code),
+// and bf16 rounding. The CUDA instructions are chosen by MOE_FP8_CUDA_ARCH (portability.h).
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+#include "portability.h"
+
+namespace moe_fp8 {
+
+// fp32 multiply, add and divide rounded once each and never contracted into a fused
+// multiply-add, on host and device alike (code that must give the same bits on the
+// CPU and the GPU, e.g. swiglu.h). nvcc contracts a * b + c unless the _rn intrinsics
+// are used; clang (HIP device code, clang host builds) honours the pragma; host GCC
+// builds compile with -ffp-contract=off (CMakeLists.txt).
+MOE_FP8_HD float f_mul(float a, float b) {
+#if MOE_FP8_CUDA_ARCH
+  return __fmul_rn(a, b);
+#else
+#if defined(__clang__)
+#pragma clang fp contract(off)
+#endif
+  return a * b;
+#endif
+}
+
+MOE_FP8_HD float f_add(float a, float b) {
+#if MOE_FP8_CUDA_ARCH
+  return __fadd_rn(a, b);
+#else
+#if defined(__clang__)
+#pragma clang fp contract(off)
+#endif
+  return a + b;
+#endif
+}
+
+// 1 / a rounded once (the same bits as f_div(1, a), cheaper on CUDA).
+MOE_FP8_HD float f_rcp(float a) {
+#if MOE_FP8_CUDA_ARCH
+  return __frcp_rn(a);
+#else
+  return 1.0f / a;
+#endif
+}
+
+MOE_FP8_HD float f_div(float a, float b) {
+#if MOE_FP8_CUDA_ARCH
+  return __fdiv_rn(a, b);
+#else
+  return a / b;
+#endif
+}
+
+// RN(1 / d) and RN(x / d) by div.rn's fast path without its operand check and branch
+// (CUDA device code only: MOE_FP8_HAS_FAST_DIV). rcp_rn_fast is MUFU.RCP and one
+// Newton step, __frcp_rn's fast path (RN(1/d) for d in [1, 2^126)); div_rn_fast(x, d, y)
+// with y = rcp_rn_fast(d) is div.rn's fast path after its reciprocal: q = RN(x y), the
+// residual x - d q (exact in an fma) and one correction, RN(x / d) wherever div.rn's
+// operand check passes. The caller keeps its operands in a range where that is sure
+// (swiglu.h: silu_quot_fast) and takes f_div elsewhere.
+#if MOE_FP8_CUDA_ARCH
+#define MOE_FP8_HAS_FAST_DIV 1
+MOE_FP8_DEVICE float rcp_rn_fast(float d) {
+  float r0;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r0) : "f"(d));
+  return __fmaf_rn(r0, __fmaf_rn(-d, r0, 1.0f), r0);
+}
+
+MOE_FP8_DEVICE float div_rn_fast(float x, float d, float y) {
+  const float q0 = __fmul_rn(x, y);
+  return __fmaf_rn(y, __fmaf_rn(-d, q0, x), q0);
+}
+#else
+#define MOE_FP8_HAS_FAST_DIV 0
+#endif
+
+// fp32 to bf16 bits, round to nearest even (subnormals kept, overflow to Inf); a NaN's
+// result is unspecified (callers that keep NaNs check for them first). One cvt on sm80+
+// CUDA, the same rounding done on the bits elsewhere.
+MOE_FP8_HD uint16_t bf16_bits_rn(float f) {
+#if MOE_FP8_CUDA_ARCH >= 800
+  uint16_t b;
+  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(b) : "f"(f));
+  return b;
+#else
+  uint32_t u;
+  memcpy(&u, &f, sizeof(u));
+  return static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+#endif
+}
+
+}  // namespace moe_fp8
