@@ -15,9 +15,9 @@ import torch
 
 import moe_fp8_ext
 from moe_fp8_ext import _tuning
-from moe_fp8_ext.moe import balanced_offs
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
+from workloads import balanced_offs  # noqa: E402
 from common import bench_us, copy_us, print_table  # noqa: E402
 
 F8 = torch.float8_e4m3fn

@@ -4,10 +4,15 @@ shapes with valid token groups (scripts/gpu_ci.sh runs it; memcheck over garbage
 is scripts/sanitize_offs.py). Small shapes keep the tools' slowdown affordable; odd
 sizes reach the partial tiles and blocks."""
 
+import os
+import sys
+
 import torch
 
 import moe_fp8_ext as m
-from moe_fp8_ext.moe import balanced_offs
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
+from workloads import balanced_offs  # noqa: E402
 
 F8, FNUZ = torch.float8_e4m3fn, torch.float8_e4m3fnuz
 dev = "cuda"

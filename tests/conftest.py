@@ -216,7 +216,7 @@ def count_backward_operand_calls(monkeypatch, recipe_name):
     for name in ("rhs_dual_cat", "lhs_with_wgrad_operand"):
         real = getattr(recipe, name)
         monkeypatch.setattr(recipe, name, lambda self, *a, real=real, name=name: calls.append(name) or real(self, *a))
-    count_op_calls(monkeypatch, recipes, {op: op[len("quantize_blockwise_"):] for op in (
+    count_op_calls(monkeypatch, recipes.blockwise, {op: op[len("quantize_blockwise_"):] for op in (
         "quantize_blockwise_weight_dual", "quantize_blockwise_weight_dual_cat")}, calls)
     return calls, recipe
 
@@ -225,7 +225,7 @@ def count_zero_tail_calls(monkeypatch, zeroes):
     """fp8_blockwise's GEMM made to say it zeroes the rows past offs[-1] (``zeroes``) or
     not (Recipe.mm_2d3d_zeroes_tail), and a list that records each call of the zeroing
     op (zero_rows_past_groups_, which grouped_mm, the experts layer and the recipes call
-    through ``recipes._zero_tail``) from then on."""
+    through ``recipes.base._zero_tail``) from then on."""
     from moe_fp8_ext import recipes
 
     monkeypatch.setattr(recipes.Fp8Blockwise, "mm_2d3d_zeroes_tail", lambda self, backend: zeroes)
@@ -234,12 +234,12 @@ def count_zero_tail_calls(monkeypatch, zeroes):
 
 def count_zero_rows_calls(monkeypatch):
     """A list that records each call of the zeroing op (zero_rows_past_groups_) that the
-    library makes from then on: through ``recipes._zero_tail``, or any other module of
+    library makes from then on: through ``recipes.base._zero_tail``, or any other module of
     the grouped GEMM path that calls ops through its own ``_ops``."""
     import importlib
 
     calls = []
-    for name in ("recipes", "grouped_mm", "experts"):  # (the package's grouped_mm and experts are the functions)
+    for name in ("recipes.base", "grouped_mm", "experts"):  # (the package's grouped_mm and experts are the functions)
         count_op_calls(monkeypatch, importlib.import_module(f"moe_fp8_ext.{name}"), {"zero_rows_past_groups_": 1}, calls)
     return calls
 

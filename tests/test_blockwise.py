@@ -759,7 +759,7 @@ def test_recipe_takes_the_cat_ops(monkeypatch):
 
     r = recipes.get_recipe("fp8_blockwise")
     calls = []
-    count_op_calls(monkeypatch, recipes, {"quantize_blockwise_weight_" + name: name
+    count_op_calls(monkeypatch, recipes.blockwise, {"quantize_blockwise_weight_" + name: name
                                           for name in ("rhs_cat", "transposed_rhs_cat", "dual_cat")}, calls)
     for ns in ([256, 136], [100, 128]):
         ws = [bw_data((2, 130, n), torch.bfloat16, specials=False) for n in ns]

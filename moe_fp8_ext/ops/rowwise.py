@@ -197,13 +197,12 @@ def quantize_experts_dual_cat(b_ts: Sequence[Tensor], fp8_dtype: Optional[torch.
     ``(q_fwd, s_fwd, q_bwd, s_bwd)``, bit for bit ``quantize_experts_fwd_cat(b_ts)``
     followed by ``quantize_experts_bwd_cat(b_ts)``. The experts layer's weight operands.
 
-    One-read kernel (DESIGN §10): weights on a GPU stored (E, N_i, K) with K contiguous
+    One-read kernel (DESIGN §5): weights on a GPU stored (E, N_i, K) with K contiguous
     (``b_t = W.transpose(-2, -1)``, torchtitan's layout), bf16 or fp16, N and K multiples
     of 16, whose two experts' matrices fit the L2 budget are read from DRAM once: a tile
     is read again from L2 once its expert's amaxes are complete. The budget is the
     extension's L2 budget (docs/TUNING.md): by default three fifths of L2 (16 MB a
-    matrix on an H100). Measured 1.12-1.40x faster than the two ops on an
-    H100 where it applies (bench/RESULTS.md). Anything else runs the two ops."""
+    matrix on an H100). Anything else runs the two ops."""
     _check_dual_cat(b_ts, fp8_dtype)
     return _ops.quantize_experts_dual_cat(list(b_ts), _dtype(fp8_dtype, b_ts[0]), pow2_scale)
 

@@ -1,0 +1,79 @@
+"""Same-run A/B of any benchmark between two source trees (each with its built module).
+
+    python scripts/tools/ab.py --a OLD_TREE --b NEW_TREE [--rounds 3] -- python bench/X.py ARGS
+
+Runs the command from this directory in alternating rounds (A, B, B, A, ...), with
+PYTHONPATH set to the arm's tree, so both arms run the same benchmark script against
+their own package. Each run writes its JSON ($OUT/<bench>.json, bench/common.py) into a
+folder of its own. Rows are matched by their text fields (shape, variant, mode, ...);
+for each numeric field the table shows both arms' medians and B/A.
+Writes $OUT/ab.json (default OUT: .out).
+"""
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+
+def rows(doc, ignore=("check",)):
+    """(key, {field: number}) for every dict row in a benchmark JSON's data; the key is
+    the row's text fields but ``ignore`` (a check's text may differ between the arms)."""
+    def walk(node, where):
+        if isinstance(node, dict) and any(isinstance(v, (int, float)) and not isinstance(v, bool) for v in node.values()):
+            key = where + tuple(f"{k}={v}" for k, v in sorted(node.items())
+                                if isinstance(v, str) and k not in ignore)
+            yield key, {k: v for k, v in node.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        elif isinstance(node, dict):
+            for k, v in node.items():
+                yield from walk(v, where + (k,))
+        elif isinstance(node, list):
+            for v in node:
+                yield from walk(v, where)
+    yield from walk(doc.get("data", doc), ())
+
+
+def run_arm(tree: Path, cmd, out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, OUT=str(out), PYTHONPATH=os.pathsep.join(
+        [str(tree)] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])))
+    with open(out / "stdout.txt", "w") as log:
+        subprocess.run(cmd, env=env, check=True, stdout=log, stderr=subprocess.STDOUT)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--a", required=True, type=Path, help="baseline tree")
+    p.add_argument("--b", required=True, type=Path, help="tree under test")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("cmd", nargs=argparse.REMAINDER)
+    args = p.parse_args()
+    cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
+    if not cmd:
+        p.error("expected a command after --")
+    out = Path(os.environ.get("OUT", ".out")).resolve() / "ab"
+    values = {"a": {}, "b": {}}
+    for r in range(args.rounds):
+        for arm in ("ab" if r % 2 == 0 else "ba"):
+            folder = out / f"{arm}{r}"
+            run_arm(getattr(args, arm).resolve(), cmd, folder)
+            for f in folder.glob("*.json"):
+                for key, nums in rows(json.loads(f.read_text())):
+                    for field, v in nums.items():
+                        values[arm].setdefault((f.stem,) + key + (field,), []).append(v)
+    table = []
+    print("| row | field | A | B | B/A |\n|---|---|---|---|---|")
+    for key in sorted(set(values["a"]) & set(values["b"])):
+        a, b = statistics.median(values["a"][key]), statistics.median(values["b"][key])
+        ratio = b / a if a else float("nan")
+        table.append({"row": list(key[:-1]), "field": key[-1], "a": a, "b": b, "b_over_a": ratio})
+        print(f"| {' '.join(key[:-1])} | {key[-1]} | {a:.4g} | {b:.4g} | {ratio:.3f} |")
+    doc = {"a": str(args.a), "b": str(args.b), "rounds": args.rounds, "command": cmd, "table": table}
+    (out.parent / "ab.json").write_text(json.dumps(doc, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
