@@ -225,7 +225,7 @@ def build_moe(dim: int, hidden: int, experts: int, top_k: int = 2, *, device="cp
     """A torchtitan 0.3.0 ``MoE`` layer (top-k router, token dispatcher, GroupedExperts,
     shared experts) built from torchtitan's own configs, every weight drawn from
     N(0, 1/fan_in) with ``seed``: the layer the tests, benchmarks and
-    ``scripts/train_curve.py`` convert. ``all_to_all``: torchtitan's all-to-all dispatcher
+    ``scripts/tools/train_curve.py`` convert. ``all_to_all``: torchtitan's all-to-all dispatcher
     (local without expert parallelism) instead of the local one; ``converter``: a model
     converter config applied to the config tree first."""
     import torchtitan.models.common.moe as tt_moe

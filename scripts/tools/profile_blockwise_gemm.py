@@ -2,7 +2,7 @@
 (two warm-up calls first: profile the third CUTLASS launch):
 
   ncu --clock-control none --kernel-name regex:device_kernel --launch-skip 2 --launch-count 1 \\
-      --set full --import-source no -o rep python scripts/profile_blockwise_gemm.py [dgrad|forward|wgrad] [M K N E]
+      --set full --import-source no -o rep python scripts/tools/profile_blockwise_gemm.py [dgrad|forward|wgrad] [M K N E]
   ncu -i rep.ncu-rep --page source --csv --print-source sass > sass.csv   # stalls per instruction
 """
 

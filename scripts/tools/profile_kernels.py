@@ -1,5 +1,5 @@
 """One call of each quantization kernel on a benchmark shape, for ncu:
-  ncu --clock-control none --metrics ... python3 scripts/profile_kernels.py"""
+  ncu --clock-control none --metrics ... python3 scripts/tools/profile_kernels.py"""
 
 import torch
 

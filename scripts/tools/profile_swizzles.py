@@ -3,8 +3,8 @@ inputs of bench_mxfp8.py's swizzle table, from Nsight Compute (each kernel alone
 flushed before it; the event-timed table includes what runs around the kernels):
 
   ncu --clock-control none --profile-from-start off --csv --metrics gpu__time_duration.sum \\
-      python scripts/profile_swizzles.py > ncu.csv
-  python scripts/profile_swizzles.py --parse ncu.csv
+      python scripts/tools/profile_swizzles.py > ncu.csv
+  python scripts/tools/profile_swizzles.py --parse ncu.csv
 
 The profiled region is one call of ours then one of torchao's per input, each call
 preceded by a marker kernel (torch.cuda._sleep) so the parse can tell the calls apart:
@@ -18,7 +18,7 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "bench"))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "bench"))
 
 
 def run():

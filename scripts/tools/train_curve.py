@@ -9,7 +9,7 @@ map), AdamW.
 
 Prints the losses every tenth of the run and the largest relative gap between the two
 curves, per step and on 10-step moving averages (after 10 warm-up steps), against the
-1% target. Run: python scripts/train_curve.py [--steps 150] [--recipe fp8_rowwise]
+1% target. Run: python scripts/tools/train_curve.py [--steps 150] [--recipe fp8_rowwise]
 """
 
 import argparse
