@@ -4,9 +4,11 @@
 
 Runs the command from this directory in alternating rounds (A, B, B, A, ...), with
 PYTHONPATH set to the arm's tree, so both arms run the same benchmark script against
-their own package. Each run writes its JSON ($OUT/<bench>.json, bench/common.py) into a
-folder of its own. Rows are matched by their text fields (shape, variant, mode, ...);
-for each numeric field the table shows both arms' medians and B/A.
+their own package (``--own-scripts``: each arm runs the command from its own tree,
+for a benchmark whose imports changed between the two). Each run writes its JSON
+($OUT/<bench>.json, bench/common.py) into a folder of its own. Rows are matched by
+their text fields (shape, variant, mode, ...); for each numeric field the table shows
+both arms' medians and B/A.
 Writes $OUT/ab.json (default OUT: .out).
 """
 import argparse
@@ -18,14 +20,19 @@ import sys
 from pathlib import Path
 
 
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
 def rows(doc, ignore=("check",)):
     """(key, {field: number}) for every dict row in a benchmark JSON's data; the key is
     the row's text fields but ``ignore`` (a check's text may differ between the arms)."""
     def walk(node, where):
-        if isinstance(node, dict) and any(isinstance(v, (int, float)) and not isinstance(v, bool) for v in node.values()):
+        numeric = isinstance(node, dict) and any(_number(v) for v in node.values())
+        if numeric:
             key = where + tuple(f"{k}={v}" for k, v in sorted(node.items())
                                 if isinstance(v, str) and k not in ignore)
-            yield key, {k: v for k, v in node.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+            yield key, {k: v for k, v in node.items() if _number(v)}
         elif isinstance(node, dict):
             for k, v in node.items():
                 yield from walk(v, where + (k,))
@@ -35,12 +42,13 @@ def rows(doc, ignore=("check",)):
     yield from walk(doc.get("data", doc), ())
 
 
-def run_arm(tree: Path, cmd, out: Path) -> None:
+def run_arm(tree: Path, cmd, out: Path, own_scripts: bool) -> None:
     out.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, OUT=str(out), PYTHONPATH=os.pathsep.join(
         [str(tree)] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])))
     with open(out / "stdout.txt", "w") as log:
-        subprocess.run(cmd, env=env, check=True, stdout=log, stderr=subprocess.STDOUT)
+        subprocess.run(cmd, env=env, check=True, stdout=log, stderr=subprocess.STDOUT,
+                       cwd=tree if own_scripts else None)
 
 
 def main() -> int:
@@ -48,6 +56,7 @@ def main() -> int:
     p.add_argument("--a", required=True, type=Path, help="baseline tree")
     p.add_argument("--b", required=True, type=Path, help="tree under test")
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--own-scripts", action="store_true", help="run the command from each arm's tree")
     p.add_argument("cmd", nargs=argparse.REMAINDER)
     args = p.parse_args()
     cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
@@ -58,7 +67,7 @@ def main() -> int:
     for r in range(args.rounds):
         for arm in ("ab" if r % 2 == 0 else "ba"):
             folder = out / f"{arm}{r}"
-            run_arm(getattr(args, arm).resolve(), cmd, folder)
+            run_arm(getattr(args, arm).resolve(), cmd, folder, args.own_scripts)
             for f in folder.glob("*.json"):
                 for key, nums in rows(json.loads(f.read_text())):
                     for field, v in nums.items():
