@@ -14,6 +14,7 @@ Writes $OUT/ab.json (default OUT: .out).
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -57,21 +58,24 @@ def main() -> int:
     p.add_argument("--b", required=True, type=Path, help="tree under test")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--own-scripts", action="store_true", help="run the command from each arm's tree")
+    p.add_argument("--collect", action="store_true", help="only tabulate the runs already in $OUT/ab")
     p.add_argument("cmd", nargs=argparse.REMAINDER)
     args = p.parse_args()
     cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
-    if not cmd:
+    if not cmd and not args.collect:
         p.error("expected a command after --")
     out = Path(os.environ.get("OUT", ".out")).resolve() / "ab"
+    if not args.collect:
+        shutil.rmtree(out, ignore_errors=True)  # (a table of this run's folders only)
+        for r in range(args.rounds):
+            for arm in ("ab" if r % 2 == 0 else "ba"):
+                run_arm(getattr(args, arm).resolve(), cmd, out / f"{arm}{r}", args.own_scripts)
     values = {"a": {}, "b": {}}
-    for r in range(args.rounds):
-        for arm in ("ab" if r % 2 == 0 else "ba"):
-            folder = out / f"{arm}{r}"
-            run_arm(getattr(args, arm).resolve(), cmd, folder, args.own_scripts)
-            for f in folder.glob("*.json"):
-                for key, nums in rows(json.loads(f.read_text())):
-                    for field, v in nums.items():
-                        values[arm].setdefault((f.stem,) + key + (field,), []).append(v)
+    for folder in sorted(out.glob("[ab][0-9]*")):
+        for f in folder.glob("*.json"):
+            for key, nums in rows(json.loads(f.read_text())):
+                for field, v in nums.items():
+                    values[folder.name[0]].setdefault((f.stem,) + key + (field,), []).append(v)
     table = []
     print("| row | field | A | B | B/A |\n|---|---|---|---|---|")
     for key in sorted(set(values["a"]) & set(values["b"])):
