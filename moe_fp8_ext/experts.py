@@ -82,17 +82,20 @@ class _Experts(torch.autograd.Function):
         need_x = grad_mode and ctx.needs_input_grad[0]
         need_w13 = grad_mode and (ctx.needs_input_grad[1] or ctx.needs_input_grad[2])
         box = ctx.bwd_box = {} if cache is not None or (_may_free_early() and recipe.hold_weight_operands) else None
+        # Under torch.compile nothing lives on ctx: the backward operand is saved instead.
+        saved_bwd = {} if box is None and torch.compiler.is_compiling() and recipe.hold_weight_operands else None
 
         def weight_fwd(name, weights, parts, needs_bwd):  # weights: the cache keys
             def make():
-                if box is not None and needs_bwd and recipe.reads_weights_once(parts):
+                holder = box if box is not None else saved_bwd
+                if holder is not None and needs_bwd and recipe.reads_weights_once(parts):
                     if cache is not None:
                         cache.discard(name + "_bwd")  # (as get() drops a stale entry first)
                     fwd, bwd = recipe.rhs_dual_cat(parts, fp8_dtype)
                     if cache is not None:
                         cache.put(name + "_bwd", weights, tag, bwd)
                     else:
-                        box[name] = bwd
+                        holder[name] = bwd
                     return fwd
                 # (a backward operand comes from above, or is made in the backward: never
                 # from rhs_fwd here, so rhs_fwd_only)
@@ -150,6 +153,8 @@ class _Experts(torch.autograd.Function):
         saved = [x if need_w13 and not ctx.fp8_saved else None, w1 if need_x else None, w3 if need_x else None,
                  w2 if need_x or need_w13 else None, offs, *kept]
         ctx.kept = len(kept)
+        ctx.bwd_saved = tuple((name, len(op)) for name, op in (saved_bwd or {}).items())
+        saved += [t for op in (saved_bwd or {}).values() for t in op]
         if free_early:
             # h13 (the largest saved tensor) is held in a box the backward empties once
             # dSwiGLU has read it: the step's peak is in the backward, after that point.
@@ -169,6 +174,9 @@ class _Experts(torch.autograd.Function):
             return grads + (None,) * 8
         x, w1, w3, w2, offs, *rest = ctx.saved_tensors
         kept, rest = rest[:ctx.kept], rest[ctx.kept:]
+        bwd_saved = {}  # the weights' backward operands saved by a compiled forward
+        for name, n in ctx.bwd_saved:
+            bwd_saved[name], rest = tuple(rest[:n]), rest[n:]
         if ctx.h13_box is None:
             (h13,) = rest
         else:
@@ -184,9 +192,9 @@ class _Experts(torch.autograd.Function):
 
         def weight_bwd(name, weights, make):
             """A weight's backward operand: the one the forward made with its forward
-            operand (kept on ctx; with a cache it is in the cache), else the cache's or
-            ``make()``."""
-            rhs = ctx.bwd_box.pop(name, None) if ctx.bwd_box else None
+            operand (kept on ctx or saved; with a cache it is in the cache), else the
+            cache's or ``make()``."""
+            rhs = ctx.bwd_box.pop(name, None) if ctx.bwd_box else bwd_saved.get(name)
             return rhs if rhs is not None else _cached(cache, name + "_bwd", weights, tag, make)
 
         grad_out = grad_out.contiguous()

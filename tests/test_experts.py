@@ -787,3 +787,30 @@ def test_reuse_under_swapped_module_params():
         assert torch.equal(layer(x.float(), counts), experts(x.float(), layer.w1, layer.w3, layer.w2, offs))
     finally:
         torch.__future__.set_swap_module_params_on_conversion(before)
+
+
+def test_compiled_blockwise_backward_reuses_the_forward_weight_operands():
+    """Under compile nothing lives on ctx: the backward weight operands that the forward's
+    one read makes (fp8_blockwise's weight dual ops) are saved, not made again."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    graphs = {"fw": [], "bw": []}
+
+    def recorder(kind):
+        def compiler(gm, example_inputs):
+            graphs[kind] += [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
+            return gm.forward
+        return compiler
+
+    x, w1, w3, w2, offs, grad = make(2, 128, 128, 96, "cpu", offs=[40, 96])
+    f = functools.partial(experts, recipe="fp8_blockwise")
+    want_out, want = run(f, (x, w1, w3, w2, offs), grad)
+    torch._dynamo.reset()
+    backend = aot_autograd(fw_compiler=recorder("fw"), bw_compiler=recorder("bw"))
+    out, got = run(torch.compile(f, fullgraph=True, backend=backend), (x, w1, w3, w2, offs), grad)
+    torch._dynamo.reset()
+    assert any("quantize_blockwise_weight_dual_cat" in t for t in graphs["fw"]), graphs["fw"]
+    assert any("quantize_blockwise_weight_dual." in t for t in graphs["fw"]), graphs["fw"]
+    assert not any("quantize_blockwise_weight" in t for t in graphs["bw"]), graphs["bw"]
+    for a, b in zip([want_out] + want, [out] + got):
+        assert sqnr(a, b) > 35

@@ -78,8 +78,9 @@ class Recipe:
       ``rhs_bwd`` needs must be saved even where the forward also made the backward
       operand (``rhs_dual_cat``, held on ctx): a second backward (``retain_graph``)
       calls ``rhs_bwd``.
-    - **Reading the weight once.** Where ``reads_weights_once([B_t])`` (asked in eager
-      mode only: it may read data pointers, which do not trace) grouped_mm calls
+    - **Reading the weight once.** Where ``reads_weights_once([B_t])`` (grouped_mm asks
+      in eager mode only; the experts layer under compile too, where it must trace or
+      answer False) grouped_mm calls
       ``rhs_dual_cat([B_t])`` for both weight operands in the forward; where nothing
       of the weight is to be kept for the backward (no input gradient follows, or
       ``hold_weight_operands`` is False), ``rhs_fwd_only`` instead of ``rhs_fwd``.
@@ -103,7 +104,7 @@ class Recipe:
       check their arguments; the Python wrappers' checks, the same ones, run in the
       fakes under torch.compile).
     - No method syncs with the host or reads tensor values in Python; each must trace
-      under ``torch.compile(fullgraph=True)`` (except ``reads_weights_once``, above).
+      under ``torch.compile(fullgraph=True)`` (``reads_weights_once``: see above).
     """
 
     name: str
@@ -270,8 +271,8 @@ class Recipe:
     def reads_weights_once(self, b_ts) -> bool:
         """Whether ``rhs_dual_cat(b_ts)`` reads the weights once for both operands (then
         grouped_mm and the experts layer make a weight's backward operand with its
-        forward one). Asked in eager mode only: it may look at data pointers and sizes.
-        Default: no."""
+        forward one). The experts layer asks it under torch.compile too: there it must
+        trace (shapes only) or answer False. Default: no."""
         return False
 
     def rhs_dual_cat(self, b_ts, fp8_dtype) -> Tuple[Operand, Operand]:

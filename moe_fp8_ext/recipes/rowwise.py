@@ -155,7 +155,8 @@ class Fp8Rowwise(Recipe):
         return q, s.squeeze(1)
 
     def reads_weights_once(self, b_ts):
-        return ops.dual_cat_reads_once(b_ts)
+        # (its rule reads data pointers and the device's L2 size: not under compile)
+        return not torch.compiler.is_compiling() and ops.dual_cat_reads_once(b_ts)
 
     def rhs_dual_cat(self, b_ts, fp8_dtype):
         qf, sf, qb, sb = _ops.quantize_experts_dual_cat(list(b_ts), fp8_dtype, self.pow2_scale)
