@@ -3,12 +3,15 @@ ranks, trained in FP8.
 
     torchrun --nproc-per-node=2 examples/expert_parallel.py            # GPUs (NCCL)
     torchrun --nproc-per-node=2 examples/expert_parallel.py --device cpu   # gloo
+    torchrun --nproc-per-node=2 examples/expert_parallel.py --recipe fp8_blockwise --fp8-dispatch
 
 Per step: route every token to its top-k experts, send each (token, expert) row to
 the rank that owns the expert (torch.distributed all-to-all), reorder the rows that
 arrive rank-major into padded expert-major groups (``permute_and_pad``), run the
-experts' SwiGLU FFN with the fp8 ``grouped_mm``, undo the reordering
-(``unpermute``), send the rows back and combine them with the routing weights.
+experts' SwiGLU FFN (``moe_fp8_ext.experts``), undo the reordering (``unpermute``),
+send the rows back and combine them with the routing weights. With ``--fp8-dispatch``
+the rows travel as the first GEMM's fp8 operand (``moe_fp8_ext.dispatch``: each token
+quantized once, about half the bytes); the combine stays bf16.
 
 The run then checks itself: every rank rebuilds the same layer in one process (all
 experts, all ranks' tokens, from the same seed) and compares its outputs and the
@@ -27,9 +30,10 @@ import warnings
 import torch
 import torch.distributed as dist
 import torch.distributed.nn.functional as dist_fn
-import torch.nn.functional as F
 
 import moe_fp8_ext
+from moe_fp8_ext.dispatch import fp8_dispatch
+from moe_fp8_ext.ops.token_groups import padded_rows, permute_indices
 
 ALIGN = 16
 # The differentiable all-to-all is public here; torch points to a private successor.
@@ -64,11 +68,8 @@ def route(x, gate, topk):
     return weights, order, counts
 
 
-def swiglu(x, offs, w1, w3, w2):
-    def mm(a, w):
-        return moe_fp8_ext.grouped_mm(a, w.transpose(1, 2), offs, out_dtype=a.dtype)
-
-    return mm(F.silu(mm(x, w1)) * mm(x, w3), w2)
+def swiglu(x, offs, w1, w3, w2, recipe):
+    return moe_fp8_ext.experts(x, w1, w3, w2, offs, recipe=recipe)
 
 
 def combine(y_sorted, order, weights, tokens, topk):
@@ -80,29 +81,42 @@ def moe_expert_parallel(x, layer, local, args):
     """The EP forward on this rank: x (T, D) its tokens, local its experts' weights."""
     world, epr, topk = args.world, args.experts_per_rank, args.topk
     weights, order, counts = route(x, layer["gate"], topk)
-    rows = x.repeat_interleave(topk, dim=0)[order]  # (T·k, D), sorted by global expert
     # counts is destination-rank-major (expert e lives on rank e // epr): exchange it.
     recv_counts = torch.empty_like(counts)
     dist.all_to_all_single(recv_counts, counts)
     send_splits = counts.view(world, epr).sum(1).tolist()  # host-sync-ok: all-to-all split sizes
     recv_splits = recv_counts.view(world, epr).sum(1).tolist()  # host-sync-ok: all-to-all split sizes
-    recv = dist_fn.all_to_all_single(
-        rows.new_empty((sum(recv_splits), rows.shape[1])), rows, recv_splits, send_splits
-    )
+    received = sum(recv_splits)
     # Rows arrive rank-major: (rank 0: e0, e1, ...), (rank 1: e0, e1, ...).
-    xp, ends, idx = moe_fp8_ext.permute_and_pad(recv, recv_counts, epr, world, ALIGN)
-    yp = swiglu(xp, ends, local["w1"], local["w3"], local["w2"])
-    y_recv = moe_fp8_ext.unpermute(yp, idx, recv.shape[0])
-    y_rows = dist_fn.all_to_all_single(y_recv.new_empty(rows.shape), y_recv, send_splits, recv_splits)
+    if args.fp8_dispatch:  # each token quantized once; its rows sent as fp8 + scales
+        idx, _, ends = permute_indices(recv_counts, epr, world, ALIGN, padded_rows(received, epr, ALIGN))
+        token_of_row = (order // topk).to(torch.int32)
+        xp = fp8_dispatch(x, token_of_row, moe_fp8_ext.get_recipe(args.recipe), None, send_splits, recv_splits,
+                          perm=idx)
+    else:
+        rows = x.repeat_interleave(topk, dim=0)[order]  # (T·k, D), sorted by global expert
+        recv = dist_fn.all_to_all_single(rows.new_empty((received, rows.shape[1])), rows, recv_splits, send_splits)
+        xp, ends, idx = moe_fp8_ext.permute_and_pad(recv, recv_counts, epr, world, ALIGN)
+    yp = swiglu(xp, ends, local["w1"], local["w3"], local["w2"], args.recipe)
+    y_recv = moe_fp8_ext.unpermute(yp, idx, received)
+    y_rows = dist_fn.all_to_all_single(y_recv.new_empty((order.shape[0], x.shape[1])), y_recv, send_splits,
+                                       recv_splits)
     return combine(y_rows, order, weights, x.shape[0], topk)
 
 
 def moe_single_process(x, layer, args):
-    """The same layer in one process: all experts, all tokens."""
+    """The same layer in one process: all experts, all tokens. With --fp8-dispatch the
+    experts read the dispatched values: the rows quantized as the first GEMM's operand
+    and dequantized (the gradient passes straight through to x)."""
     weights, order, counts = route(x, layer["gate"], args.topk)
     rows = x.repeat_interleave(args.topk, dim=0)[order]
+    if args.fp8_dispatch:
+        recipe = moe_fp8_ext.get_recipe(args.recipe)
+        q, s = recipe.lhs(rows.detach(), recipe.default_fp8_dtype(x.device))
+        s = s.repeat_interleave(128, dim=1)[:, :q.shape[1]] if s.dim() == 2 else s[:, None]
+        rows = rows + ((q.float() * s).to(rows.dtype) - rows).detach()
     offs = torch.cumsum(counts, 0, dtype=torch.int32)
-    y = swiglu(rows, offs, layer["w1"], layer["w3"], layer["w2"])
+    y = swiglu(rows, offs, layer["w1"], layer["w3"], layer["w2"], args.recipe)
     return combine(y, order, weights, x.shape[0], args.topk)
 
 
@@ -120,6 +134,8 @@ def main():
     p.add_argument("--experts-per-rank", type=int, default=4)
     p.add_argument("--topk", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--recipe", default="fp8_rowwise")
+    p.add_argument("--fp8-dispatch", action="store_true", help="send the routed tokens in fp8 (moe_fp8_ext.dispatch)")
     p.add_argument("--tol", type=float, default=1e-2, help="max relative error (norm) against one process")
     args = p.parse_args()
     gpu = args.device == "cuda"

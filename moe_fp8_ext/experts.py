@@ -34,7 +34,7 @@ import torch
 from torch import Tensor
 from torch.torch_version import TorchVersion
 
-from . import token_groups
+from . import dispatch as _dispatch, fsdp as _fsdp, token_groups
 from .grouped_mm import (
     _debug,
     _gemm_out_dtype,
@@ -69,11 +69,14 @@ class _Experts(torch.autograd.Function):
         ctx.shapes = (x.shape, w1.shape, w3.shape, w2.shape)
         if offs.shape[0] == 0:  # no experts: every row is past offs[-1] (static: no sync)
             ctx.no_groups = True
-            return x.new_zeros(x.shape)
+            return torch.zeros(x.shape, dtype=x.dtype, device=x.device)
         ctx.no_groups = False  # a plain bool on each branch, as grouped_mm sets it
         tag = (recipe, fp8_dtype)
         gemm_dtype = _gemm_out_dtype(recipe, backend, torch.bfloat16, x.dtype)
         ctx.gemm_dtype = gemm_dtype
+        # Weights all-gathered in fp8 under FSDP2 (moe_fp8_ext.fsdp): their operands come
+        # from the gathered fp8, nothing is made from or kept for them here.
+        gathered = ctx.gathered = _fsdp.gathered_weights(recipe, fp8_dtype, (w1, w3, w2))
         # A weight whose two operands come from one read (Recipe.reads_weights_once) gets
         # its backward operand here, with the forward one: kept in the cache, or on ctx
         # until the backward uses it (only where ctx may hold it: see _may_free_early).
@@ -81,9 +84,15 @@ class _Experts(torch.autograd.Function):
         # no_grad too, where nothing is to be made for a backward)
         need_x = grad_mode and ctx.needs_input_grad[0]
         need_w13 = grad_mode and (ctx.needs_input_grad[1] or ctx.needs_input_grad[2])
-        box = ctx.bwd_box = {} if cache is not None or (_may_free_early() and recipe.hold_weight_operands) else None
+        # Rows dispatched in fp8 (moe_fp8_ext.dispatch): their operand is the forward's;
+        # the weight gradient's is made from their dequantized values.
+        x_lhs = _dispatch.fp8_rows_operand(recipe, fp8_dtype, x)
+        if x_lhs is not None:
+            x = x.dequantize() if need_w13 else None
+        holds = recipe.hold_weight_operands and not gathered
+        box = ctx.bwd_box = {} if cache is not None or (_may_free_early() and holds) else None
         # Under torch.compile nothing lives on ctx: the backward operand is saved instead.
-        saved_bwd = {} if box is None and torch.compiler.is_compiling() and recipe.hold_weight_operands else None
+        saved_bwd = {} if box is None and torch.compiler.is_compiling() and holds else None
 
         def weight_fwd(name, weights, parts, needs_bwd):  # weights: the cache keys
             def make():
@@ -104,18 +113,25 @@ class _Experts(torch.autograd.Function):
             return _cached(cache, name + "_fwd", weights, tag, make)
 
         # (W13's backward operand: the joint input-gradient GEMM's, rhs_bwd_cat)
-        rhs13 = weight_fwd("w13", keys[:2], [w1.transpose(-2, -1), w3.transpose(-2, -1)],
-                           need_x and recipe.joins_w13_dgrad(w1, w3))
+        if gathered:
+            rhs13 = _fsdp.rhs_fwd((w1, w3))
+        else:
+            rhs13 = weight_fwd("w13", keys[:2], [w1.transpose(-2, -1), w3.transpose(-2, -1)],
+                               need_x and recipe.joins_w13_dgrad(w1, w3))
         # x's two fp8 operands made together (Recipe.keeps_fp8_activations): the W13
         # GEMM's, and W13's weight-gradient one, saved instead of x (half its bytes).
         ctx.fp8_saved = recipe.keeps_fp8_activations and pad_wgrad and need_w13
         starts = wgrad_offs = None
         x_op = h_wop = ()
         if ctx.fp8_saved:
-            starts, wgrad_offs = _ops.padded_group_offsets(offs, x.shape[0], recipe.alignment)
-            lhs_x, x_op = recipe.lhs_with_wgrad_operand(x, offs, fp8_dtype, starts)
+            starts, wgrad_offs = _ops.padded_group_offsets(offs, ctx.shapes[0][0], recipe.alignment)
+            if x_lhs is not None:
+                lhs_x, x_op = x_lhs, recipe.wgrad_operand(x, offs, fp8_dtype, starts)
+            else:
+                lhs_x, x_op = recipe.lhs_with_wgrad_operand(x, offs, fp8_dtype, starts)
         else:
-            lhs_x = recipe.lhs(x, fp8_dtype)
+            lhs_x = x_lhs if x_lhs is not None else recipe.lhs(x, fp8_dtype)
+        del x_lhs
         h13 = _mm_2d3d(recipe, lhs_x, rhs13, offs, gemm_dtype, backend)
         # W13's forward operand has no other reader: dropped here, not held through the
         # SwiGLU and W2's GEMM, where the forward's memory peaks (with a cache it stays
@@ -129,7 +145,7 @@ class _Experts(torch.autograd.Function):
                        and recipe.makes_swiglu_operands(h13))
         if ctx.h_saved:
             if starts is None:
-                starts, wgrad_offs = _ops.padded_group_offsets(offs, x.shape[0], recipe.alignment)
+                starts, wgrad_offs = _ops.padded_group_offsets(offs, ctx.shapes[0][0], recipe.alignment)
             h_op, h_wop = recipe.lhs_with_wgrad_operand(swiglu(h13), offs, fp8_dtype, starts)
         else:
             h_op = recipe.lhs_swiglu(h13, fp8_dtype)
@@ -142,10 +158,11 @@ class _Experts(torch.autograd.Function):
         if ctx.h_saved and ctx.h_box is None:
             kept += list(h_wop)
         del x_op, h_wop
-        rhs2 = weight_fwd("w2", keys[2:], [w2.transpose(-2, -1)], need_x or need_w13)
+        rhs2 = _fsdp.rhs_fwd((w2,)) if gathered else weight_fwd("w2", keys[2:], [w2.transpose(-2, -1)],
+                                                                 need_x or need_w13)
         out = _mm_2d3d(recipe, h_op, rhs2, offs, gemm_dtype, backend)
         del h_op
-        ctx.num_tokens = x.shape[0]
+        ctx.num_tokens = ctx.shapes[0][0]
         # Each saved for the gradients that read it, as grouped_mm does: x for W1/W3's
         # weight gradient alone (its fp8 operand instead where kept), W1 and W3 for the
         # input gradient alone, W2 for both (grad_h). Frozen W1/W3 keep no x. h's fp8
@@ -163,7 +180,7 @@ class _Experts(torch.autograd.Function):
         else:
             ctx.save_for_backward(*saved, h13)
             ctx.h13_box = None
-        out = out.to(x.dtype)
+        out = out.to(ctx.dtypes[0])
         return out.clone() if _COPY_COMPILED_OUTPUT and torch.compiler.is_compiling() else out
 
     @staticmethod
@@ -233,14 +250,17 @@ class _Experts(torch.autograd.Function):
         # fp8_blockwise with a hidden size a multiple of 128, 1x128 blocks of grad_h13 and
         # 128x128 tiles of [W1; W3]); else two GEMMs over the halves, summed.
         need_w13 = need_w1 or need_w3
-        joint = need_x and recipe.joins_w13_dgrad(w1, w3)
+        joint = need_x and (ctx.gathered or recipe.joins_w13_dgrad(w1, w3))
         grad_h13 = lhs13 = lhs1 = lhs3 = h = g13_op = None
         # grad_out's two fp8 operands (W2's dgrad and wgrad ones) made together where both
         # are needed and one read makes them (else the wgrad one when W2's wgrad runs: it
         # would otherwise live through the dgrad GEMM and dSwiGLU, the step's peak).
         g_op = None
         if need_x or need_w13:  # grad_h feeds only the gradients below W2
-            rhs2 = weight_bwd("w2", ctx.keys[2:], lambda: recipe.rhs_bwd({"B_t": w2.transpose(-2, -1)}, f8))
+            if ctx.gathered:
+                rhs2 = _fsdp.rhs_bwd((w2,))
+            else:
+                rhs2 = weight_bwd("w2", ctx.keys[2:], lambda: recipe.rhs_bwd({"B_t": w2.transpose(-2, -1)}, f8))
             if need_w2 and ctx.pad_wgrad and recipe.keeps_fp8_activations and recipe.reads_activations_once(grad_out):
                 lhs_g, g_op = recipe.lhs_with_wgrad_operand(grad_out, offs, f8, starts)
             else:
@@ -291,8 +311,8 @@ class _Experts(torch.autograd.Function):
         if need_x:
             dtype = _gemm_out_dtype(recipe, backend, ctx.dtypes[0], ctx.gemm_dtype)  # grad_h13's dtype
             if joint:
-                rhs = weight_bwd("w13", ctx.keys[:2], lambda: recipe.rhs_bwd_cat(
-                    [w1.transpose(-2, -1), w3.transpose(-2, -1)], f8))
+                rhs = _fsdp.rhs_bwd((w1, w3)) if ctx.gathered else weight_bwd("w13", ctx.keys[:2], lambda: (
+                    recipe.rhs_bwd_cat([w1.transpose(-2, -1), w3.transpose(-2, -1)], f8)))
                 grad_x = recipe.mm_2d3d(lhs13, rhs, offs, dtype, backend)
                 del lhs13, rhs
             else:
@@ -373,7 +393,8 @@ def _check(x, w1, w3, w2, offs, recipe: Recipe, backend: str, fp8_dtype):
     # The recipe's own rules (K, N multiples of 16 or 32, dtypes) for the two products
     # (shapes only: weights on the meta device, no copy).
     recipe.check_inputs(x, torch.empty((e, dim, 2 * hidden), dtype=w1.dtype, device="meta"))
-    recipe.check_inputs(x.new_empty((0, hidden)), torch.empty((e, hidden, dim), dtype=w2.dtype, device="meta"))
+    recipe.check_inputs(torch.empty((0, hidden), dtype=x.dtype, device=x.device),
+                        torch.empty((e, hidden, dim), dtype=w2.dtype, device="meta"))
     return resolve_fp8_dtype("experts", recipe, backend, x.device, fp8_dtype)
 
 
@@ -416,8 +437,8 @@ def experts(
         raise TypeError("experts: expected weight_keys to be None or three tensors (for w1, w3, w2)")
     check_offs_where_cheap(offs, x.shape[0], "experts", "x")
     offs = device_offs(offs, x.shape[0])
-    if torch.compiler.is_compiling():
-        weight_cache = None
+    if torch.compiler.is_compiling() or _fsdp.gathered_weights(r, f8, (w1, w3, w2)):
+        weight_cache = None  # (gathered fp8 weights: FSDP2 keeps them while unsharded)
     if pad_groups and r.alignment > 1 and r.pads_token_groups(backend) and offs.shape[0] > 0:
         x_p, starts, ends = token_groups.pad_token_groups(x, offs, r.alignment)
         out_p = _Experts.apply(x_p, w1, w3, w2, ends, r, f8, backend, False, weight_cache, weight_keys,
@@ -479,6 +500,7 @@ class GroupedExperts(torch.nn.Module):
 
     def forward(self, x: Tensor, num_tokens_per_expert: Tensor) -> Tensor:
         offs = offsets_from_counts(num_tokens_per_expert, x.shape[0])
+        _fsdp.check_wrapped(self, (self.w1, self.w3, self.w2))
         keys = weight_keys(self, ("w1", "w3", "w2")) if self.weight_cache is not None else None
         return experts(x, self.w1, self.w3, self.w2, offs, recipe=self.recipe, weight_cache=self.weight_cache,
                        weight_keys=keys)

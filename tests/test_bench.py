@@ -27,3 +27,21 @@ def test_bench_experts_smoke(tmp_path, table):
 def test_results_md_is_generated():
     out = subprocess.run([sys.executable, "bench/report.py", "--check"], cwd=ROOT, capture_output=True, text=True)
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_bench_distributed_smoke(tmp_path):
+    """Two CPU ranks (gloo): every layout and variant runs, and fp8 communication moves
+    about half of bf16 communication's bytes (fp8 + scales)."""
+    env = dict(os.environ, OUT=str(tmp_path), PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           "bench/bench_distributed.py", "--device", "cpu", "--tokens", "512", "--dim", "256", "--hidden", "256",
+           "--experts", "8", "--steps", "2", "--warmup", "1"]
+    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    rows = json.load(open(tmp_path / "bench_distributed.json"))["data"]["steps"]
+    assert {(r["layout"], r["variant"]) for r in rows} == {(l, v) for l in ("ep", "fsdp")
+                                                           for v in ("bf16", "fp8", "fp8_comm")}
+    for r in rows:
+        assert r["step_ms"] > 0
+        ratio = r["comm_bytes_vs_bf16_comm"]
+        assert 0.5 <= ratio <= 0.55 if r["variant"] == "fp8_comm" else ratio == 1.0, r

@@ -2,7 +2,8 @@
 (gloo): FSDP2 (apply_fsdp_to_decoder), expert parallelism (Module.parallelize with the
 all-to-all token dispatcher) and both, with every recipe converted before
 parallelizing, after it, and by the config converter (tests/torchtitan_parallel.py
-trains each for 20 steps). Skipped without torchtitan (CI installs it)."""
+trains each for 20 steps); and with FP8 communication (the converter's fp8_all_gather
+and fp8_dispatch). Skipped without torchtitan (CI installs it)."""
 
 import json
 import os
@@ -28,10 +29,13 @@ STEP0_RTOL = 1e-5
 CURVE_RTOL = 0.01  # every step's loss within 1% of the bf16 run's
 
 
-def train(ranks, specs):
+def train(ranks, specs, expect_failure=None):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", SCRIPT, *specs]
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=ROOT, env=env)
+    if expect_failure is not None:
+        assert out.returncode != 0 and expect_failure in out.stderr + out.stdout, out.stdout[-3000:] + out.stderr[-3000:]
+        return {}
     results = [json.loads(line.split("RESULT ", 1)[1]) for line in out.stdout.splitlines() if line.startswith("RESULT ")]
     assert out.returncode == 0 and len(results) == len(specs), out.stdout[-3000:] + out.stderr[-3000:]
     return {r["spec"]: r for r in results}
@@ -59,3 +63,38 @@ def test_trains_under_torchtitan_parallelisms(ranks, layout, runs):
     if f"{layout}:after:fp8_blockwise:reuse" in results:
         reuse, micro = results[f"{layout}:after:fp8_blockwise:reuse"], results[f"{layout}:after:fp8_blockwise:micro"]
         assert reuse["hits"] > 0 and reuse["losses"] == micro["losses"], (reuse["hits"], reuse["losses"], micro["losses"])
+
+
+# FP8 communication against the same recipe communicating in bf16: the fp8 all-gather
+# hands the GEMMs the very operands (every loss equal); the fp8 dispatch gives the
+# forward's bits (step 0's loss equal) and W1/W3's weight gradients from the dispatched
+# values, a second fp8 rounding for fp8_blockwise (its scales are not powers of two;
+# fp8_rowwise's are, and requantizing is exact there), so the curve stays within 1% of
+# bf16's.
+@pytest.mark.parametrize("ranks, layout, pairs", [
+    (2, "fsdp", [("config:fp8_blockwise", "config:fp8_blockwise:ag"), ("before:fp8_blockwise", "before:fp8_blockwise:ag")]),
+    (2, "ep", [("config:fp8_blockwise", "config:fp8_blockwise:disp"), ("before:fp8_rowwise", "before:fp8_rowwise:disp")]),
+    (4, "ep_fsdp", [("config:fp8_blockwise", "config:fp8_blockwise:ag:disp"),
+                    ("before:fp8_blockwise", "before:fp8_blockwise:ag")]),
+])
+def test_fp8_communication_under_torchtitan(ranks, layout, pairs):
+    specs = [f"{layout}:none:bf16"] + list(dict.fromkeys(f"{layout}:{s}" for p in pairs for s in p))
+    results = train(ranks, specs)
+    bf16 = results[specs[0]]
+    for base, comm in pairs:
+        b, r = results[f"{layout}:{base}"], results[f"{layout}:{comm}"]
+        ag, disp = comm.endswith((":ag", ":ag:disp")), comm.endswith(":disp")
+        assert r["fp8_calls"] == LAYERS * STEPS
+        assert r["fp8_gathers"] == (LAYERS * STEPS * 3 * 2 if ag else 0), (comm, r["fp8_gathers"])  # (fwd, bwd)
+        assert r["fp8_dispatches"] == (LAYERS * STEPS if disp else 0), (comm, r["fp8_dispatches"])
+        assert r["losses"][0] == b["losses"][0], (comm, r["losses"][0], b["losses"][0])
+        if not disp or "rowwise" in comm:
+            assert r["losses"] == b["losses"], (comm, r["losses"], b["losses"])
+        worst = max(abs(x - y) / y for x, y in zip(r["losses"], bf16["losses"]))
+        assert worst < CURVE_RTOL, (comm, worst)
+
+
+def test_fp8_all_gather_after_fsdp_is_an_error():
+    # (one rank: the check runs before anything is gathered)
+    results = train(1, ["fsdp:after:fp8_blockwise:ag"], expect_failure="before fully_shard")
+    assert results == {}

@@ -9,7 +9,8 @@ Each run is LAYOUT:CONVERSION:RECIPE[:reuse]: layout fsdp (ep 1), ep (ep = ranks
 ep_fsdp (ep 2 over 4 ranks); conversion before (convert the built model), after
 (convert after parallelize and FSDP2), config (ExpertsConverter in the config tree) or
 none (bf16, unconverted); ":micro" trains two micro-batches a step, ":reuse" too, with
-reuse_weights.
+reuse_weights; ":ag" all-gathers the expert weights in fp8, ":disp" dispatches the tokens
+in fp8 (FP8 communication, the converter's options).
 Every run trains 20 steps; rank 0 prints one JSON line per run (step losses, the
 single-process step-0 loss of the same model, how many experts calls went through
 moe_fp8_ext, weight-cache hits). tests/test_torchtitan_parallel.py checks them.
@@ -111,11 +112,12 @@ def run(spec, world, calls):
 
     layout, conversion, recipe, *extra = spec.split(":")
     reuse = "reuse" in extra
+    comm = dict(fp8_all_gather="ag" in extra, fp8_dispatch="disp" in extra)
     ep = {"fsdp": 1, "ep": world, "ep_fsdp": 2}[layout]
-    converter = ExpertsConverter.Config(recipe=recipe, reuse_weights=reuse) if conversion == "config" else None
+    converter = ExpertsConverter.Config(recipe=recipe, reuse_weights=reuse, **comm) if conversion == "config" else None
     model = build(ep > 1, converter)
     if conversion == "before":
-        convert(model, recipe, reuse_weights=reuse)
+        convert(model, recipe, reuse_weights=reuse, **comm)
     if ep not in _DIMS:  # (one set of meshes a layout: FSDP2 wants the very mesh objects)
         _DIMS[ep] = ParallelDims(dp_replicate=1, dp_shard=world, cp=1, tp=1, pp=1, ep=ep, world_size=world,
                                  spmd_backend="spmd_types")
@@ -131,12 +133,13 @@ def run(spec, world, calls):
         if isinstance(m, FSDPModule):
             m.set_force_sum_reduction_for_comms(True)
     if conversion == "after":
-        convert(model, recipe, reuse_weights=reuse)
+        convert(model, recipe, reuse_weights=reuse, **comm)
     batch_mesh = dims.get_mesh("batch")
     rows = GLOBAL_BATCH // batch_mesh.size()
     first = batch_mesh.get_local_rank() * rows
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1, foreach=True)
     calls.clear()
+    fp8_comm.clear()
     losses = []
     micro = 2 if reuse or "micro" in extra else 1
     for step in range(STEPS):
@@ -157,7 +160,11 @@ def run(spec, world, calls):
     hits = sum(getattr(m.moe_fp8_weight_cache, "hits", 0) for m in model.modules()
                if getattr(m, "moe_fp8_weight_cache", None) is not None)
     return dict(spec=spec, world=world, losses=losses, fp8_calls=len(calls), hits=hits,
+                fp8_gathers=fp8_comm.count("gather"), fp8_dispatches=fp8_comm.count("dispatch"),
                 single_step0=single_step0_loss(conversion, recipe) if recipe != "bf16" else None)
+
+
+fp8_comm = []  # "gather" per weight shard quantized for an all-gather, "dispatch" per fp8 dispatch
 
 
 def main():
@@ -175,6 +182,11 @@ def main():
     calls = []
     experts = integration.experts
     integration.experts = lambda *a, **k: calls.append(1) or experts(*a, **k)  # count the FP8 layer's calls
+    import moe_fp8_ext.fsdp as fsdp
+
+    quantize_shard, dispatch = fsdp._quantize_shard, integration.fp8_dispatch
+    fsdp._quantize_shard = lambda *a: fp8_comm.append("gather") or quantize_shard(*a)
+    integration.fp8_dispatch = lambda *a, **k: fp8_comm.append("dispatch") or dispatch(*a, **k)
     dist.init_process_group("gloo")
     world = dist.get_world_size()
     for spec in sys.argv[1:]:

@@ -15,21 +15,31 @@ Every ``GroupedExperts`` becomes a subclass whose ``forward`` runs
 state_dict keys, initialization, optimizer state and sharding stay as they are, and
 token groups of any size work, so the token dispatcher is not swapped for a padding
 one. A module this cannot convert is an error, never a module left in bf16.
+
+FP8 communication (fp8_blockwise; fp8_dispatch also fp8_rowwise): ``fp8_all_gather``
+makes FSDP2 all-gather the expert weights as fp8 (:mod:`moe_fp8_ext.fsdp`; convert
+before ``fully_shard``), ``fp8_dispatch`` swaps torchtitan's ``AllToAllTokenDispatcher``
+for :class:`Fp8AllToAllTokenDispatcher`, which sends the routed tokens as fp8
+(:mod:`moe_fp8_ext.dispatch`).
 """
 
 from dataclasses import dataclass, field, fields
 from typing import List, Union
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 from torchtitan.components.quantization import QuantizationConverter
 from torchtitan.models.common.moe import GroupedExperts
+from torchtitan.models.common.token_dispatcher import AllToAllDispatchMetadata, AllToAllTokenDispatcher
 
+from .. import fsdp as _fsdp
+from ..dispatch import _check_recipe, fp8_dispatch
 from ..experts import _check, experts, offsets_from_counts
 from ..recipes import Recipe, get_recipe
 from ..weight_cache import WeightCache, weight_keys
 
-__all__ = ["ExpertsConverter", "build_moe", "convert", "unconvert"]
+__all__ = ["ExpertsConverter", "Fp8AllToAllTokenDispatcher", "build_moe", "convert", "unconvert"]
 
 _NAMES = ("w1_EFD", "w3_EFD", "w2_EDF")
 
@@ -42,6 +52,7 @@ def _fp8_forward(self, x_RD: Tensor, num_tokens_per_expert_E: Tensor) -> Tensor:
     offs = offsets_from_counts(num_tokens_per_expert_E, x_RD.shape[0], "GroupedExperts")
     recipe, cache = self.moe_fp8_recipe, self.moe_fp8_weight_cache
     x, w1, w3, w2 = x_RD, *(_local(getattr(self, n)) for n in _NAMES)
+    _fsdp.check_wrapped(self, (w1, w3, w2))
     if recipe.precision == "bf16":  # torchtitan's casts; the fp8 recipes quantize fp32 weights directly
         x, w1, w3, w2 = (t.bfloat16() for t in (x, w1, w3, w2))
     keys = weight_keys(self, _NAMES) if cache is not None else None
@@ -72,10 +83,13 @@ def converted_class(base: type) -> type:
         class Config(base.Config):
             moe_fp8_recipe: Union[str, Recipe] = "fp8_rowwise"
             moe_fp8_reuse_weights: bool = False
+            moe_fp8_all_gather: bool = False
 
         def __init__(self, config):
             base.__init__(self, config)
             _configure(self, get_recipe(config.moe_fp8_recipe, "ExpertsConverter"), config.moe_fp8_reuse_weights)
+            if config.moe_fp8_all_gather:
+                _fsdp.fp8_all_gather(self)
 
         def __reduce_ex__(self, protocol):
             return _new_converted, (base,), self.__getstate__()
@@ -145,28 +159,58 @@ def _redistributing(self, parallel_dims):
     return forward_with_redistribution
 
 
-def convert(model: torch.nn.Module, recipe: Union[str, Recipe] = "fp8_rowwise", *, reuse_weights: bool = False) -> int:
+def convert(model: torch.nn.Module, recipe: Union[str, Recipe] = "fp8_rowwise", *, reuse_weights: bool = False,
+            fp8_all_gather: bool = False, fp8_dispatch: bool = False) -> int:
     """Convert every torchtitan ``GroupedExperts`` in ``model`` (the model itself
     included) to run :func:`moe_fp8_ext.experts` with ``recipe``, in place; returns how
     many were converted. Converting again changes the recipe. Works before or after
     torchtitan's ``parallelize`` and FSDP2. ``reuse_weights``: a
     :class:`~moe_fp8_ext.WeightCache` per module (opt-in: see
-    :mod:`moe_fp8_ext.weight_cache` for the writes it cannot see). Raises ValueError for
-    an unknown recipe or shapes the recipe cannot run, TypeError for a GroupedExperts
-    subclass with another forward, RuntimeError where a parallelized forward cannot be
-    rebuilt."""
+    :mod:`moe_fp8_ext.weight_cache` for the writes it cannot see). ``fp8_all_gather``
+    (before FSDP2) and ``fp8_dispatch``: FP8 communication (the module docstring).
+    Raises ValueError for an unknown recipe or shapes the recipe cannot run, TypeError
+    for a GroupedExperts subclass with another forward or a token dispatcher other than
+    torchtitan's all-to-all one, RuntimeError where a parallelized forward cannot be
+    rebuilt or the weights are already sharded for an fp8 all-gather."""
     r = get_recipe(recipe, "convert")
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"convert: expected a torch.nn.Module, got {type(model).__name__}")
     found = [(fqn, m) for fqn, m in model.named_modules() if isinstance(m, GroupedExperts)]
+    dispatchers = _dispatchers(model, r) if fp8_dispatch else []
     dims = []
     for fqn, module in found:  # every check before any change
         _check_convertible(fqn, module, r)
         dims.append(_parallel_dims(fqn, module))
+    if fp8_all_gather and found:
+        if reuse_weights:
+            raise ValueError("convert: expected reuse_weights=False with fp8_all_gather (the gathered fp8 weights are "
+                             "what is reused, while FSDP2 keeps them unsharded)")
+        for fqn, module in found:
+            _fsdp.check_module(module, r, _NAMES, fqn or "the model")
     for (fqn, module), parallel_dims in zip(found, dims):
         _swap_class(module, converted_class(getattr(type(module), "_moe_fp8_base", type(module))), parallel_dims)
         _configure(module, r, reuse_weights)
+    if fp8_all_gather:
+        _fsdp.fp8_all_gather(model)
+    for d in dispatchers:
+        d.__class__, d.recipe = Fp8AllToAllTokenDispatcher, r
     return len(found)
+
+
+def _dispatchers(model: torch.nn.Module, recipe: Recipe):
+    """The token dispatchers of ``model``'s MoE layers, each torchtitan's all-to-all
+    one (or already ours), for an fp8 dispatch with ``recipe``."""
+    _check_recipe(recipe, "convert")
+    found = []
+    for fqn, m in model.named_modules():
+        d = getattr(m, "token_dispatcher", None)
+        if d is None:
+            continue
+        if type(d) not in (AllToAllTokenDispatcher, Fp8AllToAllTokenDispatcher):
+            raise TypeError(f"convert: expected {fqn}.token_dispatcher to be torchtitan's AllToAllTokenDispatcher for "
+                            f"fp8_dispatch, got {type(d).__name__}")
+        found.append(d)
+    return found
 
 
 def unconvert(model: torch.nn.Module) -> int:
@@ -176,6 +220,10 @@ def unconvert(model: torch.nn.Module) -> int:
     for (fqn, module), parallel_dims in zip(found, dims):
         _swap_class(module, type(module)._moe_fp8_base, parallel_dims)
         del module.moe_fp8_recipe, module.moe_fp8_weight_cache
+    for m in model.modules():
+        d = getattr(m, "token_dispatcher", None)
+        if type(d) is Fp8AllToAllTokenDispatcher:
+            d.__class__ = AllToAllTokenDispatcher
     return len(found)
 
 
@@ -191,12 +239,22 @@ class ExpertsConverter(QuantizationConverter):
         Recipe, e.g. ``Fp8Rowwise(hold_weight_operands=False)``."""
         reuse_weights: bool = False
         """Reuse quantized weights until the optimizer step (moe_fp8_ext.weight_cache)."""
+        fp8_all_gather: bool = False
+        """FSDP2 all-gathers the expert weights in fp8 (fp8_blockwise; moe_fp8_ext.fsdp)."""
+        fp8_dispatch: bool = False
+        """Expert parallelism sends the routed tokens in fp8 (Fp8AllToAllTokenDispatcher)."""
         filter_fqns: List[str] = field(default_factory=list)
         """Experts whose fully qualified name contains one of these stay as they are."""
 
     def __init__(self, config: Config):
         self.config = config
-        get_recipe(config.recipe, "ExpertsConverter")  # (an unknown name fails here, not at build)
+        recipe = get_recipe(config.recipe, "ExpertsConverter")  # (an unknown name fails here, not at build)
+        if config.fp8_dispatch:
+            _check_recipe(recipe, "ExpertsConverter")
+        if config.fp8_all_gather:
+            _fsdp.check_recipe(recipe, "ExpertsConverter")
+            if config.reuse_weights:
+                raise ValueError("ExpertsConverter: expected reuse_weights=False with fp8_all_gather")
 
     def convert(self, model_config):
         cfg = self.config
@@ -209,15 +267,71 @@ class ExpertsConverter(QuantizationConverter):
                 raise TypeError(f"ExpertsConverter: expected {fqn or 'the model'} to be a GroupedExperts with "
                                 f"torchtitan's SwiGLU forward, got {base.__name__}, which overrides forward")
             values = {f.name: getattr(config, f.name) for f in fields(config)}
-            values.update(moe_fp8_recipe=cfg.recipe, moe_fp8_reuse_weights=cfg.reuse_weights)
-            new = converted_class(base).Config(**values)
-            if parent is None:
-                model_config = new
-            elif isinstance(parent, list):
-                parent[attr] = new
-            else:
-                setattr(parent, attr, new)
+            values.update(moe_fp8_recipe=cfg.recipe, moe_fp8_reuse_weights=cfg.reuse_weights,
+                          moe_fp8_all_gather=cfg.fp8_all_gather)
+            model_config = _replace(model_config, parent, attr, converted_class(base).Config(**values))
+        if cfg.fp8_dispatch:
+            for fqn, config, parent, attr in model_config.traverse(AllToAllTokenDispatcher.Config):
+                if any(f in fqn for f in cfg.filter_fqns) or type(config) is Fp8AllToAllTokenDispatcher.Config:
+                    continue
+                if type(config) is not AllToAllTokenDispatcher.Config:
+                    raise TypeError(f"ExpertsConverter: expected {fqn} to be torchtitan's AllToAllTokenDispatcher "
+                                    f"for fp8_dispatch, got {type(config).__qualname__}")
+                values = {f.name: getattr(config, f.name) for f in fields(config)}
+                new = Fp8AllToAllTokenDispatcher.Config(**values, recipe=cfg.recipe)
+                model_config = _replace(model_config, parent, attr, new)
         return model_config
+
+
+def _replace(root, parent, attr, new):
+    if parent is None:
+        return new
+    if isinstance(parent, list):
+        parent[attr] = new
+    else:
+        setattr(parent, attr, new)
+    return root
+
+
+class Fp8AllToAllTokenDispatcher(AllToAllTokenDispatcher):
+    """torchtitan's all-to-all token dispatcher, sending the routed tokens as the first
+    expert GEMM's fp8 operand (:func:`moe_fp8_ext.dispatch.fp8_dispatch`: each token
+    quantized once, fp8 data + scales); the experts read them as they arrive. The
+    combine is torchtitan's (bf16). Without expert parallelism it is the local one."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(AllToAllTokenDispatcher.Config):
+        recipe: Union[str, Recipe] = "fp8_blockwise"
+
+    def __init__(self, config: Config):
+        super().__init__(config)
+        self.recipe = get_recipe(config.recipe, "Fp8AllToAllTokenDispatcher")
+        _check_recipe(self.recipe, "Fp8AllToAllTokenDispatcher")
+
+    def dispatch(self, x_TD, topk_scores_TK, topk_expert_ids_TK, num_local_tokens_per_expert_E):
+        if self.ep_mesh is None:  # (nothing is sent)
+            return super().dispatch(x_TD, topk_scores_TK, topk_expert_ids_TK, num_local_tokens_per_expert_E)
+        ep = self.ep_mesh.size()
+        order = torch.argsort(topk_expert_ids_TK.view(-1), stable=True)
+        scores = topk_scores_TK.view(-1)[order]
+        token_idx = order // self.top_k
+        group = self.ep_mesh.get_group()
+        counts = num_local_tokens_per_expert_E.to(torch.int32)
+        with torch.no_grad():
+            recv = torch.empty_like(counts)
+            dist.all_to_all_single(recv, counts, group=group)
+            in_splits = counts.view(ep, -1).sum(1).tolist()  # host-sync-ok: all-to-all split sizes, as torchtitan's
+            out_splits = recv.view(ep, -1).sum(1).tolist()  # host-sync-ok: all-to-all split sizes, as torchtitan's
+        received = sum(out_splits)
+        # torchtitan's rank-major -> expert-major order (its _permute, on rows of no width)
+        _, _, perm, counts_e = self._permute(x_TD.new_empty((received, 0)), recv)
+        rows = fp8_dispatch(x_TD, token_idx.to(torch.int32), self.recipe, group, in_splits, out_splits,
+                            perm=perm.to(torch.int32))
+        metadata = AllToAllDispatchMetadata(
+            token_indices_experts_sorted_N=token_idx, topk_scores_experts_sorted_N=scores,
+            input_shape=torch.Size((received, x_TD.shape[1])), permuted_indices=perm, input_splits=in_splits,
+            output_splits=out_splits)
+        return rows, counts_e, metadata
 
 
 def build_moe(dim: int, hidden: int, experts: int, top_k: int = 2, *, device="cpu", dtype=torch.bfloat16,

@@ -1,0 +1,329 @@
+"""FP8 communication under torchrun: step time, bytes moved and peak memory per rank, for
+bf16, fp8 with bf16 communication and fp8 with fp8 communication, and a paper model of
+the bytes at 64-1024 GPUs.
+
+    torchrun --nproc-per-node=2 bench/bench_distributed.py
+    torchrun --nproc-per-node=2 bench/bench_distributed.py --device cpu --tokens 512 --dim 256 \\
+        --hidden 256 --experts 8 --steps 2 --warmup 1          # a smoke run (gloo)
+
+One MoE layer per rank (a softmax top-k router, the SwiGLU experts of
+``moe_fp8_ext.GroupedExperts``, the weighted combine), x (tokens, dim) bf16 with a
+gradient, ``loss.backward()`` and an SGD step, in two layouts:
+
+- ``ep``: the experts split over all ranks; tokens go to their experts and back by
+  all-to-all (the path of examples/expert_parallel.py). fp8 communication: the routed
+  tokens sent as fp8 (``moe_fp8_ext.dispatch``); the combine and the backward stay bf16.
+- ``fsdp``: every rank runs every expert on its own tokens; the expert weights (fp32
+  master) are sharded by FSDP2 (``fully_shard``, bf16 param_dtype, fp32 reduce) and
+  all-gathered for the forward and the backward. fp8 communication: the fp8 all-gather
+  (``moe_fp8_ext.fsdp``). With EP over all ranks nothing is left for FSDP2 to gather,
+  hence two layouts.
+
+Bytes are per rank and step: all-to-all, the bytes a rank sends; all-gather, the bytes
+it receives (its own shard included); reduce-scatter, its input. Writes
+$OUT/bench_distributed.json (rank 0).
+"""
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+VARIANTS = (("bf16", "bf16", False), ("fp8", "fp8_blockwise", False), ("fp8_comm", "fp8_blockwise", True))
+GPUS = (64, 128, 256, 512, 1024)
+NODE = 8  # GPUs a node (NVLink inside)
+INTER_NODE_GBPS = 50.0  # per GPU across nodes: one 400 Gb/s NIC a GPU (an assumption, not measured)
+
+
+class Counter:
+    """Bytes of every collective, by kind and label, through wrappers around
+    torch.distributed's entry points (FSDP2 and the all-to-alls call them)."""
+
+    def __init__(self):
+        self.bytes, self.label, self.on = {}, None, False
+        for name, kind in (("all_to_all_single", "a2a"), ("all_gather_into_tensor", "ag"),
+                           ("all_gather_single", "ag"), ("reduce_scatter_tensor", "rs")):
+            fn = getattr(dist, name, None)
+            if fn is not None:
+                setattr(dist, name, self._wrap(fn, kind))
+
+    def _wrap(self, fn, kind):
+        def counted(*args, **kwargs):
+            if self.on:
+                out, inp = (args + (None, None))[:2]
+                out, inp = kwargs.get("output_tensor", kwargs.get("output", out)), kwargs.get("input_tensor",
+                                                                                            kwargs.get("input", inp))
+                t = out if kind == "ag" else inp
+                key = f"{kind} {self.label or ('backward' if kind == 'a2a' else '')}".strip()
+                self.bytes[key] = self.bytes.get(key, 0) + t.numel() * t.element_size()
+            return fn(*args, **kwargs)
+
+        return counted
+
+
+def route(x, gate, topk):
+    scores = torch.softmax(x.float() @ gate.float().t(), dim=-1)
+    weights, experts = torch.topk(scores, topk, dim=-1)
+    order = torch.argsort(experts.flatten(), stable=True)
+    counts = torch.bincount(experts.flatten(), minlength=gate.shape[0]).to(torch.int32)
+    return weights, order, counts
+
+
+def combine(y_sorted, order, weights, tokens, topk):
+    y = torch.empty_like(y_sorted).index_copy(0, order, y_sorted)
+    return (y.view(tokens, topk, -1).float() * weights.unsqueeze(-1)).sum(1).to(y_sorted.dtype)
+
+
+class Layer(torch.nn.Module):
+    def __init__(self, args, recipe, fp8_comm, layout, device, world):
+        super().__init__()
+        import moe_fp8_ext
+
+        self.args, self.recipe, self.fp8_comm, self.layout, self.world = args, recipe, fp8_comm, layout, world
+        self.gate = torch.nn.Parameter(torch.randn(args.experts, args.dim, device=device) * args.dim ** -0.5)
+        local = args.experts // world if layout == "ep" else args.experts
+        dtype = torch.bfloat16 if layout == "ep" else torch.float32  # (fsdp: fp32 master, bf16 param_dtype)
+        self.experts = moe_fp8_ext.GroupedExperts(args.dim, args.hidden, local, recipe=recipe, dtype=dtype,
+                                                  device=device)
+
+    def forward(self, x, counter):
+        from moe_fp8_ext.dispatch import fp8_dispatch
+        from moe_fp8_ext.ops.token_groups import padded_rows, permute_indices
+        from moe_fp8_ext import permute_and_pad, unpermute
+        import torch.distributed.nn.functional as dist_fn
+
+        a, k = self.args, self.args.topk
+        weights, order, counts = route(x, self.gate, k)
+        if self.layout == "fsdp":
+            y = self.experts(x[order // k], counts)
+            return combine(y, order, weights, x.shape[0], k)
+        world, epr = self.world, a.experts // self.world
+        recv_counts = torch.empty_like(counts)
+        counter.label = "counts"
+        dist.all_to_all_single(recv_counts, counts)
+        send = counts.view(world, epr).sum(1).tolist()  # host-sync-ok: all-to-all split sizes
+        recv = recv_counts.view(world, epr).sum(1).tolist()  # host-sync-ok: all-to-all split sizes
+        received = sum(recv)
+        counter.label = "dispatch"
+        if self.fp8_comm:
+            idx, _, ends = permute_indices(recv_counts, epr, world, 16, padded_rows(received, epr, 16))
+            xp = fp8_dispatch(x, (order // k).to(torch.int32), self.experts.recipe, None, send, recv, perm=idx)
+        else:
+            rows = x[order // k]
+            got = dist_fn.all_to_all_single(rows.new_empty((received, a.dim)), rows, recv, send)
+            xp, ends, idx = permute_and_pad(got, recv_counts, epr, world, 16)
+        counts_p = torch.diff(ends, prepend=ends.new_zeros(1))
+        yp = self.experts(xp, counts_p)
+        counter.label = "combine"
+        y_rows = dist_fn.all_to_all_single(x.new_empty((order.shape[0], a.dim)), unpermute(yp, idx, received),
+                                           send, recv)
+        counter.label = None
+        return combine(y_rows, order, weights, x.shape[0], k)
+
+
+def build(args, variant, layout, device, world):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from moe_fp8_ext import fsdp
+
+    _, recipe, fp8_comm = variant
+    torch.manual_seed(0)
+    layer = Layer(args, recipe, fp8_comm, layout, device, world)
+    if layout == "fsdp":
+        if fp8_comm:
+            fsdp.fp8_all_gather(layer.experts)
+        mesh = init_device_mesh(device.type, (world,))
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        fully_shard(layer.experts, mesh=mesh, mp_policy=policy)
+        fully_shard(layer, mesh=mesh, mp_policy=policy)  # (a root above, as in a model)
+    return layer
+
+
+def curve(args, variant, layout, device, world, counter):
+    """Losses of --curve steps of AdamW on a regression (fixed random targets of fresh
+    tokens a step, the same on every variant)."""
+    layer = build(args, variant, layout, device, world)
+    opt = torch.optim.AdamW(layer.parameters(), lr=3e-3)
+    g = torch.Generator(device=device).manual_seed(7 + dist.get_rank())
+    proj = torch.randn(args.dim, args.dim, device=device, generator=g) * args.dim ** -0.5
+    losses = []
+    for _ in range(args.curve):
+        x = torch.randn(args.tokens, args.dim, device=device, generator=g)
+        target = torch.tanh(x @ proj)
+        loss = (layer(x.bfloat16(), counter).float() - target).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        losses.append(total.item() / world)
+    return losses
+
+
+def run_variant(args, variant, layout, device, world, counter):
+    layer = build(args, variant, layout, device, world)
+    opt = torch.optim.SGD(layer.parameters(), lr=1e-4)
+    g = torch.Generator(device=device).manual_seed(1 + dist.get_rank())
+    x0 = torch.randn(args.tokens, args.dim, device=device, generator=g).bfloat16()
+    gpu = device.type == "cuda"
+
+    def step():
+        x = x0.clone().requires_grad_()
+        out = layer(x, counter)
+        out.float().square().mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    for _ in range(args.warmup):
+        step()
+    counter.bytes.clear()
+    if gpu:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    times = []
+    for i in range(args.steps):
+        counter.on = i == 0  # (bytes of one step)
+        dist.barrier()
+        t0 = time.perf_counter()
+        step()
+        if gpu:
+            torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) * 1e3)
+        counter.on = False
+    peak = torch.cuda.max_memory_allocated() / 2**30 if gpu else None
+    stats = torch.tensor([statistics.median(times), peak or 0.0], device=device, dtype=torch.float64)
+    dist.all_reduce(stats, op=dist.ReduceOp.MAX)  # (the slowest rank's step, the largest peak)
+    nbytes = dict(counter.bytes)
+    layer = opt = None  # (freed before the next variant)
+    if gpu:
+        torch.cuda.empty_cache()
+    return dict(step_ms=stats[0].item(), peak_gib=stats[1].item() if gpu else None, bytes=nbytes)
+
+
+def bandwidth_gbps(device, world, nbytes, kind):
+    """Bus bandwidth per rank of one all-to-all or all-gather of nbytes per rank (GB/s)."""
+    t = torch.empty(nbytes // world * world, dtype=torch.uint8, device=device)
+    out = torch.empty_like(t) if kind == "a2a" else torch.empty(t.numel() * world, dtype=torch.uint8, device=device)
+    fn = (lambda: dist.all_to_all_single(out, t)) if kind == "a2a" else (lambda: dist.all_gather_into_tensor(out, t))
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(10):
+        dist.barrier()
+        t0 = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    moved = nbytes * (world - 1) / world  # (what leaves the rank)
+    return moved / statistics.median(times) / 1e9
+
+
+def paper_model(args, results):
+    """Bytes per rank and step of one layer at 64-1024 GPUs (EP over up to E ranks,
+    FSDP2 over the rest), and the time they take at INTER_NODE_GBPS across nodes."""
+    b16 = 2
+    fp8_weight = 1 + 4 / 128**2  # (fp8 + one fp32 scale a 128x128 tile)
+    fp8_row = 1 + 4 / 128  # (fp8 + one fp32 scale a 1x128 block)
+    weights = 3 * args.dim * args.hidden  # per expert
+    rows = args.tokens * args.topk
+    compute_ms = results["fsdp"]["fp8"]["step_ms"]  # (fp8 experts, bf16 comm, the measured layout)
+    out = []
+    for n in GPUS:
+        ep = min(n, args.experts)
+        edp = n // ep
+        away = (ep - 1) / ep  # (rows that leave the rank)
+        for name, w_b, row_b in (("bf16 comm", b16, b16), ("fp8 comm", fp8_weight, fp8_row)):
+            ag = 2 * weights * (args.experts // ep) * (edp - 1) / edp * w_b  # forward and backward gathers
+            a2a = rows * args.dim * away * (row_b + b16 + 2 * b16)  # dispatch, combine, their backward
+            cross = max(0.0, (ep - NODE) / ep) if ep > NODE else 0.0
+            comm_ms = (ag + a2a * cross) / (INTER_NODE_GBPS * 1e9) * 1e3
+            out.append(dict(gpus=n, ep=ep, fsdp=edp, comm=name, all_gather_mb=ag / 1e6, all_to_all_mb=a2a / 1e6,
+                            inter_node_ms=comm_ms, vs_compute=comm_ms / compute_ms))
+    return out
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--layouts", default="ep,fsdp")
+    p.add_argument("--tokens", type=int, default=16384, help="tokens per rank")
+    p.add_argument("--dim", type=int, default=2048)
+    p.add_argument("--hidden", type=int, default=1408)
+    p.add_argument("--experts", type=int, default=64)
+    p.add_argument("--topk", type=int, default=6)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--curve", type=int, default=0, help="also train this many steps of each variant: loss curves")
+    args = p.parse_args()
+    gpu = args.device == "cuda"
+    dist.init_process_group("nccl" if gpu else "gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if gpu:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+    device = torch.device("cuda", torch.cuda.current_device()) if gpu else torch.device("cpu")
+    if args.experts % world:
+        raise SystemExit(f"bench_distributed: --experts {args.experts} must be a multiple of the {world} ranks")
+    counter = Counter()
+    results, rows = {}, []
+    for layout in args.layouts.split(","):
+        results[layout] = {}
+        for variant in VARIANTS:
+            r = run_variant(args, variant, layout, device, world, counter)
+            results[layout][variant[0]] = r
+        base = results[layout]["bf16"]
+        for name, r in results[layout].items():
+            comm = lambda res, kinds: sum(v for k, v in res["bytes"].items() if k.split()[0] in kinds)
+            moved = {k: v / 2**20 for k, v in sorted(r["bytes"].items()) if not k.endswith("counts")}
+            ref = comm(results[layout]["fp8"], ("ag",)) if layout == "fsdp" else results[layout]["fp8"]["bytes"].get(
+                "a2a dispatch", 0)
+            mine = comm(r, ("ag",)) if layout == "fsdp" else r["bytes"].get("a2a dispatch", 0)
+            rows.append(dict(layout=layout, variant=name, world=world, step_ms=r["step_ms"],
+                             vs_bf16=base["step_ms"] / r["step_ms"],
+                             vs_fp8=results[layout]["fp8"]["step_ms"] / r["step_ms"],
+                             comm_bytes_vs_bf16_comm=mine / ref if ref else None,
+                             peak_gib=r["peak_gib"], mib=moved))
+    data = dict(steps=rows)
+    if gpu:
+        data["bandwidth"] = [dict(world=world, all_to_all_gbps=bandwidth_gbps(device, world, 256 << 20, "a2a"),
+                                  all_gather_gbps=bandwidth_gbps(device, world, 256 << 20, "ag"))]
+    if "fsdp" in results:
+        data["paper_model"] = paper_model(args, results)
+    if args.curve:
+        data["curves"] = []
+        for layout in args.layouts.split(","):
+            losses = {v[0]: curve(args, v, layout, device, world, counter) for v in VARIANTS}
+            for name, ls in losses.items():
+                worst = max(abs(a - b) / b for a, b in zip(ls, losses["bf16"]))
+                data["curves"].append(dict(layout=layout, variant=name, steps=args.curve, first=ls[0], last=ls[-1],
+                                           max_rel_diff_vs_bf16=worst))
+    if rank == 0:
+        from common import print_table, write_json
+
+        print_table(f"bench_distributed, {world} ranks, tokens {args.tokens}/rank, dim {args.dim}, hidden "
+                    f"{args.hidden}, {args.experts} experts, top-{args.topk}",
+                    ["layout", "variant", "step ms", "vs bf16", "vs fp8", "comm bytes vs bf16 comm", "peak GiB", "MiB moved"],
+                    [[r["layout"], r["variant"], f"{r['step_ms']:.2f}", f"{r['vs_bf16']:.2f}", f"{r['vs_fp8']:.2f}",
+                      "" if r["comm_bytes_vs_bf16_comm"] is None else f"{r['comm_bytes_vs_bf16_comm']:.2f}",
+                      "" if r["peak_gib"] is None else f"{r['peak_gib']:.2f}",
+                      "; ".join(f"{k} {v:.1f}" for k, v in r["mib"].items())] for r in rows],
+                    "bench_distributed.md")
+        if args.curve:
+            print_table(f"loss over {args.curve} steps against bf16", ["layout", "variant", "first", "last",
+                                                                        "max rel. diff vs bf16"],
+                        [[c["layout"], c["variant"], f"{c['first']:.4f}", f"{c['last']:.4f}",
+                          f"{c['max_rel_diff_vs_bf16']:.4f}"] for c in data["curves"]], "bench_distributed.md")
+        write_json("bench_distributed", data, sys.argv)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

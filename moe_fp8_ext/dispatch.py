@@ -1,0 +1,143 @@
+"""FP8 expert-parallel dispatch (DESIGN §12): tokens are quantized once, before the
+all-to-all, into the W13 forward GEMM's left operand, and sent as fp8 data with their
+scales (fp8_blockwise: 1x128 blocks, about 53% of bf16's bytes; fp8_rowwise: one scale
+a row, about 50%). The combine and the backward's gradient all-to-all stay bf16, as in
+DeepSeek-V3.
+
+    rows = fp8_dispatch(x, token_idx, recipe, group, input_splits, output_splits, perm)
+    out = moe_fp8_ext.experts(rows, w1, w3, w2, offs, recipe=recipe)
+
+``rows`` is an :class:`Fp8Rows`: it has the shape and dtype of the bf16 rows it
+replaces, is read by :func:`moe_fp8_ext.experts` as its forward operand as is, and its
+gradient (bf16) flows back through the reverse all-to-all to x. W1/W3's weight gradient
+needs x in the other orientation (128x1 blocks per token group for fp8_blockwise, one
+scale per group and column for fp8_rowwise): the experts layer makes it from the
+dispatched values, dequantized (the values the forward GEMM read; a second rounding to
+fp8, as DeepSeek-V3 requantizes its cached 1x128 activations). The forward output and
+the input gradient are the bits of the bf16 dispatch; W1's and W3's gradients are
+within a second fp8 rounding of them.
+"""
+
+from typing import List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from .recipes import Fp8Blockwise, Fp8Rowwise, Recipe
+
+__all__ = ["Fp8Rows", "fp8_dispatch", "fp8_rows_operand"]
+
+_ops = torch.ops.moe_fp8
+
+
+def _check_recipe(recipe: Recipe, op: str) -> None:
+    if not isinstance(recipe, (Fp8Blockwise, Fp8Rowwise)):
+        raise ValueError(f"{op}: expected recipe fp8_blockwise or fp8_rowwise for an fp8 dispatch, got {recipe.name!r}")
+
+
+def _quantize_rows(recipe: Recipe, x: Tensor, fp8_dtype) -> Tuple[Tensor, Tensor]:
+    """x (T, D) as the recipe's left operand, as row-indexed tensors: uint8 (T, D) and
+    fp32 row-major scales (T, c)."""
+    q, s = recipe.lhs(x, fp8_dtype)
+    s = s.contiguous() if s.dim() == 2 else s[:, None]  # (blockwise's is column-major)
+    return q.view(torch.uint8), s.contiguous()
+
+
+def _lhs(recipe: Recipe, q: Tensor, s: Tensor) -> Tuple[Tensor, Tensor]:
+    """The recipe's left operand from the row-indexed tensors."""
+    if isinstance(recipe, Fp8Blockwise):
+        return q, s.t().contiguous().t()
+    return q, s[:, 0].contiguous()
+
+
+class Fp8Rows(Tensor):
+    """Dispatched token rows (R, D) as the recipe's fp8 left operand: what
+    :func:`moe_fp8_ext.experts` reads instead of quantizing. Shape and dtype are those
+    of the bf16 rows; it has no values of its own (any op on it raises)."""
+
+    @staticmethod
+    def __new__(cls, q: Tensor, s: Tensor, dtype: torch.dtype, recipe: Recipe):
+        return Tensor._make_wrapper_subclass(cls, q.shape, dtype=dtype, device=q.device)
+
+    def __init__(self, q: Tensor, s: Tensor, dtype: torch.dtype, recipe: Recipe):
+        self._q, self._s, self._recipe = q, s, recipe  # (q in its fp8 dtype; s row-major (R, c))
+
+    def __repr__(self):
+        return f"Fp8Rows(shape={tuple(self.shape)}, dtype={self.dtype}, recipe={self._recipe.name!r})"
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        t = args[0] if args else None
+        if isinstance(t, Fp8Rows) and func in (torch.ops.aten.detach.default, torch.ops.aten.alias.default):
+            return Fp8Rows(t._q, t._s, t.dtype, t._recipe)
+        raise TypeError(f"{func}: token rows dispatched in fp8 (moe_fp8_ext.dispatch) are read by "
+                        "moe_fp8_ext.experts only; they hold no high-precision values")
+
+    def dequantize(self) -> Tensor:
+        """The values the forward GEMM reads, in the rows' dtype."""
+        q = self._q.float()
+        s = self._s.repeat_interleave(128, dim=1)[:, :q.shape[1]] if self._s.shape[1] > 1 else self._s
+        return (q * s).to(self.dtype)
+
+
+def fp8_rows_operand(recipe: Recipe, fp8_dtype: torch.dtype, x: Tensor) -> Optional[Tuple[Tensor, Tensor]]:
+    """The experts layer's forward left operand where ``x`` is :class:`Fp8Rows` (made
+    for ``recipe`` and ``fp8_dtype``, else an error); None for any other tensor."""
+    if not isinstance(x, Fp8Rows):
+        return None
+    if x._recipe != recipe or x._q.dtype != fp8_dtype:
+        raise ValueError(f"experts: expected rows dispatched for recipe {recipe.name!r} in {fp8_dtype}, got "
+                         f"{x._recipe.name!r} in {x._q.dtype}")
+    return _lhs(recipe, x._q, x._s)
+
+
+def _all_to_all(t: Tensor, out_rows: int, out_splits: List[int], in_splits: List[int], group) -> Tensor:
+    out = t.new_empty((out_rows, t.shape[1]))
+    dist.all_to_all_single(out, t.contiguous(), out_splits, in_splits, group=group)
+    return out
+
+
+class _Fp8Dispatch(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, token_idx, recipe, fp8_dtype, group, in_splits, out_splits, perm):
+        ctx.group, ctx.in_splits, ctx.out_splits = group, in_splits, out_splits
+        ctx.num_tokens, ctx.num_rows, ctx.received = x.shape[0], token_idx.shape[0], sum(out_splits)
+        ctx.save_for_backward(token_idx, perm)
+        q, s = _quantize_rows(recipe, x, fp8_dtype)  # each token once, before its k copies
+        q, s = _ops.gather_rows(q, token_idx), _ops.gather_rows(s, token_idx)
+        q, s = (_all_to_all(t, ctx.received, out_splits, in_splits, group) for t in (q, s))
+        if perm is not None:
+            q, s = _ops.gather_rows(q, perm), _ops.gather_rows(s, perm)
+        return Fp8Rows(q.view(fp8_dtype), s, x.dtype, recipe)
+
+    @staticmethod
+    def backward(ctx, grad):
+        token_idx, perm = ctx.saved_tensors
+        grad = grad.contiguous()
+        if perm is not None:
+            grad = _ops.scatter_rows(grad, perm, ctx.received)
+        grad = _all_to_all(grad, ctx.num_rows, ctx.in_splits, ctx.out_splits, ctx.group)
+        grad_x = grad.new_zeros((ctx.num_tokens, grad.shape[1])).index_add_(0, token_idx.long(), grad)
+        return grad_x, None, None, None, None, None, None, None
+
+
+def fp8_dispatch(x: Tensor, token_idx: Tensor, recipe: Recipe, group, input_splits: List[int],
+                 output_splits: List[int], perm: Optional[Tensor] = None, fp8_dtype=None) -> Fp8Rows:
+    """Send the rows ``x[token_idx]`` (x (T, D) this rank's tokens, ``token_idx`` int32
+    (N,), the token of each routed row in send order) to the ranks of ``group`` in fp8:
+    ``input_splits``/``output_splits`` as for ``all_to_all_single``; ``perm`` int32
+    (optional) reorders the received rows (``y[j] = received[perm[j]]``, -1: a zero
+    row). Returns the received rows as :class:`Fp8Rows`, differentiable in x (its
+    gradient comes back through the reverse all-to-all in x's dtype)."""
+    _check_recipe(recipe, "fp8_dispatch")
+    if not isinstance(x, Tensor) or x.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"fp8_dispatch: expected x a 2-D bf16, fp16 or fp32 tensor, got {getattr(x, 'shape', x)}")
+    for name, t in (("token_idx", token_idx), ("perm", perm)):
+        if t is not None and (t.dtype != torch.int32 or t.dim() != 1):
+            raise ValueError(f"fp8_dispatch: expected {name} int32 1-D, got {t.dtype} {tuple(t.shape)}")
+    if sum(input_splits) != token_idx.shape[0]:
+        raise ValueError(f"fp8_dispatch: expected input_splits summing to {token_idx.shape[0]} (the rows sent), "
+                         f"got {sum(input_splits)}")
+    f8 = fp8_dtype or recipe.default_fp8_dtype(x.device)
+    return _Fp8Dispatch.apply(x, token_idx, recipe, f8, group, list(input_splits), list(output_splits), perm)

@@ -1,0 +1,277 @@
+"""FP8 all-gather of expert weights under FSDP2 (DESIGN §12).
+
+    from moe_fp8_ext.fsdp import fp8_all_gather
+    layer = moe_fp8_ext.GroupedExperts(dim, hidden, experts, recipe="fp8_blockwise")
+    fp8_all_gather(layer)          # before fully_shard
+    fully_shard(layer, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+
+Each rank quantizes only its shard of w1, w3 and w2 (FSDP2 shards dim 0, the experts,
+so a shard holds whole experts and every 128x128 tile is shard-local) and FSDP2
+all-gathers the fp8 data and the tile scales: about half of bf16's bytes. The experts
+layer takes the gathered operands as they are: the forward GEMMs read them (W1 and W3
+joined by one copy), and the backward's transposed operands are copies of them (a tile
+and its transpose share the scale). The bits are those of quantizing the whole
+weight, cast to the mixed-precision ``param_dtype`` first as FSDP2 casts it.
+
+Through FSDP2's extension points only: the parameter's data is a tensor subclass with
+``fsdp_pre_all_gather`` / ``fsdp_post_all_gather`` (torchao's Float8 weights do the
+same). The optimizer, ``state_dict`` and checkpoints see the high-precision shards; every
+all-gather quantizes the shard as it is then, so a step or a load is never missed, and
+gathered weights live exactly as long as FSDP2 keeps a parameter unsharded
+(``reshard_after_forward=False``, or ``set_reshard_after_backward(False)`` across
+micro-batches). fp8_blockwise only (its two weight operands share their scales); the
+number of experts must be a multiple of the shard group's size (FSDP2 would pad dim 0,
+and padded shards cannot carry scales). Not under ``torch.compile``.
+"""
+
+from typing import Optional, Sequence, Tuple
+
+import torch
+import torch.utils._pytree as pytree
+from torch import Tensor
+
+from .recipes import Fp8Blockwise, Recipe
+from .weight_cache import _fsdp_params
+
+__all__ = ["GatheredWeight", "ShardedWeight", "fp8_all_gather", "gathered_weights"]
+
+# Ops whose outputs stay parameter data (FSDP2's sharding and padding, to_empty,
+# optimizer state made with *_like); every other op computes on the wrapped tensor.
+_KEEP = {
+    torch.ops.aten.empty_like.default, torch.ops.aten.new_zeros.default, torch.ops.aten.new_empty.default,
+    torch.ops.aten.slice.Tensor, torch.ops.aten.copy_.default, torch.ops.aten.view.default,
+    torch.ops.aten.as_strided.default, torch.ops.aten._to_copy.default, torch.ops.aten._pin_memory.default,
+    torch.ops.aten.split.Tensor, torch.ops.aten.clone.default, torch.ops.aten.chunk.default,
+    torch.ops.aten.narrow.default, torch.ops.aten.detach.default, torch.ops.aten.alias.default,
+}
+_KEEP_NAMES = {"spmd_types::replicate_to_varying"}  # (torchtitan's expert-parallel sharding)
+
+
+def _wrapper(cls, t: Tensor, dtype: torch.dtype, requires_grad: bool = False):
+    return Tensor._make_wrapper_subclass(cls, t.shape, strides=t.stride(), storage_offset=t.storage_offset(),
+                                         dtype=dtype, layout=t.layout, device=t.device, requires_grad=requires_grad)
+
+
+class ShardedWeight(Tensor):
+    """An expert weight (E, rows, cols) whose FSDP2 all-gather sends fp8 operands:
+    ``fsdp_pre_all_gather`` quantizes this rank's shard with ``recipe``. Computes as its
+    high-precision tensor everywhere else."""
+
+    @staticmethod
+    def __new__(cls, tensor: Tensor, recipe: Recipe):
+        return _wrapper(cls, tensor, tensor.dtype, tensor.requires_grad)
+
+    def __init__(self, tensor: Tensor, recipe: Recipe):
+        self._tensor, self._recipe = tensor, recipe
+
+    def __repr__(self):
+        return f"ShardedWeight({self._tensor!r}, recipe={self._recipe.name!r})"
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        recipe = next(a._recipe for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, ShardedWeight))
+        args, kwargs = pytree.tree_map_only(ShardedWeight, lambda t: t._tensor, (args, kwargs or {}))
+        out = func(*args, **kwargs)
+        if func not in _KEEP and func.name() not in _KEEP_NAMES:
+            return out
+        return pytree.tree_map_only(Tensor, lambda t: ShardedWeight(t, recipe), out)
+
+    def __tensor_flatten__(self):
+        return ["_tensor"], self._recipe
+
+    @staticmethod
+    def __tensor_unflatten__(inner, recipe, outer_size, outer_stride):
+        return ShardedWeight(inner["_tensor"], recipe)
+
+    def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
+        world = mesh.size()
+        if len(outer_size) != 3 or outer_size[0] % world or tuple(self.shape[1:]) != tuple(outer_size[1:]):
+            # (outer_size is the same on every rank: every rank raises, none hangs)
+            raise ValueError(f"fp8_all_gather: expected a weight of E experts sharded on dim 0 with E a multiple of "
+                             f"the shard group's size {world}, got {tuple(outer_size)} sharded to {tuple(self.shape)}")
+        w = self._tensor
+        dtype = getattr(mp_policy, "param_dtype", None)
+        if dtype is not None and dtype != w.dtype:
+            w = w.to(dtype)  # as FSDP2 casts what it gathers: the bits of the bf16-gather path
+        q, s = _quantize_shard(self._recipe, w)
+        return (q, s), None
+
+    def fsdp_post_all_gather(self, outputs: Tuple[Tensor, ...], metadata, param_dtype: torch.dtype, *,
+                             out: Optional[Tensor] = None):
+        q, s = outputs
+        if out is not None:  # (FSDP2 refilled the same q and s in place)
+            return
+        return GatheredWeight(q, s, param_dtype, self._recipe), (q, s)
+
+
+class GatheredWeight(Tensor):
+    """An all-gathered expert weight (E, rows, cols) as fp8 data in the weight's layout
+    and its tile scales: what ``moe_fp8_ext.experts`` reads instead of quantizing. It
+    has the shape and dtype of the weight (its gradient is an ordinary tensor) and no
+    values of its own: any op other than a view of the whole of it raises."""
+
+    @staticmethod
+    def __new__(cls, q: Tensor, s: Tensor, dtype: torch.dtype, recipe: Recipe):
+        return _wrapper(cls, q, dtype)
+
+    def __init__(self, q: Tensor, s: Tensor, dtype: torch.dtype, recipe: Recipe):
+        self._q, self._s, self._recipe = q, s, recipe
+
+    def __repr__(self):
+        return f"GatheredWeight(shape={tuple(self.shape)}, dtype={self.dtype}, recipe={self._recipe.name!r})"
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        t = args[0] if args else None
+        whole = isinstance(t, GatheredWeight) and (
+            func in (torch.ops.aten.detach.default, torch.ops.aten.alias.default)
+            or (func is torch.ops.aten.view.default and tuple(args[1]) == tuple(t.shape))
+            or (func is torch.ops.aten.as_strided.default and tuple(args[1]) == tuple(t.shape)
+                and tuple(args[2]) == tuple(t.stride()) and (len(args) < 4 or args[3] in (0, None))))
+        if whole:
+            return GatheredWeight(t._q, t._s, t.dtype, t._recipe)
+        raise TypeError(f"{func}: an expert weight all-gathered in fp8 (moe_fp8_ext.fsdp) is read by "
+                        "moe_fp8_ext.experts only; it holds no high-precision values")
+
+    def __tensor_flatten__(self):
+        return ["_q", "_s"], (self.dtype, self._recipe)
+
+    @staticmethod
+    def __tensor_unflatten__(inner, meta, outer_size, outer_stride):
+        return GatheredWeight(inner["_q"], inner["_s"], *meta)
+
+
+# ---- the fp8_blockwise operands (layouts of moe_fp8_ext.blockwise) --------------------
+
+
+def _quantize_shard(recipe: Recipe, w: Tensor) -> Tuple[Tensor, Tensor]:
+    """The weight shard (E_l, rows, cols) as fp8 (E_l, rows, cols) and fp32 tile scales
+    (E_l, ceil(rows/128), ceil(cols/128)), both contiguous: the forward operand of
+    ``w.transpose(-2, -1)`` in storage order."""
+    f8 = recipe.default_fp8_dtype(w.device)
+    q, s = torch.ops.moe_fp8.quantize_blockwise_weight_rhs(w.transpose(-2, -1), f8)
+    return q.transpose(-2, -1), s.transpose(-2, -1)
+
+
+def _cat(ts: Sequence[Tensor], dim: int) -> Tensor:
+    if len(ts) == 1:
+        return ts[0].contiguous()
+    return torch.cat([t.view(torch.uint8) if t.dtype.itemsize == 1 else t for t in ts], dim).view(ts[0].dtype)
+
+
+def rhs_fwd(ws: Sequence[GatheredWeight]) -> Tuple[Tensor, Tensor]:
+    """``Fp8Blockwise.rhs_fwd_cat`` of the weights' transposes (each (E, K, N_i), N_i
+    the weight's rows), from their gathered fp8: the weights' rows concatenated (a copy
+    where more than one weight)."""
+    q = _cat([w._q for w in ws], 1) if len(ws) > 1 else ws[0]._q
+    s = _cat([w._s for w in ws], 1) if len(ws) > 1 else ws[0]._s
+    return q.transpose(-2, -1), s.transpose(-2, -1)
+
+
+def rhs_bwd(ws: Sequence[GatheredWeight]) -> Tuple[Tensor, Tensor]:
+    """``Fp8Blockwise.rhs_bwd_cat`` of the same: the transposed copy, same tile scales."""
+    q = _cat([w._q.transpose(-2, -1) for w in ws], 2)
+    s = _cat([w._s.transpose(-2, -1) for w in ws], 2)
+    return q.transpose(-2, -1), s.transpose(-2, -1)
+
+
+def gathered_weights(recipe: Recipe, fp8_dtype: torch.dtype, ws: Sequence[Tensor]) -> bool:
+    """Whether the experts layer's weights ``ws`` came from an fp8 all-gather (all or
+    none of them; made for ``recipe`` and ``fp8_dtype``, else an error)."""
+    gathered = [isinstance(w, GatheredWeight) for w in ws]
+    if not any(gathered):
+        return False
+    if not all(gathered):
+        raise TypeError("experts: expected w1, w3 and w2 all all-gathered in fp8 (moe_fp8_ext.fsdp.fp8_all_gather) "
+                        "or none of them")
+    for w in ws:
+        if w._recipe != recipe or w._q.dtype != fp8_dtype:
+            raise ValueError(f"experts: expected weights all-gathered for recipe {recipe.name!r} in {fp8_dtype}, got "
+                             f"{w._recipe.name!r} in {w._q.dtype}")
+    hidden = ws[0].shape[1]
+    if hidden % 128:
+        raise ValueError(f"experts: expected a hidden size that is a multiple of 128 for weights all-gathered in fp8, "
+                         f"got {hidden}")
+    return True
+
+
+def check_wrapped(module: torch.nn.Module, ws: Sequence[Tensor]) -> None:
+    """Raise where ``module`` was set up for the fp8 all-gather but its weights lost
+    the wrapper on the way (a parallelization that rebuilt them): FSDP2 would gather
+    them in bf16."""
+    if getattr(module, "moe_fp8_all_gather", False):
+        for w in ws:
+            local = w._local_tensor if hasattr(w, "_local_tensor") else w
+            if not isinstance(local, (ShardedWeight, GatheredWeight)):
+                raise RuntimeError(f"fp8_all_gather: {type(module).__name__}'s weights are no longer fp8-gathered "
+                                   f"weights ({type(local).__name__}): something rebuilt them after fp8_all_gather; "
+                                   "call it after that (before fully_shard)")
+
+
+# ---- set-up ----------------------------------------------------------------------------
+
+
+def _expert_weights(module: torch.nn.Module):
+    """(recipe, parameter names) of an experts module: moe_fp8_ext.GroupedExperts or a
+    torchtitan GroupedExperts converted by moe_fp8_ext.integrations.torchtitan."""
+    if hasattr(module, "moe_fp8_recipe"):
+        return module.moe_fp8_recipe, ("w1_EFD", "w3_EFD", "w2_EDF")
+    from .experts import GroupedExperts
+
+    if isinstance(module, GroupedExperts):
+        return module.recipe, ("w1", "w3", "w2")
+    return None, ()
+
+
+def check_recipe(recipe: Recipe, op: str) -> None:
+    if not isinstance(recipe, Fp8Blockwise):
+        raise ValueError(f"{op}: expected recipe fp8_blockwise for the fp8 all-gather (its two weight operands share "
+                         f"their tile scales), got {recipe.name!r}")
+
+
+def check_module(module: torch.nn.Module, recipe: Recipe, names: Sequence[str], where: str) -> None:
+    """What the fp8 all-gather needs of an experts module, before anything changes."""
+    check_recipe(recipe, "fp8_all_gather")
+    ws = [getattr(module, n) for n in names]
+    for n, w in zip(names, ws):
+        if w.dim() != 3:
+            raise ValueError(f"fp8_all_gather: expected {where}.{n} to be 3-D (E, rows, cols), got {tuple(w.shape)}")
+    if ws[0].shape[1] % 128:
+        raise ValueError(f"fp8_all_gather: {where} has a hidden size of {ws[0].shape[1]}, expected a multiple of 128 "
+                         "(W1 and W3 joined at tile boundaries)")
+    if _fsdp_params(module):
+        raise RuntimeError(f"fp8_all_gather: {where} is already sharded by FSDP2; call it before fully_shard")
+
+
+def fp8_all_gather(model: torch.nn.Module) -> int:
+    """Make the expert weights of every experts module in ``model`` (the model itself
+    included: ``moe_fp8_ext.GroupedExperts``, or torchtitan's converted by
+    ``moe_fp8_ext.integrations.torchtitan``) all-gather in fp8 under FSDP2; returns how
+    many modules. Call it before ``fully_shard``. Raises for a recipe other than
+    fp8_blockwise, a hidden size that is not a multiple of 128, a module that reuses
+    its quantized weights, and weights already sharded by FSDP2."""
+    found = []
+    for fqn, m in model.named_modules():
+        recipe, names = _expert_weights(m)
+        if recipe is None:
+            continue
+        where = fqn or "the model"
+        check_module(m, recipe, names, where)
+        if getattr(m, "moe_fp8_weight_cache", getattr(m, "weight_cache", None)) is not None:
+            raise ValueError(f"fp8_all_gather: {where} reuses its quantized weights (reuse_weights=True); with the fp8 "
+                             "all-gather the gathered operands are what is reused, while FSDP2 keeps them unsharded")
+        found.append((m, names, recipe))
+    for m, names, recipe in found:
+        m.moe_fp8_all_gather = True
+        for n in names:
+            w = getattr(m, n)
+            if hasattr(w, "_local_tensor"):  # a DTensor (expert parallelism): wrap its local shard
+                if not isinstance(w._local_tensor, ShardedWeight):
+                    from torch.distributed.tensor import DTensor
+
+                    data = DTensor.from_local(ShardedWeight(w._local_tensor.detach(), recipe), w.device_mesh,
+                                              w.placements, run_check=False, shape=w.shape, stride=w.stride())
+                    setattr(m, n, torch.nn.Parameter(data, requires_grad=w.requires_grad))
+            elif not isinstance(w, ShardedWeight):
+                setattr(m, n, torch.nn.Parameter(ShardedWeight(w.detach(), recipe), requires_grad=w.requires_grad))
+    return len(found)

@@ -1,0 +1,171 @@
+"""FSDP2 (plain ``fully_shard``) over moe_fp8_ext.GroupedExperts with the fp8 all-gather,
+against the same layer gathered in bf16, on every rank (torchrun; gloo or NCCL).
+
+    torchrun --nproc-per-node=2 tests/fsdp_fp8_all_gather.py [--device cuda]
+
+Checks, exit status 1 on a failure:
+- the gathered fp8 and scales are, bit for bit, the whole weight's quantization (cast to
+  the mixed-precision param_dtype first, as FSDP2 casts it);
+- outputs and every gradient (x, w1, w3, w2) equal the bf16-gather layer's bit for bit,
+  step after step of SGD (no stale weight), with reshard_after_forward True and False,
+  and over two micro-batches with resharding after backward off;
+- the state_dict holds the high-precision shards, and a load_state_dict is seen;
+- the set-up errors: after fully_shard, and experts not divisible by the ranks.
+"""
+
+import argparse
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    args = p.parse_args()
+    import moe_fp8_ext
+    from moe_fp8_ext import fsdp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    gpu = args.device == "cuda"
+    dist.init_process_group("nccl" if gpu else "gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if gpu:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+    device = torch.device("cuda", torch.cuda.current_device()) if gpu else torch.device("cpu")
+    mesh = init_device_mesh(device.type, (world,))
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    E, DIM, HIDDEN = 2 * world, 144, 256  # (dim: partial 128-wide tiles)
+    failures = []
+
+    def check(ok, what):
+        if not ok:
+            failures.append(what)
+            print(f"rank {rank}: FAILED {what}", flush=True)
+
+    class Block(torch.nn.Module):  # (a root above the experts, as in a model: FSDP2 keeps a root unsharded)
+        def __init__(self, experts):
+            super().__init__()
+            self.experts = experts
+
+        def forward(self, x, counts):
+            return self.experts(x, counts)
+
+    def layer(fp8, **kw):
+        torch.manual_seed(0)
+        m = moe_fp8_ext.GroupedExperts(DIM, HIDDEN, E, recipe="fp8_blockwise", dtype=torch.float32, device=device)
+        if fp8:
+            fsdp.fp8_all_gather(m)
+        fully_shard(m, mesh=mesh, mp_policy=policy, **kw)
+        block = Block(m)
+        fully_shard(block, mesh=mesh, mp_policy=policy)
+        return block
+
+    gathers = []
+    quantize_shard = fsdp._quantize_shard
+    fsdp._quantize_shard = lambda *a: gathers.append(1) or quantize_shard(*a)
+
+    # The gathered operands: the whole weight's, bit for bit.
+    m = layer(True).experts
+    full = {n: p.full_tensor() for n, p in m.named_parameters()}
+    m.unshard()
+    r = moe_fp8_ext.get_recipe("fp8_blockwise")
+    for n in ("w1", "w3", "w2"):
+        g = getattr(m, n)
+        q, s = quantize_shard(r, full[n].bfloat16())
+        check(isinstance(g, fsdp.GatheredWeight) and torch.equal(g._q.view(torch.uint8), q.view(torch.uint8))
+              and torch.equal(g._s, s), f"gathered {n} = quantized whole weight")
+    m.reshard()
+    sd = m.state_dict()
+    check(all(torch.equal(sd[n].full_tensor(), full[n]) and sd[n].dtype == torch.float32 for n in full),
+          "state_dict holds the fp32 shards")
+
+    g = torch.Generator(device=device).manual_seed(100 + rank)
+
+    def train(pairs, steps=3, micro=1, name=""):
+        opts = [torch.optim.SGD(m.parameters(), lr=0.5) for m in pairs]
+        for step in range(steps):
+            for mb in range(micro):
+                last = mb == micro - 1
+                tokens = 301 + 17 * mb
+                x = torch.randn(tokens, DIM, device=device, generator=g).bfloat16()
+                expert = torch.randint(0, E, (tokens - 5,), device=device, generator=g)  # (5 rows past the groups)
+                counts = torch.bincount(expert.masked_fill(expert == 1, 0), minlength=E)  # (expert 1: none)
+                grad = torch.randn(tokens, DIM, device=device, generator=g).bfloat16()
+                res = []
+                for m in pairs:
+                    if micro > 1:
+                        m.set_reshard_after_backward(last)
+                        m.set_requires_gradient_sync(last)
+                    xi = x.clone().requires_grad_()
+                    out = m(xi, counts)
+                    out.backward(grad)
+                    res.append((out, xi.grad))
+                check(all(torch.equal(a, b) for a, b in zip(*res)), f"{name} step {step} micro {mb}: output, grad x")
+            grads = [[p.grad.full_tensor() for p in m.parameters()] for m in pairs]
+            check(all(torch.equal(a, b) for a, b in zip(*grads)), f"{name} step {step}: weight gradients")
+            for o in opts:
+                o.step()
+                o.zero_grad(set_to_none=True)
+
+    gathers.clear()
+    train([layer(False), layer(True)], name="reshard_after_forward=True")
+    check(len(gathers) == 3 * 2 * 3, f"gathers: 3 weights, forward and backward, 3 steps; got {len(gathers)}")
+    gathers.clear()
+    train([layer(False, reshard_after_forward=False), layer(True, reshard_after_forward=False)],
+          name="reshard_after_forward=False")
+    check(len(gathers) == 3 * 3, f"gathers: 3 weights once a step; got {len(gathers)}")
+    gathers.clear()
+    train([layer(False), layer(True)], micro=2, name="micro-batches")
+    # (the first micro-batch's forward and backward; the second's backward after its
+    # forward resharded)
+    check(len(gathers) == 3 * 3 * 3, f"gathers: 3 a micro-batch step; got {len(gathers)}")
+
+    # A load_state_dict (or checkpoint load) into the shards is what the next gather sees.
+    a, b = layer(False).experts, layer(True).experts
+    torch.manual_seed(1)
+    new = moe_fp8_ext.GroupedExperts(DIM, HIDDEN, E, recipe="fp8_blockwise", dtype=torch.float32, device=device)
+    for m in (a, b):
+        sd = m.state_dict()
+        for n, v in new.state_dict().items():
+            sd[n].to_local().copy_(v.chunk(world)[rank])
+        m.load_state_dict(sd)
+    train([a, b], steps=1, name="after load_state_dict")
+    x = torch.randn(64, DIM, device=device).bfloat16()
+    counts = torch.full((E,), 64 // E, device=device)
+    torch.manual_seed(2)
+    check(torch.equal(a(x, counts), b(x, counts)), "after load_state_dict: outputs")
+
+    # Set-up errors.
+    try:
+        fsdp.fp8_all_gather(a)
+        check(False, "fp8_all_gather after fully_shard raises")
+    except RuntimeError as e:
+        check("before fully_shard" in str(e), "fp8_all_gather after fully_shard: message")
+    if world > 1:
+        torch.manual_seed(0)
+        odd = moe_fp8_ext.GroupedExperts(DIM, HIDDEN, world + 1, recipe="fp8_blockwise", dtype=torch.float32,
+                                         device=device)
+        fsdp.fp8_all_gather(odd)
+        fully_shard(odd, mesh=mesh, mp_policy=policy)
+        try:
+            odd(torch.randn(8, DIM, device=device).bfloat16(), torch.full((world + 1,), 1, device=device))
+            check(False, "experts not divisible by the ranks raises")
+        except ValueError as e:
+            check("multiple of the shard group's size" in str(e), "experts not divisible: message")
+
+    flag = torch.tensor([len(failures)], device=device)
+    dist.all_reduce(flag)
+    if rank == 0:
+        print(f"fsdp_fp8_all_gather on {world} ranks ({device.type}): " + ("OK" if flag.item() == 0 else "FAILED"),
+              flush=True)
+    return 1 if flag.item() else 0
+
+
+if __name__ == "__main__":
+    code = main()
+    sys.stdout.flush()
+    os._exit(code)  # (no teardown: gloo's destructors have aborted processes at exit)

@@ -1,0 +1,233 @@
+"""FP8 communication, in one process: the experts layer reading weights all-gathered in
+fp8 (moe_fp8_ext.fsdp) and token rows dispatched in fp8 (moe_fp8_ext.dispatch) gives the
+bits of the same layer on the high-precision tensors they stand for, and every bad input
+is an error. The multi-rank runs (FSDP2, expert parallelism, torchtitan) are in
+tests/test_expert_parallel.py and tests/test_torchtitan_parallel.py."""
+
+import os
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import moe_fp8_ext
+from moe_fp8_ext import dispatch, fsdp
+from moe_fp8_ext.dispatch import Fp8Rows, fp8_dispatch
+from moe_fp8_ext.fsdp import GatheredWeight, ShardedWeight, fp8_all_gather
+
+from conftest import DEVICES, HAS_CUDA, offs_from_sizes, randn
+
+SIZES = [37, 0, 130, 5, 200, 0]  # odd, empty and multi-tile groups
+
+
+@pytest.fixture(scope="module")
+def one_rank():
+    """A one-rank gloo group (the all-to-all of one rank is a copy)."""
+    if dist.is_initialized():
+        yield
+        return
+    path = tempfile.mktemp()
+    dist.init_process_group("gloo", init_method=f"file://{path}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+    if os.path.exists(path):
+        os.remove(path)
+
+
+def weights(e, hidden, dim, device, dtype=torch.bfloat16):
+    return [randn(s, dtype, device, outliers=False, seed=i) * s[-1] ** -0.5
+            for i, s in enumerate([(e, hidden, dim), (e, hidden, dim), (e, dim, hidden)])]
+
+
+def gathered(w, recipe):
+    """What the fp8 all-gather of one rank holding every expert hands the layer."""
+    q, s = fsdp._quantize_shard(recipe, w)
+    return GatheredWeight(q, s, w.dtype, recipe).requires_grad_()
+
+
+def run(x, ws, offs, recipe, grad, **kw):
+    ws = [w if w.requires_grad else w.detach().requires_grad_() for w in ws]
+    out = moe_fp8_ext.experts(x, *ws, offs, recipe=recipe, **kw)
+    out.backward(grad)
+    return out, [w.grad for w in ws]
+
+
+def same(a, b):
+    return a.shape == b.shape and torch.equal(a, b)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("hidden, dim", [(256, 144), (128, 384)])
+def test_gathered_weights_give_the_bits_of_the_weights(device, hidden, dim):
+    r = moe_fp8_ext.get_recipe("fp8_blockwise")
+    offs = offs_from_sizes(SIZES, device)
+    x = randn((int(offs[-1]) + 3, dim), torch.bfloat16, device).requires_grad_()
+    w = weights(len(SIZES), hidden, dim, device)
+    grad = randn((x.shape[0], dim), torch.bfloat16, device)
+    out, gw = run(x, w, offs, r, grad)
+    gx = x.grad
+    x.grad = None
+    out_g, gw_g = run(x, [gathered(t, r) for t in w], offs, r, grad)
+    assert same(out_g, out) and same(x.grad, gx)
+    assert all(same(a, b) for a, b in zip(gw_g, gw))
+    assert all(type(g) is torch.Tensor for g in gw_g)  # (ordinary gradients for FSDP2 to reduce-scatter)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_gathered_operands_are_the_whole_weights(device):
+    """A shard's fp8 and scales, concatenated over the experts, are the whole weight's
+    (every 128x128 tile is inside one expert), and the backward operands the layer makes
+    of them are the recipe's own, bit for bit."""
+    r = moe_fp8_ext.get_recipe("fp8_blockwise")
+    w1, w3, _ = weights(6, 256, 200, device)
+    f8 = r.default_fp8_dtype(torch.device(device))
+    shards = [fsdp._quantize_shard(r, w1[i:i + 2]) for i in range(0, 6, 2)]
+    g1 = GatheredWeight(torch.cat([q for q, _ in shards]), torch.cat([s for _, s in shards]), w1.dtype, r)
+    g3 = gathered(w3, r)
+    parts = [w1.transpose(-2, -1), w3.transpose(-2, -1)]
+    for mine, theirs in ((fsdp.rhs_fwd([g1, g3]), r.rhs_fwd_cat(parts, f8)), (fsdp.rhs_bwd([g1, g3]), r.rhs_bwd_cat(parts, f8)),
+                         (fsdp.rhs_fwd([g1]), r.rhs_fwd_only(parts[0], f8))):
+        for a, b in zip(mine, theirs):
+            assert a.shape == b.shape and a.stride() == b.stride()
+            assert torch.equal(a.view(torch.uint8) if a.dtype == f8 else a, b.view(torch.uint8) if b.dtype == f8 else b)
+
+
+def test_sharded_weight_computes_as_its_tensor():
+    r = moe_fp8_ext.get_recipe("fp8_blockwise")
+    w = torch.randn(4, 128, 64)
+    p = torch.nn.Parameter(ShardedWeight(w.clone(), r))
+    assert isinstance(p.detach(), ShardedWeight) and isinstance(torch.empty_like(p), ShardedWeight)
+    assert torch.equal(p * 2, w * 2) and type(p * 2) is torch.Tensor
+    with torch.no_grad():
+        p.add_(1.0)
+    assert torch.equal(p._tensor, w + 1)
+
+
+def test_gathered_weight_and_rows_hold_no_values():
+    r = moe_fp8_ext.get_recipe("fp8_blockwise")
+    g = gathered(torch.randn(2, 128, 64), r)
+    rows = Fp8Rows(torch.zeros(4, 64, dtype=torch.float8_e4m3fn), torch.ones(4, 1), torch.bfloat16, r)
+    for t in (g, rows):
+        with pytest.raises(TypeError, match="moe_fp8_ext.experts only"):
+            t.sum()
+        with pytest.raises(TypeError, match="moe_fp8_ext.experts only"):
+            torch.add(t, 1)
+    assert isinstance(g.detach(), GatheredWeight) and isinstance(rows.detach(), Fp8Rows)
+
+
+def test_experts_refuses_mixed_or_foreign_gathered_weights():
+    r = moe_fp8_ext.get_recipe("fp8_blockwise")
+    w1, w3, w2 = weights(2, 128, 64, "cpu")
+    offs = offs_from_sizes([3, 5])
+    x = torch.randn(8, 64, dtype=torch.bfloat16)
+    with pytest.raises(TypeError, match="all all-gathered in fp8 .* or none"):
+        moe_fp8_ext.experts(x, gathered(w1, r), w3, w2, offs, recipe=r)
+    other = moe_fp8_ext.Fp8Blockwise(name="fp8_blockwise_other", hold_weight_operands=False)
+    with pytest.raises(ValueError, match="all-gathered for recipe"):
+        moe_fp8_ext.experts(x, *(gathered(w, r) for w in (w1, w3, w2)), offs, recipe=other)
+    with pytest.raises(ValueError, match="all-gathered for recipe"):
+        moe_fp8_ext.experts(x, *(gathered(w, r) for w in (w1, w3, w2)), offs, recipe=r,
+                            fp8_dtype=torch.float8_e4m3fnuz)
+
+
+def test_fp8_all_gather_set_up_errors():
+    with pytest.raises(ValueError, match="expected recipe fp8_blockwise"):
+        fp8_all_gather(moe_fp8_ext.GroupedExperts(64, 128, 4, recipe="fp8_rowwise"))
+    with pytest.raises(ValueError, match="multiple of 128"):
+        fp8_all_gather(moe_fp8_ext.GroupedExperts(64, 96, 4, recipe="fp8_blockwise"))
+    with pytest.raises(ValueError, match="reuses its quantized weights"):
+        fp8_all_gather(moe_fp8_ext.GroupedExperts(64, 128, 4, recipe="fp8_blockwise", reuse_weights=True))
+    layer = moe_fp8_ext.GroupedExperts(64, 128, 4, recipe="fp8_blockwise")
+    before = {n: p.detach().clone() for n, p in layer.named_parameters()}
+    assert fp8_all_gather(torch.nn.Sequential(layer)) == 1
+    assert all(isinstance(p, ShardedWeight) for p in layer.parameters())
+    assert all(torch.equal(p._tensor, before[n]) for n, p in layer.named_parameters())
+    # Without FSDP2 (nothing gathered) the layer computes on its weights as before.
+    x, counts = torch.randn(10, 64, dtype=torch.bfloat16), torch.tensor([3, 0, 7, 0])
+    ref = moe_fp8_ext.GroupedExperts(64, 128, 4, recipe="fp8_blockwise")
+    ref.load_state_dict(before)
+    assert torch.equal(layer(x, counts), ref(x, counts))
+
+
+def test_lost_wrapper_is_an_error():
+    layer = moe_fp8_ext.GroupedExperts(64, 128, 2, recipe="fp8_blockwise")
+    fp8_all_gather(layer)
+    layer.w2 = torch.nn.Parameter(layer.w2._tensor.clone())  # (a parallelization rebuilding the weight)
+    with pytest.raises(RuntimeError, match="no longer fp8-gathered"):
+        layer(torch.randn(4, 64), torch.tensor([2, 2]))
+
+
+def rows_reference(x, token_idx, recipe, f8):
+    """The dispatched rows as values: quantized as the W13 GEMM's operand, dequantized;
+    the gradient passes straight through to x."""
+    rows = x[token_idx.long()]
+    q, s = recipe.lhs(rows.detach(), f8)
+    s = s.repeat_interleave(128, dim=1)[:, :q.shape[1]] if s.dim() == 2 else s[:, None]
+    return rows + ((q.float() * s).to(rows.dtype) - rows).detach()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("recipe, f8", [("fp8_blockwise", torch.float8_e4m3fn), ("fp8_rowwise", torch.float8_e4m3fn),
+                                        ("fp8_blockwise", torch.float8_e4m3fnuz)])
+@pytest.mark.parametrize("dim", [144, 256])
+def test_dispatched_rows_give_the_bits_of_their_values(one_rank, device, recipe, f8, dim):
+    r = moe_fp8_ext.get_recipe(recipe)
+    if f8 not in r.fp8_dtypes(r.backend(torch.device(device)), torch.device(device)):
+        pytest.skip(f"{recipe} takes no {f8} on {device}")
+    offs = offs_from_sizes(SIZES, device)
+    m = int(offs[-1])
+    tokens = (m + 1) // 2
+    x = randn((tokens, dim), torch.bfloat16, device).requires_grad_()
+    token_idx = torch.randperm(2 * tokens, generator=torch.Generator().manual_seed(0))[:m].to(device) // 2
+    token_idx = token_idx.to(torch.int32)
+    w = weights(len(SIZES), 128, dim, device)
+    grad = randn((m, dim), torch.bfloat16, device)
+    if device == "cpu":
+        rows = fp8_dispatch(x, token_idx, r, None, [m], [m], fp8_dtype=f8)
+    else:  # (the one-rank group is gloo, which sends no CUDA tensors: the rows as it would send them)
+        q, s = dispatch._quantize_rows(r, x.detach(), f8)
+        rows = Fp8Rows(q[token_idx.long()].view(f8), s[token_idx.long()], x.dtype, r)
+    assert isinstance(rows, Fp8Rows) and rows.shape == (m, dim) and rows.dtype == torch.bfloat16
+    out, gw = run(rows, w, offs, r, grad, fp8_dtype=f8)
+    gx = x.grad
+    x.grad = None
+    out_r, gw_r = run(rows_reference(x, token_idx, r, f8), w, offs, r, grad, fp8_dtype=f8)
+    assert same(out, out_r) and all(same(a, b) for a, b in zip(gw, gw_r))
+    assert device != "cpu" or same(gx, x.grad)
+
+
+def test_dispatch_permutes_rows_and_pads_with_zeros(one_rank):
+    r = moe_fp8_ext.get_recipe("fp8_blockwise")
+    x = torch.randn(5, 256, dtype=torch.bfloat16, requires_grad=True)
+    token_idx = torch.tensor([4, 0, 2, 2], dtype=torch.int32)
+    perm = torch.tensor([3, -1, 0, 1, -1, 2], dtype=torch.int32)
+    rows = fp8_dispatch(x, token_idx, r, None, [4], [4], perm=perm)
+    ref = rows_reference(x.detach(), token_idx, r, rows._q.dtype)
+    got = rows.dequantize()
+    assert torch.equal(got[[0, 2, 3, 5]], ref[[2, 0, 1, 3]]) and not got[[1, 4]].any()
+    q, s = dispatch.fp8_rows_operand(r, rows._q.dtype, rows)
+    assert s.stride() == (1, 6)  # (the GEMM's column-major scales)
+
+
+def test_dispatch_errors(one_rank):
+    x = torch.randn(4, 128, dtype=torch.bfloat16)
+    idx = torch.zeros(4, dtype=torch.int32)
+    with pytest.raises(ValueError, match="fp8_blockwise or fp8_rowwise"):
+        fp8_dispatch(x, idx, moe_fp8_ext.get_recipe("mxfp8"), None, [4], [4])
+    with pytest.raises(ValueError, match="token_idx int32"):
+        fp8_dispatch(x, idx.long(), moe_fp8_ext.get_recipe("fp8_blockwise"), None, [4], [4])
+    with pytest.raises(ValueError, match="summing to 4"):
+        fp8_dispatch(x, idx, moe_fp8_ext.get_recipe("fp8_blockwise"), None, [3], [3])
+    rows = fp8_dispatch(x, idx, moe_fp8_ext.get_recipe("fp8_blockwise"), None, [4], [4])
+    w = weights(1, 128, 128, "cpu")
+    with pytest.raises(ValueError, match="rows dispatched for recipe"):
+        moe_fp8_ext.experts(rows, *w, torch.tensor([4], dtype=torch.int32), recipe="fp8_rowwise")
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.gpu
+def test_gathered_weights_on_the_gpu_run_the_real_gemm():
+    r = moe_fp8_ext.get_recipe("fp8_blockwise")
+    assert r.backend(torch.device("cuda")) == "blockwise_gemm"
+    test_gathered_weights_give_the_bits_of_the_weights("cuda", 256, 144)
