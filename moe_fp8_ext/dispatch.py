@@ -75,10 +75,14 @@ class Fp8Rows(Tensor):
                         "moe_fp8_ext.experts only; they hold no high-precision values")
 
     def dequantize(self) -> Tensor:
-        """The values the forward GEMM reads, in the rows' dtype."""
-        q = self._q.float()
-        s = self._s.repeat_interleave(128, dim=1)[:, :q.shape[1]] if self._s.shape[1] > 1 else self._s
-        return (q * s).to(self.dtype)
+        """The values the forward GEMM reads (fp32 products), in the rows' dtype."""
+        q, s = self._q, self._s
+        rows, cols = q.shape
+        blocks = s.shape[1]
+        if blocks > 1 and cols == 128 * blocks:  # (whole blocks: no per-element scale tensor)
+            return (q.view(rows, blocks, 128).float() * s[:, :, None]).view(rows, cols).to(self.dtype)
+        s = s.repeat_interleave(128, dim=1)[:, :cols] if blocks > 1 else s
+        return (q.float() * s).to(self.dtype)
 
 
 def fp8_rows_operand(recipe: Recipe, fp8_dtype: torch.dtype, x: Tensor) -> Optional[Tuple[Tensor, Tensor]]:
@@ -118,7 +122,8 @@ class _Fp8Dispatch(torch.autograd.Function):
         if perm is not None:
             grad = _ops.scatter_rows(grad, perm, ctx.received)
         grad = _all_to_all(grad, ctx.num_rows, ctx.in_splits, ctx.out_splits, ctx.group)
-        grad_x = grad.new_zeros((ctx.num_tokens, grad.shape[1])).index_add_(0, token_idx.long(), grad)
+        # (as autograd's backward of x[token_idx]: the same sums as the bf16 dispatch)
+        grad_x = grad.new_zeros((ctx.num_tokens, grad.shape[1])).index_put_((token_idx.long(),), grad, accumulate=True)
         return grad_x, None, None, None, None, None, None, None
 
 

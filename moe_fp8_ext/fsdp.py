@@ -7,11 +7,15 @@
 
 Each rank quantizes only its shard of w1, w3 and w2 (FSDP2 shards dim 0, the experts,
 so a shard holds whole experts and every 128x128 tile is shard-local) and FSDP2
-all-gathers the fp8 data and the tile scales: about half of bf16's bytes. The experts
-layer takes the gathered operands as they are: the forward GEMMs read them (W1 and W3
-joined by one copy), and the backward's transposed operands are copies of them (a tile
-and its transpose share the scale). The bits are those of quantizing the whole
-weight, cast to the mixed-precision ``param_dtype`` first as FSDP2 casts it.
+all-gathers the fp8 data and the tile scales: about half of bf16's bytes. A gather
+carries the orientation its pass reads: the forward's all-gather the forward operands,
+the backward's (inside autograd's backward) the transposed ones, each quantized from
+the shard in one read (a tile and its transpose share the scale). The experts layer
+takes them as they are (W1 and W3 joined by one copy). A weight gathered once for both
+passes (``reshard_after_forward=False``, the root module, activation-checkpoint
+recompute, micro-batches without resharding) gets the other orientation by a transposed
+copy. The bits are those of quantizing the whole weight, cast to the mixed-precision
+``param_dtype`` first as FSDP2 casts it.
 
 Through FSDP2's extension points only: the parameter's data is a tensor subclass with
 ``fsdp_pre_all_gather`` / ``fsdp_post_all_gather`` (torchao's Float8 weights do the
@@ -93,15 +97,28 @@ class ShardedWeight(Tensor):
         dtype = getattr(mp_policy, "param_dtype", None)
         if dtype is not None and dtype != w.dtype:
             w = w.to(dtype)  # as FSDP2 casts what it gathers: the bits of the bf16-gather path
-        q, s = _quantize_shard(self._recipe, w)
-        return (q, s), None
+        transposed = torch._C._current_graph_task_id() != -1  # (a gather for the backward)
+        return _quantize_shard(self._recipe, w, transposed), (transposed, tuple(outer_size))
 
     def fsdp_post_all_gather(self, outputs: Tuple[Tensor, ...], metadata, param_dtype: torch.dtype, *,
                              out: Optional[Tensor] = None):
-        q, s = outputs
-        if out is not None:  # (FSDP2 refilled the same q and s in place)
+        (q, s), (transposed, shape) = outputs, metadata
+        if out is not None:  # the same storage, refilled: this gather's views and orientation
+            held = (out._local_tensor if hasattr(out, "_local_tensor") else out)._held
+            held.q, held.s, held.transposed = q, s, transposed
             return
-        return GatheredWeight(q, s, param_dtype, self._recipe), (q, s)
+        return GatheredWeight(_Held(q, s, transposed), shape, param_dtype, self._recipe), (q, s)
+
+
+class _Held:
+    """A gathered weight's fp8 and scales in storage order, (E, rows, cols) or, with
+    ``transposed``, (E, cols, rows): shared by the weight and its aliases (FSDP2 makes
+    several), and refilled by every all-gather."""
+
+    __slots__ = ("q", "s", "transposed")
+
+    def __init__(self, q: Tensor, s: Tensor, transposed: bool):
+        self.q, self.s, self.transposed = q, s, transposed
 
 
 class GatheredWeight(Tensor):
@@ -111,14 +128,26 @@ class GatheredWeight(Tensor):
     values of its own: any op other than a view of the whole of it raises."""
 
     @staticmethod
-    def __new__(cls, q: Tensor, s: Tensor, dtype: torch.dtype, recipe: Recipe):
-        return _wrapper(cls, q, dtype)
+    def __new__(cls, held: _Held, shape, dtype: torch.dtype, recipe: Recipe):
+        return Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=held.q.device)
 
-    def __init__(self, q: Tensor, s: Tensor, dtype: torch.dtype, recipe: Recipe):
-        self._q, self._s, self._recipe = q, s, recipe
+    def __init__(self, held: _Held, shape, dtype: torch.dtype, recipe: Recipe):
+        self._held, self._recipe = held, recipe
 
     def __repr__(self):
         return f"GatheredWeight(shape={tuple(self.shape)}, dtype={self.dtype}, recipe={self._recipe.name!r})"
+
+    @property
+    def fp8_dtype(self) -> torch.dtype:
+        return self._held.q.dtype
+
+    def storage(self, transposed: bool) -> Tuple[Tensor, Tensor]:
+        """(fp8, scales) in storage order, (E, rows, cols) or transposed (E, cols, rows):
+        the gathered tensors, or a transposed copy where the gather carried the other."""
+        h = self._held
+        if h.transposed == transposed:
+            return h.q, h.s
+        return _cat([h.q.transpose(-2, -1)], 0), h.s.transpose(-2, -1).contiguous()
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
@@ -129,27 +158,24 @@ class GatheredWeight(Tensor):
             or (func is torch.ops.aten.as_strided.default and tuple(args[1]) == tuple(t.shape)
                 and tuple(args[2]) == tuple(t.stride()) and (len(args) < 4 or args[3] in (0, None))))
         if whole:
-            return GatheredWeight(t._q, t._s, t.dtype, t._recipe)
+            return GatheredWeight(t._held, t.shape, t.dtype, t._recipe)
         raise TypeError(f"{func}: an expert weight all-gathered in fp8 (moe_fp8_ext.fsdp) is read by "
                         "moe_fp8_ext.experts only; it holds no high-precision values")
 
-    def __tensor_flatten__(self):
-        return ["_q", "_s"], (self.dtype, self._recipe)
-
-    @staticmethod
-    def __tensor_unflatten__(inner, meta, outer_size, outer_stride):
-        return GatheredWeight(inner["_q"], inner["_s"], *meta)
 
 
 # ---- the fp8_blockwise operands (layouts of moe_fp8_ext.blockwise) --------------------
 
 
-def _quantize_shard(recipe: Recipe, w: Tensor) -> Tuple[Tensor, Tensor]:
+def _quantize_shard(recipe: Recipe, w: Tensor, transposed: bool = False) -> Tuple[Tensor, Tensor]:
     """The weight shard (E_l, rows, cols) as fp8 (E_l, rows, cols) and fp32 tile scales
     (E_l, ceil(rows/128), ceil(cols/128)), both contiguous: the forward operand of
-    ``w.transpose(-2, -1)`` in storage order."""
+    ``w.transpose(-2, -1)`` in storage order; ``transposed``: the backward operand,
+    (E_l, cols, rows) and its scales, the same tiles."""
     f8 = recipe.default_fp8_dtype(w.device)
-    q, s = torch.ops.moe_fp8.quantize_blockwise_weight_rhs(w.transpose(-2, -1), f8)
+    op = (torch.ops.moe_fp8.quantize_blockwise_weight_transposed_rhs if transposed
+          else torch.ops.moe_fp8.quantize_blockwise_weight_rhs)
+    q, s = op(w.transpose(-2, -1), f8)
     return q.transpose(-2, -1), s.transpose(-2, -1)
 
 
@@ -159,20 +185,25 @@ def _cat(ts: Sequence[Tensor], dim: int) -> Tensor:
     return torch.cat([t.view(torch.uint8) if t.dtype.itemsize == 1 else t for t in ts], dim).view(ts[0].dtype)
 
 
+def _operand(ws: Sequence[GatheredWeight], transposed: bool) -> Tuple[Tensor, Tensor]:
+    # The weights' storages joined along the operand's N ((E, rows, cols): dim 1;
+    # transposed, (E, cols, rows): dim 2), as the operand's transposed view.
+    parts = [w.storage(transposed) for w in ws]
+    dim = 2 if transposed else 1
+    q = parts[0][0] if len(ws) == 1 else _cat([p[0] for p in parts], dim)
+    s = parts[0][1] if len(ws) == 1 else _cat([p[1] for p in parts], dim)
+    return q.transpose(-2, -1), s.transpose(-2, -1)
+
+
 def rhs_fwd(ws: Sequence[GatheredWeight]) -> Tuple[Tensor, Tensor]:
     """``Fp8Blockwise.rhs_fwd_cat`` of the weights' transposes (each (E, K, N_i), N_i
-    the weight's rows), from their gathered fp8: the weights' rows concatenated (a copy
-    where more than one weight)."""
-    q = _cat([w._q for w in ws], 1) if len(ws) > 1 else ws[0]._q
-    s = _cat([w._s for w in ws], 1) if len(ws) > 1 else ws[0]._s
-    return q.transpose(-2, -1), s.transpose(-2, -1)
+    the weight's rows), from their gathered fp8 (a copy where more than one weight)."""
+    return _operand(ws, False)
 
 
 def rhs_bwd(ws: Sequence[GatheredWeight]) -> Tuple[Tensor, Tensor]:
-    """``Fp8Blockwise.rhs_bwd_cat`` of the same: the transposed copy, same tile scales."""
-    q = _cat([w._q.transpose(-2, -1) for w in ws], 2)
-    s = _cat([w._s.transpose(-2, -1) for w in ws], 2)
-    return q.transpose(-2, -1), s.transpose(-2, -1)
+    """``Fp8Blockwise.rhs_bwd_cat`` of the same, the same tile scales."""
+    return _operand(ws, True)
 
 
 def gathered_weights(recipe: Recipe, fp8_dtype: torch.dtype, ws: Sequence[Tensor]) -> bool:
@@ -185,9 +216,9 @@ def gathered_weights(recipe: Recipe, fp8_dtype: torch.dtype, ws: Sequence[Tensor
         raise TypeError("experts: expected w1, w3 and w2 all all-gathered in fp8 (moe_fp8_ext.fsdp.fp8_all_gather) "
                         "or none of them")
     for w in ws:
-        if w._recipe != recipe or w._q.dtype != fp8_dtype:
+        if w._recipe != recipe or w.fp8_dtype != fp8_dtype:
             raise ValueError(f"experts: expected weights all-gathered for recipe {recipe.name!r} in {fp8_dtype}, got "
-                             f"{w._recipe.name!r} in {w._q.dtype}")
+                             f"{w._recipe.name!r} in {w.fp8_dtype}")
     hidden = ws[0].shape[1]
     if hidden % 128:
         raise ValueError(f"experts: expected a hidden size that is a multiple of 128 for weights all-gathered in fp8, "

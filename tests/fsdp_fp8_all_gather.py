@@ -5,7 +5,8 @@ against the same layer gathered in bf16, on every rank (torchrun; gloo or NCCL).
 
 Checks, exit status 1 on a failure:
 - the gathered fp8 and scales are, bit for bit, the whole weight's quantization (cast to
-  the mixed-precision param_dtype first, as FSDP2 casts it);
+  the mixed-precision param_dtype first, as FSDP2 casts it); the backward's gathers carry
+  the transposed operands;
 - outputs and every gradient (x, w1, w3, w2) equal the bf16-gather layer's bit for bit,
   step after step of SGD (no stale weight), with reshard_after_forward True and False,
   and over two micro-batches with resharding after backward off;
@@ -66,7 +67,7 @@ def main():
 
     gathers = []
     quantize_shard = fsdp._quantize_shard
-    fsdp._quantize_shard = lambda *a: gathers.append(1) or quantize_shard(*a)
+    fsdp._quantize_shard = lambda *a: gathers.append(a[2] if len(a) > 2 else False) or quantize_shard(*a)
 
     # The gathered operands: the whole weight's, bit for bit.
     m = layer(True).experts
@@ -76,8 +77,9 @@ def main():
     for n in ("w1", "w3", "w2"):
         g = getattr(m, n)
         q, s = quantize_shard(r, full[n].bfloat16())
-        check(isinstance(g, fsdp.GatheredWeight) and torch.equal(g._q.view(torch.uint8), q.view(torch.uint8))
-              and torch.equal(g._s, s), f"gathered {n} = quantized whole weight")
+        gq, gs = g.storage(False)
+        check(isinstance(g, fsdp.GatheredWeight) and torch.equal(gq.view(torch.uint8), q.view(torch.uint8))
+              and torch.equal(gs, s), f"gathered {n} = quantized whole weight")
     m.reshard()
     sd = m.state_dict()
     check(all(torch.equal(sd[n].full_tensor(), full[n]) and sd[n].dtype == torch.float32 for n in full),
@@ -113,7 +115,8 @@ def main():
 
     gathers.clear()
     train([layer(False), layer(True)], name="reshard_after_forward=True")
-    check(len(gathers) == 3 * 2 * 3, f"gathers: 3 weights, forward and backward, 3 steps; got {len(gathers)}")
+    check(len(gathers) == 3 * 2 * 3 and sum(gathers) == 3 * 3,
+          f"gathers: 3 weights, forward and backward (transposed), 3 steps; got {gathers}")
     gathers.clear()
     train([layer(False, reshard_after_forward=False), layer(True, reshard_after_forward=False)],
           name="reshard_after_forward=False")

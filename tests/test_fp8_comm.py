@@ -40,10 +40,11 @@ def weights(e, hidden, dim, device, dtype=torch.bfloat16):
             for i, s in enumerate([(e, hidden, dim), (e, hidden, dim), (e, dim, hidden)])]
 
 
-def gathered(w, recipe):
-    """What the fp8 all-gather of one rank holding every expert hands the layer."""
-    q, s = fsdp._quantize_shard(recipe, w)
-    return GatheredWeight(q, s, w.dtype, recipe).requires_grad_()
+def gathered(w, recipe, transposed=False):
+    """What the fp8 all-gather of one rank holding every expert hands the layer (for the
+    forward, or for the backward: ``transposed``)."""
+    q, s = fsdp._quantize_shard(recipe, w, transposed)
+    return GatheredWeight(fsdp._Held(q, s, transposed), w.shape, w.dtype, recipe).requires_grad_()
 
 
 def run(x, ws, offs, recipe, grad, **kw):
@@ -59,7 +60,8 @@ def same(a, b):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("hidden, dim", [(256, 144), (128, 384)])
-def test_gathered_weights_give_the_bits_of_the_weights(device, hidden, dim):
+@pytest.mark.parametrize("transposed", [False, True])
+def test_gathered_weights_give_the_bits_of_the_weights(device, hidden, dim, transposed):
     r = moe_fp8_ext.get_recipe("fp8_blockwise")
     offs = offs_from_sizes(SIZES, device)
     x = randn((int(offs[-1]) + 3, dim), torch.bfloat16, device).requires_grad_()
@@ -68,7 +70,7 @@ def test_gathered_weights_give_the_bits_of_the_weights(device, hidden, dim):
     out, gw = run(x, w, offs, r, grad)
     gx = x.grad
     x.grad = None
-    out_g, gw_g = run(x, [gathered(t, r) for t in w], offs, r, grad)
+    out_g, gw_g = run(x, [gathered(t, r, transposed) for t in w], offs, r, grad)
     assert same(out_g, out) and same(x.grad, gx)
     assert all(same(a, b) for a, b in zip(gw_g, gw))
     assert all(type(g) is torch.Tensor for g in gw_g)  # (ordinary gradients for FSDP2 to reduce-scatter)
@@ -77,17 +79,20 @@ def test_gathered_weights_give_the_bits_of_the_weights(device, hidden, dim):
 @pytest.mark.parametrize("device", DEVICES)
 def test_gathered_operands_are_the_whole_weights(device):
     """A shard's fp8 and scales, concatenated over the experts, are the whole weight's
-    (every 128x128 tile is inside one expert), and the backward operands the layer makes
-    of them are the recipe's own, bit for bit."""
+    (every 128x128 tile is inside one expert), in either orientation, and the operands
+    the layer makes of them are the recipe's own, bit for bit."""
     r = moe_fp8_ext.get_recipe("fp8_blockwise")
     w1, w3, _ = weights(6, 256, 200, device)
     f8 = r.default_fp8_dtype(torch.device(device))
-    shards = [fsdp._quantize_shard(r, w1[i:i + 2]) for i in range(0, 6, 2)]
-    g1 = GatheredWeight(torch.cat([q for q, _ in shards]), torch.cat([s for _, s in shards]), w1.dtype, r)
-    g3 = gathered(w3, r)
     parts = [w1.transpose(-2, -1), w3.transpose(-2, -1)]
-    for mine, theirs in ((fsdp.rhs_fwd([g1, g3]), r.rhs_fwd_cat(parts, f8)), (fsdp.rhs_bwd([g1, g3]), r.rhs_bwd_cat(parts, f8)),
-                         (fsdp.rhs_fwd([g1]), r.rhs_fwd_only(parts[0], f8))):
+    pairs = []
+    for transposed in (False, True):  # (a gather for the forward, and one for the backward)
+        shards = [fsdp._quantize_shard(r, w1[i:i + 2], transposed) for i in range(0, 6, 2)]
+        held = fsdp._Held(torch.cat([q for q, _ in shards]), torch.cat([s for _, s in shards]), transposed)
+        g1, g3 = GatheredWeight(held, w1.shape, w1.dtype, r), gathered(w3, r, transposed)
+        pairs += [(fsdp.rhs_fwd([g1, g3]), r.rhs_fwd_cat(parts, f8)), (fsdp.rhs_bwd([g1, g3]), r.rhs_bwd_cat(parts, f8)),
+                  (fsdp.rhs_fwd([g1]), r.rhs_fwd_only(parts[0], f8))]
+    for mine, theirs in pairs:
         for a, b in zip(mine, theirs):
             assert a.shape == b.shape and a.stride() == b.stride()
             assert torch.equal(a.view(torch.uint8) if a.dtype == f8 else a, b.view(torch.uint8) if b.dtype == f8 else b)
