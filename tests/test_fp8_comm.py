@@ -232,7 +232,8 @@ def test_dispatch_errors(one_rank):
 
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 @pytest.mark.gpu
-def test_gathered_weights_on_the_gpu_run_the_real_gemm():
+@pytest.mark.parametrize("transposed", [False, True])
+def test_gathered_weights_on_the_gpu_run_the_real_gemm(transposed):
     r = moe_fp8_ext.get_recipe("fp8_blockwise")
     assert r.backend(torch.device("cuda")) == "blockwise_gemm"
-    test_gathered_weights_give_the_bits_of_the_weights("cuda", 256, 144)
+    test_gathered_weights_give_the_bits_of_the_weights("cuda", 256, 144, transposed)
