@@ -228,7 +228,9 @@ def bandwidth_gbps(device, world, nbytes, kind):
 
 def paper_model(args, results):
     """Bytes per rank and step of one layer at 64-1024 GPUs (EP over up to E ranks,
-    FSDP2 over the rest), and the time they take at INTER_NODE_GBPS across nodes."""
+    FSDP2 over the rest; the all-to-all rows that leave a node of NODE GPUs), the time
+    they take at INTER_NODE_GBPS, and that time over the measured fp8 FSDP2 step of one
+    layer here (``vs_compute`` above 1: communication bounds the step unless overlapped)."""
     b16 = 2
     fp8_weight = 1 + 4 / 128**2  # (fp8 + one fp32 scale a 128x128 tile)
     fp8_row = 1 + 4 / 128  # (fp8 + one fp32 scale a 1x128 block)
@@ -320,7 +322,7 @@ def main():
                                                                         "max rel. diff vs bf16"],
                         [[c["layout"], c["variant"], f"{c['first']:.4f}", f"{c['last']:.4f}",
                           f"{c['max_rel_diff_vs_bf16']:.4f}"] for c in data["curves"]], "bench_distributed.md")
-        write_json("bench_distributed", data, sys.argv)
+        write_json("bench_distributed", data, sys.argv, launcher=f"torchrun --nproc-per-node={world}")
     dist.barrier()
     dist.destroy_process_group()
 

@@ -163,9 +163,10 @@ def print_table(title: str, header: Sequence[str], rows: List[Sequence[str]], ou
     return text
 
 
-def write_json(name: str, data, argv) -> None:
+def write_json(name: str, data, argv, launcher: str = "python") -> None:
     """$OUT/<name>.json: the run's device, torch, commit ($BENCH_COMMIT, else git's),
-    date and command beside ``data`` (bench/report.py renders RESULTS.md from it)."""
+    date and command (``launcher`` and argv) beside ``data`` (bench/report.py renders
+    RESULTS.md from it)."""
     import json
     import subprocess
     import sys
@@ -179,7 +180,7 @@ def write_json(name: str, data, argv) -> None:
             commit = None
     doc = dict(benchmark=name, device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
                torch=torch.__version__, commit=commit, date=datetime.date.today().isoformat(),
-               command=" ".join(["python", os.path.relpath(argv[0])] + list(argv[1:])), data=data)
+               command=" ".join([launcher, os.path.relpath(argv[0])] + list(argv[1:])), data=data)
     out = os.environ.get("OUT", ".")
     path = os.path.join(out, f"{name}.json")
     with open(path, "w") as f:

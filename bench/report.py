@@ -115,9 +115,10 @@ def distributed_table(runs):
         cells = [(r["comm_bytes_vs_bf16_comm"], "<=", 0.55), (r["vs_bf16"], ">=", 1.25), (r["vs_fp8"], ">=", 1.10),
                  (None if c is None else c["max_rel_diff_vs_bf16"], "<", 0.01)]
         out = []
-        for v, op, bound in cells:
+        for i, (v, op, bound) in enumerate(cells):
             met = v is not None and (v <= bound if op == "<=" else v >= bound if op == ">=" else v < bound)
-            out.append("not run" if v is None else f"{_fmt(v) if v >= 0.01 else f'{v:.4f}'} ({'yes' if met else '**no**'})")
+            shown = f"{v:.4f}" if i == 3 and v is not None else _fmt(v)
+            out.append("not run" if v is None else f"{shown} ({'yes' if met else '**no**'})")
         lines.append(f"| {r['layout']} | " + " | ".join(out) + " |")
     return lines
 
