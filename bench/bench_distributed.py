@@ -19,9 +19,10 @@ gradient, ``loss.backward()`` and an SGD step, in two layouts:
   (``moe_fp8_ext.fsdp``). With EP over all ranks nothing is left for FSDP2 to gather,
   hence two layouts.
 
-Bytes are per rank and step: all-to-all, the bytes a rank sends; all-gather, the bytes
-it receives (its own shard included); reduce-scatter, its input. Writes
-$OUT/bench_distributed.json (rank 0).
+``--recipe`` picks the fp8 recipe (fp8_blockwise, the default, or fp8_rowwise). Bytes
+are per rank and step: all-to-all, the bytes a rank sends; all-gather, the bytes it
+receives (its own shard included); reduce-scatter, its input. Writes
+$OUT/bench_distributed.json (bench_distributed_rowwise.json for fp8_rowwise; rank 0).
 """
 
 import argparse
@@ -35,7 +36,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-VARIANTS = (("bf16", "bf16", False), ("fp8", "fp8_blockwise", False), ("fp8_comm", "fp8_blockwise", True))
+VARIANTS = (("bf16", False), ("fp8", False), ("fp8_comm", True))  # (name, fp8 communication)
 GPUS = (64, 128, 256, 512, 1024)
 NODE = 8  # GPUs a node (NVLink inside)
 INTER_NODE_GBPS = 50.0  # per GPU across nodes: one 400 Gb/s NIC a GPU (an assumption, not measured)
@@ -133,7 +134,8 @@ def build(args, variant, layout, device, world):
 
     from moe_fp8_ext import fsdp
 
-    _, recipe, fp8_comm = variant
+    name, fp8_comm = variant
+    recipe = "bf16" if name == "bf16" else args.recipe
     torch.manual_seed(0)
     layer = Layer(args, recipe, fp8_comm, layout, device, world)
     if layout == "fsdp":
@@ -261,6 +263,7 @@ def main():
     p.add_argument("--hidden", type=int, default=1408)
     p.add_argument("--experts", type=int, default=64)
     p.add_argument("--topk", type=int, default=6)
+    p.add_argument("--recipe", choices=["fp8_blockwise", "fp8_rowwise"], default="fp8_blockwise")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--curve", type=int, default=0, help="also train this many steps of each variant: loss curves")
@@ -287,7 +290,7 @@ def main():
             ref = comm(results[layout]["fp8"], ("ag",)) if layout == "fsdp" else results[layout]["fp8"]["bytes"].get(
                 "a2a dispatch", 0)
             mine = comm(r, ("ag",)) if layout == "fsdp" else r["bytes"].get("a2a dispatch", 0)
-            rows.append(dict(layout=layout, variant=name, world=world, step_ms=r["step_ms"],
+            rows.append(dict(layout=layout, variant=name, recipe=args.recipe, world=world, step_ms=r["step_ms"],
                              vs_bf16=base["step_ms"] / r["step_ms"],
                              vs_fp8=results[layout]["fp8"]["step_ms"] / r["step_ms"],
                              comm_bytes_vs_bf16_comm=mine / ref if ref else None,
@@ -309,7 +312,7 @@ def main():
     if rank == 0:
         from common import print_table, write_json
 
-        print_table(f"bench_distributed, {world} ranks, tokens {args.tokens}/rank, dim {args.dim}, hidden "
+        print_table(f"bench_distributed {args.recipe}, {world} ranks, tokens {args.tokens}/rank, dim {args.dim}, hidden "
                     f"{args.hidden}, {args.experts} experts, top-{args.topk}",
                     ["layout", "variant", "step ms", "vs bf16", "vs fp8", "comm bytes vs bf16 comm", "peak GiB", "MiB moved"],
                     [[r["layout"], r["variant"], f"{r['step_ms']:.2f}", f"{r['vs_bf16']:.2f}", f"{r['vs_fp8']:.2f}",
@@ -322,7 +325,8 @@ def main():
                                                                         "max rel. diff vs bf16"],
                         [[c["layout"], c["variant"], f"{c['first']:.4f}", f"{c['last']:.4f}",
                           f"{c['max_rel_diff_vs_bf16']:.4f}"] for c in data["curves"]], "bench_distributed.md")
-        write_json("bench_distributed", data, sys.argv, launcher=f"torchrun --nproc-per-node={world}")
+        name = "bench_distributed" + ("" if args.recipe == "fp8_blockwise" else "_" + args.recipe.split("_")[1])
+        write_json(name, data, sys.argv, launcher=f"torchrun --nproc-per-node={world}")
     dist.barrier()
     dist.destroy_process_group()
 

@@ -100,14 +100,21 @@ def distributed_table(runs):
     """Issue 68's targets (set for 4 H100s) against the latest bench_distributed run:
     fp8 communication's bytes, its step against bf16 and against the same recipe
     communicating in bf16, and the loss curve against bf16."""
-    doc = runs.get("bench_distributed")
-    if doc is None:
+    docs = [d for n, d in runs.items() if n.startswith("bench_distributed")]
+    if not docs:
         return ["(not run)"]
+    lines = ["| recipe | layout | bytes vs bf16 comm (<= 0.55) | step vs bf16 (>= 1.25) | step vs fp8 with bf16 comm "
+             "(>= 1.10) | loss vs bf16, max rel. (< 0.01) | run |", "|---|---|---|---|---|---|---|"]
+    for doc in docs:
+        lines += _distributed_rows(doc)
+    return lines
+
+
+def _distributed_rows(doc):
     data = doc["data"]
     curves = {(c["layout"], c["variant"]): c for c in data.get("curves", [])}
-    lines = [f"Commit {doc['commit']}, {doc['device']}, {data['steps'][0]['world']} ranks.", "",
-             "| layout | bytes vs bf16 comm (<= 0.55) | step vs bf16 (>= 1.25) | step vs fp8 with bf16 comm (>= 1.10) "
-             "| loss vs bf16, max rel. (< 0.01) |", "|---|---|---|---|---|"]
+    lines = []
+    run = f"{doc['commit']}, {data['steps'][0]['world']}× {doc['device']}"
     for r in data["steps"]:
         if r["variant"] != "fp8_comm":
             continue
@@ -119,7 +126,7 @@ def distributed_table(runs):
             met = v is not None and (v <= bound if op == "<=" else v >= bound if op == ">=" else v < bound)
             shown = f"{v:.4f}" if i == 3 and v is not None else _fmt(v)
             out.append("not run" if v is None else f"{shown} ({'yes' if met else '**no**'})")
-        lines.append(f"| {r['layout']} | " + " | ".join(out) + " |")
+        lines.append(f"| {r.get('recipe', 'fp8_blockwise')} | {r['layout']} | " + " | ".join(out) + f" | {run} |")
     return lines
 
 

@@ -1,21 +1,24 @@
 """FP8 all-gather of expert weights under FSDP2 (DESIGN §12).
 
     from moe_fp8_ext.fsdp import fp8_all_gather
-    layer = moe_fp8_ext.GroupedExperts(dim, hidden, experts, recipe="fp8_blockwise")
+    layer = moe_fp8_ext.GroupedExperts(dim, hidden, experts, recipe="fp8_blockwise")  # or fp8_rowwise
     fp8_all_gather(layer)          # before fully_shard
     fully_shard(layer, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
 
 Each rank quantizes only its shard of w1, w3 and w2 (FSDP2 shards dim 0, the experts,
-so a shard holds whole experts and every 128x128 tile is shard-local) and FSDP2
-all-gathers the fp8 data and the tile scales: about half of bf16's bytes. A gather
-carries the orientation its pass reads: the forward's all-gather the forward operands,
-the backward's (inside autograd's backward) the transposed ones, each quantized from
-the shard in one read (a tile and its transpose share the scale). The experts layer
-takes them as they are (W1 and W3 joined by one copy). A weight gathered once for both
-passes (``reshard_after_forward=False``, the root module, activation-checkpoint
-recompute, micro-batches without resharding) gets the other orientation by a transposed
-copy. The bits are those of quantizing the whole weight, cast to the mixed-precision
-``param_dtype`` first as FSDP2 casts it.
+so a shard holds whole experts: fp8_blockwise's 128x128 tiles and fp8_rowwise's scales
+are shard-local) and FSDP2 all-gathers the fp8 data and the scales: about half of
+bf16's bytes. A gather carries the operands its pass reads: the forward's all-gather the
+forward operands, the backward's (inside autograd's backward) the transposed ones, each
+quantized from the shard (fp8_rowwise's [W1; W3] one with column scales over both
+weights, read from the module's other shard). The experts layer takes them as they are
+(W1 and W3 joined by one copy). A weight gathered once for both passes
+(``reshard_after_forward=False``, the root module, activation-checkpoint recompute,
+micro-batches without resharding) gets the other operand by a transposed copy
+(fp8_blockwise: a tile and its transpose share the scale) or by quantizing its
+dequantized values again (fp8_rowwise: a second rounding, exact with power-of-two
+scales outside subnormals). The bits are otherwise those of quantizing the whole
+weight, cast to the mixed-precision ``param_dtype`` first as FSDP2 casts it.
 
 Through FSDP2's extension points only: the parameter's data is a tensor subclass with
 ``fsdp_pre_all_gather`` / ``fsdp_post_all_gather`` (torchao's Float8 weights do the
@@ -23,9 +26,9 @@ same). The optimizer, ``state_dict`` and checkpoints see the high-precision shar
 all-gather quantizes the shard as it is then, so a step or a load is never missed, and
 gathered weights live exactly as long as FSDP2 keeps a parameter unsharded
 (``reshard_after_forward=False``, or ``set_reshard_after_backward(False)`` across
-micro-batches). fp8_blockwise only (its two weight operands share their scales); the
-number of experts must be a multiple of the shard group's size (FSDP2 would pad dim 0,
-and padded shards cannot carry scales). Not under ``torch.compile``.
+micro-batches). fp8_blockwise and fp8_rowwise; the number of experts must be a
+multiple of the shard group's size (FSDP2 would pad dim 0, and padded shards cannot
+carry scales). Not under ``torch.compile``.
 """
 
 from typing import Optional, Sequence, Tuple
@@ -34,7 +37,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import Tensor
 
-from .recipes import Fp8Blockwise, Recipe
+from .recipes import Fp8Blockwise, Fp8Rowwise, Recipe
 from .weight_cache import _fsdp_params
 
 __all__ = ["GatheredWeight", "ShardedWeight", "fp8_all_gather", "gathered_weights"]
@@ -59,33 +62,35 @@ def _wrapper(cls, t: Tensor, dtype: torch.dtype, requires_grad: bool = False):
 class ShardedWeight(Tensor):
     """An expert weight (E, rows, cols) whose FSDP2 all-gather sends fp8 operands:
     ``fsdp_pre_all_gather`` quantizes this rank's shard with ``recipe``. Computes as its
-    high-precision tensor everywhere else."""
+    high-precision tensor everywhere else. ``joint``: (the module attribute of the
+    weight it is joined with in the input gradient, its place 0 or 1), for fp8_rowwise's
+    [W1; W3] backward operand, whose scales span both."""
 
     @staticmethod
-    def __new__(cls, tensor: Tensor, recipe: Recipe):
+    def __new__(cls, tensor: Tensor, recipe: Recipe, joint=None):
         return _wrapper(cls, tensor, tensor.dtype, tensor.requires_grad)
 
-    def __init__(self, tensor: Tensor, recipe: Recipe):
-        self._tensor, self._recipe = tensor, recipe
+    def __init__(self, tensor: Tensor, recipe: Recipe, joint=None):
+        self._tensor, self._recipe, self._joint = tensor, recipe, joint
 
     def __repr__(self):
         return f"ShardedWeight({self._tensor!r}, recipe={self._recipe.name!r})"
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        recipe = next(a._recipe for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, ShardedWeight))
+        first = next(a for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, ShardedWeight))
         args, kwargs = pytree.tree_map_only(ShardedWeight, lambda t: t._tensor, (args, kwargs or {}))
         out = func(*args, **kwargs)
         if func not in _KEEP and func.name() not in _KEEP_NAMES:
             return out
-        return pytree.tree_map_only(Tensor, lambda t: ShardedWeight(t, recipe), out)
+        return pytree.tree_map_only(Tensor, lambda t: ShardedWeight(t, first._recipe, first._joint), out)
 
     def __tensor_flatten__(self):
-        return ["_tensor"], self._recipe
+        return ["_tensor"], (self._recipe, self._joint)
 
     @staticmethod
-    def __tensor_unflatten__(inner, recipe, outer_size, outer_stride):
-        return ShardedWeight(inner["_tensor"], recipe)
+    def __tensor_unflatten__(inner, meta, outer_size, outer_stride):
+        return ShardedWeight(inner["_tensor"], *meta)
 
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
         world = mesh.size()
@@ -93,21 +98,36 @@ class ShardedWeight(Tensor):
             # (outer_size is the same on every rank: every rank raises, none hangs)
             raise ValueError(f"fp8_all_gather: expected a weight of E experts sharded on dim 0 with E a multiple of "
                              f"the shard group's size {world}, got {tuple(outer_size)} sharded to {tuple(self.shape)}")
-        w = self._tensor
         dtype = getattr(mp_policy, "param_dtype", None)
-        if dtype is not None and dtype != w.dtype:
-            w = w.to(dtype)  # as FSDP2 casts what it gathers: the bits of the bf16-gather path
+
+        def cast(w):  # as FSDP2 casts what it gathers: the bits of the bf16-gather path
+            return w.to(dtype) if dtype is not None and dtype != w.dtype else w
+
         transposed = torch._C._current_graph_task_id() != -1  # (a gather for the backward)
-        return _quantize_shard(self._recipe, w, transposed), (transposed, tuple(outer_size))
+        joint = None
+        if transposed and self._joint is not None and isinstance(self._recipe, Fp8Rowwise):
+            # (the other weight's shard: FSDP2 has the module's sharded parameters set now)
+            other = getattr(module, self._joint[0])
+            other = other._local_tensor if hasattr(other, "_local_tensor") else other
+            if not isinstance(other, ShardedWeight):
+                raise RuntimeError(f"fp8_all_gather: expected {type(module).__name__}.{self._joint[0]} to be an "
+                                   f"fp8-gathered weight too, got {type(other).__name__}")
+            joint = (cast(other._tensor), self._joint[1])
+        q, s = _quantize_shard(self._recipe, cast(self._tensor), transposed, joint)
+        if s.dim() == 2:  # fp8_rowwise: scales padded to one width, as FSDP2 sizes its buffers once
+            s = torch.nn.functional.pad(s, (0, max(self.shape[1:]) - s.shape[1]))
+        return (q, s), (transposed, tuple(outer_size))
 
     def fsdp_post_all_gather(self, outputs: Tuple[Tensor, ...], metadata, param_dtype: torch.dtype, *,
                              out: Optional[Tensor] = None):
-        (q, s), (transposed, shape) = outputs, metadata
+        (q, s_out), (transposed, shape) = outputs, metadata
+        s = s_out.narrow(1, 0, q.shape[1]) if s_out.dim() == 2 else s_out  # (fp8_rowwise: this orientation's)
         if out is not None:  # the same storage, refilled: this gather's views and orientation
             held = (out._local_tensor if hasattr(out, "_local_tensor") else out)._held
             held.q, held.s, held.transposed = q, s, transposed
             return
-        return GatheredWeight(_Held(q, s, transposed), shape, param_dtype, self._recipe), (q, s)
+        # (FSDP2 frees and reallocates the storage of what is returned: the whole outputs)
+        return GatheredWeight(_Held(q, s, transposed), shape, param_dtype, self._recipe), (q, s_out)
 
 
 class _Held:
@@ -141,13 +161,27 @@ class GatheredWeight(Tensor):
     def fp8_dtype(self) -> torch.dtype:
         return self._held.q.dtype
 
-    def storage(self, transposed: bool) -> Tuple[Tensor, Tensor]:
+    def storage(self, transposed: bool) -> Optional[Tuple[Tensor, Tensor]]:
         """(fp8, scales) in storage order, (E, rows, cols) or transposed (E, cols, rows):
-        the gathered tensors, or a transposed copy where the gather carried the other."""
+        the gathered tensors, or for fp8_blockwise a transposed copy where the gather
+        carried the other orientation (None for fp8_rowwise: its scales differ)."""
         h = self._held
         if h.transposed == transposed:
             return h.q, h.s
-        return _cat([h.q.transpose(-2, -1)], 0), h.s.transpose(-2, -1).contiguous()
+        if isinstance(self._recipe, Fp8Blockwise):
+            return _cat([h.q.transpose(-2, -1)], 0), h.s.transpose(-2, -1).contiguous()
+        return None
+
+    def dequantize(self) -> Tensor:
+        """The gathered values (fp32 products, in the weight's dtype), (E, rows, cols)."""
+        h = self._held
+        if isinstance(self._recipe, Fp8Blockwise):
+            q, s = h.q.float(), h.s
+            s = s.repeat_interleave(128, -2).repeat_interleave(128, -1)[..., :q.shape[-2], :q.shape[-1]]
+        else:
+            q, s = h.q.float(), h.s[..., None]
+        w = (q * s).to(self.dtype)
+        return w.transpose(-2, -1) if h.transposed else w
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
@@ -167,16 +201,32 @@ class GatheredWeight(Tensor):
 # ---- the fp8_blockwise operands (layouts of moe_fp8_ext.blockwise) --------------------
 
 
-def _quantize_shard(recipe: Recipe, w: Tensor, transposed: bool = False) -> Tuple[Tensor, Tensor]:
-    """The weight shard (E_l, rows, cols) as fp8 (E_l, rows, cols) and fp32 tile scales
-    (E_l, ceil(rows/128), ceil(cols/128)), both contiguous: the forward operand of
-    ``w.transpose(-2, -1)`` in storage order; ``transposed``: the backward operand,
-    (E_l, cols, rows) and its scales, the same tiles."""
+def _quantize_shard(recipe: Recipe, w: Tensor, transposed: bool = False, joint=None) -> Tuple[Tensor, Tensor]:
+    """The weight shard (E_l, rows, cols) as the forward operand of ``w.transpose(-2,
+    -1)`` in storage order, fp8 (E_l, rows, cols) and scales, both contiguous;
+    ``transposed``: the backward operand, (E_l, cols, rows) and its scales. Scales:
+    fp8_blockwise's 128x128 tiles, (E_l, ceil(rows/128), ceil(cols/128)), transposed for
+    the backward; fp8_rowwise's one a row (E_l, rows), one a column (E_l, cols) for the
+    backward, over both weights with ``joint`` (the other weight's shard, this one's
+    place), as the [W1; W3] input gradient reads them."""
     f8 = recipe.default_fp8_dtype(w.device)
-    op = (torch.ops.moe_fp8.quantize_blockwise_weight_transposed_rhs if transposed
-          else torch.ops.moe_fp8.quantize_blockwise_weight_rhs)
-    q, s = op(w.transpose(-2, -1), f8)
-    return q.transpose(-2, -1), s.transpose(-2, -1)
+    if isinstance(recipe, Fp8Blockwise):
+        op = (torch.ops.moe_fp8.quantize_blockwise_weight_transposed_rhs if transposed
+              else torch.ops.moe_fp8.quantize_blockwise_weight_rhs)
+        q, s = op(w.transpose(-2, -1), f8)
+        return q.transpose(-2, -1), s.transpose(-2, -1)
+    if not transposed:
+        q, s = recipe.rhs_fwd(w.transpose(-2, -1), f8)
+        return q.transpose(-2, -1), s
+    if joint is None:
+        q, s = recipe.rhs_bwd({"B_t": w.transpose(-2, -1)}, f8)
+        return q.transpose(-2, -1), s
+    other, place = joint
+    parts = [w, other] if place == 0 else [other, w]
+    q, s = recipe.rhs_bwd_cat([p.transpose(-2, -1) for p in parts], f8)
+    q = q.transpose(-2, -1)  # (E_l, cols, rows of both)
+    rows = w.shape[1]
+    return (q[..., :rows] if place == 0 else q[..., q.shape[-1] - rows:]).contiguous(), s
 
 
 def _cat(ts: Sequence[Tensor], dim: int) -> Tensor:
@@ -188,11 +238,21 @@ def _cat(ts: Sequence[Tensor], dim: int) -> Tensor:
 def _operand(ws: Sequence[GatheredWeight], transposed: bool) -> Tuple[Tensor, Tensor]:
     # The weights' storages joined along the operand's N ((E, rows, cols): dim 1;
     # transposed, (E, cols, rows): dim 2), as the operand's transposed view.
+    recipe = ws[0]._recipe
     parts = [w.storage(transposed) for w in ws]
+    if any(p is None for p in parts):  # (fp8_rowwise gathered for the other pass: quantized again)
+        f8 = ws[0].fp8_dtype
+        b_ts = [w.dequantize().transpose(-2, -1) for w in ws]
+        return recipe.rhs_bwd_cat(b_ts, f8) if transposed else recipe.rhs_fwd_cat(b_ts, f8)
     dim = 2 if transposed else 1
     q = parts[0][0] if len(ws) == 1 else _cat([p[0] for p in parts], dim)
-    s = parts[0][1] if len(ws) == 1 else _cat([p[1] for p in parts], dim)
-    return q.transpose(-2, -1), s.transpose(-2, -1)
+    if isinstance(recipe, Fp8Blockwise):
+        s = parts[0][1] if len(ws) == 1 else _cat([p[1] for p in parts], dim)
+        return q.transpose(-2, -1), s.transpose(-2, -1)
+    # fp8_rowwise: row scales (E, rows) joined along the rows; column scales, one set over
+    # all the weights (quantized together, _quantize_shard's joint)
+    s = parts[0][1].contiguous() if len(ws) == 1 or transposed else _cat([p[1] for p in parts], 1)
+    return q.transpose(-2, -1), s
 
 
 def rhs_fwd(ws: Sequence[GatheredWeight]) -> Tuple[Tensor, Tensor]:
@@ -220,7 +280,7 @@ def gathered_weights(recipe: Recipe, fp8_dtype: torch.dtype, ws: Sequence[Tensor
             raise ValueError(f"experts: expected weights all-gathered for recipe {recipe.name!r} in {fp8_dtype}, got "
                              f"{w._recipe.name!r} in {w.fp8_dtype}")
     hidden = ws[0].shape[1]
-    if hidden % 128:
+    if isinstance(recipe, Fp8Blockwise) and hidden % 128:
         raise ValueError(f"experts: expected a hidden size that is a multiple of 128 for weights all-gathered in fp8, "
                          f"got {hidden}")
     return True
@@ -255,9 +315,9 @@ def _expert_weights(module: torch.nn.Module):
 
 
 def check_recipe(recipe: Recipe, op: str) -> None:
-    if not isinstance(recipe, Fp8Blockwise):
-        raise ValueError(f"{op}: expected recipe fp8_blockwise for the fp8 all-gather (its two weight operands share "
-                         f"their tile scales), got {recipe.name!r}")
+    if not isinstance(recipe, (Fp8Blockwise, Fp8Rowwise)):
+        raise ValueError(f"{op}: expected recipe fp8_blockwise or fp8_rowwise for the fp8 all-gather, got "
+                         f"{recipe.name!r}")
 
 
 def check_module(module: torch.nn.Module, recipe: Recipe, names: Sequence[str], where: str) -> None:
@@ -267,7 +327,7 @@ def check_module(module: torch.nn.Module, recipe: Recipe, names: Sequence[str], 
     for n, w in zip(names, ws):
         if w.dim() != 3:
             raise ValueError(f"fp8_all_gather: expected {where}.{n} to be 3-D (E, rows, cols), got {tuple(w.shape)}")
-    if ws[0].shape[1] % 128:
+    if isinstance(recipe, Fp8Blockwise) and ws[0].shape[1] % 128:
         raise ValueError(f"fp8_all_gather: {where} has a hidden size of {ws[0].shape[1]}, expected a multiple of 128 "
                          "(W1 and W3 joined at tile boundaries)")
     if _fsdp_params(module):
@@ -279,8 +339,9 @@ def fp8_all_gather(model: torch.nn.Module) -> int:
     included: ``moe_fp8_ext.GroupedExperts``, or torchtitan's converted by
     ``moe_fp8_ext.integrations.torchtitan``) all-gather in fp8 under FSDP2; returns how
     many modules. Call it before ``fully_shard``. Raises for a recipe other than
-    fp8_blockwise, a hidden size that is not a multiple of 128, a module that reuses
-    its quantized weights, and weights already sharded by FSDP2."""
+    fp8_blockwise or fp8_rowwise, fp8_blockwise with a hidden size that is not a
+    multiple of 128, a module that reuses its quantized weights, and weights already
+    sharded by FSDP2."""
     found = []
     for fqn, m in model.named_modules():
         recipe, names = _expert_weights(m)
@@ -294,15 +355,17 @@ def fp8_all_gather(model: torch.nn.Module) -> int:
         found.append((m, names, recipe))
     for m, names, recipe in found:
         m.moe_fp8_all_gather = True
+        joints = {names[0]: (names[1], 0), names[1]: (names[0], 1)}  # (w1 and w3)
         for n in names:
-            w = getattr(m, n)
+            w, joint = getattr(m, n), joints.get(n)
             if hasattr(w, "_local_tensor"):  # a DTensor (expert parallelism): wrap its local shard
                 if not isinstance(w._local_tensor, ShardedWeight):
                     from torch.distributed.tensor import DTensor
 
-                    data = DTensor.from_local(ShardedWeight(w._local_tensor.detach(), recipe), w.device_mesh,
+                    data = DTensor.from_local(ShardedWeight(w._local_tensor.detach(), recipe, joint), w.device_mesh,
                                               w.placements, run_check=False, shape=w.shape, stride=w.stride())
                     setattr(m, n, torch.nn.Parameter(data, requires_grad=w.requires_grad))
             elif not isinstance(w, ShardedWeight):
-                setattr(m, n, torch.nn.Parameter(ShardedWeight(w.detach(), recipe), requires_grad=w.requires_grad))
+                setattr(m, n, torch.nn.Parameter(ShardedWeight(w.detach(), recipe, joint),
+                                                 requires_grad=w.requires_grad))
     return len(found)

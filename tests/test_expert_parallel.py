@@ -78,13 +78,15 @@ def test_fp8_dispatch_matches_single_process_gpus(ranks, recipe):
 
 
 @pytest.mark.parametrize("ranks", [2, 4])
-def test_fsdp_fp8_all_gather_cpu(ranks):
-    run_torchrun("--device", "cpu", example=FSDP_FP8, ok="): OK", ranks=ranks)
+@pytest.mark.parametrize("recipe", ["fp8_blockwise", "fp8_rowwise"])
+def test_fsdp_fp8_all_gather_cpu(ranks, recipe):
+    run_torchrun("--device", "cpu", "--recipe", recipe, example=FSDP_FP8, ok="): OK", ranks=ranks)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("ranks", [2, 4])
-def test_fsdp_fp8_all_gather_gpus(ranks):
+@pytest.mark.parametrize("recipe", ["fp8_blockwise", "fp8_rowwise"])
+def test_fsdp_fp8_all_gather_gpus(ranks, recipe):
     if not (HAS_CUDA and torch.cuda.device_count() >= ranks):
         pytest.skip(f"needs {ranks} CUDA GPUs")
-    print(run_torchrun("--device", "cuda", example=FSDP_FP8, ok="): OK", ranks=ranks))
+    print(run_torchrun("--device", "cuda", "--recipe", recipe, example=FSDP_FP8, ok="): OK", ranks=ranks))
