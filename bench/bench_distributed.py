@@ -229,28 +229,33 @@ def bandwidth_gbps(device, world, nbytes, kind):
 
 
 def paper_model(args, results):
-    """Bytes per rank and step of one layer at 64-1024 GPUs (EP over up to E ranks,
-    FSDP2 over the rest; the all-to-all rows that leave a node of NODE GPUs), the time
-    they take at INTER_NODE_GBPS, and that time over the measured fp8 FSDP2 step of one
-    layer here (``vs_compute`` above 1: communication bounds the step unless overlapped)."""
-    b16 = 2
-    fp8_weight = 1 + 4 / 128**2  # (fp8 + one fp32 scale a 128x128 tile)
-    fp8_row = 1 + 4 / 128  # (fp8 + one fp32 scale a 1x128 block)
-    weights = 3 * args.dim * args.hidden  # per expert
+    """One layer's bytes per rank and step at 64-1024 GPUs, in two layouts: EP over
+    min(N, E) ranks with FSDP2 over the rest, and EP inside a node of NODE GPUs with
+    FSDP2 across nodes. What crosses nodes takes INTER_NODE_GBPS; ``vs_step`` is that
+    time over the measured fp8 FSDP2 step of one layer here (above 1, communication
+    bounds the step unless overlapped). The fp8 all-gather needs whole experts a shard
+    (E/EP a multiple of the FSDP2 group); elsewhere FSDP2 shards rows and it does not
+    apply (``all_gather_mb`` None)."""
+    b16, e, d, h = 2, args.experts, args.dim, args.hidden
+    blockwise = args.recipe == "fp8_blockwise"
+    fp8_weight = 1 + (4 / 128**2 if blockwise else 4 / min(d, h))  # (fp8 + its scales, an element)
+    fp8_row = 1 + (4 / 128 if blockwise else 4 / d)
     rows = args.tokens * args.topk
-    compute_ms = results["fsdp"]["fp8"]["step_ms"]  # (fp8 experts, bf16 comm, the measured layout)
+    step_ms = results["fsdp"]["fp8"]["step_ms"]
     out = []
     for n in GPUS:
-        ep = min(n, args.experts)
-        edp = n // ep
-        away = (ep - 1) / ep  # (rows that leave the rank)
-        for name, w_b, row_b in (("bf16 comm", b16, b16), ("fp8 comm", fp8_weight, fp8_row)):
-            ag = 2 * weights * (args.experts // ep) * (edp - 1) / edp * w_b  # forward and backward gathers
-            a2a = rows * args.dim * away * (row_b + b16 + 2 * b16)  # dispatch, combine, their backward
-            cross = max(0.0, (ep - NODE) / ep) if ep > NODE else 0.0
-            comm_ms = (ag + a2a * cross) / (INTER_NODE_GBPS * 1e9) * 1e3
-            out.append(dict(gpus=n, ep=ep, fsdp=edp, comm=name, all_gather_mb=ag / 1e6, all_to_all_mb=a2a / 1e6,
-                            inter_node_ms=comm_ms, vs_compute=comm_ms / compute_ms))
+        for ep in sorted({min(n, e), NODE}):
+            edp = n // ep
+            whole = edp == 1 or (e // ep) % edp == 0
+            weights = 3 * d * h * (e // ep)
+            cross = (ep - NODE) / ep if ep > NODE else 0.0  # (routed rows that leave the node)
+            for name, w_b, row_b in (("bf16 comm", b16, b16), ("fp8 comm", fp8_weight, fp8_row)):
+                ag = 2 * weights * (edp - 1) / edp * w_b if whole or w_b == b16 else None  # (forward, backward)
+                a2a = rows * d * (ep - 1) / ep * (row_b + 3 * b16)  # dispatch; combine and both backward
+                ms = None if ag is None else (ag + a2a * cross / ((ep - 1) / ep)) / (INTER_NODE_GBPS * 1e9) * 1e3
+                out.append(dict(gpus=n, ep=ep, fsdp=edp, comm=name, all_gather_mb=None if ag is None else ag / 1e6,
+                                all_to_all_mb=a2a / 1e6, inter_node_ms=ms,
+                                vs_step=None if ms is None else ms / step_ms))
     return out
 
 
@@ -295,7 +300,8 @@ def main():
                              vs_fp8=results[layout]["fp8"]["step_ms"] / r["step_ms"],
                              comm_bytes_vs_bf16_comm=mine / ref if ref else None,
                              peak_gib=r["peak_gib"], mib=moved))
-    data = dict(steps=rows)
+    data = dict(shape=dict(tokens=args.tokens, dim=args.dim, hidden=args.hidden, experts=args.experts,
+                           topk=args.topk, recipe=args.recipe), steps=rows)
     if gpu:
         data["bandwidth"] = [dict(world=world, all_to_all_gbps=bandwidth_gbps(device, world, 256 << 20, "a2a"),
                                   all_gather_gbps=bandwidth_gbps(device, world, 256 << 20, "ag"))]

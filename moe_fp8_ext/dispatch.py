@@ -1,6 +1,6 @@
 """FP8 expert-parallel dispatch (DESIGN §12): tokens are quantized once, before the
 all-to-all, into the W13 forward GEMM's left operand, and sent as fp8 data with their
-scales (fp8_blockwise: 1x128 blocks, about 53% of bf16's bytes; fp8_rowwise: one scale
+scales (fp8_blockwise: 1x128 blocks, about 52% of bf16's bytes; fp8_rowwise: one scale
 a row, about 50%). The combine and the backward's gradient all-to-all stay bf16, as in
 DeepSeek-V3.
 

@@ -125,8 +125,8 @@ class _Experts(torch.autograd.Function):
         x_op = h_wop = ()
         if ctx.fp8_saved:
             starts, wgrad_offs = _ops.padded_group_offsets(offs, ctx.shapes[0][0], recipe.alignment)
-            if x_lhs is not None:
-                lhs_x, x_op = x_lhs, recipe.wgrad_operand(x, offs, fp8_dtype, starts)
+            if x_lhs is not None:  # (the dequantized rows are not kept past their operand)
+                lhs_x, x_op, x = x_lhs, recipe.wgrad_operand(x, offs, fp8_dtype, starts), None
             else:
                 lhs_x, x_op = recipe.lhs_with_wgrad_operand(x, offs, fp8_dtype, starts)
         else:
@@ -423,7 +423,10 @@ def experts(
     unchanged (None: quantize every call); ``weight_keys``: the three tensors whose
     versions say whether w1, w3, w2 changed, where those are not the weights themselves
     (FSDP2's sharded parameters: :func:`moe_fp8_ext.weight_cache.weight_keys`). Works
-    under ``torch.compile(fullgraph=True)`` (the cache is bypassed there).
+    under ``torch.compile(fullgraph=True)`` (the cache is bypassed there). x may be rows
+    dispatched in fp8 (:class:`moe_fp8_ext.dispatch.Fp8Rows`) and the weights all-gathered
+    in fp8 (:class:`moe_fp8_ext.fsdp.GatheredWeight`): read as they are, in eager mode
+    (torch.compile breaks the graph there; ``fullgraph=True`` raises).
     """
     r = get_recipe(recipe, "experts")
     backend = r.backend(x.device) if isinstance(x, Tensor) else None
@@ -440,6 +443,10 @@ def experts(
     if torch.compiler.is_compiling() or _fsdp.gathered_weights(r, f8, (w1, w3, w2)):
         weight_cache = None  # (gathered fp8 weights: FSDP2 keeps them while unsharded)
     if pad_groups and r.alignment > 1 and r.pads_token_groups(backend) and offs.shape[0] > 0:
+        if isinstance(x, _dispatch.Fp8Rows):
+            raise NotImplementedError(f"experts: rows dispatched in fp8 for recipe {r.name!r} on {backend!r}, which "
+                                      "pads token groups: dispatch them into padded groups (perm of fp8_dispatch, as "
+                                      "permute_indices makes it) and pass pad_groups=False")
         x_p, starts, ends = token_groups.pad_token_groups(x, offs, r.alignment)
         out_p = _Experts.apply(x_p, w1, w3, w2, ends, r, f8, backend, False, weight_cache, weight_keys,
                                torch.is_grad_enabled())

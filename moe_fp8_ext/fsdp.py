@@ -43,7 +43,7 @@ from .weight_cache import _fsdp_params
 __all__ = ["GatheredWeight", "ShardedWeight", "fp8_all_gather", "gathered_weights"]
 
 # Ops whose outputs stay parameter data (FSDP2's sharding and padding, to_empty,
-# optimizer state made with *_like); every other op computes on the wrapped tensor.
+# clone and copies); every other op computes on the wrapped tensor.
 _KEEP = {
     torch.ops.aten.empty_like.default, torch.ops.aten.new_zeros.default, torch.ops.aten.new_empty.default,
     torch.ops.aten.slice.Tensor, torch.ops.aten.copy_.default, torch.ops.aten.view.default,
@@ -84,6 +84,9 @@ class ShardedWeight(Tensor):
         if func not in _KEEP and func.name() not in _KEEP_NAMES:
             return out
         return pytree.tree_map_only(Tensor, lambda t: ShardedWeight(t, first._recipe, first._joint), out)
+
+    def __reduce_ex__(self, protocol):
+        return self._tensor.__reduce_ex__(protocol)  # (saved as the high-precision tensor it holds)
 
     def __tensor_flatten__(self):
         return ["_tensor"], (self._recipe, self._joint)
@@ -198,7 +201,7 @@ class GatheredWeight(Tensor):
 
 
 
-# ---- the fp8_blockwise operands (layouts of moe_fp8_ext.blockwise) --------------------
+# ---- the operands (layouts of moe_fp8_ext.blockwise and of the fp8_rowwise recipe) -----
 
 
 def _quantize_shard(recipe: Recipe, w: Tensor, transposed: bool = False, joint=None) -> Tuple[Tensor, Tensor]:
@@ -286,6 +289,24 @@ def gathered_weights(recipe: Recipe, fp8_dtype: torch.dtype, ws: Sequence[Tensor
     return True
 
 
+def _plain_state_dict(module, state_dict, prefix, local_metadata) -> None:
+    """The weights' state_dict entries as the high-precision tensors they hold (sharing
+    their storage, so a checkpoint load into them lands in the weights)."""
+    for key, v in list(state_dict.items()):
+        if not key.startswith(prefix):
+            continue
+        local = v._local_tensor if hasattr(v, "_local_tensor") else v
+        if not isinstance(local, ShardedWeight):
+            continue
+        if local is v:
+            state_dict[key] = v._tensor
+        else:
+            from torch.distributed.tensor import DTensor
+
+            state_dict[key] = DTensor.from_local(local._tensor, v.device_mesh, v.placements, run_check=False,
+                                                 shape=v.shape, stride=v.stride())
+
+
 def check_wrapped(module: torch.nn.Module, ws: Sequence[Tensor]) -> None:
     """Raise where ``module`` was set up for the fp8 all-gather but its weights lost
     the wrapper on the way (a parallelization that rebuilt them): FSDP2 would gather
@@ -355,6 +376,9 @@ def fp8_all_gather(model: torch.nn.Module) -> int:
         found.append((m, names, recipe))
     for m, names, recipe in found:
         m.moe_fp8_all_gather = True
+        if not getattr(m, "_moe_fp8_state_dict_hook", False):
+            m.register_state_dict_post_hook(_plain_state_dict)
+            m._moe_fp8_state_dict_hook = True
         joints = {names[0]: (names[1], 0), names[1]: (names[0], 1)}  # (w1 and w3)
         for n in names:
             w, joint = getattr(m, n), joints.get(n)

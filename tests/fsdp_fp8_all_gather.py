@@ -11,14 +11,17 @@ Checks, exit status 1 on a failure:
   step after step of SGD (no stale weight), with reshard_after_forward True and False,
   with activation checkpointing, and over two micro-batches with resharding after
   backward off;
-- the state_dict holds the high-precision shards, and a load_state_dict is seen;
+- the state_dict holds the high-precision shards as plain tensors (torch.save with
+  weights_only loads, a distributed checkpoint round trip), and a load_state_dict is seen;
 - the set-up errors: after fully_shard, and experts not divisible by the ranks.
 fp8_blockwise bit for bit everywhere; fp8_rowwise where a gather serves one pass.
 """
 
 import argparse
+import io
 import os
 import sys
+import tempfile
 
 import torch
 import torch.distributed as dist
@@ -91,8 +94,28 @@ def main():
               and torch.equal(gs, s), f"gathered {n} = quantized whole weight")
     m.reshard()
     sd = m.state_dict()
-    check(all(torch.equal(sd[n].full_tensor(), full[n]) and sd[n].dtype == torch.float32 for n in full),
-          "state_dict holds the fp32 shards")
+    check(all(torch.equal(sd[n].full_tensor(), full[n]) and type(sd[n].to_local()) is torch.Tensor
+              and sd[n].dtype == torch.float32 for n in full), "state_dict holds the fp32 shards, plain tensors")
+    buf = io.BytesIO()
+    torch.save({n: v.to_local() for n, v in sd.items()}, buf)
+    buf.seek(0)
+    back = torch.load(buf, weights_only=True)
+    check(all(torch.equal(back[n], sd[n].to_local()) for n in sd), "torch.save / torch.load(weights_only=True)")
+    # A distributed checkpoint round trip into another fp8-gathered layer.
+    import torch.distributed.checkpoint as dcp
+
+    where = [tempfile.mkdtemp() if rank == 0 else None]
+    dist.broadcast_object_list(where)
+    dcp.save(m.state_dict(), checkpoint_id=where[0])
+    fresh = layer(True).experts
+    with torch.no_grad():
+        for p_ in fresh.parameters():
+            p_.to_local().zero_()
+    sd = fresh.state_dict()
+    dcp.load(sd, checkpoint_id=where[0])
+    fresh.load_state_dict(sd)
+    check(all(torch.equal(p_.full_tensor(), full[n]) for n, p_ in fresh.named_parameters()),
+          "dcp.save / dcp.load into an fp8-gathered layer")
 
     g = torch.Generator(device=device).manual_seed(100 + rank)
 

@@ -16,11 +16,11 @@ state_dict keys, initialization, optimizer state and sharding stay as they are, 
 token groups of any size work, so the token dispatcher is not swapped for a padding
 one. A module this cannot convert is an error, never a module left in bf16.
 
-FP8 communication (fp8_blockwise; fp8_dispatch also fp8_rowwise): ``fp8_all_gather``
-makes FSDP2 all-gather the expert weights as fp8 (:mod:`moe_fp8_ext.fsdp`; convert
-before ``fully_shard``), ``fp8_dispatch`` swaps torchtitan's ``AllToAllTokenDispatcher``
-for :class:`Fp8AllToAllTokenDispatcher`, which sends the routed tokens as fp8
-(:mod:`moe_fp8_ext.dispatch`).
+FP8 communication (fp8_blockwise and fp8_rowwise): ``fp8_all_gather`` makes FSDP2
+all-gather the expert weights as fp8 (:mod:`moe_fp8_ext.fsdp`; convert before
+``fully_shard``), ``fp8_dispatch`` swaps the ``AllToAllTokenDispatcher`` of each MoE
+layer whose experts it converts for :class:`Fp8AllToAllTokenDispatcher`, which sends the
+routed tokens as fp8 (:mod:`moe_fp8_ext.dispatch`).
 """
 
 from dataclasses import dataclass, field, fields
@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 from torchtitan.components.quantization import QuantizationConverter
-from torchtitan.models.common.moe import GroupedExperts
+from torchtitan.models.common.moe import GroupedExperts, RoutedExperts
 from torchtitan.models.common.token_dispatcher import AllToAllDispatchMetadata, AllToAllTokenDispatcher
 
 from .. import fsdp as _fsdp
@@ -198,13 +198,14 @@ def convert(model: torch.nn.Module, recipe: Union[str, Recipe] = "fp8_rowwise", 
 
 
 def _dispatchers(model: torch.nn.Module, recipe: Recipe):
-    """The token dispatchers of ``model``'s MoE layers, each torchtitan's all-to-all
-    one (or already ours), for an fp8 dispatch with ``recipe``."""
+    """The token dispatchers of ``model``'s MoE layers whose experts are converted,
+    each torchtitan's all-to-all one (or already ours), for an fp8 dispatch with
+    ``recipe``."""
     _check_recipe(recipe, "convert")
     found = []
     for fqn, m in model.named_modules():
         d = getattr(m, "token_dispatcher", None)
-        if d is None:
+        if d is None or not isinstance(getattr(m, "inner_experts", None), GroupedExperts):
             continue
         if type(d) not in (AllToAllTokenDispatcher, Fp8AllToAllTokenDispatcher):
             raise TypeError(f"convert: expected {fqn}.token_dispatcher to be torchtitan's AllToAllTokenDispatcher for "
@@ -240,7 +241,7 @@ class ExpertsConverter(QuantizationConverter):
         reuse_weights: bool = False
         """Reuse quantized weights until the optimizer step (moe_fp8_ext.weight_cache)."""
         fp8_all_gather: bool = False
-        """FSDP2 all-gathers the expert weights in fp8 (fp8_blockwise; moe_fp8_ext.fsdp)."""
+        """FSDP2 all-gathers the expert weights in fp8 (moe_fp8_ext.fsdp)."""
         fp8_dispatch: bool = False
         """Expert parallelism sends the routed tokens in fp8 (Fp8AllToAllTokenDispatcher)."""
         filter_fqns: List[str] = field(default_factory=list)
@@ -270,16 +271,17 @@ class ExpertsConverter(QuantizationConverter):
             values.update(moe_fp8_recipe=cfg.recipe, moe_fp8_reuse_weights=cfg.reuse_weights,
                           moe_fp8_all_gather=cfg.fp8_all_gather)
             model_config = _replace(model_config, parent, attr, converted_class(base).Config(**values))
-        if cfg.fp8_dispatch:
-            for fqn, config, parent, attr in model_config.traverse(AllToAllTokenDispatcher.Config):
-                if any(f in fqn for f in cfg.filter_fqns) or type(config) is Fp8AllToAllTokenDispatcher.Config:
+        if cfg.fp8_dispatch:  # (the dispatcher of every MoE layer whose experts were converted)
+            for fqn, routed, _, _ in model_config.traverse(RoutedExperts.Config):
+                config = routed.token_dispatcher
+                converted = hasattr(getattr(type(routed.inner_experts), "_owner", None), "_moe_fp8_base")
+                if not converted or type(config) is Fp8AllToAllTokenDispatcher.Config:
                     continue
                 if type(config) is not AllToAllTokenDispatcher.Config:
-                    raise TypeError(f"ExpertsConverter: expected {fqn} to be torchtitan's AllToAllTokenDispatcher "
-                                    f"for fp8_dispatch, got {type(config).__qualname__}")
+                    raise TypeError(f"ExpertsConverter: expected {fqn}.token_dispatcher to be torchtitan's "
+                                    f"AllToAllTokenDispatcher for fp8_dispatch, got {type(config).__qualname__}")
                 values = {f.name: getattr(config, f.name) for f in fields(config)}
-                new = Fp8AllToAllTokenDispatcher.Config(**values, recipe=cfg.recipe)
-                model_config = _replace(model_config, parent, attr, new)
+                routed.token_dispatcher = Fp8AllToAllTokenDispatcher.Config(**values, recipe=cfg.recipe)
         return model_config
 
 
@@ -320,8 +322,8 @@ class Fp8AllToAllTokenDispatcher(AllToAllTokenDispatcher):
         with torch.no_grad():
             recv = torch.empty_like(counts)
             dist.all_to_all_single(recv, counts, group=group)
-            in_splits = counts.view(ep, -1).sum(1).tolist()  # host-sync-ok: all-to-all split sizes, as torchtitan's
-            out_splits = recv.view(ep, -1).sum(1).tolist()  # host-sync-ok: all-to-all split sizes, as torchtitan's
+            splits = torch.stack([counts.view(ep, -1).sum(1), recv.view(ep, -1).sum(1)])
+            in_splits, out_splits = splits.tolist()  # host-sync-ok: all-to-all split sizes, as torchtitan's
         received = sum(out_splits)
         # torchtitan's rank-major -> expert-major order (its _permute, on rows of no width)
         _, _, perm, counts_e = self._permute(x_TD.new_empty((received, 0)), recv)
