@@ -16,8 +16,8 @@ weights, read from the module's other shard). The experts layer takes them as th
 (``reshard_after_forward=False``, the root module, activation-checkpoint recompute,
 micro-batches without resharding) gets the other operand by a transposed copy
 (fp8_blockwise: a tile and its transpose share the scale) or by quantizing its
-dequantized values again (fp8_rowwise: a second rounding, exact with power-of-two
-scales outside subnormals). The bits are otherwise those of quantizing the whole
+dequantized values again (fp8_rowwise: a second rounding, close to the first but not
+its bits: a row's or column's largest value may round across a power of two). The bits are otherwise those of quantizing the whole
 weight, cast to the mixed-precision ``param_dtype`` first as FSDP2 casts it.
 
 Through FSDP2's extension points only: the parameter's data is a tensor subclass with

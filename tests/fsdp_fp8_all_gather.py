@@ -26,8 +26,8 @@ import tempfile
 import torch
 import torch.distributed as dist
 
-# A second rounding to fp8 with power-of-two scales is exact but for values subnormal
-# in fp8: outputs and gradients within this (relative norm) of the one-rounding run.
+# A second rounding to fp8 (fp8_rowwise quantizing its dequantized weights again):
+# outputs and gradients within this (relative norm) of the one-rounding run.
 INEXACT_RTOL = 1e-3
 
 

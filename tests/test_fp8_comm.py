@@ -92,7 +92,7 @@ def test_gathered_weights_give_the_bits_of_the_weights(device, recipe, hidden, d
     if recipe == "fp8_blockwise":
         assert same(out_g, out) and same(x.grad, gx)
         assert all(same(a, b) for a, b in zip(gw_g, gw))
-    else:  # (a second rounding: exact for power-of-two scales but where a value is subnormal in fp8)
+    else:  # (fp8_rowwise quantizes the dequantized weights again for the other pass: a second rounding)
         for a, b in [(out_g, out), (x.grad, gx), *zip(gw_g, gw)]:
             assert a.shape == b.shape and rel(a, b) < 1e-3
 
