@@ -137,7 +137,8 @@ def render(runs):
              "tables of the sessions before this format).", "",
              "## Targets (user path: torchtitan's modules, backward into .grad, router group sizes)", "",
              *targets_table(runs), "", "Compiled (torch.compile, fullgraph) against eager:", "",
-             *compiled_table(runs), "", "FP8 communication (`bench/bench_distributed.py`; targets set for 4 H100s):", "",
+             *compiled_table(runs), "",
+             "FP8 communication (`bench/bench_distributed.py`; targets set for 4 H100s):", "",
              *distributed_table(runs), ""]
     for name, doc in runs.items():
         lines += [f"## {name}", "", f"{doc['device']}, torch {doc['torch']}, commit {doc['commit']}, {doc['date']}: "

@@ -17,12 +17,14 @@ weights, read from the module's other shard). The experts layer takes them as th
 micro-batches without resharding) gets the other operand by a transposed copy
 (fp8_blockwise: a tile and its transpose share the scale) or by quantizing its
 dequantized values again (fp8_rowwise: a second rounding, close to the first but not
-its bits: a row's or column's largest value may round across a power of two). The bits are otherwise those of quantizing the whole
-weight, cast to the mixed-precision ``param_dtype`` first as FSDP2 casts it.
+its bits: a row's or column's largest value may round across a power of two). The bits
+are otherwise those of quantizing the whole weight, cast to the mixed-precision
+``param_dtype`` first as FSDP2 casts it.
 
 Through FSDP2's extension points only: the parameter's data is a tensor subclass with
 ``fsdp_pre_all_gather`` / ``fsdp_post_all_gather`` (torchao's Float8 weights do the
-same). The optimizer, ``state_dict`` and checkpoints see the high-precision shards; every
+same). The optimizer sees the high-precision shards, and ``state_dict`` entries and
+checkpoints are plain high-precision tensors (sharing the shards' storage); every
 all-gather quantizes the shard as it is then, so a step or a load is never missed, and
 gathered weights live exactly as long as FSDP2 keeps a parameter unsharded
 (``reshard_after_forward=False``, or ``set_reshard_after_backward(False)`` across

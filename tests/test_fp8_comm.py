@@ -45,7 +45,8 @@ def gathered(w, recipe, transposed=False, joint=None, shards=1):
     for the backward: ``transposed``; ``joint``: the weight joined with w and w's place,
     for fp8_rowwise's [W1; W3] backward operand)."""
     n = w.shape[0] // shards
-    parts = [fsdp._quantize_shard(recipe, w[i:i + n], transposed, None if joint is None else (joint[0][i:i + n], joint[1]))
+    parts = [fsdp._quantize_shard(recipe, w[i:i + n], transposed,
+                                  None if joint is None else (joint[0][i:i + n], joint[1]))
              for i in range(0, w.shape[0], n)]
     held = fsdp._Held(torch.cat([q for q, _ in parts]), torch.cat([s for _, s in parts]), transposed)
     return GatheredWeight(held, w.shape, w.dtype, recipe).requires_grad_()
