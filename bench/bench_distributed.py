@@ -295,7 +295,8 @@ def main():
             ref = comm(results[layout]["fp8"], ("ag",)) if layout == "fsdp" else results[layout]["fp8"]["bytes"].get(
                 "a2a dispatch", 0)
             mine = comm(r, ("ag",)) if layout == "fsdp" else r["bytes"].get("a2a dispatch", 0)
-            rows.append(dict(layout=layout, variant=name, recipe=args.recipe, world=world, step_ms=r["step_ms"],
+            rows.append(dict(layout=layout, variant=name, recipe="bf16" if name == "bf16" else args.recipe,
+                             world=world, step_ms=r["step_ms"],
                              vs_bf16=base["step_ms"] / r["step_ms"],
                              vs_fp8=results[layout]["fp8"]["step_ms"] / r["step_ms"],
                              comm_bytes_vs_bf16_comm=mine / ref if ref else None,

@@ -97,7 +97,8 @@ def compiled_table(runs):
 
 
 def distributed_table(runs):
-    """Issue 68's targets (set for 4 H100s) against the latest bench_distributed run:
+    """Issue 68's targets (set for 4 H100s) against the latest bench_distributed run of
+    each recipe:
     fp8 communication's bytes, its step against bf16 and against the same recipe
     communicating in bf16, and the loss curve against bf16."""
     docs = [d for n, d in runs.items() if n.startswith("bench_distributed")]

@@ -88,7 +88,8 @@ class ShardedWeight(Tensor):
         return pytree.tree_map_only(Tensor, lambda t: ShardedWeight(t, first._recipe, first._joint), out)
 
     def __reduce_ex__(self, protocol):
-        return self._tensor.__reduce_ex__(protocol)  # (saved as the high-precision tensor it holds)
+        return _rebuild_sharded, (self._tensor, self._recipe, self._joint, self.requires_grad,
+                                  isinstance(self, torch.nn.Parameter))
 
     def __tensor_flatten__(self):
         return ["_tensor"], (self._recipe, self._joint)
@@ -117,38 +118,44 @@ class ShardedWeight(Tensor):
             if not isinstance(other, ShardedWeight):
                 raise RuntimeError(f"fp8_all_gather: expected {type(module).__name__}.{self._joint[0]} to be an "
                                    f"fp8-gathered weight too, got {type(other).__name__}")
-            joint = (cast(other._tensor), self._joint[1])
+            joint = (cast(other._tensor.to(self._tensor.device)), self._joint[1])  # (CPU offload: on the CPU)
         q, s = _quantize_shard(self._recipe, cast(self._tensor), transposed, joint)
         if s.dim() == 2:  # fp8_rowwise: scales padded to one width, as FSDP2 sizes its buffers once
             s = torch.nn.functional.pad(s, (0, max(self.shape[1:]) - s.shape[1]))
-        return (q, s), (transposed, tuple(outer_size))
+        return (q, s), (transposed, tuple(outer_size), joint is not None)
 
     def fsdp_post_all_gather(self, outputs: Tuple[Tensor, ...], metadata, param_dtype: torch.dtype, *,
                              out: Optional[Tensor] = None):
-        (q, s_out), (transposed, shape) = outputs, metadata
+        (q, s_out), (transposed, shape, joint) = outputs, metadata
         s = s_out.narrow(1, 0, q.shape[1]) if s_out.dim() == 2 else s_out  # (fp8_rowwise: this orientation's)
         if out is not None:  # the same storage, refilled: this gather's views and orientation
             held = (out._local_tensor if hasattr(out, "_local_tensor") else out)._held
-            held.q, held.s, held.transposed = q, s, transposed
+            held.q, held.s, held.transposed, held.joint = q, s, transposed, joint
             return
         # (FSDP2 frees and reallocates the storage of what is returned: the whole outputs)
-        return GatheredWeight(_Held(q, s, transposed), shape, param_dtype, self._recipe), (q, s_out)
+        return GatheredWeight(_Held(q, s, transposed, joint), shape, param_dtype, self._recipe), (q, s_out)
+
+
+def _rebuild_sharded(tensor: Tensor, recipe: Recipe, joint, requires_grad: bool, is_param: bool) -> ShardedWeight:
+    w = ShardedWeight(tensor.detach(), recipe, joint)
+    return torch.nn.Parameter(w, requires_grad=requires_grad) if is_param else w.requires_grad_(requires_grad)
 
 
 class _Held:
     """A gathered weight's fp8 and scales in storage order, (E, rows, cols) or, with
     ``transposed``, (E, cols, rows): shared by the weight and its aliases (FSDP2 makes
-    several), and refilled by every all-gather."""
+    several), and refilled by every all-gather. ``joint``: fp8_rowwise's backward column
+    scales were made over both joined weights."""
 
-    __slots__ = ("q", "s", "transposed")
+    __slots__ = ("q", "s", "transposed", "joint")
 
-    def __init__(self, q: Tensor, s: Tensor, transposed: bool):
-        self.q, self.s, self.transposed = q, s, transposed
+    def __init__(self, q: Tensor, s: Tensor, transposed: bool, joint: bool = False):
+        self.q, self.s, self.transposed, self.joint = q, s, transposed, joint
 
 
 class GatheredWeight(Tensor):
-    """An all-gathered expert weight (E, rows, cols) as fp8 data in the weight's layout
-    and its tile scales: what ``moe_fp8_ext.experts`` reads instead of quantizing. It
+    """An all-gathered expert weight (E, rows, cols) as fp8 data and scales in one
+    orientation (:class:`_Held`): what ``moe_fp8_ext.experts`` reads instead of quantizing. It
     has the shape and dtype of the weight (its gradient is an ordinary tensor) and no
     values of its own: any op other than a view of the whole of it raises."""
 
@@ -178,14 +185,16 @@ class GatheredWeight(Tensor):
         return None
 
     def dequantize(self) -> Tensor:
-        """The gathered values (fp32 products, in the weight's dtype), (E, rows, cols)."""
+        """The gathered values in the weight's dtype, (E, rows, cols): products of fp8
+        and power-of-two scales are exact there; other scales multiply in fp32."""
         h = self._held
+        exact = getattr(self._recipe, "pow2_scale", False)
+        dt = self.dtype if exact else torch.float32
         if isinstance(self._recipe, Fp8Blockwise):
-            q, s = h.q.float(), h.s
-            s = s.repeat_interleave(128, -2).repeat_interleave(128, -1)[..., :q.shape[-2], :q.shape[-1]]
+            s = h.s.repeat_interleave(128, -2).repeat_interleave(128, -1)[..., :h.q.shape[-2], :h.q.shape[-1]]
         else:
-            q, s = h.q.float(), h.s[..., None]
-        w = (q * s).to(self.dtype)
+            s = h.s[..., None]
+        w = (h.q.to(dt) * s.to(dt)).to(self.dtype)
         return w.transpose(-2, -1) if h.transposed else w
 
     @classmethod
@@ -245,6 +254,8 @@ def _operand(ws: Sequence[GatheredWeight], transposed: bool) -> Tuple[Tensor, Te
     # transposed, (E, cols, rows): dim 2), as the operand's transposed view.
     recipe = ws[0]._recipe
     parts = [w.storage(transposed) for w in ws]
+    if isinstance(recipe, Fp8Rowwise) and transposed and len(ws) > 1 and not all(w._held.joint for w in ws):
+        parts = [None]  # (column scales not made over the joined weights: quantized again below)
     if any(p is None for p in parts):  # (fp8_rowwise gathered for the other pass: quantized again)
         f8 = ws[0].fp8_dtype
         b_ts = [w.dequantize().transpose(-2, -1) for w in ws]
@@ -261,13 +272,13 @@ def _operand(ws: Sequence[GatheredWeight], transposed: bool) -> Tuple[Tensor, Te
 
 
 def rhs_fwd(ws: Sequence[GatheredWeight]) -> Tuple[Tensor, Tensor]:
-    """``Fp8Blockwise.rhs_fwd_cat`` of the weights' transposes (each (E, K, N_i), N_i
+    """The recipe's ``rhs_fwd_cat`` of the weights' transposes (each (E, K, N_i), N_i
     the weight's rows), from their gathered fp8 (a copy where more than one weight)."""
     return _operand(ws, False)
 
 
 def rhs_bwd(ws: Sequence[GatheredWeight]) -> Tuple[Tensor, Tensor]:
-    """``Fp8Blockwise.rhs_bwd_cat`` of the same, the same tile scales."""
+    """The recipe's ``rhs_bwd_cat`` of the same."""
     return _operand(ws, True)
 
 
@@ -295,7 +306,7 @@ def _plain_state_dict(module, state_dict, prefix, local_metadata) -> None:
     """The weights' state_dict entries as the high-precision tensors they hold (sharing
     their storage, so a checkpoint load into them lands in the weights)."""
     for key, v in list(state_dict.items()):
-        if not key.startswith(prefix):
+        if not key.startswith(prefix) or isinstance(v, torch.nn.Parameter):  # (keep_vars: the parameters)
             continue
         local = v._local_tensor if hasattr(v, "_local_tensor") else v
         if not isinstance(local, ShardedWeight):

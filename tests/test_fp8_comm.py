@@ -48,7 +48,8 @@ def gathered(w, recipe, transposed=False, joint=None, shards=1):
     parts = [fsdp._quantize_shard(recipe, w[i:i + n], transposed,
                                   None if joint is None else (joint[0][i:i + n], joint[1]))
              for i in range(0, w.shape[0], n)]
-    held = fsdp._Held(torch.cat([q for q, _ in parts]), torch.cat([s for _, s in parts]), transposed)
+    held = fsdp._Held(torch.cat([q for q, _ in parts]), torch.cat([s for _, s in parts]), transposed,
+                      joint is not None and recipe.name == "fp8_rowwise")
     return GatheredWeight(held, w.shape, w.dtype, recipe).requires_grad_()
 
 
@@ -176,6 +177,62 @@ def test_fp8_all_gather_set_up_errors():
     ref = moe_fp8_ext.GroupedExperts(64, 128, 4, recipe="fp8_blockwise")
     ref.load_state_dict(before)
     assert torch.equal(layer(x, counts), ref(x, counts))
+
+
+def test_wrapped_layer_pickles_and_its_state_dict_is_plain(tmp_path):
+    import io
+
+    layer = moe_fp8_ext.GroupedExperts(64, 128, 2, recipe="fp8_rowwise")
+    fp8_all_gather(layer)
+    sd = layer.state_dict()
+    assert all(type(v) is torch.Tensor for v in sd.values())
+    assert all(isinstance(v, torch.nn.Parameter) for v in layer.state_dict(keep_vars=True).values())
+    buf = io.BytesIO()
+    torch.save(sd, buf)
+    buf.seek(0)
+    assert all(torch.equal(a, b) for a, b in zip(torch.load(buf, weights_only=True).values(), sd.values()))
+    torch.save(layer, tmp_path / "layer.pt")
+    back = torch.load(tmp_path / "layer.pt", weights_only=False)
+    assert all(isinstance(p, ShardedWeight) and p.requires_grad for p in back.parameters())
+    x = torch.randn(6, 64, requires_grad=True)
+    back(x, torch.tensor([2, 4])).sum().backward()
+    assert all(p.grad is not None for p in back.parameters()) and x.grad is not None
+
+
+def test_fp8_dispatch_converts_the_dispatchers_of_converted_experts():
+    tt = pytest.importorskip("moe_fp8_ext.integrations.torchtitan")
+    from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher, LocalTokenDispatcher
+
+    def dispatcher(**kw):
+        moe = tt.build_moe(64, 128, 4, all_to_all=kw.pop("all_to_all", True),
+                           converter=tt.ExpertsConverter.Config(fp8_dispatch=True, **kw))
+        return moe.routed_experts.token_dispatcher
+
+    d = dispatcher(recipe="fp8_rowwise")
+    assert type(d) is tt.Fp8AllToAllTokenDispatcher and d.recipe.name == "fp8_rowwise"
+    assert type(dispatcher(recipe="fp8_blockwise", filter_fqns=["inner_experts"])) is AllToAllTokenDispatcher
+    assert type(dispatcher(recipe="fp8_blockwise", all_to_all=False)) is LocalTokenDispatcher  # (nothing is sent)
+    with pytest.raises(ValueError, match="fp8_blockwise or fp8_rowwise"):
+        tt.ExpertsConverter.Config(recipe="mxfp8", fp8_dispatch=True).build()
+    # Converted again: the dispatcher follows the experts' recipe.
+    cfg = tt.ExpertsConverter.Config(recipe="fp8_rowwise", fp8_dispatch=True).build().convert(_moe_config())
+    cfg = tt.ExpertsConverter.Config(recipe="fp8_blockwise", fp8_dispatch=True).build().convert(cfg)
+    assert cfg.routed_experts.token_dispatcher.recipe == "fp8_blockwise"
+
+
+def _moe_config():
+    import torchtitan.models.common.moe as tt_moe
+    from torchtitan.models.common.linear import Linear
+    from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher
+
+    return tt_moe.MoE.Config(
+        num_experts=4,
+        routed_experts=tt_moe.RoutedExperts.Config(
+            inner_experts=tt_moe.GroupedExperts.Config(dim=64, hidden_dim=128, num_experts=4),
+            token_dispatcher=AllToAllTokenDispatcher.Config(num_experts=4, top_k=2)),
+        router=tt_moe.TokenChoiceTopKRouter.Config(
+            num_experts=4, gate=Linear.Config(in_features=64, out_features=4, bias=False), top_k=2),
+        shared_experts=None)
 
 
 def test_lost_wrapper_is_an_error():

@@ -23,7 +23,7 @@ layer whose experts it converts for :class:`Fp8AllToAllTokenDispatcher`, which s
 routed tokens as fp8 (:mod:`moe_fp8_ext.dispatch`).
 """
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import List, Union
 
 import torch
@@ -31,7 +31,11 @@ import torch.distributed as dist
 from torch import Tensor
 from torchtitan.components.quantization import QuantizationConverter
 from torchtitan.models.common.moe import GroupedExperts, RoutedExperts
-from torchtitan.models.common.token_dispatcher import AllToAllDispatchMetadata, AllToAllTokenDispatcher
+from torchtitan.models.common.token_dispatcher import (
+    AllToAllDispatchMetadata,
+    AllToAllTokenDispatcher,
+    LocalTokenDispatcher,
+)
 
 from .. import fsdp as _fsdp
 from ..dispatch import _check_recipe, fp8_dispatch
@@ -205,7 +209,8 @@ def _dispatchers(model: torch.nn.Module, recipe: Recipe):
     found = []
     for fqn, m in model.named_modules():
         d = getattr(m, "token_dispatcher", None)
-        if d is None or not isinstance(getattr(m, "inner_experts", None), GroupedExperts):
+        if d is None or not isinstance(getattr(m, "inner_experts", None), GroupedExperts) or \
+                type(d) is LocalTokenDispatcher:  # (local: nothing is sent)
             continue
         if type(d) not in (AllToAllTokenDispatcher, Fp8AllToAllTokenDispatcher):
             raise TypeError(f"convert: expected {fqn}.token_dispatcher to be torchtitan's AllToAllTokenDispatcher for "
@@ -275,7 +280,10 @@ class ExpertsConverter(QuantizationConverter):
             for fqn, routed, _, _ in model_config.traverse(RoutedExperts.Config):
                 config = routed.token_dispatcher
                 converted = hasattr(getattr(type(routed.inner_experts), "_owner", None), "_moe_fp8_base")
-                if not converted or type(config) is Fp8AllToAllTokenDispatcher.Config:
+                if not converted or type(config) is LocalTokenDispatcher.Config:  # (local: nothing is sent)
+                    continue
+                if type(config) is Fp8AllToAllTokenDispatcher.Config:  # (converted again: the new recipe)
+                    routed.token_dispatcher = replace(config, recipe=cfg.recipe)
                     continue
                 if type(config) is not AllToAllTokenDispatcher.Config:
                     raise TypeError(f"ExpertsConverter: expected {fqn}.token_dispatcher to be torchtitan's "
