@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .recipes import Fp8Blockwise, Fp8Rowwise, Recipe
+from .recipes import Fp8Blockwise, Fp8Rowwise, Recipe, _expand_tiles
 
 __all__ = ["Fp8Rows", "fp8_dispatch", "fp8_rows_operand"]
 
@@ -81,8 +81,7 @@ class Fp8Rows(Tensor):
         blocks = s.shape[1]
         if blocks > 1 and cols == 128 * blocks:  # (whole blocks: no per-element scale tensor)
             return (q.view(rows, blocks, 128).float() * s[:, :, None]).view(rows, cols).to(self.dtype)
-        s = s.repeat_interleave(128, dim=1)[:, :cols] if blocks > 1 else s
-        return (q.float() * s).to(self.dtype)
+        return (q.float() * (_expand_tiles(s, rows, cols, 1, 128) if blocks > 1 else s)).to(self.dtype)
 
 
 def fp8_rows_operand(recipe: Recipe, fp8_dtype: torch.dtype, x: Tensor) -> Optional[Tuple[Tensor, Tensor]]:

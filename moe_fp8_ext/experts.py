@@ -76,7 +76,7 @@ class _Experts(torch.autograd.Function):
         ctx.gemm_dtype = gemm_dtype
         # Weights all-gathered in fp8 under FSDP2 (moe_fp8_ext.fsdp): their operands come
         # from the gathered fp8, nothing is made from or kept for them here.
-        gathered = ctx.gathered = _fsdp.gathered_weights(recipe, fp8_dtype, (w1, w3, w2))
+        gathered = ctx.gathered = isinstance(w1, _fsdp.GatheredWeight)  # (experts() checked all three)
         # A weight whose two operands come from one read (Recipe.reads_weights_once) gets
         # its backward operand here, with the forward one: kept in the cache, or on ctx
         # until the backward uses it (only where ctx may hold it: see _may_free_early).

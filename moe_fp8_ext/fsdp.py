@@ -39,7 +39,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import Tensor
 
-from .recipes import Fp8Blockwise, Fp8Rowwise, Recipe
+from .recipes import Fp8Blockwise, Fp8Rowwise, Recipe, _expand_tiles
 from .weight_cache import _fsdp_params
 
 __all__ = ["GatheredWeight", "ShardedWeight", "fp8_all_gather", "gathered_weights"]
@@ -181,7 +181,7 @@ class GatheredWeight(Tensor):
         if h.transposed == transposed:
             return h.q, h.s
         if isinstance(self._recipe, Fp8Blockwise):
-            return _cat([h.q.transpose(-2, -1)], 0), h.s.transpose(-2, -1).contiguous()
+            return h.q.transpose(-2, -1).contiguous(), h.s.transpose(-2, -1).contiguous()
         return None
 
     def dequantize(self) -> Tensor:
@@ -191,7 +191,7 @@ class GatheredWeight(Tensor):
         exact = getattr(self._recipe, "pow2_scale", False)
         dt = self.dtype if exact else torch.float32
         if isinstance(self._recipe, Fp8Blockwise):
-            s = h.s.repeat_interleave(128, -2).repeat_interleave(128, -1)[..., :h.q.shape[-2], :h.q.shape[-1]]
+            s = _expand_tiles(h.s, h.q.shape[-2], h.q.shape[-1], 128, 128)
         else:
             s = h.s[..., None]
         w = (h.q.to(dt) * s.to(dt)).to(self.dtype)
@@ -261,14 +261,13 @@ def _operand(ws: Sequence[GatheredWeight], transposed: bool) -> Tuple[Tensor, Te
         b_ts = [w.dequantize().transpose(-2, -1) for w in ws]
         return recipe.rhs_bwd_cat(b_ts, f8) if transposed else recipe.rhs_fwd_cat(b_ts, f8)
     dim = 2 if transposed else 1
-    q = parts[0][0] if len(ws) == 1 else _cat([p[0] for p in parts], dim)
+    q = _cat([p[0] for p in parts], dim)
     if isinstance(recipe, Fp8Blockwise):
-        s = parts[0][1] if len(ws) == 1 else _cat([p[1] for p in parts], dim)
-        return q.transpose(-2, -1), s.transpose(-2, -1)
+        return q.transpose(-2, -1), _cat([p[1] for p in parts], dim).transpose(-2, -1)
     # fp8_rowwise: row scales (E, rows) joined along the rows; column scales, one set over
     # all the weights (quantized together, _quantize_shard's joint)
-    s = parts[0][1].contiguous() if len(ws) == 1 or transposed else _cat([p[1] for p in parts], 1)
-    return q.transpose(-2, -1), s
+    scales = [parts[0][1]] if transposed else [p[1] for p in parts]
+    return q.transpose(-2, -1), _cat(scales, 1)
 
 
 def rhs_fwd(ws: Sequence[GatheredWeight]) -> Tuple[Tensor, Tensor]:
