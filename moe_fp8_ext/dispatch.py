@@ -79,9 +79,15 @@ class Fp8Rows(Tensor):
         q, s = self._q, self._s
         rows, cols = q.shape
         blocks = s.shape[1]
+        # Two passes, not three: q in the rows' dtype (exact: every fp8 value is a bf16,
+        # fp16 and fp32 value), then fp32 products rounded once on the store of mul.
+        out = torch.empty((rows, cols), dtype=self.dtype, device=q.device)
+        qd = q.to(self.dtype)
         if blocks > 1 and cols == 128 * blocks:  # (whole blocks: no per-element scale tensor)
-            return (q.view(rows, blocks, 128).float() * s[:, :, None]).view(rows, cols).to(self.dtype)
-        return (q.float() * (_expand_tiles(s, rows, cols, 1, 128) if blocks > 1 else s)).to(self.dtype)
+            torch.mul(qd.view(rows, blocks, 128), s[:, :, None], out=out.view(rows, blocks, 128))
+        else:
+            torch.mul(qd, _expand_tiles(s, rows, cols, 1, 128) if blocks > 1 else s, out=out)
+        return out
 
 
 def fp8_rows_operand(recipe: Recipe, fp8_dtype: torch.dtype, x: Tensor) -> Optional[Tuple[Tensor, Tensor]]:

@@ -282,6 +282,23 @@ def test_dispatched_rows_give_the_bits_of_their_values(one_rank, device, recipe,
     assert device != "cpu" or same(gx, x.grad)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("f8", [torch.float8_e4m3fn, torch.float8_e4m3fnuz])
+@pytest.mark.parametrize("cols, blocks", [(256, 2), (144, 2), (100, 1)])
+def test_dequantized_rows_are_fp32_products_rounded_once(device, dtype, f8, cols, blocks):
+    """Every byte (NaN and subnormal encodings included) times a non-power-of-two scale,
+    as fp32 products rounded once to the rows' dtype; 1x128 blocks or one scale a row."""
+    g = torch.Generator().manual_seed(cols + blocks)
+    q = (torch.arange(3 * cols) % 256).to(torch.uint8)  # (every byte: 3 * cols >= 256)
+    q = q[torch.randperm(3 * cols, generator=g)].view(3, cols).view(f8).to(device)
+    s = (torch.rand(3, blocks, generator=g) * 3 + 1e-3).to(device)
+    got = Fp8Rows(q, s, dtype, moe_fp8_ext.get_recipe("fp8_blockwise")).dequantize()
+    ref = (q.float() * (s.repeat_interleave(128, dim=1)[:, :cols] if blocks > 1 else s)).to(dtype)
+    assert got.dtype == dtype and torch.equal(got.isnan(), ref.isnan())
+    assert torch.equal(got.nan_to_num(0.0), ref.nan_to_num(0.0))
+
+
 def test_dispatch_permutes_rows_and_pads_with_zeros(one_rank):
     r = moe_fp8_ext.get_recipe("fp8_blockwise")
     x = torch.randn(5, 256, dtype=torch.bfloat16, requires_grad=True)
