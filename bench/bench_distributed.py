@@ -22,7 +22,7 @@ gradient, ``loss.backward()`` and an SGD step, in two layouts:
 ``--recipe`` picks the fp8 recipe (fp8_blockwise, the default, or fp8_rowwise). Bytes
 are per rank and step: all-to-all, the bytes a rank sends; all-gather, the bytes it
 receives (its own shard included); reduce-scatter, its input. Writes
-$OUT/bench_distributed.json (bench_distributed_rowwise.json for fp8_rowwise; rank 0).
+$OUT/bench_distributed_<blockwise|rowwise>_x<ranks>.json (rank 0).
 """
 
 import argparse
@@ -332,7 +332,7 @@ def main():
                                                                         "max rel. diff vs bf16"],
                         [[c["layout"], c["variant"], f"{c['first']:.4f}", f"{c['last']:.4f}",
                           f"{c['max_rel_diff_vs_bf16']:.4f}"] for c in data["curves"]], "bench_distributed.md")
-        name = "bench_distributed" + ("" if args.recipe == "fp8_blockwise" else "_" + args.recipe.split("_")[1])
+        name = f"bench_distributed_{args.recipe.split('_')[1]}_x{world}"
         write_json(name, data, sys.argv, launcher=f"torchrun --nproc-per-node={world}")
     dist.barrier()
     dist.destroy_process_group()

@@ -38,7 +38,7 @@ def test_bench_distributed_smoke(tmp_path):
            "--experts", "8", "--steps", "2", "--warmup", "1"]
     out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
-    rows = json.load(open(tmp_path / "bench_distributed.json"))["data"]["steps"]
+    rows = json.load(open(tmp_path / "bench_distributed_blockwise_x2.json"))["data"]["steps"]
     assert {(r["layout"], r["variant"]) for r in rows} == {(l, v) for l in ("ep", "fsdp")
                                                            for v in ("bf16", "fp8", "fp8_comm")}
     for r in rows:
