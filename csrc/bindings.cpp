@@ -135,6 +135,9 @@ TORCH_LIBRARY(moe_fp8, m) {
   m.def("zero_rows_past_groups_(Tensor(a!) x, Tensor offs) -> ()");
   m.def("gather_rows(Tensor x, Tensor indices) -> Tensor");
   m.def("scatter_rows(Tensor y, Tensor indices, SymInt num_rows) -> Tensor");
+  // q (R, D) fp8 codes, scale (R, ceil(D / block)) fp32: q * scale in fp32, rounded once
+  // to out_dtype (bf16, fp16 or fp32): token rows dispatched in fp8, as values.
+  m.def("dequantize_rows(Tensor q, Tensor scale, int block, ScalarType out_dtype) -> Tensor");
 }
 
 #if defined(MOE_FP8_WITH_CUDA)

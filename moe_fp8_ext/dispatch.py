@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .recipes import Fp8Blockwise, Fp8Rowwise, Recipe, _expand_tiles
+from .recipes import Fp8Blockwise, Fp8Rowwise, Recipe
 
 __all__ = ["Fp8Rows", "fp8_dispatch", "fp8_rows_operand"]
 
@@ -77,17 +77,7 @@ class Fp8Rows(Tensor):
     def dequantize(self) -> Tensor:
         """The values the forward GEMM reads (fp32 products), in the rows' dtype."""
         q, s = self._q, self._s
-        rows, cols = q.shape
-        blocks = s.shape[1]
-        # Two passes, not three: q in the rows' dtype (exact: every fp8 value is a bf16,
-        # fp16 and fp32 value), then fp32 products rounded once on the store of mul.
-        out = torch.empty((rows, cols), dtype=self.dtype, device=q.device)
-        qd = q.to(self.dtype)
-        if blocks > 1 and cols == 128 * blocks:  # (whole blocks: no per-element scale tensor)
-            torch.mul(qd.view(rows, blocks, 128), s[:, :, None], out=out.view(rows, blocks, 128))
-        else:
-            torch.mul(qd, _expand_tiles(s, rows, cols, 1, 128) if blocks > 1 else s, out=out)
-        return out
+        return _ops.dequantize_rows(q, s, 128 if s.shape[1] > 1 else max(q.shape[1], 1), self.dtype)
 
 
 def fp8_rows_operand(recipe: Recipe, fp8_dtype: torch.dtype, x: Tensor) -> Optional[Tuple[Tensor, Tensor]]:

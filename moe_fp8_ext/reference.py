@@ -157,6 +157,11 @@ def scatter_rows(y: Tensor, indices: Tensor, num_rows: int) -> Tensor:
     return x[:num_rows]
 
 
+def dequantize_rows(q: Tensor, scale: Tensor, block: int, out_dtype: torch.dtype) -> Tensor:
+    s = scale.repeat_interleave(block, dim=1)[:, :q.shape[1]]
+    return (q.float() * s).to(out_dtype)
+
+
 # ---- MXFP8 (DESIGN §7): E8M0 scales over blocks of 32, the blocked scale layout ----------
 
 MX_BLOCK = 32

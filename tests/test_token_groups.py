@@ -1,6 +1,6 @@
 """Token groups (DESIGN §8): pad / unpad, the padded jagged quantization, the
 expert-parallel permutation indices, row gather / scatter, zero_rows_past_groups_,
-padded_group_offsets, their autograd, and torch.compile. Every op is compared with
+padded_group_offsets, dequantize_rows, their autograd, and torch.compile. Every op is compared with
 moe_fp8_ext.reference, bit for bit, on CPU and (when present) GPU; errors; opcheck
 on every op of the family (OPCHECK_CASES; test_op_coverage.py checks that every
 registered op has a case); GPU only: large shapes bit-exact with the CPU op, garbage
@@ -230,6 +230,54 @@ def test_gather_scatter_rows(device, dtype):
     assert_bytes_equal(z, ref.scatter_rows(y.cpu(), idx.cpu(), 80))
 
 
+def _values(y):
+    """y's bits, every NaN as one value (the NaN encodings of the kernels and of torch's
+    casts differ; DESIGN §4)."""
+    return torch.where(y.isnan(), torch.full_like(y, float("nan")), y).cpu().view(torch.uint8)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("f8", FP8_DTYPES + [torch.float8_e5m2])
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("rows, cols, block", [(37, 256, 128), (37, 144, 128), (5, 100, 100), (9, 2048, 2048),
+                                               (3, 40, 16), (0, 256, 128)])
+def test_dequantize_rows_matches_reference(device, f8, out_dtype, rows, cols, block):
+    """Every fp8 code (NaN, Inf, subnormals) times scales from fp32 subnormals to 1e6
+    (products that overflow fp16 and underflow to subnormals); 1x128 blocks, one scale a
+    row and partial blocks; non-contiguous q and scale; a poisoned output."""
+    gen = torch.Generator().manual_seed(rows * 7 + cols + block)
+    q = torch.randint(0, 256, (rows, 2 * cols), generator=gen, dtype=torch.uint8)
+    q[:, :256][:, : min(cols, 256)] = torch.arange(min(cols, 256), dtype=torch.uint8)
+    q = q.view(f8).to(device)[:, ::2] if cols >= 256 else q.view(f8).to(device)[:, :cols]
+    blocks = -(-cols // block)
+    s = torch.pow(10.0, torch.empty(blocks, rows).uniform_(-42, 6, generator=gen)).to(device).t()
+    poison(device)
+    y = moe_fp8_ext.ops.token_groups.dequantize_rows(q, s, block, out_dtype)
+    expect = ref.dequantize_rows(q.cpu(), s.cpu(), block, out_dtype)
+    assert y.shape == (rows, cols) and y.dtype == out_dtype and y.is_contiguous()
+    assert torch.equal(_values(y), _values(expect))
+
+
+def test_dequantize_rows_errors():
+    dq = moe_fp8_ext.ops.token_groups.dequantize_rows
+    q, s = torch.zeros(4, 256, dtype=torch.float8_e4m3fn), torch.ones(4, 2)
+    with pytest.raises(RuntimeError, match="dequantize_rows: expected q of dtype float8_e4m3fn"):
+        dq(q.float(), s, 128, torch.bfloat16)
+    with pytest.raises(RuntimeError, match="dequantize_rows: expected scale of dtype float32"):
+        dq(q, s.double(), 128, torch.bfloat16)
+    with pytest.raises(RuntimeError, match=r"dequantize_rows: expected scale of shape \(4, 1\)"):
+        dq(q, s, 256, torch.bfloat16)
+    with pytest.raises(RuntimeError, match="dequantize_rows: expected block >= 0|block"):
+        dq(q, s, 0, torch.bfloat16)
+    with pytest.raises(RuntimeError, match="dequantize_rows: expected out_dtype bfloat16, float16 or float32"):
+        dq(q, s, 128, torch.int32)
+    # the raw op checks the same without the Python wrapper
+    with pytest.raises(RuntimeError, match=r"dequantize_rows: expected scale of shape \(4, 3\)"):
+        torch.ops.moe_fp8.dequantize_rows(q, s, 100, torch.bfloat16)
+    with pytest.raises(RuntimeError, match="dequantize_rows: expected out_dtype bfloat16, float16 or float32"):
+        torch.ops.moe_fp8.dequantize_rows(q, s, 128, torch.int32)
+
+
 def test_gather_scatter_reject_bad_indices():
     x = torch.randn(4, 3)
     with pytest.raises(RuntimeError, match=r"gather_rows: expected indices in \[-1, 4\), got 4 at 1"):
@@ -301,8 +349,8 @@ def _i32(values, d):
 
 # (op name in torch.ops.moe_fp8, device -> args): schema, fake tensor and AOT dispatch
 # of every op of the family, plus edge cases: no groups, alignment 1, bf16 / fp16 /
-# int32 rows, a strided in-place target, the padded dual quantization. (No fp8 rows:
-# opcheck's own checks do arithmetic that PyTorch lacks for fp8 on the CPU.)
+# int32 rows, a strided in-place target, the padded dual quantization. (fp8 rows only
+# into dequantize_rows, without test_schema: it does arithmetic torch lacks for fp8.)
 # test_op_coverage.py reads the names.
 OPCHECK_CASES = [
     ("pad_token_groups", lambda d: (torch.randn(50, 8, device=d), _i32([10, 10, 49], d), 16)),
@@ -327,13 +375,21 @@ OPCHECK_CASES = [
     ("zero_rows_past_groups_", lambda d: (randn((20, 9), torch.bfloat16, d)[:, 2:7], _i32([0, 4], d))),
     ("gather_rows", lambda d: (torch.randint(-9, 9, (6, 5), dtype=torch.int32, device=d), _i32([5, 5, -1], d))),
     ("scatter_rows", lambda d: (randn((3, 5), torch.bfloat16, d), _i32([4, -1, 0], d), 5)),
+    ("dequantize_rows", lambda d: (torch.randn(6, 256, device=d).to(torch.float8_e4m3fn), torch.rand(6, 2, device=d),
+                                   128, torch.bfloat16)),
+    ("dequantize_rows", lambda d: (torch.randn(5, 100, device=d).to(torch.float8_e4m3fnuz), torch.rand(5, 1, device=d),
+                                   100, torch.float32)),
 ]
 
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("op, args", OPCHECK_CASES, ids=[f"{op}-{i}" for i, (op, _) in enumerate(OPCHECK_CASES)])
 def test_opcheck(device, op, args):
-    torch.library.opcheck(getattr(torch.ops.moe_fp8, op).default, args(device))
+    a = args(device)
+    utils = ["test_schema", "test_faketensor", "test_autograd_registration", "test_aot_dispatch_dynamic"]
+    if any(isinstance(t, torch.Tensor) and t.dtype in (*FP8_DTYPES, torch.float8_e5m2) for t in a):
+        utils.remove("test_schema")  # (its mutation check multiplies the inputs: torch has no fp8 mul)
+    torch.library.opcheck(getattr(torch.ops.moe_fp8, op).default, a, test_utils=utils)
 
 
 @pytest.mark.parametrize("device", DEVICES)

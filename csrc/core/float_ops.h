@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "numerics.h"
 #include "portability.h"
 
 namespace moe_fp8 {
@@ -90,6 +91,21 @@ MOE_FP8_HD uint16_t bf16_bits_rn(float f) {
   memcpy(&u, &f, sizeof(u));
   return static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
 #endif
+}
+
+// fp32 to fp16 bits, round to nearest even (subnormals kept, overflow to Inf, every NaN
+// to 0x7E00), integer ops only: the same bits on host and device.
+MOE_FP8_HD uint16_t fp16_bits_rn(float f) {
+  uint32_t u;
+  memcpy(&u, &f, sizeof(u));
+  const uint32_t sign = (u >> 16) & 0x8000u;
+  const uint32_t a = u & 0x7FFFFFFFu;
+  if (a > 0x7F800000u) return 0x7E00u;
+  if (a >= 0x477FF000u) return static_cast<uint16_t>(sign | 0x7C00u);  // (65520 and up round to Inf)
+  if (a >= 0x38800000u) return static_cast<uint16_t>(sign | rne_shift(a - (112u << 23), 13));  // normal
+  const int e = static_cast<int>(a >> 23);  // subnormal: units of 2^-24
+  const int shift = 126 - e;
+  return static_cast<uint16_t>(sign | ((e == 0 || shift > 31) ? 0u : rne_shift((a & 0x7FFFFFu) | 0x800000u, shift)));
 }
 
 }  // namespace moe_fp8

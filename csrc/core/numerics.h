@@ -112,6 +112,27 @@ MOE_FP8_HD uint8_t encode_fp8_sw(float x) {
   return static_cast<uint8_t>(code == 0 ? 0u : (code | (sign << 7)));
 }
 
+// Decoder: the exact fp32 value of an fp8 code (every fp8 value is an fp32 value);
+// e4m3fn 0x7F/0xFF, fnuz 0x80 and e5m2's NaN codes give +NaN, e5m2's 0x7C/0xFC +-Inf.
+template <Fp8Format F>
+MOE_FP8_HD float decode_fp8(uint32_t b) {
+  using S = Fp8Spec<F>;
+  constexpr int kExpBits = 7 - S::kManBits;
+  const uint32_t sign = (b >> 7) & 1u;
+  const uint32_t e = (b >> S::kManBits) & ((1u << kExpBits) - 1u);
+  const uint32_t m = b & ((1u << S::kManBits) - 1u);
+  if (F == Fp8Format::kE4M3FNUZ && b == 0x80u) return bits_float(0x7FC00000u);
+  if (F == Fp8Format::kE4M3FN && e == 15u && m == 7u) return bits_float(0x7FC00000u);
+  if (F == Fp8Format::kE5M2 && e == 31u) return bits_float(m != 0 ? 0x7FC00000u : (0x7F800000u | (sign << 31)));
+  uint32_t bits;
+  if (e != 0) {
+    bits = ((e + 127u - S::kBias) << 23) | (m << (23 - S::kManBits));
+  } else {  // subnormal (or zero): m units of 2^(1 - bias - man), exact in fp32
+    bits = float_bits(static_cast<float>(m) * bits_float(static_cast<uint32_t>(128 - S::kBias - S::kManBits) << 23));
+  }
+  return bits_float(bits | (sign << 31));
+}
+
 // fnuz has one zero and one NaN (0x80): a hardware "-0" or a negative value that
 // rounds to zero must come out as 0x00, and only a NaN input as 0x80.
 MOE_FP8_HD uint32_t fnuz_fix_byte(uint32_t b, float x) {

@@ -50,10 +50,16 @@ void invert_indices_cuda(const int32_t* indices, int64_t n, int32_t* inverse, in
   gpu.check(launch_invert_indices(indices, n, inverse, inverse_len, gpu.stream()), "invert indices");
 }
 
+void dequantize_rows_cuda(const DequantRows& a, int device) {
+  const GpuLaunch gpu(device);
+  gpu.check(launch_dequantize_rows(a, gpu.stream()), "dequantize_rows");
+}
+
 }  // namespace
 
 extern const GroupingKernels kGroupingCuda = {
-    padded_offsets_cuda, copy_rows_cuda, permute_indices_cuda, zero_rows_past_groups_cuda, invert_indices_cuda,
+    padded_offsets_cuda, copy_rows_cuda,     permute_indices_cuda, zero_rows_past_groups_cuda,
+    invert_indices_cuda, dequantize_rows_cuda,
 };
 
 }  // namespace moe_fp8

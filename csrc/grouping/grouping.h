@@ -9,11 +9,13 @@
 //   unpad   i -> the group g holding token i; src = pstart_g + (i - start_g)
 //   gather  r -> indices[r] (negative: a padding slot)
 // Offsets are clamped into [0, rows] before use, so no content of offs, padded
-// starts or indices can address memory out of bounds.
+// starts or indices can address memory out of bounds. dequantize_rows turns token
+// rows dispatched in fp8 (1x128 blocks or a scale a row) back into values.
 #pragma once
 
 #include <cstdint>
 
+#include "../core/float_ops.h"
 #include "../core/groups.h"
 #include "../core/numerics.h"
 
@@ -64,6 +66,44 @@ struct PermuteArgs {
   int32_t* padded_sizes = nullptr;  // [experts]
   int32_t* padded_ends = nullptr;   // [experts]
 };
+
+// dequantize_rows: y[r, c] = decode(q[r, c]) * scale[r, c / block], the fp32 product
+// rounded once to y's type (every NaN to the type's +NaN). Contiguous q (rows, cols)
+// fp8 codes, scale (rows, scale_cols) fp32, y (rows, cols).
+struct DequantRows {
+  const uint8_t* q = nullptr;
+  const float* scale = nullptr;
+  void* y = nullptr;
+  int64_t rows = 0;
+  int64_t cols = 0;
+  int64_t block = 1;
+  int64_t scale_cols = 1;
+  Fp8Format fmt = Fp8Format::kE4M3FN;
+  InputKind out = InputKind::kBF16;  // (y's type: the input kinds of the quantizers)
+};
+
+template <InputKind O>
+struct RowsOut;
+template <>
+struct RowsOut<InputKind::kBF16> {
+  using T = uint16_t;
+  static MOE_FP8_HD T encode(float v) { return v != v ? uint16_t{0x7FC0u} : bf16_bits_rn(v); }
+};
+template <>
+struct RowsOut<InputKind::kFP16> {
+  using T = uint16_t;
+  static MOE_FP8_HD T encode(float v) { return fp16_bits_rn(v); }
+};
+template <>
+struct RowsOut<InputKind::kFP32> {
+  using T = float;
+  static MOE_FP8_HD T encode(float v) { return v != v ? bits_float(0x7FC00000u) : v; }
+};
+
+template <Fp8Format F, InputKind O>
+MOE_FP8_HD typename RowsOut<O>::T dequantize_value(uint32_t code, float scale) {
+  return RowsOut<O>::encode(f_mul(decode_fp8<F>(code), scale));
+}
 
 // The runners of one device (CPU loops in grouping_cpu.cpp, kernels in grouping.cu)
 // are gathered in a GroupingKernels table (grouping_ops.h); each takes the device

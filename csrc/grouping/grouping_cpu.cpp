@@ -7,6 +7,7 @@
 #include <cstring>
 #include <vector>
 
+#include "../core/dispatch.h"
 #include "grouping.h"
 #include "grouping_ops.h"
 
@@ -90,10 +91,26 @@ void invert_indices_cpu(const int32_t* indices, int64_t n, int32_t* inverse, int
   }
 }
 
+void dequantize_rows_cpu(const DequantRows& a, int /*device*/) {
+  dispatch_input_fp8(a.out, a.fmt, [&](auto o, auto f) {
+    constexpr InputKind O = decltype(o)::value;
+    constexpr Fp8Format F = decltype(f)::value;
+    auto* y = static_cast<typename RowsOut<O>::T*>(a.y);
+    at::parallel_for(0, a.rows, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        for (int64_t c = 0; c < a.cols; ++c) {
+          y[r * a.cols + c] = dequantize_value<F, O>(a.q[r * a.cols + c], a.scale[r * a.scale_cols + c / a.block]);
+        }
+      }
+    });
+  });
+}
+
 }  // namespace
 
 extern const GroupingKernels kGroupingCpu = {
-    padded_offsets_cpu, copy_rows_cpu, permute_indices_cpu, zero_rows_past_groups_cpu, invert_indices_cpu,
+    padded_offsets_cpu, copy_rows_cpu,     permute_indices_cpu, zero_rows_past_groups_cpu,
+    invert_indices_cpu, dequantize_rows_cpu,
 };
 
 }  // namespace moe_fp8

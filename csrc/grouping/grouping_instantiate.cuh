@@ -10,8 +10,9 @@
 namespace moe_fp8 {
 namespace instantiate {
 
-int grouping_launchers(const RowCopy& c, const RowMapArgs& m, const PermuteArgs& p, gpuStream_t stream) {
-  return launch_copy_rows(c, m, stream) | launch_permute_indices(p, stream) |
+int grouping_launchers(const RowCopy& c, const RowMapArgs& m, const PermuteArgs& p, const DequantRows& d,
+                       gpuStream_t stream) {
+  return launch_copy_rows(c, m, stream) | launch_permute_indices(p, stream) | launch_dequantize_rows(d, stream) |
          launch_invert_indices(p.counts, 4, p.indices, 4, stream) |
          launch_padded_offsets(p.counts, 4, 8, 16, p.indices, p.padded_ends, stream);
 }

@@ -8,6 +8,7 @@
 #include <initializer_list>
 
 #include "../core/device_runtime.h"
+#include "../core/dispatch.h"
 #include "../core/numerics.h"
 #include "../core/portability.h"
 #include "../core/scan.cuh"
@@ -177,6 +178,32 @@ __global__ void __launch_bounds__(kGroupingThreads) zero_rows_past_groups_kernel
   }
 }
 
+// dequantize_rows (grouping.h): V consecutive elements of one row a thread (V divides
+// cols and block: one scale, one V-byte load, one V-element store).
+template <Fp8Format F, InputKind O, int V>
+__global__ void __launch_bounds__(kGroupingThreads) dequantize_rows_kernel(DequantRows a) {
+  using T = typename RowsOut<O>::T;
+  struct alignas(sizeof(T) * V) Out {
+    T v[V];
+  };
+  struct alignas(V) In {
+    uint8_t b[V];
+  };
+  const int64_t per_row = a.cols / V;
+  const int64_t n = a.rows * per_row;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t r = i / per_row;
+    const int64_t c = (i - r * per_row) * V;
+    const float s = a.scale[r * a.scale_cols + c / a.block];
+    const In in = *reinterpret_cast<const In*>(a.q + r * a.cols + c);
+    Out out;
+#pragma unroll
+    for (int k = 0; k < V; ++k) out.v[k] = dequantize_value<F, O>(in.b[k], s);
+    *reinterpret_cast<Out*>(static_cast<T*>(a.y) + r * a.cols + c) = out;
+  }
+}
+
 // ---- launchers ---------------------------------------------------------------------
 
 inline int launch_padded_offsets(const int32_t* offs, int groups, int64_t rows, int64_t alignment, int32_t* pstart,
@@ -272,6 +299,27 @@ inline int launch_zero_rows_past_groups(uint8_t* x, int64_t rows, int64_t stride
     return launch_kernel(kernel, dim3(static_cast<unsigned>(blocks)), dim3(kGroupingThreads), 0, stream, 1, x, rows,
                          stride, row_bytes, offs, groups);
   });
+}
+
+template <Fp8Format F, InputKind O, int V>
+int launch_dequantize_rows_as(const DequantRows& a, gpuStream_t stream) {
+  auto kernel = dequantize_rows_kernel<F, O, V>;
+  const int64_t n = a.rows * (a.cols / V);
+  const int64_t resident = static_cast<int64_t>(resident_blocks(kernel, kGroupingThreads, 0)) * multiprocessor_count();
+  const int64_t blocks = std::max<int64_t>(1, std::min<int64_t>(ceil_div(n, kGroupingThreads), resident));
+  return launch_kernel(kernel, dim3(static_cast<unsigned>(blocks)), dim3(kGroupingThreads), 0, stream, 1, a);
+}
+
+inline int launch_dequantize_rows(const DequantRows& a, gpuStream_t stream) {
+  if (a.rows == 0 || a.cols == 0) return 0;
+  int err = 0;
+  dispatch_input_fp8(a.out, a.fmt, [&](auto o, auto f) {
+    constexpr InputKind O = decltype(o)::value;
+    constexpr Fp8Format F = decltype(f)::value;
+    err = (a.cols % 8 == 0 && a.block % 8 == 0) ? launch_dequantize_rows_as<F, O, 8>(a, stream)
+                                                : launch_dequantize_rows_as<F, O, 1>(a, stream);
+  });
+  return err;
 }
 
 }  // namespace moe_fp8

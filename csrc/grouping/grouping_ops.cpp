@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "../core/op_checks.h"
+#include "../quant/quant_glue.h"
 #include "grouping_ops.h"
 
 namespace moe_fp8 {
@@ -262,6 +263,44 @@ at::Tensor scatter_rows(const GroupingKernels& k, const at::Tensor& y_in, const 
   at::Tensor inverse = at::empty({num_rows}, indices.options());
   k.invert_indices(idx.data_ptr<int32_t>(), idx.numel(), inverse.data_ptr<int32_t>(), num_rows, y.device().index());
   return gather_rows_unchecked(k, y, inverse);
+}
+
+at::Tensor dequantize_rows(const GroupingKernels& k, const at::Tensor& q_in, const at::Tensor& scale_in, int64_t block,
+                           at::ScalarType out_dtype) {
+  constexpr const char* op = "dequantize_rows";
+  check_same_device(op, {"q", q_in}, {{"scale", scale_in}});
+  check_rank(q_in, 2, op, "q");
+  check_rank(scale_in, 2, op, "scale");
+  const Fp8Format fmt = fp8_format(q_in.scalar_type(), op);
+  TORCH_CHECK(scale_in.scalar_type() == at::kFloat, op, ": expected scale of dtype float32, got ",
+              scale_in.scalar_type());
+  TORCH_CHECK(block >= 1, op, ": expected block >= 1, got ", block);
+  const int64_t rows = q_in.size(0), cols = q_in.size(1);
+  const int64_t scale_cols = cols == 0 ? 0 : ceil_div(cols, block);
+  TORCH_CHECK(scale_in.size(0) == rows && scale_in.size(1) == scale_cols, op, ": expected scale of shape (", rows,
+              ", ", scale_cols, ") (a scale per row and block of ", block, " columns), got ", scale_in.sizes());
+  InputKind out = InputKind::kBF16;
+  switch (out_dtype) {
+    case at::kBFloat16: out = InputKind::kBF16; break;
+    case at::kHalf: out = InputKind::kFP16; break;
+    case at::kFloat: out = InputKind::kFP32; break;
+    default: TORCH_CHECK(false, op, ": expected out_dtype bfloat16, float16 or float32, got ", out_dtype);
+  }
+  const at::Tensor q = q_in.contiguous(), s = scale_in.contiguous();
+  at::Tensor y = at::empty({rows, cols}, q.options().dtype(out_dtype));
+  if (y.numel() == 0) return y;
+  DequantRows a;
+  a.q = static_cast<const uint8_t*>(q.data_ptr());
+  a.scale = s.data_ptr<float>();
+  a.y = y.data_ptr();
+  a.rows = rows;
+  a.cols = cols;
+  a.block = block;
+  a.scale_cols = scale_cols;
+  a.fmt = fmt;
+  a.out = out;
+  k.dequantize_rows(a, q.device().index());
+  return y;
 }
 
 }  // namespace moe_fp8

@@ -29,6 +29,7 @@ struct GroupingKernels {
                                 int groups, int device);
   // inverse[indices[j]] = j for every j with 0 <= indices[j] < inverse_len, -1 elsewhere.
   void (*invert_indices)(const int32_t* indices, int64_t n, int32_t* inverse, int64_t inverse_len, int device);
+  void (*dequantize_rows)(const DequantRows& a, int device);
 };
 
 // The ops, on the runners of k.
@@ -47,6 +48,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> permute_indices(const GroupingKer
 void zero_rows_past_groups_(const GroupingKernels& k, const at::Tensor& x, const at::Tensor& offs);
 at::Tensor gather_rows(const GroupingKernels& k, const at::Tensor& x, const at::Tensor& indices);
 at::Tensor scatter_rows(const GroupingKernels& k, const at::Tensor& y, const at::Tensor& indices, int64_t num_rows);
+at::Tensor dequantize_rows(const GroupingKernels& k, const at::Tensor& q, const at::Tensor& scale, int64_t block,
+                           at::ScalarType out_dtype);
 
 // Every op bound to the runners of K, as plain functions for m.impl:
 //   extern const GroupingKernels kGroupingCpu = {...};
@@ -83,6 +86,10 @@ struct GroupingOn {
   static at::Tensor scatter_rows(const at::Tensor& y, const at::Tensor& indices, int64_t num_rows) {
     return moe_fp8::scatter_rows(K, y, indices, num_rows);
   }
+  static at::Tensor dequantize_rows(const at::Tensor& q, const at::Tensor& scale, int64_t block,
+                                    at::ScalarType out_dtype) {
+    return moe_fp8::dequantize_rows(K, q, scale, block, out_dtype);
+  }
 
   static void register_impls(torch::Library& m) {
     m.impl("pad_token_groups", TORCH_FN(pad_token_groups));
@@ -93,6 +100,7 @@ struct GroupingOn {
     m.impl("zero_rows_past_groups_", TORCH_FN(zero_rows_past_groups_));
     m.impl("gather_rows", TORCH_FN(gather_rows));
     m.impl("scatter_rows", TORCH_FN(scatter_rows));
+    m.impl("dequantize_rows", TORCH_FN(dequantize_rows));
   }
 };
 

@@ -54,6 +54,7 @@ from .rowwise import (  # noqa: F401
     quantize_rowwise_jagged_dual,
 )
 from .token_groups import (  # noqa: F401
+    check_dequantize_rows,
     check_gather_rows,
     check_pad_token_groups,
     check_pad_token_groups_at,
@@ -62,6 +63,7 @@ from .token_groups import (  # noqa: F401
     check_scatter_rows,
     check_unpad_token_groups,
     check_zero_rows_past_groups_,
+    dequantize_rows,
     gather_rows,
     padded_group_offsets,
     permute_indices,

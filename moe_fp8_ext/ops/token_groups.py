@@ -1,5 +1,5 @@
 """Token-group building blocks (DESIGN §8): the padded layout's offsets and size, the expert-parallel
-permutation, row gather and scatter. Raw ops; the differentiable helpers are in
+permutation, row gather and scatter, and fp8 token rows back to values (dequantize_rows). Raw ops; the differentiable helpers are in
 :mod:`moe_fp8_ext.token_groups` (top-level names). Each op's argument checks are one function, run
 by its wrapper (before any shape is read) and by its fake.
 """
@@ -10,7 +10,9 @@ import torch
 from torch import Tensor
 
 from ._checks import (
+    FP8_DTYPES,
     INT32_MAX,
+    QUANT_IN_DTYPES,
     _check_padded_starts,
     _require,
     check_alignment,
@@ -26,6 +28,7 @@ from ._checks import (
 _ops = torch.ops.moe_fp8
 
 __all__ = [
+    "dequantize_rows",
     "gather_rows",
     "padded_group_offsets",
     "padded_rows",
@@ -225,3 +228,34 @@ def scatter_rows(y: Tensor, indices: Tensor, num_rows: int) -> Tensor:
 def _(y, indices, num_rows):
     check_scatter_rows(y, indices, num_rows)
     return y.new_empty((num_rows, y.shape[1]))
+
+
+def check_dequantize_rows(q, scale, block, out_dtype, op="dequantize_rows"):
+    check_tensor(op, "q", q, dim=2)
+    check_tensor(op, "scale", scale, dim=2, dtype=torch.float32)
+    check_same_device(op, "q", q, scale=scale)
+    _require(q.dtype in FP8_DTYPES, lambda: f"{op}: expected q of dtype float8_e4m3fn, float8_e4m3fnuz or "
+             f"float8_e5m2, got {str(q.dtype).replace('torch.', '')}")
+    check_int(op, "block", block, lo=1)
+    _require(out_dtype in QUANT_IN_DTYPES,
+             lambda: f"{op}: expected out_dtype bfloat16, float16 or float32, got {out_dtype}")
+    rows, cols = q.shape
+    blocks = 0 if cols == 0 else -(-cols // block)
+    _require(tuple(scale.shape) == (rows, blocks),
+             lambda: f"{op}: expected scale of shape ({rows}, {blocks}) (a scale per row and block of {block} "
+             f"columns), got {tuple(scale.shape)}")
+
+
+def dequantize_rows(q: Tensor, scale: Tensor, block: int, out_dtype: torch.dtype) -> Tensor:
+    """``y[r, c] = q[r, c] * scale[r, c // block]``: q (R, D) fp8, scale (R, ceil(D /
+    block)) float32 (1x128 blocks: ``block=128``; one scale a row: ``block=D``); the
+    fp32 product rounded once to ``out_dtype`` (bf16, fp16 or fp32), as
+    ``(q.float() * scale).to(out_dtype)`` in one pass."""
+    check_dequantize_rows(q, scale, block, out_dtype)
+    return _ops.dequantize_rows(q, scale, block, out_dtype)
+
+
+@torch.library.register_fake("moe_fp8::dequantize_rows")
+def _(q, scale, block, out_dtype):
+    check_dequantize_rows(q, scale, block, out_dtype)
+    return q.new_empty(q.shape, dtype=out_dtype)
