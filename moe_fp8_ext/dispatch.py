@@ -77,7 +77,9 @@ class Fp8Rows(Tensor):
     def dequantize(self) -> Tensor:
         """The values the forward GEMM reads (fp32 products), in the rows' dtype."""
         q, s = self._q, self._s
-        return _ops.dequantize_rows(q, s, 128 if s.shape[1] > 1 else max(q.shape[1], 1), self.dtype)
+        if q.shape[1] == 0:
+            return q.new_empty(q.shape, dtype=self.dtype)
+        return _ops.dequantize_rows(q, s, 128 if s.shape[1] > 1 else q.shape[1], self.dtype)
 
 
 def fp8_rows_operand(recipe: Recipe, fp8_dtype: torch.dtype, x: Tensor) -> Optional[Tuple[Tensor, Tensor]]:

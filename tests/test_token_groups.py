@@ -230,52 +230,92 @@ def test_gather_scatter_rows(device, dtype):
     assert_bytes_equal(z, ref.scatter_rows(y.cpu(), idx.cpu(), 80))
 
 
-def _values(y):
-    """y's bits, every NaN as one value (the NaN encodings of the kernels and of torch's
-    casts differ; DESIGN §4)."""
-    return torch.where(y.isnan(), torch.full_like(y, float("nan")), y).cpu().view(torch.uint8)
+_NAN_BITS = {torch.bfloat16: 0x7FC0, torch.float16: 0x7E00, torch.float32: 0x7FC00000}
+_INT_VIEW = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
+
+
+def assert_dequantized_equal(y, expect):
+    """Bit for bit; every NaN the type's +NaN (torch's casts may give another NaN)."""
+    assert y.shape == expect.shape and y.dtype == expect.dtype and y.is_contiguous()
+    y, expect = y.cpu(), expect.cpu()
+    nan = y.isnan()
+    assert torch.equal(nan, expect.isnan())
+    bits = y.view(_INT_VIEW[y.dtype])
+    assert bool((bits[nan] == torch.tensor(_NAN_BITS[y.dtype]).to(bits.dtype)).all())
+    assert torch.equal(bits[~nan], expect.view(bits.dtype)[~nan])
+
+
+def fp8_rows_of(f8, rows, cols, device, gen, layout):
+    """Every fp8 code (when rows·cols >= 256) in random places, as a strided view
+    (every other byte) or a contiguous view one byte off an 8-byte boundary."""
+    n = rows * cols
+    codes = (torch.arange(n) % 256).to(torch.uint8)[torch.randperm(n, generator=gen)].view(rows, cols)
+    if layout == "strided":
+        buf = torch.zeros(rows, 2 * cols, dtype=torch.uint8)
+        buf[:, ::2] = codes
+        return buf.to(device).view(f8)[:, ::2]
+    buf = torch.zeros(n + 1, dtype=torch.uint8)
+    buf[1:] = codes.reshape(-1)
+    return buf.to(device).view(f8)[1:].view(rows, cols)
 
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("f8", FP8_DTYPES + [torch.float8_e5m2])
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("rows, cols, block", [(37, 256, 128), (37, 144, 128), (5, 100, 100), (9, 2048, 2048),
-                                               (3, 40, 16), (0, 256, 128)])
-def test_dequantize_rows_matches_reference(device, f8, out_dtype, rows, cols, block):
+                                               (7, 40, 16), (3, 256, 1000), (0, 256, 128)])
+@pytest.mark.parametrize("layout", ["strided", "offset"])
+def test_dequantize_rows_matches_reference(device, f8, out_dtype, rows, cols, block, layout):
     """Every fp8 code (NaN, Inf, subnormals) times scales from fp32 subnormals to 1e6
     (products that overflow fp16 and underflow to subnormals); 1x128 blocks, one scale a
-    row and partial blocks; non-contiguous q and scale; a poisoned output."""
+    row, partial blocks; non-contiguous or misaligned q, column-major scales; a poisoned
+    output."""
     gen = torch.Generator().manual_seed(rows * 7 + cols + block)
-    q = torch.randint(0, 256, (rows, 2 * cols), generator=gen, dtype=torch.uint8)
-    q[:, :256][:, : min(cols, 256)] = torch.arange(min(cols, 256), dtype=torch.uint8)
-    q = q.view(f8).to(device)[:, ::2] if cols >= 256 else q.view(f8).to(device)[:, :cols]
-    blocks = -(-cols // block)
+    q = fp8_rows_of(f8, rows, cols, device, gen, layout)
+    blocks = (cols - 1) // block + 1
     s = torch.pow(10.0, torch.empty(blocks, rows).uniform_(-42, 6, generator=gen)).to(device).t()
     poison(device)
     y = moe_fp8_ext.ops.token_groups.dequantize_rows(q, s, block, out_dtype)
-    expect = ref.dequantize_rows(q.cpu(), s.cpu(), block, out_dtype)
-    assert y.shape == (rows, cols) and y.dtype == out_dtype and y.is_contiguous()
-    assert torch.equal(_values(y), _values(expect))
+    assert_dequantized_equal(y, ref.dequantize_rows(q.cpu(), s.cpu(), block, out_dtype))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_dequantize_rows_fp16_rounding_edges(device):
+    """1.0 times scales that land on fp16's rounding edges: the largest finite value,
+    just below and at the overflow tie, a normal tie, subnormal ties."""
+    edges = [65504.0, 65519.99, 65520.0, 1 + 2**-11, 1 + 3 * 2**-11, 2**-25, 3 * 2**-25, 2**-24 + 2**-40, -65520.0]
+    s = torch.tensor(edges, dtype=torch.float32)[:, None].to(device)
+    q = torch.ones(len(edges), 8).to(torch.float8_e4m3fn).to(device)
+    y = moe_fp8_ext.ops.token_groups.dequantize_rows(q, s, 8, torch.float16)
+    assert torch.equal(y.cpu().view(torch.int16), s.cpu().expand(-1, 8).to(torch.float16).view(torch.int16))
+
+
+@requires_cuda
+@pytest.mark.gpu
+def test_dequantize_rows_large_on_gpu():
+    """More work than one grid of resident blocks: the GPU op against the CPU op."""
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randint(0, 256, (8192, 4096), generator=gen, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    s = torch.rand(8192, 32, generator=gen) + 0.5
+    poison("cuda")
+    y = moe_fp8_ext.ops.token_groups.dequantize_rows(q.cuda(), s.cuda(), 128, torch.bfloat16)
+    assert_dequantized_equal(y, moe_fp8_ext.ops.token_groups.dequantize_rows(q, s, 128, torch.bfloat16))
 
 
 def test_dequantize_rows_errors():
-    dq = moe_fp8_ext.ops.token_groups.dequantize_rows
+    """The wrapper's checks and the op's own (no wrapper) give the same messages."""
     q, s = torch.zeros(4, 256, dtype=torch.float8_e4m3fn), torch.ones(4, 2)
-    with pytest.raises(RuntimeError, match="dequantize_rows: expected q of dtype float8_e4m3fn"):
-        dq(q.float(), s, 128, torch.bfloat16)
-    with pytest.raises(RuntimeError, match="dequantize_rows: expected scale of dtype float32"):
-        dq(q, s.double(), 128, torch.bfloat16)
-    with pytest.raises(RuntimeError, match=r"dequantize_rows: expected scale of shape \(4, 1\)"):
-        dq(q, s, 256, torch.bfloat16)
-    with pytest.raises(RuntimeError, match="dequantize_rows: expected block >= 0|block"):
-        dq(q, s, 0, torch.bfloat16)
-    with pytest.raises(RuntimeError, match="dequantize_rows: expected out_dtype bfloat16, float16 or float32"):
-        dq(q, s, 128, torch.int32)
-    # the raw op checks the same without the Python wrapper
-    with pytest.raises(RuntimeError, match=r"dequantize_rows: expected scale of shape \(4, 3\)"):
-        torch.ops.moe_fp8.dequantize_rows(q, s, 100, torch.bfloat16)
-    with pytest.raises(RuntimeError, match="dequantize_rows: expected out_dtype bfloat16, float16 or float32"):
-        torch.ops.moe_fp8.dequantize_rows(q, s, 128, torch.int32)
+    cases = [((q.float(), s, 128, torch.bfloat16), r"expected q of dtype float8_e4m3fn, float8_e4m3fnuz or "
+              r"float8_e5m2, got Float"),
+             ((q, s.double(), 128, torch.bfloat16), "expected scale of dtype float32, got Double"),
+             ((q, s, 256, torch.bfloat16), r"expected scale of shape \(4, 1\) \(a scale per row and block of 256"),
+             ((q, s, 100, torch.bfloat16), r"expected scale of shape \(4, 3\)"),
+             ((q, s, 0, torch.bfloat16), r"expected block in \[1, 9223372036854775807\], got 0"),
+             ((q, s, 128, torch.int32), "expected out_dtype bfloat16, float16 or float32, got Int")]
+    for fn in (moe_fp8_ext.ops.token_groups.dequantize_rows, torch.ops.moe_fp8.dequantize_rows):
+        for args, message in cases:
+            with pytest.raises(RuntimeError, match="dequantize_rows: " + message):
+                fn(*args)
 
 
 def test_gather_scatter_reject_bad_indices():

@@ -179,7 +179,7 @@ __global__ void __launch_bounds__(kGroupingThreads) zero_rows_past_groups_kernel
 }
 
 // dequantize_rows (grouping.h): V consecutive elements of one row a thread (V divides
-// cols and block: one scale, one V-byte load, one V-element store).
+// cols, and block or the run is in one block: one scale, one V-byte load, one store).
 template <Fp8Format F, InputKind O, int V>
 __global__ void __launch_bounds__(kGroupingThreads) dequantize_rows_kernel(DequantRows a) {
   using T = typename RowsOut<O>::T;
@@ -316,8 +316,11 @@ inline int launch_dequantize_rows(const DequantRows& a, gpuStream_t stream) {
   dispatch_input_fp8(a.out, a.fmt, [&](auto o, auto f) {
     constexpr InputKind O = decltype(o)::value;
     constexpr Fp8Format F = decltype(f)::value;
-    err = (a.cols % 8 == 0 && a.block % 8 == 0) ? launch_dequantize_rows_as<F, O, 8>(a, stream)
-                                                : launch_dequantize_rows_as<F, O, 1>(a, stream);
+    // V = 8: 8-element runs stay in one block and every access is aligned
+    const bool vec = a.cols % 8 == 0 && (a.block % 8 == 0 || a.block >= a.cols) &&
+                     reinterpret_cast<uintptr_t>(a.q) % 8 == 0 &&
+                     reinterpret_cast<uintptr_t>(a.y) % (8 * sizeof(typename RowsOut<O>::T)) == 0;
+    err = vec ? launch_dequantize_rows_as<F, O, 8>(a, stream) : launch_dequantize_rows_as<F, O, 1>(a, stream);
   });
   return err;
 }

@@ -271,12 +271,15 @@ at::Tensor dequantize_rows(const GroupingKernels& k, const at::Tensor& q_in, con
   check_same_device(op, {"q", q_in}, {{"scale", scale_in}});
   check_rank(q_in, 2, op, "q");
   check_rank(scale_in, 2, op, "scale");
-  const Fp8Format fmt = fp8_format(q_in.scalar_type(), op);
   TORCH_CHECK(scale_in.scalar_type() == at::kFloat, op, ": expected scale of dtype float32, got ",
               scale_in.scalar_type());
-  TORCH_CHECK(block >= 1, op, ": expected block >= 1, got ", block);
+  const at::ScalarType qt = q_in.scalar_type();
+  TORCH_CHECK(qt == at::kFloat8_e4m3fn || qt == at::kFloat8_e4m3fnuz || qt == at::kFloat8_e5m2, op,
+              ": expected q of dtype float8_e4m3fn, float8_e4m3fnuz or float8_e5m2, got ", qt);
+  const Fp8Format fmt = fp8_format(qt, op);
+  TORCH_CHECK(block >= 1, op, ": expected block in [1, ", INT64_MAX, "], got ", block);
   const int64_t rows = q_in.size(0), cols = q_in.size(1);
-  const int64_t scale_cols = cols == 0 ? 0 : ceil_div(cols, block);
+  const int64_t scale_cols = cols == 0 ? 0 : (cols - 1) / block + 1;
   TORCH_CHECK(scale_in.size(0) == rows && scale_in.size(1) == scale_cols, op, ": expected scale of shape (", rows,
               ", ", scale_cols, ") (a scale per row and block of ", block, " columns), got ", scale_in.sizes());
   InputKind out = InputKind::kBF16;

@@ -14,6 +14,7 @@ from ._checks import (
     INT32_MAX,
     QUANT_IN_DTYPES,
     _check_padded_starts,
+    _dtype_name,
     _require,
     check_alignment,
     check_index,
@@ -235,12 +236,12 @@ def check_dequantize_rows(q, scale, block, out_dtype, op="dequantize_rows"):
     check_tensor(op, "scale", scale, dim=2, dtype=torch.float32)
     check_same_device(op, "q", q, scale=scale)
     _require(q.dtype in FP8_DTYPES, lambda: f"{op}: expected q of dtype float8_e4m3fn, float8_e4m3fnuz or "
-             f"float8_e5m2, got {str(q.dtype).replace('torch.', '')}")
+             f"float8_e5m2, got {_dtype_name(q.dtype)}")
     check_int(op, "block", block, lo=1)
     _require(out_dtype in QUANT_IN_DTYPES,
-             lambda: f"{op}: expected out_dtype bfloat16, float16 or float32, got {out_dtype}")
+             lambda: f"{op}: expected out_dtype bfloat16, float16 or float32, got {_dtype_name(out_dtype)}")
     rows, cols = q.shape
-    blocks = 0 if cols == 0 else -(-cols // block)
+    blocks = 0 if cols == 0 else (cols - 1) // block + 1
     _require(tuple(scale.shape) == (rows, blocks),
              lambda: f"{op}: expected scale of shape ({rows}, {blocks}) (a scale per row and block of {block} "
              f"columns), got {tuple(scale.shape)}")
