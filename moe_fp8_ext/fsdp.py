@@ -30,7 +30,9 @@ gathered weights live exactly as long as FSDP2 keeps a parameter unsharded
 (``reshard_after_forward=False``, or ``set_reshard_after_backward(False)`` across
 micro-batches). fp8_blockwise and fp8_rowwise; the number of experts must be a
 multiple of the shard group's size (FSDP2 would pad dim 0, and padded shards cannot
-carry scales). Not under ``torch.compile``.
+carry scales). A one-rank shard group (expert parallelism over every rank) sends
+nothing: its weights stay high precision and the layer quantizes them. Not under
+``torch.compile``.
 """
 
 from typing import Optional, Sequence, Tuple
@@ -109,6 +111,8 @@ class ShardedWeight(Tensor):
         def cast(w):  # as FSDP2 casts what it gathers: the bits of the bf16-gather path
             return w.to(dtype) if dtype is not None and dtype != w.dtype else w
 
+        if world == 1:  # (FSDP2 copies a one-rank group's first input: nothing to send, plain weights)
+            return (cast(self._tensor),), None
         transposed = torch._C._current_graph_task_id() != -1  # (a gather for the backward)
         joint = None
         if transposed and self._joint is not None and isinstance(self._recipe, Fp8Rowwise):
@@ -126,6 +130,10 @@ class ShardedWeight(Tensor):
 
     def fsdp_post_all_gather(self, outputs: Tuple[Tensor, ...], metadata, param_dtype: torch.dtype, *,
                              out: Optional[Tensor] = None):
+        if metadata is None:  # one rank: the weight as it is, quantized by the layer
+            if out is None:
+                return ShardedWeight(outputs[0], self._recipe, self._joint), outputs
+            return
         (q, s_out), (transposed, shape, joint) = outputs, metadata
         s = s_out.narrow(1, 0, q.shape[1]) if s_out.dim() == 2 else s_out  # (fp8_rowwise: this orientation's)
         if out is not None:  # the same storage, refilled: this gather's views and orientation

@@ -179,6 +179,33 @@ def test_fp8_all_gather_set_up_errors():
     assert torch.equal(layer(x, counts), ref(x, counts))
 
 
+@pytest.mark.parametrize("recipe", ["fp8_blockwise", "fp8_rowwise"])
+def test_one_rank_shard_group_trains_as_without_fp8_all_gather(one_rank, recipe):
+    """A one-rank FSDP2 group (torchtitan's experts under EP over every rank): nothing is
+    sent, the layer quantizes its weights, and training equals the plain layer's."""
+    from torch.distributed.fsdp import fully_shard
+
+    layers = [moe_fp8_ext.GroupedExperts(256, 128, 4, recipe=recipe) for _ in range(2)]
+    layers[1].load_state_dict(layers[0].state_dict())
+    fp8_all_gather(layers[1])
+    opts = []
+    for layer in layers:
+        fully_shard(layer)
+        opts.append(torch.optim.SGD(layer.parameters(), lr=0.1))
+    seen = []
+    layers[1].register_forward_pre_hook(lambda m, a: seen.append(type(m.w1._local_tensor if hasattr(
+        m.w1, "_local_tensor") else m.w1).__name__))
+    for step in range(2):
+        x, counts = torch.randn(40, 256, generator=torch.Generator().manual_seed(step)), torch.tensor([9, 0, 30, 1])
+        for layer, opt in zip(layers, opts):
+            layer(x, counts).square().sum().backward()
+            opt.step()
+            opt.zero_grad()
+    assert seen == ["ShardedWeight", "ShardedWeight"]  # (the unsharded weight: never gathered in fp8)
+    for (n, a), b in zip(layers[0].state_dict().items(), layers[1].state_dict().values()):
+        assert type(b.to_local()) is torch.Tensor and torch.equal(a.full_tensor(), b.full_tensor()), n
+
+
 def test_wrapped_layer_pickles_and_its_state_dict_is_plain(tmp_path):
     import io
 
