@@ -82,6 +82,10 @@ class Fp8Rows(Tensor):
         return _ops.dequantize_rows(q, s, 128 if s.shape[1] > 1 else q.shape[1], self.dtype)
 
 
+def is_fp8_rows(x) -> bool:
+    return isinstance(x, Fp8Rows)
+
+
 def fp8_rows_operand(recipe: Recipe, fp8_dtype: torch.dtype, x: Tensor) -> Optional[Tuple[Tensor, Tensor]]:
     """The experts layer's forward left operand where ``x`` is :class:`Fp8Rows` (made
     for ``recipe`` and ``fp8_dtype``, else an error); None for any other tensor."""
@@ -124,6 +128,8 @@ class _Fp8Dispatch(torch.autograd.Function):
         return grad_x, None, None, None, None, None, None, None
 
 
+@torch.compiler.disable(reason="moe_fp8_ext: the fp8 dispatch returns a tensor subclass dynamo cannot trace and "
+                        "runs eagerly (a graph break; fullgraph=True cannot hold it)")
 def fp8_dispatch(x: Tensor, token_idx: Tensor, recipe: Recipe, group, input_splits: List[int],
                  output_splits: List[int], perm: Optional[Tensor] = None, fp8_dtype=None) -> Fp8Rows:
     """Send the rows ``x[token_idx]`` (x (T, D) this rank's tokens, ``token_idx`` int32

@@ -426,8 +426,13 @@ def experts(
     under ``torch.compile(fullgraph=True)`` (the cache is bypassed there). x may be rows
     dispatched in fp8 (:class:`moe_fp8_ext.dispatch.Fp8Rows`) and the weights all-gathered
     in fp8 (:class:`moe_fp8_ext.fsdp.GatheredWeight`): read as they are, in eager mode
-    (torch.compile breaks the graph there; ``fullgraph=True`` raises).
+    (under torch.compile the layer runs eagerly there, a graph break; ``fullgraph=True``
+    raises).
     """
+    if torch.compiler.is_compiling() and (_dispatch.is_fp8_rows(x) or any(_fsdp.is_fp8_comm_weight(w)
+                                                                          for w in (w1, w3, w2))):
+        return _experts_eager(x, w1, w3, w2, offs, recipe=recipe, fp8_dtype=fp8_dtype, weight_cache=weight_cache,
+                              weight_keys=weight_keys, pad_groups=pad_groups)
     r = get_recipe(recipe, "experts")
     backend = r.backend(x.device) if isinstance(x, Tensor) else None
     f8 = _check(x, w1, w3, w2, offs, r, backend, fp8_dtype)
@@ -453,6 +458,13 @@ def experts(
         return token_groups.unpad_token_groups(out_p, offs, starts, x.shape[0])
     return _Experts.apply(x, w1, w3, w2, offs, r, f8, backend, pads_wgrad(r, pad_groups, x.shape[0]), weight_cache,
                           weight_keys, torch.is_grad_enabled())
+
+
+@torch.compiler.disable(reason="moe_fp8_ext: rows dispatched and weights all-gathered in fp8 are tensor subclasses "
+                        "dynamo cannot trace; the experts layer runs them eagerly (fullgraph=True cannot hold them)")
+def _experts_eager(*args, **kwargs):
+    # (traced, these subclasses would be constants: no gradient would reach the weights)
+    return experts(*args, **kwargs)
 
 
 # ---- the module ------------------------------------------------------------------------

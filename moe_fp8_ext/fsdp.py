@@ -31,8 +31,8 @@ gathered weights live exactly as long as FSDP2 keeps a parameter unsharded
 micro-batches). fp8_blockwise and fp8_rowwise; the number of experts must be a
 multiple of the shard group's size (FSDP2 would pad dim 0, and padded shards cannot
 carry scales). A one-rank shard group (expert parallelism over every rank) sends
-nothing: its weights stay high precision and the layer quantizes them. Not under
-``torch.compile``.
+nothing: its weights stay high precision and the layer quantizes them. Under
+``torch.compile`` the experts layer runs gathered weights eagerly (a graph break).
 """
 
 from typing import Optional, Sequence, Tuple
@@ -287,6 +287,12 @@ def rhs_fwd(ws: Sequence[GatheredWeight]) -> Tuple[Tensor, Tensor]:
 def rhs_bwd(ws: Sequence[GatheredWeight]) -> Tuple[Tensor, Tensor]:
     """The recipe's ``rhs_bwd_cat`` of the same."""
     return _operand(ws, True)
+
+
+def is_fp8_comm_weight(w) -> bool:
+    """Whether ``w`` is a weight set up for, or made by, the fp8 all-gather (possibly as
+    FSDP2's DTensor): a tensor subclass dynamo cannot trace."""
+    return isinstance(getattr(w, "_local_tensor", w), (ShardedWeight, GatheredWeight))
 
 
 def gathered_weights(recipe: Recipe, fp8_dtype: torch.dtype, ws: Sequence[Tensor]) -> bool:

@@ -171,6 +171,19 @@ def main():
     # forward resharded)
     check(len(gathers) == 3 * 3 * 3, f"gathers: 3 a micro-batch step; got {len(gathers)}")
 
+    # torch.compile: the experts layer runs the gathered weights eagerly (a graph break),
+    # giving the eager bits, gradients included; fullgraph=True raises. (aot_eager: the
+    # graph break is dynamo's; inductor would only compile the offsets around it)
+    gathers.clear()
+    train([layer(True), torch.compile(layer(True), backend="aot_eager")], steps=2, name="torch.compile")
+    check(len(gathers) == 2 * 3 * 2 * 2, f"gathers under torch.compile: {len(gathers)}")
+    try:  # (the experts alone: a root's nested FSDP2 hooks would stop fullgraph first)
+        torch.compile(layer(True).experts, backend="aot_eager", fullgraph=True)(
+            torch.randn(8, DIM, device=device).bfloat16(), torch.full((E,), 1, device=device))
+        check(False, "fullgraph=True with fp8-gathered weights raises")
+    except Exception as e:  # (dynamo's Unsupported)
+        check("weights all-gathered in fp8 are tensor subclasses" in str(e), f"fullgraph=True: message {e}")
+
     # A load_state_dict (or checkpoint load) into the shards is what the next gather sees.
     a, b = layer(False).experts, layer(True).experts
     torch.manual_seed(1)

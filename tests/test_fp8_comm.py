@@ -339,6 +339,30 @@ def test_dispatch_permutes_rows_and_pads_with_zeros(one_rank):
     assert s.stride() == (1, 6)  # (the GEMM's column-major scales)
 
 
+def test_fp8_dispatch_under_compile_runs_eagerly(one_rank):
+    """torch.compile around the fp8 dispatch and the experts layer: both run eagerly (a
+    graph break), with the eager bits and gradients; fullgraph=True raises."""
+    r = moe_fp8_ext.get_recipe("fp8_blockwise")
+    x = torch.randn(9, 256, dtype=torch.bfloat16)
+    token_idx = torch.tensor([4, 0, 2, 2, 8, 7, 1, 3], dtype=torch.int32)
+    ws = weights(2, 128, 256, "cpu")
+    offs = torch.tensor([3, 8], dtype=torch.int32)
+
+    def layer(x, w1, w3, w2):
+        rows = fp8_dispatch(x, token_idx, r, None, [8], [8])
+        return moe_fp8_ext.experts(rows, w1, w3, w2, offs, recipe=r).square().sum()
+
+    grads = []
+    for fn in (layer, torch.compile(layer, backend="aot_eager")):
+        inputs = [t.detach().clone().requires_grad_() for t in (x, *ws)]
+        loss = fn(*inputs)
+        loss.backward()
+        grads.append([loss] + [t.grad for t in inputs])
+    assert all(g is not None and same(a, g) for a, g in zip(*grads))
+    with pytest.raises(Exception, match="the fp8 dispatch returns a tensor subclass"):
+        torch.compile(layer, backend="aot_eager", fullgraph=True)(x, *ws)
+
+
 def test_dispatch_errors(one_rank):
     x = torch.randn(4, 128, dtype=torch.bfloat16)
     idx = torch.zeros(4, dtype=torch.int32)
