@@ -429,10 +429,15 @@ def experts(
     (under torch.compile the layer runs eagerly there, a graph break; ``fullgraph=True``
     raises).
     """
+    kw = dict(recipe=recipe, fp8_dtype=fp8_dtype, weight_cache=weight_cache, weight_keys=weight_keys,
+              pad_groups=pad_groups)
     if torch.compiler.is_compiling() and (_dispatch.is_fp8_rows(x) or any(_fsdp.is_fp8_comm_weight(w)
                                                                           for w in (w1, w3, w2))):
-        return _experts_eager(x, w1, w3, w2, offs, recipe=recipe, fp8_dtype=fp8_dtype, weight_cache=weight_cache,
-                              weight_keys=weight_keys, pad_groups=pad_groups)
+        return _experts_eager(x, w1, w3, w2, offs, **kw)
+    return _experts(x, w1, w3, w2, offs, **kw)
+
+
+def _experts(x, w1, w3, w2, offs, *, recipe, fp8_dtype, weight_cache, weight_keys, pad_groups):
     r = get_recipe(recipe, "experts")
     backend = r.backend(x.device) if isinstance(x, Tensor) else None
     f8 = _check(x, w1, w3, w2, offs, r, backend, fp8_dtype)
@@ -464,7 +469,7 @@ def experts(
                         "dynamo cannot trace; the experts layer runs them eagerly (fullgraph=True cannot hold them)")
 def _experts_eager(*args, **kwargs):
     # (traced, these subclasses would be constants: no gradient would reach the weights)
-    return experts(*args, **kwargs)
+    return _experts(*args, **kwargs)
 
 
 # ---- the module ------------------------------------------------------------------------

@@ -134,6 +134,10 @@ class ShardedWeight(Tensor):
             if out is None:
                 return ShardedWeight(outputs[0], self._recipe, self._joint), outputs
             return
+        if len(outputs) != 2:  # (a group FSDP2 treats as one rank though its mesh has more: replicate)
+            raise RuntimeError(f"fp8_all_gather: expected FSDP2 to all-gather fp8 data and scales, got "
+                               f"{len(outputs)} tensor(s): a layer FSDP2 replicates, not shards, cannot "
+                               "all-gather in fp8; leave fp8_all_gather off for it")
         (q, s_out), (transposed, shape, joint) = outputs, metadata
         s = s_out.narrow(1, 0, q.shape[1]) if s_out.dim() == 2 else s_out  # (fp8_rowwise: this orientation's)
         if out is not None:  # the same storage, refilled: this gather's views and orientation

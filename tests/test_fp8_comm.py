@@ -363,6 +363,40 @@ def test_fp8_dispatch_under_compile_runs_eagerly(one_rank):
         torch.compile(layer, backend="aot_eager", fullgraph=True)(x, *ws)
 
 
+@pytest.mark.parametrize("kind", ["gathered", "one_rank"])
+def test_torchtitan_forward_under_compile_with_dtensor_weights(one_rank, kind):
+    """torchtitan's converted forward (to_local of DTensor weights under expert
+    parallelism) compiled: with weights all-gathered in fp8, or a one-rank group's
+    ShardedWeight, it runs eagerly and gives the eager bits and gradients."""
+    tt = pytest.importorskip("moe_fp8_ext.integrations.torchtitan")
+    from torch.distributed.tensor import DTensor, Shard, init_device_mesh
+
+    r = moe_fp8_ext.get_recipe("fp8_blockwise")
+    mesh = init_device_mesh("cpu", (1,))
+    ws = weights(2, 128, 256, "cpu")
+    made = gathered_layer(*ws, r) if kind == "gathered" else [ShardedWeight(w.clone(), r) for w in ws]
+
+    class Experts(torch.nn.Module):
+        forward = tt._fp8_forward
+
+        def __init__(self):
+            super().__init__()
+            self.moe_fp8_recipe, self.moe_fp8_weight_cache = r, None
+            for n, w in zip(tt._NAMES, made):
+                setattr(self, n, torch.nn.Parameter(DTensor.from_local(w.detach(), mesh, [Shard(0)], run_check=False)))
+
+    x, counts = torch.randn(8, 256, dtype=torch.bfloat16), torch.tensor([3, 5])
+    results = []
+    for compiled in (False, True):
+        m = Experts()
+        f = torch.compile(m, backend="aot_eager") if compiled else m
+        xi = x.clone().requires_grad_()
+        loss = f(xi, counts).float().square().sum()
+        loss.backward()
+        results.append([loss, xi.grad] + [p.grad.to_local() for p in m.parameters()])
+    assert all(same(a, b) for a, b in zip(*results))
+
+
 def test_dispatch_errors(one_rank):
     x = torch.randn(4, 128, dtype=torch.bfloat16)
     idx = torch.zeros(4, dtype=torch.int32)

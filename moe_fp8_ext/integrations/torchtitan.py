@@ -37,7 +37,7 @@ from torchtitan.models.common.token_dispatcher import (
     LocalTokenDispatcher,
 )
 
-from .. import fsdp as _fsdp
+from .. import dispatch as _dispatch, fsdp as _fsdp
 from ..dispatch import _check_recipe, fp8_dispatch
 from ..experts import _check, experts, offsets_from_counts
 from ..recipes import Recipe, get_recipe
@@ -53,6 +53,19 @@ def _local(p: Tensor) -> Tensor:
 
 
 def _fp8_forward(self, x_RD: Tensor, num_tokens_per_expert_E: Tensor) -> Tensor:
+    if torch.compiler.is_compiling() and (_dispatch.is_fp8_rows(x_RD) or any(
+            _fsdp.is_fp8_comm_weight(getattr(self, n)) for n in _NAMES)):
+        return _fp8_forward_eager(self, x_RD, num_tokens_per_expert_E)  # (to_local included)
+    return _fp8_forward_impl(self, x_RD, num_tokens_per_expert_E)
+
+
+@torch.compiler.disable(reason="moe_fp8_ext: rows dispatched and weights all-gathered in fp8 are tensor subclasses "
+                        "dynamo cannot trace; the experts layer runs them eagerly (fullgraph=True cannot hold them)")
+def _fp8_forward_eager(self, x_RD: Tensor, num_tokens_per_expert_E: Tensor) -> Tensor:
+    return _fp8_forward_impl(self, x_RD, num_tokens_per_expert_E)
+
+
+def _fp8_forward_impl(self, x_RD: Tensor, num_tokens_per_expert_E: Tensor) -> Tensor:
     offs = offsets_from_counts(num_tokens_per_expert_E, x_RD.shape[0], "GroupedExperts")
     recipe, cache = self.moe_fp8_recipe, self.moe_fp8_weight_cache
     x, w1, w3, w2 = x_RD, *(_local(getattr(self, n)) for n in _NAMES)
