@@ -68,10 +68,9 @@ TORCH_LIBRARY(moe_fp8, m) {
   m.def("from_blocked_scales_m_groups(Tensor b, Tensor offs, SymInt cols) -> Tensor");
   m.def("from_blocked_scales_k_groups(Tensor b, Tensor offs, SymInt rows, SymInt cols) -> Tensor");
 
-  // ---- SwiGLU (DESIGN §10): h = silu(h1) * h3 of h13 = [h1 | h3], its gradient, each
-  // optionally fused with the FP8 rowwise quantization of its result (q and (M, 1)
-  // scales exactly as quantize_rowwise gives for the written values).
-  // Implementations: swiglu/swiglu_cpu.cpp (CPU) and swiglu/swiglu.cu (CUDA).
+  // ---- SwiGLU (DESIGN §10): h = silu(h1) * h3 of h13 = [h1 | h3], and its gradient ---------
+  // Each optionally fused with the FP8 rowwise quantization of its result (q and (M, 1) scales exactly as
+  // quantize_rowwise gives for the written values). Implementations: swiglu/swiglu_cpu.cpp, swiglu/swiglu.cu.
   m.def("swiglu(Tensor h13) -> Tensor");
   m.def("swiglu_quantize_rowwise(Tensor h13, ScalarType fp8_dtype, bool pow2_scale=True) -> (Tensor, Tensor)");
   m.def("swiglu_backward(Tensor grad_h, Tensor h13) -> Tensor");
@@ -86,11 +85,11 @@ TORCH_LIBRARY(moe_fp8, m) {
 
   // ---- FP8 blockwise recipe (DESIGN §6): fp32 decode scales per 1x128 / 128x1 block ----
   // Implementations: blockwise/blockwise_cpu.cpp (CPU) and blockwise/blockwise.cu (CUDA).
-  // act_lhs: q (M, K) row-major, scale (M, ceil(K/128)) column-major. act_rhs: q (M, K)
-  // column-major, scale (ceil(M/128), K) row-major. act_transposed_lhs: q (K, M)
-  // row-major, scale (K, ceil(M/128)) column-major (act_rhs's bytes, transposed). With
-  // offs (and padded_starts + alignment) blocks restart at each token group.
+  // act_lhs: q (M, K) row-major, scale (M, ceil(K/128)) column-major.
   m.def("quantize_blockwise_act_lhs(Tensor x, ScalarType fp8_dtype) -> (Tensor, Tensor)");
+  // act_rhs: q (M, K) column-major, scale (ceil(M/128), K) row-major. act_transposed_lhs: q (K, M) row-major, scale
+  // (K, ceil(M/128)) column-major (act_rhs's bytes, transposed). With offs (and padded_starts + alignment) blocks
+  // restart at each token group.
   m.def(
       "quantize_blockwise_act_rhs(Tensor x, ScalarType fp8_dtype, Tensor? offs=None, Tensor? padded_starts=None,"
       " int? alignment=None) -> (Tensor, Tensor)");

@@ -1,7 +1,6 @@
-// Torch-free instantiation of every FP8 blockwise launcher (the engine with the
-// recipe's policies), for scripts/check_hip.sh; see rowwise_instantiate.cuh for why it
-// is not inline. The policy lists are spelled out (not taken from blockwise_ops.h,
-// which holds torch glue).
+// Torch-free instantiation of every FP8 blockwise launcher (the engine with the recipe's policies), for
+// scripts/check_hip.sh; not inline: see rowwise_instantiate.cuh. The policy lists are spelled out (not taken from
+// blockwise_ops.h, which holds torch glue).
 #pragma once
 
 #include "../quant/engine_instantiate.cuh"

@@ -1,10 +1,6 @@
-// Torch glue of the FP8 blockwise recipe, shared by the CPU and CUDA registrations:
-// checks, allocation in the layouts of DESIGN §6, and the mapping of each op onto the
-// engine (Fp32Exact, blocks of 128 along the contraction, linear scales).
-//
-// Sizes that are not multiples of 128 give a partial last block (amax over its valid
-// part), never an error. Grouped scales are allocated zeroed: the rows past the last
-// group (and a padded layout's tail) have no block, and their scales read as zero.
+// Torch glue of the FP8 blockwise recipe for both devices: checks, allocation in DESIGN §6's layouts, each op mapped
+// onto the engine. A size not a multiple of 128 gives a partial last block (amax over its valid part), never an error;
+// grouped scales are allocated zeroed (rows past the last group, a padded layout's tail: no block, scale zero).
 #include <ATen/ATen.h>
 
 #include <tuple>
@@ -35,10 +31,9 @@ ScaleOut linear_scales(const at::Tensor& s, int64_t set_stride, int64_t blk_stri
   return o;
 }
 
-// Unpadded token groups: blocks restart at each group's first row and the scale rows
-// of a group start at first_row / 128, so every non-empty group must start at a
-// multiple of 128 (the last group may end anywhere: a partial last block). Checked on
-// the CPU and with MOE_FP8_DEBUG=1 (a GPU clamps, never out of bounds).
+// Unpadded token groups: blocks restart at each group's first row and its scale rows at first_row / 128, so every
+// non-empty group starts at a multiple of 128 (the last may end anywhere). Checked on the CPU and with
+// MOE_FP8_DEBUG=1 (a GPU clamps, never out of bounds).
 void check_group_starts(const at::Tensor& offs, int64_t rows, const char* op) {
   if (!check_content(offs)) return;
   const at::Tensor host = offs.cpu().contiguous();  // host-sync-ok: CPU or MOE_FP8_DEBUG only

@@ -1,34 +1,6 @@
-// The torch-facing ops of the FP8 blockwise recipe (DESIGN §6; schemas in
-// csrc/bindings.cpp): DeepSeek-style activation quantization in 1x128 / 128x1 blocks,
-// fp32 decode scales with the exact ratio (no pow2 rounding), e4m3fn, e4m3fnuz or
-// e5m2 data. Registered per device like every recipe (BlockwiseOn<...>).
-//
-// Every op is one launch of the quantization engine (policy Fp32Exact, block 128,
-// linear scales):
-//  * act_lhs:            the "rows" shape: q (M, K) row-major, scale (M, ceil(K/128))
-//                        column-major (set stride 1, block stride M);
-//  * act_rhs:            the "cols" shape: q (M, K) column-major, scale (ceil(M/128), K)
-//                        row-major (set stride 1, block stride K);
-//  * act_transposed_lhs: the same launch as act_rhs, the same bytes: q (K, M) row-major
-//                        is act_rhs's column-major q transposed, scale (K, ceil(M/128))
-//                        column-major is act_rhs's row-major scale transposed;
-//  * act_dual:           act_lhs and act_rhs (token groups) from one read: the engine's
-//                        activation dual shape for the padded layout of a 2-byte x
-//                        with aligned rows (where the device has it), else the two.
-// The transposing ops take token groups (offs; or padded_starts + alignment, q in the
-// padded layout of DESIGN §8) with blocks restarting at each group's first row.
-//
-// The weight ops are one launch of the engine's "tiles" shape (one scale per 128x128
-// tile) for w (M, N) or (E, M, N), any strides:
-//  * weight_rhs:            q (M, N) column-major, scale (ceil(M/128), ceil(N/128))
-//                           column-major (per expert for 3-D);
-//  * weight_transposed_rhs: q (N, M) column-major, scale (ceil(N/128), ceil(M/128))
-//                           column-major;
-//  * weight_dual:           both from one read (a tile and its transpose share the scale);
-//  * weight_rhs_cat / _transposed_rhs_cat / _dual_cat: those of weights concatenated
-//                           along N (each but the last whole 128-column tiles: the
-//                           experts layer's W1 and W3), one launch a part, written
-//                           straight into the concatenation's outputs.
+// The torch-facing ops of the FP8 blockwise recipe (DESIGN §6; schemas in csrc/bindings.cpp): 1x128 / 128x1
+// activation blocks and 128x128 weight tiles, fp32 decode scales of the exact ratio (no pow2), e4m3fn, e4m3fnuz or
+// e5m2 data. Each op is one launch of the engine (Fp32Exact, block 128, linear scales); BlockwiseOn registers them.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -49,9 +21,13 @@ using BlockwiseRules = RuleList<Fp32Exact>;
 using BlockwiseBlocks = BlockList<kBwBlock>;
 using BlockwiseLayouts = LayoutList<LinearScales>;
 
+// act_lhs, the engine's "rows" shape: q (M, K) row-major, scale (M, ceil(K/128)) column-major (set stride 1, block
+// stride M).
 std::tuple<at::Tensor, at::Tensor> quantize_blockwise_act_lhs(const QuantKernels& k, const at::Tensor& x,
                                                               at::ScalarType fp8_dtype);
-// transposed=false: act_rhs's layouts; true: act_transposed_lhs's (the same bytes).
+// The "cols" shape. transposed=false: act_rhs, q (M, K) column-major, scale (ceil(M/128), K) row-major; true:
+// act_transposed_lhs, the same launch and bytes transposed. Token groups (offs; or padded_starts + alignment, DESIGN
+// §8's padded layout) restart blocks at each group's first row.
 std::tuple<at::Tensor, at::Tensor> quantize_blockwise_act_cols(const QuantKernels& k, const at::Tensor& x,
                                                                at::ScalarType fp8_dtype,
                                                                const std::optional<at::Tensor>& offs,
@@ -64,11 +40,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_blockwise_ac
     const QuantKernels& k, const TileKernels& tk, const at::Tensor& x, at::ScalarType fp8_dtype,
     const at::Tensor& offs, const std::optional<at::Tensor>& padded_starts, std::optional<int64_t> alignment);
 
-// which: 0 weight_rhs, 1 weight_transposed_rhs, 2 both (q, scale, q_t, scale_t).
+// The "tiles" shape, one scale a 128x128 tile of w (M, N) or (E, M, N), any strides. which: 0 weight_rhs, q (M, N) and
+// scale (ceil(M/128), ceil(N/128)) column-major per expert; 1 weight_transposed_rhs, q (N, M) and scale (ceil(N/128),
+// ceil(M/128)) column-major; 2 both (q, scale, q_t, scale_t) from one read (a tile and its transpose share the scale).
 std::vector<at::Tensor> quantize_blockwise_weight(const TileKernels& k, const at::Tensor& w, at::ScalarType fp8_dtype,
                                                   int which);
-// The same of the concatenation of ws along N (each but the last a multiple of 128
-// columns), each part read once and written straight into the concatenated outputs.
+// The same of ws concatenated along N (each but the last whole 128-column tiles: the experts layer's W1 and W3),
+// each part read once and written straight into the concatenated outputs.
 std::vector<at::Tensor> quantize_blockwise_weight_cat(const TileKernels& k, at::TensorList ws,
                                                       at::ScalarType fp8_dtype, int which, const char* op);
 

@@ -11,11 +11,9 @@
 
 namespace moe_fp8 {
 
-// fp32 multiply, add and divide rounded once each and never contracted into a fused
-// multiply-add, on host and device alike (code that must give the same bits on the
-// CPU and the GPU, e.g. swiglu.h). nvcc contracts a * b + c unless the _rn intrinsics
-// are used; clang (HIP device code, clang host builds) honours the pragma; host GCC
-// builds compile with -ffp-contract=off (CMakeLists.txt).
+// fp32 multiply and add (f_rcp, f_div below too) rounded once, never contracted into an FMA, so the CPU and GPU give the
+// same bits (e.g. swiglu.h). nvcc: the _rn intrinsics; clang (HIP device, clang host): the pragma; host GCC:
+// -ffp-contract=off (CMakeLists.txt).
 MOE_FP8_HD float f_mul(float a, float b) {
 #if MOE_FP8_CUDA_ARCH
   return __fmul_rn(a, b);
@@ -55,13 +53,9 @@ MOE_FP8_HD float f_div(float a, float b) {
 #endif
 }
 
-// RN(1 / d) and RN(x / d) by div.rn's fast path without its operand check and branch
-// (CUDA device code only: MOE_FP8_HAS_FAST_DIV). rcp_rn_fast is MUFU.RCP and one
-// Newton step, __frcp_rn's fast path (RN(1/d) for d in [1, 2^126)); div_rn_fast(x, d, y)
-// with y = rcp_rn_fast(d) is div.rn's fast path after its reciprocal: q = RN(x y), the
-// residual x - d q (exact in an fma) and one correction, RN(x / d) wherever div.rn's
-// operand check passes. The caller keeps its operands in a range where that is sure
-// (swiglu.h: silu_quot_fast) and takes f_div elsewhere.
+// RN(1 / d), RN(x / d) by div.rn's fast path minus its operand check (CUDA device only: MOE_FP8_HAS_FAST_DIV). rcp_rn_fast:
+// MUFU.RCP and one Newton step (RN for d in [1, 2^126)); div_rn_fast(x, d, y = rcp_rn_fast(d)): q = RN(x y), one correction
+// by the fma-exact residual, RN wherever div.rn's check passes. Callers keep operands there (swiglu.h), else f_div.
 #if MOE_FP8_CUDA_ARCH
 #define MOE_FP8_HAS_FAST_DIV 1
 MOE_FP8_DEVICE float rcp_rn_fast(float d) {

@@ -1,8 +1,6 @@
-// Token-group index math shared by every family (DESIGN §3, §8): group ranges from
-// `offs` (int32 cumulative group ends) clamped into [0, rows], so that no content of
-// offs can address memory out of bounds; the padded group layout (pad_token_groups's,
-// and the padded q of the jagged quantizations) with its static size; and the row
-// lookups both directions.
+// Token-group index math for every family (DESIGN §3, §8): group ranges from `offs` (int32 cumulative ends) clamped into
+// [0, rows], so no offs content addresses memory out of bounds; the padded group layout (pad_token_groups, the jagged
+// quantizations' padded q) with its static size; row lookups in both directions.
 #pragma once
 
 #include <cstdint>

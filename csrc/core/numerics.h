@@ -1,8 +1,6 @@
-// Scalar numerics shared bit-for-bit by the CPU and GPU kernels (DESIGN §4, §5):
-// fp8 encoders (round-to-nearest-even, saturating, bit-exact with PyTorch's casts
-// for every finite input after the clamp; every NaN becomes the format's positive
-// NaN), the NaN-propagating amax, and the scale rule with exact power-of-two
-// rounding from the exponent bits.
+// Scalar numerics shared bit-for-bit by the CPU and GPU kernels (DESIGN §4, §5): fp8 encoders (RNE, saturating,
+// bit-exact with PyTorch's casts for finite inputs after the clamp; any NaN -> the format's positive NaN), the
+// NaN-propagating amax, and the scale rule with exact power-of-two rounding from the exponent bits.
 #pragma once
 
 #include <cstdint>
@@ -203,11 +201,9 @@ MOE_FP8_HD QuantScale scale_from_amax_bits(uint32_t amax_bits, float fp8_max, bo
   return scale_from_amax(bits_float(bits), fp8_max, pow2);
 }
 
-// E8M0 scale bytes (OCP microscaling, DESIGN §7): value 2^(b - 127), b = 255 is NaN.
-// `amax_bits` are the abs bits of the block amax (NaN above 0x7F800000). Both rules
-// return the biased exponent b; e8m0_*_multiplier gives the encode multiplier m that
-// the data is scaled by before the fp8 cast (bit-identical to torchao's to_mx, which
-// divides by the scale: multiplying by an exact power of two rounds the same).
+// E8M0 scale bytes (OCP MX, DESIGN §7): 2^(b - 127), b = 255 NaN. Rules map amax abs bits (NaN above 0x7F800000) to b;
+// e8m0_*_multiplier gives the encode multiplier, bit-identical to torchao's to_mx, which divides by the scale
+// (multiplying by an exact power of two rounds the same).
 constexpr uint32_t kE8m0NaN = 255;
 
 // FLOOR: b = clamp(E(amax) - 127 - 8, -127, 128) + 127, E the fp32 exponent field

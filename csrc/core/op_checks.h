@@ -1,13 +1,6 @@
-// Host-side input checks shared by every family's torch glue, with the message form
-// of DESIGN §3: "<op>: expected <what>, got <what>". Torch headers; never included by
-// device code. What every op checks, in this order (so no later step can see garbage):
-//   1. the tensors: rank, dtype (check_rank, check_index_tensor), one device for all
-//      of them (check_same_device);
-//   2. the integer arguments: ranges (check_alignment, check_size_arg) and sizes
-//      computed from them with overflow-safe arithmetic (checked_mul / checked_add,
-//      checked_padded_rows, check_alloc), never a silent wrap or saturation;
-//   3. the content of index tensors (check_offs, check_padded_starts): always on the
-//      CPU, on a GPU only with MOE_FP8_DEBUG=1 (the kernels clamp instead).
+// Host-side input checks for every family's torch glue, messages "<op>: expected <what>, got <what>" (DESIGN §3). Order,
+// so no step sees garbage: tensors (rank, dtype, one device); integer arguments and sizes from overflow-safe arithmetic
+// (never a silent wrap); index-tensor content, on the CPU always, on a GPU with MOE_FP8_DEBUG=1 (the kernels clamp).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -115,10 +108,8 @@ inline void check_groups(const at::Tensor& offs, const char* op) {
   TORCH_CHECK(offs.numel() <= kInt32Max, op, ": expected at most 2^31-1 groups in offs, got ", offs.numel());
 }
 
-// padded_rows_bound(rows, groups, alignment) (groups.h), computed without overflow,
-// and checked to fit in int32: every padded start and end of the layout is at most
-// this bound and is stored as int32. A static bound: no sync, whatever offs holds.
-// Call check_alignment first.
+// padded_rows_bound(rows, groups, alignment) (groups.h), overflow-free and checked to fit int32 (every padded start and
+// end is at most it, stored as int32). Static: no sync, whatever offs holds. Call check_alignment first.
 inline int64_t checked_padded_rows(int64_t rows, int64_t groups, int64_t alignment, const char* op) {
   const int64_t slack = checked_mul(groups, alignment, op, "num_groups * alignment");
   const int64_t sum = checked_add(rows, slack, op, "the padded rows");
@@ -161,15 +152,9 @@ inline void check_offs(const at::Tensor& offs, const at::Tensor& x, int64_t rows
   }
 }
 
-// padded_starts of a padded layout with padded_rows rows: int32 (G,) like offs, and
-// on the CPU (or with MOE_FP8_DEBUG=1) group g, padded to round_up(n_g, alignment)
-// rows, starts at a multiple of alignment, after the previous padded group, inside
-// the layout. So no two padded groups overlap: (0, 3) with a first group of 3 rows
-// and alignment 16 is refused. alignment = 1: the groups' own rows only (pad/unpad).
-// Call check_offs (same tokens) first. An empty padded_starts (G = 0) is a valid
-// layout with no groups: its data pointer may be null, which never means "unpadded".
-// gap_free: moreover each group starts where the previous one's padded rows end (the
-// first at row 0), as padded_group_offsets places them.
+// padded_starts: int32 (G,) like offs; content (CPU, or MOE_FP8_DEBUG=1): group g, padded to round_up(n_g, alignment),
+// starts at a multiple of alignment, after the previous padded group, inside padded_rows. G = 0 is valid (null data, never
+// "unpadded"). gap_free: each group starts where the previous one's padded rows end (from 0). Call check_offs first.
 inline void check_padded_starts(const at::Tensor& pstart, const at::Tensor& offs, int64_t tokens,
                                 int64_t padded_rows, const at::Tensor& x, const char* op, int64_t alignment = 1,
                                 bool gap_free = false) {

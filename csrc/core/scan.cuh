@@ -12,11 +12,9 @@ namespace moe_fp8 {
 
 MOE_FP8_DEVICE int64_t scan_combine(bool is_max, int64_t a, int64_t b) { return is_max ? (a > b ? a : b) : a + b; }
 
-// Scan of one value per thread in thread order (sum, or max of values >= 0): shuffles
-// within each warp, then one warp scans the warp totals, so two barriers whatever the
-// block size (a Hillis-Steele pass over shared memory takes two per step). Returns
-// this thread's exclusive value (0 for thread 0); *total gets the block's. s_warp
-// holds kMaxWarpsPerBlock values; blockDim.x is a multiple of kWarpSize.
+// Scan of one value a thread in thread order (sum, or max of values >= 0): warp shuffles, then one warp scans the warp
+// totals, two barriers at any block size. Returns this thread's exclusive value (0 for thread 0), *total the block's;
+// s_warp holds kMaxWarpsPerBlock values; blockDim.x is a multiple of kWarpSize.
 MOE_FP8_DEVICE int64_t block_exclusive_scan1(bool is_max, int64_t v, int64_t* total, int64_t* s_warp) {
   const int lane = static_cast<int>(threadIdx.x) % kWarpSize;
   const int warp = static_cast<int>(threadIdx.x) / kWarpSize;
@@ -44,10 +42,9 @@ MOE_FP8_DEVICE int64_t block_exclusive_scan1(bool is_max, int64_t v, int64_t* to
   return lane > 0 ? scan_combine(is_max, before, left) : before;
 }
 
-// out[i] = the sum (kMax: the max, values >= 0) of value_of(j) for j < i (exclusive)
-// or j <= i, for i in [0, n); returns the total. Every thread of the block must call
-// it; `s_tmp` holds kMaxWarpsPerBlock values. Each thread scans a contiguous strip,
-// and the strip totals are scanned across the block.
+// out[i] = the sum (kMax: max, values >= 0) of value_of(j), j < i (exclusive) or j <= i, for i < n; returns the total.
+// Every thread of the block calls it; s_tmp holds kMaxWarpsPerBlock values. Threads scan contiguous strips, then the
+// strip totals are scanned across the block.
 template <bool kMax, typename Fn>
 MOE_FP8_DEVICE int64_t block_scan(Fn value_of, int n, int32_t* out, bool exclusive, int64_t* s_tmp) {
   const int t = static_cast<int>(threadIdx.x);

@@ -111,10 +111,8 @@ MOE_FP8_DEVICE void transpose_bytes_4x4(uint32_t a, uint32_t b, uint32_t c, uint
   col[3] = byte_perm(ab23, cd23, 0x7632u);
 }
 
-// Packed amax of 16-bit inputs (bf16/fp16), used by the rows and tiles kernels: a running max
-// of the sign-cleared lanes, two a word. Clearing the sign makes the integer order the
-// |x| order with NaN above inf (as abs_bits does for floats), so the max lane
-// converted to float bits once at the end equals the per-element amax bits.
+// Packed amax of 16-bit inputs (bf16/fp16) for the rows and tiles kernels: a running max of sign-cleared lanes, two a
+// word. Cleared, integer order is |x| order with NaN above inf (as abs_bits), so the max lane's float bits are the amax.
 MOE_FP8_DEVICE uint32_t amax16x2_add(uint32_t m, uint32_t w) { return umax_u16x2(m, w & 0x7FFF7FFFu); }
 
 // Float abs bits of lane `hi ? 1 : 0` of a packed amax word.

@@ -1,33 +1,6 @@
-// The FP8 blockwise grouped GEMMs of DESIGN §6 for Hopper (sm_90a): CUTLASS's
-// pointer-array grouped GEMM with blockwise scaling (FP8BlockScaledAccum: fp32
-// accumulation, each 128-deep K block's partial sum promoted and scaled on the CUDA
-// cores), with every group's problem size, pointers, strides and scale layouts built ON
-// THE DEVICE from `offs` by one small kernel, so nothing syncs with the host and the
-// op is CUDA-graph capturable.
-//
-//   blockwise_grouped_mm_2d3d  forward / dgrad: out (M, N) bf16, rows of group g =
-//       dequant(a[rows of g]) @ dequant(b[g]); a (M, K) 1x128 blocks (scale_a (M, K/128)
-//       column-major), b (E, K, N) 128x128 tiles (scale_b (E, K/128, N/128) column-major).
-//   blockwise_grouped_mm_2d2d  wgrad: out (E, N, K) bf16, out[g] = dequant(a[:, tokens
-//       of g]) @ dequant(b[tokens of g, :]); a (N, M) 1x128 blocks along the tokens,
-//       b (M, K) 128x1 blocks along the tokens: per-row and per-column scales (scale
-//       granularity 1 in the GEMM's M and N, 128 in its K), groups start at multiples of
-//       128 tokens.
-//
-// Both are "TN" GEMMs for CUTLASS (A and B K-major, what Hopper's FP8 WGMMA reads):
-//   2d3d: GEMM (M_g, N, K): A = a rows (row-major), B = b[g] (column-major (K, N)), D =
-//         out rows; SFA granularity (1, 128) MN-major with column stride M (all tokens:
-//         hence ScaleLayoutsFromArgs), SFB granularity (128, 128) K-major.
-//   2d2d: GEMM (N, K, T_g): A = a[:, tokens] (row-major (N, M)), B = b[tokens, :]
-//         (column-major (M, K)), D = out[g]; SFA and SFB granularity (1, 128) MN-major.
-//
-// Bad offs (decreasing, out of range) never reach memory out of bounds: the table
-// kernel clamps every group into [0, M] (group_range) and, for 2d2d, treats a group that
-// does not start at a multiple of 128 as empty (zeros). With MOE_FP8_DEBUG=1 the content
-// is checked on the host (a sync). Rows of the 2d3d output past the last group and the
-// 2d2d outputs of empty groups are written with zeros by the same table kernel.
-//
-// Only for sm_90a (csrc/sources.cmake); the op refuses any other GPU with a clear error.
+// FP8 blockwise grouped GEMMs (DESIGN §6), Hopper sm_90a only: CUTLASS's pointer-array grouped GEMM, each
+// 128-deep K block's fp32 partial promoted and scaled on the CUDA cores. The per-group tables are built on the
+// device from `offs` by one small kernel: no host sync, so the ops are CUDA-graph capturable.
 
 // CuTe's device-side assert() is a call (__assertfail), and a call inside the mainloop
 // makes ptxas serialize every WGMMA ("wgmma pipeline crossing function boundary"): a
@@ -223,6 +196,9 @@ struct Args2d3d {
   int groups;
 };
 
+// GEMM (M_g, N, K), "TN" (A and B K-major, as FP8 WGMMA reads): A = a rows, B = b[g]; SFA (1, 128) MN-major with
+// the column stride of all M rows (hence ScaleLayoutsFromArgs), SFB (128, 128) K-major. group_range clamps every
+// group into [0, M], so bad offs never reach memory out of bounds (MOE_FP8_DEBUG=1 checks them on the host).
 template <class G>
 __global__ void build_tables_2d3d(GroupTables<G> t, Args2d3d p) {
   const int64_t thread = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -269,6 +245,8 @@ struct Args2d2d {
   int blocks_per_group;
 };
 
+// GEMM (N, K, T_g), "TN": A = a[:, tokens of g] (row-major (N, M)), B = b[tokens of g, :] (column-major (M, K));
+// SFA and SFB granularity (1, 128) MN-major. Empty groups' outputs are zeroed here.
 template <class G>
 __global__ void build_tables_2d2d(GroupTables<G> t, Args2d2d p) {
   const int g = static_cast<int>(blockIdx.x / p.blocks_per_group);
@@ -333,12 +311,9 @@ void run_gemm(const GroupTables<G>& t, int groups, bool raster_along_n, const at
   args.epilogue.dC = nullptr;
   args.epilogue.ptr_D = t.d;
   args.epilogue.dD = t.stride_d;
-  // Tile order (2d3d). Along M, the scheduler's default, the CTAs in flight walk one
-  // N tile column of a group: each A tile is read again for every N tile, from DRAM once
-  // the group's A outgrows L2. Along N they cover a few M tile rows in full: A is read
-  // once and the expert's weight stays in L2 (record 009). No swizzle: with the problem
-  // shapes on the device only, the grouped scheduler computes a swizzle of 1 whatever it
-  // is asked. The wgrad (2d2d) grid keeps the default.
+  // 2d3d rasters along N: the CTAs in flight cover whole M tile rows, so A is read once and the expert's weight
+  // stays in L2 (record 009); 2d2d keeps the default. No swizzle: with device-only problem shapes the grouped
+  // scheduler uses 1 whatever it is asked.
   if (raster_along_n) args.scheduler.raster_order = cutlass::gemm::kernel::detail::RasterOrderOptions::AlongN;
   args.hw_info.device_id = gpu.device();
   args.hw_info.sm_count = sm_count(gpu.device());
@@ -355,56 +330,28 @@ void run_gemm(const GroupTables<G>& t, int groups, bool raster_along_n, const at
   gpu.check(static_cast<int>(cudaGetLastError()), op);
 }
 
-// The configurations (the op's `config`; -1: picked by shape, below). All cooperative
-// (both consumer warp groups on one tile), 128-deep k tiles:
-//   2d3d  0: 128x128, cluster 2x1   1: 128x128, 1x2   2: 256x128, 1x2
-//   2d2d  0: 128x128, cluster 1x2   1: 128x128, 2x1   2: 256x128, 1x2   3: 128x256, 1x2
-// - 128x128 keeps three fp32 accumulators a thread (the total and two k tiles' partial
-//   sums, 3 x 64 registers: PipelinedPromotion), so a warp group's promotion overlaps its
-//   own GMMAs. The 256x128 and 128x256 tiles hold a 128-register total and ONE 64x128
-//   partial (SequencedPromotion): a warp group waits for its GMMAs before it promotes, the
-//   other warp group's GMMAs overlap that. A k tile brings 48 KB of operands for twice
-//   128x128's FLOPs (32 KB): a quarter fewer bytes a FLOP through TMA and L2, and half as
-//   many tile epilogues a FLOP. Outputs are bit-equal
-//   across all configurations (the same 64x128 GMMAs, promoted in the same order).
-// - Picks (record 020): 2d3d 256x128 where the mean group has at least 256 rows (a
-//   256-row tile wastes up to 255 rows at each group's end); 2d2d 256x128 where N is a
-//   multiple of 256, else 128x256 where K is, when the mean group has at most 4096 tokens
-//   (over long k loops a warp group's own overlap wins). 128x256 for 2d3d is not built
-//   (its B scales need another scale view); nor is pingpong 64x128x128 (slower).
-// - The cluster is two CTAs that share one operand tile
-// through TMA multicast: 1x2 shares A across two N tiles, 2x1 shares B across two M
-// tiles. The scheduler rounds every group's tile grid up to the cluster.
-// - 2d3d 128x128 (forward, dgrad): 2x1 where N has an odd number of tiles (1x2 would round
-//   every group up to one more), and where the mean group (M / E rows) has at least 16 M
-//   tiles (2048 rows; now 256x128 there); else 1x2. Under 2x1 a group of an odd number
-//   of M tiles runs one tile row for nothing, about 1 / (2 n) of the work at n tiles a
-//   group; shared weight tiles save more than that from 16 tiles on (record 007).
-// - 2d2d 128x128 (wgrad): 1x2, unless K has an odd and N an even number of tiles (the groups'
-//   tokens are the contraction there, so both tile counts are known on the host; record 007).
-// The output: the consumers hand each tile to the producer warp group's spare warp
-// through the base epilogue's D stages (one per 128x64 subtile), and that warp
-// issues the TMA stores (store_warp_epilogue.cuh; it needs (128, 64) subtiles of bf16:
-// 128-byte swizzled rows). Against CUTLASS's epilogue: record 017; the 128x64 subtiles:
-// record 013.
-using EpiTile = Shape<_128, _64>;
-using FwdCluster21 = BlockwiseGemm<Shape<_128, _128, _128>, Shape<_2, _1, _1>, false, EpiTile>;
-using FwdCluster12 = BlockwiseGemm<Shape<_128, _128, _128>, Shape<_1, _2, _1>, false, EpiTile>;
-using WgradCluster12 = BlockwiseGemm<Shape<_128, _128, _128>, Shape<_1, _2, _1>, true, EpiTile>;
-using WgradCluster21 = BlockwiseGemm<Shape<_128, _128, _128>, Shape<_2, _1, _1>, true, EpiTile>;
-using FwdTall12 = BlockwiseGemm<Shape<_256, _128, _128>, Shape<_1, _2, _1>, false, EpiTile>;
-using WgradTall12 = BlockwiseGemm<Shape<_256, _128, _128>, Shape<_1, _2, _1>, true, EpiTile>;
-using WgradWide12 = BlockwiseGemm<Shape<_128, _256, _128>, Shape<_1, _2, _1>, true, EpiTile>;
+// The configurations (the op's `config`), all cooperative, 128-deep k tiles, bit-equal outputs (the same 64x128
+// GMMAs promoted in the same order). A cluster's two CTAs share one operand tile by TMA multicast (1x2: A across
+// two N tiles, 2x1: B across two M tiles); the scheduler rounds every group's tile grid up to the cluster.
+using EpiTile = Shape<_128, _64>;  // store-warp subtiles, 128-byte swizzled bf16 rows (records 013, 017)
+using FwdCluster21 = BlockwiseGemm<Shape<_128, _128, _128>, Shape<_2, _1, _1>, false, EpiTile>;  // 2d3d 0
+using FwdCluster12 = BlockwiseGemm<Shape<_128, _128, _128>, Shape<_1, _2, _1>, false, EpiTile>;  // 2d3d 1
+using WgradCluster12 = BlockwiseGemm<Shape<_128, _128, _128>, Shape<_1, _2, _1>, true, EpiTile>;  // 2d2d 0
+using WgradCluster21 = BlockwiseGemm<Shape<_128, _128, _128>, Shape<_2, _1, _1>, true, EpiTile>;  // 2d2d 1
+using FwdTall12 = BlockwiseGemm<Shape<_256, _128, _128>, Shape<_1, _2, _1>, false, EpiTile>;  // 2d3d 2
+using WgradTall12 = BlockwiseGemm<Shape<_256, _128, _128>, Shape<_1, _2, _1>, true, EpiTile>;  // 2d2d 2
+using WgradWide12 = BlockwiseGemm<Shape<_128, _256, _128>, Shape<_1, _2, _1>, true, EpiTile>;  // 2d2d 3
 
-// The picks of the configurations above, by shape (host values only: no sync).
+// The picks by shape (host values only: no sync; records 007, 020). Big tiles move a quarter fewer bytes a FLOP;
+// 2d3d has no 128x256 (its B scales need another scale view), and pingpong 64x128x128 is not used (record 030).
 int64_t pick_2d3d(int64_t M, int64_t N, int64_t E) {
-  if (M >= 256 * E) return 2;                       // 256x128
-  return ceil_div(N, kBlock) % 2 == 1 ? 0 : 1;      // 128x128: 2x1 for an odd number of N tiles
+  if (M >= 256 * E) return 2;                       // 256x128 from 256 rows a group (a tile wastes up to 255)
+  return ceil_div(N, kBlock) % 2 == 1 ? 0 : 1;      // 128x128: 2x1 for an odd number of N tiles (record 007)
 }
 int64_t pick_2d2d(int64_t M, int64_t N, int64_t K, int64_t E) {
-  if (M <= 4096 * E && N % 256 == 0) return 2;     // 256x128
+  if (M <= 4096 * E && N % 256 == 0) return 2;     // 256x128; over longer k loops 128x128's own overlap wins
   if (M <= 4096 * E && K % 256 == 0) return 3;     // 128x256
-  return ceil_div(K, kBlock) % 2 == 1 && ceil_div(N, kBlock) % 2 == 0 ? 1 : 0;
+  return ceil_div(K, kBlock) % 2 == 1 && ceil_div(N, kBlock) % 2 == 0 ? 1 : 0;  // 128x128 (record 007)
 }
 
 template <class G>
@@ -465,6 +412,8 @@ void check_common(const char* op, const at::Tensor& a, const at::Tensor& scale_a
 
 void check_int32(const char* op, const char* what, int64_t v) { check_fits_int32(v, op, what); }
 
+// Forward / dgrad: out (M, N) bf16, rows of group g = dequant(a[rows of g]) @ dequant(b[g]); a (M, K) in 1x128
+// blocks (scale_a (M, K/128) column-major), b (E, K, N) in 128x128 tiles (scale_b (E, K/128, N/128) column-major).
 at::Tensor blockwise_grouped_mm_2d3d(const at::Tensor& a, const at::Tensor& scale_a, const at::Tensor& b,
                                      const at::Tensor& scale_b, const at::Tensor& offs, at::ScalarType out_dtype,
                                      int64_t config) {
@@ -553,6 +502,8 @@ void check_group_starts_128(const at::Tensor& offs, int64_t rows, const char* op
   }
 }
 
+// Wgrad: out (E, N, K) bf16, out[g] = dequant(a[:, tokens of g]) @ dequant(b[tokens of g, :]); a (N, M) in 1x128
+// and b (M, K) in 128x1 blocks along the tokens; non-empty groups start at multiples of 128 tokens.
 at::Tensor blockwise_grouped_mm_2d2d(const at::Tensor& a, const at::Tensor& scale_a, const at::Tensor& b,
                                      const at::Tensor& scale_b, const at::Tensor& offs, at::ScalarType out_dtype,
                                      int64_t config) {

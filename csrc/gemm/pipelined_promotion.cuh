@@ -1,28 +1,6 @@
-// The consumer side of CUTLASS's Hopper grouped FP8 mainloop with blockwise scaling
-// (MainloopSm90ArrayTmaGmmaWarpSpecializedBlockwise, CUTLASS 4.2), rescheduled so that
-// the tensor cores do not wait for the promotion.
-//
-// CUTLASS's mma() runs each 128-deep k tile as: issue its GMMAs into a partial
-// accumulator, wait for ALL of them (warpgroup_wait<0>), then add partial x scale to
-// the total. While a warp group promotes, it has no GMMA in flight, and the next tile's
-// GMMAs start only after the promotion (record 008).
-//
-// Here the partial accumulator is double-buffered: tile t's GMMAs go into part[t % 2]
-// and are committed; then the warp group waits only for tile t - 1's group
-// (warpgroup_wait<1>), promotes part[(t - 1) % 2] (its scales read from its stage,
-// still held) and releases that stage, while tile t runs on the tensor cores. The math
-// is the same, element by element and in the same order (total += partial x scale, one
-// tile after another), so the result is bit for bit the one of the base mainloop. Cost:
-// one more partial accumulator, 64 fp32 registers a thread at a 128x128 cooperative tile
-// (2 x 64 rows); no spill in any of our instances (ptxas -v).
-//
-// Stage accounting matches the base: mma() releases every stage but the last, which
-// the kernel's mma_tail() releases. Since the scales are read after the GMMAs, the warps
-// of a warp group meet at a named barrier before each release (scales_read below).
-//
-// SequencedPromotion (below) is the mainloop of the 256x128 and 128x256 tiles, whose
-// total alone takes 128 registers a thread: one partial of one 64x128 GMMA atom, waited
-// for and promoted atom after atom.
+// The consumer side of CUTLASS 4.2's Hopper grouped FP8 blockwise mainloop, rescheduled so that the tensor cores do
+// not wait for the promotion (record 008): PipelinedPromotion double-buffers the partial, SequencedPromotion (256x128,
+// 128x256 tiles) promotes atom by atom. Both give bit for bit the base mainloop's result (same math, same order).
 #pragma once
 
 #include "../core/portability.h"
@@ -57,10 +35,9 @@ struct PromotionParts : Base {
                     (kScalesN == 1 || kScalesN == cute::size<1>(TileShape{})),
                 "PromotionParts: one scale a tile, or one a row / column, along M and N");
 
-  // A consumer thread's view of the stages: (tiled_mma, tCrA (MMA,MMA_M,MMA_K,PIPE), tCrB
-  // (MMA,MMA_N,MMA_K,PIPE), tCsSFA and tCsSFB (MMA,MMA_M,MMA_N,(MMA_K,PIPE))). The scales
-  // are viewed as (BLK_M, BLK_N, (BLK_K, PIPE)) with the other operand's mode broadcast, so
-  // that partition_C hands each thread the scales of its accumulators.
+  // A consumer thread's views: tiled_mma, tCrA (MMA,MMA_M,MMA_K,PIPE), tCrB (MMA,MMA_N,MMA_K,PIPE), tCsSFA / tCsSFB
+  // (MMA,MMA_M,MMA_N,(MMA_K,PIPE)): scales viewed as (BLK_M, BLK_N, (BLK_K, PIPE)) with the other operand's mode
+  // broadcast, so that partition_C hands each thread the scales of its accumulators.
   static CUTLASS_DEVICE auto thread_views(TensorStorage& shared_tensors, int thread_idx) {
     using namespace cute;
     Tensor sA = make_tensor(make_smem_ptr(shared_tensors.smem_A.data()), SmemLayoutA{});  // (BLK_M,BLK_K,PIPE)
@@ -108,25 +85,18 @@ struct PromotionParts : Base {
     warpgroup_commit_batch();
   }
 
-  // Every warp of this thread's warp group has read the scales it promotes from a stage:
-  // call before the stage goes back to the producer (consumer_release, or the kernel's
-  // mma_tail() for the last one). CUTLASS's consumer_release arrives from one thread of the
-  // warp group (one per destination block), and our promotion reads the scales after the
-  // GMMAs, so without this a lagging warp could read a stage the producer refills. (The
-  // base reads them before its GMMAs: a completed warp-group GMMA orders them.) One named
-  // barrier per warp group, ids 0 and 1 of the user range (CUTLASS's sm90 collectives use
-  // only its reserved ids).
+  // Call before a stage goes back (consumer_release, or mma_tail()): it arrives from one thread and our promotion reads
+  // the scales after the GMMAs, so a lagging warp could otherwise read a refilled stage. One named barrier a warp
+  // group, ids 0 and 1 of the user range (CUTLASS's sm90 collectives use only its reserved ids).
   static CUTLASS_DEVICE void scales_read(int thread_idx) {
     constexpr int kWgThreads = cutlass::NumThreadsPerWarpGroup;
     static_assert(cute::size(TiledMma{}) / kWgThreads <= 2, "scales_read: one barrier id per warp group, two ids");
     cutlass::arch::NamedBarrier::sync(kWgThreads, thread_idx / kWgThreads);
   }
 
-  // The factors of one promotion, read from one stage's scales of these accumulators
-  // (sSFA / sSFB: slices of thread_views'): sfa and sfb in registers, their product formed
-  // as the base forms it (GmmaFP8Accumulation::scale_core with the scales multiplied first),
-  // held in sfa (in its first element where both are one a tile, in each distinct one where
-  // only A's are per row) or both kept (per row and per column).
+  // One promotion's factors from one stage's scales (slices of thread_views'), multiplied first as the base does
+  // (GmmaFP8Accumulation::scale_core): the product in sfa (its first element where both are one a tile, each
+  // distinct one where only A's are per row), or both kept (per row and per column).
   template <class ScalesA, class ScalesB>
   static CUTLASS_DEVICE auto scale_factors(ScalesA const& sSFA, ScalesB const& sSFB) {
     using namespace cute;
@@ -179,6 +149,9 @@ struct PromotionParts : Base {
   }
 };
 
+// Tile t's GMMAs go into part[t % 2]; the warp group waits only for tile t - 1 (warpgroup_wait<1>), promotes it from
+// its still-held stage and releases that stage while tile t runs. Cost: one more partial, 64 fp32 registers a thread
+// at 128x128 (no spill). Stage accounting matches the base: mma_tail() releases the last stage.
 template <class Base>
 struct PipelinedPromotion : PromotionParts<Base> {
   using Parts = PromotionParts<Base>;
@@ -234,11 +207,9 @@ struct PipelinedPromotion : PromotionParts<Base> {
       ++smem_pipe_release;
     };
 
-    // Tiles in pairs, even ones in part0, odd ones in part1 (the registers of the two
-    // partials are fixed, so the loop body names each one). The loop's one back edge
-    // carries part1 in flight; the last tile is waited for and promoted where the loop
-    // leaves, so that no path with a GMMA in flight joins one without (ptxas waits for
-    // the GMMA where such paths join: C7517, once a tile pair).
+    // Tiles in pairs, even ones in part0, odd ones in part1 (fixed registers: the body names each). The last tile is
+    // waited for and promoted where the loop leaves, so that no path with a GMMA in flight joins one without (ptxas
+    // would wait for the GMMA where such paths join: C7517).
     CUTLASS_PRAGMA_NO_UNROLL
     for (int t = 0;; t += 2) {
       issue(part0);  // tile t
@@ -261,15 +232,9 @@ struct PipelinedPromotion : PromotionParts<Base> {
   }
 };
 
-// For tiles whose accumulators do not fit three times in a consumer's registers (256x128
-// and 128x256 cooperative: 128 fp32 a thread for the total): ONE partial accumulator of
-// one 64x128 GMMA atom (64 fp32 a thread), issued, waited for and promoted atom after
-// atom. A warp group has no GMMA in flight while it promotes; the other warp group's
-// GMMAs keep the tensor cores busy meanwhile (CUTLASS's own mainloop relies on the same).
-// Each atom is the same GMMAs as in the 128x128 tiles, promoted in the same order: bit
-// for bit the result of PipelinedPromotion. Where an atom's scale factors are a few
-// registers (2d3d), they are read before its GMMAs: no barrier before the release, and the
-// shared-memory reads overlap the GMMAs (record 021).
+// For 256x128 and 128x256 tiles (a 128-fp32 total a thread): ONE 64x128 atom's partial, issued, waited for and
+// promoted atom by atom, while the other warp group's GMMAs keep the tensor cores busy. The same GMMAs in the same
+// order as the 128x128 tiles: bit for bit the result of PipelinedPromotion.
 template <class Base>
 struct SequencedPromotion : PromotionParts<Base> {
   using Parts = PromotionParts<Base>;
@@ -288,12 +253,9 @@ struct SequencedPromotion : PromotionParts<Base> {
     CUTE_STATIC_ASSERT_V(size<1>(tCrB) == size<2>(accum));
     constexpr int kRepM = decltype(size<1>(accum))::value;
     constexpr int kRepN = decltype(size<2>(accum))::value;
-    // Where B's scale is one a tile (2d3d: 128x128 blocks), an atom's factors are a few
-    // registers (at 256x128: A's two rows and B's one): read them before the atom's GMMAs,
-    // so that every warp has read a stage's scales before its last GMMAs issue, which the
-    // releasing warp has waited for (a warp group's GMMA is collective); no barrier. With
-    // per-column B scales (2d2d) they are 34 registers (2 rows, 32 columns): read after the
-    // GMMAs, and the warp group meets at scales_read before each release.
+    // One B scale a tile (2d3d): an atom's factors are a few registers, read before its GMMAs, which are collective and
+    // waited for by the releasing warp, so no barrier is needed (record 021). Per-column B scales (2d2d, 34
+    // registers): read after the GMMAs, with scales_read before each release.
     constexpr bool kEarlyScales = Parts::kScalesN == 1;
 
     Tensor part = make_fragment_like(accum(_, _0{}, _0{}));  // (MMA): one GMMA atom's accumulators

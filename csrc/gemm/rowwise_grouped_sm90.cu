@@ -1,28 +1,6 @@
-// The FP8 rowwise grouped GEMMs of DESIGN §5 for Hopper (sm_90a), our own CUTLASS
-// kernels in place of torch._scaled_grouped_mm: the same operands and math (fp8 e4m3,
-// fast accumulation, D = bf16((acc * scale_a) * scale_b)), with a configuration picked
-// per call from the GEMM's shape (rowwise_grouped_sm90.cuh lists them) where PyTorch's
-// kernel has one fixed heuristic. Every group's problem size, pointers and strides are
-// built ON THE DEVICE from `offs` by one small kernel: no host sync, CUDA-graph capturable.
-//
-//   rowwise_grouped_mm_2d3d  forward / dgrad: out (M, N) bf16, rows of group g =
-//       (a[rows of g] * scale_a[rows]) @ (b[g] * scale_b[g]); a (M, K) row-major,
-//       scale_a (M,), b (E, K, N) column-major per expert, scale_b (E, N).
-//   rowwise_grouped_mm_2d2d  wgrad: out (E, N, K) bf16, out[g] = (a[:, tokens of g] *
-//       scale_a[g]) @ (b[tokens of g, :] * scale_b[g]); a (N, M) row-major, scale_a (E, N),
-//       b (M, K) column-major, scale_b (E, K); every non-empty group starts at a
-//       multiple of 16 tokens (16-byte aligned rows of a and columns of b for TMA).
-//
-// Both are "TN" GEMMs for CUTLASS: 2d3d is GEMM (M_g, N, K) with A = a rows, B = b[g];
-// 2d2d is GEMM (N, K, T_g) with A = a[:, tokens], B = b[tokens, :].
-//
-// Bad offs never reach memory out of bounds: the table kernel clamps every group into
-// [0, M] (group_range) and, for 2d2d, treats a group that does not start at a multiple
-// of 16 as empty (zeros); with MOE_FP8_DEBUG=1 that is an error (a host sync). Rows of
-// the 2d3d output past the last group and the 2d2d outputs of empty groups are written
-// with zeros by the table kernel.
-//
-// Only for sm_90a (csrc/sources.cmake); the op refuses any other GPU with a clear error.
+// FP8 rowwise grouped GEMMs (DESIGN §5), Hopper sm_90a only: our CUTLASS kernels in place of
+// torch._scaled_grouped_mm, same operands and math (e4m3, fast accumulation, D = bf16((acc * scale_a) * scale_b)), a
+// configuration picked per call by shape. Per-group tables are built on the device from `offs`: no host sync.
 #include "rowwise_grouped_sm90.cuh"
 
 #include <torch/library.h>
@@ -83,6 +61,8 @@ struct Args2d3d {
   int groups;
 };
 
+// "TN" GEMM (M_g, N, K): A = a rows, B = b[g]. group_range clamps every group into [0, M], so bad offs never reach
+// memory out of bounds.
 __global__ void build_tables_2d3d(Tables t, Args2d3d p) {
   const int64_t thread = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   const int64_t threads = int64_t(gridDim.x) * blockDim.x;
@@ -118,6 +98,7 @@ struct Args2d2d {
   int blocks_per_group;
 };
 
+// "TN" GEMM (N, K, T_g): A = a[:, tokens of g], B = b[tokens of g, :]. Empty groups' outputs are zeroed here.
 __global__ void build_tables_2d2d(Tables t, Args2d2d p) {
   const int g = static_cast<int>(blockIdx.x / p.blocks_per_group);
   const int x = static_cast<int>(blockIdx.x % p.blocks_per_group);
@@ -159,10 +140,9 @@ void run(int config, const Tables& t, int groups, const at::Tensor& like, const 
   TORCH_CHECK(false, op, ": expected a configuration in [0, ", i, "), got ", config);
 }
 
-// The configuration of a GEMM (bench/bench_rowwise_gemm.py --sweep; record 030):
-// - wgrad (2d2d): cooperative 128x256, cluster 2x1 (a 256-wide tile halves A's reads);
-// - forward / dgrad (2d3d): pingpong 128x128, cluster 1x2 for mean groups under 2048
-//   rows (its epilogue overlaps the other warp group's MMAs), else cooperative 128x256.
+// The picks (bench/bench_rowwise_gemm.py --sweep; record 030): wgrad cooperative 128x256, cluster 2x1 (a 256-wide
+// tile halves A's reads); forward / dgrad pingpong 128x128, cluster 1x2 for mean groups under 2048 rows (its
+// epilogue overlaps the other warp group's MMAs), else cooperative 128x256.
 constexpr int kCoop128x256C21 = 2, kPong128x128C12 = 5;  // places in MOE_FP8_RW_CONFIGS
 
 int pick_config_2d3d(int64_t mean_rows) { return mean_rows >= 2048 ? kCoop128x256C21 : kPong128x128C12; }
@@ -187,6 +167,8 @@ void check_common(const char* op, const at::Tensor& a, const at::Tensor& scale_a
               kConfigCount, "), got ", config);
 }
 
+// Forward / dgrad: out (M, N) bf16, rows of group g = (a[rows of g] * scale_a[rows]) @ (b[g] * scale_b[g]);
+// a (M, K) row-major, scale_a (M,), b (E, K, N) column-major per expert, scale_b (E, N).
 at::Tensor rowwise_grouped_mm_2d3d(const at::Tensor& a, const at::Tensor& scale_a, const at::Tensor& b,
                                    const at::Tensor& scale_b, const at::Tensor& offs, at::ScalarType out_dtype,
                                    int64_t config) {
@@ -268,6 +250,9 @@ void check_group_starts(const at::Tensor& offs, int64_t rows, const char* op) {
   }
 }
 
+// Wgrad: out (E, N, K) bf16, out[g] = (a[:, tokens of g] * scale_a[g]) @ (b[tokens of g, :] * scale_b[g]); a (N, M)
+// row-major, scale_a (E, N), b (M, K) column-major, scale_b (E, K); non-empty groups start at multiples of 16 tokens
+// (16-byte aligned for TMA; else empty, an error with MOE_FP8_DEBUG=1).
 at::Tensor rowwise_grouped_mm_2d2d(const at::Tensor& a, const at::Tensor& scale_a, const at::Tensor& b,
                                    const at::Tensor& scale_b, const at::Tensor& offs, at::ScalarType out_dtype,
                                    int64_t config) {

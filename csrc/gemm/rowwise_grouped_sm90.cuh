@@ -1,14 +1,6 @@
-// The FP8 rowwise grouped GEMM kernels for Hopper (sm_90a), shared by the op file
-// (rowwise_grouped_sm90.cu: argument checks, tables, the pick of a configuration) and
-// the configuration files (rowwise_grouped_sm90_cfg*.cu, two configurations each, so
-// the CUTLASS instantiations compile in parallel).
-//
-// One kernel type per configuration serves both ops: CUTLASS's pointer-array grouped
-// GEMM, "TN" (A and B K-major), fp8 e4m3 x e4m3 with fast accumulation (fp32
-// accumulators, no promotion: what torch._scaled_grouped_mm runs), and an epilogue that
-// scales the accumulator by a per-row (A) and a per-column (B) decode scale, each a
-// per-group pointer, then rounds to bf16: D = bf16((acc * scale_a[m]) * scale_b[n]),
-// the product order of PyTorch's kernel.
+// The Hopper (sm_90a) FP8 rowwise grouped GEMM kernels, shared by the op file (rowwise_grouped_sm90.cu: checks,
+// tables, the pick) and the configuration files (rowwise_grouped_sm90_cfg*.cu, two configurations each, so that the
+// CUTLASS instantiations compile in parallel).
 #pragma once
 
 // CuTe's device-side assert() is a call, and a call inside the mainloop makes ptxas
@@ -47,13 +39,9 @@
 namespace moe_fp8 {
 namespace rowwise_gemm {
 
-// The configurations (rowwise_grouped_sm90.cu picks one per call; the op's `config`
-// argument overrides the pick, for sweeps: a configuration's number is its place in
-// MOE_FP8_RW_CONFIGS below, from 0). Coop: cooperative, both consumer warp groups on one
-// tile; Pong: pingpong, each consumer warp group on its own tile (the shape is one warp
-// group's), one's epilogue overlapping the other's MMAs. MxN[Kk] is the tile (K 128
-// unless named), Cmn the cluster (m CTAs along M sharing B through TMA multicast, n along
-// N sharing A).
+// Configuration names: Coop, both consumer warp groups on one tile; Pong, each on its own tile (the shape is one warp
+// group's), one's epilogue overlapping the other's MMAs. MxN is the tile (K 128), Cmn the cluster (m CTAs along M
+// share B by TMA multicast, n along N share A). The op's `config` is a place in MOE_FP8_RW_CONFIGS, from 0.
 using ElementAB = cutlass::float_e4m3_t;
 using ElementD = cutlass::bfloat16_t;
 using ProblemShape = cutlass::gemm::GroupProblemShape<cute::Shape<int, int, int>>;  // (M, N, K) per group
@@ -87,6 +75,9 @@ MOE_FP8_RW_CONFIGS(MOE_FP8_RW_DECLARE)
 
 #if MOE_FP8_RW_GEMM_SM90
 
+// One kernel type a configuration, for both ops: CUTLASS's pointer-array grouped "TN" GEMM, e4m3 with fast accumulation
+// (fp32, no promotion, as torch._scaled_grouped_mm), epilogue D = bf16((acc * scale_a[m]) * scale_b[n]) with per-group
+// scale pointers, in PyTorch's product order.
 template <class TileShape_, class ClusterShape_, bool kPingpong,
           class EpilogueTile = cutlass::epilogue::collective::EpilogueTileAuto>
 struct Gemm {
@@ -154,10 +145,9 @@ void run_config(const Tables& t, int groups, int sm_count, const at::Tensor& lik
   args.epilogue.dC = nullptr;
   args.epilogue.ptr_D = t.d;
   args.epilogue.dD = t.stride_d;
-  // Along N the CTAs in flight cover a few M tile rows in full, so each A tile is read
-  // once; along M, the default, they walk N tile columns and A is read once per N tile,
-  // from DRAM once a group's A outgrows L2 (the pick: rowwise_grouped_mm_2d3d). No
-  // swizzle: with the problem shapes on the device only it is always 1 (blockwise GEMM).
+  // Along N the CTAs in flight cover whole M tile rows, so each A tile is read once (along M, the default, once per N
+  // tile: from DRAM once a group's A outgrows L2); picked in rowwise_grouped_mm_2d3d. No swizzle: with device-only
+  // problem shapes it is always 1.
   if (t.raster_along_n) args.scheduler.raster_order = cutlass::gemm::kernel::detail::RasterOrderOptions::AlongN;
   args.hw_info.device_id = gpu.device();
   args.hw_info.sm_count = sm_count;
@@ -181,10 +171,8 @@ using cute::_128;
 using cute::_256;
 using Coop128x128C21 = Gemm<cute::Shape<_128, _128, _128>, cute::Shape<_2, _1, _1>, false>;
 using Coop128x128C12 = Gemm<cute::Shape<_128, _128, _128>, cute::Shape<_1, _2, _1>, false>;
-// The picked cooperative configuration stores its output in 128x64 epilogue tiles, not
-// CUTLASS's automatic 128x32: half the subtiles, so half the named-barrier rounds and
-// shared-memory fences a tile (record 013). The pingpong configuration keeps CUTLASS's
-// tile: 64x64 there was no better overall.
+// The picked cooperative configuration stores 128x64 epilogue tiles, not CUTLASS's automatic 128x32: half the
+// named-barrier rounds and shared-memory fences a tile (record 013). Pingpong keeps CUTLASS's tile.
 using Coop128x256C21 = Gemm<cute::Shape<_128, _256, _128>, cute::Shape<_2, _1, _1>, false, cute::Shape<cute::_128, cute::_64>>;
 using Coop256x128C21 = Gemm<cute::Shape<_256, _128, _128>, cute::Shape<_2, _1, _1>, false>;
 using Pong128x128C21 = Gemm<cute::Shape<_128, _128, _128>, cute::Shape<_2, _1, _1>, true>;

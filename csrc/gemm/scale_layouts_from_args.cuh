@@ -1,20 +1,6 @@
-// A thin layer over CUTLASS's Hopper grouped FP8 mainloop with blockwise scaling
-// (MainloopSm90ArrayTmaGmmaWarpSpecializedBlockwise, CUTLASS 4.2) that makes it read
-// the per-group scale layouts it is given.
-//
-// Why: the grouped mainloop takes an array of per-group scale layouts (layout_SFA,
-// layout_SFB) but ignores it and rebuilds every group's layout from the group's
-// problem shape, with the packed stride ceil(M_g / granularity). Our activation
-// scales are ONE (M, K/128) column-major tensor for all groups: group g's block
-// column kb sits at start_g + m + kb * M, i.e. a column stride of M (all tokens), not
-// M_g. Passing our own layouts (built on the device next to the pointers) is the one
-// change; the loads, the predication against the layout's shape, the smem layouts and
-// the math stay CUTLASS's.
-//
-// The kernel calls load_init once for its first tile (with no group: the scale views
-// are placeholders, replaced before any load because the first tile always counts as a
-// group change) and tensors_perform_update on every group change; both are shadowed
-// here and keep the A/B TMA views of the base class.
+// A thin layer over CUTLASS 4.2's Hopper grouped FP8 blockwise mainloop that makes it read the per-group scale
+// layouts it is given: the base rebuilds them with the packed stride ceil(M_g / granularity), but our activation
+// scales are ONE (M, K/128) column-major tensor (column stride M, all tokens). Loads and math stay CUTLASS's.
 #pragma once
 
 #include "cute/tensor.hpp"
@@ -30,6 +16,8 @@ struct ScaleLayoutsFromArgs : Base {
   using ScaleElement = typename Base::ElementBlockScale;
   static_assert(Base::IsGroupedGemmKernel, "ScaleLayoutsFromArgs: per-group layouts are for grouped GEMMs");
 
+  // The kernel calls this once for its first tile, with no group: the scale views are placeholders, replaced before
+  // any load because the first tile always counts as a group change (tensors_perform_update).
   template <class ProblemShapeMNKL>
   CUTLASS_DEVICE auto load_init(ProblemShapeMNKL const& shape, Params const& params) const {
     return with_scales(shape, params, nullptr, ScaleLayoutA{}, nullptr, ScaleLayoutB{});

@@ -1,35 +1,6 @@
-// An epilogue for CUTLASS's Hopper pointer-array cooperative GEMM kernel (CUTLASS 4.2,
-// sm90_gemm_array_tma_warpspecialized_cooperative.hpp) whose TMA stores are issued by the
-// producer warp group's spare warp, so that the consumer warp groups only hand their
-// finished tile over and go straight on to the next one.
-//
-// Why: CUTLASS's TMA epilogue keeps the consumers for the whole store of a tile. For each
-// output subtile they write it into shared memory, fence the async proxy, meet at a named
-// barrier (both warp groups), issue the TMA store and wait until an older store has read
-// its stage; at a group change, a consumer warp also rewrites the store descriptor. The
-// tensor cores idle meanwhile, most at few k tiles a tile (record 017).
-//
-// How: the base's D stages in shared memory, one per 128x64 subtile (two at a 128x128
-// tile, four at 256x128 and 128x256: WithStagesD), hold one whole tile in the layout the
-// base's TMA store reads, and two mbarriers hand it over.
-// - Consumers (store): wait until the store warp's TMA stores have read the previous
-//   tile (`empty`), write the accumulators as bf16 pairs, fence the async proxy, arrive on
-//   `full`, return. No named barrier, no wait on a TMA store, no descriptor update.
-// - Store warp (the kernel's epilogue-load warp, run because is_producer_load_needed()
-//   says so; it walks the same tiles as the consumers): wait on `full`, issue the
-//   subtiles' TMA stores through the group's descriptor, wait until they have read shared
-//   memory, arrive on `empty`. The kernel calls the descriptor updates of the load warp
-//   (IsLoad) at each group change; they update the base's store descriptor of slot 0,
-//   which no consumer uses now. The store warp has the next tile's whole mainloop to do
-//   this (11-16 k tiles at the benchmark shapes), so one buffer suffices there; with a
-//   k tile or two a tile (K = 128, wgrad groups of 128 tokens) the consumers wait for it.
-// The stores stay few TMA tensor stores: the store warp writing the tile itself, or a
-// bulk copy a row, was slower than CUTLASS's epilogue (record 017).
-//
-// Output: D = the accumulator rounded to bf16 (round to nearest even, as the base's
-// converter), no C, alpha 1 (can_implement refuses anything else), row-major D per
-// group (ptr_D[g], dD[g]) clipped by the descriptor to the group's rows and N, as the
-// base's stores are.
+// An epilogue for CUTLASS 4.2's Hopper pointer-array cooperative GEMM whose TMA stores are issued by the producer warp
+// group's spare warp: the consumers hand their tile over through the base's D stages (one per 128x64 subtile) and two
+// mbarriers, and go on to the next tile, where CUTLASS's epilogue keeps them for the store (record 017).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -132,9 +103,8 @@ struct StoreWarpEpilogue : Base {
                                 cute::Int<1>>,
                 "StoreWarpEpilogue: row-major D");
 
-  // The barriers take 1 KB of shared memory, not 16 bytes: the D stages' 1024-byte
-  // alignment pads the struct (5 mainloop stages either way at 128x128, 3 at 256x128 and
-  // 128x256).
+  // The barriers take 1 KB of shared memory, not 16 bytes: the D stages' 1024-byte alignment pads the struct (5
+  // mainloop stages either way at 128x128, 3 at 256x128 and 128x256).
   struct TensorStorage {
     typename Base::TensorStorage base;    // the base's D stages hold the tile
     cutlass::arch::ClusterBarrier full;   // the consumers have written the tile
@@ -174,7 +144,8 @@ struct StoreWarpEpilogue : Base {
     return plain && Base::can_implement(problem_shape, args);
   }
 
-  // The store warp is the kernel's epilogue-load warp.
+  // The store warp is the kernel's epilogue-load warp; it walks the same tiles as the consumers and has the next tile's
+  // mainloop to store this one (one buffer suffices; with a k tile or two a tile the consumers wait for it).
   CUTLASS_DEVICE bool is_producer_load_needed() const { return true; }
 
   // The store warp's descriptor: the base's D descriptor of slot 0. The kernel gives the
@@ -205,8 +176,9 @@ struct StoreWarpEpilogue : Base {
     if constexpr (IsLoad) Base::template tensormaps_fence_acquire<false>(tensormap);
   }
 
-  // Store warp, once a tile: the subtiles' TMA stores, as the base issues them. (The
-  // grouped scheduler never splits a tile: no subtile index.)
+  // Store warp, once a tile: wait on `full`, issue the subtiles' TMA stores as the base does (the grouped scheduler
+  // never splits a tile), wait until they have read shared memory, arrive on `empty`. Few TMA tensor stores: the warp
+  // writing the tile itself, or a bulk copy a row, was slower than CUTLASS's epilogue (record 017).
   template <class LoadPipeline, class LoadPipelineState, class ProblemShapeMNKL, class TileShapeMNK,
             class TileCoordMNKL, class TiledMma, class TensorMapD>
   CUTLASS_DEVICE auto load(LoadPipeline, LoadPipelineState state, ProblemShapeMNKL problem_shape_mnkl, TileShapeMNK,
@@ -243,7 +215,8 @@ struct StoreWarpEpilogue : Base {
     return state;
   }
 
-  // Consumers, once a tile: hand the accumulators over as bf16 pairs.
+  // Consumers, once a tile: wait on `empty`, write D = the accumulators rounded to bf16 pairs (nearest even, as the
+  // base's converter), fence the async proxy, arrive on `full`. No named barrier, TMA wait or descriptor update.
   template <class LoadPipeline, class LoadPipelineState, class StorePipeline, class StorePipelineState,
             class ProblemShapeMNKL, class TileShapeMNK, class TileCoordMNKL, class AccEngine, class AccLayout,
             class TiledMma, class TensorMapD>
@@ -252,14 +225,9 @@ struct StoreWarpEpilogue : Base {
                             cute::Tensor<AccEngine, AccLayout> accumulators, TiledMma tiled_mma, int thread_idx,
                             TensorStorage& shared, TensorMapD const&, int = -1) {
     using namespace cute;
-    // (m, n) of each accumulator. GMMA's accumulator layout gives a thread the rows m_t +
-    // dm and the columns n_t + dn with n_t < 8 and dm, dn (even i) multiples of 8, the
-    // columns n, n + 1 in consecutive registers. So in the 128B-swizzled subtiles (16-byte
-    // chunk c of row m at c ^ (m % 8)) element (m, n) lies at a per-thread base plus a
-    // constant, XOR a per-thread constant: no address is worth holding across the mainloop,
-    // which is what the compiler does with CuTe's swizzled tensor here (ptxas then spills
-    // in the consumers' k loop). Checked bit for bit against the base's epilogue by the
-    // GEMM tests.
+    // A thread holds rows m_t + dm, columns n_t + dn (n_t < 8; dm, dn multiples of 8; n, n + 1 in one register
+    // pair): in the 128B-swizzled subtiles (m, n) is a per-thread base plus a constant, XOR a per-thread constant, so
+    // hand-computed (CuTe's swizzled tensor makes ptxas hold addresses and spill). Bit-exact with the base (tests).
     Tensor coords = tiled_mma.get_slice(thread_idx).partition_C(make_identity_tensor(take<0, 2>(tile_shape_MNK)));
     static_assert(decltype(size(accumulators))::value % 2 == 0, "StoreWarpEpilogue: accumulators in pairs");
     static_assert(IsPlainGmmaC<TiledMma>::value, "StoreWarpEpilogue: GMMA's 64xN accumulators, unpermuted");

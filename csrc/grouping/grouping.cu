@@ -1,8 +1,6 @@
-// CUDA side of the token-group family: the runners around the kernels of
-// grouping_kernels.cuh (device guard, current stream and launch check through
-// core/launch.h), gathered in the family's CUDA table and registered for the CUDA
-// dispatch key. Input checks and output allocation live in grouping_ops.cpp (shared
-// with the CPU registration).
+// CUDA side of the token-group family: the runners around grouping_kernels.cuh (device guard, current stream and
+// launch check through core/launch.h), gathered in the CUDA table and registered for CUDA. Input checks and output
+// allocation live in grouping_ops.cpp (shared with the CPU registration).
 #include <torch/library.h>
 
 #include "../core/device_runtime.h"

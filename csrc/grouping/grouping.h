@@ -1,16 +1,6 @@
-// Token-group family (DESIGN §8): padding token groups to an alignment, the inverse,
-// and the expert-parallel permutation. Plain data and the index math shared by the
-// CPU loops and the GPU kernels. No torch, no CUDA headers.
-//
-// Every data-moving op here is one shape: "destination row r of a [dst_rows, width]
-// tensor is source row src(r), or zeros when src(r) < 0". Only the map differs:
-//   pad     r -> the group g whose padded range holds r; src = start_g + (r - pstart_g)
-//           while inside the group's rows, padding otherwise
-//   unpad   i -> the group g holding token i; src = pstart_g + (i - start_g)
-//   gather  r -> indices[r] (negative: a padding slot)
-// Offsets are clamped into [0, rows] before use, so no content of offs, padded
-// starts or indices can address memory out of bounds. dequantize_rows turns token
-// rows dispatched in fp8 (1x128 blocks or a scale a row) back into values.
+// Token-group family (DESIGN §8): padding token groups to an alignment, the inverse, the expert-parallel permutation
+// and dequantize_rows (token rows dispatched in fp8 back to values). Plain data and the index math shared by the CPU
+// loops and the GPU kernels: no torch, no CUDA headers.
 #pragma once
 
 #include <cstdint>
@@ -28,8 +18,9 @@ MOE_FP8_HD int64_t expert_padded_size(int64_t tokens, int64_t alignment) {
   return p < alignment ? alignment : p;
 }
 
-// Row copies: dst[r, :] = src[map(r), :] or zeros, rows of `row_bytes` bytes at
-// byte strides src_stride / dst_stride.
+// Every data-moving op: dst[r, :] = src[map(r), :], or zeros when map(r) < 0; rows of `row_bytes` bytes at byte
+// strides src_stride / dst_stride. Offsets are clamped into [0, rows] before use, so no content of offs, padded
+// starts or indices can address memory out of bounds.
 struct RowCopy {
   const uint8_t* src = nullptr;
   int64_t src_rows = 0;
@@ -40,6 +31,8 @@ struct RowCopy {
   int64_t row_bytes = 0;
 };
 
+// pad: r -> group g whose padded range holds r, src = start_g + (r - pstart_g) inside the group's rows, else padding;
+// unpad: token i -> group g holding it, src = pstart_g + (i - start_g); gather: r -> indices[r] (negative: padding).
 enum class RowMapKind : int { kPad = 0, kUnpad = 1, kGather = 2 };
 
 // What a row map needs: the group layout (pad, unpad) or the indices (gather).

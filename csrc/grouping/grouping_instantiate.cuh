@@ -1,8 +1,6 @@
-// Torch-free instantiation of every token-group launcher. Not part of the extension:
-// scripts/check_hip.sh compiles the hipified copy for each AMD arch (no ROCm torch
-// needed). Keep it in step with grouping_kernels.cuh.
-// Non-inline on purpose (only check_hip.sh includes it, into one file): an unused
-// inline function would let the compiler skip generating the kernels it names.
+// Torch-free instantiation of every token-group launcher, not part of the extension: scripts/check_hip.sh compiles
+// the hipified copy for each AMD arch. Keep it in step with grouping_kernels.cuh. Not inline on purpose (only
+// check_hip.sh includes it, into one file): an unused inline function would let the compiler skip its kernels.
 #pragma once
 
 #include "grouping_kernels.cuh"

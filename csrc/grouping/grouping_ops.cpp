@@ -1,8 +1,6 @@
-// Torch glue of the token-group family (DESIGN §8), shared by the CPU and CUDA
-// registrations: checks, output allocation and the mapping of every op onto the
-// row-copy shape of grouping.h; the data movement is the device's runner table
-// (grouping_ops.h). Device-free: no op here knows which device it runs on. No op
-// syncs with the host unless MOE_FP8_DEBUG=1 (or on the CPU, where it is free).
+// Torch glue of the token-group family (DESIGN §8) for both devices: checks, output allocation and each op mapped onto
+// the row-copy shape of grouping.h; the data movement is the device's runner table (grouping_ops.h), so no op knows
+// its device. No op syncs with the host unless MOE_FP8_DEBUG=1 (or on the CPU, where it is free).
 #include <ATen/ATen.h>
 
 #include <tuple>

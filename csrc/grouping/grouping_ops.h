@@ -1,8 +1,6 @@
-// The torch-facing ops of the token-group family (schemas in csrc/bindings.cpp) and
-// their per-device registration (PyTorch's extension template): grouping_ops.cpp
-// holds the checks and allocation shared by every device, written once against a
-// table of device runners; grouping_cpu.cpp and grouping.cu each fill a table and
-// register GroupingOn<their table> for their dispatch key.
+// The torch-facing ops of the token-group family (schemas in csrc/bindings.cpp) and their per-device registration:
+// grouping_ops.cpp holds the checks and allocation, written once against a table of device runners; grouping_cpu.cpp
+// and grouping.cu each fill a table and register GroupingOn<their table> for their dispatch key.
 #pragma once
 
 #include <ATen/core/Tensor.h>

@@ -1,6 +1,5 @@
-// Torch-free instantiation of every MXFP8 launcher (the engine with the recipe's
-// policies), for scripts/check_hip.sh; see rowwise_instantiate.cuh for why it is not
-// inline. The policy lists are spelled out (not taken from mxfp8_ops.h, which holds
+// Torch-free instantiation of every MXFP8 launcher (the engine with the recipe's policies), for scripts/check_hip.sh;
+// not inline: see rowwise_instantiate.cuh. The policy lists are spelled out (not taken from mxfp8_ops.h, which holds
 // torch glue).
 #pragma once
 

@@ -1,12 +1,6 @@
-// Torch glue of the MXFP8 recipe, shared by the CPU and CUDA registrations: checks,
-// allocation in the layouts of DESIGN §7, and the mapping of each op onto the engine
-// (E8M0 FLOOR/RCEIL, blocks of 32 along the contraction, linear or blocked scales).
-//
-// The layout's padding of blocked scales (rows past R, columns past C, the gaps between
-// token groups, the static tail) must read as zero scales: a rows launch writes it
-// (engine.h), a cols launch writes only the scales of real blocks, so its buffer is
-// allocated zeroed. Linear scales of a cols launch over unpadded token groups are all
-// written (the tail past the groups gets zero scales).
+// Torch glue of the MXFP8 recipe for both devices: checks, allocation in DESIGN §7's layouts, each op mapped onto the
+// engine (E8M0 FLOOR/RCEIL, blocks of 32 along the contraction, linear or blocked scales). Blocked padding must read
+// as zero scales: a rows launch writes it (engine.h); a cols launch writes only real blocks, so its buffer is zeroed.
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 

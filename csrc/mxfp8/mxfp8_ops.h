@@ -1,7 +1,6 @@
-// The torch-facing ops of the MXFP8 recipe (DESIGN §7; schemas in csrc/bindings.cpp):
-// e4m3fn data with one E8M0 scale per 32 elements of the contraction dimension, the
-// scales plain or written by the quantization kernel itself in the blocked layout the
-// sm100 GEMMs read. Registered per device like every recipe (MxFp8On<...>).
+// The torch-facing ops of the MXFP8 recipe (DESIGN §7; schemas in csrc/bindings.cpp): e4m3fn data, one E8M0 scale a
+// 32 elements of the contraction dimension, scales plain or written by the quantization kernel itself in the blocked
+// layout the sm100 GEMMs read. Registered per device like every recipe (Mxfp8On<...>).
 #pragma once
 
 #include <ATen/core/Tensor.h>

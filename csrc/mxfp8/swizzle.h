@@ -1,19 +1,6 @@
-// The MXFP8 scale swizzles (DESIGN §7): byte matrices to and from the blocked layout
-// (128x4 tiles of 512 bytes), plain, per expert, with token groups along the rows (M
-// groups) or along the block columns (K groups). Torch-free: the argument structs,
-// the group tables and the index math shared by the CPU loops (swizzle_cpu.cpp) and
-// the GPU kernels (swizzle_kernels.cuh), so both produce the same bytes.
-//
-// Group tables (int32, built from offs by the host or by each GPU block):
-//   ends[g]   offs[g] clamped to [0, limit] (limit = rows for M groups, 32 * cols for
-//             K groups); group g is [lo_g, hi_g) with lo_g = ends[g-1] (0 for g = 0)
-//             and hi_g = max(ends[g], lo_g): what group_range does.
-//   start[g]  exclusive prefix of the padded group sizes, g in [0, G] (start[G] the
-//             total): ceil128(hi - lo) rows (M groups) or ceil4(n_g) block columns
-//             (K groups, n_g = ceil((hi - lo) / 32), first column a_g = lo / 32).
-//   reach[g]  K groups, from_blocked only: max over j <= g of a_j + n_j.
-// Bad offs (GPU, not checked there) give some in-bounds bytes: every read and write
-// is bounded by the tensors' sizes, never by the tables.
+// The MXFP8 scale swizzles (DESIGN §7): byte matrices to and from the blocked layout (128x4 tiles of 512 bytes),
+// plain, per expert, or with token groups along the rows (M groups) or block columns (K groups). Torch-free: structs,
+// group tables and index math shared by the CPU loops and the GPU kernels, so both produce the same bytes.
 #pragma once
 
 #include <cstdint>
@@ -25,10 +12,8 @@
 namespace moe_fp8 {
 
 constexpr int kSwizzleBlock = 32;  // tokens per scale (K groups: offs are in tokens)
-// GPU: up to this many groups each block builds its tables in shared memory (3 int32
-// tables: 24 KB, beside the to_blocked kernel's stage of 17 KB, 34 KB for K groups);
-// above it the op passes a scratch buffer of 3G + 1 int32 that a one-block kernel fills
-// first.
+// GPU: up to this many groups each block builds its 3 int32 tables in shared memory (24 KB, beside the to_blocked
+// stage of 17 KB, 34 KB for K groups); above it the op passes a scratch of 3G + 1 int32 a one-block kernel fills first.
 constexpr int kSwizzleSmemGroups = 2048;
 // The largest blocked buffer (bytes) the to_blocked ops write: 2^31 tiles of 512 bytes,
 // so the GPU's tile arithmetic stays 32-bit.
@@ -41,10 +26,12 @@ enum class SwizzleGroups : int {
                  // matrix of their own at flat offset ceil128(R) * start[g]
 };
 
+// Group tables (int32), built from offs by the host or by each GPU block. Bad offs (unchecked on the GPU) give some
+// in-bounds bytes: every read and write is bounded by the tensors' sizes, never by the tables.
 struct SwizzleTables {
-  const int32_t* ends = nullptr;
-  const int32_t* start = nullptr;  // G + 1 entries
-  const int32_t* reach = nullptr;  // K groups, from_blocked only
+  const int32_t* ends = nullptr;   // offs[g] clamped to [0, swizzle_limit]; group g as group_range gives it
+  const int32_t* start = nullptr;  // G + 1 entries: exclusive prefix of the padded sizes (swizzle_padded_size)
+  const int32_t* reach = nullptr;  // K groups, from_blocked only: max over j <= g of swizzle_reach(group j)
   int groups = 0;
 };
 

@@ -1,14 +1,6 @@
-// GPU kernels of the MXFP8 scale swizzles (swizzle.h). Torch-free: raw pointers,
-// sizes and a stream.
-//
-// to_blocked: a thread block per run of up to 32 tiles of one tile row, staged through
-// shared memory (to_blocked_kernel below); the whole buffer is written once, padding
-// included (no memset).
-// from_blocked: one thread per 4 bytes of the plain output.
-// Token groups: each block builds the group tables (clamped ends, prefix of the padded
-// sizes, K-group reach) from offs in shared memory before its loop, so there is one
-// launch and no host sync. Above kSwizzleSmemGroups groups a one-block kernel builds
-// the same tables in a global scratch buffer first (two launches, still no sync).
+// GPU kernels of the MXFP8 scale swizzles (swizzle.h), torch-free. to_blocked: a block per run of tiles, staged in
+// shared memory, the whole buffer written once, padding included (no memset); from_blocked: a thread per 4 plain
+// bytes. With token groups each block builds the group tables from offs itself: one launch, no host sync.
 #pragma once
 
 #include <cstdint>
@@ -79,19 +71,10 @@ MOE_FP8_DEVICE SwizzleTables swizzle_tables(const SwizzleArgs& a, const int32_t*
 }
 
 // ---- to_blocked: runs of tiles staged in shared memory ----------------------------
-// A thread block writes one run: up to kSwizzleRunTiles consecutive 4-column quads of
-// one tile row (128 blocked rows) of the buffer, a tile (512 bytes) each. It first
-// copies the run's 128 plain rows x 4 bytes per quad into shared memory, a warp over
-// consecutive quads of one row (contiguous bytes of the plain row), with 4-byte
-// asynchronous copies: all sixteen of a thread's are in flight at once, and none
-// passes through a register. Then each warp writes whole tiles, a lane per 16-byte
-// tile row (4 rows 32 apart x 4 columns, gathered from shared memory): 512 contiguous
-// bytes a warp store. The input is read once, in whole sectors, and the whole buffer
-// is covered by runs, padding included, so it needs no memset.
-// A quad whose 4 bytes are not 4-aligned (K groups: a group's first column is any
-// column) is staged as the two aligned words holding them and shifted when written.
-// Without 32-bit access (SwizzleArgs::vec4: a strided or unaligned input), and for a
-// row's last quad when the row ends inside it, the bytes are read one by one (record 030).
+
+// A block stages its run's 128 plain rows x 4 bytes a quad in shared memory (4-byte async copies, a warp over one row's
+// quads; an unaligned K-group quad as its two aligned words, shifted when written), then each warp writes whole tiles,
+// a lane a 16-byte tile row. Without vec4, and where a row ends inside a quad, bytes are read one by one (record 030).
 constexpr int kSwizzleRunStride = kSwizzleRunTiles + 1;  // words per staged row: odd, so
                                                           // neither phase has a bank conflict
 constexpr int kSwizzleRunRowsPerPass = kSwizzleThreads / kSwizzleRunTiles;

@@ -1,7 +1,6 @@
-// Torch glue of the MXFP8 scale swizzles, shared by the CPU and CUDA registrations:
-// checks ("<op>: expected X, got Y", in the order of core/op_checks.h), the output
-// shapes of DESIGN §7 and the SwizzleArgs of each op. Outputs are allocated
-// uninitialized: the runners write every byte (padding as zeros).
+// Torch glue of the MXFP8 scale swizzles for both devices: checks ("<op>: expected X, got Y", in core/op_checks.h's
+// order), DESIGN §7's output shapes and each op's SwizzleArgs. Outputs are allocated uninitialized: the runners write
+// every byte (padding as zeros).
 #include <ATen/ATen.h>
 
 #include "../core/op_checks.h"

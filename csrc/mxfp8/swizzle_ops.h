@@ -1,8 +1,6 @@
-// The torch-facing MXFP8 scale swizzles (DESIGN §7; schemas in csrc/bindings.cpp,
-// "MXFP8 scale swizzles"): scale matrices made elsewhere to and from the blocked
-// layout the sm100 GEMMs read. swizzle_ops.cpp holds the checks and allocation shared
-// by every device; swizzle_cpu.cpp and swizzle.cu fill a SwizzleKernels table and
-// register SwizzleOn<their table> for their dispatch key.
+// The torch-facing MXFP8 scale swizzles (DESIGN §7; schemas in csrc/bindings.cpp): scales made elsewhere to and from
+// the blocked layout the sm100 GEMMs read. swizzle_ops.cpp holds the checks and allocation of every device;
+// swizzle_cpu.cpp and swizzle.cu fill a SwizzleKernels table and register SwizzleOn<their table>.
 #pragma once
 
 #include <ATen/core/Tensor.h>

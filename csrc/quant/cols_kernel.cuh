@@ -1,8 +1,6 @@
-// The engine's "cols" shape on the GPU (reduce along a strided dimension segment by
-// segment, writing q transposed so every reduction set is contiguous), templated over
-// the policies of policies.h, and its launch plan. Raw pointers, sizes and a stream
-// only (no torch headers), so the file can be compile-checked for any target and
-// hipified as is.
+// The engine's "cols" shape on the GPU (reduce along a strided dimension segment by segment, q
+// written transposed so every reduction set is contiguous), over the policies of policies.h, and its
+// launch plan. Raw pointers, sizes and a stream only (no torch headers): any target, hipified as is.
 #pragma once
 
 #include <algorithm>
@@ -20,40 +18,19 @@
 
 namespace moe_fp8 {
 
-// ---------------------------------------------------------------------------------
-// "cols": a block owns a tile of 128 bytes of each input row (64 bf16 columns) and
-// one slice of one segment. The slice is copied into shared memory in chunks of
-// `cache_rows` rows (16-byte async copies on the vector path: no registers held, so
-// the whole chunk is in flight at once). From there each thread takes a fragment of
-// kColsFragRows rows x 8 bytes (four bf16 columns): it reduces the fragment's column
-// amax, and after the exchange encodes the fragment into one 8-byte run of q per
-// column (the transpose). Of a slice longer than the cache, the rows past the first
-// cache-full are read twice.
-//
-// Thread layout: thread t owns column group t / kColsRowBlocks (8 bytes of the tile
-// row) and rows [8 * rb, 8 * rb + 8) of each 128-row pass, rb = t % kColsRowBlocks.
-// The sixteen threads of one column group are adjacent lanes, so a column's amax is a
-// 4-step butterfly, and one warp store writes a whole 128-byte line of each of two
-// columns. The tile is swizzled (16-byte chunk j of row r sits at chunk
-// j ^ ((r / 8) % 8)) so that the fragment reads and the row-wise staging writes both
-// run at the full shared-memory width.
-//
-// Why clusters: a reduction over a long segment (K = 7168 rows of one expert) does
-// not fit one SM's shared memory, so `cluster` blocks (one cluster, sm90+) split the
-// segment, each caching its slice, and exchange the partial column amax through
-// distributed shared memory: every input byte is still read once.
-// ---------------------------------------------------------------------------------
+// ---- "cols": a block owns a 128-byte tile of each input row and one slice of one segment, staged
+// in shared memory `cache_rows` rows at a time (async copies on the vector path); each thread reduces
+// its fragment's column amax, then writes one 8-byte q run a column. Rows past the cache: read twice.
 constexpr int kColsThreads = 256;
 constexpr int kColsTileBytes = 128;  // of each input row per block
 constexpr int kColsGroupBytes = 8;   // of each tile row per thread fragment
 constexpr int kColsFragRows = 8;     // rows per fragment: one 8-byte q run per column
-constexpr int kColsColGroups = kColsTileBytes / kColsGroupBytes;
-constexpr int kColsRowBlocks = kColsThreads / kColsColGroups;
+constexpr int kColsColGroups = kColsTileBytes / kColsGroupBytes;  // thread t's column group: t / kColsRowBlocks
+constexpr int kColsRowBlocks = kColsThreads / kColsColGroups;  // rows [8 rb, 8 rb + 8) a pass, rb = t % this
 constexpr int kColsPassRows = kColsRowBlocks * kColsFragRows;  // rows one pass of the block covers
 constexpr int kColsUnroll = 4;  // loads in flight per thread on the scalar (strided) path
-constexpr int kColsMaxCluster = 8;
-// 64 registers. ptxas -v, sm_90a: only the strided blocked paths and the fp32 FLOOR
-// linear vector path spill (4-24 bytes).
+constexpr int kColsMaxCluster = 8;  // long segments: blocks of a cluster split one, sharing amax in DSMEM
+// Four blocks an SM: 64 registers a thread (a few strided blocked and fp32 FLOOR paths spill).
 constexpr int kColsMinBlocks = 4;
 static_assert(kColsThreads % kColsColGroups == 0 && kColsRowBlocks <= 16, "row blocks are lanes of one warp");
 
@@ -64,7 +41,8 @@ struct ColsGeometry {
   static constexpr int kColsPer = kColsGroupBytes / static_cast<int>(sizeof(T));  // columns per fragment
 };
 
-// Byte offset of (row r, byte b of the row) in the swizzled tile.
+// Byte offset of (row r, byte b of the row) in the tile: 16-byte chunk j of row r sits at chunk
+// j ^ ((r / 8) % 8), so fragment reads and row-wise staging writes run at full shared-memory width.
 MOE_FP8_DEVICE int tile_offset(int r, int b) {
   return r * kColsTileBytes + ((((b >> 4) ^ ((r / kColsFragRows) & 7)) << 4) | (b & 15));
 }
@@ -121,10 +99,9 @@ MOE_FP8_DEVICE void stage_rows(const ColsRows<T>& xblk, int64_t sr, int64_t sc, 
   }
 }
 
-// A thread's fragment: kColsFragRows rows x 8 bytes of the tile, two 32-bit words a
-// row; rows at or past `n` (past the staged input: padding rows, or past the slice)
-// read as zero. `first` is a multiple of kColsFragRows, so the whole fragment shares
-// one swizzle and each row is one load at a constant offset.
+// A thread's fragment: kColsFragRows rows x 8 bytes of the tile (two 32-bit words a row); rows at
+// or past `n` (padding, or past the slice) read as zero. `first` is a multiple of kColsFragRows, so
+// the whole fragment shares one swizzle and each row is one load at a constant offset.
 struct ColsFragment {
   uint2 row[kColsFragRows];
 };
@@ -216,15 +193,9 @@ MOE_FP8_DEVICE void store_word_bytes(uint8_t* word, uint64_t v, int lo, int hi) 
   if (k < hi) word[k] = static_cast<uint8_t>(v >> (8 * k));
 }
 
-// One 128-row pass of q runs whose column starts are not 8-byte aligned (token groups
-// of odd sizes, an odd q stride), stored as aligned 8-byte words: the sixteen lanes of
-// a column group hold the pass's 128 consecutive q bytes of each column (lane rb rows
-// [8 rb, 8 rb + 8)), so with the column's first byte at d (mod 8), lane rb writes the
-// aligned word at rows [8 rb - d, 8 rb - d + 8): the last d bytes of lane rb - 1's run
-// (a shuffle) and the first 8 - d of its own; lane 15 also writes its last d bytes.
-// Only the pass's two ends (and a short pass's last word) are partial words. Column
-// c's q at the pass's first row is col0 + c * q_sc, `len` the pass's q rows. Every lane
-// of the block calls it (the shuffles), with the same `len`.
+// One 128-row pass (`len` q rows) of runs off the 8-byte grid, as aligned words: column c's run at
+// col0 + c * q_sc, d its address % 8; lane rb writes rows [8 rb - d, 8 rb - d + 8) from lane rb - 1's
+// run (a shuffle) and its own, lane 15 also its last d. Every lane calls it, with the same `len`.
 template <InputKind K, Fp8Format F, int kC>
 MOE_FP8_DEVICE void store_fragment_runs_shifted(const ColsFragment& f, const float (&s)[kC], const bool (&col_ok)[kC],
                                                 uint8_t* col0, int64_t q_sc, int len, int rb) {
@@ -280,11 +251,9 @@ struct ColsAmax {
   }
 };
 
-// cols_scale_col_base on the GPU. K-group blocked scales without a group_starts table
-// (unpadded groups: the op passes none): each warp sums the blocked widths of the
-// groups before seg_id, a warp's width of groups a step (blocked_group_start's sum,
-// the same clamped ranges), so no table launch precedes the kernel. Called by every
-// thread of the block with the same segment.
+// cols_scale_col_base on the GPU. K-group blocked scales without group_starts (unpadded groups):
+// each warp sums the blocked widths of the groups before seg_id (blocked_group_start's sum), so no
+// table launch precedes the kernel. Every thread of the block calls it, with the same segment.
 template <class Layout>
 MOE_FP8_DEVICE int64_t cols_col_base_gpu(const ColsArgs& a, const ScaleOut& s, int seg_id, const Segment& seg,
                                          int block) {
@@ -301,12 +270,9 @@ MOE_FP8_DEVICE int64_t cols_col_base_gpu(const ColsArgs& a, const ScaleOut& s, i
   return sum;
 }
 
-// The whole-set kernel's pass 2 over the block's slice: chunk 0 is in the tile
-// already; later chunks are staged again, and rows past the input (padding) encode
-// zero rows with the column's scale. kShifted: the slice's q runs are off the 8-byte
-// grid (store_fragment_runs_shifted; every lane takes part in each pass).
-// `my_*` as in the kernel; qblk is the thread's first column's q at the slice's first
-// row.
+// Whole-set pass 2 over the block's slice: chunk 0 is in the tile already, later chunks are staged
+// again; padding rows encode as zero. kShifted: q runs off the 8-byte grid (every lane in each pass).
+// `my_*` as in the kernel; qblk: the thread's first column's q at the slice's first row.
 template <InputKind K, Fp8Format F, bool kVec, int kC, bool kShifted>
 MOE_FP8_DEVICE void cols_pass2(const ColsOperand& op, const ColsRows<typename DeviceInput<K>::storage>& xblk,
                                int64_t my_start, int my_len, int my_qlen, int cache_rows, int64_t valid_cols,
@@ -343,10 +309,9 @@ MOE_FP8_DEVICE void cols_pass2(const ColsOperand& op, const ColsRows<typename De
   }
 }
 
-// kShift: the whole-set pass 2 checks whether the slice's q runs are off the 8-byte
-// grid and then stores them as aligned words (cols_runs_may_shift says where the
-// launcher asks for it; without it such runs are stored byte by byte, correct but
-// slow). Two instances: the check and its loop cost the aligned launches (record 030).
+// kShift: pass 2 checks whether the slice's q runs are off the 8-byte grid and stores them as
+// aligned words (else byte by byte: correct, slow); cols_runs_may_shift decides. Two instances:
+// the check and its loop cost the aligned launches (record 030).
 template <InputKind K, Fp8Format F, class Rule, int kBlock, class Layout, bool kVec, bool kShift>
 __global__ void __launch_bounds__(kColsThreads, kColsMinBlocks)
     quantize_cols_kernel(ColsArgs a, int cluster, int cache_rows, int slice_rows) {
@@ -399,18 +364,12 @@ __global__ void __launch_bounds__(kColsThreads, kColsMinBlocks)
   const int cg = tid / kColsRowBlocks;
 
   if constexpr (kBlock != kWholeSet) {
-    // Blocks of kBlock rows (a divisor of one 128-row pass) from the segment's first
-    // q row: one pass, each staged row read once. A block's column amax is a butterfly
-    // over the kBlock / kColsFragRows adjacent row-block lanes that hold its fragments;
-    // then lane j of those computes and stores the scale of the thread's column j and
-    // hands its encode multiplier to the others (a shuffle a column), so each scale is
-    // computed once, not by every lane of the block.
-    // `cluster` blocks split the segment into slices of whole blocks (no exchange: an
-    // ordinary launch, see launch_quantize_cols).
+    // Blocks of kBlock rows (dividing a pass) from the segment's first q row; a column's block amax
+    // is a butterfly over its kBlock / kColsFragRows lanes, lane j computes column j's scale once and
+    // shuffles its multiplier. `cluster` blocks: independent slices of whole blocks.
     static_assert(kColsPassRows % kBlock == 0 && kBlock % kColsFragRows == 0, "blocks tile a pass");
     constexpr int kLanes = kBlock / kColsFragRows;
-    // FLOOR's scale is a few integer operations: there the shared form is slower (it
-    // spills under the 64-register bound), so each lane computes its own (record 026).
+    // FLOOR's scale is a few integer operations: each lane computes its own (record 026).
     constexpr bool kShareScales = !std::is_same_v<Rule, E8m0Floor>;
     static_assert(kLanes >= kC && (kLanes & (kLanes - 1)) == 0, "a lane of the block per column");
     const int lane = static_cast<int>(threadIdx.x % kWarpSize);
@@ -426,11 +385,9 @@ __global__ void __launch_bounds__(kColsThreads, kColsMinBlocks)
     const bool scales = !seg.zero_fill || (!Layout::kBlocked && a.tail_scales);
     const int64_t col_base = scales ? cols_col_base_gpu<Layout>(a, op.scale, seg_id, seg, kBlock) : 0;
     const int64_t group_cols = round_up(ceil_div(seg.q_len, kBlock), 4);  // a K group's own blocked width
-    // This thread's kC columns S + c (S a multiple of kC, which divides 32) share a
-    // 32-row group of a blocked matrix, so the scale of (S + c, block blk) is at
-    // index(S, 0) + 16 c + 512 (blk / 4) + blk % 4: BlockedScales::index with its
-    // 64-bit per-column part resolved once here (per scale it spilled registers under
-    // the 64-register bound and cost 18% more instructions than linear scales).
+    // This thread's kC columns S + c (kC divides 32) share a 32-row group of a blocked matrix: the
+    // scale of (S + c, block blk) is at index(S, 0) + 16 c + 512 (blk / 4) + blk % 4, the 64-bit
+    // per-column part of BlockedScales::index resolved once (per scale it spilled registers).
     static_assert(32 % kC == 0, "a thread's columns share a 32-row group");
     const int64_t scale_base =
         Layout::kBlocked ? Layout::index(op.scale, seg_id, c0 + cg * kC, 0, 0, col_base, group_cols) : 0;
@@ -451,10 +408,9 @@ __global__ void __launch_bounds__(kColsThreads, kColsMinBlocks)
         amax.add(f);
         amax.reduce_lanes(kLanes);
         const int64_t blk = (my_off + base + r0) / kBlock;
-        // Blocked: the offset past scale_base in unsigned 32 bits, under 2^32 while
-        // blk < 2^25 (run_cols allows at most 2^30 q rows with blocked scales). In 64 bits
-        // it spilled registers in the blocked instances (ptxas -v: 12-20 bytes where this
-        // form spills 0-12), and a signed 32-bit product overflows from 2^29 rows.
+        // Blocked: the offset past scale_base in unsigned 32 bits, under 2^32 while blk < 2^25 (run_cols
+        // allows at most 2^30 q rows with blocked scales); 64 bits spills more registers, and a signed
+        // 32-bit product overflows from 2^29 rows.
         const uint32_t blk32 = static_cast<uint32_t>(blk);
         // The scale of (block, column c) at its place.
         auto scale_at = [&](int c) -> int64_t {
@@ -570,23 +526,13 @@ struct ColsLaunchPlan {
   int slice_rows = 0;  // block mode over token groups: slices of about this many rows, up to `cluster`
 };
 
-// Choose the cluster size and the cached rows per block from the expected segment
-// length: the fewest blocks (a power of two, up to kColsMaxCluster) whose slices fit
-// the shared-memory budget (kColsSmemBudget); the part of a longer slice that does not
-// fit is read twice.
-// Long segments: a slice over kColsLongSliceRows rows in an 8-block cluster caches
-// that many rows (96 KB, two blocks an SM), one over twice as many all the shared
-// memory of an SM (one block); record 030.
-// Token groups (jagged segments) whose expected group takes a 2-block cluster: one
-// block a group slice instead, caching all the shared memory of an SM (1752 rows), so
-// a group up to 1.5x the planned one is read once and no cluster barrier is waited on
-// (record 030).
+// Cluster size and cached rows a block from the expected segment length: the fewest blocks (a power
+// of two, up to kColsMaxCluster) whose slices fit kColsSmemBudget; the rest of a longer slice is read
+// twice. Long segments and token groups at a 2-block cluster: below (record 030).
 
-// Block mode (blocks of 32 or 128 rows) needs no cross-block exchange: the blocks of
-// a segment slice (about kColsBlockSliceRows rows, whole scale blocks) run as
-// independent thread blocks, each in chunks of up to kColsBlockCacheRows rows (whole
-// 128-row passes): short slices in many blocks, unlike the whole-set reduction above
-// (record 001).
+// Block mode (blocks of 32 or 128 rows) needs no cross-block exchange: a segment's slices (about
+// kColsBlockSliceRows rows, whole blocks) are independent thread blocks, each staging up to
+// kColsBlockCacheRows rows (whole passes) at a time: short slices in many blocks (record 001).
 inline ColsLaunchPlan plan_cols_launch(int64_t expected_rows, int num_segments, int max_smem_bytes,
                                        bool clusters, int block = kWholeSet, bool jagged = false) {
   const int64_t budget = std::min<int64_t>(max_smem_bytes - 8192, kColsSmemBudget);
@@ -612,23 +558,20 @@ inline ColsLaunchPlan plan_cols_launch(int64_t expected_rows, int num_segments, 
   const int64_t whole_sm =
       std::max<int64_t>((max_smem_bytes - 8192) / kColsTileBytes / kColsFragRows * kColsFragRows, max_rows);
   if (clusters && cluster == kColsMaxCluster && slice > kColsLongSliceRows) {
-    // Slices longer than the budget even in the largest cluster (segments of more than
-    // 8 x kColsLongSliceRows rows): fewer blocks an SM with more of the slice cached
-    // beat re-reading most of it from DRAM.
+    // Slices over kColsLongSliceRows even in the largest cluster cache that many rows (two blocks an
+    // SM), or past twice that all of an SM's shared memory (one block): re-reading most from DRAM loses.
     rows = std::min<int64_t>(slice > 2 * kColsLongSliceRows ? whole_sm : kColsLongSliceRows, whole_sm);
   } else if (jagged && cluster == 2) {
+    // Token groups: one block a group slice with all of an SM's shared memory, so a group up to
+    // 1.5x the planned one is read once and no cluster barrier is waited on.
     return {1, static_cast<int>(whole_sm)};
   }
   return {cluster, static_cast<int>(rows)};
 }
 
-// Block mode over token groups: the plan above gives every group the slices of the
-// mean group, so a group several times the mean has blocks that walk several times the
-// rows of the others' (router-like groups of up to 2464 rows at (65536, 2048, G=64):
-// two slices of about 1232 rows). Instead each group gets up to twice the mean's
-// slices, and uses as many as slices of one cached pass (cache_rows) need; its other
-// blocks have no rows (quantize_cols_kernel). Only for narrow operands (at most
-// kColsGroupSlicesMaxTiles column tiles; record 027).
+// Block mode over token groups: the plan gives every group the mean group's slices, so a large
+// group's blocks walk several times the rows. Instead each group gets up to twice the mean's slices,
+// using as many as slices of cache_rows need (the rest get no rows). Narrow operands only (027).
 
 // Column tiles of a launch (grid.x): tile_cols columns of each operand row a block, the
 // second operand's tiles after the first's.

@@ -1,14 +1,6 @@
-// The quantization engine's plain-data interface (DESIGN §2), shared by the CPU twin,
-// the GPU kernels and every recipe's torch glue. No torch, no CUDA headers.
-//
-// Every quantization op of every recipe is one of two kernel shapes:
-//  * "rows": reduce along a dimension that is contiguous in memory (or any strides,
-//    on the scalar path); q keeps the row-major layout of the reduction.
-//  * "cols": reduce along a strided dimension, segment by segment (a whole batch, or
-//    the token groups of `offs`), and write q transposed so that each reduction set
-//    is contiguous in q (the column-major layouts the scaled GEMMs want).
-// and each is instantiated over the policies of policies.h: a scale rule, a block
-// size along the reduced dimension, and a scale layout.
+// Plain-data interface of the quantization engine (DESIGN §2): CPU twin, GPU kernels, torch glue; no torch/CUDA headers.
+// "rows" reduce along a contiguous dimension (any strides on the scalar path), q row-major; "cols" reduce along a strided
+// one per segment (batch or token group), q transposed so each set is contiguous. Both run over policies.h's policies.
 #pragma once
 
 #include <cstdint>
@@ -22,17 +14,9 @@
 
 namespace moe_fp8 {
 
-// Row r of the reduction reads x + (r / rows_inner) * stride_outer
-// + (r % rows_inner) * stride_inner + k * stride_col for k < cols; its codes go to
-// q + (r / rows_inner) * q_stride_outer + (r % rows_inner) * cols (bytes; q_stride_outer
-// 0 means rows_inner * cols: q is [rows, cols] row-major; larger, each segment's rows
-// are a slice of a wider buffer, e.g. one weight of a concatenation). The scale of
-// (row r, block j) goes to `scale` at segment r / rows_inner, set r % rows_inner,
-// block j (whole-set: j = 0). With M-group blocked scales, `offs` (the token groups of
-// the rows) and `group_starts` (each group's first row in the blocked matrix) place
-// every row's scales; with at most kRowsLocalGroups groups group_starts may be null
-// (the kernels derive the starts from offs). A rows launch with blocked scales writes
-// the whole scale buffer, its padding zeros included (the buffer may be uninitialized).
+// Row r = (o, i) = (r / rows_inner, r % rows_inner) reads x + o*stride_outer + i*stride_inner + k*stride_col, k < cols;
+// codes at q + rows_q_offset (q_stride_outer 0: q is [rows, cols] row-major), scale at (segment o, set i, block j). M-group
+// blocked: offs, group_starts (null up to kRowsLocalGroups groups) place rows; all the buffer, padding too, is written.
 constexpr int kRowsLocalGroups = 1024;
 
 struct RowsArgs {
@@ -56,13 +40,9 @@ MOE_FP8_HD int64_t rows_q_offset(const RowsArgs& a, int64_t outer, int64_t inner
   return outer * (a.q_stride_outer != 0 ? a.q_stride_outer : a.rows_inner * a.cols) + inner * a.cols;
 }
 
-// One operand of a "cols" launch. Element (b, r, c) of x is at
-// x + b*sb + r*sr + c*sc (elements); its fp8 code goes to q + b*q_sb + c*q_sc + r
-// (bytes, so every reduction set is contiguous in q); the scale of (segment s,
-// column c, block j) goes to `scale` at segment s, set c, block j. With `x_hi`, the
-// rows from `row_split` on come from a second tensor of the same strides: element
-// (b, r, c), r >= row_split, is at x_hi + b*sb + (r - row_split)*sr + c*sc (two weights
-// concatenated along the reduced dimension, reduced together without a copy).
+// One "cols" operand: x(b, r, c) at x + b*sb + r*sr + c*sc (elements), its code at q + b*q_sb + c*q_sc + r (bytes: each
+// set contiguous), scale at (segment, column c, block j). x_hi: rows r >= row_split read x_hi at r - row_split, same
+// strides (two weights concatenated along the reduced dimension, reduced together without a copy).
 struct ColsOperand {
   const void* x = nullptr;
   const void* x_hi = nullptr;
@@ -74,34 +54,21 @@ struct ColsOperand {
   ScaleOut scale;
 };
 
-// Segments: unless `jagged`, segment s is batch s, rows [0, rows). When jagged
-// (int32, cumulative group ends), segment g is rows [offs[g-1], offs[g]) of batch 0,
-// clamped into [0, rows) so that no offs content can index out of bounds, and a
-// tail segment num_segments covers the q rows past the last group: its q is
-// zero-filled and it has no scale.
-//
-// Padded (jagged only, `padded`): q has `q_rows` rows and group g is written at q rows
-// [padded_starts[g], padded_starts[g] + round_up(n_g, alignment)), its rows past n_g
-// zero rows encoded with the group's scales (0, or NaN in a NaN column):
-// pad_token_groups's layout (DESIGN §8) quantized, produced from the unpadded input.
-// Otherwise q rows are the input rows (q_rows == rows).
-//
-// Blocks (block > 0) start at each segment's first q row. K-group blocked scales place
-// group g's block columns at `group_starts[g]` / block (group_starts in q rows: the
-// padded offsets of the groups, each a multiple of 4 blocks) when given, else at the sum of the
-// groups before it (blocked_group_start).
+// Segments: batch s, rows [0, rows), unless jagged: group g is rows [offs[g-1], offs[g]) of batch 0, clamped into
+// [0, rows) whatever offs holds, plus a tail segment (num_segments) of the q rows past the last group: zero-filled, no
+// scale. Blocks (block > 0) start at each segment's first q row.
 struct ColsArgs {
   ColsOperand op[2];
   int num_ops = 1;
   int64_t rows = 0;
-  bool jagged = false;
+  bool jagged = false;  // offs: int32 cumulative group ends
   const int32_t* offs = nullptr;  // may be null when num_segments == 0
   int num_segments = 0;
-  bool padded = false;
+  bool padded = false;  // jagged only: group g at q rows [padded_starts[g], + round_up(n_g, alignment)), DESIGN §8
   const int32_t* padded_starts = nullptr;  // may be null when num_segments == 0
   int64_t alignment = 1;
-  int64_t q_rows = 0;
-  const int32_t* group_starts = nullptr;
+  int64_t q_rows = 0;  // == rows unless padded; pad rows are zeros at the group's scales (NaN in a NaN column)
+  const int32_t* group_starts = nullptr;  // K-group blocked: q-row starts (4-block multiples); null: blocked_group_start
   // Linear block scales: the tail segment's blocks get zero scales (the op then need
   // not zero the buffer: unpadded groups of whole blocks leave no other gap).
   bool tail_scales = false;
@@ -160,10 +127,8 @@ MOE_FP8_HD int64_t cols_group_base(const ColsArgs& a, const ScaleOut& s, int g) 
   return blocked_group_start(s, a.offs, g, a.rows);
 }
 
-// The row shift of a "rows" launch's scales for the row at (segment seg, set `set` =
-// row within the segment): the group's blocked start row minus its first token row
-// for M-group blocked scales, 0 otherwise; -1 when the row has no place in the layout
-// (M groups: rows past the groups).
+// Row shift of a "rows" launch's scales for row `set` of a segment: with M-group blocked scales, the group's blocked
+// start row minus its first token row, else 0; -1 when the row has no place in the layout (past the groups).
 template <class Layout>
 MOE_FP8_HD int64_t rows_scale_row_base(const RowsArgs& a, int64_t set) {
   if (!Layout::kBlocked || a.scale.groups != BlockedGroups::kMGroups) return 0;
@@ -191,13 +156,9 @@ MOE_FP8_HD int64_t cols_scale_col_base(const ColsArgs& a, const ScaleOut& s, int
   return (a.jagged && block > 0) ? seg.q_start / block : 0;
 }
 
-// The "tiles" shape (FP8 blockwise weights, DESIGN §6): one scale per 128x128 tile of
-// each batch of x. Element (b, r, c) of x is at x + b*sb + r*sr + c*sc (elements);
-// tile (b, i, j) covers rows [128 i, 128 i + 128) and columns [128 j, 128 j + 128),
-// clipped to rows x cols (a partial tile's amax is over its valid part). Each output
-// k gets the codes at q + b*q_sb + r*q_sr + c*q_sc (bytes) and the tile's scale at
-// s + b*s_sb + i*s_si + j*s_sj (elements): a tile and its transpose share the scale,
-// so one read writes both orientations of a weight.
+// "tiles" shape (FP8 blockwise weights, DESIGN §6): a scale per 128x128 tile of x(b, r, c) = x + b*sb + r*sr + c*sc, a
+// partial tile's amax over its valid part. Output k: codes at q + b*q_sb + r*q_sr + c*q_sc, tile (b, i, j)'s scale at
+// s + b*s_sb + i*s_si + j*s_sj. A tile and its transpose share the scale: one read writes both orientations of a weight.
 constexpr int kTile = 128;
 
 struct TileOut {
@@ -215,16 +176,9 @@ struct TilesArgs {
   int num_out = 1;
 };
 
-// The "activation dual" shape (FP8 blockwise activations, DESIGN §6): a token-grouped
-// x (rows x cols, columns contiguous) quantized in 1x128 blocks along its rows
-// (q_rows (rows, cols) row-major, the scale of (row r, block j) at s_rows[j * rows + r])
-// AND in 128x1 blocks down each padded token group (q_cols (q_rows_total, cols)
-// column-major in the padded layout of DESIGN §8, the scale of (q block b, column c)
-// at s_cols[b * cols + c]), from one read: each 128 x 128 tile of a group holds whole
-// blocks of both. Bit for bit what the rows launch of act_lhs and the padded cols
-// launch of act_rhs write (rows past the last group: rows only, their q_cols rows
-// zero; the kernel writes every s_cols entry, zeros for the blocks without group rows,
-// so s_cols may be uninitialized).
+// "activation dual" (FP8 blockwise activations, DESIGN §6): from one read of token-grouped x (rows x cols), 1x128 row
+// blocks (q_rows, scale (r, j) at s_rows[j * rows + r]) and padded 128x1 group blocks (q_cols column-major, DESIGN §8,
+// scale (b, c) at s_cols[b * cols + c]), bit-exact with act_lhs + padded act_rhs; every s_cols entry is written.
 struct ActDualArgs {
   const void* x = nullptr;
   int64_t rows = 0, cols = 0, sr = 0;
@@ -239,13 +193,9 @@ struct ActDualArgs {
   void* s_cols = nullptr;
 };
 
-// What the 128-row block `qb` of the padded layout does: q_cols rows [q0, q0 + q_len)
-// from input rows [in0, in0 + in_rows) (the rest of the block zero rows encoded with
-// the block's scales: kEncode), or zeros (kZero: past the last group); input rows
-// [in0, in0 + in_rows) also get their 1x128 blocks. Past the last group block t takes
-// the t-th 128 rows past offs[G-1] (the padded layout's bound leaves enough blocks
-// there for every such row). Any offs / padded_starts content gives rows inside
-// [0, rows) and q rows inside [0, q_rows_total).
+// 128-row block qb of the padded layout. kEncode: q_cols rows [q0, q0 + q_len) from input rows [in0, in0 + in_rows), the
+// rest zero rows at the block's scales; kZero: zeros (past the last group; block t takes the t-th 128 rows past offs[G-1]).
+// Those input rows also get their 1x128 blocks. Any offs / padded_starts content keeps rows and q rows in bounds.
 enum class ActDualCols : int { kNone = 0, kEncode = 1, kZero = 2 };
 struct ActDualBlock {
   int64_t in0 = 0;

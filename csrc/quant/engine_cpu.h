@@ -1,7 +1,6 @@
-// The CPU twin of the quantization engine: the same two shapes and the same policies
-// as the GPU kernels, as plain loops over core/numerics.h, so CI (no GPU) checks the
-// exact rounding, scale rules and scale layouts the GPU uses. Each recipe's CPU file
-// instantiates it through cpu_quant_kernels<...>().
+// CPU twin of the quantization engine: the GPU's two shapes and policies as plain loops over core/numerics.h, so CI
+// (no GPU) checks the exact rounding, scale rules and scale layouts the GPU uses. Each recipe's CPU file instantiates
+// it through cpu_quant_kernels<...>().
 #pragma once
 
 #include <ATen/Parallel.h>

@@ -1,7 +1,6 @@
-// The GPU runners of the quantization engine for one recipe's policy lists: device
-// guard, current stream, the launch plan of the transposing kernel, dispatch from the
-// runtime (input dtype, fp8 format, QuantSpec) to the instantiated kernels, and the
-// launch check. A recipe's .cu instantiates them through cuda_quant_kernels<...>().
+// GPU runners of the quantization engine for a recipe's policy lists: device guard, current stream, the transposing
+// kernel's launch plan, dispatch of (input dtype, fp8 format, QuantSpec) to the instantiated kernels, launch check.
+// A recipe's .cu instantiates them through cuda_quant_kernels<...>().
 #pragma once
 
 #include <c10/util/Exception.h>

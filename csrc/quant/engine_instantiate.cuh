@@ -1,6 +1,5 @@
-// Torch-free instantiation of the engine's launchers for a recipe's policy lists, for
-// every input dtype and fp8 format the rules support: what each recipe's
-// <family>_instantiate.cuh calls, so scripts/check_hip.sh compiles every kernel a
+// Torch-free instantiation of the engine's launchers for a recipe's policy lists, every input dtype and fp8 format the
+// rules support: each recipe's <family>_instantiate.cuh calls it, so scripts/check_hip.sh compiles every kernel a
 // recipe registers without a ROCm torch.
 #pragma once
 

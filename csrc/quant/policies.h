@@ -1,14 +1,6 @@
-// The policies of the quantization engine (DESIGN §2, §5–§7), torch-free and usable
-// on host and device, so the CPU twin and the GPU kernels instantiate the same ones:
-//
-//  * scale rule: how a block's amax becomes the multiplier the data is scaled by
-//    before the fp8 cast, and the scale that is stored (fp32 decode scale, or an E8M0
-//    byte);
-//  * block: how many consecutive elements of the reduced dimension share a scale
-//    (kWholeSet: the whole reduction set, a row or a token group's column);
-//  * scale layout: where the scale of (segment, set, block) is stored — linear
-//    strides, or the swizzled "blocked" layout of DESIGN §7 with plain, M-group,
-//    K-group or per-expert starts.
+// Policies of the quantization engine (DESIGN §2, §5–§7), host and device, so the CPU twin and GPU kernels share them:
+// scale rule (block amax -> encode multiplier and stored scale, fp32 or E8M0), block (elements of the reduced dimension
+// per scale; kWholeSet: the whole set), scale layout (linear strides, or DESIGN §7's swizzled "blocked" with group starts).
 #pragma once
 
 #include <cstdint>
@@ -26,10 +18,8 @@ struct ScaleCode {
   Stored stored;  // what goes to the scale tensor
 };
 
-// fp32 decode scales (DESIGN §5, §6): s = max / max(amax, 1e-12), an exact fp32
-// division, stored as 1/s. kPow2 rounds s down to a power of two from its exponent
-// bits (FP8 rowwise, the default); without it the ratio is exact (rowwise with
-// pow2_scale=False, FP8 blockwise).
+// fp32 decode scales (DESIGN §5, §6): s = max / max(amax, 1e-12), an exact fp32 division, stored as 1/s. kPow2 rounds
+// s down to a power of two from its exponent bits (FP8 rowwise default); else exact (pow2_scale=False, FP8 blockwise).
 template <bool kPow2>
 struct Fp32Scale {
   using stored_t = float;
@@ -76,10 +66,9 @@ constexpr int kWholeSet = 0;
 
 // ---- scale layouts ----------------------------------------------------------------------
 
-// The swizzled index of scale (r, c) in a blocked matrix whose padded width is
-// `padded_cols` (a multiple of 4): 128x4 tiles of 512 bytes, row-major over tiles;
-// inside a tile (r % 32) * 16 + ((r % 128) / 32) * 4 + c % 4 (torchao's to_blocked,
-// the layout tcgen05 and cuBLAS read).
+// Swizzled index of scale (r, c) in a blocked matrix of padded width `padded_cols` (a multiple of 4): 128x4 tiles of
+// 512 bytes, row-major over tiles, (r % 32) * 16 + ((r % 128) / 32) * 4 + c % 4 inside (torchao's to_blocked; the
+// layout tcgen05 and cuBLAS read).
 MOE_FP8_HD int64_t blocked_scale_index(int64_t r, int64_t c, int64_t padded_cols) {
   return ((r / 128) * (padded_cols / 4) + c / 4) * 512 + (r % 32) * 16 + ((r % 128) / 32) * 4 + (c % 4);
 }
@@ -88,21 +77,14 @@ MOE_FP8_HD int64_t blocked_scale_index(int64_t r, int64_t c, int64_t padded_cols
 enum class BlockedGroups : int {
   kNone = 0,     // plain (one matrix), or per expert: segment s at s * seg_stride
   kMGroups = 1,  // token groups along the rows: group g starts at row sum_{j<g} ceil128(n_j)
-  kKGroups = 2,  // token groups along the contraction: group g's scales are a blocked
-                 // matrix of their own (width ceil4(ceil(n_g / block))), laid out
-                 // contiguously from flat offset padded_rows * sum_{j<g} ceil4(...): how
-                 // the grouped GEMM reads the scales of a 2-D x 2-D product
+  kKGroups = 2,  // token groups along the contraction (the grouped GEMM's 2-D x 2-D scales): group g's scales are
+                 // a blocked matrix of their own (width ceil4(ceil(n_g / block))), contiguous from flat offset
+                 // padded_rows * sum_{j<g} ceil4(...)
 };
 
-// Where a scale goes. `set` is the index of the reduction set within its segment
-// (a row of A, a column of a token group), `blk` the block index along the reduced
-// dimension within the segment, `seg` the segment (batch / expert / token group).
-//  Linear:  ptr[seg * seg_stride + (set + row_base) * set_stride + (blk + col_base) * blk_stride]
-//  Blocked: ptr[seg * seg_stride + blocked_scale_index(row, col, padded_cols)] with
-//           (row, col) = (set, blk) shifted by the group start of `groups` mode (rows
-//           for M groups); K groups: ptr[padded_rows * col_base +
-//           blocked_scale_index(set, blk, group_cols)]. The matrix padding is zero: a
-//           rows launch writes it, the op allocates the buffer of a cols launch zeroed.
+// Where a scale goes: (seg, set, blk) = (batch / expert / token group, reduction set within it, block along the reduced
+// dimension); LinearScales and BlockedScales below give the index. Blocked padding is zero: a rows launch writes it,
+// the op allocates a cols launch's buffer zeroed.
 struct ScaleOut {
   void* ptr = nullptr;
   int64_t numel = 0;  // writes outside [0, numel) are dropped: no offs content reaches past it

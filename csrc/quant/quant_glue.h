@@ -34,11 +34,9 @@ inline Fp8Format fp8_format(at::ScalarType t, const char* op) {
   }
 }
 
-// The optional padded layout of the jagged ops: q rows, and the padded starts checked
-// against offs (DESIGN §8). The quantizations write the groups' padded rows and the
-// tail past the last group, never rows between two groups, so their layout must be
-// gap-free: the starts padded_group_offsets makes (checked on the CPU and with
-// MOE_FP8_DEBUG=1). pad_token_groups_at / unpad_token_groups take any placement.
+// The optional padded layout of the jagged ops (DESIGN §8): q rows and the padded starts checked against offs. The
+// quantizations write padded groups and the tail, never rows between groups, so starts must be gap-free (as
+// padded_group_offsets makes; checked on the CPU and with MOE_FP8_DEBUG=1); pad/unpad_token_groups take any placement.
 struct JaggedLayout {
   int64_t q_rows;
   at::Tensor padded_starts;  // undefined: unpadded
@@ -55,12 +53,9 @@ inline JaggedLayout jagged_layout(const at::Tensor& x, const at::Tensor& offs,
   return {R, padded_starts->contiguous(), alignment};
 }
 
-// The token groups of a transposing ("cols") quantization with blocks of `block` rows:
-// checks offs (and, padded, that padded_starts and an alignment that is a multiple of
-// the block come together), and fills the jagged fields of `a`. `offs` and
-// `padded_starts` hold the contiguous tensors a's pointers refer to; q_rows is M, or
-// the padded layout's rows. The unpadded form's own rules (group sizes or starts) are
-// the recipe's to check.
+// The token groups of a "cols" quantization with blocks of `block` rows: checks offs (padded: padded_starts with an
+// alignment that is a multiple of the block), fills a's jagged fields; the returned tensors back a's pointers; q_rows is
+// M or the padded rows. The unpadded form's own rules (group sizes or starts) are the recipe's to check.
 struct JaggedCols {
   int64_t q_rows;
   at::Tensor offs;

@@ -1,7 +1,6 @@
-// The engine's "rows" shape on the GPU (reduce along the contiguous dimension; q keeps
-// the row-major layout), templated over the policies of policies.h, and its launcher.
-// Raw pointers, sizes and a stream only (no torch headers), so the file can be
-// compile-checked for any target and hipified as is.
+// The engine's "rows" shape on the GPU (reduce along the contiguous dimension; q stays
+// row-major), templated over the policies of policies.h, and its launcher. Raw pointers,
+// sizes and a stream only (no torch headers): compile-checked for any target, hipified as is.
 #pragma once
 
 #include <algorithm>
@@ -56,12 +55,9 @@ MOE_FP8_DEVICE void store_row_scale(const RowsArgs& a, RowPos p, typename Rule::
   if (si >= 0) store_scale<Rule>(a.scale, si, v);
 }
 
-// ---------------------------------------------------------------------------------
-// Whole-set rows: a thread block per reduction row at a time. The first kRowsRegVecs
-// vectors of each thread stay in registers between the amax pass and the encode pass,
-// so a row of up to kRowsRegVecs * 1024 vectors (32K bf16) is read from memory exactly
-// once; longer rows re-read the remainder (an L2 hit in practice).
-// ---------------------------------------------------------------------------------
+// ---- Whole-set rows: a thread block per reduction row at a time. Each thread's first
+// kRowsRegVecs vectors stay in registers from the amax pass to the encode pass, so a row of up
+// to kRowsRegVecs * 1024 vectors (32K bf16) is read once; longer rows re-read the rest (L2).
 constexpr int kRowsRegVecs = 4;
 
 template <InputKind K, int kVec>
@@ -140,30 +136,12 @@ __global__ void __launch_bounds__(1024) quantize_rows_kernel(RowsArgs a) {
   }
 }
 
-// ---------------------------------------------------------------------------------
-// Block rows (32 or 128 elements per scale): no reduction across the row. Lanes are
-// grouped kLanes to a block, each lane holding a chunk of kChunk elements (one 16-byte
-// vector on the vector path), and every thread keeps kBlockUnroll chunks in flight
-// before the first use. A block's amax is a butterfly over its lanes. The last block
-// of a row is partial when the row length is not a multiple of the block (its missing
-// elements count as zero and are not written). Four kernels, by case:
-//  * blocked scales on the vector path: the octet-tile kernel (below), which writes
-//    the scale buffer whole;
-//  * linear scales, vector path, rows of at least kBlockRowMinChunks chunks that fit
-//    a ring stage: the ring kernel (below), the next row's loads in flight while a
-//    row is encoded (record 030);
-// and, for the rest, two walks over the chunks:
-//  * by row (rows of at least kBlockRowMinChunks chunks): a persistent thread block
-//    per row at a time, its threads across the row, so the row's position and its
-//    scale placement (an M-group lookup) are paid once per row: the flat walk spends
-//    two divisions (and, for M groups, a group search) per chunk, and the kernel is
-//    close to instruction bound (record 030).
-//  * flat (short rows): one stream of (row, block, lane), so short rows still fill
-//    whole warps.
-// ---------------------------------------------------------------------------------
-constexpr int kBlockUnroll = 4;
-constexpr int kBlockThreads = 256;
-constexpr int64_t kBlockRowMinChunks = 128;
+// ---- Block rows (32 or 128 elements a scale): kLanes lanes a block, kChunk elements a lane, the
+// block amax a butterfly over its lanes; a partial last block reads missing elements as zero and
+// writes none. Kernels: octet-tile (blocked scales), ring (linear, vector path), by-row, flat.
+constexpr int kBlockUnroll = 4;  // chunks a thread keeps in flight before the first use
+constexpr int kBlockThreads = 256;  // threads of the flat walk's blocks
+constexpr int64_t kBlockRowMinChunks = 128;  // rows of at least this many chunks: ring or by-row walk
 
 template <InputKind K, int kBlock, bool kVecPath>
 struct RowsBlockGeometry {
@@ -225,6 +203,8 @@ MOE_FP8_DEVICE void encode_block_chunk(const Array<typename DeviceInput<K>::stor
   }
 }
 
+// By-row walk: a persistent block a row, so the row's position and scale placement (an M-group
+// lookup) are paid once a row, not per chunk as in the flat walk (instruction bound; record 030).
 template <InputKind K, Fp8Format F, class Rule, int kBlock, class Layout, bool kVecPath>
 __global__ void __launch_bounds__(1024) quantize_rows_blocks_by_row_kernel(RowsArgs a, int64_t chunks_per_row) {
   using G = RowsBlockGeometry<K, kBlock, kVecPath>;
@@ -253,15 +233,9 @@ __global__ void __launch_bounds__(1024) quantize_rows_blocks_by_row_kernel(RowsA
   }
 }
 
-// The ring kernel with blocks of kBlock: a lane takes kRingVecsPerLane consecutive
-// 16-byte vectors of a block (a whole block of 32 bf16, half of one of 32 fp32, a
-// quarter of one of 128 bf16), so most blocks need no shuffle and each lane writes
-// its q bytes with wide stores. Each lane reading 64 contiguous bytes of shared
-// memory would be a 4-way bank conflict, so the ring places vector v at
-// ring_slot(v), which permutes each aligned group of four by the bits above it: at
-// every step the eight lanes of a shared-memory phase read eight different 16-byte
-// bank groups, and the async copies (eight consecutive vectors a phase) still write
-// eight different ones.
+// The ring kernel with blocks of kBlock: a lane takes kRingVecsPerLane consecutive 16-byte
+// vectors of one block (most blocks need no shuffle; q goes out in wide stores). ring_slot(v)
+// permutes each aligned group of four so lane reads and async copies are free of bank conflicts.
 constexpr int kRingVecsPerLane = 4;
 
 MOE_FP8_DEVICE int64_t ring_slot(int64_t v) { return (v & ~int64_t{3}) | ((v ^ (v >> 3)) & 3); }
@@ -277,10 +251,9 @@ struct RingBlockGeometry {
                 "a lane holds whole vectors of one block; a block's lanes are a power of two within a warp");
 };
 
-// One lane's unit of kRingVecsPerLane vectors (zeros where past the data), every
-// lane of the warp at once (the block butterfly): returns the block's scale code and
-// writes the unit's q bytes at qr + k0, the vectors before `cols` only (cols % kVec
-// == 0), when `store`.
+// One lane's unit of kRingVecsPerLane vectors (zeros past the data), every lane of the warp at
+// once (the block butterfly): returns the block's scale code and, when `store`, writes the unit's
+// q bytes at qr + k0, the vectors before `cols` only (cols % kVec == 0).
 template <InputKind K, Fp8Format F, class Rule, int kBlock>
 MOE_FP8_DEVICE ScaleCode<typename Rule::stored_t> encode_ring_unit(const uint4 (&w)[kRingVecsPerLane], uint8_t* qr,
                                                                   int64_t k0, int64_t cols, bool store) {
@@ -301,14 +274,9 @@ MOE_FP8_DEVICE ScaleCode<typename Rule::stored_t> encode_ring_unit(const uint4 (
   for (int m = 1; m < G::kLanes; m <<= 1) amax = umax(amax, warp_shfl_xor(amax, m));
   const auto sc = Rule::template from_amax_bits<F>(amax);
   if constexpr (G::kElems == 32) {
-    // 16-bit inputs: 32 code bytes a lane, packed straight into eight words (h[0] the
-    // first 16 bytes, h[1] the last). Stored as two 16-byte stores, the warp's first
-    // store would write half of each lane's sector and the second the other half (every
-    // sector reached twice at L2). So lanes 2i and 2i + 1 (adjacent units of one row,
-    // `store` alike) swap one half, and each store of the pair writes one whole sector:
-    // the even lane writes its first half, then the odd lane's first; the odd lane the
-    // even lane's second half, then its own. Every lane shuffles (the callers keep the
-    // warp converged). Record 002.
+    // 16-bit inputs: 32 code bytes a lane in h[0], h[1]. Lanes 2i, 2i + 1 (adjacent units of a row,
+    // `store` alike) swap one half, so each 16-byte store writes whole sectors, not half of each
+    // (record 002). Every lane shuffles: the callers keep the warp converged.
     uint4 h[2];
 #pragma unroll
     for (int j = 0; j < kRingVecsPerLane; ++j) {
@@ -378,10 +346,9 @@ MOE_FP8_DEVICE ScaleCode<typename Rule::stored_t> encode_ring_unit(const uint4 (
   return sc;
 }
 
-// One row in shared memory (nvec vectors at their ring slots), in at most
-// kRingRounds rounds of the thread block (the launcher sizes the block so); lanes
-// past the row carry zeros and write nothing. sink(block index, stored scale) places
-// the scales.
+// One row in shared memory (nvec vectors at their ring slots), in at most kRingRounds rounds of
+// the thread block (the launcher sizes the block so); lanes past the row carry zeros and write
+// nothing. sink(block index, stored scale) places the scales.
 constexpr int kRingRounds = 2;
 
 template <InputKind K, Fp8Format F, class Rule, int kBlock, class Sink>
@@ -406,14 +373,9 @@ MOE_FP8_DEVICE void rows_block_step(const uint4* ring_row, int64_t nvec, uint8_t
   }
 }
 
-// The vector path for rows that fit in shared memory: persistent blocks stream rows
-// through a ring of kRowsStages row buffers with async copies, so that the next
-// kRowsStages - 1 rows are always in flight while one row is reduced and encoded,
-// and no registers are spent holding data. Two stages and about eight 16-byte
-// vectors per thread (tuning_constants.h). Both block kinds
-// use it: a whole-set row is reduced over the thread block; with blocks of kBlock
-// elements each block's lanes reduce it among themselves (rows_block_step above), so
-// the loads of the next row never wait on a row's compute.
+// Vector path for rows that fit in shared memory: persistent blocks stream rows through a ring of
+// kRowsStages row buffers by async copy (no registers hold data), the next rows in flight while one
+// is encoded. Whole-set rows reduce over the block, blocks of kBlock in rows_block_step (030).
 constexpr int64_t kRowsMaxStageBytes = 32 * 1024;
 static_assert(kRowsMaxStageBytes / 16 <= 256 * kRingVecsPerLane * kRingRounds,
               "a ring row of blocks takes at most kRingRounds rounds of 256 threads");
@@ -425,23 +387,13 @@ MOE_FP8_HD int64_t ring_stage_vecs(int64_t nvec) {
   return kBlock == kWholeSet ? nvec : round_up(nvec, int64_t{kRingVecsPerLane});
 }
 
-// Scales gathered over a cluster (kGather > 1; CUDA sm90+, fp32 scales of column-major
-// linear layouts: FP8 blockwise act_lhs, scale (M, K/128) with strides (1, M)). Stored
-// row by row, each row puts one 4-byte scale in each of K/128 sectors: as many L2 write
-// requests as the row's q stores make (record 030). Instead the kGather blocks of a cluster (consecutive
-// blockIdx.x, so consecutive rows in every step, the band of rows in flight unchanged)
-// put their row's scales in the shared memory of the block that owns the block column
-// (column b: block b % kGather of the cluster), and each owner writes the kGather rows of
-// its columns as one 32-byte run. A step's scales are stored in the next step, behind a
-// split cluster barrier (arrive after the writes, wait after the next row has landed),
-// from the other of two buffers. The blocks of a cluster so move in step with the slowest
-// of them: it pays on long rows only (the launcher's conditions below).
+// Cluster gather (kGather > 1; sm90+, fp32 column-major linear scales, e.g. blockwise act_lhs):
+// row by row, each scale costs an L2 write of its own. Block b % kGather of the cluster collects
+// column b's kGather rows, stored as one 32-byte run a step later (split barrier, two buffers).
 constexpr int kGatherRows = kRocm ? 1 : 8;
-// Runs without a cluster (kGather > 1, kCluster false): where a step is too short for
-// the cluster's lockstep (rows of up to kRunMaxCols blocks), each block takes kGather
-// consecutive rows in kGather consecutive steps, keeps their scales in its own shared
-// memory and stores each block column's run after the last of them. The rows in flight
-// then span kGather times the band of the row-by-row walk.
+// Runs without a cluster (kGather > 1, !kCluster; rows of up to kRunMaxCols blocks, too short for
+// lockstep): a block takes kGather consecutive rows in kGather steps, keeps their scales in its
+// shared memory and stores each block column's run after the last of them.
 constexpr int kRunMaxCols = 16;  // block columns of a row, at most (2048 elements in blocks of 128)
 template <int kBlock, int kGather, bool kCluster>
 constexpr int gather_max_cols() {  // block columns a block stores runs of, at most (16-bit rows)
@@ -482,11 +434,9 @@ __global__ void __launch_bounds__(1024) quantize_rows_pipelined_kernel(RowsArgs 
     }
     async_copy_commit();  // every thread commits every time, so group counts agree
   };
-  // kGathered: this block's rank in its cluster (0 for kRuns: it owns every column), and
-  // the store of the columns it owns for the run whose first row is `base` (buffer
-  // `parity`); every row the launch has (rows past a.rows hold nothing), a 32-byte run
-  // where the kGather rows are consecutive scales of one segment, one scale a row
-  // elsewhere.
+  // kGathered: this block's rank in its cluster (0 for kRuns: it owns every column), and the store
+  // of its columns for the run from row `base` (buffer `parity`): a 32-byte run where the kGather
+  // rows are consecutive scales of one segment, else one scale a row (none past a.rows).
   const int rank = kClustered ? static_cast<int>(blockIdx.x % kGather) : 0;
   constexpr int64_t kOwnerStride = kClustered ? kGather : 1;
   auto store_gathered = [&](int64_t base, int parity) {
@@ -518,9 +468,8 @@ __global__ void __launch_bounds__(1024) quantize_rows_pipelined_kernel(RowsArgs 
   };
   int64_t r = row_at(0);
   issue(r, 0);
-  // kClustered: a block writes into the shared memory of the others only once they all
-  // run (the first wait below), and the blocks of a cluster run the same steps
-  // (gridDim.x is a multiple of kGather): while the step's first row, r - rank, is a row.
+  // kClustered: a block writes the others' shared memory only after the first wait (all run); the
+  // cluster's blocks run the same steps (gridDim.x % kGather == 0): while r - rank is a row.
   // kRuns: while the run's first row is a row (so the loop ends between runs).
   if constexpr (kClustered) cluster_arrive();
   int64_t i = 0;
@@ -586,22 +535,9 @@ __global__ void __launch_bounds__(1024) quantize_rows_pipelined_kernel(RowsArgs 
   async_copy_wait_all();
 }
 
-// ---- blocked scales: octet tiles --------------------------------------------------
-// A 32-byte sector of a 128x4 blocked scale tile holds the four scale columns of eight
-// rows, {2i, 2i+1} + {0, 32, 64, 96} of the tile (an "octet"). Scales written row by
-// row reach each sector in eight one-byte pieces, eight sectors per warp store: as
-// many L2 write requests again as the q stores make, and the padding needs a memset
-// first. So the blocked layouts get their own kernel, whose unit of work is one
-// octet's eight rows over a slice of kTileSliceBytes of input per row: the unit's
-// scales are collected in shared memory and each sector is written once, 16 bytes a
-// lane, padding (rows and columns of no block) included, so the buffer needs no
-// zeroing. Consecutive units are the slices of one octet, so the CTAs in flight read
-// a compact band of rows (an octet's rows lie 32 apart; walking whole rows octet by
-// octet spreads the concurrent reads over 8x the rows), and the many small units balance
-// over the grid (a work counter: below). Costs: record 030. The rows of the blocked
-// matrix come from the reduction rows (plain, per segment) or from the token groups
-// (M groups: group g's rows start at group_starts[g]); reduction rows in no group
-// (past the last one) follow as units of eight consecutive rows, with no scales.
+// ---- Blocked scales, octet tiles. A unit: one octet (rows {2i, 2i+1} + {0, 32, 64, 96} of a 128x4
+// tile, one 32-byte scale sector) over a kTileSliceBytes slice; each sector is written once, whole,
+// padding included (no byte stores, no memset; record 030). Consecutive units: one octet's slices.
 constexpr int kTileStages = 2;
 // Threads of the tile kernel: kRingVecsPerLane vectors a lane, eight octet rows (a
 // namespace constant: a template argument list inside __launch_bounds__ does not
@@ -674,10 +610,9 @@ MOE_FP8_DEVICE int64_t blocked_row_source(const RowsArgs& a, const TilePlan& p, 
   return i >= 0 && i < hi - lo ? lo + i : -1;
 }
 
-// kMGroups: the M-group layout (a.scale.groups == kMGroups), its own instance so that the
-// plain one carries none of its state; a third stage takes its guessed first unit (below).
-// M groups without group_starts: the groups' first blocked rows in dynamic shared
-// memory (a.groups int32, at most kRowsLocalGroups).
+// kMGroups: the M-group layout in its own instance (the plain one carries none of its state; a third
+// stage takes its guessed first unit). Without group_starts, the groups' first blocked rows live in
+// dynamic shared memory (a.groups int32, at most kRowsLocalGroups).
 template <InputKind K, Fp8Format F, class Rule, int kBlock, bool kMGroups, int kMinBlocks>
 __global__ void __launch_bounds__(kTileThreads, kMinBlocks) quantize_rows_blocked_kernel(RowsArgs a, TilePlan p) {
   using TG = TileGeometry<K, kBlock>;
@@ -709,13 +644,9 @@ __global__ void __launch_bounds__(kTileThreads, kMinBlocks) quantize_rows_blocke
     }
     async_copy_commit();  // every thread commits every time, so group counts agree
   };
-  // M groups: this block's first unit is loaded before the prologue below (a cold read
-  // of offs, the scan, the tail zeroing), into a stage of its own, on the guess that it
-  // lies in group 0, where blocked row = reduction row. A row whose guess was wrong
-  // loads its unit into stage 0 after the prologue, without waiting for the guessed
-  // copies (they land in their own stage, never read; the rows they bring into L2 are
-  // read soon by the blocks whose rows they are; records 003, 025).
-  // offs is read first, so that its latency overlaps the guessed copies.
+  // M groups: the first unit loads before the prologue into its own stage, guessing group 0
+  // (blocked row = reduction row); a wrong guess reloads into stage 0 after it, never waiting on
+  // the guessed copies (records 003, 025). offs is read first to overlap the guessed copies.
   constexpr bool mgroups = kMGroups;
   const bool has_group = mgroups && static_cast<int>(threadIdx.x) < a.groups;
   const int32_t own_off = has_group ? a.offs[threadIdx.x] : 0;
@@ -726,14 +657,9 @@ __global__ void __launch_bounds__(kTileThreads, kMinBlocks) quantize_rows_blocke
     guess = br < a.rows ? static_cast<int32_t>(br) : -1;
     issue(guess, blockIdx.x - oct * p.slices, kTileStages);
   }
-  // M groups: the reduction rows past every group (from the largest clamped group end)
-  // follow the octets as units of eight consecutive rows.
-  // Without group_starts (at most kRowsLocalGroups groups) the groups' first blocked
-  // rows are summed here from the clamped sizes, as blocked_group_start does.
-  // The blocked rows past the groups' padded rows (from `used`, a multiple of 128, up to
-  // the static bound M + 128 G) hold no scales: they are zeroed by plain 16-byte stores,
-  // not walked as octet units (up to 128 G rows of the pipeline for nothing).
-  // Unit counts and rows fit int32 here (the launcher's bound, run_rows' row check).
+  // M groups: rows past every group follow the octets as units of 8 rows. Without group_starts the
+  // first blocked rows are summed here (as blocked_group_start). Blocked rows from `used` to M + 128 G
+  // hold no scales: zeroed by 16-byte stores, not walked. Counts and rows fit int32 (the launcher).
   int32_t tail_start = static_cast<int32_t>(a.rows);
   const GroupStarts starts{a.group_starts, s_group_starts};
   uint32_t units = p.units;  // octet units walked (M groups: those of the groups' rows)
@@ -805,10 +731,9 @@ __global__ void __launch_bounds__(kTileThreads, kMinBlocks) quantize_rows_blocke
     return r < a.rows ? static_cast<int32_t>(r) : -1;
   };
   static_assert(kTileStages == 2, "the loop below keeps one unit ahead");
-  // A block's units: blockIdx.x, then blockIdx.x + gridDim.x, then (with a work counter)
-  // 2 gridDim.x plus a ticket from the counter, taken by thread 0 one unit ahead and
-  // handed to the block in s_next; without one, every gridDim.x-th unit. Either way a
-  // block's units only grow (the group cursor's walk above).
+  // A block's units: blockIdx.x, blockIdx.x + gridDim.x, then 2 gridDim.x + a work-counter ticket
+  // (thread 0 takes it a unit ahead, hands it over in s_next) or, without one, every gridDim.x-th.
+  // Either way a block's units only grow (the group cursor's walk relies on it).
   __shared__ uint32_t s_next;
   uint32_t u = blockIdx.x;
   uint32_t slice = 0;
@@ -885,6 +810,7 @@ __global__ void __launch_bounds__(kTileThreads, kMinBlocks) quantize_rows_blocke
   if (p.work != nullptr && threadIdx.x == 0) release_work_counter(p.work);
 }
 
+// Flat walk (short rows): one stream of (row, block, lane), so short rows still fill whole warps.
 template <InputKind K, Fp8Format F, class Rule, int kBlock, class Layout, bool kVecPath>
 __global__ void __launch_bounds__(kBlockThreads) quantize_rows_blocks_kernel(RowsArgs a, uint32_t blocks_per_row,
                                                                             uint32_t total_lanes) {
@@ -973,9 +899,9 @@ int launch_quantize_rows_blocked(const RowsArgs& a, gpuStream_t stream) {
     if (dynamic && bound > 2 * static_cast<int64_t>(grid.x)) p.work = work_counter(stream);
     return launch_kernel(kernel, grid, dim3(TG::kThreads), smem, stream, 1, a, p);
   };
-  // Blocks an SM: plain instance 9 (48-56 registers), M-group instance 8 in 64 (record 004;
-  // ROCm: no target). The M-group grid: 6 an SM where padding is at most an eighth of the
-  // rows, scaled by DRAM bandwidth an SM against the H100's (records 023, 024).
+  // Blocks an SM: plain instance 9, M-group instance 8 in 64 registers (record 004; ROCm: no
+  // target). The M-group grid: 6 an SM where padding is at most an eighth of the rows, scaled by
+  // DRAM bandwidth an SM against kTileRefBytesPerNsPerSm (records 023, 024).
   if (mgroups) {
     int per_sm = 0;
     if (!kRocm && int64_t{8} * 128 * a.groups <= a.rows) {
@@ -1009,10 +935,9 @@ int launch_quantize_rows(const RowsArgs& a, gpuStream_t stream) {
     }
   }
   if (a.rows == 0 || (kBlock != kWholeSet && a.cols == 0)) return 0;
-  // The ring kernel (vector path, rows that fit a stage): about kRowsVecsPerThread
-  // vectors a thread, 64 to 256 threads.
-  // Linear scales only (blocked ones take the octet-tile kernel), so the lambda is
-  // generic over the layout and instantiated only where it is called.
+  // The ring kernel (vector path, rows that fit a stage): about kRowsVecsPerThread vectors a thread,
+  // 64 to 256 threads. Linear scales only (blocked ones take the octet-tile kernel), so the lambda
+  // is generic over the layout and instantiated only where it is called.
   auto launch_ring = [&](auto layout) {
     using L = decltype(layout);
     const int64_t nvec = a.cols / kVecN;
@@ -1039,9 +964,8 @@ int launch_quantize_rows(const RowsArgs& a, gpuStream_t stream) {
                                            dim3(kGather, 1, 1), a);
         }
       }
-      // Elsewhere, rows of at most kRunMaxCols blocks: runs of a block's own rows, for
-      // rows of at least kRunMinRowBytes and at least kRunMinRuns runs a resident block
-      // (record 030).
+      // Elsewhere, rows of at most kRunMaxCols blocks: runs of a block's own rows, for rows of at
+      // least kRunMinRowBytes and kRunMinRuns runs a resident block (record 030).
       // tuning rows_runs: 0 = never, 1 = wherever the layout allows (tests).
       const int runs = tuning_switch(Knob::kRowsRuns);
       if (runs != 0 && a.scale.set_stride == 1 && ceil_div(a.cols, int64_t{kBlock}) <= kRunMaxCols) {

@@ -1,8 +1,6 @@
-// Torch-free instantiation of every rowwise launcher (the engine with the recipe's
-// policies) for every input dtype and fp8 format. Not part of the extension:
-// scripts/check_hip.sh compiles the hipified copy for each AMD arch (no ROCm torch
-// needed). Non-inline on purpose (only check_hip.sh includes it, into one file): an
-// unused inline function would let the compiler skip generating the kernels it names.
+// Torch-free instantiation of every rowwise launcher, every input dtype and fp8 format, not part of the extension:
+// scripts/check_hip.sh compiles the hipified copy for each AMD arch. Not inline on purpose (only check_hip.sh includes
+// it, into one file): an unused inline function would let the compiler skip generating the kernels it names.
 #pragma once
 
 #include "../quant/specialized/dual_kernel.cuh"

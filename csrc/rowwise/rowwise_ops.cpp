@@ -1,7 +1,6 @@
-// Torch glue of the FP8 rowwise recipe, shared by the CPU and CUDA registrations:
-// input checks ("<op>: expected X, got Y"), output allocation in the layouts of
-// DESIGN §5, and the mapping of every op onto the engine's "rows" or "cols" shape
-// with the recipe's policies (fp32 scales, pow2 or exact, whole sets, linear).
+// Torch glue of the FP8 rowwise recipe for both devices: checks ("<op>: expected X, got Y"), allocation in DESIGN §5's
+// layouts, and each op mapped onto the engine's "rows" or "cols" shape with the recipe's policies (fp32 scales, pow2
+// or exact, whole sets, linear).
 #include <ATen/ATen.h>
 
 #include <tuple>
@@ -58,12 +57,9 @@ ColsOperand cols_operand(const at::Tensor& x, int64_t sb, int64_t sr, int64_t sc
   return o;
 }
 
-// Expert weights b (E, ., .) reduced over dim `rdim` (1 or 2) for every (e, c) of the
-// other dim, into q (E, R, C) with strides (q_E, 1, R), i.e. memory [e][c][r] so that
-// each reduction run is contiguous (column-major per expert), and scale (E, 1, C) with
-// strides (s_E, ., 1). q_E = R * C and s_E = C for a tensor of its own; larger for one
-// weight's slice of a concatenation along C. The "rows" shape applies when R is the
-// contiguous dimension of b, "cols" otherwise.
+// Expert weights b (E, ., .) reduced over dim `rdim` (1 or 2) into q (E, R, C), strides (q_E, 1, R) (each reduction
+// run contiguous), and scale (E, 1, C), strides (s_E, ., 1); q_E, s_E exceed R * C, C for a slice of a concatenation
+// along C. The "rows" shape where R is b's contiguous dimension, else "cols".
 void quantize_per_expert_into(const QuantKernels& k, const at::Tensor& b, int rdim, at::ScalarType fp8_dtype,
                               bool pow2, const at::Tensor& q, const at::Tensor& scale, const char* op) {
   const int cdim = 3 - rdim;

@@ -1,7 +1,6 @@
-// The torch-facing ops of the FP8 rowwise recipe (DESIGN §5; schemas in
-// csrc/bindings.cpp). Each op takes the engine runners of the device it is registered
-// for: rowwise_cpu.cpp registers them with the CPU runners, rowwise.cu with the GPU
-// ones (RowwiseOn<...>::register_impls), so no op branches on the device.
+// The torch-facing ops of the FP8 rowwise recipe (DESIGN §5; schemas in csrc/bindings.cpp). Each op takes the engine
+// runners of its device: rowwise_cpu.cpp and rowwise.cu register them (RowwiseOn<...>::register_impls), so no op
+// branches on the device.
 #pragma once
 
 #include <ATen/core/Tensor.h>

@@ -1,21 +1,6 @@
-// SwiGLU family (DESIGN §10): the elementwise halves of the experts layer's FFN,
-// h = silu(h1) * h3 and its gradient, fused with the FP8 rowwise quantization of
-// their result. Plain data and the scalar math shared bit for bit by the CPU loops
-// and the GPU kernels. No torch, no CUDA headers.
-//
-// The math is the bf16 module's (torchtitan: F.silu(x w1) * (x w3)), rounded where
-// it rounds: every intermediate that autograd would materialize is rounded to the
-// input dtype (round-to-nearest-even), the rest is fp32:
-//   forward   s = R(silu(h1)),  h = R(s * h3)
-//   backward  gs = R(g * h3),   grad_h1 = R(silu_backward(gs, h1)),  grad_h3 = R(g * s)
-// with silu(x) = x / (1 + exp(-x)) and silu_backward(g, x) = (g * sig) * (1 + x * (1 - sig)),
-// sig = 1 / (1 + exp(-x)), as aten writes them. exp is ours (exp_f32 below): fp32
-// additions, multiplications, divisions and reciprocals only, each rounded on its own (no fused
-// multiply-add), so the CPU, the GPU and reference.py agree to the bit. It is within
-// 2 ulp of the exact exp; against torch's own silu the bf16 results differ by at most
-// one bf16 ulp, and rarely. The CUDA kernels get the two divisions' IEEE bits without
-// div.rn's per-element check and branch (silu_quot_fast), and exp has no branch: the
-// kernels are bound by instruction issue.
+// SwiGLU family (DESIGN §10): h = silu(h1) * h3 of the experts layer's FFN and its gradient, fused with the FP8
+// rowwise quantization of their result. Plain data and the scalar math shared bit for bit by the CPU loops and the
+// GPU kernels (and reference.py): no torch, no CUDA headers.
 #pragma once
 
 #include <cmath>
@@ -27,15 +12,9 @@
 
 namespace moe_fp8 {
 
-// One launch: rows of h13 = [h1 | h3] (hidden columns each, unit column stride).
-// Forward: out = h (rows, hidden) when non-null; with `quant`, q[0] / scale[0] the
-// rowwise fp8 of h. Backward: out = grad_h13 (rows, 2 hidden) when non-null; with
-// `quant`, q[i] / scale[i] the rowwise fp8 of half i of grad_h13, or with `joint` of
-// grad_h13 as a whole (one scale per row over both halves: q[1] = q[0] + hidden,
-// scale[1] = scale[0]); h_out = h (rows, hidden) when non-null (the recomputed forward
-// value, for the W2 weight gradient). q rows are q_stride bytes apart. (A flag, not the
-// pointers: an empty q has a null data pointer, and its rows still get scales.)
-// Strides are in elements (q: bytes, row-major with row stride = hidden).
+// One launch over rows of h13 = [h1 | h3] (hidden columns each, unit column stride); strides in elements, q's in bytes.
+// Forward: out = h (rows, hidden); backward: out = grad_h13 (rows, 2 hidden); each when non-null. With `quant`, q[i] /
+// scale[i] are the rowwise fp8 of h, or of half i of grad_h13 (a flag: an empty q has a null pointer, yet scales).
 struct SwigluArgs {
   const void* h13 = nullptr;
   int64_t h13_stride = 0;
@@ -43,10 +22,10 @@ struct SwigluArgs {
   int64_t grad_stride = 0;
   void* out = nullptr;
   int64_t out_stride = 0;
-  void* h_out = nullptr;  // backward only
+  void* h_out = nullptr;  // backward only: h (rows, hidden) recomputed, for the W2 weight gradient; null: none
   int64_t h_out_stride = 0;
   uint8_t* q[2] = {nullptr, nullptr};
-  int64_t q_stride = 0;
+  int64_t q_stride = 0;  // bytes between q rows
   float* scale[2] = {nullptr, nullptr};
   int64_t rows = 0;
   int64_t hidden = 0;
@@ -55,7 +34,7 @@ struct SwigluArgs {
   uint16_t* silu_table = nullptr;
   bool backward = false;
   bool quant = false;
-  bool joint = false;
+  bool joint = false;  // quant of grad_h13 as a whole, one scale a row: q[1] = q[0] + hidden, scale[1] = scale[0]
   bool pow2 = true;
 };
 
@@ -63,16 +42,9 @@ struct SwigluArgs {
 
 MOE_FP8_HD float f_sub(float a, float b) { return f_add(a, -b); }
 
-// exp(x) for the sigmoid's 1 + exp(-x): n = rint(x log2 e), r = x - n ln2 (ln2 in two
-// parts, the first exact in n * hi), a degree-7 Taylor polynomial of exp(r) on
-// |r| <= ln2/2 (truncation 6e-9 relative), scaled by 2^n in two exact steps. Below
-// -87.3 it returns 0 (1 + exp(x) is 1 there), above 88.72 +Inf, NaN stays NaN.
-// Branch-free (the SwiGLU kernels are bound by instruction issue, and a branch per
-// element kept the compiler from interleaving a vector's elements): the polynomial
-// runs on x clamped into range (which changes no in-range x) and the out-of-range
-// results are selected after. rint is the 1.5 * 2^23 shift, whose sum also holds n in
-// its low bits (no float-to-int conversion); any split of n into 2^a 2^b gives the
-// same bits, as p 2^a is exact.
+// exp(x) from fp32 operations each rounded on its own (no FMA), so the CPU, the GPU and reference.py agree to the bit
+// (within 2 ulp): n = rint(x log2 e), r = x - n ln2 (ln2 in two parts), degree-7 Taylor on |r| <= ln2/2, times 2^n.
+// Branch-free (the kernels are bound by instruction issue): the polynomial runs on x clamped, out-of-range selected.
 MOE_FP8_HD float exp_f32(float x) {
   constexpr float kHi = 88.72283935546875f, kLo = -87.3365478515625f;
   constexpr float kMagic = 12582912.0f;  // 1.5 * 2^23
@@ -88,19 +60,19 @@ MOE_FP8_HD float exp_f32(float x) {
   p = f_add(f_mul(p, r), 0.5f);
   p = f_add(f_mul(p, r), 1.0f);
   p = f_add(f_mul(p, r), 1.0f);
-  const int ni = static_cast<int>(float_bits(t)) - static_cast<int>(float_bits(kMagic));  // in [-126, 128]
+  const int ni = static_cast<int>(float_bits(t)) - static_cast<int>(float_bits(kMagic));  // n, in [-126, 128]
   const int a = ni >> 1, b = ni - a;  // each in [-63, 64]: 2^a, 2^b are normal floats
   const float e = f_mul(f_mul(p, bits_float(static_cast<uint32_t>(a + 127) << 23)),
                         bits_float(static_cast<uint32_t>(b + 127) << 23));
-  const float lo = x < kLo ? 0.0f : e;
+  const float lo = x < kLo ? 0.0f : e;  // 1 + exp(x) is 1 there
   return x < kHi ? lo : f_add(x, bits_float(0x7F800000u));  // +Inf, NaN stays NaN (a select, not a branch)
 }
 
 // d = 1 + exp(-x), the denominator of both silu(x) = x / d and sigmoid(x) = 1 / d.
 MOE_FP8_HD float sigmoid_denominator(float x) { return f_add(1.0f, exp_f32(-x)); }
 
-// silu's two divisions by d = 1 + exp(-x): q = x / d (silu) and, for the backward
-// (kRcp), r = 1 / d (the sigmoid), each IEEE-rounded once.
+// silu's two divisions by d = 1 + exp(-x): q = x / d (silu) and, for the backward (kRcp), r = 1 / d (the sigmoid),
+// each IEEE-rounded once. The bf16 results differ from torch's silu by at most one bf16 ulp, and rarely.
 struct SiluQuot {
   float q = 0.0f, r = 0.0f;
 };
@@ -115,13 +87,9 @@ MOE_FP8_HD SiluQuot silu_quot(float x) {
 }
 
 #if MOE_FP8_HAS_FAST_DIV
-// silu_quot's bits without div.rn's operand check and its branch per element (the
-// SwiGLU kernels are bound by instruction issue; a branch per element also kept the
-// compiler from interleaving a vector's elements): rcp_rn_fast and div_rn_fast
-// (float_ops.h), div.rn's own fast path. ANDs into `ok` whether x is in the range
-// where that path is sure: x >= -40 (d <= 2^58) and 2^-100 <= |x| <= 2^100, or x == 0
-// (whose sign a select keeps: the residual of -0 is +0). The caller recomputes with
-// silu_quot where `ok` fell (NaN, Inf, x < -40, tiny or huge |x|).
+// silu_quot's bits without div.rn's operand check and per-element branch (rcp_rn_fast, div_rn_fast: div.rn's own fast
+// path). ANDs into `ok` whether that path is sure: x >= -40 (d <= 2^58) and 2^-100 <= |x| <= 2^100, or x == 0 (its
+// sign kept by a select); the caller recomputes with silu_quot where `ok` fell (NaN, Inf, out of range).
 template <bool kRcp>
 MOE_FP8_DEVICE SiluQuot silu_quot_fast(float x, bool& ok) {
   const float d = sigmoid_denominator(x);
@@ -135,7 +103,7 @@ MOE_FP8_DEVICE SiluQuot silu_quot_fast(float x, bool& ok) {
 }
 #endif
 
-// silu_backward for x's sigmoid sig = 1 / d.
+// silu_backward(g, x) = (g * sig) * (1 + x * (1 - sig)) as aten writes it, for x's sigmoid sig = 1 / d.
 MOE_FP8_HD float silu_backward_f32(float g, float x, float sig) {
   return f_mul(f_mul(g, sig), f_add(1.0f, f_mul(x, f_sub(1.0f, sig))));
 }
@@ -201,7 +169,8 @@ struct SwigluElem<InputKind::kFP32> {
   static MOE_FP8_HD float round(float f) { return f; }
 };
 
-// h = R(R(silu(h1)) * h3), from silu_quot<false>(h1).
+// The bf16 module's math (torchtitan: F.silu(x w1) * (x w3)): R rounds to the input dtype (nearest even) what autograd
+// materializes, the rest is fp32. h = R(R(silu(h1)) * h3), with silu(x) = x / (1 + exp(-x)) from silu_quot<false>(h1).
 template <InputKind K>
 MOE_FP8_HD typename SwigluElem<K>::storage swiglu_elem(const SiluQuot& sq, typename SwigluElem<K>::storage h3) {
   using E = SwigluElem<K>;
@@ -214,9 +183,8 @@ MOE_FP8_HD typename SwigluElem<K>::storage swiglu_elem(typename SwigluElem<K>::s
   return swiglu_elem<K>(silu_quot<false>(SwigluElem<K>::to_float(h1)), h3);
 }
 
-// (grad_h1, grad_h3) of h = R(silu(h1)) * h3 for the incoming gradient g, and, when h
-// is non-null, h itself (the forward value, bit for bit swiglu_elem's: the backward of
-// W2 needs it); sq is silu_quot<true>(h1).
+// For the incoming gradient g: gs = R(g * h3), grad_h1 = R(silu_backward(gs, h1)), grad_h3 = R(g * R(silu(h1))), and,
+// when h is non-null, h itself (bit for bit swiglu_elem's: W2's backward needs it); sq is silu_quot<true>(h1).
 template <InputKind K>
 MOE_FP8_HD void swiglu_backward_elem(const SiluQuot& sq, typename SwigluElem<K>::storage g,
                                      typename SwigluElem<K>::storage h1, typename SwigluElem<K>::storage h3,
@@ -239,13 +207,10 @@ MOE_FP8_HD void swiglu_backward_elem(typename SwigluElem<K>::storage g, typename
 }
 
 // ---- the bf16 forward by table -------------------------------------------------------
-// s = R(silu(x)) of a bf16 x is a function of x's 16 bits. The GPU forward takes it from
-// a table of the bf16 values with 2^-24 <= |x| < 128 (exponent field 103..133: positive
-// values, then negative ones; 15.5 KB, kept in shared memory) instead of exp and a
-// division (the kernels are bound by instruction issue). Outside the table s is
-// R(x / 2) below 2^-24 (d is 2 there), x from 128 up (d is 1) and x / Inf = x * 0 from
-// -128 down (d is Inf); NaN stays NaN. The entries are silu_quot's own bits, and a GPU
-// test runs every bf16 value of h1 against the CPU.
+
+// s = R(silu(x)) of a bf16 x is a function of its 16 bits: the GPU forward reads silu_quot's own bits from a table of
+// 2^-24 <= |x| < 128 (exponents 103..133, positive then negative; 15.5 KB, shared memory). Outside it s is R(x / 2),
+// x from 128 up, x * 0 from -128 down; NaN stays NaN. A GPU test runs every bf16 h1 against the CPU.
 constexpr int kSiluTableLoExp = 103;
 constexpr int kSiluTableHalf = 31 * 128;
 constexpr int kSiluTableEntries = 2 * kSiluTableHalf;

@@ -1,7 +1,6 @@
-// Torch-free instantiation of every SwiGLU launcher. Not part of the extension:
-// scripts/check_hip.sh compiles the hipified copy for each AMD arch (no ROCm torch
-// needed). Non-inline on purpose (only check_hip.sh includes it, into one file): an
-// unused inline function would let the compiler skip generating the kernels it names.
+// Torch-free instantiation of every SwiGLU launcher, not part of the extension: scripts/check_hip.sh compiles the
+// hipified copy for each AMD arch. Not inline on purpose (only check_hip.sh includes it, into one file): an unused
+// inline function would let the compiler skip generating the kernels it names.
 #pragma once
 
 #include "swiglu_kernels.cuh"

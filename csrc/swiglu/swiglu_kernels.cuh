@@ -1,19 +1,6 @@
-// The SwiGLU family's GPU kernel and launcher (DESIGN §10). Raw pointers, sizes and a
-// stream only (no torch headers), so the file can be compile-checked for any target
-// and hipified as is.
-//
-// The bf16 forward takes R(silu(h1)) from a 15.5 KB table in shared memory (swiglu.h,
-// silu_round_bf16) that a small kernel fills before it, so its blocks are persistent
-// (each copies the table once); the other kinds and the backward compute it.
-//
-// One shape: a warp (rows up to 1024 bf16 per half) or a thread block (longer rows) per
-// row at a time, grid-stride over rows. A thread loads up to kRegs vectors of the
-// row (16-byte loads of h13 and grad_h) and computes kVec consecutive outputs of each
-// half per vector; with quantization the row's amax is reduced over the warp or block
-// (over both halves together for a joint scale), then the outputs are encoded (the
-// forward's from a shared-memory copy of h, the backward's re-read from the grad_h13 it
-// wrote). The written values and the fp8 codes come from the same rounded values, so q
-// is quantize_rowwise of the written tensor, bit for bit.
+// The SwiGLU family's GPU kernel and launcher (DESIGN §10), torch-free (raw pointers, sizes, a stream): compiled for
+// any target and hipified as is. The written values and the fp8 codes come from the same rounded values, so q is
+// quantize_rowwise of the written tensor, bit for bit.
 #pragma once
 
 #include <algorithm>
@@ -55,16 +42,13 @@ MOE_FP8_DEVICE SwigluIn<K, kVec> swiglu_load(const SwigluArgs& a, int64_t row, i
   return in;
 }
 
-// kH: the backward also computes h (a compile-time choice: a run-time one costs the
-// plain backward registers and occupancy; record 030).
-// silu's divisions take silu_quot_fast for the whole vector on CUDA, and the IEEE path
-// for all of it where an element is outside the fast path's sure range (a branch per
-// vector, not per element, and in practice never taken but for a NaN, an Inf or an
-// h1 below -40).
-// The bf16 forward takes R(silu(h1)) from the table (silu_round_bf16) instead.
+// The bf16 forward takes R(silu(h1)) from the table (silu_round_bf16).
 template <InputKind K, bool kBwd>
 constexpr bool kSwigluTable = K == InputKind::kBF16 && !kBwd;
 
+// Else silu_quot_fast for the whole vector on CUDA, and the IEEE path for all of it where an element is outside the
+// fast path's sure range (a branch a vector, taken only for NaN, Inf or h1 < -40). kH: the backward also computes h, a
+// compile-time choice (a run-time one costs the plain backward registers and occupancy; record 030).
 template <InputKind K, bool kBwd, int kVec, bool kH = false>
 MOE_FP8_DEVICE SwigluVecs<K, kVec> swiglu_compute(const SwigluIn<K, kVec>& in, const uint16_t* table) {
   using E = SwigluElem<K>;
@@ -152,16 +136,9 @@ __global__ void swiglu_silu_table_kernel(uint16_t* table) {
   if (i < kSiluTableEntries) table[i] = silu_table_entry(i);
 }
 
-// kQuant: also the rowwise fp8 of each output half (F the format). kWarpRow: a warp per
-// row (rows of at most kSwigluRegs * warp-size vectors: the amax is a warp shuffle, no
-// block barrier), else a block per row. A thread issues all its loads of a row before
-// any store (a store between them would serialize them: the compiler cannot move a
-// load above a store that may alias it). No prefetch or async-copy ring: the kernels are
-// bound by instruction issue (record 030). The forward keeps its outputs in shared memory
-// for the encode pass; the backward re-reads the grad_h13 it has just written. Vectors
-// past the register cache (rows longer than kRegs * kSwigluMaxThreads vectors) are read
-// and computed where they are used, twice in a quantizing forward. kH: the quantizing
-// backward also writes h (a.h_out).
+// kQuant: also the rowwise fp8 of each output half (format F); kH: the quantizing backward also writes h (a.h_out).
+// kWarpRow: a warp a row (amax by warp shuffle, no block barrier), else a block. A thread's loads of a row all issue
+// before any store (a maybe-aliasing store would serialize them). No prefetch or async ring: issue bound (record 030).
 template <InputKind K, Fp8Format F, bool kBwd, bool kQuant, int kVec, bool kWarpRow, bool kH, int kRegs>
 __global__ void __launch_bounds__(kSwigluMaxThreads) swiglu_rows_kernel(SwigluArgs a) {
   using In = DeviceInput<K>;
@@ -175,10 +152,9 @@ __global__ void __launch_bounds__(kSwigluMaxThreads) swiglu_rows_kernel(SwigluAr
   const int64_t step = static_cast<int64_t>(gridDim.x) * rows_per_block;
   const int64_t cached = static_cast<int64_t>(kRegs) * lanes;
   SwigluIn<K, kVec> in[kRegs];
-  // The quantizing forward's cache of h: this row's (warp rows: this warp's row's)
-  // cached vectors in dynamic shared memory, each read back only by the thread that
-  // wrote it (no barrier).
-  // The bf16 forward's table first (kSwigluTableBytes), copied from a.silu_table.
+  // Dynamic shared memory: the bf16 forward's table (kSwigluTableBytes, copied from a.silu_table), then the quantizing
+  // forward's cache of h, this row's (warp rows: this warp's row's) cached vectors, each read back only by the thread
+  // that wrote it (no barrier).
   extern __shared__ uint4 s_dyn[];
   constexpr bool kTable = kSwigluTable<K, kBwd>;
   constexpr int kTableVecs = kTable ? kSwigluTableBytes / 16 : 0;
@@ -215,6 +191,7 @@ __global__ void __launch_bounds__(kSwigluMaxThreads) swiglu_rows_kernel(SwigluAr
         }
       }
     }
+    // Vectors past the register cache: read and computed where they are used (twice in a quantizing forward).
     for (int64_t v = lane + cached; v < nvec; v += lanes) {
       const SwigluVecs<K, kVec> r = swiglu_compute<K, kBwd, kVec, kH>(swiglu_load<K, kBwd, kVec>(a, row, v), table);
       swiglu_store<K, kBwd, kVec, kH>(a, row, v, r);
@@ -277,9 +254,8 @@ inline bool swiglu_vector_ok(const SwigluArgs& a) {
   return ok;
 }
 
-// Rows of at most kSwigluRegs * warp-size vectors (1024 bf16 elements per half on
-// CUDA) take a warp each, kWarpRowsPerBlock rows a block; longer rows a block each,
-// sized so that the row fits the register cache (kRegs above; at most
+// Rows of at most kSwigluRegs * warp-size vectors (1024 bf16 a half on CUDA) take a warp each, kWarpRowsPerBlock
+// rows a block; longer rows a block each, sized so that the row fits the register cache (kRegs above; at most
 // kSwigluMaxThreads threads).
 constexpr int kWarpRowsPerBlock = 8;
 
@@ -332,10 +308,9 @@ int launch_swiglu_t(const SwigluArgs& a, gpuStream_t stream) {
   return launch_swiglu_vec<K, F, kBwd, kQuant, 1, kH>(a, stream);
 }
 
-// The whole family: runtime (input kind, fp8 format, direction, quantize) to the
-// kernel instantiation. Without quantization the format is not used. A block_max
-// reuses its shared words row after row safely: a thread writes them for the next row
-// only after the barrier that every thread reaches after reading this row's result.
+// The whole family: runtime (input kind, fp8 format, direction, quantize) to the kernel instantiation (no quantization:
+// the format is unused). block_max reuses its shared words row after row safely: a thread writes them for the next row
+// only after the barrier every thread reaches after reading this row's result.
 inline int launch_swiglu(InputKind in, Fp8Format fmt, const SwigluArgs& a, gpuStream_t stream) {
   if (a.rows == 0 || (a.hidden == 0 && !a.quant)) return 0;
   // The quantizing backward encodes from the grad_h13 it writes: it must be given one

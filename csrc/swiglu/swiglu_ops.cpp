@@ -1,7 +1,6 @@
-// Torch glue of the SwiGLU family (DESIGN §10), shared by the CPU and CUDA
-// registrations: input checks ("<op>: expected X, got Y"), output allocation (h and
-// grad_h13 contiguous in the input dtype; q row-major, scales (M, 1) fp32 as
-// quantize_rowwise returns them) and the mapping onto one SwigluArgs launch.
+// Torch glue of the SwiGLU family (DESIGN §10) for both devices: checks ("<op>: expected X, got Y"), allocation (h,
+// grad_h13 contiguous in the input dtype; q row-major, scales (M, 1) fp32 as quantize_rowwise returns them) and the
+// mapping onto one SwigluArgs launch.
 #include <ATen/ATen.h>
 
 #include <tuple>

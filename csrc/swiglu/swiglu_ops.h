@@ -1,6 +1,5 @@
-// The torch-facing ops of the SwiGLU family (DESIGN §10; schemas in csrc/bindings.cpp)
-// and their per-device registration: swiglu_ops.cpp holds the checks and allocation
-// shared by every device, written once against a table of device runners;
+// The torch-facing ops of the SwiGLU family (DESIGN §10; schemas in csrc/bindings.cpp) and their per-device
+// registration: swiglu_ops.cpp holds the checks and allocation, written once against a table of device runners;
 // swiglu_cpu.cpp and swiglu.cu each fill a table and register SwigluOn<their table>.
 #pragma once
 

@@ -1,29 +1,6 @@
-// Specialized (FP8 blockwise only): a token-grouped activation's 1x128 row blocks and
-// padded 128x1 column blocks from one read. It exists because the two engine shapes
-// (rows, cols) read the activation twice; no other recipe has both orientations in blocks.
-//
-// The engine's "activation dual" shape on the GPU (engine.h, ActDualArgs: FP8
-// blockwise activations), templated over the scale rule, and its launcher. Raw
-// pointers, sizes and a stream only (no torch headers), so the file can be
-// compile-checked for any target and hipified as is.
-//
-// A token-grouped activation is quantized twice per step: in 1x128 blocks along its
-// rows (the forward or dgrad GEMM's left operand) and in 128x1 blocks down each token
-// group's columns, padded (the weight-gradient GEMM's operand). A 128 x 128 tile taken
-// at a 128-row step of a group holds whole blocks of both, so one read writes both:
-// one thread block a tile, 256 threads, the fragment layout of the tiles kernel (each
-// 32 threads a 64-row x 32-column strip, thread t 8 rows x 8 columns, eight 16-byte
-// loads). The row maxima reduce over the 16 threads of a row (two shuffles, then four
-// warps through shared memory), the column maxima over the 16 threads of a column
-// (three shuffles, then two warps); 256 threads then turn the 256 maxima into scales
-// (one each) and share the encode factors. The fragment is encoded twice, and each
-// output leaves through the tiles kernel's stores: the 1x128 codes in 16-byte runs along
-// the rows, the 128x1 codes transposed in registers, 8-byte runs down the columns.
-//
-// Blocks run over (128-row block of the padded layout, 128-column block), the columns
-// fastest; act_dual_block maps a padded block to its input rows (a binary search of
-// padded_starts). Rows past the last group are quantized along the rows by the blocks
-// past the last padded group, whose padded-layout codes are zeros.
+// Specialized (FP8 blockwise activations; engine.h ActDualArgs): a token-grouped activation's 1x128 row blocks and padded
+// 128x1 column blocks from one read, where the engine's rows and cols shapes read it twice. One block a 128x128 tile with
+// the tiles kernel's fragments and stores; act_dual_block maps padded blocks to input rows. Torch-free, hipified as is.
 #pragma once
 
 #include <cstdint>
@@ -37,12 +14,8 @@
 
 namespace moe_fp8 {
 
-// Blocks an SM on CUDA: the fragment's inputs live through both encodings. Three
-// (80 registers) for the hardware e4m3fn conversion; the software encoders (e4m3fnuz,
-// e5m2: the ROCm formats, whose ROCm builds have no cap) spilled 60 bytes there and
-// take two (128). At the tiles kernel's 64 registers ptxas spilled 52-140 bytes. (A
-// persistent variant that loads the next tile while this one is encoded needs both
-// tiles' inputs at once: it spilled 52 bytes at 128 registers and was not landed.)
+// Blocks an SM on CUDA (the fragment's inputs live through both encodings): three (80 registers) for the hardware e4m3fn
+// conversion, two (128) for the software encoders (e4m3fnuz, e5m2), which spill at three; no persistent form: record 014.
 template <Fp8Format F>
 constexpr int act_dual_min_blocks() {
   return MOE_FP8_CUDA_MIN_BLOCKS(F == Fp8Format::kE4M3FN ? 3 : 2);

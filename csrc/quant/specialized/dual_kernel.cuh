@@ -1,38 +1,6 @@
-// Specialized (FP8 rowwise weights only): a weight's rowwise and colwise fp8 from one
-// DRAM read, each tile re-read from L2. It exists because those two need whole rows and
-// whole columns before any byte is written, which the engine's one-pass shapes cannot do.
-//
-// A weight's two rowwise orientations from one DRAM read (DESIGN §5): for each
-// expert's matrix X (rows x cols, columns contiguous; the rows may come from two
-// tensors, [W1; W3]), q_rows = X quantized with one scale per row (over its columns)
-// and q_cols = X^T quantized with one scale per column (over its rows), written
-// transposed. Bit for bit what quantize_experts_fwd_cat and quantize_experts_bwd_cat
-// of the same weights write. Raw pointers, sizes and a stream only (no torch
-// headers), so the file compile-checks for any target and hipifies as is.
-//
-// Both scales need a whole row and a whole column before the first byte can be
-// written, so every tile is visited twice: pass A reads it from DRAM and folds its
-// row and column maxima into the expert's amax arrays (unsigned atomic max of the
-// abs bits: NaN-propagating, order-free, so the result is the plain amax); pass B,
-// once every pass-A tile of the expert is done, reads it again, from L2, and writes
-// both outputs. One persistent launch orders the work by a ticket counter:
-//   A(0) .. A(L-1), A(L) B(0), A(L+1) B(1), ..., A(E-1) B(E-1-L), B(E-L) .. B(E-1)
-// (each X(e) the T tiles of expert e), so an expert is re-read while the L that follow
-// it are read for the first time: the launcher picks the lag L from the number of
-// resident blocks and keeps L + 1 experts within the L2 budget. A block holds its
-// current ticket and the next two (the next tile's input is in flight meanwhile) and
-// waits only in its current one, for first-pass tiles below it: the lowest unfinished
-// ticket is always some running block's current one, and it does not wait. No
-// deadlock, whatever the grid size. L2 hints: both outputs, and (weight schedule) the
-// second pass's read, are marked evict-first, so that the first pass's reads stay until
-// they are re-read.
-//
-// Tile 128 x 128 (2-byte inputs, 32 KB), 256 threads, two blocks an SM; thread t works
-// on rows 8 * (t / 16) .. +7 of columns 8 * (t % 16) .. +7 (a half-warp: one 256-byte
-// tile row per access). The next tile's input arrives by asynchronous copies into the other of two
-// shared-memory stages while this one is worked on. q_rows leaves straight from the
-// registers (a half-warp: 128 contiguous bytes of a row), q_cols through a swizzled
-// shared-memory tile in 16-byte stores, 128 bytes a row.
+// Specialized (FP8 rowwise weights, DESIGN §5): per expert X, q_rows (a scale per row) and q_cols = X^T (a scale per
+// column) from one DRAM read, bit-exact with quantize_experts_fwd_cat / _bwd_cat. Both need whole rows and columns first:
+// pass A folds each tile into amax arrays, pass B re-reads it from L2 and writes. Torch-free, hipified as is.
 #pragma once
 
 #include <algorithm>
@@ -49,11 +17,14 @@
 
 namespace moe_fp8 {
 
+// Tile 128 x 128 of 2-byte inputs, 256 threads, two blocks an SM; thread t: rows 8 (t / 16) .. +7, columns 8 (t % 16) .. +7
+// (a half-warp reads one 256-byte tile row). The next tile arrives by async copies into the other of two smem stages.
 constexpr int kDualTile = 128;
 constexpr int kDualThreads = 256;
 constexpr int kDualChunks = kDualTile / 8;  // 8-column chunks (and 8-row groups) a tile
 
-// Ticket u -> (second pass?, expert, tile) in the order above.
+// Ticket u -> (second pass?, expert, tile): A(0..L-1), then A(L) B(0), A(L+1) B(1), ..., then B(E-L..E-1), each the
+// tiles of one expert, so an expert is re-read from L2 while the L after it are read first (lag L: launcher, L2 budget).
 struct DualTask {
   bool second;
   int expert, tile;
@@ -87,10 +58,9 @@ MOE_FP8_DEVICE uint2 dual_pack8(const float (&f)[8], float s) {
 
 constexpr int kDualStageBytes = kDualTile * kDualTile * 2;  // one 2-byte input tile
 constexpr int kDualSmemBytes = 2 * kDualStageBytes + kDualTile * kDualTile;  // two stages, the q_cols tile
-// One tile of one pass, resolved from its ticket by a schedule (below): where its input
-// rows are, which outputs and amax words it owns, and what it waits for. Indices are
-// tile-local: input row i (< nr) is row r0 + i of the schedule's row space, column j
-// (< nc) is column c0 + j; q_cols rows are counted from the tile's first q row.
+// One tile of one pass, resolved from its ticket by a schedule: its input rows, the outputs and amax words it owns, what
+// it waits for. Tile-local indices: input row i < nr is row r0 + i of the schedule's row space, column j < nc is c0 + j;
+// q_cols rows count from the tile's first q row.
 struct DualJob {
   bool second;              // the second pass (else the first)
   bool first_row_tile;      // the tile writes its columns' scales
@@ -123,10 +93,9 @@ MOE_FP8_DEVICE uint32_t dual_max16(uint32_t m) {
   return m;
 }
 
-// Pass A of a tile in `in` (this thread's rows 8 rg.., columns 8 cc..), as fp32 amax
-// bits. Rows: over this thread's eight columns, then the 16 chunks of its half-warp;
-// columns: over its eight rows, the other row group of its warp (16 lanes away), then
-// the eight warps through shared memory. Ends with the release of the set's counter.
+// Pass A of a tile in `in` (rows 8 rg.., columns 8 cc..): row maxima over its columns, then its half-warp; column maxima
+// over its rows, the row group 16 lanes away, the eight warps via shared memory; folded in by atomic max of abs bits
+// (NaN-propagating, order-free: the plain amax). Ends with the release of the set's counter.
 template <InputKind K>
 MOE_FP8_DEVICE void dual_first_pass(const uint8_t* in, const DualJob& j, int rg, int cc,
                                     uint4 (*s_colmax)[kDualTile / 4]) {
@@ -193,10 +162,9 @@ MOE_FP8_DEVICE void dual_first_pass(const uint8_t* in, const DualJob& j, int rg,
   if (threadIdx.x == 0) atomic_add_release(j.done, 1u);
 }
 
-// Pass B of a tile in `in`: the multipliers of its 128 rows and 128 columns (one a
-// thread, the amax arrays through L2: other blocks wrote them with atomics), their
-// scales, and both outputs. Uses the q_cols tile and s_enc; ends before the barrier
-// that frees them.
+// Pass B of a tile in `in`: the multipliers of its 128 rows and 128 columns (one a thread; amax arrays read through L2,
+// other blocks wrote them with atomics), their scales, both outputs. Uses the q_cols tile and s_enc; ends before the
+// barrier that frees them.
 template <InputKind K, Fp8Format F, class Rule>
 MOE_FP8_DEVICE void dual_second_pass(const uint8_t* in, const DualJob& j, int rg, int cc, float4 (*s_enc)[kDualTile / 4],
                                      uint8_t* q_cols_tile) {
@@ -250,10 +218,8 @@ MOE_FP8_DEVICE void dual_second_pass(const uint8_t* in, const DualJob& j, int rg
     *reinterpret_cast<uint2*>(q_cols_tile + (8 * cc + q) * kDualTile + 8 * (rg ^ cc)) = make_uint2(wc[q][0], wc[q][1]);
   }
   __syncthreads();
-  // q_cols out: 16-byte chunks, eight threads a 128-byte row. A chunk (slots 2 ch,
-  // 2 ch + 1) is physical chunk ch ^ (s / 2), its halves swapped when s is odd. A
-  // chunk that is partial or not 16-byte aligned (a tile's last rows) goes
-  // out byte by byte.
+  // q_cols out: 16-byte chunks, eight threads a 128-byte row; chunk ch (slots 2 ch, 2 ch + 1) is physical chunk
+  // ch ^ (s / 2), its halves swapped when s is odd. A partial or unaligned chunk (a tile's last rows) goes byte by byte.
   constexpr int kOutChunks = kDualTile / 16;
 #pragma unroll
   for (int n = 0; n < kDualTile * kOutChunks / kDualThreads; ++n) {
@@ -276,8 +242,9 @@ MOE_FP8_DEVICE void dual_second_pass(const uint8_t* in, const DualJob& j, int rg
   }
 }
 
-// The persistent two-pass loop over a schedule's tickets (see the top of the file):
-// Sched gives total() (tickets), job(u) and prologue() (work of its own before the loop).
+// The persistent two-pass loop over a schedule's tickets (dual_task); Sched gives total(), job(u), prologue(). A block
+// waits only in its current ticket, for first-pass tiles below it, and the lowest unfinished ticket is some running
+// block's current one: no deadlock at any grid size.
 template <InputKind K, Fp8Format F, class Rule, class Sched>
 __global__ void __launch_bounds__(kDualThreads, 2) quantize_dual_kernel(Sched sched) {
   static_assert(sizeof(typename DeviceInput<K>::storage) == 2, "the dual kernel reads 2-byte inputs");

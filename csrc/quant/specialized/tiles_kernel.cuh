@@ -1,36 +1,6 @@
-// Specialized (FP8 blockwise only): one scale per 128x128 tile, a weight's two
-// orientations from one read. It exists because no other recipe scales by 2-D tiles,
-// so the engine's rows and cols shapes have no policy for it.
-//
-// The engine's "tiles" shape on the GPU (engine.h: one scale per 128x128 tile; FP8
-// blockwise weights), templated over the scale rule, and its launcher. Raw pointers,
-// sizes and a stream only (no torch headers), so the file can be compile-checked for
-// any target and hipified as is.
-//
-// One thread block a tile, read once, every output written from it (a weight's two
-// orientations come from one read). The launcher first turns a column-major input
-// into its row-major transpose (rows <-> columns, each output's strides and scale
-// indices swapped with them), so the kernels see contiguous columns whenever the
-// input has a contiguous dimension.
-//
-// Vector kernel (2-byte inputs, 16-byte aligned rows): each 32 threads hold a 64-row x
-// 32-column strip of the tile, thread t the fragment of 8 rows x 8 columns (eight
-// 16-byte loads; a 32-thread load instruction reads 64 contiguous bytes of 8 rows).
-// The amax is taken on the packed 16-bit values; after the block's max the fragment is
-// encoded once into 8 x 8 fp8 bytes in registers, and each output written from them,
-// with no shared memory and no other barrier:
-//   - an output contiguous along the tile's rows (q_sr == 1): the 8 x 8 bytes
-//     transposed in registers (byte permutes), one 8-byte run per fragment column, so
-//     a warp store writes 64 contiguous bytes of each of 4 columns;
-//   - an output contiguous along the tile's columns (q_sc == 1): the two threads that
-//     hold 16 adjacent columns of the same 8 rows swap 4 rows (shuffles), each then
-//     stores 16 bytes of 4 rows, so a warp store writes 16 whole 32-byte sectors
-//     (8-byte stores for 8-byte aligned rows; bytes for an odd stride).
-// Against staging the second kind in shared memory: record 030.
-//
-// Scalar kernel (fp32, or any other strides): the tile is staged in shared memory
-// element by element (r * 128 + (c ^ (r % 32)): walking a column reads 32 banks) and
-// every output written walking its contiguous dimension.
+// Specialized (FP8 blockwise weights; engine.h TilesArgs): a scale per 128x128 tile, which no engine policy has. A block
+// a tile, read once, every output from it; a column-major input runs as its row-major transpose (tiles_row_major). Vector
+// kernel (2-byte, 16-byte aligned rows): register fragments, no shared memory; scalar kernel: a swizzled shared tile.
 #pragma once
 
 #include <cstdint>
@@ -93,13 +63,9 @@ __global__ void __launch_bounds__(kTilesThreads) quantize_tiles_kernel(TilesArgs
 constexpr int kTileFragRows = 8;  // rows of a vector-kernel fragment
 constexpr int kTileFragCols = 8;  // 2-byte columns of a fragment: one 16-byte load a row
 
-// The two stores of an encoded 8 x 8 fragment (q8[r]: row r's bytes, columns
-// fc .. fc + 7 of a tile whose q starts at qt; nr x nc of the tile are valid), shared
-// by the tiles and activation-dual kernels.
-//
-// Runs down the columns (rows contiguous in q, column stride q_sc bytes): the
-// fragment's 8x8 bytes transposed in registers, one 8-byte run a fragment column (a
-// warp store: 64 bytes of each of 4 columns).
+// Stores of an encoded 8 x 8 fragment (q8[r]: row r's bytes, columns fc .. fc + 7 of a tile at qt; nr x nc valid), from
+// registers, not staged in shared memory (record 030); shared with the activation dual. Column runs (rows contiguous in
+// q): the bytes transposed in registers, one 8-byte run a fragment column (a warp store: 64 bytes of each of 4 columns).
 MOE_FP8_DEVICE void store_fragment_col_runs(const uint2 (&q8)[kTileFragRows], uint8_t* qt, int64_t q_sc, int fr,
                                             int fc, int nr, int nc) {
   const bool rows_whole = fr + kTileFragRows <= nr;
@@ -127,12 +93,9 @@ MOE_FP8_DEVICE void store_fragment_col_runs(const uint2 (&q8)[kTileFragRows], ui
   }
 }
 
-// Runs along the rows (row stride q_sr, column stride q_sc bytes): the two lanes 8
-// apart that hold 16 adjacent columns of the same rows (a pair; `odd`: the second,
-// columns fc - 8 .. fc + 7) swap half their rows, so each lane holds 16 adjacent bytes
-// of 4 rows (the first lane rows 0-3 of the fragment, the second rows 4-7) and a warp
-// store writes 16 whole 32-byte sectors. No shared memory; every lane of the warp
-// must call it (shuffles).
+// Row runs (row stride q_sr, column stride q_sc): the pair of lanes 8 apart holding 16 adjacent columns (`odd`: the second,
+// columns fc - 8 .. fc + 7) swap half their rows, so each stores 16 bytes of 4 rows (first lane rows 0-3, second 4-7) and
+// a warp store writes 16 whole 32-byte sectors. Every lane of the warp must call it (shuffles).
 MOE_FP8_DEVICE void store_fragment_row_runs(const uint2 (&q8)[kTileFragRows], uint8_t* qt, int64_t q_sr,
                                             int64_t q_sc, int fr, int fc, int nr, int nc, bool odd) {
   const int pc = fc - (odd ? kTileFragCols : 0);  // the pair's first column
@@ -164,9 +127,8 @@ MOE_FP8_DEVICE void store_fragment_row_runs(const uint2 (&q8)[kTileFragRows], ui
 }
 constexpr int kTileRowGroups = kTile / kTileFragRows;
 static_assert(kTileRowGroups * (kTile / kTileFragCols) == kTilesThreads, "one fragment a thread");
-// Four blocks an SM on CUDA (64 registers): a block's loads, amax and stores run one
-// after another, so the SM overlaps them only across blocks. Uncapped, ptxas took
-// 128-241 registers (one or two blocks an SM).
+// Four blocks an SM on CUDA (64 registers): a block's loads, amax and stores run one after another, so the SM overlaps
+// them only across blocks; uncapped, ptxas fits only one or two blocks an SM.
 constexpr int kTilesVecMinBlocks = MOE_FP8_CUDA_MIN_BLOCKS(4);
 
 template <InputKind K, Fp8Format F, class Rule>
@@ -176,10 +138,8 @@ __global__ void __launch_bounds__(kTilesThreads, kTilesVecMinBlocks)
   using In = DeviceInput<K>;
   static_assert(sizeof(T) == 2, "the vector kernel reads 2-byte inputs");
   __shared__ uint32_t s_red[kMaxWarpsPerBlock + 1];
-  // Each 32 threads (a warp on CUDA, half a wave on ROCm) hold a 64-row x 32-column
-  // strip of the tile: lane l has rows 8 * (l % 8) .. +7 and columns 8 * (l / 8) .. +7
-  // of it. The four column groups of a lane's rows are lanes 8 apart, so two lanes
-  // 8 apart (a pair) hold 16 adjacent columns of the same rows.
+  // Each 32 threads (a warp on CUDA, half a wave on ROCm) hold a 64-row x 32-column strip: lane l has rows 8 * (l % 8)
+  // .. +7 and columns 8 * (l / 8) .. +7, so two lanes 8 apart (a pair) hold 16 adjacent columns of the same rows.
   const int l32 = threadIdx.x % 32, g32 = threadIdx.x / 32;
   const int rg = l32 % 8 + 8 * (g32 / 4), ch = l32 / 8 + 4 * (g32 % 4);
   const int fr = rg * kTileFragRows, fc = ch * kTileFragCols;  // the fragment's first row and column
