@@ -52,10 +52,9 @@ def _backend() -> str:
 class CMakeBuild(build_ext):
     def build_extension(self, ext: CMakeExtension) -> None:
         backend = _backend()
-        # A stable build folder per backend: incremental rebuilds, inspectable logs. The
-        # module is linked inside it and copied out after the build: two builds (a CPU
-        # one and a CUDA one for another machine, scripts/prebuild.sh) never share a file
-        # that ninja, finding it newer than its inputs, would not relink.
+        # A stable build folder per backend (incremental rebuilds, logs); the module is linked
+        # inside it and copied out, so a CPU and a CUDA build (scripts/prebuild.sh) never
+        # share a file that ninja, finding it newer than its inputs, would not relink.
         build_dir = os.path.join(ext.sourcedir, "build", f"cmake-{backend}")
         module_dir = os.path.join(build_dir, "module")
         os.makedirs(build_dir, exist_ok=True)
@@ -67,10 +66,9 @@ class CMakeBuild(build_ext):
             f"-DMOE_FP8_WITH_HIP={'ON' if backend == 'hip' else 'OFF'}",
             f"-DMOE_FP8_CUDA_ARCHS={os.environ.get('MOE_FP8_CUDA_ARCHS', '90a;100a')}",
         ]
-        # One host compiler for the C++ files, nvcc's host side and the link, so that
-        # the module uses the libstdc++ that is loaded at run time.
-        # CMake's CUDA detection asks nvcc for its host compiler's link folders, which
-        # come from $CXX / $CUDAHOSTCXX: set them for the configure step too.
+        # One host compiler for the C++ files, nvcc's host side and the link (the libstdc++
+        # loaded at run time); $CXX / $CUDAHOSTCXX too, as CMake's CUDA detection asks nvcc
+        # for that compiler's link folders.
         env = dict(os.environ)
         cxx = os.environ.get("MOE_FP8_CXX") or shutil.which("g++")
         if cxx:

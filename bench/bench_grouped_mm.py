@@ -37,12 +37,9 @@ def bench_linear(shapes):
             ref = impls["bf16"](a, w.transpose(1, 2), offs)
             q = sqnr(ref, impls["ours"](a, w.transpose(1, 2), offs))
         assert q > 25, f"fp8 output SQNR {q:.1f} dB against bf16"
-        # The op's forward + backward: the gradients are returned, as in a training step
-        # that starts from zero_grad(set_to_none=True); the implementations timed in
-        # alternation (bf16's own time has moved 5-10% between runs), each speedup the
-        # median of the rounds' ratios. The ".backward()" column also adds them into
-        # existing .grad tensors (the same extra add for every implementation: about
-        # 0.3 ms at the first shape).
+        # Forward + backward, gradients returned (a step after zero_grad(set_to_none=True)); timed in alternation
+        # since bf16's own time drifts between runs, each speedup the median of the rounds' ratios. The
+        # ".backward()" column also adds into existing .grad (the same extra add for every implementation).
         steps = {name: (lambda f=f: torch.autograd.grad(f(a, w.transpose(1, 2), offs), (a, w), grad))
                  for name, f in impls.items()}
         times, ratios = bench_interleaved_us(list(steps.values()), rounds=5, rep_ms=150)
@@ -55,10 +52,9 @@ def bench_linear(shapes):
                 a.grad = w.grad = None
             with torch.no_grad():
                 tf[name] = bench_us(lambda f=f: f(a, w.transpose(1, 2), offs)) / 1000
-            # Peak: A enters as a fresh tensor (a clone, as the permuted tokens do in a model),
-            # so a recipe that does not keep A lets it go after the forward (bench_experts
-            # counts x the same way); with A a leaf, bf16's saved A cost nothing while
-            # fp8's saved operand did.
+            # Peak: A enters as a fresh clone (as permuted tokens do in a model), so a recipe that does not keep A
+            # frees it after the forward (bench_experts counts x the same way); with A a leaf, bf16's saved A
+            # would cost nothing while fp8's saved operand would.
             mem[name] = peak_mib(lambda f=f: torch.autograd.grad(f(a.clone(), w.transpose(1, 2), offs), (a, w), grad))
         rows.append([
             f"({m}, {k}, {n}, {e})", f"{t['bf16']:.3f}", f"{t['ours']:.3f}", f"{speedup['ours']:.2f}x",

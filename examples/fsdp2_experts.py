@@ -122,10 +122,9 @@ def main():
 
 if __name__ == "__main__":
     code = main()
-    # Leave without the interpreter's teardown: with torch 2.13 on the CPU (gloo), the
-    # destructors that run at exit after this FSDP2 run aborted the process ("terminate
-    # called without an active exception", SIGABRT) in about a third of the runs, after
-    # the result above was printed. Nothing is left to flush or free.
+    # Leave without the interpreter's teardown: with torch 2.13 on the CPU (gloo), exit-time destructors after
+    # this FSDP2 run can abort the process (SIGABRT, "terminate called without an active exception") after the
+    # result is printed. Nothing is left to flush or free.
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

@@ -77,11 +77,9 @@ class _Experts(torch.autograd.Function):
         # Weights all-gathered in fp8 under FSDP2 (moe_fp8_ext.fsdp): their operands come
         # from the gathered fp8, nothing is made from or kept for them here.
         gathered = ctx.gathered = isinstance(w1, _fsdp.GatheredWeight)  # (experts() checked all three)
-        # A weight whose two operands come from one read (Recipe.reads_weights_once) gets
-        # its backward operand here, with the forward one: kept in the cache, or on ctx
-        # until the backward uses it (only where ctx may hold it: see _may_free_early).
-        # (grad_mode: torch.is_grad_enabled() at the call; needs_input_grad is set under
-        # no_grad too, where nothing is to be made for a backward)
+        # A weight whose two operands come from one read (Recipe.reads_weights_once) gets its backward operand here
+        # with the forward one, kept in the cache or on ctx (where ctx may hold it: see _may_free_early). grad_mode
+        # (torch.is_grad_enabled() at the call) gates it: needs_input_grad is set under no_grad too.
         need_x = grad_mode and ctx.needs_input_grad[0]
         need_w13 = grad_mode and (ctx.needs_input_grad[1] or ctx.needs_input_grad[2])
         # Rows dispatched in fp8 (moe_fp8_ext.dispatch): their operand is the forward's;
@@ -137,10 +135,9 @@ class _Experts(torch.autograd.Function):
         # SwiGLU and W2's GEMM, where the forward's memory peaks (with a cache it stays
         # there).
         del lhs_x, rhs13
-        # h's two fp8 operands likewise where the recipe makes them from one read
-        # (Recipe.makes_swiglu_operands: fp8_blockwise): W2's forward one, and its
-        # weight-gradient one kept for the backward, which then computes no h. Else
-        # lhs_swiglu (fused: h13 read once; rowwise: h never written in bf16).
+        # h's two fp8 operands likewise where one read makes them (Recipe.makes_swiglu_operands: fp8_blockwise):
+        # W2's forward one, and its weight-gradient one kept so the backward computes no h.
+        # Else lhs_swiglu (fused: h13 read once; rowwise: h never written in bf16).
         ctx.h_saved = (recipe.keeps_fp8_activations and pad_wgrad and grad_mode and ctx.needs_input_grad[3]
                        and recipe.makes_swiglu_operands(h13))
         if ctx.h_saved:
@@ -163,10 +160,9 @@ class _Experts(torch.autograd.Function):
         out = _mm_2d3d(recipe, h_op, rhs2, offs, gemm_dtype, backend)
         del h_op
         ctx.num_tokens = ctx.shapes[0][0]
-        # Each saved for the gradients that read it, as grouped_mm does: x for W1/W3's
-        # weight gradient alone (its fp8 operand instead where kept), W1 and W3 for the
-        # input gradient alone, W2 for both (grad_h). Frozen W1/W3 keep no x. h's fp8
-        # weight-gradient operand where made in the forward (ctx.h_saved), for W2's.
+        # Each saved only for the gradients that read it, as in grouped_mm: x for W1/W3's wgrad (its fp8 operand
+        # instead where kept), W1 and W3 for the input gradient, W2 for both (grad_h); frozen W1/W3 keep no x.
+        # h's fp8 wgrad operand where the forward made it (ctx.h_saved), for W2's.
         saved = [x if need_w13 and not ctx.fp8_saved else None, w1 if need_x else None, w3 if need_x else None,
                  w2 if need_x or need_w13 else None, offs, *kept]
         ctx.kept = len(kept)
@@ -237,19 +233,11 @@ class _Experts(torch.autograd.Function):
             dtype = _gemm_out_dtype(recipe, backend, b_dtype, grad_dtype)
             return recipe.mm_2d2d(*operands, wgrad_offs, dtype, backend)
 
-        # Every operand is dropped as soon as its GEMM is issued (the peak of the step
-        # is here, not in the forward): the weights' backward operands, h, grad_h13 once
-        # its wgrad operands exist.
-        # W2 dgrad: grad_h = grad_out @ W2. dSwiGLU from grad_h and h13 (one read of h13),
-        # fused with the quantization of grad_h13 and, when W2 needs a gradient, writing
-        # h = swiglu(h13) for it (no second read of h13; with Recipe.makes_swiglu_operands
-        # h's operand is the forward's, and no h is made); h13 is freed after it. The input
-        # gradient through W1 and W3: one GEMM, grad_h13 @ [W1; W3], where the recipe
-        # makes both operands without a copy (Recipe.joins_w13_dgrad: fp8_rowwise, one
-        # scale per row of grad_h13 and per (expert, column) of [W1; W3] over both halves;
-        # fp8_blockwise with a hidden size a multiple of 128, 1x128 blocks of grad_h13 and
-        # 128x128 tiles of [W1; W3]); else two GEMMs over the halves, summed.
+        # Every operand is dropped as soon as its GEMM is issued (the step's peak is here, not in the forward):
+        # the weights' backward operands, h, and grad_h13 once its wgrad operands exist.
         need_w13 = need_w1 or need_w3
+        # Input gradient through W1 and W3: one GEMM, grad_h13 @ [W1; W3], where the recipe makes both operands
+        # without a copy (Recipe.joins_w13_dgrad; scale layouts in the recipes); else two GEMMs over the halves, summed.
         joint = need_x and (ctx.gathered or recipe.joins_w13_dgrad(w1, w3))
         grad_h13 = lhs13 = lhs1 = lhs3 = h = g13_op = None
         # grad_out's two fp8 operands (W2's dgrad and wgrad ones) made together where both
@@ -265,14 +253,14 @@ class _Experts(torch.autograd.Function):
                 lhs_g, g_op = recipe.lhs_with_wgrad_operand(grad_out, offs, f8, starts)
             else:
                 lhs_g = recipe.lhs(grad_out, f8)
+            # W2 dgrad: grad_h = grad_out @ W2. Then dSwiGLU reads h13 once, fused with grad_h13's quantization and,
+            # where W2 needs a gradient, h = swiglu(h13) (none with Recipe.makes_swiglu_operands); h13 freed after.
             grad_h = _mm_2d3d(recipe, lhs_g, rhs2, offs, ctx.gemm_dtype, backend)
             del rhs2, lhs_g
             if joint and (ctx.h_saved or not need_w2) and recipe.makes_swiglu_operands(h13):
-                # No h: kept from the forward (h_wop) or not needed. grad_h and h13 are
-                # dropped once grad_h13 exists (h13 is freed then where the forward boxed
-                # it, see h13_box); with x's fp8 operand kept, grad_h13's two
-                # operands are made together (the joint input-gradient GEMM's and W1/W3's
-                # weight-gradient one, grad_h13 read once) and grad_h13 is dropped too.
+                # No h: kept from the forward (h_wop) or not needed. grad_h and h13 are dropped once grad_h13 exists
+                # (h13 freed then where the forward boxed it: h13_box); with x's fp8 operand kept, grad_h13's two
+                # operands (joint dgrad GEMM's, W1/W3's wgrad) come from one read and grad_h13 is dropped too.
                 grad_h13 = swiglu_backward(grad_h, h13)
                 grad_h = h13 = None
                 if need_w13 and x_op is not None:

@@ -126,16 +126,11 @@ class _GroupedMM(torch.autograd.Function):
             lhs, a_op = recipe.lhs_with_wgrad_operand(A, offs, fp8_dtype, starts)
         else:
             lhs = recipe.lhs(A, fp8_dtype)
-        # B_t's input-gradient operand made with its forward one where one read makes
-        # both (Recipe.reads_weights_once: fp8_rowwise's dual kernel where an expert's
-        # matrix fits the L2 budget, fp8_blockwise's weight dual), held on ctx until
-        # the dgrad GEMM has used it, then dropped (so not through the weight-gradient
-        # GEMM, a single call's peak; a model holds one per layer from its forward to
-        # its backward: Recipe.hold_weight_operands=False turns it off). B_t stays saved: a
-        # second backward (retain_graph) quantizes it again.
-        # (_may_free_early before the recipe's check: under torch.compile that check,
-        # which reads data pointers, must not be traced.)
+        # Where one read makes both (Recipe.reads_weights_once), B_t's dgrad operand is made with its forward one,
+        # held on ctx until the dgrad GEMM, then dropped before the wgrad GEMM (the peak). A model holds one per layer
+        # until its backward: hold_weight_operands=False turns it off. B_t stays saved for a retain_graph backward.
         hold = dgrad and recipe.hold_weight_operands
+        # _may_free_early first: under torch.compile the recipe's check (it reads data pointers) must not be traced.
         if hold and _may_free_early() and recipe.reads_weights_once([B_t]):
             rhs, bwd = recipe.rhs_dual_cat([B_t], fp8_dtype)
             ctx.bwd_box = {"B": bwd}
@@ -145,11 +140,9 @@ class _GroupedMM(torch.autograd.Function):
         else:
             rhs = recipe.rhs_fwd_only(B_t, fp8_dtype)
         saved = recipe.save_for_backward(A, B_t, lhs, rhs)
-        # Only rhs_bwd reads "B_t" and only wgrad_operands reads "A" (the Recipe
-        # contract): neither is kept for a gradient that will not be computed (frozen
-        # expert weights keep no activation; a cast or gathered weight is not held, nor
-        # checked for in-place writes, on A's account alone), nor A where its fp8
-        # operand is kept instead.
+        # Only rhs_bwd reads "B_t" and only wgrad_operands reads "A" (the Recipe contract): neither is kept for a
+        # gradient not computed (frozen expert weights keep no activation; a cast or gathered weight is not held,
+        # nor checked for in-place writes, on A's account alone), nor A where its fp8 operand is kept instead.
         if not dgrad and "B_t" in saved:
             saved["B_t"] = None
         if not wgrad or ctx.fp8_saved:

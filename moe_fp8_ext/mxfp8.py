@@ -29,10 +29,9 @@ MX_BLOCK = 32
 ROUNDINGS = ("rceil", "floor")
 
 
-# ---- argument checks shared by each wrapper and its fake (the rules and order of
-# csrc/mxfp8/mxfp8_ops.cpp; "<op>: expected X, got Y"): a wrapper fails before it
-# reads a shape, and a fake (torch.compile, a meta tensor among CPU/CUDA ones) refuses
-# what the real kernel refuses. The content of offs and padded_starts is the kernel's.
+# ---- argument checks shared by each wrapper and its fake (rules and order of csrc/mxfp8/mxfp8_ops.cpp): a wrapper
+# fails before it reads a shape, and a fake (torch.compile, a meta tensor among CPU/CUDA ones) refuses what the
+# real kernel refuses. The kernel checks the content of offs and padded_starts.
 
 
 def _check_rounding(op, rounding):
@@ -165,13 +164,9 @@ def _(b, rounding="rceil", blocked=False):
     return q, b.new_empty(shape, dtype=torch.float8_e8m0fnu)
 
 
-# ---- scale swizzles (DESIGN §7): scales made elsewhere to and from the blocked layout ------
-#
-# Any 1-byte dtype (float8_e8m0fnu, uint8, int8, other float8); the output has the
-# input's dtype. Blocked outputs are written whole, their padding zero; plain outputs
-# (the inverses) drop the padding. Token groups: ``offs`` as everywhere (int32 group
-# ends, DESIGN §3); on a GPU bad content is clamped (never out of bounds), on the CPU it
-# is an error. No host sync, any number of groups.
+# ---- scale swizzles (DESIGN §7): scales made elsewhere to and from the blocked layout, any 1-byte dtype (kept).
+# Blocked outputs are written whole, padding zero; plain outputs (the inverses) drop it. offs: int32 group ends
+# (DESIGN §3), bad content clamped on a GPU (never out of bounds), an error on the CPU. No host sync, any group count.
 
 _SCALE_BYTE_BAD = (torch.bool, torch.qint8, torch.quint8, torch.qint32, torch.quint4x2, torch.quint2x4)
 _MAX_DIM = 1 << 40

@@ -206,9 +206,8 @@ def test_reference_matches_torchao(dtype, fp8, data):
 @pytest.mark.parametrize("dtype", IN_DTYPES)
 @pytest.mark.parametrize("fp8", FP8S)
 def test_weight_reference_matches_torchao(dtype, fp8):
-    # torchao's torch_blockwise_scale_weight_quant: q (M, N) row-major and the tile
-    # decode scales (M/128, N/128) row-major, for sizes that are multiples of 128. Our
-    # two orientations hold the same values: column-major copies (weight_rhs) and their
+    # torchao's torch_blockwise_scale_weight_quant gives q (M, N) and tile decode scales (M/128, N/128), row-major,
+    # for multiples of 128. Our two orientations hold the same values: column-major copies (weight_rhs) and their
     # transposes (weight_transposed_rhs).
     t_w = _torchao_weight_ref()
     w = bw_data((384, 256), dtype, seed=23, specials=False)
@@ -429,11 +428,9 @@ def check_dual(out, x, fp8, offs, alignment=None):
 @pytest.mark.parametrize("alignment", ALIGNMENTS)
 @pytest.mark.parametrize("case", PADDED_CASES)
 def test_padded(device, dtype, alignment, case):
-    # The two transposing ops and act_dual (act_lhs + act_rhs; the one-read kernel on a
-    # GPU for contiguous bf16/fp16 rows of a multiple of 8 columns, the two ops for the
-    # other layouts) against the reference: specials, empty groups, rows past the
-    # groups, alignments past one block (padded blocks with no rows at all), every fp8
-    # format, into poisoned memory.
+    # The two transposing ops and act_dual (one-read GPU kernel for contiguous bf16/fp16 rows of 8k columns, else the
+    # two ops) vs the reference: specials, empty groups, rows past the groups, alignments past one block (padded blocks
+    # with no rows), every fp8 format, into poisoned memory.
     m, k, g, tail = case
     offs = random_offs(m, g, empty_frac=0.3, tail=tail, generator=torch.Generator().manual_seed(m + g + alignment))
     starts, _ = moe_fp8_ext.padded_group_offsets(offs, m, alignment)
@@ -934,13 +931,9 @@ def act_lhs_rows_same_as_cpu(dtype, shapes, strided_cols, seed):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", IN_DTYPES)
 def test_act_lhs_cluster_gather_same_as_cpu(dtype):
-    # Rows of 16-byte-aligned vectors that fit a ring stage (>= 1024 bf16 / 512 fp32 columns):
-    # act_lhs's ring kernel, whose 16-bit instance gathers the scales over clusters of 8 rows
-    # on sm90+ (forced wherever it can run: rows_gather="1"). Row counts below, at and
-    # past multiples of 8 (a last step of fewer rows; fewer rows than a cluster: the plain
-    # ring kernel), a partial last block, M not a multiple of 4 (runs of eight scales not
-    # 16-byte aligned: the per-row stores), strided rows, and enough rows that every
-    # cluster walks several steps; then the default choice on a large shape.
+    # act_lhs's ring kernel (16-byte-aligned rows that fit a ring stage), its 16-bit sm90+ instance forced to gather
+    # scales over 8-row clusters: row counts around multiples of 8 (some under a cluster), a partial last block, M % 4
+    # != 0 (per-row stores), strided rows, clusters walking several steps; then the default choice on a large shape.
     widths = (1024, 1032, 2048, 7168) if dtype != torch.float32 else (512, 1032, 2048, 8192)
     shapes = [(5, widths[0]), (8, widths[0]), (9, widths[1]), (23, widths[2]), (8195, widths[1]), (4100, widths[3]),
               (16384, widths[2])]
@@ -953,12 +946,9 @@ def test_act_lhs_cluster_gather_same_as_cpu(dtype):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", IN_DTYPES)
 def test_act_lhs_block_runs_same_as_cpu(dtype):
-    # Rows of at most 16 blocks (2048 columns) that fit a ring stage: act_lhs's ring kernel,
-    # whose 16-bit instance gives each block runs of 8 consecutive rows and stores their
-    # scales as 32-byte runs (forced: rows_runs="1", the cluster gather off). Row
-    # counts below, at and past multiples of 8 (a last run of fewer rows), a partial last
-    # block, M not a multiple of 4 (the per-row stores), more runs than blocks, strided
-    # rows; then the default choice on a large shape.
+    # act_lhs's ring kernel on rows of at most 16 blocks, its 16-bit instance forced to block runs of 8 rows stored as
+    # 32-byte scale runs: row counts around multiples of 8, a partial last block, M % 4 != 0 (per-row stores), more runs
+    # than blocks, strided rows; then the default choice on a large shape.
     widths = (1024, 1032, 2048) if dtype != torch.float32 else (512, 1032, 2048)
     shapes = [(1, widths[0]), (5, widths[0]), (8, widths[2]), (9, widths[1]), (23, widths[2]), (1003, widths[2]),
               (8195, widths[1]), (40000, widths[2])]

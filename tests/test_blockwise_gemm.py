@@ -322,12 +322,9 @@ def draw_2d3d(m, k, n, e, offs, seed=0):
     return quantized_2d3d(x.cuda(), w.cuda()) + (offs.cuda(),)
 
 
-# Many groups, so that a CTA changes group at nearly every tile (the store warp rewrites
-# its store descriptor for each, csrc/gemm/store_warp_epilogue.cuh), and every kind of
-# tile: whole tiles of groups on the 128-row grid, a cluster's spare tile past a group
-# (2x1, N = 384: an odd number of N tiles), partial last tiles (clipped by the group's
-# descriptor) and starts off multiples of 16 rows, in runs and interleaved; 77 tail rows past
-# the last group.
+# Many groups, so a CTA changes group at nearly every tile (the store warp rewrites its descriptor each time), and
+# every tile kind: whole tiles, a 2x1 cluster's spare tile past a group (N = 384), partial last tiles, starts off
+# multiples of 16 rows, in runs and interleaved; the case adds 77 tail rows.
 MANY_GROUPS = [128, 256, 0, 100, 384, 129, 128, 640, 1, 255, 256, 384, 0, 512, 127, 128] * 3
 # Router-like sizes, multiples of 16: group starts at every multiple of 16 below 128,
 # whole and partial last tiles.

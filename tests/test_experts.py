@@ -119,10 +119,9 @@ def test_weight_gradients_taken_without_copy(device, recipe, accumulate):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("hidden", [128, 144])
 def test_blockwise_joins_w13_dgrad_for_whole_tiles(device, hidden, monkeypatch):
-    # fp8_blockwise runs the input gradient through W1 and W3 as one GEMM where the
-    # hidden size is whole 128-column tiles (both operands without a copy), else as two
-    # GEMMs over the halves, summed (no bf16 copy of [W1; W3] in the backward, where the
-    # step's peak is); both match the fp32 layer
+    # fp8_blockwise runs the input gradient through W1 and W3 as one GEMM where hidden is whole 128-column tiles (no
+    # operand copy), else as two summed GEMMs over the halves (no bf16 [W1; W3] copy at the backward's peak);
+    # both match the fp32 layer.
     from moe_fp8_ext import recipes
 
     x, w1, w3, w2, offs, grad = make(3, hidden, 96, 300, device, offs=[40, 170, 300])
@@ -143,17 +142,9 @@ def test_blockwise_joins_w13_dgrad_for_whole_tiles(device, hidden, monkeypatch):
 @pytest.mark.parametrize("hidden, mode", [(128, "box"), (64, "box"), (128, "hooks"), (128, "no_pad")])
 @pytest.mark.parametrize("needs", [(0, 1, 2, 3), (0, 1, 2), (3,), (0, 3), (1, 2, 3), (0,), (1,)])
 def test_blockwise_swiglu_operands(device, hidden, mode, needs, monkeypatch):
-    # fp8_blockwise makes h's two fp8 operands together in the forward (W2's
-    # weight-gradient one kept: no h in the backward) and, where the input gradient
-    # through W1 and W3 is one GEMM (hidden 128; 64 takes two), grad_h13's two together
-    # in the backward, where act_dual reads its input once (Recipe.makes_swiglu_operands:
-    # a GPU; forced here on the CPU, which runs act_lhs and act_rhs). Output and every
-    # gradient asked for are bit for bit those of the path without it, frozen subsets
-    # included; the operands are made together exactly where they should be, and h is
-    # computed once a step (the forward's), never again in the backward. h's kept
-    # operand sits in a box the backward empties ("box"), or under saved-tensor hooks in
-    # save_for_backward ("hooks"); with aligned groups and pad_groups=False nothing is
-    # kept and only grad_h13's dgrad operand is made on the joint path ("no_pad").
+    # fp8_blockwise makes h's two fp8 operands together in the forward (wgrad one kept, h never recomputed) and, where
+    # dgrad through W1/W3 is one GEMM, grad_h13's two in the backward; bit-equal to the path without. h's operand is
+    # in a box ("box") or under saved-tensor hooks ("hooks"); aligned groups, pad_groups=False keep nothing ("no_pad").
     from moe_fp8_ext import recipes
 
     experts_mod = importlib.import_module("moe_fp8_ext.experts")  # (moe_fp8_ext.experts is the function)
@@ -421,11 +412,9 @@ def test_weight_reuse_hits_and_is_exact(device):
 @pytest.mark.parametrize("cached", [False, True])
 @pytest.mark.parametrize("dual_kernel", ["0", "default"])
 def test_backward_operands_made_in_forward(device, cached, dual_kernel, monkeypatch):
-    # A recipe that reads a weight once for both operands (Recipe.reads_weights_once:
-    # fp8_rowwise's dual kernel on a GPU by default; forced here so that the CPU, and
-    # the GPU with the kernel off, run the path too) makes the backward operands in the
-    # forward: the same bits as making them in the backward, kept on ctx (no cache)
-    # until used and then dropped, or in the cache.
+    # A recipe that reads a weight once for both operands (Recipe.reads_weights_once; forced here so CPU and kernel-off
+    # GPU run it) makes the backward operands in the forward: the same bits as making them in the backward, kept on ctx
+    # until used and then dropped (no cache), or in the cache.
     set_dual_kernel_budget(monkeypatch, dual_kernel)
     x, w1, w3, w2, offs, grad = make(3, 48, 64, 100, device, offs=[10, 60, 100])
     recipe = type(get_recipe("fp8_rowwise"))
@@ -452,10 +441,9 @@ def test_backward_operands_made_in_forward(device, cached, dual_kernel, monkeypa
 
 @pytest.mark.parametrize("recipe_name", ["fp8_rowwise", "fp8_blockwise"])
 def test_no_grad_makes_nothing_for_backward(recipe_name, monkeypatch):
-    # Under no_grad the layer makes no backward operand (weights' dgrad ones, x's fp8
-    # wgrad one), though autograd sets needs_input_grad there too; the output is the
-    # grad-mode one. (fp8_blockwise: x's two operands from one read, and each weight's
-    # two operands from one read: W1 and W3 together, the concatenation's, W2 alone.)
+    # Under no_grad the layer makes no backward operand (weights' dgrad ones, x's wgrad one), though autograd sets
+    # needs_input_grad there too; the output equals grad mode's. (fp8_blockwise makes x's two operands, and each
+    # weight's two, from one read: W1 and W3 together, W2 alone.)
     x, w1, w3, w2, offs, _ = make(3, 128, 128, 300, "cpu", offs=[130, 130, 300])
     calls, recipe = count_backward_operand_calls(monkeypatch, recipe_name)
     if recipe_name == "fp8_rowwise":

@@ -44,13 +44,9 @@ def fp32_reference(a, b_t, offs):
     return a32, b32, out
 
 
-# Per recipe: its shapes, its SQNR floors (out, grad_A, grad_B dB vs fp32; the issue's
-# thresholds for fp8 e4m3 with pow2 scales on N(0,1)+outliers activations and N(0, 0.02)
-# weights), the cases also run with aligned groups and pad_groups=False, the seed of the
-# fixed cases' data (None: a fresh draw every run) and the recipes printed beside it on
-# the same data. MXFP8 reaches at least fp8_rowwise's floors: with power-of-two scales
-# both round every value to e4m3's 3 mantissa bits, so the two agree to ~0.01 dB unless
-# values leave e4m3's normal range within a row.
+# Per recipe: shapes, SQNR floors (out, grad_A, grad_B dB vs fp32, e4m3 pow2 scales, N(0,1)+outlier activations,
+# N(0, 0.02) weights), cases also run aligned with pad_groups=False, data seed (None: fresh draw), recipes printed
+# beside it. MXFP8 meets fp8_rowwise's floors: with pow2 scales both round every value to e4m3's 3 mantissa bits.
 MX_CASES = {  # (M, K, N, group sizes): K and N multiples of 32
     "e4": (512, 256, 64, [128, 0, 256, 128]),
     "e1": (512, 256, 96, [512]),
@@ -136,11 +132,9 @@ def test_sqnr_random_unaligned_groups(device, recipe, experts):
 
 
 def test_backward_is_the_quantized_math():
-    # The output and gradients are the products of the quantized operands (emulated
-    # path): checks the autograd wiring, operand layouts and scale placement. Both
-    # sides accumulate in fp32 in a different order, then round to bf16: allow one
-    # bf16 ulp where a sum lands on a rounding boundary (2^-7 relative at most: an
-    # ulp is 2^-8 of the top of its binade and 2^-7 of the bottom).
+    # Output and gradients are the products of the quantized operands (emulated path): checks autograd wiring, operand
+    # layouts, scale placement. Both sides sum in fp32 in different orders, then round to bf16: allow one bf16 ulp
+    # (2^-7 relative at most) where a sum lands on a rounding boundary.
     m, k, n, sizes = CASES["e4"]
     offs = make_offs(sizes, "cpu")
     a = randn((m, k), torch.bfloat16).requires_grad_()
@@ -210,13 +204,9 @@ def test_saves_fp8_a_instead_of_a(device, needs_b):
 @pytest.mark.parametrize("recipe_name,dual_kernel", [("fp8_rowwise", "0"), ("fp8_rowwise", "default"),
                                                      ("fp8_blockwise", "default")])
 def test_weight_backward_operand_made_in_forward(device, recipe_name, dual_kernel, monkeypatch):
-    # Where one read makes both weight operands (Recipe.reads_weights_once: fp8_rowwise's
-    # dual kernel on a GPU by default, forced here so that the CPU, and the GPU with the
-    # kernel off, run the path too; fp8_blockwise's weight dual always), the forward
-    # makes B_t's input-gradient operand, holds it on ctx and the backward drops it
-    # after the dgrad GEMM: the same bits as making it in the backward (rowwise) or
-    # saving the dual's transposed half (blockwise, forced off). A second backward
-    # (retain_graph) quantizes B_t again; hold_weight_operands=False holds nothing.
+    # Where one read makes both weight operands (Recipe.reads_weights_once; forced so CPU and kernel-off GPU run it),
+    # the forward makes B_t's dgrad operand, held on ctx until the dgrad GEMM: same bits as the backward's (rowwise) or
+    # the dual's transposed half (blockwise). A second backward re-quantizes; hold_weight_operands=False holds nothing.
     import weakref
 
     set_dual_kernel_budget(monkeypatch, dual_kernel)
@@ -306,10 +296,9 @@ def test_no_grad_makes_nothing_for_backward(recipe_name, monkeypatch):
 @pytest.mark.parametrize("recipe_name", ["fp8_rowwise", "fp8_blockwise", "mxfp8", "bf16"])
 @pytest.mark.parametrize("needs", ["a", "b"])
 def test_saves_only_what_the_gradients_need(recipe_name, needs):
-    # A is read by the weight gradient alone and B_t by the input gradient alone: where
-    # one gradient is not wanted, nothing is kept of the operand only it reads (frozen
-    # experts keep no activation; a cast weight is not held for a gradient nobody
-    # wants). The gradient that is computed is the one of the full call, bit for bit.
+    # A is read only by the weight gradient, B_t only by the input gradient: when a gradient is not wanted, nothing is
+    # kept of the operand only it reads (frozen experts keep no activation). The gradient computed is the full call's,
+    # bit for bit.
     offs = make_offs([64, 0, 96], "cpu")
     a = randn((200, 128), torch.bfloat16)
     b_t = (randn((3, 128, 128), torch.bfloat16) * 0.02).transpose(1, 2)
@@ -331,11 +320,9 @@ def test_saves_only_what_the_gradients_need(recipe_name, needs):
 
 @pytest.mark.parametrize("recipe_name", ["fp8_rowwise", "fp8_blockwise", "bf16"])
 def test_in_place_weight_write_before_backward_raises(recipe_name, monkeypatch):
-    # The weight stays saved wherever the input gradient runs, held fp8 operand or not:
-    # a write autograd sees between the forward and the backward raises its in-place
-    # error, as the bf16 recipe does, instead of a dgrad from the held operand of the
-    # old weight next to a wgrad of the new one. (Under saved-tensor hooks PyTorch
-    # checks no versions, for any recipe.)
+    # The weight stays saved wherever the input gradient runs: an in-place write between forward and backward raises
+    # autograd's error as bf16 does, rather than a dgrad of the old weight beside a wgrad of the new one.
+    # (Under saved-tensor hooks PyTorch checks no versions, for any recipe.)
     recipe = type(moe_fp8_ext.recipes.get_recipe(recipe_name))
     if recipe_name != "bf16":
         monkeypatch.setattr(recipe, "reads_weights_once", lambda self, b_ts: True)  # the held path on the CPU too
@@ -413,12 +400,9 @@ def train(recipe, dtype, steps=50, device="cpu", layer=False):
 @pytest.mark.parametrize("layer", [False, True], ids=["grouped_mm", "GroupedExperts"])
 @pytest.mark.parametrize("recipe", ["fp8_rowwise", "mxfp8", "fp8_blockwise"])
 def test_fp8_training_tracks_high_precision(recipe, layer, device):
-    # 50 steps of the MoE SwiGLU FFN (unaligned groups), through three grouped_mm calls
-    # or the fused experts layer. On the CPU the baseline runs in fp32 (no bf16 grouped
-    # GEMM there) and the fp8 run feeds the same fp32 activations through fp8
-    # quantization; on a GPU both train in bf16, the fp8 one on the recipe's GPU path
-    # (our FP8 GEMMs on sm90; mxfp8 emulated off sm100). fp8 noise moves individual
-    # steps a little; the curve must stay within 5% of the baseline at every step.
+    # 50 steps of the MoE SwiGLU FFN (unaligned groups) via three grouped_mm calls or the fused experts layer. CPU: fp32
+    # baseline (no bf16 grouped GEMM) vs fp8 of the same fp32 activations; GPU: both bf16, fp8 on the recipe's GPU path.
+    # fp8 noise moves single steps a little, so the curve must stay within 5% of the baseline at every step.
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     base = train("bf16", dtype, device=device, layer=layer)
     fp8 = train(recipe, dtype, device=device, layer=layer)
@@ -458,10 +442,8 @@ def test_backend_report():
 
 
 # ======================================================================================
-# GPU only (moved here from the former tests/test_gpu.py): the whole grouped_mm step,
-# forward and backward, never syncs with the host; captured in a CUDA graph it
-# replays bit-equal to eager. Skipped without a CUDA GPU and build.
-# ======================================================================================
+# GPU only: the whole grouped_mm step, forward and backward, never syncs with the host; captured in a CUDA graph
+# it replays bit-equal to eager. Skipped without a CUDA GPU and build.
 
 from conftest import graph_matches_eager  # noqa: E402
 
@@ -514,10 +496,8 @@ def test_grouped_mm_garbage_offs_on_gpu(recipe):
 
 
 # =======================================================================================
-# Recipes (issue 12) and grouped_mm argument validation (issue 16, items 5 and 6).
-# Everything below drives grouped_mm through moe_fp8_ext.recipes; new cases of other
-# families go after the end of this section.
-# =======================================================================================
+# Recipes (issue 12) and grouped_mm argument validation (issue 16): everything below drives grouped_mm through
+# moe_fp8_ext.recipes; new cases of other families go after the end of this section.
 
 import dataclasses  # noqa: E402
 
@@ -959,11 +939,8 @@ def test_debug_env_checks_offs_content_on_gpu(monkeypatch, recipe):
 
 
 # =======================================================================================
-# MXFP8 recipe: grouped_mm(recipe="mxfp8") (issue 13). e8m0 scales per 32 elements of
-# each contraction, in the blocked layouts the sm100 GEMM reads; emulated (the same
-# operands, blocked scales read back, fp32 GEMM) everywhere but CUDA capability 10.x.
-# New cases of other families go after the end of this section.
-# =======================================================================================
+# MXFP8 recipe (issue 13): e8m0 scales per 32 contraction elements, in the sm100 GEMM's blocked layouts; emulated
+# (blocked scales read back, fp32 GEMM) off CUDA capability 10.x. Other families' cases go after this section.
 
 MX = recipes.get_recipe("mxfp8")
 MX_FLOOR = dataclasses.replace(MX, name="mxfp8_floor", rounding="floor")
@@ -975,11 +952,9 @@ def _mx_deq_rows(q, s):
 
 @pytest.mark.parametrize("recipe", [MX, MX_FLOOR], ids=["rceil", "floor"])
 def test_mxfp8_is_its_quantized_math(recipe):
-    # The emulated output and gradients are the products of reference.py's MXFP8
-    # quantization (plain scales): checks the operand roles, the orientation of each
-    # block of 32, the rounding field, and that the blocked scales the recipe's GEMMs
-    # read (M-group, per-expert, K-group layouts) are read back at the right places.
-    # One bf16 ulp where fp32 sums in a different order land on a rounding boundary.
+    # Emulated output and gradients are the products of reference.py's MXFP8 quantization: checks operand roles, each
+    # 32-block's orientation, the rounding field, and that blocked scales (M-group, per-expert, K-group) read back in
+    # place. One bf16 ulp where fp32 sums in a different order land on a rounding boundary.
     m, k, n, sizes = MX_CASES["unaligned_e5"]
     offs = make_offs(sizes, "cpu")
     a = randn((m, k), torch.bfloat16).requires_grad_()
@@ -1115,11 +1090,9 @@ class _Mxfp8ForcedGemm(recipes.Mxfp8):
 
 
 def test_mxfp8_gemm_path_traces_fullgraph():
-    # The sm100 path (padded token groups, the three MXFP8 GEMMs) traced forward and
-    # backward under torch.compile(fullgraph=True) on meta tensors: torch's own meta
-    # checks of _scaled_grouped_mm (fp8 row-/column-major operands, e8m0 scales, 2-D
-    # scales for 2-D operands, (E, ceil128(N) ceil4(K/32)) for the 3-D one) accept
-    # every operand the recipe makes.
+    # The sm100 path (padded token groups, three MXFP8 GEMMs) traced forward and backward with fullgraph=True on meta
+    # tensors: torch's meta checks of _scaled_grouped_mm (fp8 layouts, e8m0 scales, 2-D scales for 2-D operands,
+    # (E, ceil128(N) ceil4(K/32)) for the 3-D one) accept every operand the recipe makes.
     from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
 
@@ -1194,11 +1167,8 @@ def test_mxfp8_gate_never_calls_torch_mxfp8_gemm_off_sm100(monkeypatch):
 
 
 # =======================================================================================
-# FP8 blockwise recipe: grouped_mm(recipe="fp8_blockwise") (issue 14). 1x128 activation
-# blocks and 128x128 weight tiles with exact fp32 scales; our CUTLASS grouped GEMM on
-# sm90 (moe_fp8_ext.blockwise_gemm), emulated (the same operands dequantized, fp32
-# GEMM) elsewhere.
-# =======================================================================================
+# FP8 blockwise recipe (issue 14): 1x128 activation blocks, 128x128 weight tiles, exact fp32 scales; our CUTLASS
+# grouped GEMM on sm90 (moe_fp8_ext.blockwise_gemm), emulated (dequantized operands, fp32 GEMM) elsewhere.
 
 BW_CASES = {  # (M, K, N, group sizes)
     "e4": (512, 512, 256, [128, 0, 256, 128]),

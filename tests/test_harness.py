@@ -33,10 +33,9 @@ def test_poison_reaches_every_free_block(nbytes):
 @requires_cuda
 @pytest.mark.gpu
 def test_poison_fills_whole_blocks():
-    # A free block of 16.5 MiB between the start of its segment and a live tensor: the
-    # block that poison()'s 16 MiB request gets whole (the large pool leaves a rest of
-    # 1 MiB or less unsplit). Its last half MiB must be poisoned too.
-    # The cache's free large blocks held meanwhile, so that a and b split one new segment.
+    # A free 16.5 MiB block between its segment's start and a live tensor: poison()'s 16 MiB request gets it whole (the
+    # large pool leaves a rest of <= 1 MiB unsplit), so its last half MiB must be poisoned too. Free large blocks are
+    # held meanwhile so that a and b split one new segment.
     hold = [torch.empty(size, dtype=torch.uint8, device="cuda") for size, small in _free_blocks_of_this_stream() if not small]
     seg = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")
     del seg  # the one free large block: 64 MiB

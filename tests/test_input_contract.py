@@ -159,10 +159,9 @@ def index_mutators(n):
     ]
 
 
-# The edge classes of tests/edge_data.py, a group at a time so that every block (and
-# every whole reduction set) of any geometry holds the group's class: NaN of either
-# sign with payloads, +-Inf, maxima of exactly 448 * 2^k or 240 * 2^k, subnormal
-# maxima, maxima near the dtype's limit, -0.0 / zero blocks.
+# tests/edge_data.py's edge classes, a group at a time so every block (and reduction set) of any geometry holds the
+# group's class: NaN of either sign with payloads, +-Inf, maxima of exactly 448 * 2^k or 240 * 2^k, subnormal maxima,
+# maxima near the dtype's limit, -0.0 / zero blocks.
 EDGE_GROUPS = {
     "NaN (+, -, payloads)": ("nan", "-nan", "snan"),
     "+-Inf": ("inf", "-inf"),

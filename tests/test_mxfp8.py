@@ -654,17 +654,9 @@ def test_large_same_as_cpu(rounding, blocked):
 @pytest.mark.gpu
 @pytest.mark.parametrize("rounding", ROUNDINGS)
 def test_rowwise_m_groups_placement_same_as_cpu(rounding):
-    # The M-group kernel walks the blocked rows (group g's from its start), loads each
-    # block's first unit on the guess that it lies in group 0, and zeroes the rows past
-    # the groups' padded rows separately. Cases: tiny groups (nearly every blocked row
-    # padding, up to 127 a group), router-like groups of multiples of 16 with rows past
-    # the last group (on an H100, 88 of the 792 blocks guess their first unit wrong), odd
-    # sizes (shifts of every parity), one group of every row (every guess right), one
-    # group with rows past it, and more groups than the kernel's own table holds (1024:
-    # the op's start table instead). On an H100 the router-like case and the one-group
-    # case of 4096 rows run the grid of 6 blocks an SM (padding at most an eighth of the
-    # rows), the others that of 8; on an H200 all run 8 (the grid scales with the DRAM
-    # bandwidth an SM).
+    # The M-group kernel walks blocked rows, guesses each block's first unit lies in group 0, and zeroes rows past the
+    # padded groups separately. Cases: tiny groups (mostly padding), router-like groups with tail rows (wrong guesses),
+    # odd sizes (every parity), one group (guesses right), more groups than the kernel's table (1024: the op's table).
     g = torch.Generator().manual_seed(7)
     cases = [
         (700, 256, offs_from_sizes(torch.randint(0, 4, (300,), generator=g).tolist())),
@@ -684,13 +676,9 @@ def test_rowwise_m_groups_placement_same_as_cpu(rounding):
 @pytest.mark.gpu
 @pytest.mark.parametrize("walk", ["dynamic", "stride"])
 def test_rowwise_blocked_walks_same_as_cpu(walk):
-    # The octet-tile kernel (rowwise with blocked scales, with and without M groups) takes
-    # its units from a work counter by default where a block can take more than two (the
-    # stride where rows_dynamic="0"). The counter is one a stream, set back to zero
-    # by each launch's last block: calls back to back on one stream, with more and with
-    # fewer units than the last (the (16384, 2048) calls: 8192 units or more, over at most
-    # 1188 blocks on an H100 or H200), each give the CPU op's bits into poisoned memory; so
-    # do calls on two side streams (one counter each; their launches may overlap).
+    # The octet-tile kernel takes units from a per-stream work counter (stride walk if rows_dynamic="0"), reset by each
+    # launch's last block: back-to-back calls with more and fewer units than the last, and calls on two side streams
+    # (overlapping launches, one counter each), each give the CPU op's bits into poisoned memory.
     with _tuning.override(rows_dynamic="0" if walk == "stride" else None):
         q = moe_fp8_ext.quantize_mxfp8_rowwise
         big = mx_data((16384, 2048), torch.bfloat16, "cuda")
@@ -721,11 +709,9 @@ def test_rowwise_blocked_walks_same_as_cpu(walk):
 @requires_cuda
 @pytest.mark.gpu
 def test_rowwise_blocked_graph_counters():
-    # Each launch captured into a graph has a work counter of its own, baked into the
-    # graph and set back to zero at the end of every replay: three launches of 8192 units
-    # or more in one graph (torch captures on a stream of its own), replayed three times
-    # into poisoned outputs, each replay followed by eager calls on the current stream
-    # into poisoned memory, all against the CPU op.
+    # Each launch captured into a graph has its own work counter, reset at the end of every replay: three launches of
+    # 8192+ units in one graph, replayed three times into poisoned outputs, each replay followed by eager calls into
+    # poisoned memory, all against the CPU op.
     q = moe_fp8_ext.quantize_mxfp8_rowwise
     x = mx_data((16384, 2048), torch.bfloat16, "cuda", specials=False)
     offs = offs_from_sizes([1000, 0, 3000, 17, 4000, 8000]).cuda()
@@ -776,9 +762,8 @@ def test_cuda_graph_replay():
 
 
 # ---- scale swizzles: to_blocked_scales*, from_blocked_scales* ------------------------------
-# Bit-exact against reference.to_blocked / to_blocked_m_groups / to_blocked_k_groups (and
-# torchao's pure-torch rearranges when importable), round trips, the pure-torch readers
-# of recipes.py, the quantization ops' own blocked scales, errors, opcheck, compile.
+# Bit-exact against reference.to_blocked* (and torchao's rearranges when importable), round trips, recipes.py's
+# pure-torch readers, the quantization ops' own blocked scales, errors, opcheck, compile.
 
 from moe_fp8_ext import recipes  # noqa: E402
 

@@ -280,11 +280,9 @@ def check_dual(parts, fp8_dtype, pow2):
 @pytest.mark.parametrize("layout", ["titan", "other", "permuted"])
 @pytest.mark.parametrize("dual", ["default", "0"])
 def test_quantize_experts_dual_cat(device, in_dtype, fp8_dtype, pow2, shape, ns, layout, dual, monkeypatch):
-    # = (quantize_experts_fwd, quantize_experts_bwd) of the concatenation along N, bit
-    # for bit. On a GPU by default, the "titan" layout with N, K multiples of 16 runs
-    # the dual kernel (tiles partial in both dims, a part boundary inside a tile: 136,
-    # column maxima over several row tiles: 400); the rest, the kernel switched off
-    # ("0") and the CPU, the two ops.
+    # = (quantize_experts_fwd, quantize_experts_bwd) of the concatenation along N, bit for bit. On a GPU the "titan"
+    # layout with N, K multiples of 16 runs the dual kernel (136: a part boundary in a tile; 400: column maxima over
+    # several row tiles); the other layouts, the kernel off ("0") and the CPU run the two ops.
     set_dual_kernel_budget(monkeypatch, dual)
     check_dual(weight_parts(*shape, ns, in_dtype, device, layout), fp8_dtype, pow2)
 
@@ -541,14 +539,9 @@ def test_dual_budget_without_gpu_kernels():
                                      (3, 256, 144)])
 @pytest.mark.parametrize("budget", ["l2", "two", "all"])
 def test_dual_large(fp8_dtype, e, k, n, budget):
-    # The dual kernel on W1 and W3 (E, n, k) and W2 (E, k, n) of an experts layer, in
-    # torchtitan's layout: bit for bit the two GPU ops (each equal to the CPU op,
-    # test_experts_large), and the CPU op itself on the smaller shapes, with the lag each
-    # budget allows: three fifths of L2 (the shapes that fit it), two experts in L2 (lag
-    # 1: each expert's second pass right behind its first) and no limit (the lag from the
-    # resident blocks alone; all E at (3, ...)). (The failures once blamed on the kernel
-    # were this test's: it sized W2's budget with k for K, too small at (16, 1536, 5120),
-    # so the op rightly ran the two ops and the predicate rightly said so.)
+    # The dual kernel on an experts layer's W1, W3 (E, n, k) and W2 (E, k, n), torchtitan's layout: bit for bit the two
+    # GPU ops (and the CPU op on smaller shapes) at each budget's lag: 3/5 of L2 (shapes that fit), two experts in L2
+    # (lag 1), no limit (lag from resident blocks alone). W2's budget uses its own K (else the op rightly runs two ops).
     w1, w3 = (randn((e, n, k), torch.bfloat16, "cuda") * 0.02 for _ in range(2))
     w2 = randn((e, k, n), torch.bfloat16, "cuda") * 0.02
     for parts in ([w1.transpose(1, 2), (w3 * 8).transpose(1, 2)], [w2.transpose(1, 2)]):
@@ -572,11 +565,9 @@ def test_dual_large(fp8_dtype, e, k, n, budget):
 @pytest.mark.gpu
 @pytest.mark.parametrize("e, k, ns", [(40, 1040, (272, 272)), (16, 5120, (1536,)), (130, 256, (64, 80))])
 def test_dual_repeated(e, k, ns):
-    # The cross-block protocol (per-expert amaxes by atomics, a release/acquire counter
-    # per expert) under many launches: each budget from lag 1 (two experts in L2) to no
-    # limit, 40 launches each, every one checked against the two ops' bits, and its
-    # outputs poisoned (0xFF) before they are freed, so that the next launch, which gets
-    # the same blocks back from the allocator, shows any element it does not write.
+    # The cross-block protocol (per-expert atomic amaxes, a release/acquire counter per expert) under many launches:
+    # each budget from lag 1 to no limit, 40 launches each against the two ops' bits; outputs poisoned (0xFF) before
+    # being freed, so the next launch, getting the same memory back, shows any element it does not write.
     parts = [(randn((e, n, k), torch.bfloat16, "cuda") * (0.02 * (i + 1))).transpose(1, 2) for i, n in enumerate(ns)]
     parts[0][e // 2, 7, 3] = 1.0  # an outlier in one expert: its scales differ from the rest
     want = moe_fp8_ext.quantize_experts_fwd_cat(parts, F8) + moe_fp8_ext.quantize_experts_bwd_cat(parts, F8)
@@ -672,10 +663,9 @@ def test_jagged_skewed_groups_reread_path():
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows", [4600, 8000, 20000])
 def test_long_segment_plans(rows):
-    # The three plans of a segment split over the largest cluster (plan_cols_launch):
-    # the 72 KB budget (slices of 576 rows), the 768-row cache (slices of 1000 rows,
-    # re-read past 768) and the whole-SM cache (slices of 2500 rows); one group of all
-    # the rows and a skewed pair, for a jagged tensor and an expert weight.
+    # The three plans of a segment split over the largest cluster (plan_cols_launch): the 72 KB budget (576-row slices),
+    # the 768-row cache (1000-row slices, re-read past 768) and the whole-SM cache (2500-row slices); one group of all
+    # rows and a skewed pair, for a jagged tensor and an expert weight.
     x = randn((rows, 200), torch.bfloat16, "cuda")
     for offs in ([rows], [rows // 3, rows]):
         same_as_cpu(moe_fp8_ext.quantize_jagged_colwise, x, torch.tensor(offs, dtype=torch.int32), torch.float8_e4m3fn)
@@ -688,11 +678,9 @@ def test_long_segment_plans(rows):
 @requires_cuda
 @pytest.mark.gpu
 def test_jagged_single_block_plan():
-    # Token groups whose planned group takes a 2-block cluster run one block a group
-    # slice with all of the SM's shared memory (plan_cols_launch): 10 groups over 8000
-    # rows (mean 800) with empty groups, unaligned starts and one group of 2300 rows,
-    # past the 1752 cached (re-read in pass 2); plain and padded layouts, bf16, strided
-    # fp32, and the dual.
+    # Token groups whose planned group takes a 2-block cluster run one block per group slice with all the SM's shared
+    # memory (plan_cols_launch): 10 groups over 8000 rows, empty groups, unaligned starts, one of 2300 rows (past 1752
+    # cached: re-read in pass 2); plain and padded layouts, bf16, strided fp32, and the dual.
     m = 8000
     offs = torch.tensor([0, 0, 901, 1700, 4000, 4001, 5003, 6000, 7000, 8000], dtype=torch.int32)
     starts, _ = moe_fp8_ext.padded_group_offsets(offs, m, 16)
@@ -725,11 +713,9 @@ def test_jagged_unaligned_groups_and_odd_width():
     (40001, [1, 9001, 3, 20003, 4, 10987]),  # on sm90, an 8-block cluster a group: slices at rank * chunk
 ])
 def test_jagged_shifted_runs(m, sizes):
-    # q runs off the 8-byte grid (group starts, an odd q stride) are stored as aligned
-    # words assembled across lanes (store_fragment_runs_shifted): the vector path in
-    # bf16 and fp16, the scalar path, both fp8 formats, the dual, and expert weights
-    # (reduced over an odd N at 4999 rows; at 5000 the launcher takes the instance
-    # without the shifted stores, cols_runs_may_shift).
+    # q runs off the 8-byte grid (group starts, an odd q stride) are stored as aligned words assembled across lanes
+    # (store_fragment_runs_shifted): vector path in bf16/fp16, scalar path, both fp8 formats, the dual, expert weights
+    # (odd N at 4999 rows; at 5000 the launcher picks the instance without shifted stores, cols_runs_may_shift).
     offs = offs_from_sizes(sizes)
     assert int(offs[-1]) <= m
     x1, x2 = randn((m, 264), torch.bfloat16, "cuda"), randn((m, 72), torch.float16, "cuda")

@@ -152,9 +152,8 @@ def test_cpu_tensors_get_a_clear_error():
 
 
 def test_in_use_traces_under_compile_fullgraph(monkeypatch):
-    # The recipe asks in_use() inside its autograd.Function under torch.compile; the
-    # dispatcher query behind it is not traceable, so it is a constant for dynamo (a
-    # graph break would fail fullgraph). Here on any machine: device 0 a pretended Hopper
+    # The recipe calls in_use() inside its autograd.Function under torch.compile; the dispatcher query is not traceable,
+    # so dynamo must see a constant (a graph break fails fullgraph). Device 0 pretends to be Hopper, on any machine
     # (torch.cuda.is_available is left alone: dynamo itself consults it).
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (9, 0))
 

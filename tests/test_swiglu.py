@@ -237,10 +237,9 @@ def _cuda_same_as_cpu(h13, g, f8, pow2=True):
 @pytest.mark.parametrize("dtype", IN_DTYPES)
 @pytest.mark.parametrize("f8", F8S)
 def test_cuda_same_as_cpu(dtype, f8):
-    # vector path (hidden % vec == 0, aligned): block rows (hidden 1408, and 6000 with
-    # blocks of 192 threads), warp rows (hidden 136, and 20000 rows of 128 in 2500
-    # blocks); scalar path (odd hidden; a misaligned slice), rows longer than the
-    # register cache (hidden 40000), empty shapes
+    # vector path (hidden % vec == 0, aligned): block rows (1408; 6000 with 192-thread blocks), warp rows (136; 20000
+    # rows of 128 in 2500 blocks); scalar path (odd hidden; a misaligned slice), rows past the register cache (40000);
+    # empty shapes
     for m, hidden, sl in ((300, 1408, None), (77, 136, None), (20000, 128, None), (40, 6000, None), (50, 333, None),
                           (64, 40000, None), (31, 256, 1), (0, 64, None), (5, 0, None)):
         h13 = h13_data(m, hidden + (1 if sl else 0), dtype, seed=hidden)
@@ -271,11 +270,9 @@ def _every_h1(dtype):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", IN_DTYPES)
 def test_cuda_same_as_cpu_every_h1(dtype):
-    # The kernels divide by d = 1 + exp(-h1) without div.rn's per-element check where
-    # h1 is in range (silu_quot_fast), and the bf16 forward takes R(silu(h1)) from a
-    # table and three rules outside it (silu_round_bf16): for 16-bit inputs every
-    # division and every lookup they can make is one of the 65536 values of h1, all of
-    # them here, forward and backward.
+    # The kernels divide by 1 + exp(-h1) without div.rn's check where h1 is in range (silu_quot_fast), and bf16 takes
+    # R(silu(h1)) from a table plus three rules outside it (silu_round_bf16): for 16-bit inputs every division and
+    # lookup comes from one of 65536 h1 values, all tested here, forward and backward.
     h1 = _every_h1(dtype)
     hidden = 128
     rows = -(-h1.numel() // hidden)

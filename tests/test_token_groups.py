@@ -158,12 +158,9 @@ PADDED_QUANTIZATIONS = {
 @pytest.mark.parametrize("op", list(PADDED_QUANTIZATIONS))
 @pytest.mark.parametrize("case", ["between", "before", "wide"])
 def test_quantizations_refuse_gapped_layouts(op, case):
-    # The quantizations write each group's padded rows and the tail past the last group,
-    # never rows between groups (those would hold whatever the allocator left: a NaN
-    # code under a GEMM that runs over the padded ends). So their layout is the gap-free
-    # one padded_group_offsets makes; other placements raise where offs content is
-    # checked (the CPU; a GPU with MOE_FP8_DEBUG=1). pad_token_groups_at takes any
-    # non-overlapping placement and writes the gaps with zeros.
+    # The quantizations write each group's padded rows and the tail, never rows between groups (leftover memory: a NaN
+    # under a GEMM over padded ends), so only padded_group_offsets' gap-free layout is valid; others raise where offs is
+    # checked (CPU; GPU with MOE_FP8_DEBUG=1). pad_token_groups_at takes any non-overlapping placement, zeroing gaps.
     a, f = PADDED_QUANTIZATIONS[op]
     m, sizes = 6 * a, [a // 2, a + 1]
     offs = torch.tensor(sizes, dtype=torch.int32).cumsum(0, dtype=torch.int32)
@@ -387,11 +384,9 @@ def _i32(values, d):
     return torch.tensor(values, dtype=torch.int32, device=d)
 
 
-# (op name in torch.ops.moe_fp8, device -> args): schema, fake tensor and AOT dispatch
-# of every op of the family, plus edge cases: no groups, alignment 1, bf16 / fp16 /
-# int32 rows, a strided in-place target, the padded dual quantization. (fp8 rows only
-# into dequantize_rows, without test_schema: it does arithmetic torch lacks for fp8.)
-# test_op_coverage.py reads the names.
+# (op name in torch.ops.moe_fp8, device -> args): schema, fake tensor, AOT dispatch of every op, plus edges: no groups,
+# alignment 1, bf16/fp16/int32 rows, a strided in-place target, the padded dual. fp8 rows only into dequantize_rows,
+# without test_schema (it does arithmetic torch lacks for fp8). test_op_coverage.py reads the names.
 OPCHECK_CASES = [
     ("pad_token_groups", lambda d: (torch.randn(50, 8, device=d), _i32([10, 10, 49], d), 16)),
     ("pad_token_groups_at", lambda d: (torch.randn(50, 8, device=d), _i32([10, 10, 49], d), _i32([0, 16, 16], d), 96)),

@@ -65,11 +65,9 @@ def test_trains_under_torchtitan_parallelisms(ranks, layout, runs):
         assert reuse["hits"] > 0 and reuse["losses"] == micro["losses"], (reuse["hits"], reuse["losses"], micro["losses"])
 
 
-# FP8 communication against the same recipe communicating in bf16: the fp8 all-gather
-# hands the GEMMs the very operands (every loss equal: torchtitan reshards every
-# block after its forward, so each gather serves one pass); the fp8 dispatch gives the
-# forward's bits (step 0's loss equal) and W1/W3's weight gradients from the dispatched
-# values, a second fp8 rounding, so the curve stays within 1% of bf16's.
+# FP8 comms vs the same recipe in bf16: fp8 all-gather gives the GEMMs identical operands (equal losses: each gather
+# serves one pass, torchtitan reshards after forward); fp8 dispatch keeps the forward's bits (step 0 equal) but
+# rounds W1/W3's wgrad inputs to fp8 again, so the loss curve stays within 1% of bf16's.
 @pytest.mark.parametrize("ranks, layout, pairs", [
     (2, "fsdp", [("config:fp8_blockwise", "config:fp8_blockwise:ag"), ("before:fp8_rowwise", "before:fp8_rowwise:ag")]),
     (2, "ep", [("config:fp8_blockwise", "config:fp8_blockwise:disp"), ("before:fp8_rowwise", "before:fp8_rowwise:disp"),

@@ -110,15 +110,12 @@ class Recipe:
     name: str
     alignment: int = 1
 
-    # Class attributes, not fields (no annotation: a field's place in the constructor
-    # would follow the base's).
-    #: What the GEMMs compute in ("fp8", "bf16"): for messages, and the torchtitan
-    #: converter casts the inputs of a "bf16" recipe.
+    # Class attributes, not fields (no annotation: a field's place in the constructor would follow the base's).
+    #: What the GEMMs compute in ("fp8", "bf16"): for messages; the torchtitan converter casts a "bf16" recipe's inputs.
     precision = "fp8"
-    #: Whether a forward followed by an input gradient may make the weight's operand
-    #: for it and hold it until then (where ``reads_weights_once``). A field of the
-    #: recipes whose forward can (Fp8Rowwise, Fp8Blockwise); False: nothing derived from
-    #: a weight lives from a forward to its backward (the backward quantizes it again).
+    #: Whether a forward may make the weight's input-gradient operand and hold it until then (where
+    #: ``reads_weights_once``); a field of the recipes whose forward can (Fp8Rowwise, Fp8Blockwise). False: nothing
+    #: derived from a weight lives from a forward to its backward (the backward quantizes it again).
     hold_weight_operands = True
 
     # ---- where and how it runs -----------------------------------------------------
@@ -183,10 +180,9 @@ class Recipe:
                        padded_starts: Optional[Tensor]) -> Tuple[Operand, Operand]:
         raise NotImplementedError
 
-    # Whether grouped_mm and the experts layer make a token-grouped tensor's
-    # weight-gradient operand together with its forward (or dgrad) one
-    # (lhs_with_wgrad_operand) and keep that fp8 operand for the backward instead of the
-    # tensor: fp8 saved activations (DESIGN §10).
+    # Whether grouped_mm and the experts layer make a token-grouped tensor's wgrad operand with its forward (or
+    # dgrad) one (lhs_with_wgrad_operand) and keep that fp8 operand for the backward instead of the tensor: fp8
+    # saved activations (DESIGN §10).
     keeps_fp8_activations = False
 
     def wgrad_operand(self, x: Tensor, offs: Tensor, fp8_dtype, padded_starts: Optional[Tensor]) -> Operand:
@@ -232,10 +228,9 @@ class Recipe:
         gradient): the two kernels."""
         return (*self.lhs_swiglu_backward(grad_h, h13, fp8_dtype), _sw.swiglu(h13))
 
-    # Whether the experts layer runs the input gradient through W1 and W3 as ONE GEMM
-    # (grad_h13 @ [W1; W3], operands from lhs_swiglu_backward_joint and rhs_bwd_cat),
-    # instead of two GEMMs summed. A recipe sets it where both operands come without a
-    # copy (its scales may then span both halves).
+    # Whether the experts layer runs the input gradient through W1 and W3 as ONE GEMM, grad_h13 @ [W1; W3]
+    # (operands from lhs_swiglu_backward_joint and rhs_bwd_cat), not two summed. A recipe sets it where both
+    # operands come without a copy (its scales may then span both halves).
     joint_w13_dgrad = False
 
     def joins_w13_dgrad(self, w1: Tensor, w3: Tensor) -> bool:
@@ -310,13 +305,9 @@ def row_groups(offs: Tensor, m: int) -> Tuple[Tensor, Tensor]:
     return g.clamp(max=max(offs.numel() - 1, 0)), g < offs.numel()
 
 
-# The emulated GEMMs multiply dequantized fp8 operands with fp32 accumulation. On CUDA
-# they use torch._grouped_mm in bf16, which holds fp8 x power-of-two scale exactly. On
-# the CPU, a bf16 grouped GEMM is not available everywhere (and its fake kernel rejects
-# fp32), so the CPU computes every expert densely in fp32 and keeps each row's own
-# group: E times the flops, fine for an emulation, and traceable. A recipe whose
-# dequantized values are not exact in bf16 (non-pow2 scales) gets bf16-rounded operands
-# on CUDA: an emulation, not a bit-exact model of the fp8 GEMM.
+# Emulated GEMMs: dequantized fp8 operands, fp32 accumulation. CUDA: torch._grouped_mm in bf16, exact for fp8 x pow2
+# scale (non-pow2 scales get bf16-rounded operands: not bit-exact). CPU: a bf16 grouped GEMM is not everywhere (its
+# fake rejects fp32), so every expert runs densely in fp32 and each row keeps its group's: E times the flops, traceable.
 def emulated_grouped_mm_2d3d(a: Tensor, b: Tensor, offs: Tensor) -> Tensor:
     """fp32 (M, K) x (E, K, N) grouped along M -> fp32 (M, N). Rows past offs[-1] are
     not zero here (grouped_mm zeroes them)."""

@@ -116,11 +116,9 @@ class Fp8Blockwise(Recipe):
             return super().rhs_bwd_cat(b_ts, fp8_dtype)
         return _ops.quantize_blockwise_weight_transposed_rhs_cat(list(b_ts), fp8_dtype)
 
-    # The experts layer's input gradient through W1 and W3 as one GEMM, grad_h13 @
-    # [W1; W3] (contraction 2H), where the hidden size is a multiple of 128: grad_h13's
-    # 1x128 blocks (lhs of the whole of it) and [W1; W3]'s 128x128 tiles (the _cat weight
-    # ops, no copy) are then those of the halves. Other hidden sizes would need a bf16
-    # copy of [W1; W3] (tiles spanning both): two GEMMs over the halves there.
+    # One input-gradient GEMM grad_h13 @ [W1; W3] (contraction 2H) where the hidden size is a multiple of 128: the
+    # 1x128 blocks of grad_h13 and 128x128 tiles of [W1; W3] (_cat weight ops, no copy) are then the halves'. Other
+    # hidden sizes would need a bf16 copy of [W1; W3] (tiles spanning both): two GEMMs over the halves there.
     joint_w13_dgrad = True
 
     def joins_w13_dgrad(self, w1, w3):

@@ -19,12 +19,9 @@ from .base import (
 )
 from .rowwise import has_scaled_grouped_mm
 
-#
-# The sm100 GEMM reads e8m0 scales in the blocked (128x4-tile swizzled) layout that the
-# quantization kernels write directly. The emulation dequantizes the SAME operands: it
-# reads the blocked scales back through the inverse index (pure torch views and gathers,
-# no host sync, traceable), so it multiplies exactly the scales the GEMM would read and
-# any layout mismatch shows up as a numerics failure on every device.
+# The sm100 GEMM reads e8m0 scales in the blocked (128x4-tile swizzled) layout the quantization kernels write. The
+# emulation reads those SAME scales back through the inverse index (torch views and gathers, no host sync), so it
+# multiplies exactly what the GEMM would read and any layout mismatch fails numerics on every device.
 
 
 def _ceil_to(x, m):
