@@ -453,8 +453,11 @@ def _experts(x, w1, w3, w2, offs, *, recipe, fp8_dtype, weight_cache, weight_key
                           weight_keys, torch.is_grad_enabled())
 
 
-@torch.compiler.disable(reason="moe_fp8_ext: rows dispatched and weights all-gathered in fp8 are tensor subclasses "
-                        "dynamo cannot trace; the experts layer runs them eagerly (fullgraph=True cannot hold them)")
+EAGER_REASON = ("moe_fp8_ext: rows dispatched and weights all-gathered in fp8 are tensor subclasses dynamo cannot "
+                "trace; the experts layer runs them eagerly (fullgraph=True cannot hold them)")
+
+
+@torch.compiler.disable(reason=EAGER_REASON)
 def _experts_eager(*args, **kwargs):
     # (traced, these subclasses would be constants: no gradient would reach the weights)
     return _experts(*args, **kwargs)

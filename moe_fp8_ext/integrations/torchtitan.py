@@ -39,7 +39,7 @@ from torchtitan.models.common.token_dispatcher import (
 
 from .. import dispatch as _dispatch, fsdp as _fsdp
 from ..dispatch import _check_recipe, fp8_dispatch
-from ..experts import _check, experts, offsets_from_counts
+from ..experts import EAGER_REASON, _check, experts, offsets_from_counts
 from ..recipes import Recipe, get_recipe
 from ..weight_cache import WeightCache, weight_keys
 
@@ -59,8 +59,7 @@ def _fp8_forward(self, x_RD: Tensor, num_tokens_per_expert_E: Tensor) -> Tensor:
     return _fp8_forward_impl(self, x_RD, num_tokens_per_expert_E)
 
 
-@torch.compiler.disable(reason="moe_fp8_ext: rows dispatched and weights all-gathered in fp8 are tensor subclasses "
-                        "dynamo cannot trace; the experts layer runs them eagerly (fullgraph=True cannot hold them)")
+@torch.compiler.disable(reason=EAGER_REASON)
 def _fp8_forward_eager(self, x_RD: Tensor, num_tokens_per_expert_E: Tensor) -> Tensor:
     return _fp8_forward_impl(self, x_RD, num_tokens_per_expert_E)
 
