@@ -141,11 +141,19 @@ def render(runs):
              *compiled_table(runs), "",
              "FP8 communication (`bench/bench_distributed.py`; targets set for 4 H100s):", "",
              *distributed_table(runs), ""]
+    largest = {}  # (the paper model of each recipe's largest bench_distributed run only)
+    for name, doc in runs.items():
+        if name.startswith("bench_distributed"):
+            recipe, world = doc["data"]["shape"].get("recipe"), doc["data"]["steps"][0]["world"]
+            largest[recipe] = max(largest.get(recipe, 0), world)
     for name, doc in runs.items():
         lines += [f"## {name}", "", f"{doc['device']}, torch {doc['torch']}, commit {doc['commit']}, {doc['date']}: "
                   f"`{doc['command']}`", ""]
         data = doc["data"]
         groups = data.items() if isinstance(data, dict) else [(None, data)]
+        if name.startswith("bench_distributed"):
+            if data["steps"][0]["world"] < largest[data["shape"].get("recipe")]:
+                groups = [(k, v) for k, v in groups if k != "paper_model"]
         for key, rows in groups:
             if key:
                 lines += [f"### {key}", ""]
