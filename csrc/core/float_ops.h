@@ -1,6 +1,6 @@
 // fp32 arithmetic with the same bits on host and device: rounded once, never contracted
 // (f_mul, f_add, f_div, f_rcp), div.rn's fast path where it is exact (CUDA device code),
-// and bf16 rounding. The CUDA instructions are chosen by MOE_FP8_CUDA_ARCH (portability.h).
+// rounding to bf16 and fp16 bits. CUDA instructions chosen by MOE_FP8_CUDA_ARCH (portability.h).
 #pragma once
 
 #include <cstdint>
@@ -87,19 +87,35 @@ MOE_FP8_HD uint16_t bf16_bits_rn(float f) {
 #endif
 }
 
-// fp32 to fp16 bits, round to nearest even (subnormals kept, overflow to Inf, every NaN
-// to 0x7E00), integer ops only: the same bits on host and device.
-MOE_FP8_HD uint16_t fp16_bits_rn(float f) {
-  uint32_t u;
-  memcpy(&u, &f, sizeof(u));
+// ---- rounding to the input dtype (bits), as torch's casts do ---------------------------
+
+// Round to nearest even (subnormals kept, overflow to Inf); NaN becomes c10's 0x7FC0.
+// bf16_bits_rn is one cvt on sm80+ CUDA: the SwiGLU kernels are bound by instruction
+// issue (record 030), and this conversion runs two to five times an element.
+MOE_FP8_HD uint16_t float_to_bf16_bits(float f) {
+  const uint16_t b = bf16_bits_rn(f);  // unconditionally: a select, not a branch
+  return f != f ? static_cast<uint16_t>(0x7FC0u) : b;
+}
+
+// Integer ops only: the same bits on host and device; a NaN keeps its sign (0x7E00).
+MOE_FP8_HD uint16_t float_to_half_bits(float f) {
+  const uint32_t u = float_bits(f);
   const uint32_t sign = (u >> 16) & 0x8000u;
   const uint32_t a = u & 0x7FFFFFFFu;
-  if (a > 0x7F800000u) return 0x7E00u;
-  if (a >= 0x477FF000u) return static_cast<uint16_t>(sign | 0x7C00u);  // (65520 and up round to Inf)
-  if (a >= 0x38800000u) return static_cast<uint16_t>(sign | rne_shift(a - (112u << 23), 13));  // normal
-  const int e = static_cast<int>(a >> 23);  // subnormal: units of 2^-24
+  if (a > 0x7F800000u) return static_cast<uint16_t>(sign | 0x7E00u);
+  if (a >= 0x477FF000u) return static_cast<uint16_t>(sign | 0x7C00u);  // rounds to Inf
+  if (a >= 0x38800000u) return static_cast<uint16_t>(sign | rne_shift(a - (112u << 23), 13));
+  const int e = static_cast<int>(a >> 23);  // fp16 subnormal: units of 2^-24
   const int shift = 126 - e;
   return static_cast<uint16_t>(sign | ((e == 0 || shift > 31) ? 0u : rne_shift((a & 0x7FFFFFu) | 0x800000u, shift)));
+}
+
+MOE_FP8_HD float half_bits_float(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  const uint32_t e = (h >> 10) & 0x1Fu, m = h & 0x3FFu;
+  if (e == 0x1F) return bits_float(sign | 0x7F800000u | (m << 13));
+  if (e != 0) return bits_float(sign | ((e + 112u) << 23) | (m << 13));
+  return m == 0 ? bits_float(sign) : (sign ? -1.0f : 1.0f) * static_cast<float>(m) * 5.9604644775390625e-8f;
 }
 
 }  // namespace moe_fp8

@@ -80,12 +80,12 @@ struct RowsOut;
 template <>
 struct RowsOut<InputKind::kBF16> {
   using T = uint16_t;
-  static MOE_FP8_HD T encode(float v) { return v != v ? uint16_t{0x7FC0u} : bf16_bits_rn(v); }
+  static MOE_FP8_HD T encode(float v) { return float_to_bf16_bits(v); }
 };
 template <>
 struct RowsOut<InputKind::kFP16> {
   using T = uint16_t;
-  static MOE_FP8_HD T encode(float v) { return fp16_bits_rn(v); }
+  static MOE_FP8_HD T encode(float v) { return v != v ? uint16_t{0x7E00u} : float_to_half_bits(v); }
 };
 template <>
 struct RowsOut<InputKind::kFP32> {
