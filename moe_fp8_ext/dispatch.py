@@ -82,10 +82,6 @@ class Fp8Rows(Tensor):
         return _ops.dequantize_rows(q, s, 128 if s.shape[1] > 1 else q.shape[1], self.dtype)
 
 
-def is_fp8_rows(x) -> bool:
-    return isinstance(x, Fp8Rows)
-
-
 def fp8_rows_operand(recipe: Recipe, fp8_dtype: torch.dtype, x: Tensor) -> Optional[Tuple[Tensor, Tensor]]:
     """The experts layer's forward left operand where ``x`` is :class:`Fp8Rows` (made
     for ``recipe`` and ``fp8_dtype``, else an error); None for any other tensor."""

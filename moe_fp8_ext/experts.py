@@ -419,8 +419,7 @@ def experts(
     """
     kw = dict(recipe=recipe, fp8_dtype=fp8_dtype, weight_cache=weight_cache, weight_keys=weight_keys,
               pad_groups=pad_groups)
-    if torch.compiler.is_compiling() and (_dispatch.is_fp8_rows(x) or any(_fsdp.is_fp8_comm_weight(w)
-                                                                          for w in (w1, w3, w2))):
+    if traced_fp8_comm(x, (w1, w3, w2)):
         return _experts_eager(x, w1, w3, w2, offs, **kw)
     return _experts(x, w1, w3, w2, offs, **kw)
 
@@ -455,6 +454,13 @@ def _experts(x, w1, w3, w2, offs, *, recipe, fp8_dtype, weight_cache, weight_key
 
 EAGER_REASON = ("moe_fp8_ext: rows dispatched and weights all-gathered in fp8 are tensor subclasses dynamo cannot "
                 "trace; the experts layer runs them eagerly (fullgraph=True cannot hold them)")
+
+
+def traced_fp8_comm(x, ws) -> bool:
+    """Whether dynamo traces a call given rows dispatched or weights all-gathered in fp8
+    (then it runs eagerly: EAGER_REASON)."""
+    return torch.compiler.is_compiling() and (isinstance(x, _dispatch.Fp8Rows)
+                                              or any(_fsdp.is_fp8_comm_weight(w) for w in ws))
 
 
 @torch.compiler.disable(reason=EAGER_REASON)

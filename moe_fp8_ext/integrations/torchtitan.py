@@ -37,9 +37,9 @@ from torchtitan.models.common.token_dispatcher import (
     LocalTokenDispatcher,
 )
 
-from .. import dispatch as _dispatch, fsdp as _fsdp
+from .. import fsdp as _fsdp
 from ..dispatch import _check_recipe, fp8_dispatch
-from ..experts import EAGER_REASON, _check, experts, offsets_from_counts
+from ..experts import EAGER_REASON, _check, experts, offsets_from_counts, traced_fp8_comm
 from ..recipes import Recipe, get_recipe
 from ..weight_cache import WeightCache, weight_keys
 
@@ -53,8 +53,7 @@ def _local(p: Tensor) -> Tensor:
 
 
 def _fp8_forward(self, x_RD: Tensor, num_tokens_per_expert_E: Tensor) -> Tensor:
-    if torch.compiler.is_compiling() and (_dispatch.is_fp8_rows(x_RD) or any(
-            _fsdp.is_fp8_comm_weight(getattr(self, n)) for n in _NAMES)):
+    if traced_fp8_comm(x_RD, [getattr(self, n) for n in _NAMES]):
         return _fp8_forward_eager(self, x_RD, num_tokens_per_expert_E)  # (to_local included)
     return _fp8_forward_impl(self, x_RD, num_tokens_per_expert_E)
 
