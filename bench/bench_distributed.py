@@ -340,3 +340,6 @@ def main():
 
 if __name__ == "__main__":
     main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # (no teardown: gloo's exit-time destructors after FSDP2 have aborted processes)
