@@ -233,9 +233,10 @@ def paper_model(args, results):
     min(N, E) ranks with FSDP2 over the rest, and EP inside a node of NODE GPUs with
     FSDP2 across nodes. What crosses nodes takes INTER_NODE_GBPS; ``vs_step`` is that
     time over the measured fp8 FSDP2 step of one layer here (above 1, communication
-    bounds the step unless overlapped). The fp8 all-gather needs whole experts a shard
-    (E/EP a multiple of the FSDP2 group); elsewhere FSDP2 shards rows and it does not
-    apply (``all_gather_mb`` None)."""
+    bounds the step unless overlapped). FSDP2 shards whole experts where E >= EP x FSDP
+    (torchtitan's rule), rows elsewhere; the fp8 all-gather does not apply
+    (``all_gather_mb`` None) to padded expert shards (E/EP not a multiple of the FSDP2
+    group) nor to fp8_blockwise rows off its 128-row tiles."""
     b16, e, d, h = 2, args.experts, args.dim, args.hidden
     blockwise = args.recipe == "fp8_blockwise"
     fp8_weight = 1 + (4 / 128**2 if blockwise else 4 / min(d, h))  # (fp8 + its scales, an element)
@@ -246,11 +247,14 @@ def paper_model(args, results):
     for n in GPUS:
         for ep in sorted({min(n, e), NODE}):
             edp = n // ep
-            whole = edp == 1 or (e // ep) % edp == 0
+            if ep * edp > e:  # (rows sharded: each rank's rows of w1/w3 (h) and w2 (d))
+                applies = not blockwise or (h // edp) % 128 == 0 and (d // edp) % 128 == 0
+            else:
+                applies = (e // ep) % edp == 0
             weights = 3 * d * h * (e // ep)
             cross = (ep - NODE) / ep if ep > NODE else 0.0  # (routed rows that leave the node)
             for name, w_b, row_b in (("bf16 comm", b16, b16), ("fp8 comm", fp8_weight, fp8_row)):
-                ag = 2 * weights * (edp - 1) / edp * w_b if whole or w_b == b16 else None  # (forward, backward)
+                ag = 2 * weights * (edp - 1) / edp * w_b if applies or w_b == b16 else None  # (forward, backward)
                 a2a = rows * d * (ep - 1) / ep * (row_b + 3 * b16)  # dispatch; combine and both backward
                 ms = None if ag is None else (ag + a2a * cross / ((ep - 1) / ep)) / (INTER_NODE_GBPS * 1e9) * 1e3
                 out.append(dict(gpus=n, ep=ep, fsdp=edp, comm=name, all_gather_mb=None if ag is None else ag / 1e6,

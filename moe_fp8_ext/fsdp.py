@@ -5,9 +5,9 @@
     fp8_all_gather(layer)          # before fully_shard
     fully_shard(layer, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
 
-Each rank quantizes only its shard of w1, w3 and w2 (FSDP2 shards dim 0, the experts,
-so a shard holds whole experts: fp8_blockwise's 128x128 tiles and fp8_rowwise's scales
-are shard-local) and FSDP2 all-gathers the fp8 data and the scales: about half of
+Each rank quantizes only its shard of w1, w3 and w2 (sharded on dim 0, the experts, a
+shard holds whole experts: fp8_blockwise's 128x128 tiles and fp8_rowwise's scales are
+shard-local) and FSDP2 all-gathers the fp8 data and the scales: about half of
 bf16's bytes. A gather carries the operands its pass reads: the forward's all-gather the
 forward operands, the backward's (inside autograd's backward) the transposed ones, each
 quantized from the shard (fp8_rowwise's [W1; W3] one with column scales over both
@@ -28,10 +28,14 @@ checkpoints are plain high-precision tensors (sharing the shards' storage); ever
 all-gather quantizes the shard as it is then, so a step or a load is never missed, and
 gathered weights live exactly as long as FSDP2 keeps a parameter unsharded
 (``reshard_after_forward=False``, or ``set_reshard_after_backward(False)`` across
-micro-batches). fp8_blockwise and fp8_rowwise; the number of experts must be a
-multiple of the shard group's size (FSDP2 would pad dim 0, and padded shards cannot
-carry scales). A one-rank shard group (expert parallelism over every rank) sends
-nothing: its weights stay high precision and the layer quantizes them. Under
+micro-batches). fp8_blockwise and fp8_rowwise; sharded on dim 0, the number of
+experts must be a multiple of the shard group's size (FSDP2 would pad dim 0, and padded
+shards cannot carry scales). Sharded on the rows (``Shard(1)``, torchtitan's placement
+where the ranks outnumber the experts), FSDP2 joins the gathered fp8 itself and the
+scales are gathered beside it (fp8_rowwise's column scales from amaxes reduced over the
+ranks first: the same bits); fp8_blockwise needs each rank's rows a multiple of 128.
+A one-rank shard group (expert parallelism over every rank) sends nothing: its weights
+stay high precision and the layer quantizes them. Under
 ``torch.compile`` the experts layer runs gathered weights eagerly (a graph break).
 """
 
@@ -102,10 +106,7 @@ class ShardedWeight(Tensor):
 
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
         world = mesh.size()
-        if len(outer_size) != 3 or outer_size[0] % world or tuple(self.shape[1:]) != tuple(outer_size[1:]):
-            # (outer_size is the same on every rank: every rank raises, none hangs)
-            raise ValueError(f"fp8_all_gather: expected a weight of E experts sharded on dim 0 with E a multiple of "
-                             f"the shard group's size {world}, got {tuple(outer_size)} sharded to {tuple(self.shape)}")
+        dim = _shard_dim(tuple(self.shape), tuple(outer_size), world, self._recipe)
         dtype = getattr(mp_policy, "param_dtype", None)
 
         def cast(w):  # as FSDP2 casts what it gathers: the bits of the bf16-gather path
@@ -123,10 +124,18 @@ class ShardedWeight(Tensor):
                 raise RuntimeError(f"fp8_all_gather: expected {type(module).__name__}.{self._joint[0]} to be an "
                                    f"fp8-gathered weight too, got {type(other).__name__}")
             joint = (cast(other._tensor.to(self._tensor.device)), self._joint[1])  # (CPU offload: on the CPU)
-        q, s = _quantize_shard(self._recipe, cast(self._tensor), transposed, joint)
+        rowwise = isinstance(self._recipe, Fp8Rowwise)
+        # (rows sharded: fp8_rowwise's column scales span the ranks, their amaxes reduced first)
+        group = mesh.get_group() if dim == 1 else None
+        q, s = _quantize_shard(self._recipe, cast(self._tensor), transposed, joint,
+                               group if transposed and rowwise else None)
+        if dim == 1:  # (FSDP2 joins the rank shards of what it gathers along the rows: sent as (E, rows, cols) bytes)
+            q = q.transpose(-2, -1).contiguous() if transposed else q
+            return (q.view(torch.uint8),), (transposed, tuple(outer_size), joint is not None,
+                                            (_gather_row_scales(s, transposed, rowwise, group), q.dtype))
         if s.dim() == 2:  # fp8_rowwise: scales padded to one width, as FSDP2 sizes its buffers once
             s = torch.nn.functional.pad(s, (0, max(self.shape[1:]) - s.shape[1]))
-        return (q, s), (transposed, tuple(outer_size), joint is not None)
+        return (q, s), (transposed, tuple(outer_size), joint is not None, None)
 
     def fsdp_post_all_gather(self, outputs: Tuple[Tensor, ...], metadata, param_dtype: torch.dtype, *,
                              out: Optional[Tensor] = None):
@@ -134,18 +143,54 @@ class ShardedWeight(Tensor):
             if out is None:
                 return ShardedWeight(outputs[0], self._recipe, self._joint), outputs
             return
-        if len(outputs) != 2:  # (a group FSDP2 treats as one rank though its mesh has more: replicate)
+        transposed, shape, joint, row_scales = metadata
+        if row_scales is not None:  # rows sharded: the fp8 joined by FSDP2, the scales gathered beside it
+            q = outputs[0].view(row_scales[1]).view(shape)
+            q, s = (q.transpose(-2, -1) if transposed else q), row_scales[0]
+        elif len(outputs) != 2:  # (a group FSDP2 treats as one rank though its mesh has more: replicate)
             raise RuntimeError(f"fp8_all_gather: expected FSDP2 to all-gather fp8 data and scales, got "
                                f"{len(outputs)} tensor(s): a layer FSDP2 replicates, not shards, cannot "
                                "all-gather in fp8; leave fp8_all_gather off for it")
-        (q, s_out), (transposed, shape, joint) = outputs, metadata
-        s = s_out.narrow(1, 0, q.shape[1]) if s_out.dim() == 2 else s_out  # (fp8_rowwise: this orientation's)
+        else:
+            q, s_out = outputs
+            s = s_out.narrow(1, 0, q.shape[1]) if s_out.dim() == 2 else s_out  # (fp8_rowwise: this orientation's)
         if out is not None:  # the same storage, refilled: this gather's views and orientation
             held = (out._local_tensor if hasattr(out, "_local_tensor") else out)._held
             held.q, held.s, held.transposed, held.joint = q, s, transposed, joint
             return
         # (FSDP2 frees and reallocates the storage of what is returned: the whole outputs)
-        return GatheredWeight(_Held(q, s, transposed, joint), shape, param_dtype, self._recipe), (q, s_out)
+        return GatheredWeight(_Held(q, s, transposed, joint), shape, param_dtype, self._recipe), tuple(outputs)
+
+
+def _shard_dim(shard, whole, world: int, recipe: Recipe) -> int:
+    """The dim FSDP2 shards a weight (E, rows, cols) on: 0 (whole experts a rank) or 1
+    (rows, torchtitan's Shard(1) where the ranks outnumber the experts). Raises for any
+    other sharding, the same on every rank (none hangs)."""
+    if len(whole) == 3 and world > 1 and whole[1] % world == 0 and shard == (whole[0], whole[1] // world, whole[2]):
+        if isinstance(recipe, Fp8Blockwise) and (whole[1] // world) % 128:
+            raise ValueError(f"fp8_all_gather: expected each rank's rows of a weight sharded on its rows (Shard(1)) "
+                             f"to be a multiple of 128 for fp8_blockwise (whole 128x128 tiles), got {whole[1]} rows "
+                             f"over {world} ranks")
+        return 1
+    if len(whole) != 3 or whole[0] % world or shard != (whole[0] // world, whole[1], whole[2]):
+        raise ValueError(f"fp8_all_gather: expected a weight of E experts sharded on dim 0 with E a multiple of the "
+                         f"shard group's size {world}, or on its rows (Shard(1)), got {whole} sharded to {shard}")
+    return 0
+
+
+def _gather_row_scales(s: Tensor, transposed: bool, rowwise: bool, group) -> Tensor:
+    """The whole weight's scales from this rank's, for weights sharded on their rows:
+    fp8_rowwise's column scales are already every rank's (reduced amaxes); the others
+    are all-gathered and joined along the rows (blockwise's tile rows; transposed, its
+    tile columns)."""
+    if rowwise and transposed:
+        return s
+    import torch.distributed as dist
+
+    world = dist.get_world_size(group)
+    parts = s.new_empty((world * s.shape[0], *s.shape[1:]))
+    dist.all_gather_into_tensor(parts, s.contiguous(), group=group)
+    return torch.cat(parts.chunk(world), dim=s.dim() - 1 if transposed else 1)
 
 
 def _rebuild_sharded(tensor: Tensor, recipe: Recipe, joint, requires_grad: bool, is_param: bool) -> ShardedWeight:
@@ -154,10 +199,11 @@ def _rebuild_sharded(tensor: Tensor, recipe: Recipe, joint, requires_grad: bool,
 
 
 class _Held:
-    """A gathered weight's fp8 and scales in storage order, (E, rows, cols) or, with
-    ``transposed``, (E, cols, rows): shared by the weight and its aliases (FSDP2 makes
-    several), and refilled by every all-gather. ``joint``: fp8_rowwise's backward column
-    scales were made over both joined weights."""
+    """A gathered weight's fp8 and scales, (E, rows, cols) or, with ``transposed``,
+    (E, cols, rows) (fp8 contiguous, or for weights sharded on their rows a transposed
+    view): shared by the weight and its aliases (FSDP2 makes several), and refilled by
+    every all-gather. ``joint``: fp8_rowwise's backward column scales were made over
+    both joined weights."""
 
     __slots__ = ("q", "s", "transposed", "joint")
 
@@ -227,14 +273,16 @@ class GatheredWeight(Tensor):
 # ---- the operands (layouts of moe_fp8_ext.blockwise and of the fp8_rowwise recipe) -----
 
 
-def _quantize_shard(recipe: Recipe, w: Tensor, transposed: bool = False, joint=None) -> Tuple[Tensor, Tensor]:
+def _quantize_shard(recipe: Recipe, w: Tensor, transposed: bool = False, joint=None,
+                    group=None) -> Tuple[Tensor, Tensor]:
     """The weight shard (E_l, rows, cols) as the forward operand of ``w.transpose(-2,
     -1)`` in storage order, fp8 (E_l, rows, cols) and scales, both contiguous;
     ``transposed``: the backward operand, (E_l, cols, rows) and its scales. Scales:
     fp8_blockwise's 128x128 tiles, (E_l, ceil(rows/128), ceil(cols/128)), transposed for
     the backward; fp8_rowwise's one a row (E_l, rows), one a column (E_l, cols) for the
     backward, over both weights with ``joint`` (the other weight's shard, this one's
-    place), as the [W1; W3] input gradient reads them."""
+    place), as the [W1; W3] input gradient reads them, and over every rank's rows with
+    ``group`` (the shard group of weights sharded on their rows)."""
     f8 = recipe.default_fp8_dtype(w.device)
     if isinstance(recipe, Fp8Blockwise):
         op = (torch.ops.moe_fp8.quantize_blockwise_weight_transposed_rhs if transposed
@@ -244,15 +292,26 @@ def _quantize_shard(recipe: Recipe, w: Tensor, transposed: bool = False, joint=N
     if not transposed:
         q, s = recipe.rhs_fwd(w.transpose(-2, -1), f8)
         return q.transpose(-2, -1), s
-    if joint is None:
-        q, s = recipe.rhs_bwd({"B_t": w.transpose(-2, -1)}, f8)
-        return q.transpose(-2, -1), s
-    other, place = joint
-    parts = [w, other] if place == 0 else [other, w]
-    q, s = recipe.rhs_bwd_cat([p.transpose(-2, -1) for p in parts], f8)
-    q = q.transpose(-2, -1)  # (E_l, cols, rows of both)
-    rows = w.shape[1]
-    return (q[..., :rows] if place == 0 else q[..., q.shape[-1] - rows:]).contiguous(), s
+    parts = [w] if joint is None else ([w, joint[0]] if joint[1] == 0 else [joint[0], w])
+    start = 0 if joint is None or joint[1] == 0 else joint[0].shape[1]  # (w's first row in the parts)
+    if group is not None:  # one more row: each column's largest |value| on every rank (its scale's amax)
+        parts[-1] = torch.cat([parts[-1], _column_amax(parts, group)], dim=1)
+    b_ts = [p.transpose(-2, -1) for p in parts]
+    q, s = recipe.rhs_bwd({"B_t": b_ts[0]}, f8) if len(parts) == 1 else recipe.rhs_bwd_cat(b_ts, f8)
+    q = q.transpose(-2, -1)  # (E_l, cols, rows of the parts)
+    return q[..., start:start + w.shape[1]].contiguous(), s
+
+
+def _column_amax(ws: Sequence[Tensor], group) -> Tensor:
+    """(E_l, 1, cols) in the weights' dtype: each column's largest |value| over the rows
+    of ``ws`` on every rank of ``group``, NaN where any is (a value of the weights: exact).
+    Reduced as int32 bits: the order of non-negative floats, the positive NaN above all."""
+    import torch.distributed as dist
+
+    a = torch.cat([w.abs().amax(dim=1, keepdim=True) for w in ws], dim=1).amax(dim=1, keepdim=True).float()
+    bits = torch.where(torch.isnan(a), torch.full_like(a, 0, dtype=torch.int32) + 0x7FFFFFFF, a.view(torch.int32))
+    dist.all_reduce(bits, op=dist.ReduceOp.MAX, group=group)
+    return bits.view(torch.float32).to(ws[0].dtype)
 
 
 def _cat(ts: Sequence[Tensor], dim: int) -> Tensor:

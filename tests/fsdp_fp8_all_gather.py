@@ -13,7 +13,9 @@ Checks, exit status 1 on a failure:
   backward off;
 - the state_dict holds the high-precision shards as plain tensors (torch.save with
   weights_only loads, a distributed checkpoint round trip), and a load_state_dict is seen;
-- the set-up errors: after fully_shard, and experts not divisible by the ranks.
+- weights sharded on their rows (Shard(1)): the same operands and training bits;
+- the set-up errors: after fully_shard, experts not divisible by the ranks, and
+  fp8_blockwise rows sharded off its 128-row tiles.
 fp8_blockwise bit for bit everywhere; fp8_rowwise where a gather serves one pass.
 """
 
@@ -67,9 +69,9 @@ def main():
                 return torch.utils.checkpoint.checkpoint(self.experts, x, counts, use_reentrant=False)
             return self.experts(x, counts)
 
-    def layer(fp8, ac=False, **kw):
+    def layer(fp8, ac=False, dims=(DIM, HIDDEN, E), **kw):
         torch.manual_seed(0)
-        m = moe_fp8_ext.GroupedExperts(DIM, HIDDEN, E, recipe=args.recipe, dtype=torch.float32, device=device)
+        m = moe_fp8_ext.GroupedExperts(*dims, recipe=args.recipe, dtype=torch.float32, device=device)
         if fp8:
             fsdp.fp8_all_gather(m)
         fully_shard(m, mesh=mesh, mp_policy=policy, **kw)
@@ -126,14 +128,16 @@ def main():
 
     def train(pairs, steps=3, micro=1, name="", exact=True):
         opts = [torch.optim.SGD(m.parameters(), lr=0.5) for m in pairs]
+        inner = getattr(pairs[0], "experts", pairs[0])
+        dim, experts = inner.dim, inner.num_experts
         for step in range(steps):
             for mb in range(micro):
                 last = mb == micro - 1
                 tokens = 301 + 17 * mb
-                x = torch.randn(tokens, DIM, device=device, generator=g).bfloat16()
-                expert = torch.randint(0, E, (tokens - 5,), device=device, generator=g)  # (5 rows past the groups)
-                counts = torch.bincount(expert.masked_fill(expert == 1, 0), minlength=E)  # (expert 1: none)
-                grad = torch.randn(tokens, DIM, device=device, generator=g).bfloat16()
+                x = torch.randn(tokens, dim, device=device, generator=g).bfloat16()
+                expert = torch.randint(0, experts, (tokens - 5,), device=device, generator=g)  # (5 rows past the groups)
+                counts = torch.bincount(expert.masked_fill(expert == 1, 0), minlength=experts)  # (expert 1: none)
+                grad = torch.randn(tokens, dim, device=device, generator=g).bfloat16()
                 res = []
                 for m in pairs:
                     if micro > 1:
@@ -170,6 +174,39 @@ def main():
     # (the first micro-batch's forward and backward; the second's backward after its
     # forward resharded)
     check(len(gathers) == 3 * 3 * 3, f"gathers: 3 a micro-batch step; got {len(gathers)}")
+
+    # Rows sharded (Shard(1), torchtitan's placement where the ranks outnumber the experts):
+    # FSDP2 joins the fp8 rank shards along the rows; the scales are gathered beside it,
+    # fp8_rowwise's column scales from amaxes reduced over the ranks.
+    from torch.distributed.tensor import Shard
+
+    rows = (128 * world, 128 * world) if args.recipe == "fp8_blockwise" else (DIM, HIDDEN)
+    by_rows = dict(dims=(*rows, max(world // 2, 1)), shard_placement_fn=lambda p_: Shard(1))
+    m = layer(True, **by_rows).experts
+    full = {n: p_.full_tensor() for n, p_ in m.named_parameters()}
+    check(all(p_.placements == (Shard(1),) for p_ in m.parameters()), "rows sharded: Shard(1) placements")
+    m.unshard()
+    for n in ("w1", "w3", "w2"):
+        q, s = quantize_shard(r, full[n].bfloat16())
+        gq, gs = getattr(m, n).storage(False)
+        check(torch.equal(gq.view(torch.uint8), q.view(torch.uint8))
+              and torch.equal(gs, s), f"rows sharded: gathered {n} = quantized whole weight")
+    m.reshard()
+    gathers.clear()
+    train([layer(False, **by_rows), layer(True, **by_rows)], name="rows sharded")
+    check(len(gathers) == 3 * 2 * 3 and sum(gathers) == 3 * 3, f"rows sharded: gathers {gathers}")
+
+    # The column amaxes reduced over the ranks: the largest |value| anywhere, NaN where any
+    # rank has one (over an Inf elsewhere), in the weights' dtype.
+    col = torch.zeros(1, 3, 4, device=device, dtype=torch.bfloat16)
+    col[0, rank % 3, 0] = -(rank + 1.5)
+    col[0, 0, 1] = float("inf") if rank == 0 else 2.0
+    col[0, 1, 1] = float("nan") if rank == world - 1 else 1.0
+    col[0, 2, 2] = float("-inf") if rank == world - 1 else -3.0
+    got = fsdp._column_amax([col[:, :2], col[:, 2:]], mesh.get_group())
+    want = torch.tensor([[[world + 0.5, float("nan"), float("inf"), 0.0]]], dtype=torch.bfloat16)
+    check(got.dtype == torch.bfloat16 and torch.equal(torch.isnan(got.cpu()), torch.isnan(want))
+          and torch.equal(got.cpu().nan_to_num(), want.nan_to_num()), f"reduced column amaxes: {got.tolist()}")
 
     # torch.compile: the experts layer runs the gathered weights eagerly (a graph break),
     # giving the eager bits, gradients included; fullgraph=True raises. (aot_eager: the
@@ -216,6 +253,14 @@ def main():
             check(False, "experts not divisible by the ranks raises")
         except ValueError as e:
             check("multiple of the shard group's size" in str(e), "experts not divisible: message")
+
+    if world > 1 and args.recipe == "fp8_blockwise":
+        odd = layer(True, dims=(DIM, 128 * world, 1), shard_placement_fn=lambda p_: Shard(1))
+        try:
+            odd(torch.randn(8, DIM, device=device).bfloat16(), torch.full((1,), 8, device=device))
+            check(False, "fp8_blockwise rows sharded off 128-row tiles raises")
+        except ValueError as e:
+            check("multiple of 128 for fp8_blockwise" in str(e), "rows sharded off 128-row tiles: message")
 
     flag = torch.tensor([len(failures)], device=device)
     dist.all_reduce(flag)

@@ -74,6 +74,9 @@ def test_trains_under_torchtitan_parallelisms(ranks, layout, runs):
                ("config:fp8_blockwise:disp", "config:fp8_blockwise:ag:disp")]),
     (4, "ep_fsdp", [("config:fp8_blockwise", "config:fp8_blockwise:ag:disp"),
                     ("before:fp8_rowwise", "before:fp8_rowwise:ag:disp")]),
+    # (experts' rows sharded, Shard(1): hidden and dim 128, too few rows a rank for fp8_blockwise's tiles)
+    (4, "fsdp_rows", [("before:fp8_rowwise", "before:fp8_rowwise:ag")]),
+    (4, "ep_fsdp_rows", [("config:fp8_rowwise", "config:fp8_rowwise:ag:disp")]),
 ])
 def test_fp8_communication_under_torchtitan(ranks, layout, pairs):
     specs = [f"{layout}:none:bf16"] + list(dict.fromkeys(f"{layout}:{s}" for p in pairs for s in p))

@@ -6,7 +6,8 @@ apply_fsdp_to_decoder, as torchtitan's qwen3 parallelize function applies them.
     torchrun --nproc-per-node=4 tests/torchtitan_parallel.py ep_fsdp:config:fp8_rowwise ...
 
 Each run is LAYOUT:CONVERSION:RECIPE[:reuse]: layout fsdp (ep 1), ep (ep = ranks) or
-ep_fsdp (ep 2 over 4 ranks); conversion before (convert the built model), after
+ep_fsdp (ep 2 over 4 ranks), and fsdp_rows / ep_fsdp_rows, the same with 2 experts
+(fewer than the ranks: torchtitan's FSDP2 shards their rows, Shard(1)); conversion before (convert the built model), after
 (convert after parallelize and FSDP2), config (ExpertsConverter in the config tree) or
 none (bf16, unconverted); ":micro" trains two micro-batches a step, ":reuse" too, with
 reuse_weights; ":ag" all-gathers the expert weights in fp8, ":disp" dispatches the tokens
@@ -27,7 +28,7 @@ import torch.nn.functional as F
 STEPS, LR, SEQ, GLOBAL_BATCH, VOCAB, LAYERS = 20, 1e-3, 32, 8, 512, 2
 
 
-def config(ep_enabled, converter=None):
+def config(ep_enabled, converter=None, experts=8):
     import torchtitan.models.qwen3 as q3
     from torchtitan.models.common import CosSinRoPE, Embedding, Linear
     from torchtitan.models.common.attention import ScaledDotProductAttention
@@ -40,7 +41,7 @@ def config(ep_enabled, converter=None):
         lm_head=Linear.Config(in_features=dim, out_features=VOCAB, param_init=q3._LINEAR_INIT),
         layers=q3._build_qwen3_moe_layers(
             fuse_qkv=True, n_layers=LAYERS, dim=dim, n_heads=4, n_kv_heads=2, head_dim=head_dim, moe_hidden_dim=128,
-            num_experts=8, top_k=2, attn_backend="flex",
+            num_experts=experts, top_k=2, attn_backend="flex",
             rope=CosSinRoPE.Config(dim=head_dim, max_seq_len=SEQ + 1, theta=1e6), moe_comm_backend="standard"))
     for layer in cfg.layers:  # (flex attention has no CPU backward)
         layer.attention.inner_attention = ScaledDotProductAttention.Config()
@@ -50,8 +51,8 @@ def config(ep_enabled, converter=None):
     return cfg
 
 
-def build(ep_enabled, converter=None):
-    cfg = config(ep_enabled, converter)
+def build(ep_enabled, converter=None, experts=8):
+    cfg = config(ep_enabled, converter, experts)
     torch.manual_seed(0)  # the same full model on every rank, before any sharding
     model = cfg.build()
     with torch.no_grad():
@@ -86,10 +87,10 @@ def gloo_uneven_all_to_all():
     C._AllToAllUneven.forward = staticmethod(forward)
 
 
-def single_step0_loss(conversion, recipe):
+def single_step0_loss(conversion, recipe, experts):
     from moe_fp8_ext.integrations.torchtitan import ExpertsConverter, convert
 
-    model = build(False, ExpertsConverter.Config(recipe=recipe) if conversion == "config" else None)
+    model = build(False, ExpertsConverter.Config(recipe=recipe) if conversion == "config" else None, experts)
     if conversion in ("before", "after"):
         convert(model, recipe)
     inp, lab = batch(0)
@@ -113,9 +114,10 @@ def run(spec, world, calls):
     layout, conversion, recipe, *extra = spec.split(":")
     reuse = "reuse" in extra
     comm = dict(fp8_all_gather="ag" in extra, fp8_dispatch="disp" in extra)
-    ep = {"fsdp": 1, "ep": world, "ep_fsdp": 2}[layout]
+    ep = {"fsdp": 1, "fsdp_rows": 1, "ep": world, "ep_fsdp": 2, "ep_fsdp_rows": 2}[layout]
+    experts = 2 if layout.endswith("_rows") else 8  # (fewer experts than ranks: FSDP2 shards their rows)
     converter = ExpertsConverter.Config(recipe=recipe, reuse_weights=reuse, **comm) if conversion == "config" else None
-    model = build(ep > 1, converter)
+    model = build(ep > 1, converter, experts)
     if conversion == "before":
         convert(model, recipe, reuse_weights=reuse, **comm)
     if ep not in _DIMS:  # (one set of meshes a layout: FSDP2 wants the very mesh objects)
@@ -161,7 +163,7 @@ def run(spec, world, calls):
                if getattr(m, "moe_fp8_weight_cache", None) is not None)
     return dict(spec=spec, world=world, losses=losses, fp8_calls=len(calls), hits=hits,
                 fp8_gathers=fp8_comm.count("gather"), fp8_dispatches=fp8_comm.count("dispatch"),
-                single_step0=single_step0_loss(conversion, recipe) if recipe != "bf16" else None)
+                single_step0=single_step0_loss(conversion, recipe, experts) if recipe != "bf16" else None)
 
 
 fp8_comm = []  # "gather" per weight shard quantized for an all-gather, "dispatch" per fp8 dispatch
