@@ -247,8 +247,9 @@ def paper_model(args, results):
     for n in GPUS:
         for ep in sorted({min(n, e), NODE}):
             edp = n // ep
-            if ep * edp > e:  # (rows sharded: each rank's rows of w1/w3 (h) and w2 (d))
-                applies = not blockwise or (h // edp) % 128 == 0 and (d // edp) % 128 == 0
+            if ep * edp > e:  # (rows sharded: each rank's rows of w1/w3 (h) and w2 (d), even)
+                applies = h % edp == 0 and d % edp == 0 and (
+                    not blockwise or (h // edp) % 128 == 0 and (d // edp) % 128 == 0)
             else:
                 applies = (e // ep) % edp == 0
             weights = 3 * d * h * (e // ep)

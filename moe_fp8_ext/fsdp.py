@@ -33,8 +33,8 @@ experts must be a multiple of the shard group's size (FSDP2 would pad dim 0, and
 shards cannot carry scales). Sharded on the rows (``Shard(1)``, torchtitan's placement
 where the ranks outnumber the experts), FSDP2 joins the gathered fp8 itself and the
 scales are gathered beside it (fp8_rowwise's column scales from amaxes reduced over the
-ranks first: the same bits); fp8_blockwise needs each rank's rows a multiple of 128.
-A one-rank shard group (expert parallelism over every rank) sends nothing: its weights
+ranks first: the same bits, with the gathered scales kept, small, between gathers);
+fp8_blockwise needs each rank's rows a multiple of 128. A one-rank shard group (expert parallelism over every rank) sends nothing: its weights
 stay high precision and the layer quantizes them. Under
 ``torch.compile`` the experts layer runs gathered weights eagerly (a graph break).
 """
@@ -132,7 +132,7 @@ class ShardedWeight(Tensor):
         if dim == 1:  # (FSDP2 joins the rank shards of what it gathers along the rows: sent as (E, rows, cols) bytes)
             q = q.transpose(-2, -1).contiguous() if transposed else q
             return (q.view(torch.uint8),), (transposed, tuple(outer_size), joint is not None,
-                                            (_gather_row_scales(s, transposed, rowwise, group), q.dtype))
+                                            (q.dtype, *_gather_row_scales(s, transposed, rowwise, group)))
         if s.dim() == 2:  # fp8_rowwise: scales padded to one width, as FSDP2 sizes its buffers once
             s = torch.nn.functional.pad(s, (0, max(self.shape[1:]) - s.shape[1]))
         return (q, s), (transposed, tuple(outer_size), joint is not None, None)
@@ -143,14 +143,10 @@ class ShardedWeight(Tensor):
             if out is None:
                 return ShardedWeight(outputs[0], self._recipe, self._joint), outputs
             return
-        transposed, shape, joint, row_scales = metadata
-        if row_scales is not None:  # rows sharded: the fp8 joined by FSDP2, the scales gathered beside it
-            q = outputs[0].view(row_scales[1]).view(shape)
-            q, s = (q.transpose(-2, -1) if transposed else q), row_scales[0]
-        elif len(outputs) != 2:  # (a group FSDP2 treats as one rank though its mesh has more: replicate)
-            raise RuntimeError(f"fp8_all_gather: expected FSDP2 to all-gather fp8 data and scales, got "
-                               f"{len(outputs)} tensor(s): a layer FSDP2 replicates, not shards, cannot "
-                               "all-gather in fp8; leave fp8_all_gather off for it")
+        transposed, shape, joint, rows = metadata
+        if rows is not None:  # rows sharded: the fp8 joined by FSDP2, the scales gathered beside it
+            q = outputs[0].view(rows[0]).view(shape)
+            q, s = (q.transpose(-2, -1) if transposed else q), _join_row_scales(*rows[1:])
         else:
             q, s_out = outputs
             s = s_out.narrow(1, 0, q.shape[1]) if s_out.dim() == 2 else s_out  # (fp8_rowwise: this orientation's)
@@ -164,8 +160,11 @@ class ShardedWeight(Tensor):
 
 def _shard_dim(shard, whole, world: int, recipe: Recipe) -> int:
     """The dim FSDP2 shards a weight (E, rows, cols) on: 0 (whole experts a rank) or 1
-    (rows, torchtitan's Shard(1) where the ranks outnumber the experts). Raises for any
-    other sharding, the same on every rank (none hangs)."""
+    (rows: torchtitan's Shard(1) where the ranks outnumber the experts). Raises for any
+    other layout, alike on every rank (none hangs)."""
+    if world > 1 and shard == whole:  # (a mesh of several ranks that all hold all of it)
+        raise RuntimeError("fp8_all_gather: a layer FSDP2 replicates, not shards, cannot all-gather in fp8; leave "
+                           "fp8_all_gather off for it")
     if len(whole) == 3 and world > 1 and whole[1] % world == 0 and shard == (whole[0], whole[1] // world, whole[2]):
         if isinstance(recipe, Fp8Blockwise) and (whole[1] // world) % 128:
             raise ValueError(f"fp8_all_gather: expected each rank's rows of a weight sharded on its rows (Shard(1)) "
@@ -178,19 +177,25 @@ def _shard_dim(shard, whole, world: int, recipe: Recipe) -> int:
     return 0
 
 
-def _gather_row_scales(s: Tensor, transposed: bool, rowwise: bool, group) -> Tensor:
-    """The whole weight's scales from this rank's, for weights sharded on their rows:
-    fp8_rowwise's column scales are already every rank's (reduced amaxes); the others
-    are all-gathered and joined along the rows (blockwise's tile rows; transposed, its
-    tile columns)."""
+def _gather_row_scales(s: Tensor, transposed: bool, rowwise: bool, group):
+    """Start gathering the scales of a weight sharded on its rows (fp8_rowwise's column
+    scales are every rank's already): what _join_row_scales finishes."""
     if rowwise and transposed:
-        return s
+        return s, None, 0, 1
     import torch.distributed as dist
 
     world = dist.get_world_size(group)
     parts = s.new_empty((world * s.shape[0], *s.shape[1:]))
-    dist.all_gather_into_tensor(parts, s.contiguous(), group=group)
-    return torch.cat(parts.chunk(world), dim=s.dim() - 1 if transposed else 1)
+    work = dist.all_gather_into_tensor(parts, s.contiguous(), group=group, async_op=True)
+    return parts, work, s.dim() - 1 if transposed else 1, world  # (blockwise transposed: its tile columns)
+
+
+def _join_row_scales(parts: Tensor, work, dim: int, world: int) -> Tensor:
+    """The whole weight's scales: the ranks' joined along the rows, in rank order."""
+    if work is None:
+        return parts
+    work.wait()
+    return torch.cat(parts.chunk(world), dim=dim)
 
 
 def _rebuild_sharded(tensor: Tensor, recipe: Recipe, joint, requires_grad: bool, is_param: bool) -> ShardedWeight:

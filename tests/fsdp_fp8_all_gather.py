@@ -195,6 +195,9 @@ def main():
     gathers.clear()
     train([layer(False, **by_rows), layer(True, **by_rows)], name="rows sharded")
     check(len(gathers) == 3 * 2 * 3 and sum(gathers) == 3 * 3, f"rows sharded: gathers {gathers}")
+    train([layer(False, ac=True, reshard_after_forward=False, **by_rows),
+           layer(True, ac=True, reshard_after_forward=False, **by_rows)], steps=2, micro=2,
+          name="rows sharded, one gather a step, activation checkpointing", exact=exact)
 
     # The column amaxes reduced over the ranks: the largest |value| anywhere, NaN where any
     # rank has one (over an Inf elsewhere), in the weights' dtype.

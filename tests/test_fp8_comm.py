@@ -179,6 +179,23 @@ def test_fp8_all_gather_set_up_errors():
     assert torch.equal(layer(x, counts), ref(x, counts))
 
 
+def test_shard_dims_the_fp8_all_gather_takes():
+    """Whole experts a rank (dim 0) or rows a rank (Shard(1)); any other sharding, and
+    fp8_blockwise rows off its 128-row tiles, raise (the same on every rank)."""
+    rw, bw = moe_fp8_ext.get_recipe("fp8_rowwise"), moe_fp8_ext.get_recipe("fp8_blockwise")
+    assert fsdp._shard_dim((2, 256, 64), (4, 256, 64), 2, bw) == 0
+    assert fsdp._shard_dim((4, 128, 64), (4, 256, 64), 2, bw) == 1
+    assert fsdp._shard_dim((1, 36, 64), (1, 144, 64), 4, rw) == 1
+    assert fsdp._shard_dim((4, 256, 64), (4, 256, 64), 1, rw) == 0
+    with pytest.raises(ValueError, match="multiple of 128 for fp8_blockwise"):
+        fsdp._shard_dim((1, 64, 64), (1, 256, 64), 4, bw)
+    with pytest.raises(RuntimeError, match="replicates, not shards"):
+        fsdp._shard_dim((4, 256, 64), (4, 256, 64), 2, rw)
+    for shard, whole in (((2, 256, 64), (3, 256, 64)), ((4, 256, 32), (4, 256, 64)), ((4, 85, 64), (4, 256, 64))):
+        with pytest.raises(ValueError, match="sharded on dim 0 with E a multiple"):
+            fsdp._shard_dim(shard, whole, 2, rw)
+
+
 @pytest.mark.parametrize("recipe", ["fp8_blockwise", "fp8_rowwise"])
 def test_one_rank_shard_group_trains_as_without_fp8_all_gather(one_rank, recipe):
     """A one-rank FSDP2 group (torchtitan's experts under EP over every rank): nothing is
