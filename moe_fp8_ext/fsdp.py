@@ -125,7 +125,9 @@ class ShardedWeight(Tensor):
                                    f"fp8-gathered weight too, got {type(other).__name__}")
             joint = (cast(other._tensor.to(self._tensor.device)), self._joint[1])  # (CPU offload: on the CPU)
         rowwise = isinstance(self._recipe, Fp8Rowwise)
-        # (rows sharded: fp8_rowwise's column scales span the ranks, their amaxes reduced first)
+        # Rows sharded: fp8_blockwise gathers its forward tiles for both passes (a tile and its
+        # transpose share the scale); fp8_rowwise's column scales span the ranks (amaxes reduced).
+        transposed = transposed and (dim == 0 or rowwise)
         group = mesh.get_group() if dim == 1 else None
         q, s = _quantize_shard(self._recipe, cast(self._tensor), transposed, joint,
                                group if transposed and rowwise else None)
