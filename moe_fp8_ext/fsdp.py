@@ -33,9 +33,10 @@ experts must be a multiple of the shard group's size (FSDP2 would pad dim 0, and
 shards cannot carry scales). Sharded on the rows (``Shard(1)``, torchtitan's placement
 where the ranks outnumber the experts), FSDP2 joins the gathered fp8 itself and the
 scales are gathered beside it (fp8_rowwise's column scales from amaxes reduced over the
-ranks first: the same bits, with the gathered scales kept, small, between gathers);
-fp8_blockwise needs each rank's rows a multiple of 128. A one-rank shard group (expert parallelism over every rank) sends nothing: its weights
-stay high precision and the layer quantizes them. Under
+ranks first: the same bits); those scales, small, stay between gathers, and
+fp8_blockwise needs each rank's rows a multiple of 128. A one-rank shard group (expert
+parallelism over every rank) sends nothing: its weights stay high precision and the
+layer quantizes them. Under
 ``torch.compile`` the experts layer runs gathered weights eagerly (a graph break).
 """
 
@@ -131,7 +132,7 @@ class ShardedWeight(Tensor):
         group = mesh.get_group() if dim == 1 else None
         q, s = _quantize_shard(self._recipe, cast(self._tensor), transposed, joint,
                                group if transposed and rowwise else None)
-        if dim == 1:  # (FSDP2 joins the rank shards of what it gathers along the rows: sent as (E, rows, cols) bytes)
+        if dim == 1:  # (FSDP2 joins the ranks' rows of what it gathers: sent as (E, rows, cols) bytes)
             q = q.transpose(-2, -1).contiguous() if transposed else q
             return (q.view(torch.uint8),), (transposed, tuple(outer_size), joint is not None,
                                             (q.dtype, *_gather_row_scales(s, transposed, rowwise, group)))

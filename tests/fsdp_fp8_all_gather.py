@@ -135,7 +135,8 @@ def main():
                 last = mb == micro - 1
                 tokens = 301 + 17 * mb
                 x = torch.randn(tokens, dim, device=device, generator=g).bfloat16()
-                expert = torch.randint(0, experts, (tokens - 5,), device=device, generator=g)  # (5 rows past the groups)
+                # (5 rows past the groups)
+                expert = torch.randint(0, experts, (tokens - 5,), device=device, generator=g)
                 counts = torch.bincount(expert.masked_fill(expert == 1, 0), minlength=experts)  # (expert 1: none)
                 grad = torch.randn(tokens, dim, device=device, generator=g).bfloat16()
                 res = []

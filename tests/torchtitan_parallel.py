@@ -7,11 +7,12 @@ apply_fsdp_to_decoder, as torchtitan's qwen3 parallelize function applies them.
 
 Each run is LAYOUT:CONVERSION:RECIPE[:reuse]: layout fsdp (ep 1), ep (ep = ranks) or
 ep_fsdp (ep 2 over 4 ranks), and fsdp_rows / ep_fsdp_rows, the same with 2 experts
-(fewer than the ranks: torchtitan's FSDP2 shards their rows, Shard(1)); conversion before (convert the built model), after
-(convert after parallelize and FSDP2), config (ExpertsConverter in the config tree) or
-none (bf16, unconverted); ":micro" trains two micro-batches a step, ":reuse" too, with
-reuse_weights; ":ag" all-gathers the expert weights in fp8, ":disp" dispatches the tokens
-in fp8 (FP8 communication, the converter's options).
+(fewer than the ranks: torchtitan's FSDP2 shards their rows, Shard(1)); conversion
+before (convert the built model), after (convert after parallelize and FSDP2), config
+(ExpertsConverter in the config tree) or none (bf16, unconverted); ":micro" trains two
+micro-batches a step, ":reuse" too, with reuse_weights; ":ag" all-gathers the expert
+weights in fp8, ":disp" dispatches the tokens in fp8 (FP8 communication, the converter's
+options).
 Every run trains 20 steps; rank 0 prints one JSON line per run (step losses, the
 single-process step-0 loss of the same model, how many experts calls went through
 moe_fp8_ext, weight-cache hits). tests/test_torchtitan_parallel.py checks them.
