@@ -318,9 +318,10 @@ def main():
         for layout in args.layouts.split(","):
             losses = {v[0]: curve(args, v, layout, device, world, counter) for v in VARIANTS}
             for name, ls in losses.items():
-                worst = max(abs(a - b) / b for a, b in zip(ls, losses["bf16"]))
+                gaps = [abs(a - b) / b for a, b in zip(ls, losses["bf16"])]
+                # (also after 10 warm-up steps: the measure of scripts/tools/train_curve.py)
                 data["curves"].append(dict(layout=layout, variant=name, steps=args.curve, first=ls[0], last=ls[-1],
-                                           max_rel_diff_vs_bf16=worst))
+                                           max_rel_diff_vs_bf16=max(gaps), after_10_steps=max(gaps[10:] or gaps)))
     if rank == 0:
         from common import print_table, write_json
 
@@ -334,9 +335,10 @@ def main():
                     "bench_distributed.md")
         if args.curve:
             print_table(f"loss over {args.curve} steps against bf16", ["layout", "variant", "first", "last",
-                                                                        "max rel. diff vs bf16"],
+                                                                        "max rel. diff vs bf16", "after 10 steps"],
                         [[c["layout"], c["variant"], f"{c['first']:.4f}", f"{c['last']:.4f}",
-                          f"{c['max_rel_diff_vs_bf16']:.4f}"] for c in data["curves"]], "bench_distributed.md")
+                          f"{c['max_rel_diff_vs_bf16']:.4f}", f"{c['after_10_steps']:.4f}"] for c in data["curves"]],
+                        "bench_distributed.md")
         name = f"bench_distributed_{args.recipe.split('_')[1]}_x{world}"
         write_json(name, data, sys.argv, launcher=f"torchrun --nproc-per-node={world}")
     dist.barrier()
