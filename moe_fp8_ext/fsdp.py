@@ -43,6 +43,7 @@ layer quantizes them. Under
 from typing import Optional, Sequence, Tuple
 
 import torch
+import torch.distributed as dist
 import torch.utils._pytree as pytree
 from torch import Tensor
 
@@ -116,8 +117,9 @@ class ShardedWeight(Tensor):
         if world == 1:  # (FSDP2 copies a one-rank group's first input: nothing to send, plain weights)
             return (cast(self._tensor),), None
         transposed = torch._C._current_graph_task_id() != -1  # (a gather for the backward)
+        rowwise = isinstance(self._recipe, Fp8Rowwise)
         joint = None
-        if transposed and self._joint is not None and isinstance(self._recipe, Fp8Rowwise):
+        if transposed and self._joint is not None and rowwise:
             # (the other weight's shard: FSDP2 has the module's sharded parameters set now)
             other = getattr(module, self._joint[0])
             other = other._local_tensor if hasattr(other, "_local_tensor") else other
@@ -125,7 +127,6 @@ class ShardedWeight(Tensor):
                 raise RuntimeError(f"fp8_all_gather: expected {type(module).__name__}.{self._joint[0]} to be an "
                                    f"fp8-gathered weight too, got {type(other).__name__}")
             joint = (cast(other._tensor.to(self._tensor.device)), self._joint[1])  # (CPU offload: on the CPU)
-        rowwise = isinstance(self._recipe, Fp8Rowwise)
         # Rows sharded: fp8_blockwise gathers its forward tiles for both passes (a tile and its
         # transpose share the scale); fp8_rowwise's column scales span the ranks (amaxes reduced).
         transposed = transposed and (dim == 0 or rowwise)
@@ -185,8 +186,6 @@ def _gather_row_scales(s: Tensor, transposed: bool, rowwise: bool, group):
     scales are every rank's already): what _join_row_scales finishes."""
     if rowwise and transposed:
         return s, None, 0, 1
-    import torch.distributed as dist
-
     world = dist.get_world_size(group)
     parts = s.new_empty((world * s.shape[0], *s.shape[1:]))
     work = dist.all_gather_into_tensor(parts, s.contiguous(), group=group, async_op=True)
@@ -314,8 +313,6 @@ def _column_amax(ws: Sequence[Tensor], group) -> Tensor:
     """(E_l, 1, cols) in the weights' dtype: each column's largest |value| over the rows
     of ``ws`` on every rank of ``group``, NaN where any is (a value of the weights: exact).
     Reduced as int32 bits: the order of non-negative floats, the positive NaN above all."""
-    import torch.distributed as dist
-
     a = torch.cat([w.abs().amax(dim=1, keepdim=True) for w in ws], dim=1).amax(dim=1, keepdim=True).float()
     bits = torch.where(torch.isnan(a), torch.full_like(a, 0, dtype=torch.int32) + 0x7FFFFFFF, a.view(torch.int32))
     dist.all_reduce(bits, op=dist.ReduceOp.MAX, group=group)
