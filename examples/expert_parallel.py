@@ -112,7 +112,7 @@ def moe_single_process(x, layer, args):
     rows = x.repeat_interleave(args.topk, dim=0)[order]
     if args.fp8_dispatch:
         recipe = moe_fp8_ext.get_recipe(args.recipe)
-        q, s = recipe.lhs(rows.detach(), recipe.default_fp8_dtype(x.device))
+        q, s = recipe.quantize(rows.detach(), recipe.default_fp8_dtype(x.device))[0]
         s = s.repeat_interleave(128, dim=1)[:, :q.shape[1]] if s.dim() == 2 else s[:, None]
         rows = rows + ((q.float() * s).to(rows.dtype) - rows).detach()
     offs = torch.cumsum(counts, 0, dtype=torch.int32)

@@ -39,7 +39,7 @@ def _check_recipe(recipe: Recipe, op: str) -> None:
 def _quantize_rows(recipe: Recipe, x: Tensor, fp8_dtype) -> Tuple[Tensor, Tensor]:
     """x (T, D) as the recipe's left operand, as row-indexed tensors: uint8 (T, D) and
     fp32 row-major scales (T, c)."""
-    q, s = recipe.lhs(x, fp8_dtype)
+    q, s = recipe.quantize(x, fp8_dtype)[0]
     s = s.contiguous() if s.dim() == 2 else s[:, None]  # (blockwise's is column-major)
     return q.view(torch.uint8), s.contiguous()
 

@@ -39,14 +39,14 @@ from .grouped_mm import (
     _debug,
     _gemm_out_dtype,
     _may_free_early,
-    _mm_2d3d,
-    _zero_tail,
     check_offs_where_cheap,
     device_offs,
+    pack,
     pads_wgrad,
     resolve_fp8_dtype,
+    unpack,
 )
-from .recipes import FLOAT_DTYPES, Recipe, get_recipe
+from .recipes import FLOAT_DTYPES, SAME_READ, Recipe, get_recipe
 from .swiglu import swiglu, swiglu_backward
 from .weight_cache import WeightCache, cached as _cached, clear_weight_caches, weight_keys
 
@@ -61,121 +61,85 @@ class _Experts(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w1, w3, w2, offs, recipe, fp8_dtype, backend, pad_wgrad, cache, keys, grad_mode):
         # keys: the tensors that say whether w1, w3, w2 changed (weight_cache.weight_keys)
-        ctx.recipe, ctx.fp8_dtype, ctx.backend, ctx.pad_wgrad, ctx.cache = recipe, fp8_dtype, backend, pad_wgrad, cache
+        ctx.recipe, ctx.fp8_dtype, ctx.backend, ctx.cache = recipe, fp8_dtype, backend, cache
         ctx.keys = keys = (w1, w3, w2) if keys is None else keys
         ctx.dtypes = (x.dtype, w1.dtype, w3.dtype, w2.dtype)
-        hidden = w1.shape[1]
-        ctx.hidden = hidden
         ctx.shapes = (x.shape, w1.shape, w3.shape, w2.shape)
-        if offs.shape[0] == 0:  # no experts: every row is past offs[-1] (static: no sync)
-            ctx.no_groups = True
+        ctx.no_groups = offs.shape[0] == 0
+        if ctx.no_groups:  # every row is past offs[-1] (static: no sync)
             return torch.zeros(x.shape, dtype=x.dtype, device=x.device)
-        ctx.no_groups = False  # a plain bool on each branch, as grouped_mm sets it
-        tag = (recipe, fp8_dtype)
-        gemm_dtype = _gemm_out_dtype(recipe, backend, torch.bfloat16, x.dtype)
-        ctx.gemm_dtype = gemm_dtype
-        # Weights all-gathered in fp8 under FSDP2 (moe_fp8_ext.fsdp): their operands come
-        # from the gathered fp8, nothing is made from or kept for them here.
-        gathered = ctx.gathered = isinstance(w1, _fsdp.GatheredWeight)  # (experts() checked all three)
-        # A weight whose two operands come from one read (Recipe.reads_weights_once) gets its backward operand here
-        # with the forward one, kept in the cache or on ctx (where ctx may hold it: see _may_free_early). grad_mode
-        # (torch.is_grad_enabled() at the call) gates it: needs_input_grad is set under no_grad too.
+        f8, tag = fp8_dtype, (recipe, fp8_dtype)
+        gemm_dtype = ctx.gemm_dtype = _gemm_out_dtype(recipe, backend, torch.bfloat16, x.dtype)
+        # grad_mode: torch.is_grad_enabled() at the call (needs_input_grad is set under no_grad too)
         need_x = grad_mode and ctx.needs_input_grad[0]
         need_w13 = grad_mode and (ctx.needs_input_grad[1] or ctx.needs_input_grad[2])
-        # Rows dispatched in fp8 (moe_fp8_ext.dispatch): their operand is the forward's;
-        # the weight gradient's is made from their dequantized values.
-        x_lhs = _dispatch.fp8_rows_operand(recipe, fp8_dtype, x)
-        if x_lhs is not None:
-            x = x.dequantize() if need_w13 else None
-        holds = recipe.hold_weight_operands and not gathered
-        box = ctx.bwd_box = {} if cache is not None or (_may_free_early() and holds) else None
-        # Under torch.compile nothing lives on ctx: the backward operand is saved instead.
-        saved_bwd = {} if box is None and torch.compiler.is_compiling() and holds else None
+        need_w2 = grad_mode and ctx.needs_input_grad[3]
+        # Weights all-gathered in fp8 under FSDP2 (moe_fp8_ext.fsdp): their operands come from
+        # the gathered fp8, nothing is made from or kept for them here.
+        gathered = ctx.gathered = isinstance(w1, _fsdp.GatheredWeight)  # (experts() checked all three)
+        ctx.joint = need_x and (gathered or recipe.joins_w13_dgrad(w1, w3))  # one input-gradient GEMM
+        # Where the weight gradients take the padded layout, each activation's colwise operand
+        # is made with its rowwise one and kept instead of it (fp8 saved activations).
+        starts = wgrad_offs = None
+        if pad_wgrad and (need_w13 or need_w2):
+            starts, wgrad_offs = _ops.padded_group_offsets(offs, x.shape[0], recipe.alignment)
+        groups = (offs, starts)
+        free_early = _may_free_early()  # (see grouped_mm: what ctx may hold outside save_for_backward)
+
+        # -- the weights' forward operands. Where one read also makes a weight's input-gradient
+        # operand (hold_weight_operands) it is kept: in the cache, on ctx, or saved under compile.
+        held = {}
+        may_hold = cache is not None or (recipe.hold_weight_operands and not gathered
+                                         and (free_early or torch.compiler.is_compiling()))
 
         def weight_fwd(name, weights, parts, needs_bwd):  # weights: the cache keys
             def make():
-                holder = box if box is not None else saved_bwd
-                if holder is not None and needs_bwd and recipe.reads_weights_once(parts):
-                    if cache is not None:
-                        cache.discard(name + "_bwd")  # (as get() drops a stale entry first)
-                    fwd, bwd = recipe.rhs_dual_cat(parts, fp8_dtype)
-                    if cache is not None:
-                        cache.put(name + "_bwd", weights, tag, bwd)
-                    else:
-                        holder[name] = bwd
-                    return fwd
-                # (a backward operand comes from above, or is made in the backward: never
-                # from rhs_fwd here, so rhs_fwd_only)
-                return recipe.rhs_fwd_cat(parts, fp8_dtype) if len(parts) > 1 else recipe.rhs_fwd_only(parts[0], fp8_dtype)
+                ask = SAME_READ if may_hold and needs_bwd else False
+                if ask and cache is not None:
+                    cache.discard(name + "_bwd")  # (as get() drops a stale entry first)
+                fwd, bwd = recipe.quantize_weights(parts, f8, bwd=ask)
+                if bwd is not None and cache is not None:
+                    cache.put(name + "_bwd", weights, tag, bwd)
+                elif bwd is not None:
+                    held[name] = bwd
+                return fwd
 
             return _cached(cache, name + "_fwd", weights, tag, make)
 
-        # (W13's backward operand: the joint input-gradient GEMM's, rhs_bwd_cat)
-        if gathered:
-            rhs13 = _fsdp.rhs_fwd((w1, w3))
+        rhs13 = _fsdp.rhs_fwd((w1, w3)) if gathered else weight_fwd(
+            "w13", keys[:2], [w1.transpose(-2, -1), w3.transpose(-2, -1)], ctx.joint)
+        # -- W13: h13 = x @ [W1; W3]ᵀ. Rows dispatched in fp8 (moe_fp8_ext.dispatch) are the
+        # forward's operand; their colwise one is made from their dequantized values.
+        x_col_wanted = pad_wgrad and need_w13
+        x_lhs = _dispatch.fp8_rows_operand(recipe, f8, x)
+        if x_lhs is not None:
+            x = x.dequantize() if need_w13 else None
+            x_col = recipe.quantize(x, f8, groups, rowwise=False, colwise=True)[1] if x_col_wanted else None
         else:
-            rhs13 = weight_fwd("w13", keys[:2], [w1.transpose(-2, -1), w3.transpose(-2, -1)],
-                               need_x and recipe.joins_w13_dgrad(w1, w3))
-        # x's two fp8 operands made together (Recipe.keeps_fp8_activations): the W13
-        # GEMM's, and W13's weight-gradient one, saved instead of x (half its bytes).
-        ctx.fp8_saved = recipe.keeps_fp8_activations and pad_wgrad and need_w13
-        starts = wgrad_offs = None
-        x_op = h_wop = ()
-        if ctx.fp8_saved:
-            starts, wgrad_offs = _ops.padded_group_offsets(offs, ctx.shapes[0][0], recipe.alignment)
-            if x_lhs is not None:  # (the dequantized rows are not kept past their operand)
-                lhs_x, x_op, x = x_lhs, recipe.wgrad_operand(x, offs, fp8_dtype, starts), None
-            else:
-                lhs_x, x_op = recipe.lhs_with_wgrad_operand(x, offs, fp8_dtype, starts)
-        else:
-            lhs_x = x_lhs if x_lhs is not None else recipe.lhs(x, fp8_dtype)
-        del x_lhs
-        h13 = _mm_2d3d(recipe, lhs_x, rhs13, offs, gemm_dtype, backend)
-        # W13's forward operand has no other reader: dropped here, not held through the
-        # SwiGLU and W2's GEMM, where the forward's memory peaks (with a cache it stays
-        # there).
-        del lhs_x, rhs13
-        # h's two fp8 operands likewise where one read makes them (Recipe.makes_swiglu_operands: fp8_blockwise):
-        # W2's forward one, and its weight-gradient one kept so the backward computes no h.
-        # Else lhs_swiglu (fused: h13 read once; rowwise: h never written in bf16).
-        ctx.h_saved = (recipe.keeps_fp8_activations and pad_wgrad and grad_mode and ctx.needs_input_grad[3]
-                       and recipe.makes_swiglu_operands(h13))
-        if ctx.h_saved:
-            if starts is None:
-                starts, wgrad_offs = _ops.padded_group_offsets(offs, ctx.shapes[0][0], recipe.alignment)
-            h_op, h_wop = recipe.lhs_with_wgrad_operand(swiglu(h13), offs, fp8_dtype, starts)
-        else:
-            h_op = recipe.lhs_swiglu(h13, fp8_dtype)
-        # h's operand is boxed like h13 (below) where the backward may free it: W2's
-        # weight gradient is its last reader, before the step's peak.
-        free_early = _may_free_early()  # (once: h's box and h13's must agree)
-        ctx.h_box = [tuple(h_wop)] if ctx.h_saved and free_early else None
-        ctx.n_x_op = len(x_op)
-        kept = [starts, wgrad_offs, *x_op] if starts is not None else []
-        if ctx.h_saved and ctx.h_box is None:
-            kept += list(h_wop)
-        del x_op, h_wop
+            x_lhs, x_col = recipe.quantize(x, f8, groups, colwise=x_col_wanted)
+        if x_col is not None or not need_w13:
+            x = None
+        h13 = recipe.mm_2d3d(x_lhs, rhs13, offs, gemm_dtype, backend)
+        del x_lhs, rhs13  # (no other reader: not held through the SwiGLU and W2, the forward's peak)
+        # -- SwiGLU and W2: out = h @ W2ᵀ, h = silu(h1) * h3; h's colwise operand kept where
+        # the same read makes it (then the backward computes no h).
+        h_lhs, h_col = recipe.quantize_swiglu(h13, f8, groups, colwise=SAME_READ if pad_wgrad and need_w2 else False)
         rhs2 = _fsdp.rhs_fwd((w2,)) if gathered else weight_fwd("w2", keys[2:], [w2.transpose(-2, -1)],
                                                                  need_x or need_w13)
-        out = _mm_2d3d(recipe, h_op, rhs2, offs, gemm_dtype, backend)
-        del h_op
-        ctx.num_tokens = ctx.shapes[0][0]
-        # Each saved only for the gradients that read it, as in grouped_mm: x for W1/W3's wgrad (its fp8 operand
-        # instead where kept), W1 and W3 for the input gradient, W2 for both (grad_h); frozen W1/W3 keep no x.
-        # h's fp8 wgrad operand where the forward made it (ctx.h_saved), for W2's.
-        saved = [x if need_w13 and not ctx.fp8_saved else None, w1 if need_x else None, w3 if need_x else None,
-                 w2 if need_x or need_w13 else None, offs, *kept]
-        ctx.kept = len(kept)
-        ctx.bwd_saved = tuple((name, len(op)) for name, op in (saved_bwd or {}).items())
-        saved += [t for op in (saved_bwd or {}).values() for t in op]
-        if free_early:
-            # h13 (the largest saved tensor) is held in a box the backward empties once
-            # dSwiGLU has read it: the step's peak is in the backward, after that point.
-            ctx.save_for_backward(*saved)
-            ctx.h13_box = [h13]
-        else:
-            ctx.save_for_backward(*saved, h13)
-            ctx.h13_box = None
+        out = recipe.mm_2d3d(h_lhs, rhs2, offs, gemm_dtype, backend)
+        del h_lhs, rhs2
+        # -- kept for the backward, each only for the gradients that read it. h13 (the largest),
+        # h's colwise operand and held weight operands go on ctx where the backward may free them
+        # as it goes (the step's peak is there), else they are saved.
+        saved = {"x": x, "w1": w1 if need_x else None, "w3": w3 if need_x else None,
+                 "w2": w2 if need_x or need_w13 else None, "offs": offs, "starts": starts,
+                 "wgrad_offs": wgrad_offs, "x_col": x_col}
+        late = {"h13": h13, "h_col": h_col, **{"bwd_" + k: v for k, v in held.items()}}
+        ctx.box = late if free_early else None
+        if not free_early:
+            saved.update(late)
+        tensors, ctx.layout = pack(saved)
+        ctx.save_for_backward(*tensors)
         out = out.to(ctx.dtypes[0])
         return out.clone() if _COPY_COMPILED_OUTPUT and torch.compiler.is_compiling() else out
 
@@ -185,169 +149,103 @@ class _Experts(torch.autograd.Function):
             grads = tuple(grad_out.new_zeros(s, dtype=d) if need else None
                           for s, d, need in zip(ctx.shapes, ctx.dtypes, ctx.needs_input_grad))
             return grads + (None,) * 8
-        x, w1, w3, w2, offs, *rest = ctx.saved_tensors
-        kept, rest = rest[:ctx.kept], rest[ctx.kept:]
-        bwd_saved = {}  # the weights' backward operands saved by a compiled forward
-        for name, n in ctx.bwd_saved:
-            bwd_saved[name], rest = tuple(rest[:n]), rest[n:]
-        if ctx.h13_box is None:
-            (h13,) = rest
-        else:
-            if not ctx.h13_box:
+        s = unpack(ctx.saved_tensors, ctx.layout)
+        if ctx.box is not None:
+            if "h13" not in ctx.box:
                 raise RuntimeError(
                     "experts: backward ran twice over one forward (retain_graph=True): the layer frees its W13 "
                     "output during the first backward to lower the step's peak memory; run the forward again, or "
                     "run it under torch.autograd.graph.saved_tensors_hooks (the layer then keeps it)")
-            h13 = ctx.h13_box.pop()
-        recipe, f8, backend, cache, hidden = ctx.recipe, ctx.fp8_dtype, ctx.backend, ctx.cache, ctx.hidden
-        tag = (recipe, f8)
+            s.update(ctx.box)
+            ctx.box.clear()
+        recipe, f8, backend, cache = ctx.recipe, ctx.fp8_dtype, ctx.backend, ctx.cache
+        tag, hidden = (recipe, f8), ctx.shapes[1][1]
         need_x, need_w1, need_w3, need_w2 = ctx.needs_input_grad[:4]
-
-        def weight_bwd(name, weights, make):
-            """A weight's backward operand: the one the forward made with its forward
-            operand (kept on ctx or saved; with a cache it is in the cache), else the
-            cache's or ``make()``."""
-            rhs = ctx.bwd_box.pop(name, None) if ctx.bwd_box else bwd_saved.get(name)
-            return rhs if rhs is not None else _cached(cache, name + "_bwd", weights, tag, make)
-
-        grad_out = grad_out.contiguous()
-        starts, wgrad_offs = None, offs
-        x_op = h_wop = None  # the fp8 weight-gradient operands of x and h kept by the forward
-        if ctx.h_saved:
-            if ctx.h_box is not None:
-                h_wop = ctx.h_box.pop()  # (non-empty: a second backward raised above, h13's box being empty)
-            else:
-                h_wop = tuple(kept[2 + ctx.n_x_op:])
-        if kept:
-            starts, wgrad_offs = kept[:2]
-            if ctx.fp8_saved:
-                x_op = tuple(kept[2:2 + ctx.n_x_op])
-        elif ctx.pad_wgrad:
-            starts, wgrad_offs = _ops.padded_group_offsets(offs, ctx.num_tokens, recipe.alignment)
-        del kept
-
-        def wgrad_operands(grad, a):
-            return recipe.wgrad_operands(grad, {"A": a}, offs, f8, starts)
-
-        def wgrad(operands, b_dtype, grad_dtype):  # -> (E, N, K) for B_t (E, K, N)
-            dtype = _gemm_out_dtype(recipe, backend, b_dtype, grad_dtype)
-            return recipe.mm_2d2d(*operands, wgrad_offs, dtype, backend)
-
-        # Every operand is dropped as soon as its GEMM is issued (the step's peak is here, not in the forward):
-        # the weights' backward operands, h, and grad_h13 once its wgrad operands exist.
         need_w13 = need_w1 or need_w3
-        # Input gradient through W1 and W3: one GEMM, grad_h13 @ [W1; W3], where the recipe makes both operands
-        # without a copy (Recipe.joins_w13_dgrad; scale layouts in the recipes); else two GEMMs over the halves, summed.
-        joint = need_x and (ctx.gathered or recipe.joins_w13_dgrad(w1, w3))
-        grad_h13 = lhs13 = lhs1 = lhs3 = h = g13_op = None
-        # grad_out's two fp8 operands (W2's dgrad and wgrad ones) made together where both
-        # are needed and one read makes them (else the wgrad one when W2's wgrad runs: it
-        # would otherwise live through the dgrad GEMM and dSwiGLU, the step's peak).
-        g_op = None
+        x, w1, w3, w2, offs = (s.pop(k, None) for k in ("x", "w1", "w3", "w2", "offs"))
+        groups, wgrad_offs = (offs, s.get("starts")), s.get("wgrad_offs", offs)
+        x_col, h_col, h13 = s.pop("x_col", None), s.pop("h_col", None), s.pop("h13")
+
+        def weight_bwd(name, weights, parts):
+            """A weight's input-gradient operand: held from the forward, else the cache's or made."""
+            rhs = s.pop("bwd_" + name, None)
+            return rhs if rhs is not None else _cached(
+                cache, name + "_bwd", weights, tag, lambda: recipe.quantize_weights(parts(), f8, fwd=False, bwd=True)[1])
+
+        def colwise(t):
+            return recipe.quantize(t, f8, groups, rowwise=False, colwise=True)[1]
+
+        # Every operand is dropped once its GEMM is issued (the step's peak is in the backward).
+        grad_out = grad_out.contiguous()
+        grad_h13 = lhs13 = h = g13_col = g_col = None
         if need_x or need_w13:  # grad_h feeds only the gradients below W2
-            if ctx.gathered:
-                rhs2 = _fsdp.rhs_bwd((w2,))
-            else:
-                rhs2 = weight_bwd("w2", ctx.keys[2:], lambda: recipe.rhs_bwd({"B_t": w2.transpose(-2, -1)}, f8))
-            if need_w2 and ctx.pad_wgrad and recipe.keeps_fp8_activations and recipe.reads_activations_once(grad_out):
-                lhs_g, g_op = recipe.lhs_with_wgrad_operand(grad_out, offs, f8, starts)
-            else:
-                lhs_g = recipe.lhs(grad_out, f8)
-            # W2 dgrad: grad_h = grad_out @ W2. Then dSwiGLU reads h13 once, fused with grad_h13's quantization and,
-            # where W2 needs a gradient, h = swiglu(h13) (none with Recipe.makes_swiglu_operands); h13 freed after.
-            grad_h = _mm_2d3d(recipe, lhs_g, rhs2, offs, ctx.gemm_dtype, backend)
+            # -- W2 dgrad: grad_h = grad_out @ W2; grad_out's colwise operand with it where one read makes both
+            rhs2 = _fsdp.rhs_bwd((w2,)) if ctx.gathered else weight_bwd("w2", ctx.keys[2:],
+                                                                        lambda: [w2.transpose(-2, -1)])
+            lhs_g, g_col = recipe.quantize(grad_out, f8, groups,
+                                           colwise=SAME_READ if need_w2 and groups[1] is not None else False)
+            grad_h = recipe.mm_2d3d(lhs_g, rhs2, offs, ctx.gemm_dtype, backend)
             del rhs2, lhs_g
-            if joint and (ctx.h_saved or not need_w2) and recipe.makes_swiglu_operands(h13):
-                # No h: kept from the forward (h_wop) or not needed. grad_h and h13 are dropped once grad_h13 exists
-                # (h13 freed then where the forward boxed it: h13_box); with x's fp8 operand kept, grad_h13's two
-                # operands (joint dgrad GEMM's, W1/W3's wgrad) come from one read and grad_h13 is dropped too.
-                grad_h13 = swiglu_backward(grad_h, h13)
-                grad_h = h13 = None
-                if need_w13 and x_op is not None:
-                    lhs13, g13_op = recipe.lhs_with_wgrad_operand(grad_h13, offs, f8, starts)
-                    grad_h13 = None
-                else:
-                    lhs13 = recipe.lhs(grad_h13, f8)
-            elif joint:
-                grad_h13, lhs13, h = recipe.lhs_swiglu_backward_joint(grad_h, h13, f8)
-            elif need_x and need_w2 and h_wop is None:
-                grad_h13, lhs1, lhs3, h = recipe.lhs_swiglu_backward_with_h(grad_h, h13, f8)
-            elif need_x:
-                grad_h13, lhs1, lhs3 = recipe.lhs_swiglu_backward(grad_h, h13, f8)
+            # -- dSwiGLU: reads h13 once, fused with grad_h13's operands, and h where W2's weight
+            # gradient needs it (none kept in fp8); h13 and grad_h are freed once read.
+            if need_x:
+                tensors, grad_h, h13 = [grad_h, h13], None, None
+                grad_h13, lhs13, h, g13_col = recipe.quantize_swiglu_backward(
+                    tensors, f8, groups, joint=ctx.joint, with_h=need_w2 and h_col is None,
+                    colwise=SAME_READ if need_w13 and x_col is not None else False)
             else:
                 grad_h13 = swiglu_backward(grad_h, h13)
             del grad_h
             if not need_w13:
                 grad_h13 = None
-        if need_w2 and h is None and h_wop is None:
+        if need_w2 and h is None and h_col is None:
             h = swiglu(h13)
         h13 = None
-        # W2 wgrad: grad_w2 = grad_out^T @ h per group.
+        # -- W2 wgrad: grad_w2 = grad_outᵀ @ h per group
         grad_w2 = None
         if need_w2:
-            if g_op is not None or h_wop is not None:  # (each made here where not made before)
-                g_op = g_op if g_op is not None else recipe.wgrad_operand(grad_out, offs, f8, starts)
-                h_wop = h_wop if h_wop is not None else recipe.wgrad_operand(h, offs, f8, starts)
-                operands = recipe.wgrad_operands_from(g_op, h_wop)
-            else:
-                operands = wgrad_operands(grad_out, h)
-            g_op = h_wop = None
-            grad_w2 = wgrad(operands, ctx.dtypes[3], grad_out.dtype).to(ctx.dtypes[3])
-            del operands
-        h = None
+            g_col = g_col if g_col is not None else colwise(grad_out)
+            h_col = h_col if h_col is not None else colwise(h)
+            h = None
+            dtype = _gemm_out_dtype(recipe, backend, ctx.dtypes[3], grad_out.dtype)
+            grad_w2 = recipe.mm_2d2d(g_col, h_col, wgrad_offs, dtype, backend).to(ctx.dtypes[3])
+            g_col = h_col = None
+        # -- input gradient: grad_h13 @ [W1; W3], one GEMM or two summed
         grad_x = grad_w1 = grad_w3 = None
         if need_x:
             dtype = _gemm_out_dtype(recipe, backend, ctx.dtypes[0], ctx.gemm_dtype)  # grad_h13's dtype
-            if joint:
-                rhs = _fsdp.rhs_bwd((w1, w3)) if ctx.gathered else weight_bwd("w13", ctx.keys[:2], lambda: (
-                    recipe.rhs_bwd_cat([w1.transpose(-2, -1), w3.transpose(-2, -1)], f8)))
+            if ctx.joint:
+                rhs = _fsdp.rhs_bwd((w1, w3)) if ctx.gathered else weight_bwd(
+                    "w13", ctx.keys[:2], lambda: [w1.transpose(-2, -1), w3.transpose(-2, -1)])
                 grad_x = recipe.mm_2d3d(lhs13, rhs, offs, dtype, backend)
                 del lhs13, rhs
             else:
-                rhs = _cached(cache, "w1_bwd", ctx.keys[:1], tag, lambda: recipe.rhs_bwd({"B_t": w1.transpose(-2, -1)}, f8))
+                (lhs1, lhs3), lhs13 = lhs13, None
+                rhs = weight_bwd("w1", ctx.keys[:1], lambda: [w1.transpose(-2, -1)])
                 grad_x = recipe.mm_2d3d(lhs1, rhs, offs, dtype, backend)
                 del lhs1, rhs
-                rhs = _cached(cache, "w3_bwd", ctx.keys[1:2], tag, lambda: recipe.rhs_bwd({"B_t": w3.transpose(-2, -1)}, f8))
+                rhs = weight_bwd("w3", ctx.keys[1:2], lambda: [w3.transpose(-2, -1)])
                 part = recipe.mm_2d3d(lhs3, rhs, offs, dtype, backend)
                 del lhs3, rhs
-                # In place in eager mode (three (M, dim) tensors at once were the step's
-                # peak); out of place under compile (an in-place op here dropped gradients
-                # with torch 2.11, as in _zero_tail).
+                # In place in eager mode (three (M, dim) tensors at once were the step's peak); out of
+                # place under compile (an in-place op here dropped gradients with torch 2.11).
                 grad_x = grad_x + part if torch.compiler.is_compiling() else grad_x.add_(part)
                 del part
-            if not recipe.mm_2d3d_zeroes_tail(backend):  # (a sum of two such GEMMs keeps zero rows)
-                grad_x = _zero_tail(grad_x, offs)
             grad_x = grad_x.to(ctx.dtypes[0])
+        # -- W1 and W3 wgrad: each in a tensor of its own, in the weight's layout (autograd takes
+        # it without a copy): one GEMM per half of grad_h13's colwise operand.
         if need_w13:
-            if x_op is not None:  # (grad_h13's made here where not made with its dgrad one)
-                g13_op = g13_op if g13_op is not None else recipe.wgrad_operand(grad_h13, offs, f8, starts)
-                operands = recipe.wgrad_operands_from(g13_op, x_op)
-            else:
-                operands = wgrad_operands(grad_h13, x)
-            g13_op = x_op = grad_h13 = None
-            # W1's and W3's gradients each in a tensor of its own, in the weight's layout, so
-            # that autograd takes them without a copy: one GEMM per half of grad_h13.
+            g13_col = g13_col if g13_col is not None else colwise(grad_h13)
+            x_col = x_col if x_col is not None else colwise(x)
+            grad_h13 = x = None
             dtype = _gemm_out_dtype(recipe, backend, ctx.dtypes[1], ctx.gemm_dtype)
-            grad_w1, grad_w3 = _wgrad_parts(recipe, operands, wgrad_offs, dtype, backend,
-                                            ((0, hidden) if need_w1 else None, (hidden, 2 * hidden) if need_w3 else None))
-            del operands
+            grad_w1, grad_w3 = recipe.mm_2d2d_parts(g13_col, x_col, wgrad_offs, dtype, backend,
+                                                    ((0, hidden) if need_w1 else None,
+                                                     (hidden, 2 * hidden) if need_w3 else None))
+            del g13_col, x_col
             grad_w1 = grad_w1.to(ctx.dtypes[1]) if need_w1 else None
             grad_w3 = grad_w3.to(ctx.dtypes[2]) if need_w3 else None
         return grad_x, grad_w1, grad_w3, grad_w2, None, None, None, None, None, None, None, None
-
-
-def _wgrad_parts(recipe: Recipe, operands, offs: Tensor, dtype: torch.dtype, backend: str, parts):
-    """``recipe.mm_2d2d`` for the output rows [start, stop) of each part (None: not
-    wanted), each part a contiguous tensor of its own: a GEMM on a view of the
-    left operand's rows, or one GEMM over all rows and a copy of each part where the
-    recipe cannot view a part (``Recipe.wgrad_lhs_rows``)."""
-    grad_t, a = operands
-    views = [None if p is None else recipe.wgrad_lhs_rows(grad_t, *p) for p in parts]
-    full = None
-    if any(p is not None and v is None for p, v in zip(parts, views)):
-        full = recipe.mm_2d2d(grad_t, a, offs, dtype, backend)
-    return [None if p is None else recipe.mm_2d2d(v, a, offs, dtype, backend) if v is not None
-            else full[:, p[0]:p[1]].contiguous() for p, v in zip(parts, views)]
 
 
 # torch < 2.13 under compile: a Function output last written by an in-place op (the

@@ -297,14 +297,14 @@ def _quantize_shard(recipe: Recipe, w: Tensor, transposed: bool = False, joint=N
         q, s = op(w.transpose(-2, -1), f8)
         return q.transpose(-2, -1), s.transpose(-2, -1)
     if not transposed:
-        q, s = recipe.rhs_fwd(w.transpose(-2, -1), f8)
+        q, s = recipe.quantize_weights([w.transpose(-2, -1)], f8)[0]
         return q.transpose(-2, -1), s
     parts = [w] if joint is None else ([w, joint[0]] if joint[1] == 0 else [joint[0], w])
     start = 0 if joint is None or joint[1] == 0 else joint[0].shape[1]  # (w's first row in the parts)
     if group is not None:  # one more row: each column's largest |value| on every rank (its scale's amax)
         parts[-1] = torch.cat([parts[-1], _column_amax(parts, group)], dim=1)
     b_ts = [p.transpose(-2, -1) for p in parts]
-    q, s = recipe.rhs_bwd({"B_t": b_ts[0]}, f8) if len(parts) == 1 else recipe.rhs_bwd_cat(b_ts, f8)
+    q, s = recipe.quantize_weights(b_ts, f8, fwd=False, bwd=True)[1]
     q = q.transpose(-2, -1)  # (E_l, cols, rows of the parts)
     return q[..., start:start + w.shape[1]].contiguous(), s
 
@@ -335,7 +335,7 @@ def _operand(ws: Sequence[GatheredWeight], transposed: bool) -> Tuple[Tensor, Te
     if any(p is None for p in parts):  # (fp8_rowwise gathered for the other pass: quantized again)
         f8 = ws[0].fp8_dtype
         b_ts = [w.dequantize().transpose(-2, -1) for w in ws]
-        return recipe.rhs_bwd_cat(b_ts, f8) if transposed else recipe.rhs_fwd_cat(b_ts, f8)
+        return recipe.quantize_weights(b_ts, f8, fwd=not transposed, bwd=transposed)[transposed]
     dim = 2 if transposed else 1
     q = _cat([p[0] for p in parts], dim)
     if isinstance(recipe, Fp8Blockwise):

@@ -53,7 +53,7 @@ import torch
 from torch import Tensor
 
 from . import token_groups
-from .recipes import FLOAT_DTYPES, Recipe, _zero_tail, get_recipe
+from .recipes import FLOAT_DTYPES, SAME_READ, Recipe, get_recipe
 
 _ops = torch.ops.moe_fp8
 
@@ -67,13 +67,6 @@ def grouped_mm_backend(device: torch.device, recipe: Union[str, Recipe] = "fp8_r
 
 def _debug() -> bool:
     return os.environ.get("MOE_FP8_DEBUG") == "1"
-
-
-def _mm_2d3d(recipe: Recipe, lhs, rhs, offs: Tensor, out_dtype: torch.dtype, backend: str) -> Tensor:
-    """``recipe.mm_2d3d`` with the rows past offs[-1] zero: zeroed here unless the
-    recipe's GEMM writes them (``Recipe.mm_2d3d_zeroes_tail``: one kernel less a GEMM)."""
-    out = recipe.mm_2d3d(lhs, rhs, offs, out_dtype, backend)
-    return out if recipe.mm_2d3d_zeroes_tail(backend) else _zero_tail(out, offs)
 
 
 def _gemm_out_dtype(recipe: Recipe, backend: str, want: torch.dtype, in_dtype: torch.dtype) -> torch.dtype:
@@ -98,65 +91,65 @@ def _may_free_early() -> bool:
         return False
 
 
+def pack(named: dict):
+    """Named operands (a tensor, a tuple of tensors, or None) as ``(tensors, layout)`` for
+    ``ctx.save_for_backward``; :func:`unpack` gives the dict back (None: absent)."""
+    tensors, layout = [], []
+    for name, op in named.items():
+        if op is not None:
+            ts = (op,) if isinstance(op, Tensor) else tuple(op)
+            layout.append((name, len(ts), isinstance(op, Tensor)))
+            tensors += ts
+    return tensors, tuple(layout)
+
+
+def unpack(tensors, layout) -> dict:
+    out, i = {}, 0
+    for name, n, is_tensor in layout:
+        out[name] = tensors[i] if is_tensor else tuple(tensors[i:i + n])
+        i += n
+    return out
+
+
 class _GroupedMM(torch.autograd.Function):
     @staticmethod
     def forward(ctx, A, B_t, offs, recipe, out_dtype, fp8_dtype, backend, pad_wgrad, grad_mode):
         # grad_mode: torch.is_grad_enabled() at the call (the forward itself runs without
         # grad, and needs_input_grad is set under no_grad too): nothing is made for a
         # backward that cannot run.
-        ctx.recipe, ctx.fp8_dtype, ctx.backend, ctx.pad_wgrad = recipe, fp8_dtype, backend, pad_wgrad
-        ctx.a_dtype, ctx.b_dtype, ctx.num_tokens = A.dtype, B_t.dtype, A.shape[0]
+        ctx.recipe, ctx.fp8_dtype, ctx.backend = recipe, fp8_dtype, backend
+        ctx.a_dtype, ctx.b_dtype = A.dtype, B_t.dtype
         ctx.a_shape, ctx.b_shape = A.shape, B_t.shape
-        ctx.bwd_box = None
-        if offs.shape[0] == 0:  # no groups: every row is past offs[-1] (static: no sync)
-            ctx.save_for_backward(offs)
-            ctx.names, ctx.no_groups = (), True
+        ctx.no_groups = offs.shape[0] == 0
+        if ctx.no_groups:  # every row is past offs[-1] (static: no sync)
             return A.new_zeros((A.shape[0], B_t.shape[2]), dtype=out_dtype)
-        ctx.no_groups = False
-        # The gradients a backward will compute: grad_A (dgrad, reads the weight) and
-        # grad_B (wgrad, reads A).
-        dgrad = grad_mode and ctx.needs_input_grad[0]
-        wgrad = grad_mode and ctx.needs_input_grad[1]
-        # A's weight-gradient operand made with its forward one and kept instead of A
-        # (Recipe.keeps_fp8_activations: fp8 saved activations) where B needs a gradient
-        # and the wgrad operands take the padded layout.
-        ctx.fp8_saved = recipe.keeps_fp8_activations and pad_wgrad and wgrad
-        if ctx.fp8_saved:
+        dgrad = grad_mode and ctx.needs_input_grad[0]  # grad_A reads the weight
+        wgrad = grad_mode and ctx.needs_input_grad[1]  # grad_B reads A
+        # Where the weight gradient takes the padded layout, A's colwise operand is made with
+        # its rowwise one and kept instead of A (fp8 saved activations, DESIGN §10).
+        starts = wgrad_offs = None
+        if pad_wgrad and wgrad:
             starts, wgrad_offs = _ops.padded_group_offsets(offs, A.shape[0], recipe.alignment)
-            lhs, a_op = recipe.lhs_with_wgrad_operand(A, offs, fp8_dtype, starts)
-        else:
-            lhs = recipe.lhs(A, fp8_dtype)
-        # Where one read makes both (Recipe.reads_weights_once), B_t's dgrad operand is made with its forward one,
-        # held on ctx until the dgrad GEMM, then dropped before the wgrad GEMM (the peak). A model holds one per layer
-        # until its backward: hold_weight_operands=False turns it off. B_t stays saved for a retain_graph backward.
-        hold = dgrad and recipe.hold_weight_operands
-        # _may_free_early first: under torch.compile the recipe's check (it reads data pointers) must not be traced.
-        if hold and _may_free_early() and recipe.reads_weights_once([B_t]):
-            rhs, bwd = recipe.rhs_dual_cat([B_t], fp8_dtype)
-            ctx.bwd_box = {"B": bwd}
-            del bwd
-        elif hold:
-            rhs = recipe.rhs_fwd(B_t, fp8_dtype)  # (fp8_blockwise: with its transposed half, saved)
-        else:
-            rhs = recipe.rhs_fwd_only(B_t, fp8_dtype)
-        saved = recipe.save_for_backward(A, B_t, lhs, rhs)
-        # Only rhs_bwd reads "B_t" and only wgrad_operands reads "A" (the Recipe contract): neither is kept for a
-        # gradient not computed (frozen expert weights keep no activation; a cast or gathered weight is not held,
-        # nor checked for in-place writes, on A's account alone), nor A where its fp8 operand is kept instead.
-        if not dgrad and "B_t" in saved:
-            saved["B_t"] = None
-        if not wgrad or ctx.fp8_saved:
-            saved["A"] = None
-        if ctx.fp8_saved:
-            saved.update({f"A_wgrad{i}": t for i, t in enumerate(a_op)}, starts=starts, wgrad_offs=wgrad_offs)
-            ctx.a_op_len = len(a_op)
-        ctx.names = tuple(saved)
-        ctx.save_for_backward(offs, *saved.values())
-        return _mm_2d3d(recipe, lhs, rhs, offs, out_dtype, backend)
+        lhs, a_col = recipe.quantize(A, fp8_dtype, (offs, starts), colwise=pad_wgrad and wgrad)
+        # The weight's input-gradient operand where the read that makes the forward one makes it
+        # (hold_weight_operands): held on ctx until the dgrad GEMM has used it, or saved under
+        # torch.compile; not under saved-tensor hooks (the backward quantizes it again).
+        free_early = _may_free_early()
+        hold = dgrad and recipe.hold_weight_operands and (free_early or torch.compiler.is_compiling())
+        rhs, bwd = recipe.quantize_weights([B_t], fp8_dtype, bwd=SAME_READ if hold else False)
+        ctx.bwd_box = [bwd] if bwd is not None and free_early else None
+        # Each input kept only for the gradient that reads it: B_t for grad_A unless its operand
+        # is saved (a held one is gone after one backward), A for grad_B unless a_col is kept.
+        saved_bwd = bwd if ctx.bwd_box is None else None
+        tensors, ctx.layout = pack({
+            "offs": offs, "A": A if wgrad and a_col is None else None,
+            "B_t": B_t if dgrad and saved_bwd is None else None,
+            "starts": starts, "wgrad_offs": wgrad_offs, "a_col": a_col, "bwd": saved_bwd})
+        ctx.save_for_backward(*tensors)
+        return recipe.mm_2d3d(lhs, rhs, offs, out_dtype, backend)
 
     @staticmethod
     def backward(ctx, grad_out):
-        offs, *values = ctx.saved_tensors
         need_a, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         nones = (None,) * 7
         if ctx.no_groups:  # the output is a constant zero: zero gradients
@@ -164,39 +157,28 @@ class _GroupedMM(torch.autograd.Function):
             grad_B_t = grad_out.new_zeros(ctx.b_shape, dtype=ctx.b_dtype) if need_b else None
             return (grad_A, grad_B_t) + nones
         recipe, f8, backend = ctx.recipe, ctx.fp8_dtype, ctx.backend
-        saved = dict(zip(ctx.names, values))
+        s = unpack(ctx.saved_tensors, ctx.layout)
+        offs, a_col = s["offs"], s.get("a_col")
+        groups = (offs, s.get("starts"))
         grad_out = grad_out.contiguous()
-        grad_A = grad_B_t = None
-        # Unaligned groups (pad_groups) or an M that is not a multiple of the alignment:
-        # both wgrad operands go straight into the padded layout.
-        starts, wgrad_offs = None, offs
-        if ctx.fp8_saved:
-            starts, wgrad_offs = saved["starts"], saved["wgrad_offs"]
-        elif need_b and ctx.pad_wgrad:
-            starts, wgrad_offs = _ops.padded_group_offsets(offs, ctx.num_tokens, recipe.alignment)
-        g_op = None  # grad_out's wgrad operand, made with its dgrad one
+        grad_A = grad_B_t = g_col = None
         if need_a:
-            if need_b and ctx.fp8_saved and recipe.reads_activations_once(grad_out):
-                lhs, g_op = recipe.lhs_with_wgrad_operand(grad_out, offs, f8, starts)
-            else:
-                lhs = recipe.lhs(grad_out, f8)
-            rhs = ctx.bwd_box.pop("B", None) if ctx.bwd_box else None
+            # grad_out's colwise operand with its rowwise one where one read makes both
+            lhs, g_col = recipe.quantize(grad_out, f8, groups, colwise=SAME_READ if need_b and a_col is not None else False)
+            rhs = ctx.bwd_box.pop() if ctx.bwd_box else s.get("bwd")
             if rhs is None:
-                rhs = recipe.rhs_bwd(saved, f8)
+                rhs = recipe.quantize_weights([s["B_t"]], f8, fwd=False, bwd=True)[1]
             dtype = _gemm_out_dtype(recipe, backend, ctx.a_dtype, grad_out.dtype)
-            grad_A = _mm_2d3d(recipe, lhs, rhs, offs, dtype, backend).to(ctx.a_dtype)
+            grad_A = recipe.mm_2d3d(lhs, rhs, offs, dtype, backend).to(ctx.a_dtype)
             del lhs, rhs
         if need_b:
-            if ctx.fp8_saved:
-                if g_op is None:
-                    g_op = recipe.wgrad_operand(grad_out, offs, f8, starts)
-                a_op = tuple(saved[f"A_wgrad{i}"] for i in range(ctx.a_op_len))
-                grad_t, a = recipe.wgrad_operands_from(g_op, a_op)
-            else:
-                grad_t, a = recipe.wgrad_operands(grad_out, saved, offs, f8, starts)
+            if g_col is None:
+                g_col = recipe.quantize(grad_out, f8, groups, rowwise=False, colwise=True)[1]
+            if a_col is None:
+                a_col = recipe.quantize(s["A"], f8, groups, rowwise=False, colwise=True)[1]
             dtype = _gemm_out_dtype(recipe, backend, ctx.b_dtype, grad_out.dtype)
-            grad_B = recipe.mm_2d2d(grad_t, a, wgrad_offs, dtype, backend).to(ctx.b_dtype)  # (E, N, K)
-            grad_B_t = grad_B.transpose(-2, -1)
+            grad_B = recipe.mm_2d2d(g_col, a_col, s.get("wgrad_offs", offs), dtype, backend)  # (E, N, K)
+            grad_B_t = grad_B.to(ctx.b_dtype).transpose(-2, -1)
         return (grad_A, grad_B_t) + nones
 
 

@@ -207,28 +207,76 @@ def count_op_calls(monkeypatch, module, labels, calls):
 
 def count_backward_operand_calls(monkeypatch, recipe_name):
     """A list that records, by name, every call that makes an operand only a backward
-    uses: the recipe's ``rhs_dual_cat`` and ``lhs_with_wgrad_operand``, and the blockwise
-    weight duals ("weight_dual", "weight_dual_cat"; fp8_blockwise's ``rhs_fwd`` too). Returns (calls, the recipe's class)."""
+    uses with a forward one: the recipe's ``quantize`` returning both orientations
+    ("quantize_both"), its ``quantize_weights`` returning both operands ("weights_both"),
+    and the blockwise weight duals ("weight_dual", "weight_dual_cat"). Returns (calls,
+    the recipe's class)."""
     from moe_fp8_ext import recipes
 
     recipe = type(recipes.get_recipe(recipe_name))
     calls = []
-    for name in ("rhs_dual_cat", "lhs_with_wgrad_operand"):
+    for name, label in (("quantize", "quantize_both"), ("quantize_weights", "weights_both")):
         real = getattr(recipe, name)
-        monkeypatch.setattr(recipe, name, lambda self, *a, real=real, name=name: calls.append(name) or real(self, *a))
+
+        def spy(self, *a, real=real, label=label, **k):
+            out = real(self, *a, **k)
+            if out[0] is not None and out[1] is not None:
+                calls.append(label)
+            return out
+
+        monkeypatch.setattr(recipe, name, spy)
     count_op_calls(monkeypatch, recipes.blockwise, {op: op[len("quantize_blockwise_"):] for op in (
         "quantize_blockwise_weight_dual", "quantize_blockwise_weight_dual_cat")}, calls)
     return calls, recipe
 
 
-def count_zero_tail_calls(monkeypatch, zeroes):
-    """fp8_blockwise's GEMM made to say it zeroes the rows past offs[-1] (``zeroes``) or
-    not (Recipe.mm_2d3d_zeroes_tail), and a list that records each call of the zeroing
-    op (zero_rows_past_groups_, which grouped_mm, the experts layer and the recipes call
-    through ``recipes.base._zero_tail``) from then on."""
+def force_weights_read_once(monkeypatch, recipe_name, once):
+    """The recipe's rule for making a weight's two operands from one read (bwd=SAME_READ)
+    forced to ``once`` (a bool, or a function of the weights), so that the CPU and a
+    kernel-off GPU run the held path: fp8_rowwise's ``ops.dual_cat_reads_once``,
+    fp8_blockwise's ``blockwise.weight_cat_ok``."""
+    import moe_fp8_ext
+
+    rule = once if callable(once) else (lambda b_ts: once)
+    module = moe_fp8_ext.ops if recipe_name == "fp8_rowwise" else moe_fp8_ext.blockwise
+    monkeypatch.setattr(module, "dual_cat_reads_once" if recipe_name == "fp8_rowwise" else "weight_cat_ok", rule)
+
+
+def spy_weight_bwd_calls(monkeypatch, recipe_name):
+    """A list with one entry per ``quantize_weights`` call that makes the input-gradient
+    operand alone (the backward quantizing the weight again): the number of weights joined."""
     from moe_fp8_ext import recipes
 
-    monkeypatch.setattr(recipes.Fp8Blockwise, "mm_2d3d_zeroes_tail", lambda self, backend: zeroes)
+    recipe = type(recipes.get_recipe(recipe_name))
+    real, calls = recipe.quantize_weights, []
+
+    def spy(self, b_ts, f8, *, fwd=True, bwd=False):
+        if bwd is True and not fwd:
+            calls.append(len(b_ts))
+        return real(self, b_ts, f8, fwd=fwd, bwd=bwd)
+
+    monkeypatch.setattr(recipe, "quantize_weights", spy)
+    return calls, real
+
+
+def count_zero_tail_calls(monkeypatch, zeroes):
+    """A list that records each call of the zeroing op from then on (count_zero_rows_calls),
+    with fp8_blockwise's 2d3d GEMM replaced by one that writes the rows past offs[-1] with
+    zeros itself (``zeroes``, as its CUDA kernel does) or kept (the emulation, which zeroes
+    them with the op)."""
+    from moe_fp8_ext import recipes
+
+    if zeroes:
+        real = recipes.Fp8Blockwise.mm_2d3d
+
+        def gemm(self, lhs, rhs, offs, out_dtype, backend):
+            with monkeypatch.context() as m:
+                m.setattr(recipes.blockwise, "_zero_tail", lambda out, offs: out)
+                out = real(self, lhs, rhs, offs, out_dtype, backend)
+            rows = torch.arange(out.shape[0], device=out.device)
+            return torch.where((rows < offs[-1])[:, None], out, torch.zeros((), dtype=out.dtype))
+
+        monkeypatch.setattr(recipes.Fp8Blockwise, "mm_2d3d", gemm)
     return count_zero_rows_calls(monkeypatch)
 
 

@@ -762,15 +762,15 @@ def test_recipe_takes_the_cat_ops(monkeypatch):
         ws = [bw_data((2, 130, n), torch.bfloat16, specials=False) for n in ns]
         cat = torch.cat(ws, dim=-1)
         whole = ns[0] % 128 == 0
-        assert r.reads_weights_once(ws) == whole
         assert r.joins_w13_dgrad(*(w.transpose(-2, -1) for w in ws)) == whole
         calls.clear()
-        check(r.rhs_fwd_cat(ws, F8), wrhs(cat, F8))
-        check(r.rhs_bwd_cat(ws, F8), wtrhs(cat, F8))
-        fwd, bwd = r.rhs_dual_cat(ws, F8)
+        check(r.quantize_weights(ws, F8)[0], wrhs(cat, F8))
+        check(r.quantize_weights(ws, F8, fwd=False, bwd=True)[1], wtrhs(cat, F8))
+        fwd, bwd = r.quantize_weights(ws, F8, bwd=True)
         check(fwd, wrhs(cat, F8))
         check(bwd, wtrhs(cat, F8))
         assert calls == (["rhs_cat", "transposed_rhs_cat", "dual_cat"] if whole else [])
+        assert (r.quantize_weights(ws, F8, bwd=recipes.SAME_READ)[1] is not None) == whole  # one read makes both
 
 
 # ---- opcheck and torch.compile ------------------------------------------------------------

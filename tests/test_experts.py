@@ -16,8 +16,8 @@ import moe_fp8_ext
 from moe_fp8_ext.experts import GroupedExperts, WeightCache, clear_weight_caches, experts
 from moe_fp8_ext.recipes import RECIPES, get_recipe
 
-from conftest import (count_backward_operand_calls, count_zero_tail_calls, graph_matches_eager, poison,
-                      set_dual_kernel_budget)
+from conftest import (count_backward_operand_calls, count_zero_tail_calls, force_weights_read_once, graph_matches_eager,
+                      poison, set_dual_kernel_budget, spy_weight_bwd_calls)
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
@@ -127,12 +127,10 @@ def test_blockwise_joins_w13_dgrad_for_whole_tiles(device, hidden, monkeypatch):
     x, w1, w3, w2, offs, grad = make(3, hidden, 96, 300, device, offs=[40, 170, 300])
     r = get_recipe("fp8_blockwise")
     assert r.joins_w13_dgrad(w1, w3) == (hidden % 128 == 0)
-    calls = []
-    real = recipes.Fp8Blockwise.rhs_bwd_cat
-    monkeypatch.setattr(recipes.Fp8Blockwise, "rhs_bwd_cat", lambda self, *a: calls.append(1) or real(self, *a))
+    calls, _ = spy_weight_bwd_calls(monkeypatch, "fp8_blockwise")
     held_nothing = recipes.Fp8Blockwise(hold_weight_operands=False)  # the backward makes W13's operand itself
     out, grads = run(lambda *a: experts(*a, recipe=held_nothing), (x, w1, w3, w2, offs), grad)
-    assert len(calls) == (1 if hidden % 128 == 0 else 0)
+    assert sorted(calls) == ([1, 2] if hidden % 128 == 0 else [1, 1, 1])  # W2, then [W1; W3] or W1 and W3
     ref_out, ref_grads = run(reference, (x.float(), w1.float(), w3.float(), w2.float(), offs), grad.float())
     assert sqnr(ref_out, out) >= 23 and sqnr(ref_grads[0], grads[0]) >= 23
     assert min(sqnr(r_, g) for r_, g in zip(ref_grads[1:], grads[1:])) >= 20
@@ -155,10 +153,16 @@ def test_blockwise_swiglu_operands(device, hidden, mode, needs, monkeypatch):
 
     def go(makes):
         calls, swiglus = [], []  # the widths of the tensors whose two operands are made together; h computed
-        monkeypatch.setattr(recipes.Fp8Blockwise, "makes_swiglu_operands", lambda self, h13: makes)
-        real = recipes.Fp8Blockwise.lhs_with_wgrad_operand
-        monkeypatch.setattr(recipes.Fp8Blockwise, "lhs_with_wgrad_operand",
-                            lambda self, t, *a: calls.append(t.shape[1]) or real(self, t, *a))
+        monkeypatch.setattr(moe_fp8_ext.blockwise, "act_dual_reads_once", lambda t: makes)  # (the GPU's rule)
+        real = recipes.Fp8Blockwise.quantize
+
+        def spy(self, t, *a, **k):
+            out = real(self, t, *a, **k)
+            if out[0] is not None and out[1] is not None:
+                calls.append(t.shape[1])
+            return out
+
+        monkeypatch.setattr(recipes.Fp8Blockwise, "quantize", spy)
         for mod in (experts_mod, importlib.import_module("moe_fp8_ext.swiglu")):
             monkeypatch.setattr(mod, "swiglu", lambda h13, real=mod.swiglu: swiglus.append(1) or real(h13))
         leaves = [t.detach().clone().requires_grad_(i in needs) for i, t in enumerate((x, w1, w3, w2))]
@@ -179,7 +183,7 @@ def test_blockwise_swiglu_operands(device, hidden, mode, needs, monkeypatch):
         assert swiglus1 == 1
     else:  # nothing kept: h recomputed where W2 needs it, else never
         assert calls1 == [] and swiglus1 == 1 + need_w2
-    assert out1.grad_fn.h_box == ([] if mode == "box" and need_w2 else None)  # emptied by the backward
+    assert out1.grad_fn.box == ({} if mode != "hooks" else None)  # emptied by the backward
     assert torch.equal(out0, out1)
     for a, b in zip(grads0, grads1):
         assert (a is None and b is None) or torch.equal(a, b)
@@ -230,19 +234,17 @@ def test_tail_rows_and_empty_groups(device, recipe, hidden):
 @pytest.mark.parametrize("zeroes", [False, True])
 @pytest.mark.parametrize("hidden", [64, 128])
 def test_no_zeroing_kernel_after_a_gemm_that_zeroes(zeroes, hidden, monkeypatch):
-    """The layer zeroes the rows past offs[-1] after its 2d3d GEMMs (W13's, W2's, W2's
-    input gradient, and the input gradient once, after its one GEMM or the sum of two)
-    unless the recipe's GEMM writes them itself (Recipe.mm_2d3d_zeroes_tail): then it
-    launches no zeroing kernel. Where it zeroes, the gradients are the unpatched layer's
-    (the CPU GEMM leaves the tail rows unwritten, so "zeroes" is only counted here)."""
+    """The rows past offs[-1] are zeroed by the recipe's 2d3d GEMMs (Recipe.mm_2d3d) and
+    by nothing after them: with a GEMM that writes them itself no zeroing kernel runs;
+    the emulated GEMM zeroes once a GEMM (W13's, W2's, W2's input gradient, and the
+    input gradient's one GEMM or two), and the gradients are the unpatched layer's."""
     x, w1, w3, w2, offs, grad = make(3, hidden, 32, 160, "cpu", offs=[40, 40, 120])
     _, want = run(lambda *a: experts(*a, recipe="fp8_blockwise"), (x, w1, w3, w2, offs), grad)
     calls = count_zero_tail_calls(monkeypatch, zeroes)
     out, grads = run(lambda *a: experts(*a, recipe="fp8_blockwise"), (x, w1, w3, w2, offs), grad)
-    assert len(calls) == (0 if zeroes else 4)
-    if not zeroes:
-        for a, b in zip(grads, want):
-            assert torch.equal(a, b)
+    assert len(calls) == (0 if zeroes else 4 if hidden % 128 == 0 else 5)
+    for a, b in zip(grads, want):
+        assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -400,7 +402,7 @@ def test_weight_reuse_hits_and_is_exact(device):
     # w13 fwd and bwd (fp8_rowwise: one dgrad GEMM against [W1; W3]), w2 fwd and bwd;
     # where one read makes both (the GPU's dual kernel) the forward's miss makes the
     # backward operand too, and the backward's first lookup hits
-    once = get_recipe("fp8_rowwise").reads_weights_once([layer.w2.transpose(1, 2)])
+    once = moe_fp8_ext.ops.dual_cat_reads_once([layer.w2.transpose(1, 2)])
     assert (cache.misses, cache.hits) == ((2, 10) if once else (4, 8))
     assert cache.nbytes() > 0
     fresh = experts(x, w1, w3, w2, offs)
@@ -412,7 +414,7 @@ def test_weight_reuse_hits_and_is_exact(device):
 @pytest.mark.parametrize("cached", [False, True])
 @pytest.mark.parametrize("dual_kernel", ["0", "default"])
 def test_backward_operands_made_in_forward(device, cached, dual_kernel, monkeypatch):
-    # A recipe that reads a weight once for both operands (Recipe.reads_weights_once; forced here so CPU and kernel-off
+    # A recipe that reads a weight once for both operands (bwd=SAME_READ; the rule forced here so CPU and kernel-off
     # GPU run it) makes the backward operands in the forward: the same bits as making them in the backward, kept on ctx
     # until used and then dropped (no cache), or in the cache.
     set_dual_kernel_budget(monkeypatch, dual_kernel)
@@ -420,16 +422,17 @@ def test_backward_operands_made_in_forward(device, cached, dual_kernel, monkeypa
     recipe = type(get_recipe("fp8_rowwise"))
     results = []
     for once in (False, True):
-        monkeypatch.setattr(recipe, "reads_weights_once", lambda self, b_ts, once=once: once)
+        force_weights_read_once(monkeypatch, "fp8_rowwise", once)
         leaves = [t.clone().requires_grad_() for t in (x, w1, w3, w2)]
         cache = WeightCache() if cached else None
         out = experts(*leaves, offs, weight_cache=cache)
-        box = out.grad_fn.bwd_box
+        box = out.grad_fn.box
+        held = sorted(k for k in box if k.startswith("bwd_"))
         if cached:
-            assert box == {} and (cache.misses, cache.hits) == (2, 0)
+            assert held == [] and (cache.misses, cache.hits) == (2, 0)
             assert len(cache._entries) == (4 if once else 2)
         else:
-            assert sorted(box) == (["w13", "w2"] if once else [])
+            assert held == (["bwd_w13", "bwd_w2"] if once else [])
         out.backward(grad)
         assert box == {}
         if cached:
@@ -447,13 +450,13 @@ def test_no_grad_makes_nothing_for_backward(recipe_name, monkeypatch):
     x, w1, w3, w2, offs, _ = make(3, 128, 128, 300, "cpu", offs=[130, 130, 300])
     calls, recipe = count_backward_operand_calls(monkeypatch, recipe_name)
     if recipe_name == "fp8_rowwise":
-        monkeypatch.setattr(recipe, "reads_weights_once", lambda self, b_ts: True)
+        force_weights_read_once(monkeypatch, recipe_name, True)
     leaves = [t.clone().requires_grad_() for t in (x, w1, w3, w2)]
     out = experts(*leaves, offs, recipe=recipe_name)
     if recipe_name == "fp8_rowwise":
-        assert sorted(set(calls)) == ["lhs_with_wgrad_operand", "rhs_dual_cat"]
+        assert sorted(set(calls)) == ["quantize_both", "weights_both"]
     else:
-        assert calls == ["rhs_dual_cat", "weight_dual_cat", "lhs_with_wgrad_operand", "rhs_dual_cat", "weight_dual"]
+        assert calls == ["weight_dual_cat", "weights_both", "quantize_both", "weight_dual", "weights_both"]
     calls.clear()
     with torch.no_grad():
         out2 = experts(*leaves, offs, recipe=recipe_name)

@@ -112,10 +112,16 @@ def test_gathered_operands_are_the_whole_weights(device, recipe):
     parts = [w1.transpose(-2, -1), w3.transpose(-2, -1)]
     f1, f3, f2 = gathered_layer(w1, w3, w2, r, False, shards=3)  # (a gather for the forward)
     b1, b3, b2 = gathered_layer(w1, w3, w2, r, True, shards=3)  # (one for the backward)
-    pairs = [(fsdp.rhs_fwd([f1, f3]), r.rhs_fwd_cat(parts, f8)), (fsdp.rhs_fwd([f2]), r.rhs_fwd_cat([w2.mT], f8)),
-             (fsdp.rhs_bwd([b1, b3]), r.rhs_bwd_cat(parts, f8)), (fsdp.rhs_bwd([b2]), r.rhs_bwd({"B_t": w2.mT}, f8))]
+    def fwd(b_ts):
+        return r.quantize_weights(b_ts, f8)[0]
+
+    def bwd(b_ts):
+        return r.quantize_weights(b_ts, f8, fwd=False, bwd=True)[1]
+
+    pairs = [(fsdp.rhs_fwd([f1, f3]), fwd(parts)), (fsdp.rhs_fwd([f2]), fwd([w2.mT])),
+             (fsdp.rhs_bwd([b1, b3]), bwd(parts)), (fsdp.rhs_bwd([b2]), bwd([w2.mT]))]
     if recipe == "fp8_blockwise":  # (the transposed copies)
-        pairs += [(fsdp.rhs_bwd([f1, f3]), r.rhs_bwd_cat(parts, f8)), (fsdp.rhs_fwd([b2]), r.rhs_fwd_cat([w2.mT], f8))]
+        pairs += [(fsdp.rhs_bwd([f1, f3]), bwd(parts)), (fsdp.rhs_fwd([b2]), fwd([w2.mT]))]
     for mine, theirs in pairs:
         for a, b in zip(mine, theirs):
             assert a.shape == b.shape and a.stride() == b.stride()
@@ -291,7 +297,7 @@ def rows_reference(x, token_idx, recipe, f8):
     """The dispatched rows as values: quantized as the W13 GEMM's operand, dequantized;
     the gradient passes straight through to x."""
     rows = x[token_idx.long()]
-    q, s = recipe.lhs(rows.detach(), f8)
+    q, s = recipe.quantize(rows.detach(), f8)[0]
     s = s.repeat_interleave(128, dim=1)[:, :q.shape[1]] if s.dim() == 2 else s[:, None]
     return rows + ((q.float() * s).to(rows.dtype) - rows).detach()
 

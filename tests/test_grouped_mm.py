@@ -12,6 +12,7 @@ import torch.nn.functional as F
 import moe_fp8_ext
 from moe_fp8_ext import reference as ref
 from conftest import (DEVICES, count_backward_operand_calls, count_zero_rows_calls, count_zero_tail_calls,
+                      force_weights_read_once, spy_weight_bwd_calls,
                       offs_from_sizes as make_offs, poison, random_offs, randn, requires_cuda, set_dual_kernel_budget,
                       sqnr)
 
@@ -204,7 +205,7 @@ def test_saves_fp8_a_instead_of_a(device, needs_b):
 @pytest.mark.parametrize("recipe_name,dual_kernel", [("fp8_rowwise", "0"), ("fp8_rowwise", "default"),
                                                      ("fp8_blockwise", "default")])
 def test_weight_backward_operand_made_in_forward(device, recipe_name, dual_kernel, monkeypatch):
-    # Where one read makes both weight operands (Recipe.reads_weights_once; forced so CPU and kernel-off GPU run it),
+    # Where one read makes both weight operands (bwd=SAME_READ; the rule forced so CPU and kernel-off GPU run it),
     # the forward makes B_t's dgrad operand, held on ctx until the dgrad GEMM: same bits as the backward's (rowwise) or
     # the dual's transposed half (blockwise). A second backward re-quantizes; hold_weight_operands=False holds nothing.
     import weakref
@@ -216,18 +217,16 @@ def test_weight_backward_operand_made_in_forward(device, recipe_name, dual_kerne
     b_t = randn((len(sizes), n, k), torch.bfloat16, device).transpose(1, 2) * 0.02  # W (E, N, K) contiguous
     grad = randn((m, n), torch.bfloat16, device)
     recipe = type(moe_fp8_ext.recipes.get_recipe(recipe_name))
-    real_once, real_rhs_bwd = recipe.reads_weights_once, recipe.rhs_bwd
-    rhs_bwd_calls = []
-    monkeypatch.setattr(recipe, "rhs_bwd", lambda self, *a: rhs_bwd_calls.append(1) or real_rhs_bwd(self, *a))
+    real_cat_ok = moe_fp8_ext.blockwise.weight_cat_ok
+    rhs_bwd_calls, real_quantize_weights = spy_weight_bwd_calls(monkeypatch, recipe_name)
     results = []
     for once in (False, True):
-        monkeypatch.setattr(recipe, "reads_weights_once",
-                            real_once if once and recipe_name == "fp8_blockwise" else (lambda self, b_ts, once=once: once))
+        force_weights_read_once(monkeypatch, recipe_name, real_cat_ok if once and recipe_name == "fp8_blockwise" else once)
         aa, bb = a.clone().requires_grad_(), b_t.clone().requires_grad_()
         out = moe_fp8_ext.grouped_mm(aa, bb, offs, recipe=recipe_name)
         box = out.grad_fn.bwd_box
-        assert (sorted(box) if box is not None else []) == (["B"] if once else [])
-        held = weakref.ref(box["B"][0]) if once else None
+        assert (box is not None and len(box) == 1) == once
+        held = weakref.ref(box[0][0]) if once else None
         rhs_bwd_calls.clear()
         ga, gb = torch.autograd.grad(out, (aa, bb), grad, retain_graph=True)
         assert not box and (held is None or held() is None)  # dropped once used, and freed
@@ -236,7 +235,7 @@ def test_weight_backward_operand_made_in_forward(device, recipe_name, dual_kerne
         assert len(rhs_bwd_calls) == (1 if once else 2)
         assert torch.equal(ga, ga2) and torch.equal(gb, gb2)
         results.append((out.detach(), ga, gb))
-    monkeypatch.setattr(recipe, "rhs_bwd", real_rhs_bwd)  # (a side effect torch.compile below cannot trace)
+    monkeypatch.setattr(recipe, "quantize_weights", real_quantize_weights)  # (a side effect compile cannot trace)
     for x, y in zip(*results):
         assert torch.equal(x, y)
     # Switched off: nothing held, the same bits.
@@ -245,8 +244,7 @@ def test_weight_backward_operand_made_in_forward(device, recipe_name, dual_kerne
     aa, bb = a.clone().requires_grad_(), b_t.clone().requires_grad_()
     out = moe_fp8_ext.grouped_mm(aa, bb, offs, recipe=held_nothing)
     assert out.grad_fn.bwd_box is None
-    if recipe_name == "fp8_blockwise":  # not even the dual's transposed half in save_for_backward
-        assert "q_bwd" not in out.grad_fn.names
+    assert all(name != "bwd" for name, *_ in out.grad_fn.layout)  # not even saved
     for x, y in zip((out.detach(), *torch.autograd.grad(out, (aa, bb), grad)), results[0]):
         assert torch.equal(x, y)
     # Only where the input gradient is wanted; and never under saved-tensor hooks
@@ -261,10 +259,10 @@ def test_weight_backward_operand_made_in_forward(device, recipe_name, dual_kerne
     if recipe_name != "fp8_rowwise":
         return
 
-    def untraceable(self, b_ts):
+    def untraceable(b_ts):
         return b_ts[0].data_ptr() % 16 == 0
 
-    monkeypatch.setattr(recipe, "reads_weights_once", untraceable)
+    force_weights_read_once(monkeypatch, recipe_name, untraceable)
     torch._dynamo.reset()
     step = torch.compile(lambda x, w: (moe_fp8_ext.grouped_mm(x, w, offs).float() * grad.float()).sum(), fullgraph=True)
     aa, bb = a.clone().requires_grad_(), b_t.clone().requires_grad_()
@@ -279,14 +277,14 @@ def test_no_grad_makes_nothing_for_backward(recipe_name, monkeypatch):
     # weight dgrad operand, no fp8 saved A (autograd sets needs_input_grad there too),
     # and the output is the grad-mode one.
     calls, recipe = count_backward_operand_calls(monkeypatch, recipe_name)
-    monkeypatch.setattr(recipe, "reads_weights_once", lambda self, b_ts: True)
+    force_weights_read_once(monkeypatch, recipe_name, True)
     offs = make_offs([40, 0, 88], "cpu")
     a = randn((130, 128), torch.bfloat16).requires_grad_()  # 130 rows: the padded wgrad layout
     b_t = (randn((3, 128, 128), torch.bfloat16) * 0.02).requires_grad_()
     out = moe_fp8_ext.grouped_mm(a, b_t, offs, recipe=recipe_name)
     made = sorted(set(calls))
-    assert made == (["lhs_with_wgrad_operand", "rhs_dual_cat", "weight_dual"] if recipe_name == "fp8_blockwise"
-                    else ["lhs_with_wgrad_operand", "rhs_dual_cat"])
+    assert made == (["quantize_both", "weight_dual", "weights_both"] if recipe_name == "fp8_blockwise"
+                    else ["quantize_both", "weights_both"])
     calls.clear()
     with torch.no_grad():
         out2 = moe_fp8_ext.grouped_mm(a, b_t, offs, recipe=recipe_name)
@@ -325,7 +323,7 @@ def test_in_place_weight_write_before_backward_raises(recipe_name, monkeypatch):
     # (Under saved-tensor hooks PyTorch checks no versions, for any recipe.)
     recipe = type(moe_fp8_ext.recipes.get_recipe(recipe_name))
     if recipe_name != "bf16":
-        monkeypatch.setattr(recipe, "reads_weights_once", lambda self, b_ts: True)  # the held path on the CPU too
+        force_weights_read_once(monkeypatch, recipe_name, True)  # the held path on the CPU too
     offs = make_offs([64, 0, 96], "cpu")
     a = randn((200, 128), torch.bfloat16).requires_grad_()
     w = (randn((3, 128, 128), torch.bfloat16) * 0.02).requires_grad_()  # W (E, N, K)
@@ -559,9 +557,8 @@ def test_backend_answers_are_remembered_per_device():
 class ToyTensorwise(recipes.Recipe):
     """fp8 with ONE scale per tensor (per expert for the weights, per group for the
     wgrad pair), written in pure torch here: the test that a recipe plugs in through
-    the Recipe protocol alone. It keeps its fp8 operands for backward (not A and B_t), as the
-    contract allows, and its weight gradient needs groups aligned to 8 (so grouped_mm
-    lays the wgrad operands out padded)."""
+    the Recipe protocol alone. Its weight gradient needs groups aligned to 8 (so grouped_mm
+    asks for the colwise operands in the padded layout, and keeps A's instead of A)."""
 
     name: str = "toy_tensorwise"
     alignment: int = 8
@@ -573,39 +570,34 @@ class ToyTensorwise(recipes.Recipe):
         return recipes.FLOAT_DTYPES
 
     @staticmethod
-    def quantize(x, dims):
+    def tensorwise(x, dims):
         amax = x.float().abs().amax(dim=dims, keepdim=True).clamp(min=1e-12)
         # Power-of-two scales: exact in bf16, which the emulation multiplies in on CUDA.
         scale = torch.exp2(torch.ceil(torch.log2(amax / torch.finfo(F8).max)))
         return (x.float() / scale).to(F8), scale
 
-    def lhs(self, x, fp8_dtype):
-        return self.quantize(x, (0, 1))
+    def quantize(self, x, fp8_dtype, groups=None, *, rowwise=True, colwise=False):
+        col = None
+        if colwise is True:
+            offs, starts, x_p = *groups, x
+            if starts is not None:  # the padded layout of DESIGN §8, via the pad op
+                rows = moe_fp8_ext.padded_rows(x.shape[0], offs.shape[0], self.alignment)
+                x_p = torch.ops.moe_fp8.pad_token_groups_at(x.float().contiguous(), offs, starts, rows)
+            col = self.tensorwise(x_p, (0, 1))
+        return (self.tensorwise(x, (0, 1)) if rowwise else None), col
 
-    def rhs_fwd(self, b_t, fp8_dtype):
-        return self.quantize(b_t, (1, 2))
-
-    def save_for_backward(self, A, B_t, lhs, rhs):
-        return {"qa": lhs[0], "sa": lhs[1], "qb": rhs[0], "sb": rhs[1]}
-
-    def rhs_bwd(self, saved, fp8_dtype):
-        return saved["qb"].transpose(-2, -1), saved["sb"].transpose(-2, -1)
-
-    def wgrad_operands(self, grad_out, saved, offs, fp8_dtype, padded_starts):
-        a = saved["qa"].float() * saved["sa"]
-        if padded_starts is not None:  # the padded layout of DESIGN §8, via the pad op
-            rows = moe_fp8_ext.padded_rows(a.shape[0], offs.shape[0], self.alignment)
-            grad_out = torch.ops.moe_fp8.pad_token_groups_at(grad_out.float().contiguous(), offs, padded_starts, rows)
-            a = torch.ops.moe_fp8.pad_token_groups_at(a.contiguous(), offs, padded_starts, rows)
-        return self.quantize(grad_out.t(), (0, 1)), self.quantize(a, (0, 1))
+    def quantize_weights(self, b_ts, fp8_dtype, *, fwd=True, bwd=False):
+        q, s = self.tensorwise(recipes.joined_fwd(b_ts), (1, 2))
+        return ((q, s) if fwd else None), ((q.transpose(-2, -1), s.transpose(-2, -1)) if bwd is True else None)
 
     def mm_2d3d(self, lhs, rhs, offs, out_dtype, backend):
         (qa, sa), (qb, sb) = lhs, rhs
-        return recipes.emulated_grouped_mm_2d3d(qa.float() * sa, qb.float() * sb, offs).to(out_dtype)
+        out = recipes.emulated_grouped_mm_2d3d(qa.float() * sa, qb.float() * sb, offs).to(out_dtype)
+        return recipes._zero_tail(out, offs)
 
-    def mm_2d2d(self, grad_t, a, offs, out_dtype, backend):
-        (qg, sg), (qa, sa) = grad_t, a
-        return recipes.emulated_grouped_mm_2d2d(qg.float() * sg, qa.float() * sa, offs).to(out_dtype)
+    def mm_2d2d(self, grad, a, offs, out_dtype, backend):
+        (qg, sg), (qa, sa) = grad, a
+        return recipes.emulated_grouped_mm_2d2d((qg.float() * sg).t(), qa.float() * sa, offs).to(out_dtype)
 
 
 @pytest.fixture
@@ -627,7 +619,7 @@ def test_new_recipe_plugs_in(device, toy_recipe):
     grad = randn((m, n), torch.float32, device, outliers=False)
     out = moe_fp8_ext.grouped_mm(a, b_t, offs, recipe="toy_tensorwise", out_dtype=torch.float32)
     out.backward(grad)
-    q = ToyTensorwise.quantize
+    q = ToyTensorwise.tensorwise
     deq = lambda t, dims: (lambda qs: qs[0].float() * qs[1])(q(t, dims))  # noqa: E731
     a_d, b_d, g_d = deq(a.detach(), (0, 1)), deq(b_t.detach(), (1, 2)), deq(grad, (0, 1))
     want_out, want_ga, _ = per_group_reference(a_d, b_d, offs, g_d)
@@ -638,7 +630,7 @@ def test_new_recipe_plugs_in(device, toy_recipe):
     torch.testing.assert_close(out, want_out, **tol)
     torch.testing.assert_close(a.grad, want_ga, **tol)
     # wgrad: per group, grad^T @ A of the tensorwise-quantized pair.
-    gq, aq = deq(grad.t(), (0, 1)), deq(a_d, (0, 1))
+    gq, aq = deq(grad.t(), (0, 1)), a_d  # (A's colwise operand: A tensorwise, as its rowwise one)
     start = 0
     for e, end in enumerate(offs.cpu().tolist()):
         torch.testing.assert_close(b_t.grad[e], (gq[:, start:end] @ aq[start:end]).t(), **tol)
@@ -813,32 +805,28 @@ def test_rows_past_last_group_are_zero(device, recipe, ends):
 
 @pytest.mark.parametrize("zeroes", [False, True])
 def test_no_zeroing_kernel_after_a_gemm_that_zeroes(zeroes, monkeypatch):
-    """grouped_mm zeroes the rows past offs[-1] after each 2d3d GEMM (forward, dgrad)
-    unless the recipe's GEMM writes them itself (Recipe.mm_2d3d_zeroes_tail, true for
-    fp8_blockwise's GEMM on a GPU): then it launches no zeroing kernel."""
-    from moe_fp8_ext import recipes
-
-    assert not recipes.Fp8Blockwise().mm_2d3d_zeroes_tail("emulated")
-    assert recipes.Fp8Blockwise().mm_2d3d_zeroes_tail("blockwise_gemm")
+    """The rows past offs[-1] are zeroed by the recipe's 2d3d GEMMs (forward, dgrad) and
+    by nothing after them: with a GEMM that writes them itself (fp8_blockwise's on a GPU)
+    no zeroing kernel runs; the emulated GEMM zeroes them, one kernel a GEMM."""
     calls = count_zero_tail_calls(monkeypatch, zeroes)
     a = randn((160, 64), torch.bfloat16, "cpu").requires_grad_()
     b_t = randn((2, 64, 48), torch.bfloat16, "cpu").requires_grad_()
     out = moe_fp8_ext.grouped_mm(a, b_t, i32(48, 100), recipe="fp8_blockwise")
     out.backward(torch.ones_like(out))
     assert len(calls) == (0 if zeroes else 2)
+    assert bool((out[100:] == 0).all()) and bool((a.grad[100:] == 0).all())
 
 
 @pytest.mark.parametrize("gemm", ["ours", "torch"])
 def test_rowwise_zeroes_the_tail_once(gemm, monkeypatch):
     """fp8_rowwise's 2d3d GEMMs leave the rows past offs[-1] zero with one kernel at most:
     on a GPU our GEMM's table kernel writes them (no zeroing kernel after it); behind
-    PyTorch's GEMM (gemm_kernel="torch"), which leaves them unwritten, the recipe
-    zeroes them, one kernel a GEMM; emulated, grouped_mm does. Zero over poisoned
+    PyTorch's GEMM (gemm_kernel="torch"), which leaves them unwritten, and emulated, the
+    recipe zeroes them, one kernel a GEMM. Zero over poisoned
     memory either way."""
     from moe_fp8_ext import recipes
 
     r = recipes.get_recipe("fp8_rowwise")
-    assert r.mm_2d3d_zeroes_tail("fp8_gemm") and not r.mm_2d3d_zeroes_tail("emulated")
     device = "cuda" if r.backend(torch.device("cuda")) == "fp8_gemm" else "cpu"
     if gemm == "torch":
         r = recipes.Fp8Rowwise(gemm_kernel="torch")
@@ -859,8 +847,8 @@ def test_rowwise_zeroes_the_tail_once(gemm, monkeypatch):
 def test_rowwise_torch_gemm_path_zeroes_the_tail(monkeypatch):
     """The branch of fp8_rowwise's mm_2d3d behind PyTorch's GEMM (backend "fp8_gemm",
     our kernels not in use), on the CPU with a stand-in GEMM that leaves NaN in the
-    rows past offs[-1]: the recipe zeroes them itself (it says mm_2d3d_zeroes_tail, so
-    nothing after it would), once, and the rows of the groups are the GEMM's."""
+    rows past offs[-1]: the recipe zeroes them itself (nothing after it does), once, and
+    the rows of the groups are the GEMM's."""
     from moe_fp8_ext import recipes
 
     r = recipes.get_recipe("fp8_rowwise")
@@ -874,11 +862,10 @@ def test_rowwise_torch_gemm_path_zeroes_the_tail(monkeypatch):
     calls = count_zero_rows_calls(monkeypatch)
     offs = i32(48, 100)
     a, b_t = randn((160, 64), torch.bfloat16), randn((2, 64, 48), torch.bfloat16)
-    lhs, rhs = r.lhs(a, torch.float8_e4m3fn), r.rhs_fwd(b_t, torch.float8_e4m3fn)
-    assert r.mm_2d3d_zeroes_tail("fp8_gemm")
+    lhs, rhs = r.quantize(a, torch.float8_e4m3fn)[0], r.quantize_weights([b_t], torch.float8_e4m3fn)[0]
     out = r.mm_2d3d(lhs, rhs, offs, torch.bfloat16, "fp8_gemm")
-    want = r.mm_2d3d(lhs, rhs, offs, torch.bfloat16, "emulated")
     assert len(calls) == 1
+    want = r.mm_2d3d(lhs, rhs, offs, torch.bfloat16, "emulated")
     assert bool((out[100:] == 0).all()) and torch.equal(out[:100], want[:100])
 
 

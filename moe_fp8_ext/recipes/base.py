@@ -4,7 +4,7 @@ layer drive, the registry of recipes by name, and the emulated grouped GEMMs
 """
 
 import dataclasses
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -35,76 +35,42 @@ FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz, torch.float8_e5m2)
 
 
+#: ``colwise=`` / ``bwd=``: that operand only where the same read of the tensor makes it (else None).
+SAME_READ = "same_read"
+
+#: A token-grouped tensor's groups: ``(offs, padded_starts)``; ``padded_starts`` (from
+#: ``ops.padded_group_offsets``) lays weight-gradient operands out padded (DESIGN §8), None: not.
+Groups = Tuple[Tensor, Optional[Tensor]]
+
+
 @dataclasses.dataclass(frozen=True)
 class Recipe:
-    """How ``grouped_mm(A, B_t, offs)`` computes its three products. Base class: a recipe
-    is a frozen dataclass (hashable, so ``torch.compile`` treats it as a constant)
-    overriding the methods below; the defaults are the high-precision ones. Its fields
-    are what a user sets (``name``, ``alignment`` and each recipe's own, e.g.
-    ``Fp8Rowwise(pow2_scale=False)``); ``dataclasses.replace`` makes a variant, which
-    ``grouped_mm``, ``experts``, ``GroupedExperts`` and the torchtitan converter take as
-    is or, registered, by name.
+    """How the grouped GEMMs of :func:`moe_fp8_ext.grouped_mm` and the experts layer run:
+    the operands' scales, the group alignment and the GEMMs. A recipe is a frozen
+    dataclass (hashable: ``torch.compile`` treats it as a constant) whose fields are what
+    a user sets (``Fp8Rowwise(pow2_scale=False)``); ``dataclasses.replace`` makes a variant.
 
-    The products, with A (M, K), B_t (E, K, N), grad_out (M, N) and token groups
-    ``offs`` along M::
+    The products, with A (M, K), B_t (E, K, N), grad_out (M, N), token groups along M::
 
-        forward  out    = mm_2d3d(lhs(A),        rhs_fwd(B_t),   offs)   (M, N)
-        dgrad    grad_A = mm_2d3d(lhs(grad_out), rhs_bwd(saved), offs)   (M, K)
-        wgrad    grad_B = mm_2d2d(*wgrad_operands(grad_out, saved, offs)) (E, N, K)
+        forward  out    = mm_2d3d(quantize(A).rowwise,        quantize_weights(B_t).fwd)
+        dgrad    grad_A = mm_2d3d(quantize(grad_out).rowwise, quantize_weights(B_t).bwd)
+        wgrad    grad_B = mm_2d2d(quantize(grad_out).colwise, quantize(A).colwise)   (E, N, K)
 
-    Contract (what grouped_mm relies on, and nothing more):
-
-    - **Operands are opaque.** ``lhs``/``rhs_fwd``/``rhs_bwd``/``wgrad_operands`` return
-      whatever this recipe's ``mm_2d3d``/``mm_2d2d`` consume: rowwise returns
-      ``(q, scale (M,))``; MXFP8 would return ``(q, e8m0 scales in the blocked layout)``;
-      blockwise ``(q, scale (M, K/128))``. Scale shapes never reach grouped_mm.
-    - **Roles.** ``lhs(x)``: a 2-D (rows, D) operand grouped along its rows (A in the
-      forward, grad_out in dgrad), contracted over D. ``rhs_fwd(B_t)``: the weights
-      (E, K, N) contracted over K. ``rhs_bwd(saved)``: the same weights in backward
-      orientation (E, N, K), contracted over N. ``wgrad_operands(grad_out, saved, offs,
-      ..., padded_starts)``: the pair (grad_out^T, A) contracted over the tokens of each
-      group. With ``padded_starts`` (from ``ops.padded_group_offsets(offs, M,
-      alignment)``) both are laid out in the padded layout of DESIGN §8
-      (``ops.padded_rows(M, E, alignment)`` rows, group starts multiples of
-      ``alignment``, zeros in between), and ``mm_2d2d`` gets the padded ends as offs.
-    - **Saved state.** ``save_for_backward(A, B_t, lhs_op, rhs_op)`` returns a dict of
-      tensors (None allowed); grouped_mm saves them with ``ctx.save_for_backward`` and
-      hands the dict back, by name, to ``rhs_bwd`` and ``wgrad_operands``. The default
-      keeps the high-precision ``A`` and ``B_t`` (requantized in backward); a recipe
-      may keep fp8 operands instead, under its own names. ``"B_t"`` is read by
-      ``rhs_bwd`` alone and ``"A"`` by ``wgrad_operands`` alone: grouped_mm replaces
-      them with None where that gradient will not be computed, and replaces ``"A"``
-      with its fp8 weight-gradient operand under ``keeps_fp8_activations``. Whatever
-      ``rhs_bwd`` needs must be saved even where the forward also made the backward
-      operand (``rhs_dual_cat``, held on ctx): a second backward (``retain_graph``)
-      calls ``rhs_bwd``.
-    - **Reading the weight once.** Where ``reads_weights_once([B_t])`` (grouped_mm asks
-      in eager mode only; the experts layer under compile too, where it must trace or
-      answer False) grouped_mm calls
-      ``rhs_dual_cat([B_t])`` for both weight operands in the forward; where nothing
-      of the weight is to be kept for the backward (no input gradient follows, or
-      ``hold_weight_operands`` is False), ``rhs_fwd_only`` instead of ``rhs_fwd``.
-    - **GEMMs.** ``mm_2d3d(lhs, rhs, offs, out_dtype, backend)`` -> (M, N) and
-      ``mm_2d2d(grad_t, a, offs, out_dtype, backend)`` -> (E, N, K); rows past
-      ``offs[-1]`` may hold anything (grouped_mm and the experts layer zero them after
-      the GEMM unless ``mm_2d3d_zeroes_tail(backend)``), ``out_dtype`` is one
-      of ``out_dtypes(backend, ...)``. ``backend`` is what :meth:`backend` said for the
-      device: the real GEMM or ``"emulated"`` (dequantize, then an fp32 grouped GEMM,
-      :func:`emulated_grouped_mm_2d3d` / :func:`emulated_grouped_mm_2d2d`). A recipe
-      never falls back to bf16 math silently.
-    - **Alignment.** ``alignment``: the group-size multiple the recipe's GEMMs need
-      where groups are the contraction (wgrad), or the M groups too when
-      :meth:`pads_token_groups` says so (then grouped_mm pads A, runs the aligned
-      path, and unpads the output). 1 = any group size, no padded layout.
-    - **Formats.** ``fp8_dtype`` reaches the quantizing methods resolved (grouped_mm
-      and the experts layer pass :func:`~moe_fp8_ext.grouped_mm.resolve_fp8_dtype`'s
-      answer: one of ``fp8_dtypes(backend, device)``, never None); the registered
-      recipes hand it to the ops as is. Their operands come from this package's ops
-      and go to its ops, so they call them through ``torch.ops.moe_fp8`` (the C++ ops
-      check their arguments; the Python wrappers' checks, the same ones, run in the
-      fakes under torch.compile).
-    - No method syncs with the host or reads tensor values in Python; each must trace
-      under ``torch.compile(fullgraph=True)`` (``reads_weights_once``: see above).
+    - **One call per tensor** asks for the orientations it needs. ``quantize(x, ...,
+      rowwise, colwise)``: x (M, D) grouped along its rows; rowwise is a GEMM's left
+      operand (contracted over D), colwise the weight gradient's (contracted over the
+      tokens of each group, padded with ``groups``' starts). ``quantize_weights(b_ts,
+      ..., fwd, bwd)``: weights (E, K, N_i) joined along N; fwd contracted over K, bwd
+      over N (the input gradient). ``colwise=SAME_READ`` / ``bwd=SAME_READ``: only where
+      the read that makes the other makes it too (else None); the recipe knows its kernels.
+    - **Operands are opaque**: a tensor or a tuple of tensors, read only by the recipe's
+      GEMMs. ``mm_2d3d`` writes zeros in the rows past ``offs[-1]``.
+    - **Where it runs**: ``backend(device)`` names the GEMM path, or ``"emulated"``
+      (dequantize, fp32 grouped GEMM: :func:`emulated_grouped_mm_2d3d`); a recipe never
+      falls back to bf16 math silently. ``alignment``: the group-size multiple of the
+      weight gradient's GEMM (1: any, no padded layout), and of the M groups too where
+      ``pads_token_groups``. ``fp8_dtype`` arrives resolved (one of ``fp8_dtypes``).
+    - No method syncs with the host; each traces under ``torch.compile(fullgraph=True)``.
     """
 
     name: str
@@ -113,15 +79,13 @@ class Recipe:
     # Class attributes, not fields (no annotation: a field's place in the constructor would follow the base's).
     #: What the GEMMs compute in ("fp8", "bf16"): for messages; the torchtitan converter casts a "bf16" recipe's inputs.
     precision = "fp8"
-    #: Whether a forward may make the weight's input-gradient operand and hold it until then (where
-    #: ``reads_weights_once``); a field of the recipes whose forward can (Fp8Rowwise, Fp8Blockwise). False: nothing
-    #: derived from a weight lives from a forward to its backward (the backward quantizes it again).
+    #: Whether a forward may make a weight's input-gradient operand (``bwd=SAME_READ``) and hold it until the
+    #: backward; a field of Fp8Rowwise and Fp8Blockwise. False: the backward quantizes the weight again.
     hold_weight_operands = True
 
     # ---- where and how it runs -----------------------------------------------------
     def backend(self, device: torch.device) -> str:
-        """The name of the GEMM path that runs on ``device``; ``"emulated"`` is the
-        dequantize + fp32 grouped GEMM every recipe supports everywhere."""
+        """The name of the GEMM path that runs on ``device``."""
         return "emulated"
 
     def out_dtypes(self, backend: str, in_dtype: torch.dtype) -> Tuple[torch.dtype, ...]:
@@ -132,166 +96,92 @@ class Recipe:
         return torch.bfloat16
 
     def fp8_dtypes(self, backend: str, device: torch.device) -> Tuple[torch.dtype, ...]:
-        """The fp8 dtypes accepted for ``fp8_dtype``; empty: the recipe does not
-        quantize, and ``fp8_dtype`` must be None."""
+        """The fp8 dtypes accepted for ``fp8_dtype``; empty: it must be None."""
         return ()
 
     def default_fp8_dtype(self, device: torch.device) -> Optional[torch.dtype]:
         return default_fp8_dtype(device if device.type == "cuda" else None) if self.fp8_dtypes("emulated", device) else None
 
     def check_inputs(self, A: Tensor, B_t: Tensor) -> None:
-        """Recipe-specific checks on top of grouped_mm's (ranks, K, offs, devices,
-        A and B_t floating point): raise ``ValueError("grouped_mm: expected ...")``."""
+        """Recipe-specific checks on top of grouped_mm's: raise ``ValueError("grouped_mm: expected ...")``."""
 
     def pads_token_groups(self, backend: str) -> bool:
         """Whether the 2-D x 3-D GEMM of ``backend`` needs M groups that are multiples
         of ``alignment`` (grouped_mm then pads A and unpads the output)."""
         return False
 
-    # ---- operands ------------------------------------------------------------------
-    def lhs(self, x: Tensor, fp8_dtype) -> Operand:
-        raise NotImplementedError
-
-    def rhs_fwd(self, b_t: Tensor, fp8_dtype) -> Operand:
-        raise NotImplementedError
-
-    def rhs_fwd_only(self, b_t: Tensor, fp8_dtype) -> Operand:
-        """``rhs_fwd`` where nothing of the weight is to be kept for an input gradient
-        (none is computed, or its operand is made in the backward). Default: ``rhs_fwd``;
-        a recipe whose ``rhs_fwd`` makes more (fp8_blockwise: both orientations)
-        overrides it."""
-        return self.rhs_fwd(b_t, fp8_dtype)
-
-    def rhs_fwd_cat(self, b_ts, fp8_dtype) -> Operand:
-        """``rhs_fwd`` of the weights ``b_ts`` (each (E, K, N_i)) concatenated along N
-        (the experts layer's fused W1/W3 GEMM). Default: quantize the concatenation (a
-        copy with K contiguous); a recipe whose weight scales never span N overrides it
-        to quantize each part and concatenate the operands. (``rhs_fwd_only``: the
-        backward operand of a concatenation is ``rhs_bwd_cat``'s.)"""
-        return self.rhs_fwd_only(torch.cat([b.transpose(-2, -1) for b in b_ts], dim=1).transpose(-2, -1), fp8_dtype)
-
-    def save_for_backward(self, A: Tensor, B_t: Tensor, lhs: Operand, rhs: Operand) -> Dict[str, Optional[Tensor]]:
-        return {"A": A, "B_t": B_t}
-
-    def rhs_bwd(self, saved: Dict[str, Tensor], fp8_dtype) -> Operand:
-        raise NotImplementedError
-
-    def wgrad_operands(self, grad_out: Tensor, saved: Dict[str, Tensor], offs: Tensor, fp8_dtype,
-                       padded_starts: Optional[Tensor]) -> Tuple[Operand, Operand]:
-        raise NotImplementedError
-
-    # Whether grouped_mm and the experts layer make a token-grouped tensor's wgrad operand with its forward (or
-    # dgrad) one (lhs_with_wgrad_operand) and keep that fp8 operand for the backward instead of the tensor: fp8
-    # saved activations (DESIGN §10).
-    keeps_fp8_activations = False
-
-    def wgrad_operand(self, x: Tensor, offs: Tensor, fp8_dtype, padded_starts: Optional[Tensor]) -> Operand:
-        """One tensor's operand of the weight-gradient GEMM (x (M, D) contracted over the
-        tokens of each group), for :meth:`wgrad_operands_from`."""
-        raise NotImplementedError
-
-    def wgrad_operands_from(self, grad: Operand, a: Operand) -> Tuple[Operand, Operand]:
-        """``wgrad_operands`` from the two tensors' :meth:`wgrad_operand`."""
-        raise NotImplementedError
-
-    def lhs_with_wgrad_operand(self, x: Tensor, offs: Tensor, fp8_dtype,
-                               padded_starts: Optional[Tensor]) -> Tuple[Operand, Operand]:
-        """``(lhs(x), wgrad_operand(x, ...))``. Default: the two calls."""
-        return self.lhs(x, fp8_dtype), self.wgrad_operand(x, offs, fp8_dtype, padded_starts)
-
-    def reads_activations_once(self, x: Optional[Tensor] = None) -> bool:
-        """Whether :meth:`lhs_with_wgrad_operand` reads its tensor (``x``, when given)
-        once (then the backward makes grad_out's two operands together although the
-        wgrad one then lives through the dgrad GEMM; otherwise it makes the wgrad one
-        when it is needed). Default: no."""
-        return False
-
-    # ---- the experts layer's SwiGLU (DESIGN §10) -----------------------------------
-    def lhs_swiglu(self, h13: Tensor, fp8_dtype) -> Operand:
-        """``lhs(silu(h1) * h3)`` for ``h13 = [h1 | h3]``: the left operand of the W2
-        forward GEMM. Default: the fused SwiGLU kernel, then ``lhs``; a recipe whose
-        ``lhs`` the SwiGLU kernel can compute on the way overrides it (one read of h13,
-        h never written)."""
-        return self.lhs(_sw.swiglu(h13), fp8_dtype)
-
-    def lhs_swiglu_backward(self, grad_h: Tensor, h13: Tensor, fp8_dtype) -> Tuple[Tensor, Operand, Operand]:
-        """``(grad_h13, lhs(grad_h1), lhs(grad_h3))``: the gradient through the SwiGLU
-        (kept for the weight gradient) and the left operands of the two dgrad GEMMs.
-        Default: the fused kernel, then ``lhs`` of each half."""
-        g13 = _sw.swiglu_backward(grad_h, h13)
-        hidden = h13.shape[1] // 2
-        return g13, self.lhs(g13[:, :hidden], fp8_dtype), self.lhs(g13[:, hidden:], fp8_dtype)
-
-    def lhs_swiglu_backward_with_h(self, grad_h: Tensor, h13: Tensor,
-                                   fp8_dtype) -> Tuple[Tensor, Operand, Operand, Tensor]:
-        """``lhs_swiglu_backward`` and h = ``silu(h1) * h3`` (the operand of W2's weight
-        gradient): the two kernels."""
-        return (*self.lhs_swiglu_backward(grad_h, h13, fp8_dtype), _sw.swiglu(h13))
-
-    # Whether the experts layer runs the input gradient through W1 and W3 as ONE GEMM, grad_h13 @ [W1; W3]
-    # (operands from lhs_swiglu_backward_joint and rhs_bwd_cat), not two summed. A recipe sets it where both
-    # operands come without a copy (its scales may then span both halves).
-    joint_w13_dgrad = False
-
     def joins_w13_dgrad(self, w1: Tensor, w3: Tensor) -> bool:
-        """Whether the experts layer joins the input gradient through these W1 and W3
-        (each (E, hidden, dim)). Default: ``joint_w13_dgrad``."""
-        return self.joint_w13_dgrad
+        """Whether the experts layer runs the input gradient through W1 and W3 (each
+        (E, hidden, dim)) as ONE GEMM, grad_h13 @ [W1; W3] (both operands without a copy)."""
+        return False
 
-    def lhs_swiglu_backward_joint(self, grad_h: Tensor, h13: Tensor, fp8_dtype) -> Tuple[Tensor, Operand, Tensor]:
-        """``(grad_h13, lhs(grad_h13), h)``: the gradient through the SwiGLU, the left
-        operand of the one input-gradient GEMM against W1 and W3 together, and h for
-        W2's weight gradient. Default: the two kernels, then ``lhs``."""
+    # ---- operands ------------------------------------------------------------------
+    def quantize(self, x: Tensor, fp8_dtype, groups: Optional[Groups] = None, *, rowwise: bool = True,
+                 colwise=False) -> Tuple[Optional[Operand], Optional[Operand]]:
+        """``(rowwise operand, colwise operand)`` of x (M, D), each None where not asked
+        for (``colwise`` needs ``groups``)."""
+        raise NotImplementedError
+
+    def quantize_weights(self, b_ts: Sequence[Tensor], fp8_dtype, *, fwd: bool = True,
+                         bwd=False) -> Tuple[Optional[Operand], Optional[Operand]]:
+        """``(forward operand, input-gradient operand)`` of the weights ``b_ts`` (each
+        (E, K, N_i)) joined along N, each None where not asked for."""
+        raise NotImplementedError
+
+    def quantize_swiglu(self, h13: Tensor, fp8_dtype, groups: Optional[Groups] = None, *,
+                        colwise=False) -> Tuple[Operand, Optional[Operand]]:
+        """``quantize(silu(h1) * h3, ...)`` for ``h13 = [h1 | h3]``: the W2 forward GEMM's
+        left operand (and W2's weight-gradient one). Default: the SwiGLU kernel, then
+        ``quantize``; a recipe may fuse them."""
+        return self.quantize(_sw.swiglu(h13), fp8_dtype, groups, colwise=colwise)
+
+    def quantize_swiglu_backward(self, tensors: List[Tensor], fp8_dtype, groups: Optional[Groups] = None, *,
+                                 joint: bool, with_h: bool = False, colwise=False):
+        """The gradient through the SwiGLU, from ``tensors = [grad_h, h13]`` (emptied:
+        each is dropped once read), as ``(grad_h13, lhs, h, grad_h13's colwise operand)``:
+        ``lhs`` the input-gradient GEMMs' left operand, one (``joint``) or one per half;
+        ``h = swiglu(h13)`` where ``with_h`` (else None); grad_h13 None where its colwise
+        operand came with ``lhs``. Default: the SwiGLU kernels, then ``quantize``."""
+        grad_h, h13 = tensors
+        tensors.clear()
+        h = _sw.swiglu(h13) if with_h else None
         g13 = _sw.swiglu_backward(grad_h, h13)
-        return g13, self.lhs(g13, fp8_dtype), _sw.swiglu(h13)
-
-    def makes_swiglu_operands(self, h13: Tensor) -> bool:
-        """Whether the experts layer, with fp8 saved activations (keeps_fp8_activations,
-        the padded layout), makes h's two fp8 operands together in the forward
-        (:meth:`lhs_with_wgrad_operand` of ``swiglu(h13)``: W2's weight-gradient one is
-        kept, so the backward computes no h) and, where the input gradient through W1
-        and W3 is one GEMM, the backward's grad_h13 without h (``swiglu_backward``, then
-        grad_h and h13 dropped) and its two operands together when W1/W3 need gradients
-        (grad_h13 read once, then dropped), instead of ``lhs_swiglu`` /
-        ``lhs_swiglu_backward_joint``. For a recipe whose ``lhs_with_wgrad_operand``
-        reads its tensor once and which has no fused SwiGLU quantization of its own.
-        h13: the W13 GEMM's output. Default: no."""
-        return False
-
-    def rhs_bwd_cat(self, b_ts, fp8_dtype) -> Operand:
-        """``rhs_bwd`` of the weights ``b_ts`` (each (E, K, N_i)) concatenated along N,
-        the contraction of the input gradient. Default: of a concatenated copy."""
-        return self.rhs_bwd({"B_t": torch.cat(b_ts, dim=2)}, fp8_dtype)
-
-    def reads_weights_once(self, b_ts) -> bool:
-        """Whether ``rhs_dual_cat(b_ts)`` reads the weights once for both operands (then
-        grouped_mm and the experts layer make a weight's backward operand with its
-        forward one). The experts layer asks it under torch.compile too: there it must
-        trace (shapes only) or answer False. Default: no."""
-        return False
-
-    def rhs_dual_cat(self, b_ts, fp8_dtype) -> Tuple[Operand, Operand]:
-        """``(rhs_fwd_cat(b_ts), rhs_bwd_cat(b_ts))``. Default: the two calls."""
-        return self.rhs_fwd_cat(b_ts, fp8_dtype), self.rhs_bwd_cat(b_ts, fp8_dtype)
+        del grad_h, h13
+        if not joint:
+            hidden = g13.shape[1] // 2
+            lhs = tuple(self.quantize(part, fp8_dtype, groups)[0] for part in (g13[:, :hidden], g13[:, hidden:]))
+            return g13, lhs, h, None
+        lhs, col = self.quantize(g13, fp8_dtype, groups, colwise=colwise)
+        return (g13 if col is None else None), lhs, h, col
 
     # ---- GEMMs ---------------------------------------------------------------------
     def mm_2d3d(self, lhs: Operand, rhs: Operand, offs: Tensor, out_dtype: torch.dtype, backend: str) -> Tensor:
+        """(M, N) = lhs (M, K) x rhs (E, K, N) per group; rows past offs[-1] zero."""
         raise NotImplementedError
 
-    def mm_2d3d_zeroes_tail(self, backend: str) -> bool:
-        """Whether ``mm_2d3d`` on ``backend`` writes the rows past offs[-1] with zeros
-        itself, for the non-decreasing offs its callers pass (``device_offs``), so that
-        they launch no zeroing kernel after it. Default: no."""
-        return False
-
-    def mm_2d2d(self, grad_t: Operand, a: Operand, offs: Tensor, out_dtype: torch.dtype, backend: str) -> Tensor:
+    def mm_2d2d(self, grad: Operand, a: Operand, offs: Tensor, out_dtype: torch.dtype, backend: str) -> Tensor:
+        """(E, N, K) = grad (M, N)ᵀ x a (M, K) over each group's tokens (colwise operands;
+        ``offs`` the padded ends where they are padded)."""
         raise NotImplementedError
 
-    def wgrad_lhs_rows(self, grad_t: Operand, start: int, stop: int) -> Optional[Operand]:
-        """``grad_t``'s operand for the rows [start, stop) of ``mm_2d2d``'s output, as a
-        view (the gradient of one weight of a concatenation, e.g. W1 of [W1; W3], in a
-        tensor of its own); None where the layout cannot take a part without a copy."""
-        return None
+    def mm_2d2d_parts(self, grad: Operand, a: Operand, offs: Tensor, out_dtype: torch.dtype, backend: str,
+                      parts: Sequence[Optional[Tuple[int, int]]]) -> List[Optional[Tensor]]:
+        """``mm_2d2d``'s output rows [start, stop) of each part (None: not wanted), each a
+        tensor of its own (W1's and W3's gradients in their layout). Default: a GEMM on a
+        view of grad's columns (operands whose tensors all have N as their last dim)."""
+        def columns(p):
+            return grad[:, p[0]:p[1]] if isinstance(grad, Tensor) else tuple(t[:, p[0]:p[1]] for t in grad)
+        return [None if p is None else self.mm_2d2d(columns(p), a, offs, out_dtype, backend) for p in parts]
+
+
+def joined_fwd(b_ts: Sequence[Tensor]) -> Tensor:
+    """The weights (E, K, N_i) joined along N, with K contiguous (a copy where more than one)."""
+    return b_ts[0] if len(b_ts) == 1 else torch.cat([b.transpose(-2, -1) for b in b_ts], dim=1).transpose(-2, -1)
+
+
+def joined_bwd(b_ts: Sequence[Tensor]) -> Tensor:
+    """The weights (E, K, N_i) joined along N (a copy where more than one)."""
+    return b_ts[0] if len(b_ts) == 1 else torch.cat(list(b_ts), dim=2)
 
 
 # ---- the emulation: dequantized operands, fp32 accumulation ----------------------------

@@ -6,7 +6,7 @@ import torch
 from torch import Tensor
 
 from .. import ops
-from .base import Recipe
+from .base import Recipe, _zero_tail, joined_bwd, joined_fwd
 
 _ops = torch.ops.moe_fp8
 
@@ -53,30 +53,23 @@ class Bf16(Recipe):
             raise ValueError(f"grouped_mm: expected K and N to be multiples of {per_16_bytes} for recipe 'bf16' with "
                              f"{A.dtype} (torch._grouped_mm needs 16-byte aligned rows), got K={k}, N={n}")
 
-    def lhs(self, x, fp8_dtype):
-        return _gemm_ready(x)
+    def quantize(self, x, fp8_dtype, groups=None, *, rowwise=True, colwise=False):
+        col = None
+        if colwise is True:
+            col = _gemm_ready(x)
+            offs, starts = groups
+            if starts is not None:  # only if a subclass sets an alignment
+                rows = ops.padded_rows(x.shape[0], offs.shape[0], self.alignment)
+                col = _ops.pad_token_groups_at(col.contiguous(), offs, starts, rows)
+        return (_gemm_ready(x) if rowwise else None), col
 
-    def rhs_fwd(self, b_t, fp8_dtype):
-        return _gemm_ready(b_t)
-
-    def rhs_bwd(self, saved, fp8_dtype):
-        return _gemm_ready(saved["B_t"].transpose(-2, -1))
-
-    def wgrad_operands(self, grad_out, saved, offs, fp8_dtype, padded_starts):
-        A = _gemm_ready(saved["A"])
-        grad_out = _gemm_ready(grad_out)
-        if padded_starts is not None:  # only if a subclass sets an alignment
-            rows = ops.padded_rows(A.shape[0], offs.shape[0], self.alignment)
-            A = _ops.pad_token_groups_at(A.contiguous(), offs, padded_starts, rows)
-            grad_out = _ops.pad_token_groups_at(grad_out.contiguous(), offs, padded_starts, rows)
-        return grad_out.t(), A
+    def quantize_weights(self, b_ts, fp8_dtype, *, fwd=True, bwd=False):
+        f = _gemm_ready(joined_fwd(b_ts)) if fwd else None
+        b = _gemm_ready(joined_bwd(b_ts).transpose(-2, -1)) if bwd is True else None
+        return f, b
 
     def mm_2d3d(self, lhs, rhs, offs, out_dtype, backend):
-        return torch._grouped_mm(lhs, rhs, offs=offs)
+        return _zero_tail(torch._grouped_mm(lhs, rhs, offs=offs), offs)
 
-    def mm_2d2d(self, grad_t, a, offs, out_dtype, backend):
-        return torch._grouped_mm(grad_t, a, offs=offs)
-
-    def wgrad_lhs_rows(self, grad_t, start, stop):
-        return grad_t[start:stop]
-
+    def mm_2d2d(self, grad, a, offs, out_dtype, backend):
+        return torch._grouped_mm(grad.t(), a, offs=offs)

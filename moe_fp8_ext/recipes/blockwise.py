@@ -10,9 +10,13 @@ from .. import blockwise as _bw
 from ..platform import default_fp8_dtype
 from .base import (
     FLOAT_DTYPES,
+    SAME_READ,
     Recipe,
+    _zero_tail,
     emulated_grouped_mm_2d2d,
     emulated_grouped_mm_2d3d,
+    joined_bwd,
+    joined_fwd,
 )
 
 _ops = torch.ops.moe_fp8
@@ -92,109 +96,57 @@ class Fp8Blockwise(Recipe):
             raise ValueError(f"grouped_mm: expected K and N to be multiples of 16 for the blockwise GEMM on {A.device} "
                              f"(16-byte aligned fp8 rows for TMA), got K={k}, N={n}")
 
-    def lhs(self, x, fp8_dtype):
-        return _ops.quantize_blockwise_act_lhs(x, fp8_dtype)
-
-    def rhs_fwd(self, b_t, fp8_dtype):
-        return _ops.quantize_blockwise_weight_dual(b_t, fp8_dtype)  # (q, s) (E, K, N) and (q, s) (E, N, K)
-
-    def rhs_fwd_only(self, b_t, fp8_dtype):
-        return _ops.quantize_blockwise_weight_rhs(b_t, fp8_dtype)  # the dual's forward half, bit for bit
-
-    def reads_weights_once(self, b_ts):
-        return _bw.weight_cat_ok(b_ts)  # quantize_blockwise_weight_dual(_cat)
-
-    def rhs_fwd_cat(self, b_ts, fp8_dtype):
-        # Every part but the last of whole 128-column tiles (W1's hidden size a multiple
-        # of 128): each part's tiles are the concatenation's, written in place, no copy.
-        if not _bw.weight_cat_ok(b_ts):
-            return super().rhs_fwd_cat(b_ts, fp8_dtype)
-        return _ops.quantize_blockwise_weight_rhs_cat(list(b_ts), fp8_dtype)
-
-    def rhs_bwd_cat(self, b_ts, fp8_dtype):
-        if not _bw.weight_cat_ok(b_ts):
-            return super().rhs_bwd_cat(b_ts, fp8_dtype)
-        return _ops.quantize_blockwise_weight_transposed_rhs_cat(list(b_ts), fp8_dtype)
-
-    # One input-gradient GEMM grad_h13 @ [W1; W3] (contraction 2H) where the hidden size is a multiple of 128: the
-    # 1x128 blocks of grad_h13 and 128x128 tiles of [W1; W3] (_cat weight ops, no copy) are then the halves'. Other
-    # hidden sizes would need a bf16 copy of [W1; W3] (tiles spanning both): two GEMMs over the halves there.
-    joint_w13_dgrad = True
-
     def joins_w13_dgrad(self, w1, w3):
+        # One GEMM grad_h13 @ [W1; W3] where the hidden size is a multiple of 128: the 1x128 blocks of grad_h13 and
+        # the 128x128 tiles of [W1; W3] (_cat weight ops, no copy) are then the halves'. Otherwise two GEMMs.
         return _bw.weight_cat_ok([w1.transpose(-2, -1), w3.transpose(-2, -1)])
 
-    def rhs_dual_cat(self, b_ts, fp8_dtype):
-        if not _bw.weight_cat_ok(b_ts):
-            return super().rhs_dual_cat(b_ts, fp8_dtype)
-        if len(b_ts) == 1:
-            qf, sf, qb, sb = _ops.quantize_blockwise_weight_dual(b_ts[0], fp8_dtype)
-        else:
-            qf, sf, qb, sb = _ops.quantize_blockwise_weight_dual_cat(list(b_ts), fp8_dtype)
-        return (qf, sf), (qb, sb)
+    def quantize(self, x, fp8_dtype, groups=None, *, rowwise=True, colwise=False):
+        # colwise: (q (Mp, D) column-major, scale (Mp/128, D)), 128x1 blocks along the tokens
+        if colwise == SAME_READ:  # quantize_blockwise_act_dual's one read (in the padded layout)
+            colwise = rowwise and _bw.act_dual_reads_once(x)
+        if colwise:
+            offs, starts = groups
+            alignment = None if starts is None else self.alignment
+            if rowwise:
+                ql, sl, qr, sr = _ops.quantize_blockwise_act_dual(x, fp8_dtype, offs, starts, alignment)
+                return (ql, sl), (qr, sr)
+            return None, _ops.quantize_blockwise_act_rhs(x, fp8_dtype, offs, starts, alignment)
+        return (_ops.quantize_blockwise_act_lhs(x, fp8_dtype) if rowwise else None), None
 
-    def save_for_backward(self, A, B_t, lhs, rhs):
-        if len(rhs) == 4:  # rhs_fwd's: the transposed half kept in fp8 for the backward
-            return {"A": A, "q_bwd": rhs[2], "s_bwd": rhs[3]}
-        # rhs_dual_cat's forward half (grouped_mm holds the backward half on ctx until the
-        # dgrad GEMM) or rhs_fwd_only's: B_t (no copy) is saved for the backward's.
-        return {"A": A, "B_t": B_t}
-
-    def rhs_bwd(self, saved, fp8_dtype):
-        if "q_bwd" in saved:
-            return saved["q_bwd"], saved["s_bwd"]
-        return _ops.quantize_blockwise_weight_transposed_rhs(saved["B_t"], fp8_dtype)
-
-    def wgrad_operands(self, grad_out, saved, offs, fp8_dtype, padded_starts):
-        alignment = None if padded_starts is None else self.alignment
-        qg, sg = _ops.quantize_blockwise_act_transposed_lhs(grad_out, fp8_dtype, offs, padded_starts,
-                                                            alignment)  # (N, Mp), (N, Mp/128)
-        qa, sa = _ops.quantize_blockwise_act_rhs(saved["A"], fp8_dtype, offs, padded_starts,
-                                                 alignment)  # (Mp, K) col-major, (Mp/128, K)
-        return (qg, sg), (qa, sa)
-
-    # (q (Mp, D) column-major, scale (Mp/128, D)) per tensor, act_rhs's layouts; the GEMM
-    # takes grad_out's transposed: act_transposed_lhs's tensors, the same bytes.
-    keeps_fp8_activations = True
-
-    def wgrad_operand(self, x, offs, fp8_dtype, padded_starts):
-        alignment = None if padded_starts is None else self.alignment
-        return _ops.quantize_blockwise_act_rhs(x, fp8_dtype, offs, padded_starts, alignment)
-
-    def wgrad_operands_from(self, grad, a):
-        (qg, sg), (qa, sa) = grad, a
-        return (qg.t(), sg.t()), (qa, sa)
-
-    def reads_activations_once(self, x=None):
-        # quantize_blockwise_act_dual's one read (in the padded layout, which the callers use)
-        return x is None or _bw.act_dual_reads_once(x)
-
-    def lhs_with_wgrad_operand(self, x, offs, fp8_dtype, padded_starts):
-        alignment = None if padded_starts is None else self.alignment
-        ql, sl, qr, sr = _ops.quantize_blockwise_act_dual(x, fp8_dtype, offs, padded_starts, alignment)
-        return (ql, sl), (qr, sr)
-
-    # h's and grad_h13's two operands from one read each (the SwiGLU op, then act_dual) where that
-    # kernel runs (a GPU, bf16/fp16, hidden a multiple of 8): no h in the backward, grad_h13 read
-    # once on the joint path; in-kernel SwiGLU was slower (docs/decisions/015-swiglu-in-act-dual.md).
-    def makes_swiglu_operands(self, h13):
-        return _bw.act_dual_reads_once(h13) and (h13.shape[1] // 2) % 8 == 0
-
-    def mm_2d3d_zeroes_tail(self, backend):
-        return backend == "blockwise_gemm"  # (its table kernel zeroes those rows)
+    def quantize_weights(self, b_ts, fp8_dtype, *, fwd=True, bwd=False):
+        # A tile and its transpose share the scale: one read makes both. Joined weights go straight into one operand
+        # where every part but the last is of whole 128-column tiles (W1's hidden size); else a joined copy.
+        b_ts = list(b_ts)
+        cat_ok = _bw.weight_cat_ok(b_ts)
+        if bwd == SAME_READ:
+            bwd = fwd and cat_ok
+        if fwd and bwd and cat_ok:
+            qf, sf, qb, sb = (_ops.quantize_blockwise_weight_dual(b_ts[0], fp8_dtype) if len(b_ts) == 1
+                              else _ops.quantize_blockwise_weight_dual_cat(b_ts, fp8_dtype))
+            return (qf, sf), (qb, sb)
+        f = b = None
+        if fwd:
+            f = (_ops.quantize_blockwise_weight_rhs(joined_fwd(b_ts), fp8_dtype) if len(b_ts) == 1 or not cat_ok
+                 else _ops.quantize_blockwise_weight_rhs_cat(b_ts, fp8_dtype))
+        if bwd:
+            b = (_ops.quantize_blockwise_weight_transposed_rhs(joined_bwd(b_ts), fp8_dtype) if len(b_ts) == 1 or not cat_ok
+                 else _ops.quantize_blockwise_weight_transposed_rhs_cat(b_ts, fp8_dtype))
+        return f, b
 
     def mm_2d3d(self, lhs, rhs, offs, out_dtype, backend):
-        (qa, sa), (qb, sb) = lhs, rhs[:2]
-        if backend == "blockwise_gemm":
+        (qa, sa), (qb, sb) = lhs, rhs
+        if backend == "blockwise_gemm":  # (its table kernel zeroes the tail rows)
             return _ops.blockwise_grouped_mm_2d3d(qa, sa, qb, sb, offs, out_dtype)
         m, k = qa.shape
         n = qb.shape[2]
         a = qa.float() * _expand_tiles(sa, m, k, 1, _bw.BW_BLOCK)
         b = qb.float() * _expand_tiles(sb, k, n, _bw.BW_BLOCK, _bw.BW_BLOCK)
-        return emulated_grouped_mm_2d3d(a, b, offs).to(out_dtype)
+        return _zero_tail(emulated_grouped_mm_2d3d(a, b, offs).to(out_dtype), offs)
 
-    def mm_2d2d(self, grad_t, a, offs, out_dtype, backend):
-        (qg, sg), (qa, sa) = grad_t, a  # (N, Mp) row-major, (Mp, K) column-major
+    def mm_2d2d(self, grad, a, offs, out_dtype, backend):
+        (qg, sg), (qa, sa) = grad, a  # (Mp, N), (Mp, K) column-major; scales (Mp/128, N), (Mp/128, K)
+        qg, sg = qg.t(), sg.t()  # (N, Mp) row-major: act_transposed_lhs's layout, the same bytes
         if backend == "blockwise_gemm":
             return _ops.blockwise_grouped_mm_2d2d(qg, sg, qa, sa, offs, out_dtype)
         n, mp = qg.shape
@@ -202,8 +154,3 @@ class Fp8Blockwise(Recipe):
         g_t = qg.float() * _expand_tiles(sg, n, mp, 1, _bw.BW_BLOCK)
         a_ = qa.float() * _expand_tiles(sa, mp, k, _bw.BW_BLOCK, 1)
         return emulated_grouped_mm_2d2d(g_t, a_, offs).to(out_dtype)
-
-    def wgrad_lhs_rows(self, grad_t, start, stop):
-        qg, sg = grad_t  # (N, Mp) row-major, (N, Mp/128) column-major
-        return qg[start:stop], sg[start:stop]
-

@@ -13,8 +13,11 @@ from ..mxfp8 import MX_BLOCK
 from .base import (
     FLOAT_DTYPES,
     Recipe,
+    _zero_tail,
     emulated_grouped_mm_2d2d,
     emulated_grouped_mm_2d3d,
+    joined_bwd,
+    joined_fwd,
     row_groups,
 )
 from .rowwise import has_scaled_grouped_mm
@@ -168,39 +171,44 @@ class Mxfp8(Recipe):
         # that are multiples of 32: pad them on the real GEMM. The emulation takes any.
         return backend == "mxfp8_gemm"
 
-    def lhs(self, x, fp8_dtype):
-        return x  # deferred: mm_2d3d quantizes it with the offs of the M-group scale layout
+    def quantize(self, x, fp8_dtype, groups=None, *, rowwise=True, colwise=False):
+        # rowwise: the M-group blocked scale layout of the groups; colwise: per token group (K-group layout)
+        if groups is None:
+            raise ValueError(f"{self.name}: expected the token groups of x (its scales' blocked layout follows them)")
+        offs, starts = groups
+        row = _mx.quantize_mxfp8_rowwise(x, self.rounding, blocked=True, offs=offs) if rowwise else None
+        col = None
+        if colwise is True:  # (SAME_READ: none, two kernels)
+            col = _mx.quantize_mxfp8_colwise(x, self.rounding, True, offs, padded_starts=starts,
+                                             alignment=None if starts is None else self.alignment)  # (Mp, D) col-major
+        return row, col
 
-    def rhs_fwd(self, b_t, fp8_dtype):
-        return _mx.quantize_mxfp8_experts(b_t, self.rounding, blocked=True)  # (E, K, N) col-major
-
-    def rhs_bwd(self, saved, fp8_dtype):
-        return _mx.quantize_mxfp8_experts(saved["B_t"].transpose(-2, -1), self.rounding, blocked=True)  # (E, N, K)
-
-    def wgrad_operands(self, grad_out, saved, offs, fp8_dtype, padded_starts):
-        layout = dict(padded_starts=padded_starts, alignment=None if padded_starts is None else self.alignment)
-        qg, sg = _mx.quantize_mxfp8_colwise(grad_out, self.rounding, True, offs, **layout)  # (Mp, N) col-major
-        qa, sa = _mx.quantize_mxfp8_colwise(saved["A"], self.rounding, True, offs, **layout)  # (Mp, K) col-major
-        return (qg.t(), sg), (qa, sa)
-
-    def quantize_lhs(self, x: Tensor, offs: Tensor) -> Tuple[Tensor, Tensor]:
-        return _mx.quantize_mxfp8_rowwise(x, self.rounding, blocked=True, offs=offs)
+    def quantize_weights(self, b_ts, fp8_dtype, *, fwd=True, bwd=False):
+        f = _mx.quantize_mxfp8_experts(joined_fwd(b_ts), self.rounding, blocked=True) if fwd else None  # (E, K, N)
+        b = (_mx.quantize_mxfp8_experts(joined_bwd(b_ts).transpose(-2, -1), self.rounding, blocked=True)
+             if bwd is True else None)  # (E, N, K)
+        return f, b
 
     def mm_2d3d(self, lhs, rhs, offs, out_dtype, backend):
-        qa, sa = self.quantize_lhs(lhs, offs)  # (M, Kc) row-major, M-group blocked scales
-        qb, sb = rhs  # (E, Kc, Nout) column-major, (E, ceil128(Nout) * ceil4(Kc/32))
+        (qa, sa), (qb, sb) = lhs, rhs  # (M, Kc) row-major, M-group blocked; (E, Kc, Nout) column-major, per expert
         if backend == "mxfp8_gemm":
-            return scaled_grouped_mm_mxfp8(qa, qb, sa, sb, offs, out_dtype)
+            return _zero_tail(scaled_grouped_mm_mxfp8(qa, qb, sa, sb, offs, out_dtype), offs)
         m, kc = qa.shape
         nout = qb.shape[2]
         sa_plain = unblock_scales_m_groups(sa, offs, m, kc // MX_BLOCK)  # (M, Kc/32)
         sb_plain = unblock_scales_experts(sb, nout, kc // MX_BLOCK)  # (E, Nout, Kc/32)
         a = qa.float() * _expand_blocks(sa_plain)
         b = qb.float() * _expand_blocks(sb_plain).transpose(-2, -1)
-        return emulated_grouped_mm_2d3d(a, b, offs).to(out_dtype)
+        return _zero_tail(emulated_grouped_mm_2d3d(a, b, offs).to(out_dtype), offs)
 
-    def mm_2d2d(self, grad_t, a, offs, out_dtype, backend):
-        (qg_t, sg), (qa, sa) = grad_t, a  # (N, Mp) row-major, (Mp, K) column-major; K-group blocked scales
+    def mm_2d2d_parts(self, grad, a, offs, out_dtype, backend, parts):
+        # (blocked scales: no view of some columns) one GEMM, each part copied
+        full = self.mm_2d2d(grad, a, offs, out_dtype, backend)
+        return [None if p is None else full[:, p[0]:p[1]].contiguous() for p in parts]
+
+    def mm_2d2d(self, grad, a, offs, out_dtype, backend):
+        (qg, sg), (qa, sa) = grad, a  # (Mp, N), (Mp, K) column-major; K-group blocked scales
+        qg_t = qg.t()
         if backend == "mxfp8_gemm":
             return scaled_grouped_mm_mxfp8(qg_t, qa, sg, sa, offs, out_dtype)
         n, mp = qg_t.shape
@@ -210,4 +218,3 @@ class Mxfp8(Recipe):
         g_t = qg_t.float() * _expand_blocks(sg_plain)
         a_ = qa.float() * _expand_blocks(sa_plain).t()
         return emulated_grouped_mm_2d2d(g_t, a_, offs).to(out_dtype)
-

@@ -15,6 +15,7 @@ from ..platform import default_fp8_dtype, remembered_per_device
 from .base import (
     FLOAT_DTYPES,
     FP8_DTYPES,
+    SAME_READ,
     Recipe,
     _zero_tail,
     emulated_grouped_mm_2d2d,
@@ -116,100 +117,81 @@ class Fp8Rowwise(Recipe):
         # GroupMMCommon.cuh). On ROCm that is not established: pad there.
         return backend == "fp8_gemm" and bool(torch.version.hip)
 
-    def lhs(self, x, fp8_dtype):
+    def joins_w13_dgrad(self, w1, w3):
+        # One scale per row of grad_h13 and per (expert, column) of [W1; W3] over both
+        # halves: written by one kernel each, no copy.
+        return True
+
+    def quantize(self, x, fp8_dtype, groups=None, *, rowwise=True, colwise=False):
+        # (colwise=SAME_READ: none, the dual op runs two kernels)
+        if colwise is True:
+            offs, starts = groups
+            if rowwise:
+                qr, sr, qc, sc = _ops.quantize_rowwise_jagged_dual(x, offs, fp8_dtype, self.pow2_scale, starts,
+                                                                   self.alignment)
+                return (qr, sr.squeeze(-1)), (qc, sc)
+            return None, _ops.quantize_jagged_colwise(x, offs, fp8_dtype, self.pow2_scale, starts, self.alignment)
+        if not rowwise:
+            return None, None
         q, s = _ops.quantize_rowwise(x, fp8_dtype, self.pow2_scale)
-        return q, s.squeeze(-1)
+        return (q, s.squeeze(-1)), None
 
-    def rhs_fwd(self, b_t, fp8_dtype):
-        q, s = _ops.quantize_experts_fwd(b_t, fp8_dtype, self.pow2_scale)
-        return q, s.squeeze(1)
+    def quantize_weights(self, b_ts, fp8_dtype, *, fwd=True, bwd=False):
+        # One scale per (expert, output column) over K: each part quantizes alone (the
+        # _cat ops write it in place into one operand). One read makes both where the
+        # dual kernel's rule holds (it reads data pointers and the L2 size: not traced).
+        b_ts, p2 = list(b_ts), self.pow2_scale
+        if bwd == SAME_READ:
+            bwd = fwd and not torch.compiler.is_compiling() and ops.dual_cat_reads_once(b_ts)
+            if bwd:
+                qf, sf, qb, sb = _ops.quantize_experts_dual_cat(b_ts, fp8_dtype, p2)
+                return (qf, sf.squeeze(1)), (qb, sb.squeeze(1))
+        f = b = None
+        if fwd:
+            q, s = (_ops.quantize_experts_fwd(b_ts[0], fp8_dtype, p2) if len(b_ts) == 1
+                    else _ops.quantize_experts_fwd_cat(b_ts, fp8_dtype, p2))
+            f = (q, s.squeeze(1))
+        if bwd:  # (E, ΣN, K) column-major
+            q, s = (_ops.quantize_experts_bwd(b_ts[0], fp8_dtype, p2) if len(b_ts) == 1
+                    else _ops.quantize_experts_bwd_cat(b_ts, fp8_dtype, p2))
+            b = (q, s.squeeze(1))
+        return f, b
 
-    def rhs_fwd_cat(self, b_ts, fp8_dtype):
-        # One scale per (expert, output column) over K: each part quantizes alone, with
-        # the bits of the concatenation, written in place into the one operand.
-        q, s = _ops.quantize_experts_fwd_cat(list(b_ts), fp8_dtype, self.pow2_scale)
-        return q, s.squeeze(1)
+    def quantize_swiglu(self, h13, fp8_dtype, groups=None, *, colwise=False):
+        if colwise is True:
+            return super().quantize_swiglu(h13, fp8_dtype, groups, colwise=True)
+        q, s = _sw.swiglu_quantize_rowwise(h13, fp8_dtype, self.pow2_scale)  # = quantize(swiglu(h13)), bit for bit
+        return (q, s.squeeze(-1)), None
 
-    def rhs_bwd(self, saved, fp8_dtype):
-        q, s = _ops.quantize_experts_bwd(saved["B_t"], fp8_dtype, self.pow2_scale)  # (E, N, K) column-major
-        return q, s.squeeze(1)
-
-    def lhs_swiglu(self, h13, fp8_dtype):
-        q, s = _sw.swiglu_quantize_rowwise(h13, fp8_dtype, self.pow2_scale)  # = lhs(swiglu(h13)), bit for bit
-        return q, s.squeeze(-1)
-
-    def lhs_swiglu_backward(self, grad_h, h13, fp8_dtype):
+    def quantize_swiglu_backward(self, tensors, fp8_dtype, groups=None, *, joint, with_h=False, colwise=False):
+        # dSwiGLU fused with grad_h13's rowwise quantization (h too, on the joint path)
+        if colwise is True:
+            return super().quantize_swiglu_backward(tensors, fp8_dtype, groups, joint=joint, with_h=with_h,
+                                                    colwise=True)
+        grad_h, h13 = tensors
+        tensors.clear()
+        if joint:
+            g13, q, s, h = _sw.swiglu_backward_with_h_quantize_rowwise(grad_h, h13, fp8_dtype, self.pow2_scale)
+            return g13, (q, s.squeeze(-1)), (h if with_h else None), None
+        h = _sw.swiglu(h13) if with_h else None
         g13, q1, s1, q3, s3 = _sw.swiglu_backward_quantize_rowwise(grad_h, h13, fp8_dtype, self.pow2_scale)
-        return g13, (q1, s1.squeeze(-1)), (q3, s3.squeeze(-1))
-
-    # One scale per row of grad_h13 and per (expert, column) of [W1; W3] over both
-    # halves: written by one kernel each, no copy.
-    joint_w13_dgrad = True
-
-    def lhs_swiglu_backward_joint(self, grad_h, h13, fp8_dtype):
-        g13, q, s, h = _sw.swiglu_backward_with_h_quantize_rowwise(grad_h, h13, fp8_dtype, self.pow2_scale)
-        return g13, (q, s.squeeze(-1)), h
-
-    def rhs_bwd_cat(self, b_ts, fp8_dtype):
-        q, s = _ops.quantize_experts_bwd_cat(list(b_ts), fp8_dtype, self.pow2_scale)  # (E, ΣN, K) column-major
-        return q, s.squeeze(1)
-
-    def reads_weights_once(self, b_ts):
-        # (its rule reads data pointers and the device's L2 size: not under compile)
-        return not torch.compiler.is_compiling() and ops.dual_cat_reads_once(b_ts)
-
-    def rhs_dual_cat(self, b_ts, fp8_dtype):
-        qf, sf, qb, sb = _ops.quantize_experts_dual_cat(list(b_ts), fp8_dtype, self.pow2_scale)
-        return (qf, sf.squeeze(1)), (qb, sb.squeeze(1))
-
-    def wgrad_operands(self, grad_out, saved, offs, fp8_dtype, padded_starts):
-        A = saved["A"]
-        if grad_out.dtype == A.dtype:
-            qg, sg, qa, sa = _ops.quantize_jagged_colwise_dual(grad_out, A, offs, fp8_dtype, self.pow2_scale,
-                                                               padded_starts, self.alignment)
-            return self.wgrad_operands_from((qg, sg), (qa, sa))
-        return self.wgrad_operands_from(self.wgrad_operand(grad_out, offs, fp8_dtype, padded_starts),
-                                        self.wgrad_operand(A, offs, fp8_dtype, padded_starts))
-
-    # (q (M, D) column-major, scale (G, D)) per tensor; the GEMM takes grad_out's transposed.
-    keeps_fp8_activations = True
-
-    def wgrad_operand(self, x, offs, fp8_dtype, padded_starts):
-        return _ops.quantize_jagged_colwise(x, offs, fp8_dtype, self.pow2_scale, padded_starts, self.alignment)
-
-    def wgrad_operands_from(self, grad, a):
-        (qg, sg), (qa, sa) = grad, a
-        return (qg.t(), sg), (qa, sa)
-
-    def lhs_with_wgrad_operand(self, x, offs, fp8_dtype, padded_starts):
-        # The two quantizations in one op (reads_activations_once: no, the default).
-        qr, sr, qc, sc = _ops.quantize_rowwise_jagged_dual(x, offs, fp8_dtype, self.pow2_scale, padded_starts,
-                                                           self.alignment)
-        return (qr, sr.squeeze(-1)), (qc, sc)
-
-    def mm_2d3d_zeroes_tail(self, backend):
-        # Our GEMM's table kernel zeroes the rows past offs[-1]; behind PyTorch's GEMM,
-        # which leaves them unwritten, mm_2d3d zeroes them itself.
-        return backend == "fp8_gemm"
+        return g13, ((q1, s1.squeeze(-1)), (q3, s3.squeeze(-1))), h, None
 
     def mm_2d3d(self, lhs, rhs, offs, out_dtype, backend):
         (qa, sa), (qb, sb) = lhs, rhs
         if backend == "fp8_gemm":
-            if out_dtype == torch.bfloat16 and self._ours(qa):
+            if out_dtype == torch.bfloat16 and self._ours(qa):  # (its table kernel zeroes the tail rows)
                 return _ops.rowwise_grouped_mm_2d3d(qa, sa, qb, sb, offs, out_dtype)
             return _zero_tail(scaled_grouped_mm_rowwise(qa, qb, sa, sb, offs, out_dtype), offs)
-        return emulated_grouped_mm_2d3d(qa.float() * sa[:, None], qb.float() * sb[:, None, :], offs).to(out_dtype)
+        out = emulated_grouped_mm_2d3d(qa.float() * sa[:, None], qb.float() * sb[:, None, :], offs).to(out_dtype)
+        return _zero_tail(out, offs)
 
-    def mm_2d2d(self, grad_t, a, offs, out_dtype, backend):
-        (qg_t, sg), (qa, sa) = grad_t, a  # (N, M), (E, N); (M, K), (E, K)
+    def mm_2d2d(self, grad, a, offs, out_dtype, backend):
+        (qg, sg), (qa, sa) = grad, a  # (M, N) column-major, (G, N); (M, K) column-major, (G, K)
+        qg_t = qg.t()
         if backend == "fp8_gemm":
             if out_dtype == torch.bfloat16 and self._ours(qa):
                 return _ops.rowwise_grouped_mm_2d2d(qg_t, sg, qa, sa, offs, out_dtype)
             return scaled_grouped_mm_rowwise(qg_t, qa, sg.reshape(-1), sa.reshape(-1), offs, out_dtype)
         g, _ = row_groups(offs, qa.shape[0])
         return emulated_grouped_mm_2d2d(qg_t.float() * sg[g].t(), qa.float() * sa[g], offs).to(out_dtype)
-
-    def wgrad_lhs_rows(self, grad_t, start, stop):
-        qg_t, sg = grad_t  # (N, M) row-major, (E, N)
-        return qg_t[start:stop], sg[:, start:stop]
-
