@@ -347,13 +347,13 @@ def _operand(ws: Sequence[GatheredWeight], transposed: bool) -> Tuple[Tensor, Te
 
 
 def rhs_fwd(ws: Sequence[GatheredWeight]) -> Tuple[Tensor, Tensor]:
-    """The recipe's ``rhs_fwd_cat`` of the weights' transposes (each (E, K, N_i), N_i
-    the weight's rows), from their gathered fp8 (a copy where more than one weight)."""
+    """The recipe's forward operand (``quantize_weights``) of the weights' transposes (each
+    (E, K, N_i), N_i the weight's rows), from their gathered fp8 (a copy where more than one)."""
     return _operand(ws, False)
 
 
 def rhs_bwd(ws: Sequence[GatheredWeight]) -> Tuple[Tensor, Tensor]:
-    """The recipe's ``rhs_bwd_cat`` of the same."""
+    """The recipe's input-gradient operand of the same."""
     return _operand(ws, True)
 
 

@@ -5,9 +5,10 @@
     out = grouped_mm(A, B_t, offs, recipe="bf16")       # the torch._grouped_mm baseline
 
 ONE autograd Function, driven by a :class:`~moe_fp8_ext.recipes.Recipe` (see
-``recipes/base.py`` for the contract): the recipe quantizes each operand and runs the
-GEMMs, this file wires the three products, validates the arguments, zeroes the rows
-that belong to no group and lays the weight gradient out for the recipe's alignment.
+``recipes/base.py`` for the contract): one ``quantize`` call per tensor asks the
+recipe for the orientations it needs, the recipe's GEMMs multiply them; this file wires
+the three products, validates the arguments and lays the weight gradient out for the
+recipe's alignment.
 A new recipe is a Recipe subclass (``moe_fp8_ext.recipes``); nothing here changes.
 
 fp8_rowwise: every operand is quantized with this package's kernels and multiplied by
@@ -17,13 +18,13 @@ PyTorch's FP8 grouped GEMM::
     dgrad    grad_A = grad_out_q(rows) @ B_q(cols over N)
     wgrad    grad_B = grad_out_q(cols per group)^T @ A_q(cols per group)
 
-Where one read makes both operands of the weight (``Recipe.reads_weights_once``:
-fp8_rowwise's dual kernel where two experts' matrices fit the extension's L2 budget,
-docs/TUNING.md; fp8_blockwise always) the forward makes B's dgrad operand with B_t's
-and holds it (E·N·K fp8 bytes and its scales) until the dgrad GEMM has used it; not
-under torch.compile or saved-tensor hooks (see ``_may_free_early``), nor with a recipe
-whose ``hold_weight_operands`` is False (then nothing derived from the weight lives
-from a forward to its backward: in a deep model, one such operand per layer otherwise).
+Where one read makes both operands of the weight (``bwd=SAME_READ``: fp8_rowwise's dual
+kernel where two experts' matrices fit the extension's L2 budget, docs/TUNING.md;
+fp8_blockwise always) the forward makes B's dgrad operand with B_t's and holds it (E·N·K
+fp8 bytes and its scales) until the dgrad GEMM has used it (saved under torch.compile);
+not under saved-tensor hooks (see ``_may_free_early``), nor with a recipe whose
+``hold_weight_operands`` is False (then nothing derived from the weight lives from a
+forward to its backward: in a deep model, one such operand per layer otherwise).
 
 Where the FP8 grouped GEMM is not available (a CPU, a GPU before sm90) the same
 quantized operands are dequantized and multiplied in fp32 ("emulated"), so results and

@@ -790,7 +790,7 @@ def test_no_experts_gives_zeros(device, recipe, d):
 def test_rows_past_last_group_are_zero(device, recipe, ends):
     # offs = (0, 0): no row is in a group; torch._grouped_mm alone leaves them unwritten.
     # (48, 100): rows 100.. past the groups. fp8_blockwise's GEMM zeroes them itself on a
-    # GPU (no zeroing kernel after it, Recipe.mm_2d3d_zeroes_tail), over poisoned memory.
+    # GPU (no zeroing kernel after it), over poisoned memory.
     poison(device)
     a = randn((160, 64), torch.bfloat16, device).requires_grad_()
     b_t = randn((2, 64, 48), torch.bfloat16, device).requires_grad_()

@@ -328,7 +328,7 @@ def quantize_rowwise_jagged_dual(
     the operand of a token-grouped tensor's forward (or dgrad) GEMM and its operand of
     the weight-gradient GEMM, ``(q_rows, scale_rows, q_cols, scale_cols)``.
 
-    It runs the two ops, one call (the fp8_rowwise recipe's ``lhs_with_wgrad_operand``).
+    It runs the two ops, one call (the fp8_rowwise recipe's ``quantize`` of both orientations).
     """
     check_quantize_rowwise_jagged_dual(x, offs, fp8_dtype, padded_starts, alignment)
     return _ops.quantize_rowwise_jagged_dual(x, offs, _dtype(fp8_dtype, x), pow2_scale, padded_starts, alignment)

@@ -10,11 +10,11 @@ running the three grouped GEMMs of an MoE expert linear (DESIGN §5-§8).
 A recipe is a frozen dataclass: a name, an alignment, and the user fields of its kind
 (``Fp8Rowwise(pow2_scale, gemm_kernel, hold_weight_operands)``, ``Mxfp8(rounding)``,
 ``Fp8Blockwise(hold_weight_operands)``); ``dataclasses.replace`` makes a variant.
-``grouped_mm`` holds ONE autograd Function that knows nothing about scales or formats:
-it asks the recipe for each operand, hands the operands back to the recipe's GEMMs, and
-keeps what the recipe wants for backward. Adding a recipe is a new subclass of
-:class:`Recipe` (the contract is in :mod:`moe_fp8_ext.recipes.base`), registered by
-name; ``grouped_mm.py`` does not change.
+``grouped_mm`` and the experts layer know nothing about scales or formats: one
+``quantize`` call per tensor asks the recipe for the orientations it needs, and the
+recipe's GEMMs multiply them. Adding a recipe is a subclass of :class:`Recipe` with
+``quantize``, ``quantize_weights``, ``mm_2d3d`` and ``mm_2d2d`` (the contract is in
+:mod:`moe_fp8_ext.recipes.base`), registered by name; nothing else changes.
 
 Registered: ``"fp8_rowwise"`` (:class:`Fp8Rowwise`, DESIGN §5), ``"mxfp8"``
 (:class:`Mxfp8`, DESIGN §7: e8m0 scales per 32 elements, the sm100 GEMM on capability

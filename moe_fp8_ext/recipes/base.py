@@ -15,7 +15,6 @@ from ..platform import default_fp8_dtype
 _ops = torch.ops.moe_fp8
 
 
-
 def _zero_tail(out: Tensor, offs: Tensor) -> Tensor:
     """Rows past offs[-1] are zero (for the grouped GEMMs that leave them unwritten;
     zeroing only touches those rows). In place in eager mode. Under torch.compile the
@@ -27,7 +26,7 @@ def _zero_tail(out: Tensor, offs: Tensor) -> Tensor:
     return out
 
 
-#: Opaque to grouped_mm: whatever a recipe's quantizer returns and its GEMM consumes
+#: Opaque to grouped_mm: whatever a recipe's quantize returns and its GEMMs consume
 #: (a tensor, or a tuple of data and scales in the recipe's own layout).
 Operand = Any
 

@@ -36,23 +36,14 @@ class Fp8Blockwise(Recipe):
     each contraction, weights in 128x128 tiles, exact fp32 decode scales (no power-of-two
     rounding); e4m3fn (or e4m3fnuz in the emulation: the MI300 format).
 
-    Operands (the layouts of :mod:`moe_fp8_ext.blockwise`): ``lhs`` 1x128 rows
-    (``quantize_blockwise_act_lhs``); the weights 128x128, BOTH orientations from one read
-    in the forward (``quantize_blockwise_weight_dual``): the transposed one is kept for
-    the backward (fp8, instead of requantizing the bf16 weight; on ctx until the dgrad
-    GEMM has used it where grouped_mm may hold it there, see ``_may_free_early``, else
-    saved; only the forward one, ``rhs_fwd_only``, where no input gradient follows or
-    ``hold_weight_operands=False``: the backward quantizes the weight again); ``wgrad_operands``
-    grad_outᵀ in 1x128 blocks along the tokens and A in 128x1 blocks along the tokens,
-    straight into the padded layout (alignment 128: any group sizes with
-    ``pad_groups=True``, no sync). Where the padded layout is used, A's (and
-    grad_out's) two operands come from one read (``quantize_blockwise_act_dual``) and
-    A's fp8 weight-gradient operand is saved instead of A (``keeps_fp8_activations``).
-    Weights concatenated along N (the experts layer's W1 and W3, a hidden size a
-    multiple of 128) are quantized straight into one operand by the ``_cat`` weight ops,
-    both orientations from one read, and the layer's input gradient through them is one
-    GEMM (``joins_w13_dgrad``). In the experts layer on a GPU, h's and grad_h13's two
-    operands are made together too (``makes_swiglu_operands``).
+    Operands (the layouts of :mod:`moe_fp8_ext.blockwise`): rowwise 1x128 blocks along the
+    contraction; colwise 128x1 blocks along the tokens, straight into the padded layout
+    (alignment 128: any group sizes with ``pad_groups=True``, no sync), both from one read
+    where ``quantize_blockwise_act_dual`` reads once (a GPU; ``colwise=SAME_READ``). The
+    weights 128x128: a tile and its transpose share the scale, so one read makes both
+    (``quantize_blockwise_weight_dual``); weights joined along N (W1 and W3, hidden a
+    multiple of 128) go straight into one operand (the ``_cat`` ops), and the layer's
+    input gradient through them is one GEMM (``joins_w13_dgrad``).
 
     GEMM: this package's CUTLASS grouped blockwise GEMM (:mod:`moe_fp8_ext.blockwise_gemm`,
     ``"blockwise_gemm"``) on CUDA capability 9.0 when built with it, writing bfloat16;

@@ -118,14 +118,10 @@ class Mxfp8(Recipe):
     ``dataclasses.replace(get_recipe("mxfp8"), name="mxfp8_floor", rounding="floor")``).
 
     Operands, scales always in the blocked layout the sm100 GEMM reads, written by the
-    quantization kernels themselves:
-    ``lhs`` rowwise with the M-group layout of ``offs`` (A forward, grad_out dgrad);
-    ``rhs_fwd`` / ``rhs_bwd`` per expert along K / along N; ``wgrad_operands`` colwise
-    per token group (K-group layout), quantized straight into the padded layout with
-    ``padded_starts`` (alignment 32: any group sizes with ``pad_groups=True``, no sync).
-    The M-group layout needs the offs, which ``lhs`` does not get: ``lhs`` returns its
-    input unquantized and ``mm_2d3d`` quantizes it (:meth:`quantize_lhs`) with the offs
-    it is handed, the groups of that very product.
+    quantization kernels themselves: rowwise in the M-group layout of the groups (so
+    ``quantize`` needs them); colwise per token group (K-group layout), straight into the
+    padded layout (alignment 32: any group sizes with ``pad_groups=True``, no sync); the
+    weights per expert, along K (forward) or N (input gradient).
 
     GEMM: ``F.scaled_grouped_mm(..., BlockWise1x32, ..., SWIZZLE_32_4_4)``
     (``"mxfp8_gemm"``) on CUDA capability 10.x only, writing bfloat16; everywhere else
