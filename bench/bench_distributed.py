@@ -18,6 +18,9 @@ gradient, ``loss.backward()`` and an SGD step, in two layouts:
   all-gathered for the forward and the backward. fp8 communication: the fp8 all-gather
   (``moe_fp8_ext.fsdp``). With EP over all ranks nothing is left for FSDP2 to gather,
   hence two layouts.
+- ``fsdp_rows`` (not in the default ``--layouts``): ``fsdp`` with the expert weights
+  sharded on their rows (``Shard(1)``, what torchtitan picks where EP x FSDP exceeds the
+  experts); fp8_blockwise needs each rank's rows a multiple of 128.
 
 ``--recipe`` picks the fp8 recipe (fp8_blockwise, the default, or fp8_rowwise). Bytes
 are per rank and step: all-to-all, the bytes a rank sends; all-gather, the bytes it
@@ -101,7 +104,7 @@ class Layer(torch.nn.Module):
 
         a, k = self.args, self.args.topk
         weights, order, counts = route(x, self.gate, k)
-        if self.layout == "fsdp":
+        if self.layout != "ep":
             y = self.experts(x[order // k], counts)
             return combine(y, order, weights, x.shape[0], k)
         world, epr = self.world, a.experts // self.world
@@ -131,6 +134,7 @@ class Layer(torch.nn.Module):
 def build(args, variant, layout, device, world):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.tensor import Shard
 
     from moe_fp8_ext import fsdp
 
@@ -138,12 +142,13 @@ def build(args, variant, layout, device, world):
     recipe = "bf16" if name == "bf16" else args.recipe
     torch.manual_seed(0)
     layer = Layer(args, recipe, fp8_comm, layout, device, world)
-    if layout == "fsdp":
+    if layout != "ep":
         if fp8_comm:
             fsdp.fp8_all_gather(layer.experts)
         mesh = init_device_mesh(device.type, (world,))
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        fully_shard(layer.experts, mesh=mesh, mp_policy=policy)
+        rows = (lambda p: Shard(1)) if layout == "fsdp_rows" else None
+        fully_shard(layer.experts, mesh=mesh, mp_policy=policy, shard_placement_fn=rows)
         fully_shard(layer, mesh=mesh, mp_policy=policy)  # (a root above, as in a model)
     return layer
 
@@ -267,7 +272,7 @@ def paper_model(args, results):
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--layouts", default="ep,fsdp")
+    p.add_argument("--layouts", default="ep,fsdp", help="of ep, fsdp, fsdp_rows")
     p.add_argument("--tokens", type=int, default=16384, help="tokens per rank")
     p.add_argument("--dim", type=int, default=2048)
     p.add_argument("--hidden", type=int, default=1408)
@@ -278,6 +283,8 @@ def main():
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--curve", type=int, default=0, help="also train this many steps of each variant: loss curves")
     args = p.parse_args()
+    if set(args.layouts.split(",")) - {"ep", "fsdp", "fsdp_rows"}:
+        p.error(f"expected --layouts of ep, fsdp, fsdp_rows, got {args.layouts!r}")
     gpu = args.device == "cuda"
     dist.init_process_group("nccl" if gpu else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -297,9 +304,9 @@ def main():
         for name, r in results[layout].items():
             comm = lambda res, kinds: sum(v for k, v in res["bytes"].items() if k.split()[0] in kinds)
             moved = {k: v / 2**20 for k, v in sorted(r["bytes"].items()) if not k.endswith("counts")}
-            ref = comm(results[layout]["fp8"], ("ag",)) if layout == "fsdp" else results[layout]["fp8"]["bytes"].get(
+            ref = comm(results[layout]["fp8"], ("ag",)) if layout != "ep" else results[layout]["fp8"]["bytes"].get(
                 "a2a dispatch", 0)
-            mine = comm(r, ("ag",)) if layout == "fsdp" else r["bytes"].get("a2a dispatch", 0)
+            mine = comm(r, ("ag",)) if layout != "ep" else r["bytes"].get("a2a dispatch", 0)
             rows.append(dict(layout=layout, variant=name, recipe="bf16" if name == "bf16" else args.recipe,
                              world=world, step_ms=r["step_ms"],
                              vs_bf16=base["step_ms"] / r["step_ms"],

@@ -30,21 +30,22 @@ def test_results_md_is_generated():
 
 
 def test_bench_distributed_smoke(tmp_path):
-    """Two CPU ranks (gloo): every layout and variant runs, fp8 communication moves
+    """Two CPU ranks (gloo): every layout (weights sharded on experts and on rows) and
+    variant runs, fp8 communication moves
     about half of bf16 communication's bytes (fp8 + scales), and the loss curves come."""
     env = dict(os.environ, OUT=str(tmp_path), PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
            "bench/bench_distributed.py", "--device", "cpu", "--tokens", "512", "--dim", "256", "--hidden", "256",
-           "--experts", "8", "--steps", "2", "--warmup", "1", "--curve", "3"]
+           "--experts", "8", "--steps", "2", "--warmup", "1", "--curve", "3", "--layouts", "ep,fsdp,fsdp_rows"]
     out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     rows = json.load(open(tmp_path / "bench_distributed_blockwise_x2.json"))["data"]["steps"]
-    assert {(r["layout"], r["variant"]) for r in rows} == {(l, v) for l in ("ep", "fsdp")
+    assert {(r["layout"], r["variant"]) for r in rows} == {(l, v) for l in ("ep", "fsdp", "fsdp_rows")
                                                            for v in ("bf16", "fp8", "fp8_comm")}
     for r in rows:
         assert r["step_ms"] > 0
         ratio = r["comm_bytes_vs_bf16_comm"]
         assert 0.5 <= ratio <= 0.55 if r["variant"] == "fp8_comm" else ratio == 1.0, r
     curves = json.load(open(tmp_path / "bench_distributed_blockwise_x2.json"))["data"]["curves"]
-    assert len(curves) == 6 and all(c["steps"] == 3 and c["first"] > 0 and 0 <= c["after_10_steps"] for c in curves)
+    assert len(curves) == 9 and all(c["steps"] == 3 and c["first"] > 0 and 0 <= c["after_10_steps"] for c in curves)
     assert all(c["max_rel_diff_vs_bf16"] == 0 for c in curves if c["variant"] == "bf16")
