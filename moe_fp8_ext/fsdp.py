@@ -133,10 +133,11 @@ class ShardedWeight(Tensor):
         group = mesh.get_group() if dim == 1 else None
         q, s = _quantize_shard(self._recipe, cast(self._tensor), transposed, joint,
                                group if transposed and rowwise else None)
-        if dim == 1:  # (FSDP2 joins the ranks' rows of what it gathers: sent as (E, rows, cols) bytes)
-            q = q.transpose(-2, -1).contiguous() if transposed else q
-            return (q.view(torch.uint8),), (transposed, tuple(outer_size), joint is not None,
-                                            (q.dtype, *_gather_row_scales(s, transposed, rowwise, group)))
+        if dim == 1:  # (FSDP2 joins the ranks' rows of what it gathers: sent as bytes of the shard's shape)
+            # (transposed: each expert's (cols, rows/n) as they are; the gather holds them side by side)
+            f8, q = q.dtype, q.view(torch.uint8).view(self.shape)
+            return (q,), (transposed, tuple(outer_size), joint is not None,
+                          (f8, world, *_gather_row_scales(s, transposed, rowwise, group)))
         if s.dim() == 2:  # fp8_rowwise: scales padded to one width, as FSDP2 sizes its buffers once
             s = torch.nn.functional.pad(s, (0, max(self.shape[1:]) - s.shape[1]))
         return (q, s), (transposed, tuple(outer_size), joint is not None, None)
@@ -149,8 +150,12 @@ class ShardedWeight(Tensor):
             return
         transposed, shape, joint, rows = metadata
         if rows is not None:  # rows sharded: the fp8 joined by FSDP2, the scales gathered beside it
-            q = outputs[0].view(rows[0]).view(shape)
-            q, s = (q.transpose(-2, -1) if transposed else q), _join_row_scales(*rows[1:])
+            f8, n = rows[:2]
+            q = outputs[0].view(f8)
+            # (transposed: rank r's (cols, rows/n) of each expert, side by side: (E, cols, n, rows/n) viewed)
+            q = (q.view(shape[0], n, shape[2], shape[1] // n).permute(0, 2, 1, 3) if transposed
+                 else q.view(shape))
+            s = _join_row_scales(*rows[2:])
         else:
             q, s_out = outputs
             s = s_out.narrow(1, 0, q.shape[1]) if s_out.dim() == 2 else s_out  # (fp8_rowwise: this orientation's)
@@ -200,6 +205,19 @@ def _join_row_scales(parts: Tensor, work, dim: int, world: int) -> Tensor:
     return torch.cat(parts.chunk(world), dim=dim)
 
 
+def _whole(q: Tensor) -> Tensor:
+    """The gathered fp8 (E, a, b): as it is, or the ranks' parts (E, a, n, b/n) joined (a
+    copy that moves runs of b/n bytes, read as the widest word that divides them)."""
+    if q.dim() == 3:
+        return q
+    e, a, n, part = q.shape
+    word = next(w for w in (torch.int64, torch.int32, torch.int16, torch.uint8)
+                if part % w.itemsize == 0 and q.storage_offset() % w.itemsize == 0)
+    raw = q.permute(0, 2, 1, 3).contiguous().view(torch.uint8).view(word)  # (E, n, a, part) as gathered: no copy
+    out = raw.view(e, n, a, -1).permute(0, 2, 1, 3).contiguous()
+    return out.view(torch.uint8).view(q.dtype).view(e, a, n * part)
+
+
 def _rebuild_sharded(tensor: Tensor, recipe: Recipe, joint, requires_grad: bool, is_param: bool) -> ShardedWeight:
     w = ShardedWeight(tensor.detach(), recipe, joint)
     return torch.nn.Parameter(w, requires_grad=requires_grad) if is_param else w.requires_grad_(requires_grad)
@@ -207,10 +225,10 @@ def _rebuild_sharded(tensor: Tensor, recipe: Recipe, joint, requires_grad: bool,
 
 class _Held:
     """A gathered weight's fp8 and scales, (E, rows, cols) or, with ``transposed``,
-    (E, cols, rows) (fp8 contiguous, or for weights sharded on their rows a transposed
-    view): shared by the weight and its aliases (FSDP2 makes several), and refilled by
-    every all-gather. ``joint``: fp8_rowwise's backward column scales were made over
-    both joined weights."""
+    (E, cols, rows) (fp8 contiguous; for weights sharded on their rows, transposed, the
+    ranks' parts as gathered: (E, cols, n, rows/n), see :func:`_whole`): shared by the
+    weight and its aliases (FSDP2 makes several), and refilled by every all-gather.
+    ``joint``: fp8_rowwise's backward column scales were made over both joined weights."""
 
     __slots__ = ("q", "s", "transposed", "joint")
 
@@ -244,7 +262,7 @@ class GatheredWeight(Tensor):
         carried the other orientation (None for fp8_rowwise: its scales differ)."""
         h = self._held
         if h.transposed == transposed:
-            return h.q, h.s
+            return _whole(h.q), h.s
         if isinstance(self._recipe, Fp8Blockwise):
             return h.q.transpose(-2, -1).contiguous(), h.s.transpose(-2, -1).contiguous()
         return None
@@ -259,7 +277,7 @@ class GatheredWeight(Tensor):
             s = _expand_tiles(h.s, h.q.shape[-2], h.q.shape[-1], 128, 128)
         else:
             s = h.s[..., None]
-        w = (h.q.to(dt) * s.to(dt)).to(self.dtype)
+        w = (_whole(h.q).to(dt) * s.to(dt)).to(self.dtype)
         return w.transpose(-2, -1) if h.transposed else w
 
     @classmethod

@@ -443,3 +443,17 @@ def test_gathered_weights_on_the_gpu_run_the_real_gemm(transposed):
     assert r.backend(torch.device("cuda")) == "blockwise_gemm"
     test_gathered_weights_give_the_bits_of_the_weights("cuda", "fp8_blockwise", 256, 144, transposed)
     test_gathered_weights_give_the_bits_of_the_weights("cuda", "fp8_rowwise", 256, 144, transposed)
+
+
+@pytest.mark.parametrize("offset", [0, 1])
+def test_row_shards_joined_from_the_gather(offset):
+    """A backward operand gathered by rows arrives as each rank's (cols, rows/n) of each
+    expert side by side; fsdp._whole joins them into (E, cols, rows), for every width a
+    word divides (and none, at an odd storage offset)."""
+    e, n, cols = 2, 4, 5
+    for part in (3, 6, 12, 16, 88):
+        buf = torch.randint(0, 255, (offset + e * n * cols * part,), dtype=torch.uint8)[offset:]
+        gathered = buf.view(e, n, cols, part)
+        got = fsdp._whole(gathered.view(torch.float8_e4m3fn).permute(0, 2, 1, 3))
+        assert got.dtype == torch.float8_e4m3fn and got.is_contiguous()
+        assert torch.equal(got.view(torch.uint8), gathered.permute(0, 2, 1, 3).reshape(e, cols, n * part))
