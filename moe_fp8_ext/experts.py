@@ -177,7 +177,7 @@ class _Experts(torch.autograd.Function):
 
         # Every operand is dropped once its GEMM is issued (the step's peak is in the backward).
         grad_out = grad_out.contiguous()
-        grad_h13 = lhs13 = h = g13_col = g_col = None
+        grad_h13 = lhs13 = h = g13_col = g_col = halves = None
         if need_x or need_w13:  # grad_h feeds only the gradients below W2
             # -- W2 dgrad: grad_h = grad_out @ W2; grad_out's colwise operand with it where one read makes both
             rhs2 = _fsdp.rhs_bwd((w2,)) if ctx.gathered else weight_bwd("w2", ctx.keys[2:],
@@ -196,6 +196,9 @@ class _Experts(torch.autograd.Function):
             else:
                 grad_h13 = swiglu_backward(grad_h, h13)
             del grad_h
+            # (two input-gradient GEMMs whose operands the recipe leaves to them: each half of
+            # grad_h13 quantized just before its GEMM)
+            halves = grad_h13 if need_x and not ctx.joint and lhs13 is None else None
             if not need_w13:
                 grad_h13 = None
         if need_w2 and h is None and h_col is None:
@@ -204,6 +207,8 @@ class _Experts(torch.autograd.Function):
         # -- W2 wgrad: grad_w2 = grad_outᵀ @ h per group
         grad_w2 = None
         if need_w2:
+            if g_col is None and h_col is None:
+                g_col, h_col = recipe.quantize_colwise_pair(grad_out, h, f8, groups)
             g_col = g_col if g_col is not None else colwise(grad_out)
             h_col = h_col if h_col is not None else colwise(h)
             h = None
@@ -220,10 +225,13 @@ class _Experts(torch.autograd.Function):
                 grad_x = recipe.mm_2d3d(lhs13, rhs, offs, dtype, backend)
                 del lhs13, rhs
             else:
-                (lhs1, lhs3), lhs13 = lhs13, None
+                (lhs1, lhs3), lhs13 = lhs13 if lhs13 is not None else (None, None), None
+                lhs1 = lhs1 if lhs1 is not None else recipe.quantize(halves[:, :hidden], f8, groups)[0]
                 rhs = weight_bwd("w1", ctx.keys[:1], lambda: [w1.transpose(-2, -1)])
                 grad_x = recipe.mm_2d3d(lhs1, rhs, offs, dtype, backend)
                 del lhs1, rhs
+                lhs3 = lhs3 if lhs3 is not None else recipe.quantize(halves[:, hidden:], f8, groups)[0]
+                halves = None
                 rhs = weight_bwd("w3", ctx.keys[1:2], lambda: [w3.transpose(-2, -1)])
                 part = recipe.mm_2d3d(lhs3, rhs, offs, dtype, backend)
                 del lhs3, rhs
@@ -235,6 +243,8 @@ class _Experts(torch.autograd.Function):
         # -- W1 and W3 wgrad: each in a tensor of its own, in the weight's layout (autograd takes
         # it without a copy): one GEMM per half of grad_h13's colwise operand.
         if need_w13:
+            if g13_col is None and x_col is None:
+                g13_col, x_col = recipe.quantize_colwise_pair(grad_h13, x, f8, groups)
             g13_col = g13_col if g13_col is not None else colwise(grad_h13)
             x_col = x_col if x_col is not None else colwise(x)
             grad_h13 = x = None

@@ -173,6 +173,8 @@ class _GroupedMM(torch.autograd.Function):
             grad_A = recipe.mm_2d3d(lhs, rhs, offs, dtype, backend).to(ctx.a_dtype)
             del lhs, rhs
         if need_b:
+            if g_col is None and a_col is None:
+                g_col, a_col = recipe.quantize_colwise_pair(grad_out, s["A"], f8, groups)
             if g_col is None:
                 g_col = recipe.quantize(grad_out, f8, groups, rowwise=False, colwise=True)[1]
             if a_col is None:

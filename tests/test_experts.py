@@ -170,9 +170,12 @@ def test_blockwise_swiglu_operands(device, hidden, mode, needs, monkeypatch):
             if mode == "hooks":
                 stack.enter_context(torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t))
             out = experts(*leaves, offs, recipe="fp8_blockwise", pad_groups=pad)
+            box = out.grad_fn.box
+            held.append(box is not None and box.get("h_col") is not None)  # (h's operand on ctx, as made)
             out.backward(grad)
         return out, [t.grad for t in leaves], [c for c in calls if c in (hidden, 2 * hidden)], len(swiglus)
 
+    held = []
     out0, grads0, calls0, _ = go(False)
     out1, grads1, calls1, swiglus1 = go(True)
     need_x, need_w13, need_w2 = 0 in needs, 1 in needs or 2 in needs, 3 in needs
@@ -183,6 +186,7 @@ def test_blockwise_swiglu_operands(device, hidden, mode, needs, monkeypatch):
         assert swiglus1 == 1
     else:  # nothing kept: h recomputed where W2 needs it, else never
         assert calls1 == [] and swiglus1 == 1 + need_w2
+    assert held == [False, mode == "box" and 3 in needs]
     assert out1.grad_fn.box == ({} if mode != "hooks" else None)  # emptied by the backward
     assert torch.equal(out0, out1)
     for a, b in zip(grads0, grads1):
@@ -419,10 +423,11 @@ def test_backward_operands_made_in_forward(device, cached, dual_kernel, monkeypa
     # until used and then dropped (no cache), or in the cache.
     set_dual_kernel_budget(monkeypatch, dual_kernel)
     x, w1, w3, w2, offs, grad = make(3, 48, 64, 100, device, offs=[10, 60, 100])
-    recipe = type(get_recipe("fp8_rowwise"))
     results = []
+    remade, _ = spy_weight_bwd_calls(monkeypatch, "fp8_rowwise")  # (the backward quantizing a weight again)
     for once in (False, True):
         force_weights_read_once(monkeypatch, "fp8_rowwise", once)
+        remade.clear()
         leaves = [t.clone().requires_grad_() for t in (x, w1, w3, w2)]
         cache = WeightCache() if cached else None
         out = experts(*leaves, offs, weight_cache=cache)
@@ -434,7 +439,7 @@ def test_backward_operands_made_in_forward(device, cached, dual_kernel, monkeypa
         else:
             assert held == (["bwd_w13", "bwd_w2"] if once else [])
         out.backward(grad)
-        assert box == {}
+        assert box == {} and len(remade) == (0 if once else 2)  # held operands used, not made again
         if cached:
             assert (cache.misses, cache.hits) == ((2, 2) if once else (4, 0))
         results.append([out.detach()] + [t.grad for t in leaves])

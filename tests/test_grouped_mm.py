@@ -638,6 +638,24 @@ def test_new_recipe_plugs_in(device, toy_recipe):
     assert bool((out[used:] == 0).all()) and bool((a.grad[used:] == 0).all())
 
 
+def test_new_recipe_runs_the_experts_layer(toy_recipe):
+    # quantize, quantize_weights and the two GEMMs are all the experts layer needs too (its
+    # fused steps have defaults, W1's and W3's gradients from one GEMM): close to bf16's.
+    offs = make_offs([50, 0, 150], "cpu")
+    x = randn((200, 64), torch.float32, outliers=False)
+    ws = [randn(shape, torch.float32, outliers=False) * 0.05 for shape in ((3, 32, 64), (3, 32, 64), (3, 64, 32))]
+    grad = randn((200, 64), torch.float32, outliers=False)
+    results = []
+    for recipe in ("toy_tensorwise", "bf16"):
+        leaves = [t.clone().requires_grad_() for t in (x, *ws)]
+        out = moe_fp8_ext.experts(*leaves, offs, recipe=recipe)
+        out.backward(grad)
+        results.append([out.detach()] + [t.grad for t in leaves])
+    for toy, ref in zip(*results):
+        assert toy.shape == ref.shape and torch.isfinite(toy).all()
+        assert (toy - ref).norm() <= 0.1 * ref.norm()
+
+
 def test_new_recipe_trains(toy_recipe):
     base = train("bf16", torch.float32)
     for recipe in ("toy_tensorwise", recipes.register_recipe(

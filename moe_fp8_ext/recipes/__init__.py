@@ -14,7 +14,8 @@ A recipe is a frozen dataclass: a name, an alignment, and the user fields of its
 ``quantize`` call per tensor asks the recipe for the orientations it needs, and the
 recipe's GEMMs multiply them. Adding a recipe is a subclass of :class:`Recipe` with
 ``quantize``, ``quantize_weights``, ``mm_2d3d`` and ``mm_2d2d`` (the contract is in
-:mod:`moe_fp8_ext.recipes.base`), registered by name; nothing else changes.
+:mod:`moe_fp8_ext.recipes.base`; the fused variants have defaults), registered by name;
+nothing else changes.
 
 Registered: ``"fp8_rowwise"`` (:class:`Fp8Rowwise`, DESIGN §5), ``"mxfp8"``
 (:class:`Mxfp8`, DESIGN §7: e8m0 scales per 32 elements, the sm100 GEMM on capability

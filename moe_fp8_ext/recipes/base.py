@@ -118,8 +118,15 @@ class Recipe:
     def quantize(self, x: Tensor, fp8_dtype, groups: Optional[Groups] = None, *, rowwise: bool = True,
                  colwise=False) -> Tuple[Optional[Operand], Optional[Operand]]:
         """``(rowwise operand, colwise operand)`` of x (M, D), each None where not asked
-        for (``colwise`` needs ``groups``)."""
+        for. ``groups``: needed for colwise, and for rowwise where the scale layout
+        follows the groups (mxfp8)."""
         raise NotImplementedError
+
+    def quantize_colwise_pair(self, a: Tensor, b: Tensor, fp8_dtype, groups: Groups) -> Tuple[Operand, Operand]:
+        """The colwise operands of two tensors grouped alike (a weight gradient's pair).
+        Default: two ``quantize`` calls; a recipe with a two-tensor kernel overrides it."""
+        return (self.quantize(a, fp8_dtype, groups, rowwise=False, colwise=True)[1],
+                self.quantize(b, fp8_dtype, groups, rowwise=False, colwise=True)[1])
 
     def quantize_weights(self, b_ts: Sequence[Tensor], fp8_dtype, *, fwd: bool = True,
                          bwd=False) -> Tuple[Optional[Operand], Optional[Operand]]:
@@ -138,18 +145,17 @@ class Recipe:
                                  joint: bool, with_h: bool = False, colwise=False):
         """The gradient through the SwiGLU, from ``tensors = [grad_h, h13]`` (emptied:
         each is dropped once read), as ``(grad_h13, lhs, h, grad_h13's colwise operand)``:
-        ``lhs`` the input-gradient GEMMs' left operand, one (``joint``) or one per half;
-        ``h = swiglu(h13)`` where ``with_h`` (else None); grad_h13 None where its colwise
-        operand came with ``lhs``. Default: the SwiGLU kernels, then ``quantize``."""
+        ``lhs`` the input-gradient GEMMs' left operand, one (``joint``) or one per half
+        (None: the caller quantizes each half of grad_h13 at its GEMM); ``h = swiglu(h13)``
+        where ``with_h`` (else None); grad_h13 None where its colwise operand came with
+        ``lhs``. Default: the SwiGLU kernels, then ``quantize`` (joint only)."""
         grad_h, h13 = tensors
         tensors.clear()
         h = _sw.swiglu(h13) if with_h else None
         g13 = _sw.swiglu_backward(grad_h, h13)
         del grad_h, h13
         if not joint:
-            hidden = g13.shape[1] // 2
-            lhs = tuple(self.quantize(part, fp8_dtype, groups)[0] for part in (g13[:, :hidden], g13[:, hidden:]))
-            return g13, lhs, h, None
+            return g13, None, h, None
         lhs, col = self.quantize(g13, fp8_dtype, groups, colwise=colwise)
         return (g13 if col is None else None), lhs, h, col
 
@@ -166,11 +172,19 @@ class Recipe:
     def mm_2d2d_parts(self, grad: Operand, a: Operand, offs: Tensor, out_dtype: torch.dtype, backend: str,
                       parts: Sequence[Optional[Tuple[int, int]]]) -> List[Optional[Tensor]]:
         """``mm_2d2d``'s output rows [start, stop) of each part (None: not wanted), each a
-        tensor of its own (W1's and W3's gradients in their layout). Default: a GEMM on a
-        view of grad's columns (operands whose tensors all have N as their last dim)."""
-        def columns(p):
-            return grad[:, p[0]:p[1]] if isinstance(grad, Tensor) else tuple(t[:, p[0]:p[1]] for t in grad)
-        return [None if p is None else self.mm_2d2d(columns(p), a, offs, out_dtype, backend) for p in parts]
+        tensor of its own (W1's and W3's gradients in their layout). Default: one GEMM,
+        each part copied; :func:`gemm_on_column_views` where the operand's columns view."""
+        full = self.mm_2d2d(grad, a, offs, out_dtype, backend)
+        return [None if p is None else full[:, p[0]:p[1]].contiguous() for p in parts]
+
+
+def gemm_on_column_views(recipe: Recipe, grad: Operand, a: Operand, offs: Tensor, out_dtype: torch.dtype,
+                         backend: str, parts) -> List[Optional[Tensor]]:
+    """``mm_2d2d_parts`` as one GEMM a part, on a view of grad's columns: for colwise
+    operands whose tensors all have N as their last dim (data and per-column scales)."""
+    def columns(p):
+        return grad[:, p[0]:p[1]] if isinstance(grad, Tensor) else tuple(t[:, p[0]:p[1]] for t in grad)
+    return [None if p is None else recipe.mm_2d2d(columns(p), a, offs, out_dtype, backend) for p in parts]
 
 
 def joined_fwd(b_ts: Sequence[Tensor]) -> Tensor:

@@ -6,7 +6,7 @@ import torch
 from torch import Tensor
 
 from .. import ops
-from .base import Recipe, _zero_tail, joined_bwd, joined_fwd
+from .base import Recipe, _zero_tail, gemm_on_column_views, joined_bwd, joined_fwd
 
 _ops = torch.ops.moe_fp8
 
@@ -70,6 +70,9 @@ class Bf16(Recipe):
 
     def mm_2d3d(self, lhs, rhs, offs, out_dtype, backend):
         return _zero_tail(torch._grouped_mm(lhs, rhs, offs=offs), offs)
+
+    def mm_2d2d_parts(self, grad, a, offs, out_dtype, backend, parts):
+        return gemm_on_column_views(self, grad, a, offs, out_dtype, backend, parts)  # (per-column scales)
 
     def mm_2d2d(self, grad, a, offs, out_dtype, backend):
         return torch._grouped_mm(grad.t(), a, offs=offs)

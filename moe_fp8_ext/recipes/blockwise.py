@@ -13,6 +13,7 @@ from .base import (
     SAME_READ,
     Recipe,
     _zero_tail,
+    gemm_on_column_views,
     emulated_grouped_mm_2d2d,
     emulated_grouped_mm_2d3d,
     joined_bwd,
@@ -134,6 +135,9 @@ class Fp8Blockwise(Recipe):
         a = qa.float() * _expand_tiles(sa, m, k, 1, _bw.BW_BLOCK)
         b = qb.float() * _expand_tiles(sb, k, n, _bw.BW_BLOCK, _bw.BW_BLOCK)
         return _zero_tail(emulated_grouped_mm_2d3d(a, b, offs).to(out_dtype), offs)
+
+    def mm_2d2d_parts(self, grad, a, offs, out_dtype, backend, parts):
+        return gemm_on_column_views(self, grad, a, offs, out_dtype, backend, parts)  # (per-column scales)
 
     def mm_2d2d(self, grad, a, offs, out_dtype, backend):
         (qg, sg), (qa, sa) = grad, a  # (Mp, N), (Mp, K) column-major; scales (Mp/128, N), (Mp/128, K)

@@ -197,11 +197,6 @@ class Mxfp8(Recipe):
         b = qb.float() * _expand_blocks(sb_plain).transpose(-2, -1)
         return _zero_tail(emulated_grouped_mm_2d3d(a, b, offs).to(out_dtype), offs)
 
-    def mm_2d2d_parts(self, grad, a, offs, out_dtype, backend, parts):
-        # (blocked scales: no view of some columns) one GEMM, each part copied
-        full = self.mm_2d2d(grad, a, offs, out_dtype, backend)
-        return [None if p is None else full[:, p[0]:p[1]].contiguous() for p in parts]
-
     def mm_2d2d(self, grad, a, offs, out_dtype, backend):
         (qg, sg), (qa, sa) = grad, a  # (Mp, N), (Mp, K) column-major; K-group blocked scales
         qg_t = qg.t()

@@ -18,6 +18,7 @@ from .base import (
     SAME_READ,
     Recipe,
     _zero_tail,
+    gemm_on_column_views,
     emulated_grouped_mm_2d2d,
     emulated_grouped_mm_2d3d,
     row_groups,
@@ -48,8 +49,8 @@ class Fp8Rowwise(Recipe):
     weights, and per (group, column) for the weight gradient (DESIGN §5); power-of-two
     scales unless ``pow2_scale=False``.
 
-    Operands: ``(q, scale)`` with scale (M,) for ``lhs``, (E, N) / (E, K) for the
-    weights, (E, D) per group for the wgrad pair. GEMM (``"fp8_gemm"``, on CUDA sm90+
+    Operands: ``(q, scale)`` with scale (M,) rowwise, (E, N) / (E, K) for the weights,
+    (G, D) colwise (one per token group and column). GEMM (``"fp8_gemm"``, on CUDA sm90+
     and ROCm GPUs whose torch has ``torch._scaled_grouped_mm``; else emulated): with
     ``gemm_kernel="auto"`` this package's CUTLASS kernels on Hopper (capability 9.0)
     where built with them (:mod:`moe_fp8_ext.rowwise_gemm`), PyTorch's elsewhere;
@@ -136,6 +137,14 @@ class Fp8Rowwise(Recipe):
         q, s = _ops.quantize_rowwise(x, fp8_dtype, self.pow2_scale)
         return (q, s.squeeze(-1)), None
 
+    def quantize_colwise_pair(self, a, b, fp8_dtype, groups):
+        if a.dtype != b.dtype:
+            return super().quantize_colwise_pair(a, b, fp8_dtype, groups)
+        offs, starts = groups
+        qa, sa, qb, sb = _ops.quantize_jagged_colwise_dual(a, b, offs, fp8_dtype, self.pow2_scale, starts,
+                                                           self.alignment)
+        return (qa, sa), (qb, sb)
+
     def quantize_weights(self, b_ts, fp8_dtype, *, fwd=True, bwd=False):
         # One scale per (expert, output column) over K: each part quantizes alone (the
         # _cat ops write it in place into one operand). One read makes both where the
@@ -185,6 +194,9 @@ class Fp8Rowwise(Recipe):
             return _zero_tail(scaled_grouped_mm_rowwise(qa, qb, sa, sb, offs, out_dtype), offs)
         out = emulated_grouped_mm_2d3d(qa.float() * sa[:, None], qb.float() * sb[:, None, :], offs).to(out_dtype)
         return _zero_tail(out, offs)
+
+    def mm_2d2d_parts(self, grad, a, offs, out_dtype, backend, parts):
+        return gemm_on_column_views(self, grad, a, offs, out_dtype, backend, parts)  # (per-column scales)
 
     def mm_2d2d(self, grad, a, offs, out_dtype, backend):
         (qg, sg), (qa, sa) = grad, a  # (M, N) column-major, (G, N); (M, K) column-major, (G, K)
