@@ -40,6 +40,7 @@ from .grouped_mm import (
     _gemm_out_dtype,
     _may_free_early,
     check_offs_where_cheap,
+    colwise_pair,
     device_offs,
     pack,
     pads_wgrad,
@@ -172,9 +173,6 @@ class _Experts(torch.autograd.Function):
             return rhs if rhs is not None else _cached(
                 cache, name + "_bwd", weights, tag, lambda: recipe.quantize_weights(parts(), f8, fwd=False, bwd=True)[1])
 
-        def colwise(t):
-            return recipe.quantize(t, f8, groups, rowwise=False, colwise=True)[1]
-
         # Every operand is dropped once its GEMM is issued (the step's peak is in the backward).
         grad_out = grad_out.contiguous()
         grad_h13 = lhs13 = h = g13_col = g_col = halves = None
@@ -207,10 +205,7 @@ class _Experts(torch.autograd.Function):
         # -- W2 wgrad: grad_w2 = grad_outᵀ @ h per group
         grad_w2 = None
         if need_w2:
-            if g_col is None and h_col is None:
-                g_col, h_col = recipe.quantize_colwise_pair(grad_out, h, f8, groups)
-            g_col = g_col if g_col is not None else colwise(grad_out)
-            h_col = h_col if h_col is not None else colwise(h)
+            g_col, h_col = colwise_pair(recipe, grad_out, h, f8, groups, g_col, h_col)
             h = None
             dtype = _gemm_out_dtype(recipe, backend, ctx.dtypes[3], grad_out.dtype)
             grad_w2 = recipe.mm_2d2d(g_col, h_col, wgrad_offs, dtype, backend).to(ctx.dtypes[3])
@@ -243,10 +238,7 @@ class _Experts(torch.autograd.Function):
         # -- W1 and W3 wgrad: each in a tensor of its own, in the weight's layout (autograd takes
         # it without a copy): one GEMM per half of grad_h13's colwise operand.
         if need_w13:
-            if g13_col is None and x_col is None:
-                g13_col, x_col = recipe.quantize_colwise_pair(grad_h13, x, f8, groups)
-            g13_col = g13_col if g13_col is not None else colwise(grad_h13)
-            x_col = x_col if x_col is not None else colwise(x)
+            g13_col, x_col = colwise_pair(recipe, grad_h13, x, f8, groups, g13_col, x_col)
             grad_h13 = x = None
             dtype = _gemm_out_dtype(recipe, backend, ctx.dtypes[1], ctx.gemm_dtype)
             grad_w1, grad_w3 = recipe.mm_2d2d_parts(g13_col, x_col, wgrad_offs, dtype, backend,

@@ -112,6 +112,16 @@ def unpack(tensors, layout) -> dict:
     return out
 
 
+def colwise_pair(recipe: Recipe, a: Tensor, b: Tensor, fp8_dtype, groups, a_col=None, b_col=None):
+    """The colwise operands of a weight gradient's two tensors, each made unless given:
+    together (``Recipe.quantize_colwise_pair``) where neither is."""
+    if a_col is None and b_col is None:
+        return recipe.quantize_colwise_pair(a, b, fp8_dtype, groups)
+    a_col = a_col if a_col is not None else recipe.quantize(a, fp8_dtype, groups, rowwise=False, colwise=True)[1]
+    b_col = b_col if b_col is not None else recipe.quantize(b, fp8_dtype, groups, rowwise=False, colwise=True)[1]
+    return a_col, b_col
+
+
 class _GroupedMM(torch.autograd.Function):
     @staticmethod
     def forward(ctx, A, B_t, offs, recipe, out_dtype, fp8_dtype, backend, pad_wgrad, grad_mode):
@@ -173,12 +183,7 @@ class _GroupedMM(torch.autograd.Function):
             grad_A = recipe.mm_2d3d(lhs, rhs, offs, dtype, backend).to(ctx.a_dtype)
             del lhs, rhs
         if need_b:
-            if g_col is None and a_col is None:
-                g_col, a_col = recipe.quantize_colwise_pair(grad_out, s["A"], f8, groups)
-            if g_col is None:
-                g_col = recipe.quantize(grad_out, f8, groups, rowwise=False, colwise=True)[1]
-            if a_col is None:
-                a_col = recipe.quantize(s["A"], f8, groups, rowwise=False, colwise=True)[1]
+            g_col, a_col = colwise_pair(recipe, grad_out, s.get("A"), f8, groups, g_col, a_col)
             dtype = _gemm_out_dtype(recipe, backend, ctx.b_dtype, grad_out.dtype)
             grad_B = recipe.mm_2d2d(g_col, a_col, s.get("wgrad_offs", offs), dtype, backend)  # (E, N, K)
             grad_B_t = grad_B.to(ctx.b_dtype).transpose(-2, -1)

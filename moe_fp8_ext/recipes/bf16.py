@@ -71,8 +71,7 @@ class Bf16(Recipe):
     def mm_2d3d(self, lhs, rhs, offs, out_dtype, backend):
         return _zero_tail(torch._grouped_mm(lhs, rhs, offs=offs), offs)
 
-    def mm_2d2d_parts(self, grad, a, offs, out_dtype, backend, parts):
-        return gemm_on_column_views(self, grad, a, offs, out_dtype, backend, parts)  # (per-column scales)
+    mm_2d2d_parts = gemm_on_column_views  # (per-column scales: a GEMM on each part's view)
 
     def mm_2d2d(self, grad, a, offs, out_dtype, backend):
         return torch._grouped_mm(grad.t(), a, offs=offs)

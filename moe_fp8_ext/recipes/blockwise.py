@@ -136,8 +136,7 @@ class Fp8Blockwise(Recipe):
         b = qb.float() * _expand_tiles(sb, k, n, _bw.BW_BLOCK, _bw.BW_BLOCK)
         return _zero_tail(emulated_grouped_mm_2d3d(a, b, offs).to(out_dtype), offs)
 
-    def mm_2d2d_parts(self, grad, a, offs, out_dtype, backend, parts):
-        return gemm_on_column_views(self, grad, a, offs, out_dtype, backend, parts)  # (per-column scales)
+    mm_2d2d_parts = gemm_on_column_views  # (per-column scales: a GEMM on each part's view)
 
     def mm_2d2d(self, grad, a, offs, out_dtype, backend):
         (qg, sg), (qa, sa) = grad, a  # (Mp, N), (Mp, K) column-major; scales (Mp/128, N), (Mp/128, K)

@@ -2,7 +2,6 @@
 sm100 GEMM reads, and the pure-torch readers of that layout the emulation uses."""
 
 import dataclasses
-from typing import Tuple
 
 import torch
 import torch.nn.functional as F

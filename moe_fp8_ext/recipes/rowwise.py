@@ -195,8 +195,7 @@ class Fp8Rowwise(Recipe):
         out = emulated_grouped_mm_2d3d(qa.float() * sa[:, None], qb.float() * sb[:, None, :], offs).to(out_dtype)
         return _zero_tail(out, offs)
 
-    def mm_2d2d_parts(self, grad, a, offs, out_dtype, backend, parts):
-        return gemm_on_column_views(self, grad, a, offs, out_dtype, backend, parts)  # (per-column scales)
+    mm_2d2d_parts = gemm_on_column_views  # (per-column scales: a GEMM on each part's view)
 
     def mm_2d2d(self, grad, a, offs, out_dtype, backend):
         (qg, sg), (qa, sa) = grad, a  # (M, N) column-major, (G, N); (M, K) column-major, (G, K)
