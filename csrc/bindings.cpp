@@ -109,13 +109,14 @@ TORCH_LIBRARY(moe_fp8, m) {
   m.def("quantize_blockwise_weight_dual(Tensor w, ScalarType fp8_dtype) -> (Tensor, Tensor, Tensor, Tensor)");
   // _cat: the same of ws concatenated along N (every part but the last a multiple of 128
   // columns), without a copy of the weights.
-  m.def("quantize_blockwise_weight_rhs_cat(Tensor[] ws, ScalarType fp8_dtype) -> (Tensor, Tensor)");
+  m.def("quantize_blockwise_weight_rhs_cat(Tensor[] ws, ScalarType fp8_dtype, bool interleave=False) -> (Tensor, Tensor)");
   m.def("quantize_blockwise_weight_transposed_rhs_cat(Tensor[] ws, ScalarType fp8_dtype) -> (Tensor, Tensor)");
-  m.def("quantize_blockwise_weight_dual_cat(Tensor[] ws, ScalarType fp8_dtype) -> (Tensor, Tensor, Tensor, Tensor)");
+  m.def("quantize_blockwise_weight_dual_cat(Tensor[] ws, ScalarType fp8_dtype, bool interleave=False) -> (Tensor, Tensor, Tensor, Tensor)");
 
   // ---- FP8 blockwise grouped GEMMs (DESIGN §6), Hopper: gemm/blockwise_grouped_sm90.cu (CUDA only) -
   m.def("blockwise_grouped_mm_2d3d(Tensor a, Tensor scale_a, Tensor b, Tensor scale_b, Tensor offs, ScalarType out_dtype, int config=-1) -> Tensor");
   m.def("blockwise_grouped_mm_2d2d(Tensor a, Tensor scale_a, Tensor b, Tensor scale_b, Tensor offs, ScalarType out_dtype, int config=-1) -> Tensor");
+  m.def("blockwise_grouped_mm_swiglu(Tensor a, Tensor scale_a, Tensor b, Tensor scale_b, Tensor offs, Tensor padded_starts) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
 
   // ---- FP8 rowwise grouped GEMMs (DESIGN §5), Hopper: gemm/rowwise_grouped_sm90*.cu (CUDA only) -----
   // config: -1 picks by shape; 0.. forces one (rowwise_grouped_sm90.cuh), for sweeps.

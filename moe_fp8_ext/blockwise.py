@@ -298,30 +298,46 @@ def check_quantize_blockwise_weight_cat(ws, fp8_dtype, op):
         raise bad[0](bad[1])
 
 
-def _run_cat(op, ws, fp8_dtype):
+def _check_interleave(ws, op):
+    """blockwise_ops.cpp's rule of ``interleave``: weights of one width (so each a multiple
+    of 128, by the rule of the concatenation)."""
+    for i, w in enumerate(ws):
+        if w.shape[-1] != ws[0].shape[-1]:
+            raise RuntimeError(f"{op}: expected every weight of one width to interleave them, got {ws[0].shape[-1]} "
+                               f"and {w.shape[-1]} columns (weight {i})")
+
+
+def _run_cat(op, ws, fp8_dtype, *interleave):
     check_quantize_blockwise_weight_cat(ws, fp8_dtype, op)
-    return getattr(_ops, op)(list(ws), _dtype(fp8_dtype, ws[0]))
+    if interleave and interleave[0]:
+        _check_interleave(ws, op)
+    return getattr(_ops, op)(list(ws), _dtype(fp8_dtype, ws[0]), *interleave)
 
 
-def quantize_blockwise_weight_rhs_cat(ws: Sequence[Tensor],
-                                      fp8_dtype: Optional[torch.dtype] = None) -> Tuple[Tensor, Tensor]:
+def quantize_blockwise_weight_rhs_cat(ws: Sequence[Tensor], fp8_dtype: Optional[torch.dtype] = None,
+                                      interleave: bool = False) -> Tuple[Tensor, Tensor]:
     """:func:`quantize_blockwise_weight_rhs` of ``torch.cat(ws, dim=-1)``, bit for bit,
     without the copy: each weight (M, N_i) or (E, M, N_i) (one dtype and device, the
     same E and M) is read once and written straight into its columns of the outputs.
     Every weight but the last must have a multiple of 128 columns, so that no 128x128
-    tile spans two of them. The experts layer's W1 / W3 forward operand."""
-    return _run_cat("quantize_blockwise_weight_rhs_cat", ws, fp8_dtype)
+    tile spans two of them. The experts layer's W1 / W3 forward operand.
+    ``interleave``: the weights (all of one width, a multiple of 128) interleaved by 128
+    columns instead, chunk j of weight p at column block j·P + p (the operand of
+    :func:`moe_fp8_ext.blockwise_gemm.blockwise_grouped_mm_swiglu`)."""
+    return _run_cat("quantize_blockwise_weight_rhs_cat", ws, fp8_dtype, interleave)
 
 
-def _cat_fake(ws, fp8_dtype, op, which):
+def _cat_fake(ws, fp8_dtype, op, which, interleave=False):
     check_quantize_blockwise_weight_cat(ws, fp8_dtype, op)
+    if interleave:
+        _check_interleave(ws, op)
     n = sum(w.shape[-1] for w in ws)
     return _weight_fake(ws[0].new_empty(tuple(ws[0].shape[:-1]) + (n,)), fp8_dtype, op, which)
 
 
 @torch.library.register_fake("moe_fp8::quantize_blockwise_weight_rhs_cat")
-def _(ws, fp8_dtype):
-    return _cat_fake(ws, fp8_dtype, "quantize_blockwise_weight_rhs_cat", 0)
+def _(ws, fp8_dtype, interleave=False):
+    return _cat_fake(ws, fp8_dtype, "quantize_blockwise_weight_rhs_cat", 0, interleave)
 
 
 def quantize_blockwise_weight_transposed_rhs_cat(ws: Sequence[Tensor],
@@ -337,14 +353,15 @@ def _(ws, fp8_dtype):
     return _cat_fake(ws, fp8_dtype, "quantize_blockwise_weight_transposed_rhs_cat", 1)
 
 
-def quantize_blockwise_weight_dual_cat(
-        ws: Sequence[Tensor], fp8_dtype: Optional[torch.dtype] = None) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+def quantize_blockwise_weight_dual_cat(ws: Sequence[Tensor], fp8_dtype: Optional[torch.dtype] = None,
+                                       interleave: bool = False) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """:func:`quantize_blockwise_weight_dual` of ``torch.cat(ws, dim=-1)``, bit for bit:
     both orientations of the concatenation, each weight read once (the rules of
-    :func:`quantize_blockwise_weight_rhs_cat`)."""
-    return _run_cat("quantize_blockwise_weight_dual_cat", ws, fp8_dtype)
+    :func:`quantize_blockwise_weight_rhs_cat`; ``interleave`` applies to the forward
+    operand only, the transposed one keeps the concatenation's order)."""
+    return _run_cat("quantize_blockwise_weight_dual_cat", ws, fp8_dtype, interleave)
 
 
 @torch.library.register_fake("moe_fp8::quantize_blockwise_weight_dual_cat")
-def _(ws, fp8_dtype):
-    return _cat_fake(ws, fp8_dtype, "quantize_blockwise_weight_dual_cat", 2)
+def _(ws, fp8_dtype, interleave=False):
+    return _cat_fake(ws, fp8_dtype, "quantize_blockwise_weight_dual_cat", 2, interleave)

@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 
 from .ops import INT32_MAX, _dtype_name, check_index, check_same_device, check_tensor
+from .ops._checks import padded_rows
 from .platform import remembered_per_device
 
 _ops = torch.ops.moe_fp8
@@ -37,7 +38,7 @@ OP_2D2D = "blockwise_grouped_mm_2d2d"
 # The GEMM configurations (tile and cluster; csrc/gemm/blockwise_grouped_sm90.cu): `config`
 # -1 picks one by shape, 0..n-1 forces one (tests, benchmarks). Every one gives the same
 # bits.
-CONFIGS_2D3D = 3  # 128x128 cluster 2x1, 128x128 1x2, 256x128 1x2
+CONFIGS_2D3D = 4  # 128x128 cluster 2x1, 128x128 1x2, 256x128 1x2, 128x256 1x2
 CONFIGS_2D2D = 4  # 128x128 cluster 1x2, 128x128 2x1, 256x128 1x2, 128x256 1x2
 
 
@@ -260,6 +261,66 @@ def blockwise_grouped_mm_2d3d(a: Tensor, scale_a: Tensor, b: Tensor, scale_b: Te
 def _(a, scale_a, b, scale_b, offs, out_dtype, config=-1):
     m, n = check_blockwise_grouped_mm_2d3d(a, scale_a, b, scale_b, offs, out_dtype, config)
     return a.new_empty((m, n), dtype=torch.bfloat16)
+
+
+# ---- blockwise_grouped_mm_swiglu ----------------------------------------------------------
+
+OP_SWIGLU = "blockwise_grouped_mm_swiglu"
+
+
+def check_blockwise_grouped_mm_swiglu(a, scale_a, b, scale_b, offs, padded_starts):
+    """The checks of :func:`blockwise_grouped_mm_swiglu`; returns (M, 2·hidden, R)."""
+    op = OP_SWIGLU
+    m, n = check_blockwise_grouped_mm_2d3d(a, scale_a, b, scale_b, offs, torch.bfloat16)
+    if n % (2 * BW_BLOCK) != 0:
+        raise RuntimeError(f"{op}: expected b's columns to be 2 * hidden with hidden a multiple of {BW_BLOCK} (W1 and "
+                           f"W3 interleaved by {BW_BLOCK}), got {n}")
+    if a.shape[1] == 0:
+        raise RuntimeError(f"{op}: expected K (the columns of a) to be a positive multiple of 16 (16-byte rows for "
+                           f"TMA), got 0")
+    check_index(op, "padded_starts", padded_starts)
+    check_same_device(op, "a", a, padded_starts=padded_starts)
+    if padded_starts.numel() != offs.numel():
+        raise RuntimeError(f"{op}: expected padded_starts of shape ({offs.numel()},) like offs, got "
+                           f"({padded_starts.numel()},)")
+    r = padded_rows(m, offs.numel(), BW_BLOCK)
+    _check_int32(op, "the padded rows", r)
+    return m, n, r
+
+
+def blockwise_grouped_mm_swiglu(a: Tensor, scale_a: Tensor, b: Tensor, scale_b: Tensor, offs: Tensor,
+                                padded_starts: Tensor):
+    """The experts layer's W13 GEMM with SwiGLU and both quantizations of h in its epilogue
+    (DESIGN §13): bit for bit ``h13 = blockwise_grouped_mm_2d3d(a, ..., [W1; W3])``,
+    ``h = swiglu(h13)`` and ``quantize_blockwise_act_dual(h, e4m3fn, offs, padded_starts, 128)``,
+    without writing h or reading h13 back.
+
+    * ``a``, ``scale_a``, ``offs``: as for :func:`blockwise_grouped_mm_2d3d`;
+    * ``b`` (E, K, 2·hidden), ``scale_b``: the 128x128-tile operand of [W1; W3] interleaved
+      by 128 hidden columns (column block 2j is W1's block j, 2j + 1 W3's), hidden a
+      multiple of 128 (``quantize_blockwise_weight_rhs_cat(..., interleave=True)`` of
+      [W1ᵀ, W3ᵀ]);
+    * ``padded_starts`` int32 (E,): the groups' starts in the 128-aligned gap-free padded
+      layout (``padded_group_offsets``), R = ``padded_rows(M, E, 128)`` rows.
+
+    Returns ``(h13, q_rows, s_rows, q_cols, s_cols)``: h13 (M, 2·hidden) bf16 as
+    [h1 | h3]; h's 1x128 operand q (M, hidden) row-major, scale (M, hidden/128) column-
+    major; h's 128x1 operand in the padded layout, q (R, hidden) column-major, scale
+    (R/128, hidden)."""
+    check_blockwise_grouped_mm_swiglu(a, scale_a, b, scale_b, offs, padded_starts)
+    _check_device(OP_SWIGLU, a)
+    return _ops.blockwise_grouped_mm_swiglu(a, scale_a, b, scale_b, offs, padded_starts)
+
+
+@torch.library.register_fake("moe_fp8::blockwise_grouped_mm_swiglu")
+def _(a, scale_a, b, scale_b, offs, padded_starts):
+    m, n, r = check_blockwise_grouped_mm_swiglu(a, scale_a, b, scale_b, offs, padded_starts)
+    h = n // 2
+    f8 = torch.float8_e4m3fn
+    return (a.new_empty((m, n), dtype=torch.bfloat16), a.new_empty((m, h), dtype=f8),
+            a.new_empty_strided((m, h // BW_BLOCK), (1, max(m, 1)), dtype=torch.float32),
+            a.new_empty_strided((r, h), (1, max(r, 1)), dtype=f8),
+            a.new_empty((r // BW_BLOCK, h), dtype=torch.float32))
 
 
 # ---- blockwise_grouped_mm_2d2d ------------------------------------------------------------

@@ -140,6 +140,12 @@ if blockwise_gemm.available():
             if config < blockwise_gemm.CONFIGS_2D3D:
                 attempt(blockwise_gemm.blockwise_grouped_mm_2d3d, xa, sa, qb, sb, o, torch.bfloat16, config)
             attempt(blockwise_gemm.blockwise_grouped_mm_2d2d, qg, sg, qx, sx, o, torch.bfloat16, config)
+        # The SwiGLU GEMM: garbage offs and padded starts alike (clamped; a token block the layout cannot hold is
+        # not written).
+        qw, sw = moe_fp8_ext.quantize_blockwise_weight_rhs(
+            torch.randn(o.numel(), 96, 256, device="cuda", dtype=torch.bfloat16), e4)
+        for starts in (o, torch.full_like(o, 2**31 - 1), -o):
+            attempt(blockwise_gemm.blockwise_grouped_mm_swiglu, xa, sa, qw, sw, o, starts)
 # Our rowwise grouped GEMMs (sm90 only), the same garbage offs: clamped groups; a wgrad
 # group not starting at a multiple of 16 is treated as empty.
 from moe_fp8_ext import rowwise_gemm  # noqa: E402

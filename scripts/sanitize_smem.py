@@ -97,5 +97,10 @@ if bg.available():
         bg.blockwise_grouped_mm_2d3d(qa, sa, qb, sb, g, config=config)
     for config in range(bg.CONFIGS_2D2D):
         bg.blockwise_grouped_mm_2d2d(qg, sg, qx, sx, g128, config=config)
+    # The W13 GEMM with the SwiGLU epilogue: both clusters (hidden 128: one 256-column tile, 256: two).
+    for hidden in (128, 256):
+        qw, sw = m.quantize_blockwise_weight_rhs(torch.randn(3, 256, 2 * hidden, device=dev, dtype=torch.bfloat16), F8)
+        ps, _ = m.padded_group_offsets(g, 700, 128)
+        bg.blockwise_grouped_mm_swiglu(qa, sa, qw, sw, g, ps)
 torch.cuda.synchronize()
 print("sanitize_smem: done")

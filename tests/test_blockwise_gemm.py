@@ -616,3 +616,129 @@ def test_2d2d_misaligned_group_is_zero():
     poison("cuda")
     out = mm_2d2d(a, sa, b, sb, offs)
     assert bool((out[1:].float() == 0).all()) and bool(torch.isfinite(out[0].float()).all())
+
+
+# ---- the W13 GEMM with the SwiGLU epilogue (DESIGN §13) -------------------------------------
+
+
+def swiglu_operands(m, k, hidden, e, offs, seed=0, device="cuda"):
+    """x's 1x128 operand, [W1; W3]'s 128x128 operand (plain and interleaved), padded starts."""
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(m, k, generator=g) * block_magnitudes((m, k), [1], g)).bfloat16().to(device)
+    w1, w3 = ((torch.randn(e, hidden, k, generator=g) * 0.1 * block_magnitudes((e, hidden, k), [1, 2], g))
+              .bfloat16().to(device) for _ in range(2))
+    a, sa = moe_fp8_ext.quantize_blockwise_act_lhs(x, E4M3)
+    parts = [w1.transpose(1, 2), w3.transpose(1, 2)]
+    b, sb = moe_fp8_ext.quantize_blockwise_weight_rhs_cat(parts, E4M3)
+    bi, sbi = moe_fp8_ext.quantize_blockwise_weight_rhs_cat(parts, E4M3, interleave=True)
+    offs = offs.to(device)
+    starts, _ = torch.ops.moe_fp8.padded_group_offsets(offs, m, BLOCK)
+    return a, sa, b, sb, offs, starts, (bi, sbi)
+
+
+def composed_swiglu(a, sa, b, sb, offs, starts):
+    """What the fused op replaces: the GEMM, the SwiGLU op, then the activation dual."""
+    h13 = mm_2d3d(a, sa, b, sb, offs)
+    h = torch.ops.moe_fp8.swiglu(h13)
+    return (h13,) + tuple(torch.ops.moe_fp8.quantize_blockwise_act_dual(h, E4M3, offs, starts, BLOCK))
+
+
+def assert_bits_equal(outs, refs):
+    names = ("h13", "q_rows", "s_rows", "q_cols", "s_cols")
+    for name, o, r in zip(names, outs, refs):
+        assert o.shape == r.shape and o.stride() == r.stride() and o.dtype == r.dtype, name
+        as_int = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[o.element_size()]
+        assert torch.equal(o.view(as_int), r.view(as_int)), f"{name} differs"
+
+
+@pytest.mark.parametrize("dual", [False, True])
+def test_interleaved_weight_cat_is_the_interleaved_weights_operand(dual):
+    """The _cat ops' interleave: the forward operand of [W1; W3] interleaved by 128 (each
+    128x128 tile and its scale belong to one weight); the transposed one of [W1; W3]."""
+    g = torch.Generator().manual_seed(3)
+    w1, w3 = (torch.randn(2, 256, 200, generator=g).bfloat16() for _ in range(2))
+    parts = [w1.transpose(1, 2), w3.transpose(1, 2)]
+    w13i = torch.stack([w1.view(2, 2, 128, 200), w3.view(2, 2, 128, 200)], dim=2).reshape(2, 512, 200)
+    ref = list(moe_fp8_ext.quantize_blockwise_weight_rhs(w13i.transpose(1, 2), E4M3))
+    if dual:
+        out = moe_fp8_ext.quantize_blockwise_weight_dual_cat(parts, E4M3, interleave=True)
+        ref += moe_fp8_ext.quantize_blockwise_weight_transposed_rhs_cat(parts, E4M3)
+    else:
+        out = moe_fp8_ext.quantize_blockwise_weight_rhs_cat(parts, E4M3, interleave=True)
+    for o, r in zip(out, ref):
+        assert o.shape == r.shape and o.stride() == r.stride()
+        as_int = {1: torch.uint8, 4: torch.int32}[o.element_size()]
+        assert torch.equal(o.view(as_int), r.view(as_int))
+    with pytest.raises(RuntimeError, match="of one width to interleave"):
+        moe_fp8_ext.quantize_blockwise_weight_rhs_cat([parts[0], parts[1][..., :128]], E4M3, interleave=True)
+
+
+def test_swiglu_gemm_fake_and_checks():
+    m, k, hidden, e = 300, 256, 256, 4
+    a, sa, b, sb, offs = operands_2d3d(m, k, 2 * hidden, e)
+    starts = torch.empty(e, dtype=torch.int32, device="meta")
+    h13, qr, sr, qc, sc = torch.ops.moe_fp8.blockwise_grouped_mm_swiglu(a, sa, b, sb, offs, starts)
+    r = cdiv(m + e * BLOCK, BLOCK) * BLOCK
+    assert h13.shape == (m, 2 * hidden) and h13.dtype == torch.bfloat16
+    assert qr.shape == (m, hidden) and sr.shape == (m, 2) and sr.stride() == (1, m)
+    assert qc.shape == (r, hidden) and qc.stride() == (1, r) and sc.shape == (r // BLOCK, hidden)
+    with pytest.raises(RuntimeError, match="hidden a multiple of 128"):
+        bg.blockwise_grouped_mm_swiglu(*operands_2d3d(m, k, 384, e), starts)
+    with pytest.raises(RuntimeError, match="padded_starts of shape"):
+        bg.blockwise_grouped_mm_swiglu(a, sa, b, sb, offs, starts[:2])
+    with pytest.raises(RuntimeError, match="expected CUDA tensors"):
+        cpu = operands_2d3d(m, k, 2 * hidden, e, device="cpu")
+        bg.blockwise_grouped_mm_swiglu(*cpu, torch.zeros(e, dtype=torch.int32))
+
+
+# Groups: empty ones, partial token blocks, starts off multiples of 16, tail rows past the last group; hidden 384
+# gives 3 tiles of 256 columns, so a 1x2 cluster has a spare tile past h's columns.
+SWIGLU_CASES = [
+    (3000, 384, 384, 3, [1100, 0, 1700]),
+    (sum(MANY_GROUPS) + 77, 256, 128, len(MANY_GROUPS), MANY_GROUPS),
+    (sum(MANY_GROUPS_16), 512, 256, len(MANY_GROUPS_16), MANY_GROUPS_16),
+    (640, 128, 512, 2, [0, 0]),
+]
+
+
+@requires_sm90
+@pytest.mark.gpu
+@pytest.mark.parametrize("m, k, hidden, e, sizes", SWIGLU_CASES)
+def test_swiglu_gemm_is_the_composed_path(m, k, hidden, e, sizes):
+    offs = offs_from_sizes(sizes)
+    a, sa, b, sb, offs, starts, (qi, si) = swiglu_operands(m, k, hidden, e, offs, seed=m + hidden)
+    refs = composed_swiglu(a, sa, b, sb, offs, starts)
+    poison("cuda")
+    outs = bg.blockwise_grouped_mm_swiglu(a, sa, qi, si, offs, starts)
+    assert_bits_equal(outs, refs)
+
+
+@requires_sm90
+@pytest.mark.gpu
+def test_swiglu_gemm_special_values():
+    """Inf and NaN in x reach h13 and h: their rows' and token blocks' operands are NaN
+    (the composed path's), the other blocks untouched."""
+    m, k, hidden, e = 700, 256, 256, 2
+    offs = offs_from_sizes([300, 400])
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(m, k, generator=g).bfloat16().cuda()
+    x[7, 3], x[450, 100] = float("inf"), float("nan")
+    w1, w3 = (torch.randn(e, hidden, k, generator=g).bfloat16().cuda() * 0.1 for _ in range(2))
+    a, sa = moe_fp8_ext.quantize_blockwise_act_lhs(x, E4M3)
+    parts = [w1.transpose(1, 2), w3.transpose(1, 2)]
+    b, sb = moe_fp8_ext.quantize_blockwise_weight_rhs_cat(parts, E4M3)
+    offs = offs.cuda()
+    starts, _ = torch.ops.moe_fp8.padded_group_offsets(offs, m, BLOCK)
+    refs = composed_swiglu(a, sa, b, sb, offs, starts)
+    outs = bg.blockwise_grouped_mm_swiglu(
+        a, sa, *moe_fp8_ext.quantize_blockwise_weight_rhs_cat(parts, E4M3, interleave=True), offs, starts)
+    assert_bits_equal(outs, refs)
+    assert bool(torch.isnan(outs[2][7]).all()) and bool(torch.isfinite(outs[2][8]).all())
+
+
+@requires_sm90
+@pytest.mark.gpu
+def test_swiglu_gemm_graph_capture():
+    offs = offs_from_sizes([200, 0, 333, 128])
+    a, sa, _, _, offs, starts, (qi, si) = swiglu_operands(700, 256, 256, 4, offs, seed=9)
+    graph_matches_eager(lambda: bg.blockwise_grouped_mm_swiglu(a, sa, qi, si, offs, starts))

@@ -147,7 +147,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_blockwise_ac
 }
 
 std::vector<at::Tensor> quantize_blockwise_weight_cat(const TileKernels& k, at::TensorList ws,
-                                                      at::ScalarType fp8_dtype, int which, const char* op) {
+                                                      at::ScalarType fp8_dtype, int which, const char* op,
+                                                      bool interleave) {
   TORCH_CHECK(!ws.empty(), op, ": expected at least one weight, got none");
   const at::Tensor& w0 = ws[0];
   const InputKind in = input_kind(w0, op, "w");
@@ -171,6 +172,10 @@ std::vector<at::Tensor> quantize_blockwise_weight_cat(const TileKernels& k, at::
     TORCH_CHECK(p + 1 == ws.size() || w.size(-1) % kTile == 0, op,
                 ": expected every weight but the last to have a multiple of ", kTile,
                 " columns (whole 128x128 tiles of the concatenation), got ", w.size(-1), " (weight ", p, ")");
+    // (Interleaved: of one width, so each a multiple of 128 by the rule below.)
+    TORCH_CHECK(!interleave || w.size(-1) == w0.size(-1), op,
+                ": expected every weight of one width to interleave them, got ", w0.size(-1), " and ", w.size(-1),
+                " columns (weight ", p, ")");
     N += w.size(-1);
   }
   const int64_t TM = ceil_div(M, kTile), TN = ceil_div(N, kTile);
@@ -193,11 +198,28 @@ std::vector<at::Tensor> quantize_blockwise_weight_cat(const TileKernels& k, at::
     outs.push_back(make(TN, TM, sopts));
   }
   if (E == 0 || M == 0 || N == 0) return outs;
+  // The pieces, each launched on its own: the weights, or with `interleave` their 128-column chunks, chunk j of
+  // weight p at forward tile column j * P + p (the backward operand keeps the concatenation's order).
+  struct Piece {
+    at::Tensor w;
+    int64_t j_fwd, j_bwd;
+  };
+  std::vector<Piece> pieces;
   int64_t c0 = 0;  // the part's first column of the concatenation (a multiple of 128)
-  for (const at::Tensor& w : ws) {
-    const int64_t n = w.size(-1), j0 = c0 / kTile;
+  for (size_t p = 0; p < ws.size(); ++p) {
+    const int64_t n = ws[p].size(-1);
+    if (interleave && ws.size() > 1) {
+      for (int64_t j = 0; j < n / kTile; ++j) {
+        pieces.push_back({ws[p].narrow(-1, j * kTile, kTile), j * int64_t(ws.size()) + int64_t(p), c0 / kTile + j});
+      }
+    } else if (n > 0) {
+      pieces.push_back({ws[p], c0 / kTile, c0 / kTile});
+    }
     c0 += n;
-    if (n == 0) continue;
+  }
+  for (const Piece& piece : pieces) {
+    const at::Tensor& w = piece.w;
+    const int64_t n = w.size(-1);
     TilesArgs a;
     a.x = w.data_ptr();
     a.batches = E;
@@ -209,6 +231,7 @@ std::vector<at::Tensor> quantize_blockwise_weight_cat(const TileKernels& k, at::
     a.num_out = 0;
     size_t t = 0;
     if (which == 0 || which == 2) {  // element (r, c) at r + (j0 * 128 + c) * M; tile (i, j) at i + (j0 + j) * TM
+      const int64_t j0 = piece.j_fwd;
       TileOut& o = a.out[a.num_out++];
       o.q = static_cast<uint8_t*>(outs[t].data_ptr()) + j0 * kTile * M;
       o.q_sb = M * N;
@@ -221,6 +244,7 @@ std::vector<at::Tensor> quantize_blockwise_weight_cat(const TileKernels& k, at::
       t += 2;
     }
     if (which == 1 || which == 2) {  // element (r, c) is q^T[j0 * 128 + c, r]; tile (i, j) is s^T[j0 + j, i]
+      const int64_t j0 = piece.j_bwd;
       TileOut& o = a.out[a.num_out++];
       o.q = static_cast<uint8_t*>(outs[t].data_ptr()) + j0 * kTile;
       o.q_sb = M * N;
@@ -241,7 +265,7 @@ std::vector<at::Tensor> quantize_blockwise_weight(const TileKernels& k, const at
   const char* op = which == 0   ? "quantize_blockwise_weight_rhs"
                    : which == 1 ? "quantize_blockwise_weight_transposed_rhs"
                                 : "quantize_blockwise_weight_dual";
-  return quantize_blockwise_weight_cat(k, {w}, fp8_dtype, which, op);
+  return quantize_blockwise_weight_cat(k, {w}, fp8_dtype, which, op, false);
 }
 
 }  // namespace moe_fp8

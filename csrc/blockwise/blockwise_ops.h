@@ -48,7 +48,8 @@ std::vector<at::Tensor> quantize_blockwise_weight(const TileKernels& k, const at
 // The same of ws concatenated along N (each but the last whole 128-column tiles: the experts layer's W1 and W3),
 // each part read once and written straight into the concatenated outputs.
 std::vector<at::Tensor> quantize_blockwise_weight_cat(const TileKernels& k, at::TensorList ws,
-                                                      at::ScalarType fp8_dtype, int which, const char* op);
+                                                      at::ScalarType fp8_dtype, int which, const char* op,
+                                                      bool interleave);
 
 template <const QuantKernels& K, const TileKernels& TK>
 struct BlockwiseOn {
@@ -87,17 +88,20 @@ struct BlockwiseOn {
     auto o = quantize_blockwise_weight(TK, w, fp8_dtype, 2);
     return {o[0], o[1], o[2], o[3]};
   }
-  static std::tuple<at::Tensor, at::Tensor> weight_rhs_cat(at::TensorList ws, at::ScalarType fp8_dtype) {
-    auto o = quantize_blockwise_weight_cat(TK, ws, fp8_dtype, 0, "quantize_blockwise_weight_rhs_cat");
+  static std::tuple<at::Tensor, at::Tensor> weight_rhs_cat(at::TensorList ws, at::ScalarType fp8_dtype,
+                                                           bool interleave) {
+    auto o = quantize_blockwise_weight_cat(TK, ws, fp8_dtype, 0, "quantize_blockwise_weight_rhs_cat", interleave);
     return {o[0], o[1]};
   }
   static std::tuple<at::Tensor, at::Tensor> weight_transposed_rhs_cat(at::TensorList ws, at::ScalarType fp8_dtype) {
-    auto o = quantize_blockwise_weight_cat(TK, ws, fp8_dtype, 1, "quantize_blockwise_weight_transposed_rhs_cat");
+    auto o = quantize_blockwise_weight_cat(TK, ws, fp8_dtype, 1, "quantize_blockwise_weight_transposed_rhs_cat",
+                                           false);
     return {o[0], o[1]};
   }
   static std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> weight_dual_cat(at::TensorList ws,
-                                                                                    at::ScalarType fp8_dtype) {
-    auto o = quantize_blockwise_weight_cat(TK, ws, fp8_dtype, 2, "quantize_blockwise_weight_dual_cat");
+                                                                                    at::ScalarType fp8_dtype,
+                                                                                    bool interleave) {
+    auto o = quantize_blockwise_weight_cat(TK, ws, fp8_dtype, 2, "quantize_blockwise_weight_dual_cat", interleave);
     return {o[0], o[1], o[2], o[3]};
   }
   static void register_impls(torch::Library& m) {

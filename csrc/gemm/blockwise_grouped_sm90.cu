@@ -38,6 +38,7 @@
 #include "pipelined_promotion.cuh"
 #include "scale_layouts_from_args.cuh"
 #include "store_warp_epilogue.cuh"
+#include "swiglu_epilogue.cuh"
 
 // The CUTLASS kernels need nvcc 12.3+ (Hopper TMA descriptor updates on the device).
 #if defined(CUTLASS_ARCH_MMA_SM90_SUPPORTED) && defined(CUTLASS_ARCH_MMA_MODIFIABLE_TMA_SM90_SUPPORTED)
@@ -50,7 +51,7 @@ namespace moe_fp8 {
 namespace {
 
 constexpr int64_t kBlock = 128;  // the recipe's block: 1x128 activations, 128x128 weights
-constexpr int64_t kConfigs2d3d = 3, kConfigs2d2d = 4;  // the GEMM configurations (below)
+constexpr int64_t kConfigs2d3d = 4, kConfigs2d2d = 4;  // the GEMM configurations (below)
 
 using namespace gemm_common;  // NOLINT: the shared checks and helpers
 
@@ -71,8 +72,8 @@ struct WithTiledMma<cutlass::gemm::collective::CollectiveMma<DP, TS, EA, SA, EB,
 
 // kWgrad: scale granularity 1 on both sides (2d2d); else (1, 128) on A and (128, 128) on B.
 // The cooperative kernel: both consumer warp groups on one tile, split along M (the
-// store-warp epilogue hands over such tiles).
-template <class TileShape_, class ClusterShape_, bool kWgrad, class EpilogueTile>
+// store-warp epilogue hands over such tiles). kSwiglu: the W13 GEMM's SwiGLU epilogue.
+template <class TileShape_, class ClusterShape_, bool kWgrad, class EpilogueTile, bool kSwiglu = false>
 struct BlockwiseGemm {
   using TileShape = TileShape_;
   using ClusterShape = ClusterShape_;
@@ -106,7 +107,7 @@ struct BlockwiseGemm {
                          (cute::size<1>(TileShape{}) / cute::size<1>(EpilogueTile{}))>::type;
   // The TMA stores issued by the producer warp group's spare warp, not by the consumers
   // (store_warp_epilogue.cuh).
-  using Epilogue = StoreWarpEpilogue<CutlassEpilogue>;
+  using Epilogue = std::conditional_t<kSwiglu, SwigluEpilogue<CutlassEpilogue>, StoreWarpEpilogue<CutlassEpilogue>>;
 
   using BuiltMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementA, cute::tuple<LayoutA*, ScaleLayoutA*>, kAlignAB,
@@ -290,7 +291,7 @@ __global__ void build_tables_2d2d(GroupTables<G> t, Args2d2d p) {
 
 template <class G>
 void run_gemm(const GroupTables<G>& t, int groups, bool raster_along_n, const at::Tensor& like, const GpuLaunch& gpu,
-              const char* op) {
+              const char* op, const SwigluQuantOut* swiglu = nullptr) {
   using Gemm = typename G::Gemm;
   typename Gemm::Arguments args;
   args.mode = cutlass::gemm::GemmUniversalMode::kGrouped;
@@ -311,6 +312,7 @@ void run_gemm(const GroupTables<G>& t, int groups, bool raster_along_n, const at
   args.epilogue.dC = nullptr;
   args.epilogue.ptr_D = t.d;
   args.epilogue.dD = t.stride_d;
+  if constexpr (requires { args.epilogue.swiglu; }) args.epilogue.swiglu = *swiglu;
   // 2d3d rasters along N: the CTAs in flight cover whole M tile rows, so A is read once and the expert's weight
   // stays in L2 (record 009); 2d2d keeps the default. No swizzle: with device-only problem shapes the grouped
   // scheduler uses 1 whatever it is asked.
@@ -341,10 +343,14 @@ using WgradCluster21 = BlockwiseGemm<Shape<_128, _128, _128>, Shape<_2, _1, _1>,
 using FwdTall12 = BlockwiseGemm<Shape<_256, _128, _128>, Shape<_1, _2, _1>, false, EpiTile>;  // 2d3d 2
 using WgradTall12 = BlockwiseGemm<Shape<_256, _128, _128>, Shape<_1, _2, _1>, true, EpiTile>;  // 2d2d 2
 using WgradWide12 = BlockwiseGemm<Shape<_128, _256, _128>, Shape<_1, _2, _1>, true, EpiTile>;  // 2d2d 3
+using FwdWide12 = BlockwiseGemm<Shape<_128, _256, _128>, Shape<_1, _2, _1>, false, EpiTile>;  // 2d3d 3
+using FwdSwiglu12 = BlockwiseGemm<Shape<_128, _256, _128>, Shape<_1, _2, _1>, false, EpiTile, true>;  // W13 + SwiGLU
+using FwdSwiglu11 = BlockwiseGemm<Shape<_128, _256, _128>, Shape<_1, _1, _1>, false, EpiTile, true>;  // odd N tiles
 
-// The picks by shape (host values only: no sync; records 007, 020). Big tiles move a quarter fewer bytes a FLOP;
-// 2d3d has no 128x256 (its B scales need another scale view), and pingpong 64x128x128 is not used (record 030).
+// The picks by shape (host values only: no sync; records 007, 020, 035). Big tiles move a quarter fewer bytes a
+// FLOP; pingpong 64x128x128 is not used (record 030).
 int64_t pick_2d3d(int64_t M, int64_t N, int64_t E) {
+  if (M >= 256 * E && ceil_div(N, 2 * kBlock) % 2 == 0) return 3;  // 128x256 where its 1x2 clusters fill N
   if (M >= 256 * E) return 2;                       // 256x128 from 256 rows a group (a tile wastes up to 255)
   return ceil_div(N, kBlock) % 2 == 1 ? 0 : 1;      // 128x128: 2x1 for an odd number of N tiles (record 007)
 }
@@ -355,7 +361,8 @@ int64_t pick_2d2d(int64_t M, int64_t N, int64_t K, int64_t E) {
 }
 
 template <class G>
-void launch_2d3d(const Args2d3d& p, const at::Tensor& like, const GpuLaunch& gpu, const char* op) {
+void launch_2d3d(const Args2d3d& p, const at::Tensor& like, const GpuLaunch& gpu, const char* op,
+                 const SwigluQuantOut* swiglu = nullptr) {
   at::Tensor storage;
   const auto tables = carve_tables<G>(storage, p.groups, like.options());
   constexpr int kThreads = 256;
@@ -364,7 +371,7 @@ void launch_2d3d(const Args2d3d& p, const at::Tensor& like, const GpuLaunch& gpu
                                            std::min<int64_t>(ceil_div(p.M * p.N / 8, kThreads), 2 * sm_count(gpu.device())));
   build_tables_2d3d<G><<<static_cast<unsigned>(blocks), kThreads, 0, gpu.stream()>>>(tables, p);
   gpu.check(static_cast<int>(cudaGetLastError()), op);
-  run_gemm<G>(tables, p.groups, /*raster_along_n=*/true, like, gpu, op);
+  run_gemm<G>(tables, p.groups, /*raster_along_n=*/true, like, gpu, op, swiglu);
 }
 
 template <class G>
@@ -380,6 +387,33 @@ void launch_2d2d(Args2d2d p, const at::Tensor& like, const GpuLaunch& gpu, const
   build_tables_2d2d<G><<<static_cast<unsigned>(blocks), kThreads, 0, gpu.stream()>>>(tables, p);
   gpu.check(static_cast<int>(cudaGetLastError()), op);
   run_gemm<G>(tables, p.groups, /*raster_along_n=*/false, like, gpu, op);
+}
+
+// The SwiGLU GEMM's outputs that no tile writes: the silu table the epilogue reads; rows past the last group (h = 0 there:
+// zero codes, amax 0's scale, as quantize_blockwise_act_dual writes them); the padded layout's tail (zero codes; its
+// scales are zeroed by the allocation).
+__global__ void swiglu_outputs_init(SwigluQuantOut o, int groups) {
+  const int64_t thread = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t threads = int64_t(gridDim.x) * blockDim.x;
+  uint16_t* table = const_cast<uint16_t*>(o.silu_table);
+  for (int64_t i = thread; i < kSiluTableEntries; i += threads) table[i] = silu_table_entry(static_cast<int>(i));
+  int64_t tail = 0, q_tail = 0;
+  if (groups > 0) {
+    int64_t s, e;
+    group_range(o.offs, groups - 1, o.rows, &s, &e);
+    tail = e;
+    q_tail = clamp_offset(static_cast<int64_t>(o.padded_starts[groups - 1]) + round_up(e - s, kBlock), o.q_rows_total);
+  }
+  const float s0 = Fp32Exact::from_amax_bits<Fp8Format::kE4M3FN>(0u).stored;
+  const int64_t blocks = o.hidden / kBlock, tail_rows = o.rows - tail;
+  for (int64_t i = thread; i < tail_rows * o.hidden; i += threads) o.q_rows[tail * o.hidden + i] = 0;
+  for (int64_t i = thread; i < tail_rows * blocks; i += threads) {
+    o.s_rows[(i / tail_rows) * o.rows + tail + i % tail_rows] = s0;
+  }
+  const int64_t q_tail_rows = o.q_rows_total - q_tail;
+  for (int64_t i = thread; i < q_tail_rows * o.hidden; i += threads) {
+    o.q_cols[(i / q_tail_rows) * o.q_rows_total + q_tail + i % q_tail_rows] = 0;
+  }
 }
 
 #endif  // MOE_FP8_BW_GEMM_SM90
@@ -483,10 +517,117 @@ at::Tensor blockwise_grouped_mm_2d3d(const at::Tensor& a, const at::Tensor& scal
     case 0: launch_2d3d<FwdCluster21>(p, a, gpu, op); break;
     case 1: launch_2d3d<FwdCluster12>(p, a, gpu, op); break;
     case 2: launch_2d3d<FwdTall12>(p, a, gpu, op); break;
+    case 3: launch_2d3d<FwdWide12>(p, a, gpu, op); break;
     default: TORCH_CHECK(false, op, ": no configuration ", c);
   }
 #endif
   return out;
+}
+
+// The W13 GEMM with the SwiGLU epilogue (DESIGN §13): a (M, K) in 1x128 blocks; b (E, K, 2H) [W1; W3] interleaved by
+// 128 columns (column block 2j of an expert is W1's hidden block j, 2j + 1 W3's) in 128x128 tiles; token groups by
+// offs, placed by padded_starts in the 128-aligned gap-free layout (R rows). Returns h13 (M, 2H) bf16 as [h1 | h3],
+// then h = swiglu(h13)'s 1x128 operand, q (M, H) and scale (M, H/128) column-major, and its 128x1 operand, q (R, H)
+// column-major and scale (R/128, H): bit for bit blockwise_grouped_mm_2d3d, swiglu and quantize_blockwise_act_dual.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> blockwise_grouped_mm_swiglu(
+    const at::Tensor& a, const at::Tensor& scale_a, const at::Tensor& b, const at::Tensor& scale_b,
+    const at::Tensor& offs, const at::Tensor& padded_starts) {
+  constexpr const char* op = "blockwise_grouped_mm_swiglu";
+  check_common(op, a, scale_a, b, scale_b, offs, 3, at::kBFloat16, -1, 1);
+  const int64_t M = a.size(0), K = a.size(1), E = b.size(0), N = b.size(2), H = N / 2;
+  const int64_t KB = ceil_div(K, kBlock), NB = ceil_div(N, kBlock);
+  TORCH_CHECK(b.size(1) == K, op, ": expected b of shape (E, K, 2 * hidden) with K = ", K, " (the columns of a), got ",
+              b.sizes());
+  TORCH_CHECK(N % (2 * kBlock) == 0, op, ": expected b's columns to be 2 * hidden with hidden a multiple of ", kBlock,
+              " (W1 and W3 interleaved by ", kBlock, "), got ", N);
+  TORCH_CHECK(K > 0 && K % 16 == 0, op,
+              ": expected K (the columns of a) to be a positive multiple of 16 (16-byte rows for TMA), got ", K);
+  check_shape(op, "scale_a", scale_a, {M, KB});
+  check_shape(op, "scale_b", scale_b, {E, KB, NB});
+  TORCH_CHECK(offs.numel() == E, op, ": expected offs of shape (", E, ",) (one group per expert of b), got (",
+              offs.numel(), ",)");
+  check_unit_stride(op, "a", a, 1, "row-major");
+  check_unit_stride(op, "scale_a", scale_a, 0, "column-major");
+  check_unit_stride(op, "b", b, 1, "column-major per expert");
+  check_unit_stride(op, "scale_b", scale_b, 1, "column-major per expert");
+  const int64_t lda = stride_or(a, 0, K), lds = stride_or(scale_a, 1, M);
+  const int64_t ldb = stride_or(b, 2, K), sbe = stride_or(b, 0, 0);
+  const int64_t snb = stride_or(scale_b, 2, KB), sse = stride_or(scale_b, 0, 0);
+  check_ld(op, "a.stride(0)", lda, K, 16);
+  check_ld(op, "b.stride(2)", ldb, K, 16);
+  TORCH_CHECK(sbe % 16 == 0, op, ": expected b.stride(0) to be a multiple of 16 (16-byte aligned experts), got ",
+              sbe);
+  TORCH_CHECK(lds >= M, op, ": expected scale_a.stride(1) >= ", M, " (column-major), got ", lds);
+  TORCH_CHECK(snb >= KB, op, ": expected scale_b.stride(2) >= ", KB, " (column-major per expert), got ", snb);
+  check_int32(op, "M", M);
+  check_int32(op, "N", N);
+  check_int32(op, "K", K);
+  check_int32(op, "the scale_a offsets (scale_a.stride(1) * (K/128 - 1) + M)", lds * (KB - 1) + M);
+  check_int32(op, "the scale_b offsets (scale_b.stride(2) * (N/128 - 1) + K/128)", snb * (NB - 1) + KB);
+  check_offs(offs, a, M, op);
+  const int64_t R = checked_padded_rows(M, E, kBlock, op);
+  check_padded_starts(padded_starts, offs, M, R, a, op, kBlock, /*gap_free=*/true);
+  check_hopper(a, op);
+
+  const auto qopts = a.options().dtype(at::kFloat8_e4m3fn);
+  const auto sopts = a.options().dtype(at::kFloat);
+  at::Tensor h13 = at::empty({M, N}, a.options().dtype(at::kBFloat16));
+  at::Tensor q_rows = at::empty({M, H}, qopts);
+  at::Tensor s_rows = at::empty_strided({M, H / kBlock}, {1, std::max<int64_t>(M, 1)}, sopts);
+  at::Tensor q_cols = at::empty_strided({R, H}, {1, std::max<int64_t>(R, 1)}, qopts);
+  at::Tensor s_cols = at::zeros({R / kBlock, H}, sopts);  // blocks with no group rows: zero
+  if (H == 0) return {h13, q_rows, s_rows, q_cols, s_cols};
+  check_aligned(op, "a", a);
+  check_aligned(op, "b", b);
+#if MOE_FP8_BW_GEMM_SM90
+  const GpuLaunch gpu(a.device().index());
+  const at::Tensor offs_c = offs.contiguous(), starts_c = padded_starts.contiguous();
+  at::Tensor table = at::empty({kSiluTableEntries}, a.options().dtype(at::kShort));
+  SwigluQuantOut o;
+  o.offs = offs_c.data_ptr<int32_t>();
+  o.padded_starts = starts_c.data_ptr<int32_t>();
+  o.silu_table = reinterpret_cast<const uint16_t*>(table.data_ptr());
+  o.q_rows = static_cast<uint8_t*>(q_rows.data_ptr());
+  o.s_rows = s_rows.data_ptr<float>();
+  o.q_cols = static_cast<uint8_t*>(q_cols.data_ptr());
+  o.s_cols = s_cols.data_ptr<float>();
+  o.rows = M;
+  o.q_rows_total = R;
+  o.hidden = static_cast<int>(H);
+  constexpr int kThreads = 256;
+  const int64_t init_blocks = std::max<int64_t>(1, std::min<int64_t>(ceil_div(std::max(R, M) * H, 16 * kThreads),
+                                                                  2 * sm_count(gpu.device())));
+  swiglu_outputs_init<<<static_cast<unsigned>(init_blocks), kThreads, 0, gpu.stream()>>>(o, static_cast<int>(E));
+  gpu.check(static_cast<int>(cudaGetLastError()), op);
+  if (M == 0) return {h13, q_rows, s_rows, q_cols, s_cols};
+  Args2d3d p;
+  p.a = static_cast<const uint8_t*>(a.data_ptr());
+  p.scale_a = scale_a.data_ptr<float>();
+  p.b = static_cast<const uint8_t*>(b.data_ptr());
+  p.scale_b = scale_b.data_ptr<float>();
+  p.offs = o.offs;
+  p.out = h13.data_ptr();
+  p.M = M;
+  p.N = N;
+  p.K = K;
+  p.lda = lda;
+  p.lds = lds;
+  p.ldb = ldb;
+  p.sbe = sbe;
+  p.snb = snb;
+  p.sse = sse;
+  p.groups = static_cast<int>(E);
+  if (E == 0) {
+    h13.zero_();  // no group: every row is past the last one
+  } else {
+    if (H / kBlock % 2 == 0) {
+      launch_2d3d<FwdSwiglu12>(p, a, gpu, op, &o);
+    } else {  // an odd number of 256-column tiles: no cluster (a 1x2 one would leave a CTA a row of tiles idle)
+      launch_2d3d<FwdSwiglu11>(p, a, gpu, op, &o);
+    }
+  }
+#endif
+  return {h13, q_rows, s_rows, q_cols, s_cols};
 }
 
 // With MOE_FP8_DEBUG=1 (a sync) or CPU offs: every non-empty group starts at a multiple of 128.
@@ -578,4 +719,5 @@ at::Tensor blockwise_grouped_mm_2d2d(const at::Tensor& a, const at::Tensor& scal
 TORCH_LIBRARY_IMPL(moe_fp8, CUDA, m) {
   m.impl("blockwise_grouped_mm_2d3d", TORCH_FN(moe_fp8::blockwise_grouped_mm_2d3d));
   m.impl("blockwise_grouped_mm_2d2d", TORCH_FN(moe_fp8::blockwise_grouped_mm_2d2d));
+  m.impl("blockwise_grouped_mm_swiglu", TORCH_FN(moe_fp8::blockwise_grouped_mm_swiglu));
 }

@@ -28,12 +28,13 @@ struct PromotionParts : Base {
   // recipe's 128-deep blocks at a 128-deep tile); coarser K blocks would need its counter.
   static_assert(Base::ScalePromotionInterval == cute::size<2>(TileShape{}) / cute::tile_size<2>(TiledMma{}),
                 "PromotionParts: one scale block per k tile");
-  // The scale views below broadcast one scale over a whole tile or give each row (column)
-  // its own: the recipe's granularities (1 or 128 rows, at most 128-wide tiles with
-  // 128-column blocks).
+  // The scale views below broadcast one scale over a whole tile or a GMMA atom's columns, or give each row (column)
+  // its own: the recipe's granularities (1 or 128 rows; 1 or 128 columns, 128-wide atoms in 256-wide tiles).
+  static constexpr int kAtomN = cute::tile_size<1>(TiledMma{});
+  static constexpr bool kOneScaleAnAtomN = kScalesN == 1 || (cute::size<1>(TileShape{}) / kScalesN) % kAtomN == 0;
   static_assert((kScalesM == 1 || kScalesM == cute::size<0>(TileShape{})) &&
-                    (kScalesN == 1 || kScalesN == cute::size<1>(TileShape{})),
-                "PromotionParts: one scale a tile, or one a row / column, along M and N");
+                    (kOneScaleAnAtomN || kScalesN == cute::size<1>(TileShape{})),
+                "PromotionParts: one scale a tile or atom, or one a row / column, along M and N");
 
   // A consumer thread's views: tiled_mma, tCrA (MMA,MMA_M,MMA_K,PIPE), tCrB (MMA,MMA_N,MMA_K,PIPE), tCsSFA / tCsSFB
   // (MMA,MMA_M,MMA_N,(MMA_K,PIPE)): scales viewed as (BLK_M, BLK_N, (BLK_K, PIPE)) with the other operand's mode
@@ -94,8 +95,12 @@ struct PromotionParts : Base {
     cutlass::arch::NamedBarrier::sync(kWgThreads, thread_idx / kWgThreads);
   }
 
+  // Whether a thread's slice of scales holds one distinct scale (a tile's, or a GMMA atom's columns').
+  template <class T>
+  static constexpr bool kOne = decltype(cute::size(cute::filter_zeros(cute::declval<T>())))::value == 1;
+
   // One promotion's factors from one stage's scales (slices of thread_views'), multiplied first as the base does
-  // (GmmaFP8Accumulation::scale_core): the product in sfa (its first element where both are one a tile, each
+  // (GmmaFP8Accumulation::scale_core): the product in sfa (its first element where both are one a slice, each
   // distinct one where only A's are per row), or both kept (per row and per column).
   template <class ScalesA, class ScalesB>
   static CUTLASS_DEVICE auto scale_factors(ScalesA const& sSFA, ScalesB const& sSFB) {
@@ -104,13 +109,14 @@ struct PromotionParts : Base {
     Tensor sfb = make_tensor_like<Scale>(sSFB);
     copy(sSFA, sfa);
     copy(sSFB, sfb);
-    if constexpr (kScalesM == 1 && kScalesN == 1) {
+    constexpr bool one_a = kOne<decltype(sfa)>, one_b = kOne<decltype(sfb)>;
+    if constexpr (one_a && one_b) {
       sfa(_0{}) = sfa(_0{}) * sfb(_0{});
-    } else if constexpr (kScalesM > 1 && kScalesN == 1) {
+    } else if constexpr (one_b) {
       const Scale b = sfb(_0{});
       CUTLASS_PRAGMA_UNROLL
       for (int i = 0; i < size(filter_zeros(sfa)); ++i) filter_zeros(sfa)(i) = filter_zeros(sfa)(i) * b;
-    } else if constexpr (kScalesM == 1 && kScalesN > 1) {
+    } else if constexpr (one_a) {
       const Scale a = sfa(_0{});
       CUTLASS_PRAGMA_UNROLL
       for (int i = 0; i < size(filter_zeros(sfb)); ++i) filter_zeros(sfb)(i) = filter_zeros(sfb)(i) * a;
@@ -123,15 +129,16 @@ struct PromotionParts : Base {
   static CUTLASS_DEVICE void apply(Total&& total, Part& part, Factors& factors) {
     using namespace cute;
     auto& [sfa, sfb] = factors;
+    constexpr bool one_a = kOne<cute::remove_cvref_t<decltype(sfa)>>, one_b = kOne<cute::remove_cvref_t<decltype(sfb)>>;
     warpgroup_fence_operand(part);
     warpgroup_fence_operand(total);
-    if constexpr (kScalesM == 1 && kScalesN == 1) {
+    if constexpr (one_a && one_b) {
       CUTLASS_PRAGMA_UNROLL
       for (int i = 0; i < size(total); ++i) total(i) += part(i) * sfa(_0{});
-    } else if constexpr (kScalesM > 1 && kScalesN == 1) {
+    } else if constexpr (one_b) {
       CUTLASS_PRAGMA_UNROLL
       for (int i = 0; i < size(total); ++i) total(i) += part(i) * sfa(i);
-    } else if constexpr (kScalesM == 1 && kScalesN > 1) {
+    } else if constexpr (one_a) {
       CUTLASS_PRAGMA_UNROLL
       for (int i = 0; i < size(total); ++i) total(i) += part(i) * sfb(i);
     } else {
@@ -253,10 +260,10 @@ struct SequencedPromotion : PromotionParts<Base> {
     CUTE_STATIC_ASSERT_V(size<1>(tCrB) == size<2>(accum));
     constexpr int kRepM = decltype(size<1>(accum))::value;
     constexpr int kRepN = decltype(size<2>(accum))::value;
-    // One B scale a tile (2d3d): an atom's factors are a few registers, read before its GMMAs, which are collective and
-    // waited for by the releasing warp, so no barrier is needed (record 021). Per-column B scales (2d2d, 34
+    // One B scale an atom (2d3d): an atom's factors are a few registers, read before its GMMAs, which are collective
+    // and waited for by the releasing warp, so no barrier is needed (record 021). Per-column B scales (2d2d, 34
     // registers): read after the GMMAs, with scales_read before each release.
-    constexpr bool kEarlyScales = Parts::kScalesN == 1;
+    constexpr bool kEarlyScales = Parts::kOneScaleAnAtomN;
 
     Tensor part = make_fragment_like(accum(_, _0{}, _0{}));  // (MMA): one GMMA atom's accumulators
 

@@ -61,7 +61,9 @@ struct IsPlainGmmaC<cute::TiledMMA<Atom, AtomLayout, cute::Tile<cute::Underscore
           typename Atom::LayoutC_TV,
           cute::GMMA::CLayout_64xN<decltype(cute::size<1>(typename Atom::Shape_MNK{}))::value>>> {};
 
-template <class Base>
+// kSplitHalves: a 256-column tile's two 128-column halves go to tiles n and split_tiles_ + n of D's 128-column tiling
+// (the SwiGLU epilogue's [W1; W3] interleaved by 128 rows, written back as [h1 | h3]).
+template <class Base, bool kSplitHalves = false>
 struct StoreWarpEpilogue : Base {
   using typename Base::Arguments;
   using typename Base::Params;
@@ -191,15 +193,34 @@ struct StoreWarpEpilogue : Base {
       auto [m_coord, n_coord, k_coord, l_coord] = tile_coord_mnkl;
       Tensor mD = coalesce(params_.tma_store_d.get_tma_tensor(append<3>(make_shape(M, N), Int<1>{})),
                            take<0, 2>(CtaTile{}));                                     // (M, N)
-      Tensor gD = local_tile(mD, take<0, 2>(CtaTile{}), make_coord(m_coord, n_coord, Int<0>{}));  // (TILE_M, TILE_N)
-      Tensor gD_epi = flat_divide(gD, EpiTile{});                           // (EPI_M, EPI_N, SUB_M, SUB_N)
       Tensor sD = as_position_independent_swizzle_tensor(make_tensor(make_smem_ptr(smem_d(shared)), SmemLayoutD{}));
       ThrCopy s2g = params_.tma_store_d.get_slice(Int<0>{});
-      Tensor bSG_sD = s2g.partition_S(sD);      // (S2G, S2G_M, S2G_N, subtile)
-      Tensor bSG_gD = s2g.partition_D(gD_epi);  // (S2G, S2G_M, S2G_N, SUB_M, SUB_N)
-      CUTLASS_PRAGMA_UNROLL
-      for (int t = 0; t < kSubtiles; ++t) {
-        copy(params_.tma_store_d.with(tensormap), bSG_sD(_, _, _, t), bSG_gD(_, _, _, t % kSubM, t / kSubM));
+      Tensor bSG_sD = s2g.partition_S(sD);  // (S2G, S2G_M, S2G_N, subtile)
+      if constexpr (!kSplitHalves) {
+        Tensor gD = local_tile(mD, take<0, 2>(CtaTile{}), make_coord(m_coord, n_coord, Int<0>{}));  // (TILE_M, TILE_N)
+        Tensor bSG_gD = s2g.partition_D(flat_divide(gD, EpiTile{}));  // (S2G, S2G_M, S2G_N, SUB_M, SUB_N)
+        CUTLASS_PRAGMA_UNROLL
+        for (int t = 0; t < kSubtiles; ++t) {
+          copy(params_.tma_store_d.with(tensormap), bSG_sD(_, _, _, t), bSG_gD(_, _, _, t % kSubM, t / kSubM));
+        }
+      } else {
+        static_assert(kTileN == 256, "StoreWarpEpilogue: split halves of a 256-column tile");
+        using Half = Shape<Int<kTileM>, Int<kTileN / 2>>;
+        constexpr int kSubN = kTileN / 2 / kEpiN;  // subtile columns a half
+        auto half = [&](int n) {  // (S2G, S2G_M, S2G_N, SUB_M, SUB_N) of D's 128-column tile n
+          return s2g.partition_D(flat_divide(local_tile(mD, Half{}, make_coord(m_coord, n, Int<0>{})), EpiTile{}));
+        };
+        Tensor lo = half(n_coord);
+        Tensor hi = half(split_tiles_ + n_coord);
+        CUTLASS_PRAGMA_UNROLL
+        for (int t = 0; t < kSubtiles && n_coord < split_tiles_; ++t) {  // (a cluster's spare tile past N: none)
+          const int sub_m = t % kSubM, sub_n = t / kSubM;
+          if (sub_n < kSubN) {
+            copy(params_.tma_store_d.with(tensormap), bSG_sD(_, _, _, t), lo(_, _, _, sub_m, sub_n));
+          } else {
+            copy(params_.tma_store_d.with(tensormap), bSG_sD(_, _, _, t), hi(_, _, _, sub_m, sub_n - kSubN));
+          }
+        }
       }
       tma_store_arrive();
       tma_store_wait<0>();  // the stores have read the tile
@@ -258,11 +279,17 @@ struct StoreWarpEpilogue : Base {
     return cute::make_tuple(load_state, store_state);
   }
 
- private:
+ protected:
   static CUTLASS_DEVICE ElementD* smem_d(TensorStorage& shared) {
     return reinterpret_cast<ElementD*>(&shared.base.collective);
   }
+  // Consumers, after store(): until the store warp's TMA stores have read the tile handed over. The D stages are then
+  // the consumers' until their next store() (which a derived epilogue must not reach before all are done with them).
+  CUTLASS_DEVICE void wait_tile_read(TensorStorage& shared) { shared.empty.wait(phase_ ^ 1); }
 
+  int split_tiles_ = 0;  // kSplitHalves: D's 128-column tiles in its first half (the derived epilogue sets it)
+
+ private:
   Params const& params_;
   uint32_t phase_ = 0;  // of `full` for the store warp; `empty` waits on the other parity
 };
