@@ -93,12 +93,12 @@ class _Experts(torch.autograd.Function):
         may_hold = cache is not None or (recipe.hold_weight_operands and not gathered
                                          and (free_early or torch.compiler.is_compiling()))
 
-        def weight_fwd(name, weights, parts, needs_bwd):  # weights: the cache keys
+        def weight_fwd(name, weights, parts, needs_bwd, quantize=recipe.quantize_weights):  # weights: the cache keys
             def make():
                 ask = SAME_READ if may_hold and needs_bwd else False
                 if ask and cache is not None:
                     cache.discard(name + "_bwd")  # (as get() drops a stale entry first)
-                fwd, bwd = recipe.quantize_weights(parts, f8, bwd=ask)
+                fwd, bwd = quantize(parts, f8, bwd=ask)
                 if bwd is not None and cache is not None:
                     cache.put(name + "_bwd", weights, tag, bwd)
                 elif bwd is not None:
@@ -108,7 +108,7 @@ class _Experts(torch.autograd.Function):
             return _cached(cache, name + "_fwd", weights, tag, make)
 
         rhs13 = _fsdp.rhs_fwd((w1, w3)) if gathered else weight_fwd(
-            "w13", keys[:2], [w1.transpose(-2, -1), w3.transpose(-2, -1)], ctx.joint)
+            "w13", keys[:2], [w1.transpose(-2, -1), w3.transpose(-2, -1)], ctx.joint, recipe.quantize_w13)
         # -- W13: h13 = x @ [W1; W3]ᵀ. Rows dispatched in fp8 (moe_fp8_ext.dispatch) are the
         # forward's operand; their colwise one is made from their dequantized values.
         x_col_wanted = pad_wgrad and need_w13
@@ -120,11 +120,12 @@ class _Experts(torch.autograd.Function):
             x_lhs, x_col = recipe.quantize(x, f8, groups, colwise=x_col_wanted)
         if x_col is not None or not need_w13:
             x = None
-        h13 = recipe.mm_2d3d(x_lhs, rhs13, offs, gemm_dtype, backend)
+        # -- W13 with SwiGLU (one GEMM where the recipe fuses them), then W2: out = h @ W2ᵀ,
+        # h = silu(h1) * h3; h's colwise operand kept where the same read makes it (then the
+        # backward computes no h).
+        h13, h_lhs, h_col = recipe.mm_2d3d_swiglu(x_lhs, rhs13, offs, gemm_dtype, backend, f8, groups,
+                                                  colwise=SAME_READ if pad_wgrad and need_w2 else False)
         del x_lhs, rhs13  # (no other reader: not held through the SwiGLU and W2, the forward's peak)
-        # -- SwiGLU and W2: out = h @ W2ᵀ, h = silu(h1) * h3; h's colwise operand kept where
-        # the same read makes it (then the backward computes no h).
-        h_lhs, h_col = recipe.quantize_swiglu(h13, f8, groups, colwise=SAME_READ if pad_wgrad and need_w2 else False)
         rhs2 = _fsdp.rhs_fwd((w2,)) if gathered else weight_fwd("w2", keys[2:], [w2.transpose(-2, -1)],
                                                                  need_x or need_w13)
         out = recipe.mm_2d3d(h_lhs, rhs2, offs, gemm_dtype, backend)

@@ -146,6 +146,8 @@ def test_blockwise_swiglu_operands(device, hidden, mode, needs, monkeypatch):
     from moe_fp8_ext import recipes
 
     experts_mod = importlib.import_module("moe_fp8_ext.experts")  # (moe_fp8_ext.experts is the function)
+    # The composed path (the fused SwiGLU GEMM makes both of h's operands in one: its own test below).
+    monkeypatch.setattr(recipes.Fp8Blockwise, "quantize_w13", recipes.Recipe.quantize_w13)
 
     pad = mode != "no_pad"
     x, w1, w3, w2, offs, grad = (make(3, hidden, 96, 300, device, offs=[40, 170, 300]) if pad
@@ -191,6 +193,37 @@ def test_blockwise_swiglu_operands(device, hidden, mode, needs, monkeypatch):
     assert torch.equal(out0, out1)
     for a, b in zip(grads0, grads1):
         assert (a is None and b is None) or torch.equal(a, b)
+
+
+@pytest.mark.skipif(not moe_fp8_ext.blockwise_gemm.available(), reason="needs the sm_90a blockwise GEMM")
+@pytest.mark.parametrize("hidden", [128, 384])
+@pytest.mark.parametrize("pad, cached", [(True, False), (False, False), (True, True)])
+def test_blockwise_swiglu_gemm_is_the_composed_path(hidden, pad, cached, monkeypatch):
+    # On sm90, fp8_blockwise runs W13 and the SwiGLU as one GEMM whose epilogue writes h13 and h's two operands
+    # (quantize_w13 interleaves W1 and W3 by 128; DESIGN §13): the layer's output and gradients are the composed
+    # path's bit for bit, with an empty group, tail rows, an odd number of 256-column tiles and weight reuse.
+    from moe_fp8_ext import recipes
+
+    x, w1, w3, w2, offs, grad = make(3, hidden, 256, 700, "cuda", offs=[100, 100, 650])
+    fused, real = [], recipes.Fp8Blockwise.mm_2d3d_swiglu
+
+    def spy(self, lhs, rhs13, *a, **k):
+        fused.append(isinstance(rhs13, recipes.blockwise.W13Interleaved))
+        return real(self, lhs, rhs13, *a, **k)
+
+    monkeypatch.setattr(recipes.Fp8Blockwise, "mm_2d3d_swiglu", spy)
+    results = []
+    for composed in (False, True):
+        if composed:
+            monkeypatch.setattr(recipes.Fp8Blockwise, "quantize_w13", recipes.Recipe.quantize_w13)
+        cache = WeightCache() if cached else None
+        for _ in range(2 if cached else 1):  # (a miss, then a hit)
+            layer = functools.partial(experts, recipe="fp8_blockwise", pad_groups=pad, weight_cache=cache)
+            results.append(run(layer, (x, w1, w3, w2, offs), grad))
+    assert fused == [True] * (1 + cached) + [False] * (1 + cached)
+    (out_f, grads_f), (out_c, grads_c) = results[0], results[-1]
+    assert torch.equal(out_f, out_c) and all(torch.equal(a, b) for a, b in zip(grads_f, grads_c))
+    assert all(torch.equal(results[0][0], r[0]) for r in results)
 
 
 @pytest.mark.parametrize("device", DEVICES)

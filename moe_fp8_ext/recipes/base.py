@@ -134,6 +134,11 @@ class Recipe:
         (E, K, N_i)) joined along N, each None where not asked for."""
         raise NotImplementedError
 
+    def quantize_w13(self, b_ts: Sequence[Tensor], fp8_dtype, *, bwd=False) -> Tuple[Operand, Optional[Operand]]:
+        """``quantize_weights`` of ``[W1ᵀ, W3ᵀ]`` for :meth:`mm_2d3d_swiglu`, whose forward
+        operand may be laid out as that method reads it. Default: ``quantize_weights``."""
+        return self.quantize_weights(b_ts, fp8_dtype, bwd=bwd)
+
     def quantize_swiglu(self, h13: Tensor, fp8_dtype, groups: Optional[Groups] = None, *,
                         colwise=False) -> Tuple[Operand, Optional[Operand]]:
         """``quantize(silu(h1) * h3, ...)`` for ``h13 = [h1 | h3]``: the W2 forward GEMM's
@@ -163,6 +168,14 @@ class Recipe:
     def mm_2d3d(self, lhs: Operand, rhs: Operand, offs: Tensor, out_dtype: torch.dtype, backend: str) -> Tensor:
         """(M, N) = lhs (M, K) x rhs (E, K, N) per group; rows past offs[-1] zero."""
         raise NotImplementedError
+
+    def mm_2d3d_swiglu(self, lhs: Operand, rhs13: Operand, offs: Tensor, out_dtype: torch.dtype, backend: str,
+                       fp8_dtype, groups: Groups, *, colwise=False) -> Tuple[Tensor, Operand, Optional[Operand]]:
+        """``h13 = mm_2d3d(lhs, rhs13, ...)`` (rhs13 from :meth:`quantize_w13`) and
+        ``quantize_swiglu(h13, ...)``, as ``(h13, h's rowwise operand, h's colwise operand)``.
+        Default: the two; a recipe may fuse them."""
+        h13 = self.mm_2d3d(lhs, rhs13, offs, out_dtype, backend)
+        return (h13,) + tuple(self.quantize_swiglu(h13, fp8_dtype, groups, colwise=colwise))
 
     def mm_2d2d(self, grad: Operand, a: Operand, offs: Tensor, out_dtype: torch.dtype, backend: str) -> Tensor:
         """(E, N, K) = grad (M, N)ᵀ x a (M, K) over each group's tokens (colwise operands;

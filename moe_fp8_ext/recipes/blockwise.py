@@ -2,6 +2,7 @@
 exact fp32 decode scales."""
 
 import dataclasses
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -29,6 +30,14 @@ def _expand_tiles(s: Tensor, rows: int, cols: int, block_rows: int, block_cols: 
     if block_cols > 1:
         s = s.repeat_interleave(block_cols, dim=-1)
     return s[..., :rows, :cols]
+
+
+class W13Interleaved(NamedTuple):
+    """[W1; W3]'s forward operand interleaved by 128 hidden columns (``quantize_w13``), the
+    fused SwiGLU GEMM's (``mm_2d3d_swiglu``)."""
+
+    q: Tensor
+    s: Tensor
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,6 +146,29 @@ class Fp8Blockwise(Recipe):
         return _zero_tail(emulated_grouped_mm_2d3d(a, b, offs).to(out_dtype), offs)
 
     mm_2d2d_parts = gemm_on_column_views  # (per-column scales: a GEMM on each part's view)
+
+    def quantize_w13(self, b_ts, fp8_dtype, *, bwd=False):
+        # The SwiGLU GEMM (DESIGN §13) where it runs: W1 and W3 of one hidden size, a multiple of 128, interleaved by
+        # 128 in the forward operand (the input-gradient one keeps [W1; W3]), from the one read of the _cat ops.
+        b_ts = list(b_ts)
+        w = b_ts[0]
+        if not (len(b_ts) == 2 and w.dim() == 3 and b_ts[1].shape == w.shape and w.shape[-1] > 0
+                and w.shape[-1] % _bw.BW_BLOCK == 0 and self.backend(w.device) == "blockwise_gemm"):
+            return self.quantize_weights(b_ts, fp8_dtype, bwd=bwd)
+        if bwd:  # (SAME_READ: the dual reads once)
+            qf, sf, qb, sb = _ops.quantize_blockwise_weight_dual_cat(b_ts, fp8_dtype, True)
+            return W13Interleaved(qf, sf), (qb, sb)
+        return W13Interleaved(*_ops.quantize_blockwise_weight_rhs_cat(b_ts, fp8_dtype, True)), None
+
+    def mm_2d3d_swiglu(self, lhs, rhs13, offs, out_dtype, backend, fp8_dtype, groups, *, colwise=False):
+        # One GEMM writes h13 and both of h's operands (blockwise_grouped_mm_swiglu), bit for bit the composed path's.
+        if not isinstance(rhs13, W13Interleaved):
+            return super().mm_2d3d_swiglu(lhs, rhs13, offs, out_dtype, backend, fp8_dtype, groups, colwise=colwise)
+        (qa, sa), starts = lhs, groups[1]
+        if starts is None:  # (h's colwise operand is made all the same, in the padded layout)
+            starts = _ops.padded_group_offsets(offs, qa.shape[0], self.alignment)[0]
+        h13, qr, sr, qc, sc = _ops.blockwise_grouped_mm_swiglu(qa, sa, rhs13.q, rhs13.s, offs, starts)
+        return h13, (qr, sr), ((qc, sc) if colwise else None)
 
     def mm_2d2d(self, grad, a, offs, out_dtype, backend):
         (qg, sg), (qa, sa) = grad, a  # (Mp, N), (Mp, K) column-major; scales (Mp/128, N), (Mp/128, K)
