@@ -13,6 +13,12 @@ A is read from DRAM. forward: (M, K) x (E, K, N) -> (M, N); dgrad: (M, N) x (E, 
 wgrad: (N, M) x (M, K) grouped over the tokens -> (E, N, K). The operands come from
 the quantization ops (not timed). Correctness first: each output's SQNR against the
 bf16 result. Run: python bench/bench_blockwise_gemm.py [--quick]
+
+``--swiglu``: the experts layer's W13 forward at bench_experts' shapes (tokens, dim,
+hidden, experts), router-like unaligned groups: the GEMM with the SwiGLU epilogue
+(``blockwise_grouped_mm_swiglu``) against the GEMM, the SwiGLU op and the activation dual
+it replaces (the same bits, checked), and the GEMM alone; writes
+$OUT/bench_blockwise_swiglu.json.
 """
 
 import argparse
@@ -22,9 +28,10 @@ import torch
 
 import moe_fp8_ext
 from moe_fp8_ext import blockwise_gemm as bg
+from moe_fp8_ext.token_groups import router_counts
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from common import bench_interleaved_us, fmt, print_table, sqnr, try_peer  # noqa: E402
+from common import bench_interleaved_us, fmt, print_table, sqnr, try_peer, write_json  # noqa: E402
 
 SHAPES = [(16384, 7168, 2048, 8), (32768, 5120, 1536, 16), (65536, 2048, 1408, 64)]
 ONE_GROUP = [(16384, 7168, 2048, 1), (65536, 2048, 1408, 1)]
@@ -72,12 +79,54 @@ HEADER = ["shape (M, K, N, E)", "GEMM", "ours µs", "TFLOP/s", "dense fp8 µs", 
           "TFLOP/s"]
 
 
+EXPERTS_SHAPES = [(32768, 7168, 2048, 8), (16384, 5120, 1536, 16), (65536, 2048, 1408, 64), (65536, 2048, 768, 128)]
+
+
+def bench_swiglu(shapes):
+    ops = torch.ops.moe_fp8
+    rows, data = [], []
+    for t, d, h, e in shapes:
+        offs = torch.cumsum(router_counts(t, e), 0).to(torch.int32).cuda()
+        starts, _ = ops.padded_group_offsets(offs, t, bg.BW_BLOCK)
+        x = torch.randn(t, d, device="cuda", dtype=torch.bfloat16)
+        parts = [(torch.randn(e, h, d, device="cuda", dtype=torch.bfloat16) * d ** -0.5).transpose(1, 2)
+                 for _ in range(2)]
+        qa, sa = ops.quantize_blockwise_act_lhs(x, E4M3)
+        qb, sb = ops.quantize_blockwise_weight_rhs_cat(parts, E4M3)
+        qi, si = ops.quantize_blockwise_weight_rhs_cat(parts, E4M3, True)
+        del x, parts
+
+        def composed():
+            h13 = ops.blockwise_grouped_mm_2d3d(qa, sa, qb, sb, offs, torch.bfloat16)
+            return (h13,) + tuple(ops.quantize_blockwise_act_dual(ops.swiglu(h13), E4M3, offs, starts, bg.BW_BLOCK))
+
+        fused = lambda: ops.blockwise_grouped_mm_swiglu(qa, sa, qi, si, offs, starts)  # noqa: E731
+        gemm = lambda: ops.blockwise_grouped_mm_2d3d(qa, sa, qb, sb, offs, torch.bfloat16)  # noqa: E731
+        bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
+        same = all(torch.equal(a.view(bits[a.element_size()]), b.view(bits[a.element_size()]))
+                   for a, b in zip(composed(), fused()))
+        assert same, f"the SwiGLU GEMM differs from the composed path at {(t, d, h, e)}"
+        (tc, tf, tg), _ = bench_interleaved_us([composed, fused, gemm], rounds=3, rep_ms=40)
+        shape = str((t, d, h, e))
+        rows.append([shape, fmt(tc, "{:.0f}"), fmt(tf, "{:.0f}"), f"{tf / tc:.3f}", fmt(tg, "{:.0f}")])
+        data.append(dict(shape=shape, composed_us=tc, fused_us=tf, fused_vs_composed=tf / tc, gemm_us=tg))
+        torch.cuda.empty_cache()
+    print_table("experts W13 forward: GEMM with the SwiGLU epilogue vs GEMM + swiglu + act_dual (router groups)",
+                ["shape (tokens, dim, hidden, experts)", "composed µs", "fused µs", "fused / composed", "GEMM alone µs"],
+                rows, "bench_blockwise_swiglu.md")
+    write_json("bench_blockwise_swiglu", {"w13_swiglu": data}, sys.argv)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--quick", action="store_true", help="first shape only")
+    p.add_argument("--swiglu", action="store_true", help="only the W13 GEMM with the SwiGLU epilogue")
     args = p.parse_args()
     if not bg.available():
         print("bench_blockwise_gemm: needs an NVIDIA GPU of compute capability 9.0 and the sm_90a build; skipped")
+        return
+    if args.swiglu:
+        bench_swiglu(EXPERTS_SHAPES[:1] if args.quick else EXPERTS_SHAPES)
         return
     torch.manual_seed(0)
     rows = []

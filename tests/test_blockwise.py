@@ -819,6 +819,10 @@ OPCHECK_CASES = [
                                                                   randn((3, 130, 40), torch.float32, d)], F8)),
     ("quantize_blockwise_weight_dual_cat", lambda d: ([randn((300, 256), torch.bfloat16, d),
                                                         randn((300, 7), torch.bfloat16, d)], torch.float8_e4m3fnuz)),
+    ("quantize_blockwise_weight_rhs_cat", lambda d: ([randn((2, 200, 256), torch.bfloat16, d),
+                                                       randn((2, 200, 256), torch.bfloat16, d)], F8, True)),
+    ("quantize_blockwise_weight_dual_cat", lambda d: ([randn((2, 130, 128), torch.float32, d),
+                                                        randn((2, 130, 128), torch.float32, d)], F8, True)),
 ]
 
 

@@ -522,6 +522,11 @@ def _gpu_2d3d():
     return draw_2d3d(260, 256, 256, 5, offs_from_sizes([1, 3, 127, 0, 100]), seed=5)
 
 
+def _gpu_swiglu():
+    a, sa, _, _, offs, starts, (qi, si) = swiglu_operands(300, 256, 256, 3, offs_from_sizes([100, 0, 170]), seed=7)
+    return a, sa, qi, si, offs, starts
+
+
 def _gpu_2d2d():
     return draw_2d2d(640, 128, 256, offs_from_sizes(sizes_at_128([1, 0, 2, 1], 40)), seed=6)
 
@@ -531,6 +536,7 @@ def _gpu_2d2d():
 OPCHECK_CASES = [
     ("blockwise_grouped_mm_2d3d", lambda d: (*_gpu_2d3d(), torch.bfloat16)),
     ("blockwise_grouped_mm_2d2d", lambda d: (*_gpu_2d2d(), torch.bfloat16)),
+    ("blockwise_grouped_mm_swiglu", lambda d: _gpu_swiglu()),
 ]
 
 

@@ -446,14 +446,16 @@ void check_common(const char* op, const at::Tensor& a, const at::Tensor& scale_a
 
 void check_int32(const char* op, const char* what, int64_t v) { check_fits_int32(v, op, what); }
 
-// Forward / dgrad: out (M, N) bf16, rows of group g = dequant(a[rows of g]) @ dequant(b[g]); a (M, K) in 1x128
-// blocks (scale_a (M, K/128) column-major), b (E, K, N) in 128x128 tiles (scale_b (E, K/128, N/128) column-major).
-at::Tensor blockwise_grouped_mm_2d3d(const at::Tensor& a, const at::Tensor& scale_a, const at::Tensor& b,
-                                     const at::Tensor& scale_b, const at::Tensor& offs, at::ScalarType out_dtype,
-                                     int64_t config) {
-  constexpr const char* op = "blockwise_grouped_mm_2d3d";
-  check_common(op, a, scale_a, b, scale_b, offs, 3, out_dtype, config, kConfigs2d3d);
-  const int64_t M = a.size(0), K = a.size(1), E = b.size(0), N = b.size(2);
+// The shapes and strides of a 2d3d call, checked (blockwise_grouped_mm_2d3d's rules).
+struct Shape2d3d {
+  int64_t M, K, E, N, lda, lds, ldb, sbe, snb, sse;
+};
+
+Shape2d3d check_2d3d(const char* op, const at::Tensor& a, const at::Tensor& scale_a, const at::Tensor& b,
+                     const at::Tensor& scale_b, const at::Tensor& offs) {
+  Shape2d3d s;
+  s.M = a.size(0), s.K = a.size(1), s.E = b.size(0), s.N = b.size(2);
+  const int64_t M = s.M, K = s.K, E = s.E, N = s.N;
   const int64_t KB = ceil_div(K, kBlock), NB = ceil_div(N, kBlock);
   TORCH_CHECK(b.size(1) == K, op, ": expected b of shape (E, K, N) with K = ", K, " (the columns of a), got ",
               b.sizes());
@@ -469,50 +471,70 @@ at::Tensor blockwise_grouped_mm_2d3d(const at::Tensor& a, const at::Tensor& scal
               K);
   TORCH_CHECK(N % 8 == 0, op, ": expected N (the columns of b) to be a multiple of 8 (16-byte bf16 output rows), got ",
               N);
-  const int64_t lda = stride_or(a, 0, K), lds = stride_or(scale_a, 1, M);
-  const int64_t ldb = stride_or(b, 2, K), sbe = stride_or(b, 0, 0);
-  const int64_t snb = stride_or(scale_b, 2, KB), sse = stride_or(scale_b, 0, 0);
-  check_ld(op, "a.stride(0)", lda, K, 16);
-  check_ld(op, "b.stride(2)", ldb, K, 16);
-  TORCH_CHECK(sbe % 16 == 0, op, ": expected b.stride(0) to be a multiple of 16 (16-byte aligned experts), got ",
-              sbe);
-  TORCH_CHECK(lds >= M, op, ": expected scale_a.stride(1) >= ", M, " (column-major), got ", lds);
-  TORCH_CHECK(snb >= KB, op, ": expected scale_b.stride(2) >= ", KB, " (column-major per expert), got ", snb);
+  s.lda = stride_or(a, 0, K), s.lds = stride_or(scale_a, 1, M);
+  s.ldb = stride_or(b, 2, K), s.sbe = stride_or(b, 0, 0);
+  s.snb = stride_or(scale_b, 2, KB), s.sse = stride_or(scale_b, 0, 0);
+  check_ld(op, "a.stride(0)", s.lda, K, 16);
+  check_ld(op, "b.stride(2)", s.ldb, K, 16);
+  TORCH_CHECK(s.sbe % 16 == 0, op, ": expected b.stride(0) to be a multiple of 16 (16-byte aligned experts), got ",
+              s.sbe);
+  TORCH_CHECK(s.lds >= M, op, ": expected scale_a.stride(1) >= ", M, " (column-major), got ", s.lds);
+  TORCH_CHECK(s.snb >= KB, op, ": expected scale_b.stride(2) >= ", KB, " (column-major per expert), got ", s.snb);
   check_int32(op, "M", M);
   check_int32(op, "N", N);
   check_int32(op, "K", K);
-  check_int32(op, "the scale_a offsets (scale_a.stride(1) * (K/128 - 1) + M)", lds * (KB - 1) + M);
-  check_int32(op, "the scale_b offsets (scale_b.stride(2) * (N/128 - 1) + K/128)", snb * (NB - 1) + KB);
+  check_int32(op, "the scale_a offsets (scale_a.stride(1) * (K/128 - 1) + M)", s.lds * (KB - 1) + M);
+  check_int32(op, "the scale_b offsets (scale_b.stride(2) * (N/128 - 1) + K/128)", s.snb * (NB - 1) + KB);
   check_offs(offs, a, M, op);
-  check_hopper(a, op);
+  return s;
+}
 
-  at::Tensor out = at::empty({M, N}, a.options().dtype(at::kBFloat16));
-  if (M == 0 || N == 0) return out;
-  if (K == 0 || E == 0) return out.zero_();  // an empty contraction, or no group: all rows are zero
-  check_aligned(op, "a", a);
-  check_aligned(op, "b", b);
 #if MOE_FP8_BW_GEMM_SM90
-  const GpuLaunch gpu(a.device().index());
+// A checked 2d3d call's kernel arguments; offs must be contiguous and outlive the launch.
+Args2d3d args_2d3d(const Shape2d3d& s, const at::Tensor& a, const at::Tensor& scale_a, const at::Tensor& b,
+                   const at::Tensor& scale_b, const at::Tensor& offs, void* out) {
   Args2d3d p;
   p.a = static_cast<const uint8_t*>(a.data_ptr());
   p.scale_a = scale_a.data_ptr<float>();
   p.b = static_cast<const uint8_t*>(b.data_ptr());
   p.scale_b = scale_b.data_ptr<float>();
+  p.offs = offs.data_ptr<int32_t>();
+  p.out = out;
+  p.M = s.M;
+  p.N = s.N;
+  p.K = s.K;
+  p.lda = s.lda;
+  p.lds = s.lds;
+  p.ldb = s.ldb;
+  p.sbe = s.sbe;
+  p.snb = s.snb;
+  p.sse = s.sse;
+  p.groups = static_cast<int>(s.E);
+  return p;
+}
+#endif
+
+// Forward / dgrad: out (M, N) bf16, rows of group g = dequant(a[rows of g]) @ dequant(b[g]); a (M, K) in 1x128
+// blocks (scale_a (M, K/128) column-major), b (E, K, N) in 128x128 tiles (scale_b (E, K/128, N/128) column-major).
+at::Tensor blockwise_grouped_mm_2d3d(const at::Tensor& a, const at::Tensor& scale_a, const at::Tensor& b,
+                                     const at::Tensor& scale_b, const at::Tensor& offs, at::ScalarType out_dtype,
+                                     int64_t config) {
+  constexpr const char* op = "blockwise_grouped_mm_2d3d";
+  check_common(op, a, scale_a, b, scale_b, offs, 3, out_dtype, config, kConfigs2d3d);
+  const Shape2d3d s = check_2d3d(op, a, scale_a, b, scale_b, offs);
+  check_hopper(a, op);
+
+  at::Tensor out = at::empty({s.M, s.N}, a.options().dtype(at::kBFloat16));
+  if (s.M == 0 || s.N == 0) return out;
+  if (s.K == 0 || s.E == 0) return out.zero_();  // an empty contraction, or no group: all rows are zero
+  check_aligned(op, "a", a);
+  check_aligned(op, "b", b);
+#if MOE_FP8_BW_GEMM_SM90
+  const GpuLaunch gpu(a.device().index());
   const at::Tensor offs_c = offs.contiguous();  // the kernels index offs[g]: a strided view is copied
-  p.offs = offs_c.data_ptr<int32_t>();
-  p.out = out.data_ptr();
-  p.M = M;
-  p.N = N;
-  p.K = K;
-  p.lda = lda;
-  p.lds = lds;
-  p.ldb = ldb;
-  p.sbe = sbe;
-  p.snb = snb;
-  p.sse = sse;
-  p.groups = static_cast<int>(E);
+  const Args2d3d p = args_2d3d(s, a, scale_a, b, scale_b, offs_c, out.data_ptr());
   // GEMM (M_g, N, K): the tile by the mean group, the cluster by N's tile count (see the configurations).
-  const int64_t c = config >= 0 ? config : pick_2d3d(M, N, E);
+  const int64_t c = config >= 0 ? config : pick_2d3d(s.M, s.N, s.E);
   switch (c) {
     case 0: launch_2d3d<FwdCluster21>(p, a, gpu, op); break;
     case 1: launch_2d3d<FwdCluster12>(p, a, gpu, op); break;
@@ -534,37 +556,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> blockwise
     const at::Tensor& offs, const at::Tensor& padded_starts) {
   constexpr const char* op = "blockwise_grouped_mm_swiglu";
   check_common(op, a, scale_a, b, scale_b, offs, 3, at::kBFloat16, -1, 1);
-  const int64_t M = a.size(0), K = a.size(1), E = b.size(0), N = b.size(2), H = N / 2;
-  const int64_t KB = ceil_div(K, kBlock), NB = ceil_div(N, kBlock);
-  TORCH_CHECK(b.size(1) == K, op, ": expected b of shape (E, K, 2 * hidden) with K = ", K, " (the columns of a), got ",
-              b.sizes());
+  const Shape2d3d s = check_2d3d(op, a, scale_a, b, scale_b, offs);
+  const int64_t M = s.M, E = s.E, N = s.N, H = N / 2;
   TORCH_CHECK(N % (2 * kBlock) == 0, op, ": expected b's columns to be 2 * hidden with hidden a multiple of ", kBlock,
               " (W1 and W3 interleaved by ", kBlock, "), got ", N);
-  TORCH_CHECK(K > 0 && K % 16 == 0, op,
-              ": expected K (the columns of a) to be a positive multiple of 16 (16-byte rows for TMA), got ", K);
-  check_shape(op, "scale_a", scale_a, {M, KB});
-  check_shape(op, "scale_b", scale_b, {E, KB, NB});
-  TORCH_CHECK(offs.numel() == E, op, ": expected offs of shape (", E, ",) (one group per expert of b), got (",
-              offs.numel(), ",)");
-  check_unit_stride(op, "a", a, 1, "row-major");
-  check_unit_stride(op, "scale_a", scale_a, 0, "column-major");
-  check_unit_stride(op, "b", b, 1, "column-major per expert");
-  check_unit_stride(op, "scale_b", scale_b, 1, "column-major per expert");
-  const int64_t lda = stride_or(a, 0, K), lds = stride_or(scale_a, 1, M);
-  const int64_t ldb = stride_or(b, 2, K), sbe = stride_or(b, 0, 0);
-  const int64_t snb = stride_or(scale_b, 2, KB), sse = stride_or(scale_b, 0, 0);
-  check_ld(op, "a.stride(0)", lda, K, 16);
-  check_ld(op, "b.stride(2)", ldb, K, 16);
-  TORCH_CHECK(sbe % 16 == 0, op, ": expected b.stride(0) to be a multiple of 16 (16-byte aligned experts), got ",
-              sbe);
-  TORCH_CHECK(lds >= M, op, ": expected scale_a.stride(1) >= ", M, " (column-major), got ", lds);
-  TORCH_CHECK(snb >= KB, op, ": expected scale_b.stride(2) >= ", KB, " (column-major per expert), got ", snb);
-  check_int32(op, "M", M);
-  check_int32(op, "N", N);
-  check_int32(op, "K", K);
-  check_int32(op, "the scale_a offsets (scale_a.stride(1) * (K/128 - 1) + M)", lds * (KB - 1) + M);
-  check_int32(op, "the scale_b offsets (scale_b.stride(2) * (N/128 - 1) + K/128)", snb * (NB - 1) + KB);
-  check_offs(offs, a, M, op);
+  TORCH_CHECK(s.K > 0, op, ": expected K (the columns of a) to be a positive multiple of 16 (16-byte rows for TMA), "
+              "got 0");
   const int64_t R = checked_padded_rows(M, E, kBlock, op);
   check_padded_starts(padded_starts, offs, M, R, a, op, kBlock, /*gap_free=*/true);
   check_hopper(a, op);
@@ -600,31 +597,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> blockwise
   swiglu_outputs_init<<<static_cast<unsigned>(init_blocks), kThreads, 0, gpu.stream()>>>(o, static_cast<int>(E));
   gpu.check(static_cast<int>(cudaGetLastError()), op);
   if (M == 0) return {h13, q_rows, s_rows, q_cols, s_cols};
-  Args2d3d p;
-  p.a = static_cast<const uint8_t*>(a.data_ptr());
-  p.scale_a = scale_a.data_ptr<float>();
-  p.b = static_cast<const uint8_t*>(b.data_ptr());
-  p.scale_b = scale_b.data_ptr<float>();
-  p.offs = o.offs;
-  p.out = h13.data_ptr();
-  p.M = M;
-  p.N = N;
-  p.K = K;
-  p.lda = lda;
-  p.lds = lds;
-  p.ldb = ldb;
-  p.sbe = sbe;
-  p.snb = snb;
-  p.sse = sse;
-  p.groups = static_cast<int>(E);
-  if (E == 0) {
-    h13.zero_();  // no group: every row is past the last one
-  } else {
-    if (H / kBlock % 2 == 0) {
-      launch_2d3d<FwdSwiglu12>(p, a, gpu, op, &o);
-    } else {  // an odd number of 256-column tiles: no cluster (a 1x2 one would leave a CTA a row of tiles idle)
-      launch_2d3d<FwdSwiglu11>(p, a, gpu, op, &o);
-    }
+  if (E == 0) return {h13.zero_(), q_rows, s_rows, q_cols, s_cols};  // no group: every row is past the last one
+  const Args2d3d p = args_2d3d(s, a, scale_a, b, scale_b, offs_c, h13.data_ptr());
+  if (H / kBlock % 2 == 0) {
+    launch_2d3d<FwdSwiglu12>(p, a, gpu, op, &o);
+  } else {  // an odd number of 256-column tiles: no cluster (a 1x2 one would leave a CTA a row of tiles idle)
+    launch_2d3d<FwdSwiglu11>(p, a, gpu, op, &o);
   }
 #endif
   return {h13, q_rows, s_rows, q_cols, s_cols};

@@ -64,6 +64,9 @@ class Recipe:
       the read that makes the other makes it too (else None); the recipe knows its kernels.
     - **Operands are opaque**: a tensor or a tuple of tensors, read only by the recipe's
       GEMMs. ``mm_2d3d`` writes zeros in the rows past ``offs[-1]``.
+    - **Fused variants** have defaults built from the above: ``quantize_swiglu(_backward)``,
+      ``quantize_colwise_pair``, ``mm_2d2d_parts``, and the experts layer's W13 GEMM with its
+      SwiGLU, ``quantize_w13`` then ``mm_2d3d_swiglu`` (which may read its own layout).
     - **Where it runs**: ``backend(device)`` names the GEMM path, or ``"emulated"``
       (dequantize, fp32 grouped GEMM: :func:`emulated_grouped_mm_2d3d`); a recipe never
       falls back to bf16 math silently. ``alignment``: the group-size multiple of the
