@@ -291,7 +291,7 @@ def check_blockwise_grouped_mm_swiglu(a, scale_a, b, scale_b, offs, padded_start
 def blockwise_grouped_mm_swiglu(a: Tensor, scale_a: Tensor, b: Tensor, scale_b: Tensor, offs: Tensor,
                                 padded_starts: Tensor):
     """The experts layer's W13 GEMM with SwiGLU and both quantizations of h in its epilogue
-    (DESIGN §13): bit for bit ``h13 = blockwise_grouped_mm_2d3d(a, ..., [W1; W3])``,
+    (DESIGN §6): bit for bit ``h13 = blockwise_grouped_mm_2d3d(a, ..., [W1; W3])``,
     ``h = swiglu(h13)`` and ``quantize_blockwise_act_dual(h, e4m3fn, offs, padded_starts, 128)``,
     without writing h or reading h13 back.
 

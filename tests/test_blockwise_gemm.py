@@ -624,7 +624,7 @@ def test_2d2d_misaligned_group_is_zero():
     assert bool((out[1:].float() == 0).all()) and bool(torch.isfinite(out[0].float()).all())
 
 
-# ---- the W13 GEMM with the SwiGLU epilogue (DESIGN §13) -------------------------------------
+# ---- the W13 GEMM with the SwiGLU epilogue (DESIGN §6) --------------------------------------
 
 
 def swiglu_operands(m, k, hidden, e, offs, seed=0, device="cuda"):
@@ -697,8 +697,8 @@ def test_swiglu_gemm_fake_and_checks():
         bg.blockwise_grouped_mm_swiglu(*cpu, torch.zeros(e, dtype=torch.int32))
 
 
-# Groups: empty ones, partial token blocks, starts off multiples of 16, tail rows past the last group; hidden 384
-# gives 3 tiles of 256 columns, so a 1x2 cluster has a spare tile past h's columns.
+# Groups: empty ones, partial token blocks, starts off multiples of 16, tail rows past the last group; hidden 128 and
+# 384 (an odd number of 256-column tiles) run the kernel without a cluster, 256 and 512 the 1x2 one.
 SWIGLU_CASES = [
     (3000, 384, 384, 3, [1100, 0, 1700]),
     (sum(MANY_GROUPS) + 77, 256, 128, len(MANY_GROUPS), MANY_GROUPS),
@@ -748,3 +748,18 @@ def test_swiglu_gemm_graph_capture():
     offs = offs_from_sizes([200, 0, 333, 128])
     a, sa, _, _, offs, starts, (qi, si) = swiglu_operands(700, 256, 256, 4, offs, seed=9)
     graph_matches_eager(lambda: bg.blockwise_grouped_mm_swiglu(a, sa, qi, si, offs, starts))
+
+
+@requires_sm90
+@pytest.mark.gpu
+def test_swiglu_gemm_garbage_starts_do_not_fault():
+    """padded_starts off multiples of 128 or past the layout (bad input; checked on the
+    CPU and with MOE_FP8_DEBUG=1): those groups' token blocks are not written, nothing is
+    written out of bounds, and a well-formed call still works after them."""
+    offs = offs_from_sizes([200, 100, 300])
+    a, sa, b, sb, offs, starts, (qi, si) = swiglu_operands(600, 256, 256, 3, offs, seed=11)
+    for bad in ([0, 200, 300], [0, 2**31 - 1, 256], [-128, 16, 1000000]):
+        bg.blockwise_grouped_mm_swiglu(a, sa, qi, si, offs, torch.tensor(bad, dtype=torch.int32, device="cuda"))
+    torch.cuda.synchronize()
+    assert_bits_equal(bg.blockwise_grouped_mm_swiglu(a, sa, qi, si, offs, starts),
+                      composed_swiglu(a, sa, b, sb, offs, starts))

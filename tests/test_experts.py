@@ -4,6 +4,7 @@ autograd reference, the same math as three grouped_mm calls, token-group edge ca
 weight reuse and its invalidation, torch.compile, and bad arguments."""
 
 import contextlib
+import dataclasses
 import functools
 import importlib
 
@@ -200,12 +201,12 @@ def test_blockwise_swiglu_operands(device, hidden, mode, needs, monkeypatch):
 @pytest.mark.parametrize("pad, cached", [(True, False), (False, False), (True, True)])
 def test_blockwise_swiglu_gemm_is_the_composed_path(hidden, pad, cached, monkeypatch):
     # On sm90, fp8_blockwise runs W13 and the SwiGLU as one GEMM whose epilogue writes h13 and h's two operands
-    # (quantize_w13 interleaves W1 and W3 by 128; DESIGN §13): the layer's output and gradients are the composed
+    # (quantize_w13 interleaves W1 and W3 by 128; DESIGN §6, §10): the layer's output and gradients are the composed
     # path's bit for bit, with an empty group, tail rows, an odd number of 256-column tiles and weight reuse.
     from moe_fp8_ext import recipes
 
     x, w1, w3, w2, offs, grad = make(3, hidden, 256, 700, "cuda", offs=[100, 100, 650])
-    fused, real = [], recipes.Fp8Blockwise.mm_2d3d_swiglu
+    fused, real, real_w13 = [], recipes.Fp8Blockwise.mm_2d3d_swiglu, recipes.Fp8Blockwise.quantize_w13
 
     def spy(self, lhs, rhs13, *a, **k):
         fused.append(isinstance(rhs13, recipes.blockwise.W13Interleaved))
@@ -221,6 +222,12 @@ def test_blockwise_swiglu_gemm_is_the_composed_path(hidden, pad, cached, monkeyp
             layer = functools.partial(experts, recipe="fp8_blockwise", pad_groups=pad, weight_cache=cache)
             results.append(run(layer, (x, w1, w3, w2, offs), grad))
     assert fused == [True] * (1 + cached) + [False] * (1 + cached)
+    # another padded layout than the op's (128-row blocks) keeps the composed path
+    wide = dataclasses.replace(recipes.Fp8Blockwise(), alignment=256)
+    parts = [w1.transpose(1, 2), w3.transpose(1, 2)]
+    interleaved = recipes.blockwise.W13Interleaved
+    assert isinstance(real_w13(get_recipe("fp8_blockwise"), parts, torch.float8_e4m3fn)[0], interleaved)
+    assert not isinstance(real_w13(wide, parts, torch.float8_e4m3fn)[0], interleaved)
     (out_f, grads_f), (out_c, grads_c) = results[0], results[-1]
     assert torch.equal(out_f, out_c) and all(torch.equal(a, b) for a, b in zip(grads_f, grads_c))
     assert all(torch.equal(results[0][0], r[0]) for r in results)

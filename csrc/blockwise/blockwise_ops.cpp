@@ -172,7 +172,7 @@ std::vector<at::Tensor> quantize_blockwise_weight_cat(const TileKernels& k, at::
     TORCH_CHECK(p + 1 == ws.size() || w.size(-1) % kTile == 0, op,
                 ": expected every weight but the last to have a multiple of ", kTile,
                 " columns (whole 128x128 tiles of the concatenation), got ", w.size(-1), " (weight ", p, ")");
-    // (Interleaved: of one width, so each a multiple of 128 by the rule below.)
+    // (Interleaved: of one width, so each a multiple of 128 by the rule above.)
     TORCH_CHECK(!interleave || w.size(-1) == w0.size(-1), op,
                 ": expected every weight of one width to interleave them, got ", w0.size(-1), " and ", w.size(-1),
                 " columns (weight ", p, ")");

@@ -389,9 +389,8 @@ void launch_2d2d(Args2d2d p, const at::Tensor& like, const GpuLaunch& gpu, const
   run_gemm<G>(tables, p.groups, /*raster_along_n=*/false, like, gpu, op);
 }
 
-// The SwiGLU GEMM's outputs that no tile writes: the silu table the epilogue reads; rows past the last group (h = 0 there:
-// zero codes, amax 0's scale, as quantize_blockwise_act_dual writes them); the padded layout's tail (zero codes; its
-// scales are zeroed by the allocation).
+// What no SwiGLU GEMM tile writes: the silu table it reads; rows past the last group (h = 0: zero codes, amax 0's scale,
+// as quantize_blockwise_act_dual writes them); the padded layout's tail (zero codes, scales zeroed at allocation).
 __global__ void swiglu_outputs_init(SwigluQuantOut o, int groups) {
   const int64_t thread = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   const int64_t threads = int64_t(gridDim.x) * blockDim.x;
@@ -546,11 +545,9 @@ at::Tensor blockwise_grouped_mm_2d3d(const at::Tensor& a, const at::Tensor& scal
   return out;
 }
 
-// The W13 GEMM with the SwiGLU epilogue (DESIGN §13): a (M, K) in 1x128 blocks; b (E, K, 2H) [W1; W3] interleaved by
-// 128 columns (column block 2j of an expert is W1's hidden block j, 2j + 1 W3's) in 128x128 tiles; token groups by
-// offs, placed by padded_starts in the 128-aligned gap-free layout (R rows). Returns h13 (M, 2H) bf16 as [h1 | h3],
-// then h = swiglu(h13)'s 1x128 operand, q (M, H) and scale (M, H/128) column-major, and its 128x1 operand, q (R, H)
-// column-major and scale (R/128, H): bit for bit blockwise_grouped_mm_2d3d, swiglu and quantize_blockwise_act_dual.
+// The W13 GEMM with the SwiGLU epilogue (DESIGN §6; layouts in blockwise_gemm.py): b is [W1; W3] interleaved by 128,
+// groups placed by padded_starts in the 128-aligned gap-free layout. Returns h13 as [h1 | h3] and h's 1x128 and 128x1
+// operands: bit for bit blockwise_grouped_mm_2d3d, swiglu and quantize_blockwise_act_dual.
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> blockwise_grouped_mm_swiglu(
     const at::Tensor& a, const at::Tensor& scale_a, const at::Tensor& b, const at::Tensor& scale_b,
     const at::Tensor& offs, const at::Tensor& padded_starts) {

@@ -1,8 +1,6 @@
-// The W13 GEMM's SwiGLU epilogue (DESIGN §13), fp8_blockwise on sm90: with [W1; W3] interleaved by 128 rows, a
-// 128x256 tile holds h1 and h3 of the same 128 hidden columns. The store warp writes h13 back as [h1 | h3] (bf16, for
-// the backward); the consumers then compute h = R(R(silu(h1)) * h3) and write h's two fp8 operands, the 1x128 rows
-// (W2's forward) and the 128x1 columns of the tile's token block (W2's wgrad, the padded layout): bit for bit the
-// SwiGLU op followed by quantize_blockwise_act_dual.
+// The W13 GEMM's SwiGLU epilogue (DESIGN §6): a 128x256 tile of [W1; W3] interleaved by 128 holds h1 and h3 of 128
+// hidden columns. The store warp writes h13 as [h1 | h3]; the consumers write h's 1x128 and padded 128x1 fp8 operands,
+// bit for bit the SwiGLU op and quantize_blockwise_act_dual.
 #pragma once
 
 #include <cstdint>
@@ -46,7 +44,8 @@ struct SwigluEpilogue : StoreWarpEpilogue<Base, true> {
   struct Params : Parent::Params {
     SwigluQuantOut swiglu;
   };
-  // Per warp, its 16 rows' column amaxes; two buffers by tile parity (a warp group may run a tile ahead).
+  // Per warp, its 16 rows' column amaxes, then each column's encode factor; by tile parity, so that no tile's writes
+  // meet the previous tile's reads whatever the barriers between them.
   struct TensorStorage {
     typename Parent::TensorStorage parent;
     alignas(16) uint32_t col_amax[2][kWarps][kHalf];
@@ -120,9 +119,9 @@ struct SwigluEpilogue : StoreWarpEpilogue<Base, true> {
     const int64_t pstart = clamp_offset(out_.padded_starts[g], out_.q_rows_total);
     const int hidden = out_.hidden;
     const int row0 = m_coord * kTileM, col0 = n_coord * kHalf;  // the tile's first row (in its group), h column
-    // A cluster's spare tile (past the group's rows or h's columns), or a token block the padded layout cannot hold
-    // (bad padded_starts; a GPU never writes out of bounds): nothing to write. Uniform over the consumers.
-    if (row0 >= rows_g || col0 >= hidden || pstart + row0 + kTileM > out_.q_rows_total) return;
+    // No tile past the group's rows or h's columns (the clusters do not make one; kept so that none could write), and
+    // no token block of bad padded_starts: unaligned or past the layout (a GPU never faults). Uniform over consumers.
+    if (row0 >= rows_g || col0 >= hidden || pstart % kTileM != 0 || pstart + row0 + kTileM > out_.q_rows_total) return;
 
     Tensor coords = tiled_mma.get_slice(thread_idx).partition_C(
         make_identity_tensor(make_shape(Int<kTileM>{}, Int<kTileN>{})));

@@ -148,12 +148,13 @@ class Fp8Blockwise(Recipe):
     mm_2d2d_parts = gemm_on_column_views  # (per-column scales: a GEMM on each part's view)
 
     def quantize_w13(self, b_ts, fp8_dtype, *, bwd=False):
-        # The SwiGLU GEMM (DESIGN §13) where it runs: W1 and W3 of one hidden size, a multiple of 128, interleaved by
-        # 128 in the forward operand (the input-gradient one keeps [W1; W3]), from the one read of the _cat ops.
+        # The SwiGLU GEMM (DESIGN §6, §10) where it runs: W1 and W3 of one hidden size, a multiple of 128, interleaved
+        # by 128 in the forward operand (the input-gradient one keeps [W1; W3]); its padded layout is 128-aligned.
         b_ts = list(b_ts)
         w = b_ts[0]
         if not (len(b_ts) == 2 and w.dim() == 3 and b_ts[1].shape == w.shape and w.shape[-1] > 0
-                and w.shape[-1] % _bw.BW_BLOCK == 0 and self.backend(w.device) == "blockwise_gemm"):
+                and w.shape[-1] % _bw.BW_BLOCK == 0 and self.alignment == _bw.BW_BLOCK
+                and self.backend(w.device) == "blockwise_gemm"):
             return self.quantize_weights(b_ts, fp8_dtype, bwd=bwd)
         if bwd:  # (SAME_READ: the dual reads once)
             qf, sf, qb, sb = _ops.quantize_blockwise_weight_dual_cat(b_ts, fp8_dtype, True)
@@ -165,7 +166,7 @@ class Fp8Blockwise(Recipe):
         if not isinstance(rhs13, W13Interleaved):
             return super().mm_2d3d_swiglu(lhs, rhs13, offs, out_dtype, backend, fp8_dtype, groups, colwise=colwise)
         (qa, sa), starts = lhs, groups[1]
-        if starts is None:  # (h's colwise operand is made all the same, in the padded layout)
+        if starts is None:  # (h's colwise operand is made all the same, then dropped: the op has no switch for it)
             starts = _ops.padded_group_offsets(offs, qa.shape[0], self.alignment)[0]
         h13, qr, sr, qc, sc = _ops.blockwise_grouped_mm_swiglu(qa, sa, rhs13.q, rhs13.s, offs, starts)
         return h13, (qr, sr), ((qc, sc) if colwise else None)
