@@ -152,8 +152,8 @@ struct SwigluEpilogue : StoreWarpEpilogue<Base, true> {
     ScaleCode<float> rs[2];
     CUTLASS_PRAGMA_UNROLL
     for (int rr = 0; rr < 2; ++rr) {
-      rmax[rr] = max(rmax[rr], __shfl_xor_sync(0xFFFFFFFFu, rmax[rr], 1));
-      rmax[rr] = max(rmax[rr], __shfl_xor_sync(0xFFFFFFFFu, rmax[rr], 2));
+      rmax[rr] = max(rmax[rr], warp_shfl_xor(rmax[rr], 1));
+      rmax[rr] = max(rmax[rr], warp_shfl_xor(rmax[rr], 2));
       rs[rr] = Fp32Exact::from_amax_bits<F>(rmax[rr]);
       const int row = row0 + m_t + 8 * rr;
       if (lane % 4 == 0 && row < rows_g) out_.s_rows[int64_t(n_coord) * out_.rows + start + row] = rs[rr].stored;
@@ -164,9 +164,9 @@ struct SwigluEpilogue : StoreWarpEpilogue<Base, true> {
     parity_ ^= 1;
     CUTLASS_PRAGMA_UNROLL
     for (int c = 0; c < kCols; ++c) {
-      cmax[c] = max(cmax[c], __shfl_xor_sync(0xFFFFFFFFu, cmax[c], 4));
-      cmax[c] = max(cmax[c], __shfl_xor_sync(0xFFFFFFFFu, cmax[c], 8));
-      cmax[c] = max(cmax[c], __shfl_xor_sync(0xFFFFFFFFu, cmax[c], 16));
+      cmax[c] = max(cmax[c], warp_shfl_xor(cmax[c], 4));
+      cmax[c] = max(cmax[c], warp_shfl_xor(cmax[c], 8));
+      cmax[c] = max(cmax[c], warp_shfl_xor(cmax[c], 16));
       if (lane < 4) part[warp][n_t + (c / 2) * 8 + c % 2] = cmax[c];
     }
     cutlass::arch::NamedBarrier::sync(kConsumerThreads, kBarrier);
