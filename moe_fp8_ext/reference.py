@@ -493,3 +493,35 @@ def swiglu_backward_quantize_rowwise(grad_h: Tensor, h13: Tensor, fp8_dtype: tor
     q1, s1 = quantize_rowwise(gh13[:, :hidden], fp8_dtype, pow2_scale)
     q3, s3 = quantize_rowwise(gh13[:, hidden:], fp8_dtype, pow2_scale)
     return gh13, q1, s1, q3, s3
+
+
+# ---- the W13 GEMM with the SwiGLU in its epilogue (DESIGN §6): blockwise_grouped_mm_swiglu -----
+
+
+def swiglu_blockwise_operands(h13: Tensor, offs: Tensor) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """What the SwiGLU GEMM's epilogue writes from its h13 = [h1 | h3]: h = swiglu(h13)'s
+    1x128 operand (q (M, H), scale column-major) and its 128x1 operand in the 128-aligned
+    padded layout (q column-major, scale (R/128, H)), e4m3fn."""
+    h = swiglu(h13)
+    f8 = torch.float8_e4m3fn
+    return quantize_blockwise_act_lhs(h, f8) + quantize_blockwise_act_rhs(h, f8, offs, BW_BLOCK)
+
+
+def blockwise_grouped_mm_swiglu(a: Tensor, scale_a: Tensor, b: Tensor, scale_b: Tensor,
+                                offs: Tensor) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """The op's outputs: h13 = a (M, K) x [W1; W3] per token group, from b (E, K, 2H)
+    interleaved by 128 columns (block 2j is W1's block j, 2j + 1 W3's) in 128x128 tiles,
+    fp32 sums (the GPU's order of summation aside) rounded to bf16, rows past offs[-1]
+    zero; then :func:`swiglu_blockwise_operands` of h13."""
+    m, k = a.shape
+    e, _, n = b.shape
+    sa = scale_a.repeat_interleave(BW_BLOCK, 1)[:, :k]
+    sb = scale_b.repeat_interleave(BW_BLOCK, 1).repeat_interleave(BW_BLOCK, 2)[:, :k, :n]
+    bf = (b.float() * sb).view(e, k, n // (2 * BW_BLOCK), 2, BW_BLOCK)
+    b13 = torch.cat([bf[:, :, :, 0].reshape(e, k, n // 2), bf[:, :, :, 1].reshape(e, k, n // 2)], dim=2)
+    af = a.float() * sa
+    h13 = torch.zeros((m, n), dtype=torch.float32, device=a.device)
+    for g, (lo, hi) in enumerate(_group_sizes(offs, m)):
+        h13[lo:hi] = af[lo:hi] @ b13[g]
+    h13 = h13.bfloat16()
+    return (h13,) + swiglu_blockwise_operands(h13, offs)

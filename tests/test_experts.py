@@ -234,6 +234,31 @@ def test_blockwise_swiglu_gemm_is_the_composed_path(hidden, pad, cached, monkeyp
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("recipe", ["fp8_rowwise", "mxfp8", "fp8_blockwise", "bf16"])
+@pytest.mark.parametrize("hidden", [128, 192])
+def test_swiglu_in_gemm_says_which_path_runs(device, recipe, hidden, monkeypatch):
+    # Recipe.swiglu_in_gemm is the W13 operand's layout: the SwiGLU GEMM runs exactly where it says so (fp8_blockwise
+    # on sm90, hidden a multiple of 128, 128-row padded layout); everywhere else the composed path.
+    from moe_fp8_ext import recipes
+
+    r = get_recipe(recipe)
+    x, w1, w3, w2, offs, grad = make(2, hidden, 128, 300, device, offs=[100, 300])
+    taken, real = [], type(r).mm_2d3d_swiglu
+
+    def spy(self, lhs, rhs13, *a, **k):
+        taken.append(isinstance(rhs13, recipes.blockwise.W13Interleaved))
+        return real(self, lhs, rhs13, *a, **k)
+
+    monkeypatch.setattr(type(r), "mm_2d3d_swiglu", spy)
+    run(functools.partial(experts, recipe=r), (x, w1, w3, w2, offs), grad)
+    want = (recipe == "fp8_blockwise" and device == "cuda" and hidden % 128 == 0
+            and moe_fp8_ext.blockwise_gemm.available())
+    assert taken == [want] and r.swiglu_in_gemm(hidden, torch.device(device)) is want
+    if recipe == "fp8_blockwise":
+        assert not dataclasses.replace(r, alignment=256).swiglu_in_gemm(hidden, torch.device(device))
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_same_math_as_three_grouped_mm(device):
     """The fused W1/W3 GEMM quantizes x once with the same rowwise scales, so the
     layer equals silu(mm(x, w1)) * mm(x, w3) -> mm(., w2) up to the GEMMs' own

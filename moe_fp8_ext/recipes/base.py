@@ -137,6 +137,13 @@ class Recipe:
         (E, K, N_i)) joined along N, each None where not asked for."""
         raise NotImplementedError
 
+    def swiglu_in_gemm(self, hidden_dim: int, device: torch.device) -> bool:
+        """Whether the experts layer's W13 GEMM computes the SwiGLU and h's operands in its
+        epilogue (:meth:`mm_2d3d_swiglu` on :meth:`quantize_w13`'s layout) for W1 and W3 of
+        ``hidden_dim`` rows on ``device``; else the GEMM, then the SwiGLU kernels. Weights
+        all-gathered in fp8 (moe_fp8_ext.fsdp) take the latter."""
+        return False
+
     def quantize_w13(self, b_ts: Sequence[Tensor], fp8_dtype, *, bwd=False) -> Tuple[Operand, Optional[Operand]]:
         """``quantize_weights`` of ``[W1ᵀ, W3ᵀ]`` for :meth:`mm_2d3d_swiglu`, whose forward
         operand may be laid out as that method reads it. Default: ``quantize_weights``."""

@@ -147,14 +147,18 @@ class Fp8Blockwise(Recipe):
 
     mm_2d2d_parts = gemm_on_column_views  # (per-column scales: a GEMM on each part's view)
 
+    def swiglu_in_gemm(self, hidden_dim, device):
+        # W1 and W3 of one hidden size, a multiple of 128, interleaved by 128 in the forward operand; a padded layout
+        # of 128-row blocks (DESIGN §6, §10)
+        return (hidden_dim > 0 and hidden_dim % _bw.BW_BLOCK == 0 and self.alignment == _bw.BW_BLOCK
+                and self.backend(torch.device(device)) == "blockwise_gemm")
+
     def quantize_w13(self, b_ts, fp8_dtype, *, bwd=False):
-        # The SwiGLU GEMM (DESIGN §6, §10) where it runs: W1 and W3 of one hidden size, a multiple of 128, interleaved
-        # by 128 in the forward operand (the input-gradient one keeps [W1; W3]); its padded layout is 128-aligned.
+        # The SwiGLU GEMM's forward operand where it runs (the input-gradient one keeps [W1; W3])
         b_ts = list(b_ts)
         w = b_ts[0]
-        if not (len(b_ts) == 2 and w.dim() == 3 and b_ts[1].shape == w.shape and w.shape[-1] > 0
-                and w.shape[-1] % _bw.BW_BLOCK == 0 and self.alignment == _bw.BW_BLOCK
-                and self.backend(w.device) == "blockwise_gemm"):
+        if not (len(b_ts) == 2 and w.dim() == 3 and b_ts[1].shape == w.shape
+                and self.swiglu_in_gemm(w.shape[-1], w.device)):
             return self.quantize_weights(b_ts, fp8_dtype, bwd=bwd)
         if bwd:  # (SAME_READ: the dual reads once)
             qf, sf, qb, sb = _ops.quantize_blockwise_weight_dual_cat(b_ts, fp8_dtype, True)
