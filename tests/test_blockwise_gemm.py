@@ -748,7 +748,8 @@ def test_swiglu_gemm_is_the_reference(m, k, hidden, e, sizes):
     offs = offs_from_sizes(sizes)
     a, sa, _, _, offs, starts, (qi, si) = swiglu_operands(m, k, hidden, e, offs, seed=m + 1)
     poison("cuda")
-    outs = bg.blockwise_grouped_mm_swiglu(a, sa, qi, si, offs, starts)
+    outs = [t.cpu() for t in bg.blockwise_grouped_mm_swiglu(a, sa, qi, si, offs, starts)]
+    a, sa, qi, si, offs = (t.cpu() for t in (a, sa, qi, si, offs))
     assert_bits_equal(outs, (outs[0],) + reference.swiglu_blockwise_operands(outs[0], offs))
     ref13 = reference.blockwise_grouped_mm_swiglu(a, sa, qi, si, offs)[0].float()
     diff = (outs[0].float() - ref13).abs()
