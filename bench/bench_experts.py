@@ -11,6 +11,7 @@ router's: unaligned sizes drawn around tokens/experts (the MoE table routes real
 through torchtitan's router). Peak is the most memory one fresh step allocates above
 what was allocated before it (activations, operands and the new gradients). The
 ``autograd.grad`` column times ``torch.autograd.grad`` of the same step (no ``.grad``).
+With --swiglu-ab, fp8_blockwise also runs without its W13 GEMM's SwiGLU epilogue.
 Variants are timed in alternating rounds. Eager, and with --compile torch.compile'd
 modules (fullgraph, as torchtitan compiles its blocks) at the --compile-shapes. Each shape is checked first: ours against bf16 by SQNR.
 
@@ -21,6 +22,7 @@ Prints tables and writes $OUT/bench_experts.json (bench/report.py renders RESULT
 
 import argparse
 import copy
+import dataclasses
 import os
 import sys
 
@@ -29,6 +31,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import bench_interleaved_us, fmt, peak_mib, print_table, sqnr, write_json  # noqa: E402
 
+from moe_fp8_ext.recipes import Fp8Blockwise  # noqa: E402
 from moe_fp8_ext.token_groups import router_counts  # noqa: E402
 
 EXPERTS_SHAPES = [(32768, 7168, 2048, 8), (16384, 5120, 1536, 16), (65536, 2048, 1408, 64), (65536, 2048, 768, 128)]
@@ -162,7 +165,15 @@ def compiled(variants):
     return {n: (torch.compile(m, fullgraph=True), a, g) for n, (m, a, g) in variants.items()}
 
 
-def bench_grouped_experts(shapes, modes, peer, compile_shapes=()):
+@dataclasses.dataclass(frozen=True)
+class ComposedSwiglu(Fp8Blockwise):
+    """fp8_blockwise with the W13 GEMM, then the SwiGLU kernels: the A/B of its SwiGLU epilogue (--swiglu-ab)."""
+
+    def swiglu_in_gemm(self, hidden_dim, device):
+        return False
+
+
+def bench_grouped_experts(shapes, modes, peer, compile_shapes=(), swiglu_ab=False):
     from moe_fp8_ext.integrations.torchtitan import convert
 
     rows, records = [], []
@@ -178,6 +189,10 @@ def bench_grouped_experts(shapes, modes, peer, compile_shapes=()):
                 mod = copy.deepcopy(bf16)
                 convert(mod, r, reuse_weights=reuse)
                 variants[r + ("+reuse" if reuse else "")] = (mod, (x, counts), grad)
+        if swiglu_ab:
+            mod = copy.deepcopy(bf16)
+            convert(mod, ComposedSwiglu())
+            variants["fp8_blockwise (composed SwiGLU)"] = (mod, (x, counts), grad)
         if peer:
             try:  # torchao needs groups of multiples of 16: the padded rows torchtitan's dispatcher adds
                 pc = padded(counts)
@@ -290,7 +305,7 @@ def profile_step(name, step, top=10):
     return {"total_ms": total, "families": dict(fam), "kernels": dict(kern.most_common(top))}
 
 
-def profile_experts(shapes):
+def profile_experts(shapes, swiglu_ab=False):
     """The per-kernel profile of a fresh user-path step, bf16 and each recipe."""
     from moe_fp8_ext.integrations.torchtitan import convert
 
@@ -300,10 +315,13 @@ def profile_experts(shapes):
         x = torch.randn(m, d, device=DEVICE, dtype=torch.bfloat16).requires_grad_()
         grad = torch.randn(m, d, device=DEVICE, dtype=torch.bfloat16)
         bf16 = grouped_experts(d, h, e)
-        for name in ("bf16",) + RECIPES:
+        recipes = {r: r for r in RECIPES}
+        if swiglu_ab:
+            recipes["fp8_blockwise (composed SwiGLU)"] = ComposedSwiglu()
+        for name in ("bf16",) + tuple(recipes):
             mod = bf16 if name == "bf16" else copy.deepcopy(bf16)
             if name != "bf16":
-                convert(mod, name)
+                convert(mod, recipes[name])
             res = profile_step(f"({m}, {d}, {h}, {e}) {name}", steps_of(mod, (x, counts), grad, "eager")[0])
             out.append(dict(shape=f"({m}, {d}, {h}, {e})", variant=name, **res))
             del mod
@@ -327,6 +345,8 @@ def main():
     p.add_argument("--no-peer", action="store_true", help="without torchtitan's torchao FP8 path")
     p.add_argument("--smoke", action="store_true", help="CPU, tiny shapes, one call each: checks the script")
     p.add_argument("--profile", action="store_true", help="only the per-kernel profile of a fresh experts step")
+    p.add_argument("--swiglu-ab", action="store_true",
+                   help="also fp8_blockwise without the W13 GEMM's SwiGLU epilogue (Recipe.swiglu_in_gemm)")
     args = p.parse_args()
     if args.smoke:
         global DEVICE, EXPERTS_SHAPES, MOE_SHAPES
@@ -339,11 +359,12 @@ def main():
         shapes = [EXPERTS_SHAPES[int(i)] for i in args.shapes.split(",")]
     out = {}
     if args.profile:
-        write_json("profile_experts", profile_experts(shapes), sys.argv)
+        write_json("profile_experts", profile_experts(shapes, args.swiglu_ab), sys.argv)
         return
     if not args.moe:
         compile_shapes = [EXPERTS_SHAPES[int(i)] for i in args.compile_shapes.split(",")] if args.compile else []
-        rows, out["grouped_experts"] = bench_grouped_experts(shapes, modes, not args.no_peer, compile_shapes)
+        rows, out["grouped_experts"] = bench_grouped_experts(shapes, modes, not args.no_peer, compile_shapes,
+                                                          args.swiglu_ab)
         print_table("torchtitan GroupedExperts, fwd + backward into .grad: bf16 vs converted", HEADER, rows,
                     "bench_experts.md")
     if not args.experts:
