@@ -51,6 +51,12 @@ def _lhs(recipe: Recipe, q: Tensor, s: Tensor) -> Tuple[Tensor, Tensor]:
     return q, s[:, 0].contiguous()
 
 
+def _whole(t: Tensor, size) -> bool:
+    """Whether a view of ``t`` to ``size`` is t itself."""
+    return list(size) == list(t.shape) or (len(size) == t.dim() and sum(d == -1 for d in size) == 1
+                                           and all(d in (-1, n) for d, n in zip(size, t.shape)))
+
+
 class Fp8Rows(Tensor):
     """Dispatched token rows (R, D) as the recipe's fp8 left operand: what
     :func:`moe_fp8_ext.experts` reads instead of quantizing. Shape and dtype are those
@@ -69,7 +75,10 @@ class Fp8Rows(Tensor):
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         t = args[0] if args else None
-        if isinstance(t, Fp8Rows) and func in (torch.ops.aten.detach.default, torch.ops.aten.alias.default):
+        # Aliases pass: detach, and the whole view autograd makes of a Function's input returned as is (FSDP2's
+        # hook on the inputs of a module it wraps).
+        if isinstance(t, Fp8Rows) and (func in (torch.ops.aten.detach.default, torch.ops.aten.alias.default) or (
+                func == torch.ops.aten.view.default and _whole(t, args[1]))):
             return Fp8Rows(t._q, t._s, t.dtype, t._recipe)
         raise TypeError(f"{func}: token rows dispatched in fp8 (moe_fp8_ext.dispatch) are read by "
                         "moe_fp8_ext.experts only; they hold no high-precision values")

@@ -362,6 +362,36 @@ def test_dispatch_permutes_rows_and_pads_with_zeros(one_rank):
     assert s.stride() == (1, 6)  # (the GEMM's column-major scales)
 
 
+def test_dispatched_rows_into_fully_sharded_experts(one_rank):
+    """FSDP2 hooks the inputs of a module it wraps (a whole view of each): fp8 rows go into
+    a fully_shard'ed GroupedExperts (fp32 master weights, bf16 param_dtype; a one-rank
+    group, as torchtitan's EP over every rank) with the bits of the bf16-weight module."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    r = moe_fp8_ext.get_recipe("fp8_blockwise")
+    torch.manual_seed(0)
+    sharded = moe_fp8_ext.GroupedExperts(256, 128, 2, recipe=r, dtype=torch.float32)
+    plain = moe_fp8_ext.GroupedExperts(256, 128, 2, recipe=r, dtype=torch.bfloat16)
+    plain.load_state_dict({k: v.bfloat16() for k, v in sharded.state_dict().items()})
+    fully_shard(sharded, mesh=init_device_mesh("cpu", (1,)),
+                mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+    x = torch.randn(9, 256, dtype=torch.bfloat16, requires_grad=True)
+    token_idx = torch.tensor([4, 0, 2, 2, 8, 7, 1, 3], dtype=torch.int32)
+    counts = torch.tensor([3, 5], dtype=torch.int32)
+    results = []
+    for layer in (sharded, plain):
+        x.grad = None
+        out = layer(fp8_dispatch(x, token_idx, r, None, [8], [8]), counts)
+        out.square().sum().backward()
+        results.append([out, x.grad] + [getattr(p.grad, "_local_tensor", p.grad) for p in layer.parameters()])
+    for a, b in zip(*results):
+        assert torch.equal(a.float(), b.float())
+    assert torch.ops.aten.view.default(fp8_dispatch(x, token_idx, r, None, [8], [8]), [-1, 256]).shape == (8, 256)
+    with pytest.raises(TypeError, match="read by moe_fp8_ext.experts only"):
+        fp8_dispatch(x, token_idx, r, None, [8], [8]).view(16, 128)
+
+
 def test_fp8_dispatch_under_compile_runs_eagerly(one_rank):
     """torch.compile around the fp8 dispatch and the experts layer: both run eagerly (a
     graph break), with the eager bits and gradients; fullgraph=True raises."""
