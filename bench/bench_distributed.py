@@ -11,8 +11,10 @@ One MoE layer per rank (a softmax top-k router, the SwiGLU experts of
 gradient, ``loss.backward()`` and an SGD step, in two layouts:
 
 - ``ep``: the experts split over all ranks; tokens go to their experts and back by
-  all-to-all (the path of examples/expert_parallel.py). fp8 communication: the routed
-  tokens sent as fp8 (``moe_fp8_ext.dispatch``); the combine and the backward stay bf16.
+  all-to-all (the path of examples/expert_parallel.py). Each rank's experts are in a
+  one-rank FSDP2 group (fp32 master weights, bf16 param_dtype), as torchtitan's EP over
+  every rank. fp8 communication: the routed tokens sent as fp8 (``moe_fp8_ext.dispatch``);
+  the combine and the backward stay bf16.
 - ``fsdp``: every rank runs every expert on its own tokens; the expert weights (fp32
   master) are sharded by FSDP2 (``fully_shard``, bf16 param_dtype, fp32 reduce) and
   all-gathered for the forward and the backward. fp8 communication: the fp8 all-gather
@@ -92,9 +94,8 @@ class Layer(torch.nn.Module):
         self.args, self.recipe, self.fp8_comm, self.layout, self.world = args, recipe, fp8_comm, layout, world
         self.gate = torch.nn.Parameter(torch.randn(args.experts, args.dim, device=device) * args.dim ** -0.5)
         local = args.experts // world if layout == "ep" else args.experts
-        dtype = torch.bfloat16 if layout == "ep" else torch.float32  # (fsdp: fp32 master, bf16 param_dtype)
-        self.experts = moe_fp8_ext.GroupedExperts(args.dim, args.hidden, local, recipe=recipe, dtype=dtype,
-                                                  device=device)
+        self.experts = moe_fp8_ext.GroupedExperts(args.dim, args.hidden, local, recipe=recipe, dtype=torch.float32,
+                                                  device=device)  # (fp32 master weights, bf16 param_dtype)
 
     def forward(self, x, counter):
         from moe_fp8_ext.dispatch import fp8_dispatch
@@ -142,11 +143,14 @@ def build(args, variant, layout, device, world):
     recipe = "bf16" if name == "bf16" else args.recipe
     torch.manual_seed(0)
     layer = Layer(args, recipe, fp8_comm, layout, device, world)
-    if layout != "ep":
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    if layout == "ep":  # each rank's experts in a one-rank FSDP2 group: fp32 master weights, as torchtitan's EP
+        fully_shard(layer.experts, mesh=init_device_mesh(device.type, (world, 1), mesh_dim_names=("ep", "dp"))["dp"],
+                    mp_policy=policy)
+    else:
         if fp8_comm:
             fsdp.fp8_all_gather(layer.experts)
         mesh = init_device_mesh(device.type, (world,))
-        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         rows = (lambda p: Shard(1)) if layout == "fsdp_rows" else None
         fully_shard(layer.experts, mesh=mesh, mp_policy=policy, shard_placement_fn=rows)
         fully_shard(layer, mesh=mesh, mp_policy=policy)  # (a root above, as in a model)
