@@ -11,8 +11,8 @@ One MoE layer per rank (a softmax top-k router, the SwiGLU experts of
 gradient, ``loss.backward()`` and an SGD step, in two layouts:
 
 - ``ep``: the experts split over all ranks; tokens go to their experts and back by
-  all-to-all (the path of examples/expert_parallel.py). Each rank's experts are in a
-  one-rank FSDP2 group (fp32 master weights, bf16 param_dtype), as torchtitan's EP over
+  all-to-all (the path of examples/expert_parallel.py). The experts and the layer are in
+  one-rank FSDP2 groups (fp32 master weights, bf16 param_dtype), as torchtitan's EP over
   every rank. fp8 communication: the routed tokens sent as fp8 (``moe_fp8_ext.dispatch``);
   the combine and the backward stay bf16.
 - ``fsdp``: every rank runs every expert on its own tokens; the expert weights (fp32
@@ -144,9 +144,10 @@ def build(args, variant, layout, device, world):
     torch.manual_seed(0)
     layer = Layer(args, recipe, fp8_comm, layout, device, world)
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    if layout == "ep":  # each rank's experts in a one-rank FSDP2 group: fp32 master weights, as torchtitan's EP
-        fully_shard(layer.experts, mesh=init_device_mesh(device.type, (world, 1), mesh_dim_names=("ep", "dp"))["dp"],
-                    mp_policy=policy)
+    if layout == "ep":  # one-rank FSDP2 groups, as torchtitan's EP over every rank: fp32 master weights
+        mesh = init_device_mesh(device.type, (world, 1), mesh_dim_names=("ep", "dp"))["dp"]
+        fully_shard(layer.experts, mesh=mesh, mp_policy=policy)
+        fully_shard(layer, mesh=mesh, mp_policy=policy)  # (the gate too: one kind of parameter for the optimizer)
     else:
         if fp8_comm:
             fsdp.fp8_all_gather(layer.experts)

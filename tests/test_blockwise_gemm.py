@@ -719,22 +719,24 @@ def test_swiglu_gemm_is_the_composed_path(m, k, hidden, e, sizes):
     assert_bits_equal(outs, refs)
 
 
-def test_swiglu_gemm_reference_is_the_composed_math():
+@pytest.mark.parametrize("hidden, sizes", [(384, [200, 0, 333, 100]), (128, [150, 128, 1, 300])])
+def test_swiglu_gemm_reference_is_the_composed_math(hidden, sizes):
     """reference.blockwise_grouped_mm_swiglu, the op's spec: its GEMM reads W1 and W3
     interleaved by 128 (the fp32 GEMM of the plain [W1; W3] within rounding), and its
-    fp8 outputs are the SwiGLU and quantize_blockwise_act_dual kernels' bit for bit (CPU)."""
+    fp8 outputs, layouts included, are the SwiGLU and quantize_blockwise_act_dual
+    kernels' of its h13 bit for bit (CPU)."""
     from moe_fp8_ext import reference
 
-    m, k, hidden, e, sizes = 700, 256, 384, 4, [200, 0, 333, 100]
+    m, k, e = 700, 256, len(sizes)
     a, sa, b, sb, offs, starts, (qi, si) = swiglu_operands(m, k, hidden, e, offs_from_sizes(sizes), 4, "cpu")
     ref = reference.blockwise_grouped_mm_swiglu(a, sa, qi, si, offs)
     plain = moe_fp8_ext.get_recipe("fp8_blockwise").mm_2d3d((a, sa), (b, sb), offs, torch.bfloat16, "emulated")
     assert ref[0].shape == plain.shape and bool((ref[0][sum(sizes):] == 0).all())
     diff = (ref[0].float() - plain.float()).abs()
     assert bool((diff <= 2.0**-7 * plain.float().abs() + 1e-3 * plain.float().abs().max()).all())
-    h = torch.ops.moe_fp8.swiglu(plain)
-    kernels = (plain,) + tuple(torch.ops.moe_fp8.quantize_blockwise_act_dual(h, E4M3, offs, starts, BLOCK))
-    assert_bits_equal((plain,) + reference.swiglu_blockwise_operands(plain, offs), kernels)
+    h = torch.ops.moe_fp8.swiglu(ref[0])
+    kernels = (ref[0],) + tuple(torch.ops.moe_fp8.quantize_blockwise_act_dual(h, E4M3, offs, starts, BLOCK))
+    assert_bits_equal(ref, kernels)
 
 
 @requires_sm90

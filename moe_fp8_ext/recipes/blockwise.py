@@ -151,7 +151,7 @@ class Fp8Blockwise(Recipe):
         # W1 and W3 of one hidden size, a multiple of 128, interleaved by 128 in the forward operand; a padded layout
         # of 128-row blocks (DESIGN §6, §10)
         return (hidden_dim > 0 and hidden_dim % _bw.BW_BLOCK == 0 and self.alignment == _bw.BW_BLOCK
-                and self.backend(torch.device(device)) == "blockwise_gemm")
+                and self.backend(device) == "blockwise_gemm")
 
     def quantize_w13(self, b_ts, fp8_dtype, *, bwd=False):
         # The SwiGLU GEMM's forward operand where it runs (the input-gradient one keeps [W1; W3])
