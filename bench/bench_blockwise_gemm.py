@@ -14,11 +14,11 @@ wgrad: (N, M) x (M, K) grouped over the tokens -> (E, N, K). The operands come f
 the quantization ops (not timed). Correctness first: each output's SQNR against the
 bf16 result. Run: python bench/bench_blockwise_gemm.py [--quick]
 
-``--swiglu``: the experts layer's W13 forward at bench_experts' shapes (tokens, dim,
-hidden, experts), router-like unaligned groups: the GEMM with the SwiGLU epilogue
-(``blockwise_grouped_mm_swiglu``) against the GEMM, the SwiGLU op and the activation dual
-it replaces (the same bits, checked), and the GEMM alone; writes
-$OUT/bench_blockwise_swiglu.json.
+``--swiglu``: the experts layer's W13 forward and W2 input gradient at bench_experts'
+shapes (tokens, dim, hidden, experts), router-like unaligned groups: the GEMMs with the
+SwiGLU and dSwiGLU epilogues (``blockwise_grouped_mm_swiglu``, ``_dswiglu``) against the
+GEMM, the (d)SwiGLU op and the activation dual they replace (the same bits, checked), and
+the GEMM alone; writes $OUT/bench_blockwise_swiglu.json.
 """
 
 import argparse
@@ -102,19 +102,38 @@ def bench_swiglu(shapes):
 
         fused = lambda: ops.blockwise_grouped_mm_swiglu(qa, sa, qi, si, offs, starts)  # noqa: E731
         gemm = lambda: ops.blockwise_grouped_mm_2d3d(qa, sa, qb, sb, offs, torch.bfloat16)  # noqa: E731
-        bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
-        same = all(torch.equal(a.view(bits[a.element_size()]), b.view(bits[a.element_size()]))
-                   for a, b in zip(composed(), fused()))
-        assert same, f"the SwiGLU GEMM differs from the composed path at {(t, d, h, e)}"
-        (tc, tf, tg), _ = bench_interleaved_us([composed, fused, gemm], rounds=3, rep_ms=40)
         shape = str((t, d, h, e))
-        rows.append([shape, fmt(tc, "{:.0f}"), fmt(tf, "{:.0f}"), f"{tf / tc:.3f}", fmt(tg, "{:.0f}")])
-        data.append(dict(shape=shape, composed_us=tc, fused_us=tf, fused_vs_composed=tf / tc, gemm_us=tg))
+        bench_pair(rows, data, shape, "W13 fwd + SwiGLU", composed, fused, gemm)
+        h13 = gemm()
+        # W2's input gradient: grad_out (tokens, dim) x W2 (E, dim, hidden), then dSwiGLU with h13
+        g = torch.randn(t, d, device="cuda", dtype=torch.bfloat16)
+        qg, sg = ops.quantize_blockwise_act_lhs(g, E4M3)
+        qw, sw = ops.quantize_blockwise_weight_rhs(torch.randn(e, d, h, device="cuda", dtype=torch.bfloat16) * h ** -0.5,
+                                                   E4M3)
+
+        def composed_bwd():
+            g13 = ops.swiglu_backward(ops.blockwise_grouped_mm_2d3d(qg, sg, qw, sw, offs, torch.bfloat16), h13)
+            return tuple(ops.quantize_blockwise_act_dual(g13, E4M3, offs, starts, bg.BW_BLOCK))
+
+        fused_bwd = lambda: ops.blockwise_grouped_mm_dswiglu(qg, sg, qw, sw, offs, h13, starts)  # noqa: E731
+        gemm_bwd = lambda: ops.blockwise_grouped_mm_2d3d(qg, sg, qw, sw, offs, torch.bfloat16)  # noqa: E731
+        bench_pair(rows, data, shape, "W2 dgrad + dSwiGLU", composed_bwd, fused_bwd, gemm_bwd)
         torch.cuda.empty_cache()
-    print_table("experts W13 forward: GEMM with the SwiGLU epilogue vs GEMM + swiglu + act_dual (router groups)",
-                ["shape (tokens, dim, hidden, experts)", "composed µs", "fused µs", "fused / composed", "GEMM alone µs"],
-                rows, "bench_blockwise_swiglu.md")
-    write_json("bench_blockwise_swiglu", {"w13_swiglu": data}, sys.argv)
+    print_table("experts: GEMMs with the (d)SwiGLU epilogue vs GEMM + (d)swiglu + act_dual (router groups)",
+                ["shape (tokens, dim, hidden, experts)", "GEMM", "composed µs", "fused µs", "fused / composed",
+                 "GEMM alone µs"], rows, "bench_blockwise_swiglu.md")
+    write_json("bench_blockwise_swiglu", {"swiglu_epilogues": data}, sys.argv)
+
+
+def bench_pair(rows, data, shape, gemm_name, composed, fused, gemm):
+    """A fused GEMM against the kernels it replaces (the same bits, checked) and its GEMM alone."""
+    bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
+    same = all(torch.equal(a.view(bits[a.element_size()]), b.view(bits[a.element_size()]))
+               for a, b in zip(composed(), fused()))
+    assert same, f"{gemm_name}: the fused GEMM differs from the composed path at {shape}"
+    (tc, tf, tg), _ = bench_interleaved_us([composed, fused, gemm], rounds=3, rep_ms=40)
+    rows.append([shape, gemm_name, fmt(tc, "{:.0f}"), fmt(tf, "{:.0f}"), f"{tf / tc:.3f}", fmt(tg, "{:.0f}")])
+    data.append(dict(shape=shape, gemm=gemm_name, composed_us=tc, fused_us=tf, fused_vs_composed=tf / tc, gemm_us=tg))
 
 
 def main():

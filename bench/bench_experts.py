@@ -11,7 +11,7 @@ router's: unaligned sizes drawn around tokens/experts (the MoE table routes real
 through torchtitan's router). Peak is the most memory one fresh step allocates above
 what was allocated before it (activations, operands and the new gradients). The
 ``autograd.grad`` column times ``torch.autograd.grad`` of the same step (no ``.grad``).
-With --swiglu-ab, fp8_blockwise also runs without its W13 GEMM's SwiGLU epilogue.
+With --swiglu-ab, fp8_blockwise also runs without its GEMMs' SwiGLU and dSwiGLU epilogues.
 Variants are timed in alternating rounds. Eager, and with --compile torch.compile'd
 modules (fullgraph, as torchtitan compiles its blocks) at the --compile-shapes. Each shape is checked first: ours against bf16 by SQNR.
 
@@ -167,7 +167,7 @@ def compiled(variants):
 
 @dataclasses.dataclass(frozen=True)
 class ComposedSwiglu(Fp8Blockwise):
-    """fp8_blockwise with the W13 GEMM, then the SwiGLU kernels: the A/B of its SwiGLU epilogue (--swiglu-ab)."""
+    """fp8_blockwise with the GEMMs, then the SwiGLU kernels: the A/B of its (d)SwiGLU epilogues (--swiglu-ab)."""
 
     def swiglu_in_gemm(self, hidden_dim, device):
         return False
@@ -346,7 +346,7 @@ def main():
     p.add_argument("--smoke", action="store_true", help="CPU, tiny shapes, one call each: checks the script")
     p.add_argument("--profile", action="store_true", help="only the per-kernel profile of a fresh experts step")
     p.add_argument("--swiglu-ab", action="store_true",
-                   help="also fp8_blockwise without the W13 GEMM's SwiGLU epilogue (Recipe.swiglu_in_gemm)")
+                   help="also fp8_blockwise without the SwiGLU and dSwiGLU epilogues (Recipe.swiglu_in_gemm)")
     args = p.parse_args()
     if args.smoke:
         global DEVICE, EXPERTS_SHAPES, MOE_SHAPES

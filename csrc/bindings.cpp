@@ -117,6 +117,7 @@ TORCH_LIBRARY(moe_fp8, m) {
   m.def("blockwise_grouped_mm_2d3d(Tensor a, Tensor scale_a, Tensor b, Tensor scale_b, Tensor offs, ScalarType out_dtype, int config=-1) -> Tensor");
   m.def("blockwise_grouped_mm_2d2d(Tensor a, Tensor scale_a, Tensor b, Tensor scale_b, Tensor offs, ScalarType out_dtype, int config=-1) -> Tensor");
   m.def("blockwise_grouped_mm_swiglu(Tensor a, Tensor scale_a, Tensor b, Tensor scale_b, Tensor offs, Tensor padded_starts) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+  m.def("blockwise_grouped_mm_dswiglu(Tensor a, Tensor scale_a, Tensor b, Tensor scale_b, Tensor offs, Tensor h13, Tensor padded_starts) -> (Tensor, Tensor, Tensor, Tensor)");
 
   // ---- FP8 rowwise grouped GEMMs (DESIGN §5), Hopper: gemm/rowwise_grouped_sm90*.cu (CUDA only) -----
   // config: -1 picks by shape; 0.. forces one (rowwise_grouped_sm90.cuh), for sweeps.

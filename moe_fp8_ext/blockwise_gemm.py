@@ -278,6 +278,11 @@ def check_blockwise_grouped_mm_swiglu(a, scale_a, b, scale_b, offs, padded_start
     if a.shape[1] == 0:
         raise RuntimeError(f"{op}: expected K (the columns of a) to be a positive multiple of 16 (16-byte rows for "
                            f"TMA), got 0")
+    return m, n, _checked_padded_rows(op, a, offs, padded_starts, m)
+
+
+def _checked_padded_rows(op, a, offs, padded_starts, m):
+    """The rows of the 128-aligned padded layout of ``padded_starts`` (checked, one per group)."""
     check_index(op, "padded_starts", padded_starts)
     check_same_device(op, "a", a, padded_starts=padded_starts)
     if padded_starts.numel() != offs.numel():
@@ -285,7 +290,7 @@ def check_blockwise_grouped_mm_swiglu(a, scale_a, b, scale_b, offs, padded_start
                            f"({padded_starts.numel()},)")
     r = padded_rows(m, offs.numel(), BW_BLOCK)
     _check_int32(op, "the padded rows", r)
-    return m, n, r
+    return r
 
 
 def blockwise_grouped_mm_swiglu(a: Tensor, scale_a: Tensor, b: Tensor, scale_b: Tensor, offs: Tensor,
@@ -321,6 +326,60 @@ def _(a, scale_a, b, scale_b, offs, padded_starts):
             a.new_empty_strided((m, h // BW_BLOCK), (1, max(m, 1)), dtype=torch.float32),
             a.new_empty_strided((r, h), (1, max(r, 1)), dtype=f8),
             a.new_empty((r // BW_BLOCK, h), dtype=torch.float32))
+
+
+# ---- blockwise_grouped_mm_dswiglu ---------------------------------------------------------
+
+OP_DSWIGLU = "blockwise_grouped_mm_dswiglu"
+
+
+def check_blockwise_grouped_mm_dswiglu(a, scale_a, b, scale_b, offs, h13, padded_starts):
+    """The checks of :func:`blockwise_grouped_mm_dswiglu`; returns (M, hidden, R)."""
+    op = OP_DSWIGLU
+    m, n = check_blockwise_grouped_mm_2d3d(a, scale_a, b, scale_b, offs, torch.bfloat16)
+    if n % BW_BLOCK != 0:
+        raise RuntimeError(f"{op}: expected b's columns (hidden) to be a multiple of {BW_BLOCK}, got {n}")
+    if a.shape[1] == 0:
+        raise RuntimeError(f"{op}: expected K (the columns of a) to be a positive multiple of 16 (16-byte rows for "
+                           f"TMA), got 0")
+    if h13.dtype != torch.bfloat16 or tuple(h13.shape) != (m, 2 * n) or not h13.is_contiguous():
+        raise RuntimeError(f"{op}: expected h13 a contiguous bfloat16 tensor of shape ({m}, {2 * n}) ([h1 | h3]), "
+                           f"got {h13.dtype} of shape {tuple(h13.shape)} and strides {h13.stride()}")
+    check_same_device(op, "a", a, h13=h13)
+    return m, n, _checked_padded_rows(op, a, offs, padded_starts, m)
+
+
+def blockwise_grouped_mm_dswiglu(a: Tensor, scale_a: Tensor, b: Tensor, scale_b: Tensor, offs: Tensor,
+                                 h13: Tensor, padded_starts: Tensor):
+    """The experts layer's W2 input-gradient GEMM with dSwiGLU and both quantizations of
+    grad_h13 in its epilogue (DESIGN §6): bit for bit ``grad_h = blockwise_grouped_mm_2d3d(a,
+    ..., W2)``, ``grad_h13 = swiglu_backward(grad_h, h13)`` and
+    ``quantize_blockwise_act_dual(grad_h13, e4m3fn, offs, padded_starts, 128)``, without
+    writing grad_h or grad_h13.
+
+    * ``a``, ``scale_a``, ``offs``: as for :func:`blockwise_grouped_mm_2d3d` (grad_out's
+      1x128 operand);
+    * ``b`` (E, K, hidden), ``scale_b``: W2's input-gradient operand in 128x128 tiles,
+      hidden a multiple of 128;
+    * ``h13`` (M, 2·hidden) bf16, contiguous: the forward's [h1 | h3];
+    * ``padded_starts``: as for :func:`blockwise_grouped_mm_swiglu`.
+
+    Returns ``(q_rows, s_rows, q_cols, s_cols)``: grad_h13's 1x128 operand q (M, 2·hidden)
+    row-major, scale (M, 2·hidden/128) column-major; its 128x1 operand in the padded
+    layout, q (R, 2·hidden) column-major, scale (R/128, 2·hidden)."""
+    check_blockwise_grouped_mm_dswiglu(a, scale_a, b, scale_b, offs, h13, padded_starts)
+    _check_device(OP_DSWIGLU, a)
+    return _ops.blockwise_grouped_mm_dswiglu(a, scale_a, b, scale_b, offs, h13, padded_starts)
+
+
+@torch.library.register_fake("moe_fp8::blockwise_grouped_mm_dswiglu")
+def _(a, scale_a, b, scale_b, offs, h13, padded_starts):
+    m, h, r = check_blockwise_grouped_mm_dswiglu(a, scale_a, b, scale_b, offs, h13, padded_starts)
+    w, f8 = 2 * h, torch.float8_e4m3fn
+    return (a.new_empty((m, w), dtype=f8),
+            a.new_empty_strided((m, w // BW_BLOCK), (1, max(m, 1)), dtype=torch.float32),
+            a.new_empty_strided((r, w), (1, max(r, 1)), dtype=f8),
+            a.new_empty((r // BW_BLOCK, w), dtype=torch.float32))
 
 
 # ---- blockwise_grouped_mm_2d2d ------------------------------------------------------------

@@ -183,18 +183,17 @@ class _Experts(torch.autograd.Function):
                                                                         lambda: [w2.transpose(-2, -1)])
             lhs_g, g_col = recipe.quantize(grad_out, f8, groups,
                                            colwise=SAME_READ if need_w2 and groups[1] is not None else False)
-            grad_h = recipe.mm_2d3d(lhs_g, rhs2, offs, ctx.gemm_dtype, backend)
-            del rhs2, lhs_g
-            # -- dSwiGLU: reads h13 once, fused with grad_h13's operands, and h where W2's weight
-            # gradient needs it (none kept in fp8); h13 and grad_h are freed once read.
+            # -- with dSwiGLU: reads h13 once, fused with grad_h13's operands (in the GEMM's epilogue
+            # where the recipe fuses them), and h where W2's weight gradient needs it (none kept in
+            # fp8); h13 and grad_h are freed once read.
             if need_x:
-                tensors, grad_h, h13 = [grad_h, h13], None, None
-                grad_h13, lhs13, h, g13_col = recipe.quantize_swiglu_backward(
-                    tensors, f8, groups, joint=ctx.joint, with_h=need_w2 and h_col is None,
-                    colwise=SAME_READ if need_w13 and x_col is not None else False)
+                tensors, h13 = [h13], None
+                grad_h13, lhs13, h, g13_col = recipe.mm_2d3d_dswiglu(
+                    lhs_g, rhs2, tensors, offs, ctx.gemm_dtype, backend, f8, groups, joint=ctx.joint,
+                    with_h=need_w2 and h_col is None, colwise=SAME_READ if need_w13 and x_col is not None else False)
             else:
-                grad_h13 = swiglu_backward(grad_h, h13)
-            del grad_h
+                grad_h13 = swiglu_backward(recipe.mm_2d3d(lhs_g, rhs2, offs, ctx.gemm_dtype, backend), h13)
+            del rhs2, lhs_g
             # (two input-gradient GEMMs whose operands the recipe leaves to them: each half of
             # grad_h13 quantized just before its GEMM)
             halves = grad_h13 if need_x and not ctx.joint and lhs13 is None else None

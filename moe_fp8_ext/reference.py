@@ -515,15 +515,50 @@ def blockwise_grouped_mm_swiglu(a: Tensor, scale_a: Tensor, b: Tensor, scale_b: 
     interleaved by 128 columns (block 2j is W1's block j, 2j + 1 W3's) in 128x128 tiles,
     fp32 sums (the GPU's order of summation aside) rounded to bf16, rows past offs[-1]
     zero; then :func:`swiglu_blockwise_operands` of h13."""
-    m, k = a.shape
-    e, _, n = b.shape
-    sa = scale_a.repeat_interleave(BW_BLOCK, 1)[:, :k]
-    sb = scale_b.repeat_interleave(BW_BLOCK, 1).repeat_interleave(BW_BLOCK, 2)[:, :k, :n]
-    bf = (b.float() * sb).view(e, k, n // (2 * BW_BLOCK), 2, BW_BLOCK)
+    e, k, n = b.shape
+    bf = _blockwise_weights(b, scale_b).view(e, k, n // (2 * BW_BLOCK), 2, BW_BLOCK)
     b13 = torch.cat([bf[:, :, :, 0].reshape(e, k, n // 2), bf[:, :, :, 1].reshape(e, k, n // 2)], dim=2)
-    af = a.float() * sa
-    h13 = torch.zeros((m, n), dtype=torch.float32, device=a.device)
-    for g, (lo, hi) in enumerate(_group_sizes(offs, m)):
-        h13[lo:hi] = af[lo:hi] @ b13[g]
-    h13 = h13.bfloat16()
+    h13 = _blockwise_grouped_gemm(a, scale_a, b13, offs)
     return (h13,) + swiglu_blockwise_operands(h13, offs)
+
+
+def _blockwise_weights(b: Tensor, scale_b: Tensor) -> Tensor:
+    """(E, K, N) 128x128-tile operand, dequantized to fp32."""
+    _, k, n = b.shape
+    return b.float() * scale_b.repeat_interleave(BW_BLOCK, 1).repeat_interleave(BW_BLOCK, 2)[:, :k, :n]
+
+
+def _blockwise_grouped_gemm(a: Tensor, scale_a: Tensor, bf: Tensor, offs: Tensor) -> Tensor:
+    """a (M, K) 1x128 operand x fp32 weights (E, K, N) per token group, fp32 sums rounded
+    to bf16; rows past offs[-1] zero."""
+    m, k = a.shape
+    af = a.float() * scale_a.repeat_interleave(BW_BLOCK, 1)[:, :k]
+    out = torch.zeros((m, bf.shape[2]), dtype=torch.float32, device=a.device)
+    for g, (lo, hi) in enumerate(_group_sizes(offs, m)):
+        out[lo:hi] = af[lo:hi] @ bf[g]
+    return out.bfloat16()
+
+
+# ---- the W2 input-gradient GEMM with the dSwiGLU in its epilogue: blockwise_grouped_mm_dswiglu ----
+
+
+def dswiglu_blockwise_operands(grad_h: Tensor, h13: Tensor, offs: Tensor) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """What the dSwiGLU GEMM's epilogue writes from its grad_h and h13 = [h1 | h3]:
+    grad_h13 = swiglu_backward(grad_h, h13)'s 1x128 operand and its 128x1 operand in the
+    128-aligned padded layout, e4m3fn (the layouts of :func:`swiglu_blockwise_operands`);
+    grad_h13's rows past offs[-1] zero (+0, whatever h13 holds there)."""
+    m = grad_h.shape[0]
+    end = offs[-1].clamp(0, m) if offs.numel() else torch.zeros((), dtype=offs.dtype)
+    inside = torch.arange(m, device=grad_h.device) < end
+    g13 = torch.where(inside[:, None], swiglu_backward(grad_h, h13), 0.0)  # rows past offs[-1]: zero
+    f8 = torch.float8_e4m3fn
+    return quantize_blockwise_act_lhs(g13, f8) + quantize_blockwise_act_rhs(g13, f8, offs, BW_BLOCK)
+
+
+def blockwise_grouped_mm_dswiglu(a: Tensor, scale_a: Tensor, b: Tensor, scale_b: Tensor, offs: Tensor,
+                                 h13: Tensor) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The op's outputs: grad_h = a (M, K) x b (E, K, H) per token group (128x128 tiles),
+    fp32 sums (the GPU's order of summation aside) rounded to bf16, rows past offs[-1]
+    zero; then :func:`dswiglu_blockwise_operands` of grad_h and h13."""
+    return dswiglu_blockwise_operands(_blockwise_grouped_gemm(a, scale_a, _blockwise_weights(b, scale_b), offs),
+                                      h13, offs)

@@ -146,6 +146,10 @@ if blockwise_gemm.available():
             torch.randn(o.numel(), 96, 256, device="cuda", dtype=torch.bfloat16), e4)
         for starts in (o, torch.full_like(o, 2**31 - 1), -o):
             attempt(blockwise_gemm.blockwise_grouped_mm_swiglu, xa, sa, qw, sw, o, starts)
+        # The dSwiGLU GEMM (W2's dgrad, hidden 128), the same.
+        h13 = torch.randn(xa.shape[0], 256, device="cuda", dtype=torch.bfloat16)
+        for starts in (o, torch.full_like(o, 2**31 - 1), -o):
+            attempt(blockwise_gemm.blockwise_grouped_mm_dswiglu, xa, sa, qw[:, :, :128], sw[:, :, :1], o, h13, starts)
 # Our rowwise grouped GEMMs (sm90 only), the same garbage offs: clamped groups; a wgrad
 # group not starting at a multiple of 16 is treated as empty.
 from moe_fp8_ext import rowwise_gemm  # noqa: E402

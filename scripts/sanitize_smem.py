@@ -102,5 +102,10 @@ if bg.available():
         qw, sw = m.quantize_blockwise_weight_rhs(torch.randn(3, 256, 2 * hidden, device=dev, dtype=torch.bfloat16), F8)
         ps, _ = m.padded_group_offsets(g, 700, 128)
         bg.blockwise_grouped_mm_swiglu(qa, sa, qw, sw, g, ps)
+    # The W2 dgrad GEMM with the dSwiGLU epilogue: both clusters (hidden 128: 2x1, 256: 1x2).
+    for hidden in (128, 256):
+        qw, sw = m.quantize_blockwise_weight_rhs(torch.randn(3, 256, hidden, device=dev, dtype=torch.bfloat16), F8)
+        h13 = torch.randn(700, 2 * hidden, device=dev, dtype=torch.bfloat16)
+        bg.blockwise_grouped_mm_dswiglu(qa, sa, qw, sw, g, h13, m.padded_group_offsets(g, 700, 128)[0])
 torch.cuda.synchronize()
 print("sanitize_smem: done")

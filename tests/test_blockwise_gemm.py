@@ -537,6 +537,7 @@ OPCHECK_CASES = [
     ("blockwise_grouped_mm_2d3d", lambda d: (*_gpu_2d3d(), torch.bfloat16)),
     ("blockwise_grouped_mm_2d2d", lambda d: (*_gpu_2d2d(), torch.bfloat16)),
     ("blockwise_grouped_mm_swiglu", lambda d: _gpu_swiglu()),
+    ("blockwise_grouped_mm_dswiglu", lambda d: _gpu_dswiglu()),
 ]
 
 
@@ -659,8 +660,8 @@ def assert_within_gemm_rounding(got, ref):
     assert bool((diff <= 2.0**-7 * ref.float().abs() + 1e-3 * ref.float().abs().max()).all())
 
 
-def assert_bits_equal(outs, refs):
-    names = ("h13", "q_rows", "s_rows", "q_cols", "s_cols")
+def assert_bits_equal(outs, refs, names=("h13", "q_rows", "s_rows", "q_cols", "s_cols")):
+    assert len(outs) == len(refs) == len(names)
     for name, o, r in zip(names, outs, refs):
         assert o.shape == r.shape and o.stride() == r.stride() and o.dtype == r.dtype, name
         as_int = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[o.element_size()]
@@ -807,3 +808,153 @@ def test_swiglu_gemm_garbage_starts_do_not_fault():
     torch.cuda.synchronize()
     assert_bits_equal(bg.blockwise_grouped_mm_swiglu(a, sa, qi, si, offs, starts),
                       composed_swiglu(a, sa, b, sb, offs, starts))
+
+
+# ---- the W2 input-gradient GEMM with the dSwiGLU epilogue ---------------------------------------
+
+
+def dswiglu_operands(m, k, hidden, e, offs, seed=0, device="cuda", tail_zero=True):
+    """grad_out's 1x128 operand, W2's (E, K, hidden) operand, h13 = [h1 | h3] (its rows past
+    offs[-1] zero where tail_zero, as the forward GEMM leaves them), padded starts."""
+    g = torch.Generator().manual_seed(seed)
+    go = (torch.randn(m, k, generator=g) * block_magnitudes((m, k), [1], g)).bfloat16().to(device)
+    w2 = (torch.randn(e, k, hidden, generator=g) * 0.05 * block_magnitudes((e, k, hidden), [1, 2], g)).bfloat16()
+    h13 = (torch.randn(m, 2 * hidden, generator=g) * 3 * block_magnitudes((m, 2 * hidden), [1], g)).bfloat16()
+    if tail_zero:
+        h13[int(offs[-1]) if offs.numel() else 0:] = 0
+    a, sa = moe_fp8_ext.quantize_blockwise_act_lhs(go, E4M3)
+    b, sb = moe_fp8_ext.quantize_blockwise_weight_rhs(w2.to(device), E4M3)
+    offs = offs.to(device)
+    starts, _ = torch.ops.moe_fp8.padded_group_offsets(offs, m, BLOCK)
+    return a, sa, b, sb, offs, h13.to(device), starts
+
+
+def dswiglu_kernels(grad_h, h13, offs, starts):
+    """The SwiGLU backward op, then the activation dual of grad_h13: the fused op's epilogue outputs."""
+    g13 = torch.ops.moe_fp8.swiglu_backward(grad_h, h13)
+    return tuple(torch.ops.moe_fp8.quantize_blockwise_act_dual(g13, E4M3, offs, starts, BLOCK))
+
+
+def _gpu_dswiglu():
+    return dswiglu_operands(700, 256, 256, 4, offs_from_sizes([200, 0, 333, 128]), seed=8)
+
+
+DSWIGLU_NAMES = ("q_rows", "s_rows", "q_cols", "s_cols")
+
+
+def test_dswiglu_gemm_fake_and_checks():
+    m, k, hidden, e = 300, 256, 256, 4
+    a, sa, b, sb, offs = operands_2d3d(m, k, hidden, e)
+    h13 = torch.empty(m, 2 * hidden, dtype=torch.bfloat16, device="meta")
+    starts = torch.empty(e, dtype=torch.int32, device="meta")
+    qr, sr, qc, sc = torch.ops.moe_fp8.blockwise_grouped_mm_dswiglu(a, sa, b, sb, offs, h13, starts)
+    r = cdiv(m + e * BLOCK, BLOCK) * BLOCK
+    assert qr.shape == (m, 2 * hidden) and qr.dtype == E4M3 and sr.shape == (m, 4) and sr.stride() == (1, m)
+    assert qc.shape == (r, 2 * hidden) and qc.stride() == (1, r) and sc.shape == (r // BLOCK, 2 * hidden)
+    with pytest.raises(RuntimeError, match="hidden\\) to be a multiple of 128"):
+        bg.blockwise_grouped_mm_dswiglu(*operands_2d3d(m, k, 192, e), h13[:, :384], starts)
+    with pytest.raises(RuntimeError, match="h13 a contiguous bfloat16 tensor of shape"):
+        bg.blockwise_grouped_mm_dswiglu(a, sa, b, sb, offs, h13[:, :hidden], starts)
+    with pytest.raises(RuntimeError, match="h13 a contiguous bfloat16 tensor of shape"):
+        bg.blockwise_grouped_mm_dswiglu(a, sa, b, sb, offs, h13.float(), starts)
+    with pytest.raises(RuntimeError, match="h13 a contiguous bfloat16 tensor of shape"):
+        bg.blockwise_grouped_mm_dswiglu(a, sa, b, sb, offs, h13.t().contiguous().t(), starts)
+    with pytest.raises(RuntimeError, match="padded_starts of shape"):
+        bg.blockwise_grouped_mm_dswiglu(a, sa, b, sb, offs, h13, starts[:2])
+    with pytest.raises(RuntimeError, match="expected CUDA tensors"):
+        cpu = operands_2d3d(m, k, hidden, e, device="cpu")
+        bg.blockwise_grouped_mm_dswiglu(*cpu, torch.zeros(m, 2 * hidden, dtype=torch.bfloat16),
+                                        torch.zeros(e, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("hidden, sizes", [(384, [200, 0, 333, 100]), (128, [150, 128, 1, 300])])
+def test_dswiglu_gemm_reference_is_the_composed_math(hidden, sizes):
+    """reference.blockwise_grouped_mm_dswiglu, the op's spec: the plain GEMM's grad_h
+    (within the summation order), then the SwiGLU backward and activation dual kernels
+    bit for bit (CPU); rows past offs[-1] (h13's there from the forward: zero) zero."""
+    from moe_fp8_ext import reference
+
+    m, k, e = 700, 256, len(sizes)
+    a, sa, b, sb, offs, h13, starts = dswiglu_operands(m, k, hidden, e, offs_from_sizes(sizes), 4, "cpu")
+    grad_h = reference._blockwise_grouped_gemm(a, sa, reference._blockwise_weights(b, sb), offs)
+    plain = moe_fp8_ext.get_recipe("fp8_blockwise").mm_2d3d((a, sa), (b, sb), offs, torch.bfloat16, "emulated")
+    assert_within_gemm_rounding(grad_h, plain)
+    ref = reference.blockwise_grouped_mm_dswiglu(a, sa, b, sb, offs, h13)
+    assert_bits_equal(ref, dswiglu_kernels(grad_h, h13, offs, starts), DSWIGLU_NAMES)
+    assert not bool(ref[0][sum(sizes):].float().any())
+
+
+# hidden 128 and 384 (an odd number of column tiles) run the kernel with 2x1 clusters, 256 and 512 with 1x2 ones.
+DSWIGLU_CASES = [
+    (3000, 384, 384, 3, [1100, 0, 1700]),
+    (sum(MANY_GROUPS) + 77, 256, 128, len(MANY_GROUPS), MANY_GROUPS),
+    (sum(MANY_GROUPS_16), 512, 256, len(MANY_GROUPS_16), MANY_GROUPS_16),
+    (640, 128, 512, 2, [0, 0]),
+]
+
+
+@requires_sm90
+@pytest.mark.gpu
+@pytest.mark.parametrize("m, k, hidden, e, sizes", DSWIGLU_CASES)
+def test_dswiglu_gemm_is_the_composed_path(m, k, hidden, e, sizes):
+    a, sa, b, sb, offs, h13, starts = dswiglu_operands(m, k, hidden, e, offs_from_sizes(sizes), seed=m + hidden)
+    refs = dswiglu_kernels(mm_2d3d(a, sa, b, sb, offs), h13, offs, starts)
+    poison("cuda")
+    outs = bg.blockwise_grouped_mm_dswiglu(a, sa, b, sb, offs, h13, starts)
+    assert_bits_equal(outs, refs, DSWIGLU_NAMES)
+
+
+@requires_sm90
+@pytest.mark.gpu
+@pytest.mark.parametrize("m, k, hidden, e, sizes", DSWIGLU_CASES[:2])
+def test_dswiglu_gemm_is_the_reference(m, k, hidden, e, sizes):
+    """The op against reference.py, h13's rows past the last group not zero (the op writes
+    zero codes there whatever they hold): its outputs are the reference's epilogue of the
+    plain GEMM's grad_h bit for bit, and that grad_h the reference GEMM's within the
+    GEMMs' summation order."""
+    from moe_fp8_ext import reference
+
+    offs = offs_from_sizes(sizes)
+    a, sa, b, sb, offs, h13, starts = dswiglu_operands(m, k, hidden, e, offs, seed=m + 1, tail_zero=False)
+    grad_h = mm_2d3d(a, sa, b, sb, offs).cpu()
+    poison("cuda")
+    outs = [t.cpu() for t in bg.blockwise_grouped_mm_dswiglu(a, sa, b, sb, offs, h13, starts)]
+    a, sa, b, sb, offs, h13 = (t.cpu() for t in (a, sa, b, sb, offs, h13))
+    assert_bits_equal(outs, reference.dswiglu_blockwise_operands(grad_h, h13, offs), DSWIGLU_NAMES)
+    assert_within_gemm_rounding(grad_h, reference._blockwise_grouped_gemm(a, sa, reference._blockwise_weights(b, sb),
+                                                                          offs))
+    assert not bool(outs[0][sum(sizes):].float().any())
+
+
+@requires_sm90
+@pytest.mark.gpu
+def test_dswiglu_gemm_special_values():
+    """Inf and NaN in grad_out and h13 reach grad_h13: their rows' and token blocks'
+    operands are the composed path's."""
+    offs = offs_from_sizes([300, 400])
+    a, sa, b, sb, offs, h13, starts = dswiglu_operands(700, 256, 256, 2, offs, seed=5)
+    h13[7, 3], h13[450, 300], h13[500, 10] = float("inf"), float("nan"), float("-inf")
+    refs = dswiglu_kernels(mm_2d3d(a, sa, b, sb, offs), h13, offs, starts)
+    outs = bg.blockwise_grouped_mm_dswiglu(a, sa, b, sb, offs, h13, starts)
+    assert_bits_equal(outs, refs, DSWIGLU_NAMES)
+    assert bool(torch.isnan(outs[1][450]).any()) and bool(torch.isfinite(outs[1][8]).all())
+
+
+@requires_sm90
+@pytest.mark.gpu
+def test_dswiglu_gemm_graph_capture():
+    args = _gpu_dswiglu()
+    graph_matches_eager(lambda: bg.blockwise_grouped_mm_dswiglu(*args))
+
+
+@requires_sm90
+@pytest.mark.gpu
+def test_dswiglu_gemm_garbage_starts_do_not_fault():
+    """padded_starts off multiples of 128 or past the layout: those groups' token blocks
+    are not written, nothing out of bounds, and a well-formed call still works after."""
+    a, sa, b, sb, offs, h13, starts = dswiglu_operands(600, 256, 256, 3, offs_from_sizes([200, 100, 300]), seed=11)
+    for bad in ([0, 200, 300], [0, 2**31 - 1, 256], [-128, 16, 1000000]):
+        bg.blockwise_grouped_mm_dswiglu(a, sa, b, sb, offs, h13, torch.tensor(bad, dtype=torch.int32, device="cuda"))
+    torch.cuda.synchronize()
+    assert_bits_equal(bg.blockwise_grouped_mm_dswiglu(a, sa, b, sb, offs, h13, starts),
+                      dswiglu_kernels(mm_2d3d(a, sa, b, sb, offs), h13, offs, starts), DSWIGLU_NAMES)

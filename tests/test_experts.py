@@ -201,27 +201,38 @@ def test_blockwise_swiglu_operands(device, hidden, mode, needs, monkeypatch):
 @pytest.mark.parametrize("pad, cached", [(True, False), (False, False), (True, True)])
 def test_blockwise_swiglu_gemm_is_the_composed_path(hidden, pad, cached, monkeypatch):
     # On sm90, fp8_blockwise runs W13 and the SwiGLU as one GEMM whose epilogue writes h13 and h's two operands
-    # (quantize_w13 interleaves W1 and W3 by 128; DESIGN §6, §10): the layer's output and gradients are the composed
-    # path's bit for bit, with an empty group, tail rows, an odd number of 256-column tiles and weight reuse.
+    # (quantize_w13 interleaves W1 and W3 by 128; DESIGN §6, §10), and with dswiglu_in_gemm W2's input gradient and
+    # the dSwiGLU as one whose epilogue writes grad_h13's two operands (in the padded layout): the layer's output and
+    # gradients are the composed path's bit for bit, with an empty group, tail rows, an odd number of 128- and
+    # 256-column tiles and weight reuse.
     from moe_fp8_ext import recipes
 
     x, w1, w3, w2, offs, grad = make(3, hidden, 256, 700, "cuda", offs=[100, 100, 650])
     fused, real, real_w13 = [], recipes.Fp8Blockwise.mm_2d3d_swiglu, recipes.Fp8Blockwise.quantize_w13
+    composed_bwd, real_bwd = [], recipes.Fp8Blockwise.quantize_swiglu_backward
 
     def spy(self, lhs, rhs13, *a, **k):
         fused.append(isinstance(rhs13, recipes.blockwise.W13Interleaved))
         return real(self, lhs, rhs13, *a, **k)
 
+    def spy_bwd(self, *a, **k):  # the composed backward's dSwiGLU
+        composed_bwd.append(True)
+        return real_bwd(self, *a, **k)
+
     monkeypatch.setattr(recipes.Fp8Blockwise, "mm_2d3d_swiglu", spy)
+    monkeypatch.setattr(recipes.Fp8Blockwise, "quantize_swiglu_backward", spy_bwd)
     results = []
     for composed in (False, True):
         if composed:
             monkeypatch.setattr(recipes.Fp8Blockwise, "quantize_w13", recipes.Recipe.quantize_w13)
         cache = WeightCache() if cached else None
+        r = get_recipe("fp8_blockwise") if composed else dataclasses.replace(get_recipe("fp8_blockwise"),
+                                                                              dswiglu_in_gemm=True)
         for _ in range(2 if cached else 1):  # (a miss, then a hit)
-            layer = functools.partial(experts, recipe="fp8_blockwise", pad_groups=pad, weight_cache=cache)
+            layer = functools.partial(experts, recipe=r, pad_groups=pad, weight_cache=cache)
             results.append(run(layer, (x, w1, w3, w2, offs), grad))
     assert fused == [True] * (1 + cached) + [False] * (1 + cached)
+    assert len(composed_bwd) == 1 + cached  # (700 tokens take the padded layout even with pad_groups=False)
     # another padded layout than the op's (128-row blocks) keeps the composed path
     wide = dataclasses.replace(recipes.Fp8Blockwise(), alignment=256)
     parts = [w1.transpose(1, 2), w3.transpose(1, 2)]
@@ -231,6 +242,14 @@ def test_blockwise_swiglu_gemm_is_the_composed_path(hidden, pad, cached, monkeyp
     (out_f, grads_f), (out_c, grads_c) = results[0], results[-1]
     assert torch.equal(out_f, out_c) and all(torch.equal(a, b) for a, b in zip(grads_f, grads_c))
     assert all(torch.equal(results[0][0], r[0]) for r in results)
+
+
+def test_blockwise_recipe_switches_are_bools():
+    from moe_fp8_ext import recipes
+
+    for field in ("hold_weight_operands", "dswiglu_in_gemm"):
+        with pytest.raises(TypeError, match=f"expected {field} to be a bool, got 1"):
+            recipes.Fp8Blockwise(**{field: 1})
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -244,16 +263,28 @@ def test_swiglu_in_gemm_says_which_path_runs(device, recipe, hidden, monkeypatch
     r = get_recipe(recipe)
     x, w1, w3, w2, offs, grad = make(2, hidden, 128, 300, device, offs=[100, 300])
     taken, real = [], type(r).mm_2d3d_swiglu
+    composed_bwd, real_bwd = [], type(r).quantize_swiglu_backward
 
     def spy(self, lhs, rhs13, *a, **k):
         taken.append(isinstance(rhs13, recipes.blockwise.W13Interleaved))
         return real(self, lhs, rhs13, *a, **k)
 
+    def spy_bwd(self, *a, **k):
+        composed_bwd.append(True)
+        return real_bwd(self, *a, **k)
+
     monkeypatch.setattr(type(r), "mm_2d3d_swiglu", spy)
+    monkeypatch.setattr(type(r), "quantize_swiglu_backward", spy_bwd)
     run(functools.partial(experts, recipe=r), (x, w1, w3, w2, offs), grad)
     want = (recipe == "fp8_blockwise" and device == "cuda" and hidden % 128 == 0
             and moe_fp8_ext.blockwise_gemm.available())
     assert taken == [want] and r.swiglu_in_gemm(hidden, torch.device(device)) is want
+    if recipe != "bf16":  # (its own autograd function) the backward's dSwiGLU GEMM only where asked for
+        assert composed_bwd == [True]
+    if recipe == "fp8_blockwise":
+        run(functools.partial(experts, recipe=dataclasses.replace(r, dswiglu_in_gemm=True)), (x, w1, w3, w2, offs),
+            grad)
+        assert composed_bwd == [True] * (1 + (not want))
     if recipe == "fp8_blockwise":
         assert not dataclasses.replace(r, alignment=256).swiglu_in_gemm(hidden, torch.device(device))
 

@@ -38,6 +38,7 @@
 #include "pipelined_promotion.cuh"
 #include "scale_layouts_from_args.cuh"
 #include "store_warp_epilogue.cuh"
+#include "dswiglu_epilogue.cuh"
 #include "swiglu_epilogue.cuh"
 
 // The CUTLASS kernels need nvcc 12.3+ (Hopper TMA descriptor updates on the device).
@@ -72,8 +73,9 @@ struct WithTiledMma<cutlass::gemm::collective::CollectiveMma<DP, TS, EA, SA, EB,
 
 // kWgrad: scale granularity 1 on both sides (2d2d); else (1, 128) on A and (128, 128) on B.
 // The cooperative kernel: both consumer warp groups on one tile, split along M (the
-// store-warp epilogue hands over such tiles). kSwiglu: the W13 GEMM's SwiGLU epilogue.
-template <class TileShape_, class ClusterShape_, bool kWgrad, class EpilogueTile, bool kSwiglu = false>
+// store-warp epilogue hands over such tiles). kEpi: plain D, the W13 GEMM's SwiGLU epilogue or the W2 dgrad's dSwiGLU.
+enum class Epi { kPlain, kSwiglu, kDswiglu };
+template <class TileShape_, class ClusterShape_, bool kWgrad, class EpilogueTile, Epi kEpi = Epi::kPlain>
 struct BlockwiseGemm {
   using TileShape = TileShape_;
   using ClusterShape = ClusterShape_;
@@ -107,7 +109,9 @@ struct BlockwiseGemm {
                          (cute::size<1>(TileShape{}) / cute::size<1>(EpilogueTile{}))>::type;
   // The TMA stores issued by the producer warp group's spare warp, not by the consumers
   // (store_warp_epilogue.cuh).
-  using Epilogue = std::conditional_t<kSwiglu, SwigluEpilogue<CutlassEpilogue>, StoreWarpEpilogue<CutlassEpilogue>>;
+  using Epilogue = std::conditional_t<
+      kEpi == Epi::kSwiglu, SwigluEpilogue<CutlassEpilogue>,
+      std::conditional_t<kEpi == Epi::kDswiglu, DswigluEpilogue<CutlassEpilogue>, StoreWarpEpilogue<CutlassEpilogue>>>;
 
   using BuiltMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementA, cute::tuple<LayoutA*, ScaleLayoutA*>, kAlignAB,
@@ -215,7 +219,7 @@ __global__ void build_tables_2d3d(GroupTables<G> t, Args2d3d p) {
     t.b[g] = reinterpret_cast<const typename G::ElementB*>(p.b + g * p.sbe);
     t.sfa[g] = p.scale_a + s;  // row s of the column-major scales
     t.sfb[g] = p.scale_b + g * p.sse;
-    t.d[g] = static_cast<typename G::ElementD*>(p.out) + s * p.N;
+    t.d[g] = p.out != nullptr ? static_cast<typename G::ElementD*>(p.out) + s * p.N : nullptr;
     t.stride_a[g] = cute::make_stride(p.lda, Int<1>{}, Int<0>{});
     t.stride_b[g] = cute::make_stride(p.ldb, Int<1>{}, Int<0>{});
     t.stride_d[g] = cute::make_stride(p.N, Int<1>{}, Int<0>{});
@@ -228,9 +232,10 @@ __global__ void build_tables_2d3d(GroupTables<G> t, Args2d3d p) {
                                   make_stride(make_stride(Int<0>{}, static_cast<int>(p.snb)),
                                               make_stride(Int<0>{}, Int<1>{}), 0));
   }
-  // Rows past the last group belong to no group: zeros (never uninitialized memory).
+  // Rows past the last group belong to no group: zeros (never uninitialized memory). No out: an epilogue that writes
+  // no D (dSwiGLU).
   const int64_t tail = p.groups > 0 ? clamp_offset(p.offs[p.groups - 1], p.M) : 0;
-  zero_bf16(p.out, tail * p.N, p.M * p.N, thread, threads);
+  if (p.out != nullptr) zero_bf16(p.out, tail * p.N, p.M * p.N, thread, threads);
 }
 
 // ---- 2d2d tables: group g is tokens [s, e), a multiple of 128 at its start -----------------
@@ -289,9 +294,10 @@ __global__ void build_tables_2d2d(GroupTables<G> t, Args2d2d p) {
 
 // ---- running one grouped GEMM -----------------------------------------------------------
 
-template <class G>
+// fused: what a fused epilogue reads and writes (SwigluQuantOut, DswigluQuantOut), for G's epilogue.
+template <class G, class Fused = SwigluQuantOut>
 void run_gemm(const GroupTables<G>& t, int groups, bool raster_along_n, const at::Tensor& like, const GpuLaunch& gpu,
-              const char* op, const SwigluQuantOut* swiglu = nullptr) {
+              const char* op, const Fused* fused = nullptr) {
   using Gemm = typename G::Gemm;
   typename Gemm::Arguments args;
   args.mode = cutlass::gemm::GemmUniversalMode::kGrouped;
@@ -312,7 +318,8 @@ void run_gemm(const GroupTables<G>& t, int groups, bool raster_along_n, const at
   args.epilogue.dC = nullptr;
   args.epilogue.ptr_D = t.d;
   args.epilogue.dD = t.stride_d;
-  if constexpr (requires { args.epilogue.swiglu; }) args.epilogue.swiglu = *swiglu;
+  if constexpr (requires { args.epilogue.swiglu; }) args.epilogue.swiglu = *fused;
+  if constexpr (requires { args.epilogue.dswiglu; }) args.epilogue.dswiglu = *fused;
   // 2d3d rasters along N: the CTAs in flight cover whole M tile rows, so A is read once and the expert's weight
   // stays in L2 (record 009); 2d2d keeps the default. No swizzle: with device-only problem shapes the grouped
   // scheduler uses 1 whatever it is asked.
@@ -344,8 +351,10 @@ using FwdTall12 = BlockwiseGemm<Shape<_256, _128, _128>, Shape<_1, _2, _1>, fals
 using WgradTall12 = BlockwiseGemm<Shape<_256, _128, _128>, Shape<_1, _2, _1>, true, EpiTile>;  // 2d2d 2
 using WgradWide12 = BlockwiseGemm<Shape<_128, _256, _128>, Shape<_1, _2, _1>, true, EpiTile>;  // 2d2d 3
 using FwdWide12 = BlockwiseGemm<Shape<_128, _256, _128>, Shape<_1, _2, _1>, false, EpiTile>;  // 2d3d 3
-using FwdSwiglu12 = BlockwiseGemm<Shape<_128, _256, _128>, Shape<_1, _2, _1>, false, EpiTile, true>;  // W13 + SwiGLU
-using FwdSwiglu11 = BlockwiseGemm<Shape<_128, _256, _128>, Shape<_1, _1, _1>, false, EpiTile, true>;  // odd N tiles
+using FwdSwiglu12 = BlockwiseGemm<Shape<_128, _256, _128>, Shape<_1, _2, _1>, false, EpiTile, Epi::kSwiglu>;  // W13
+using FwdSwiglu11 = BlockwiseGemm<Shape<_128, _256, _128>, Shape<_1, _1, _1>, false, EpiTile, Epi::kSwiglu>;  // odd N
+using DgradDswiglu12 = BlockwiseGemm<Shape<_128, _128, _128>, Shape<_1, _2, _1>, false, EpiTile, Epi::kDswiglu>;  // W2
+using DgradDswiglu21 = BlockwiseGemm<Shape<_128, _128, _128>, Shape<_2, _1, _1>, false, EpiTile, Epi::kDswiglu>;
 
 // The picks by shape (host values only: no sync; records 007, 020, 035). Big tiles move a quarter fewer bytes a
 // FLOP; pingpong 64x128x128 is not used (record 030).
@@ -360,9 +369,9 @@ int64_t pick_2d2d(int64_t M, int64_t N, int64_t K, int64_t E) {
   return ceil_div(K, kBlock) % 2 == 1 && ceil_div(N, kBlock) % 2 == 0 ? 1 : 0;  // 128x128 (record 007)
 }
 
-template <class G>
+template <class G, class Fused = SwigluQuantOut>
 void launch_2d3d(const Args2d3d& p, const at::Tensor& like, const GpuLaunch& gpu, const char* op,
-                 const SwigluQuantOut* swiglu = nullptr) {
+                 const Fused* fused = nullptr) {
   at::Tensor storage;
   const auto tables = carve_tables<G>(storage, p.groups, like.options());
   constexpr int kThreads = 256;
@@ -371,7 +380,7 @@ void launch_2d3d(const Args2d3d& p, const at::Tensor& like, const GpuLaunch& gpu
                                            std::min<int64_t>(ceil_div(p.M * p.N / 8, kThreads), 2 * sm_count(gpu.device())));
   build_tables_2d3d<G><<<static_cast<unsigned>(blocks), kThreads, 0, gpu.stream()>>>(tables, p);
   gpu.check(static_cast<int>(cudaGetLastError()), op);
-  run_gemm<G>(tables, p.groups, /*raster_along_n=*/true, like, gpu, op, swiglu);
+  run_gemm<G>(tables, p.groups, /*raster_along_n=*/true, like, gpu, op, fused);
 }
 
 template <class G>
@@ -389,13 +398,16 @@ void launch_2d2d(Args2d2d p, const at::Tensor& like, const GpuLaunch& gpu, const
   run_gemm<G>(tables, p.groups, /*raster_along_n=*/false, like, gpu, op);
 }
 
-// What no SwiGLU GEMM tile writes: the silu table it reads; rows past the last group (h = 0: zero codes, amax 0's scale,
-// as quantize_blockwise_act_dual writes them); the padded layout's tail (zero codes, scales zeroed at allocation).
+// What no (d)SwiGLU GEMM tile writes: the silu table it reads (where it reads one); rows past the last group (zero
+// values: zero codes, amax 0's scale, as quantize_blockwise_act_dual writes them); the padded layout's tail (zero
+// codes, scales zeroed at allocation). o.hidden: the operands' columns.
 __global__ void swiglu_outputs_init(SwigluQuantOut o, int groups) {
   const int64_t thread = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   const int64_t threads = int64_t(gridDim.x) * blockDim.x;
   uint16_t* table = const_cast<uint16_t*>(o.silu_table);
-  for (int64_t i = thread; i < kSiluTableEntries; i += threads) table[i] = silu_table_entry(static_cast<int>(i));
+  for (int64_t i = thread; table != nullptr && i < kSiluTableEntries; i += threads) {
+    table[i] = silu_table_entry(static_cast<int>(i));
+  }
   int64_t tail = 0, q_tail = 0;
   if (groups > 0) {
     int64_t s, e;
@@ -545,6 +557,45 @@ at::Tensor blockwise_grouped_mm_2d3d(const at::Tensor& a, const at::Tensor& scal
   return out;
 }
 
+// An activation's two operands as a fused epilogue writes them, `cols` wide: 1x128 (M rows, row-major; scales
+// column-major) and 128x1 in the padded layout of R rows (column-major; scales (R/128, cols), zero where no group
+// row is).
+struct FusedOperands {
+  at::Tensor q_rows, s_rows, q_cols, s_cols;
+};
+
+FusedOperands empty_operands(const at::Tensor& like, int64_t M, int64_t R, int64_t cols) {
+  const auto qopts = like.options().dtype(at::kFloat8_e4m3fn);
+  const auto sopts = like.options().dtype(at::kFloat);
+  return {at::empty({M, cols}, qopts), at::empty_strided({M, cols / kBlock}, {1, std::max<int64_t>(M, 1)}, sopts),
+          at::empty_strided({R, cols}, {1, std::max<int64_t>(R, 1)}, qopts), at::zeros({R / kBlock, cols}, sopts)};
+}
+
+#if MOE_FP8_BW_GEMM_SM90
+// The operands' parts no tile writes (swiglu_outputs_init; the silu table too where given), for groups by offs and
+// padded starts (both contiguous); returns the pointers it used.
+SwigluQuantOut init_operand_tails(FusedOperands& t, const at::Tensor& offs, const at::Tensor& starts, int64_t R,
+                                  uint16_t* table, const GpuLaunch& gpu, const char* op) {
+  SwigluQuantOut o;
+  o.offs = offs.data_ptr<int32_t>();
+  o.padded_starts = starts.data_ptr<int32_t>();
+  o.silu_table = table;
+  o.q_rows = static_cast<uint8_t*>(t.q_rows.data_ptr());
+  o.s_rows = t.s_rows.data_ptr<float>();
+  o.q_cols = static_cast<uint8_t*>(t.q_cols.data_ptr());
+  o.s_cols = t.s_cols.data_ptr<float>();
+  o.rows = t.q_rows.size(0);
+  o.q_rows_total = R;
+  o.hidden = static_cast<int>(t.q_rows.size(1));
+  constexpr int kThreads = 256;
+  const int64_t blocks = std::max<int64_t>(1, std::min<int64_t>(ceil_div(std::max(R, o.rows) * o.hidden, 16 * kThreads),
+                                                             2 * sm_count(gpu.device())));
+  swiglu_outputs_init<<<static_cast<unsigned>(blocks), kThreads, 0, gpu.stream()>>>(o, static_cast<int>(offs.numel()));
+  gpu.check(static_cast<int>(cudaGetLastError()), op);
+  return o;
+}
+#endif
+
 // The W13 GEMM with the SwiGLU epilogue (DESIGN §6; layouts in blockwise_gemm.py): b is [W1; W3] interleaved by 128,
 // groups placed by padded_starts in the 128-aligned gap-free layout. Returns h13 as [h1 | h3] and h's 1x128 and 128x1
 // operands: bit for bit blockwise_grouped_mm_2d3d, swiglu and quantize_blockwise_act_dual.
@@ -563,46 +614,82 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> blockwise
   check_padded_starts(padded_starts, offs, M, R, a, op, kBlock, /*gap_free=*/true);
   check_hopper(a, op);
 
-  const auto qopts = a.options().dtype(at::kFloat8_e4m3fn);
-  const auto sopts = a.options().dtype(at::kFloat);
   at::Tensor h13 = at::empty({M, N}, a.options().dtype(at::kBFloat16));
-  at::Tensor q_rows = at::empty({M, H}, qopts);
-  at::Tensor s_rows = at::empty_strided({M, H / kBlock}, {1, std::max<int64_t>(M, 1)}, sopts);
-  at::Tensor q_cols = at::empty_strided({R, H}, {1, std::max<int64_t>(R, 1)}, qopts);
-  at::Tensor s_cols = at::zeros({R / kBlock, H}, sopts);  // blocks with no group rows: zero
-  if (H == 0) return {h13, q_rows, s_rows, q_cols, s_cols};
+  FusedOperands h = empty_operands(a, M, R, H);
+  if (H == 0) return {h13, h.q_rows, h.s_rows, h.q_cols, h.s_cols};
   check_aligned(op, "a", a);
   check_aligned(op, "b", b);
 #if MOE_FP8_BW_GEMM_SM90
   const GpuLaunch gpu(a.device().index());
   const at::Tensor offs_c = offs.contiguous(), starts_c = padded_starts.contiguous();
   at::Tensor table = at::empty({kSiluTableEntries}, a.options().dtype(at::kShort));
-  SwigluQuantOut o;
-  o.offs = offs_c.data_ptr<int32_t>();
-  o.padded_starts = starts_c.data_ptr<int32_t>();
-  o.silu_table = reinterpret_cast<const uint16_t*>(table.data_ptr());
-  o.q_rows = static_cast<uint8_t*>(q_rows.data_ptr());
-  o.s_rows = s_rows.data_ptr<float>();
-  o.q_cols = static_cast<uint8_t*>(q_cols.data_ptr());
-  o.s_cols = s_cols.data_ptr<float>();
-  o.rows = M;
-  o.q_rows_total = R;
-  o.hidden = static_cast<int>(H);
-  constexpr int kThreads = 256;
-  const int64_t init_blocks = std::max<int64_t>(1, std::min<int64_t>(ceil_div(std::max(R, M) * H, 16 * kThreads),
-                                                                  2 * sm_count(gpu.device())));
-  swiglu_outputs_init<<<static_cast<unsigned>(init_blocks), kThreads, 0, gpu.stream()>>>(o, static_cast<int>(E));
-  gpu.check(static_cast<int>(cudaGetLastError()), op);
-  if (M == 0) return {h13, q_rows, s_rows, q_cols, s_cols};
-  if (E == 0) return {h13.zero_(), q_rows, s_rows, q_cols, s_cols};  // no group: every row is past the last one
-  const Args2d3d p = args_2d3d(s, a, scale_a, b, scale_b, offs_c, h13.data_ptr());
-  if (H / kBlock % 2 == 0) {
-    launch_2d3d<FwdSwiglu12>(p, a, gpu, op, &o);
-  } else {  // an odd number of 256-column tiles: no cluster (a 1x2 one would leave a CTA a row of tiles idle)
-    launch_2d3d<FwdSwiglu11>(p, a, gpu, op, &o);
+  const SwigluQuantOut o =
+      init_operand_tails(h, offs_c, starts_c, R, reinterpret_cast<uint16_t*>(table.data_ptr()), gpu, op);
+  if (E == 0) h13.zero_();  // no group: every row is past the last one
+  if (M > 0 && E > 0) {
+    const Args2d3d p = args_2d3d(s, a, scale_a, b, scale_b, offs_c, h13.data_ptr());
+    if (H / kBlock % 2 == 0) {
+      launch_2d3d<FwdSwiglu12>(p, a, gpu, op, &o);
+    } else {  // an odd number of 256-column tiles: no cluster (a 1x2 one would leave a CTA a row of tiles idle)
+      launch_2d3d<FwdSwiglu11>(p, a, gpu, op, &o);
+    }
   }
 #endif
-  return {h13, q_rows, s_rows, q_cols, s_cols};
+  return {h13, h.q_rows, h.s_rows, h.q_cols, h.s_cols};
+}
+
+// The W2 input-gradient GEMM with the dSwiGLU epilogue (DESIGN §6; layouts in blockwise_gemm.py): a is grad_out's
+// 1x128 operand, b W2's input-gradient operand (E, K, hidden), h13 the forward's [h1 | h3]. Returns grad_h13's 1x128
+// and 128x1 operands, bit for bit blockwise_grouped_mm_2d3d, swiglu_backward and quantize_blockwise_act_dual.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> blockwise_grouped_mm_dswiglu(
+    const at::Tensor& a, const at::Tensor& scale_a, const at::Tensor& b, const at::Tensor& scale_b,
+    const at::Tensor& offs, const at::Tensor& h13, const at::Tensor& padded_starts) {
+  constexpr const char* op = "blockwise_grouped_mm_dswiglu";
+  check_common(op, a, scale_a, b, scale_b, offs, 3, at::kBFloat16, -1, 1);
+  const Shape2d3d s = check_2d3d(op, a, scale_a, b, scale_b, offs);
+  const int64_t M = s.M, E = s.E, H = s.N, W = 2 * H;
+  TORCH_CHECK(H % kBlock == 0, op, ": expected b's columns (hidden) to be a multiple of ", kBlock, ", got ", H);
+  TORCH_CHECK(s.K > 0, op, ": expected K (the columns of a) to be a positive multiple of 16 (16-byte rows for TMA), "
+              "got 0");
+  check_rank(h13, 2, op, "h13");
+  TORCH_CHECK(h13.scalar_type() == at::kBFloat16, op, ": expected h13 of dtype bfloat16, got ", h13.scalar_type());
+  check_shape(op, "h13", h13, {M, W});
+  TORCH_CHECK(h13.is_contiguous(), op, ": expected h13 contiguous (row-major [h1 | h3]), got strides ", h13.strides());
+  check_same_device(op, {"a", a}, {{"h13", h13}});
+  const int64_t R = checked_padded_rows(M, E, kBlock, op);
+  check_padded_starts(padded_starts, offs, M, R, a, op, kBlock, /*gap_free=*/true);
+  check_hopper(a, op);
+
+  FusedOperands g13 = empty_operands(a, M, R, W);
+  if (H == 0) return {g13.q_rows, g13.s_rows, g13.q_cols, g13.s_cols};
+  check_aligned(op, "a", a);
+  check_aligned(op, "b", b);
+  check_aligned(op, "h13", h13);
+#if MOE_FP8_BW_GEMM_SM90
+  const GpuLaunch gpu(a.device().index());
+  const at::Tensor offs_c = offs.contiguous(), starts_c = padded_starts.contiguous();
+  const SwigluQuantOut t = init_operand_tails(g13, offs_c, starts_c, R, nullptr, gpu, op);
+  if (M > 0 && E > 0) {  // (no group: every row is past the last one, written above)
+    DswigluQuantOut o;
+    o.offs = t.offs;
+    o.padded_starts = t.padded_starts;
+    o.h13 = reinterpret_cast<const uint16_t*>(h13.data_ptr());
+    o.q_rows = t.q_rows;
+    o.s_rows = t.s_rows;
+    o.q_cols = t.q_cols;
+    o.s_cols = t.s_cols;
+    o.rows = M;
+    o.q_rows_total = R;
+    o.hidden = static_cast<int>(H);
+    const Args2d3d p = args_2d3d(s, a, scale_a, b, scale_b, offs_c, nullptr);
+    if (H / kBlock % 2 == 0) {
+      launch_2d3d<DgradDswiglu12>(p, a, gpu, op, &o);
+    } else {  // an odd number of column tiles: 2x1 clusters (as the plain GEMM's pick)
+      launch_2d3d<DgradDswiglu21>(p, a, gpu, op, &o);
+    }
+  }
+#endif
+  return {g13.q_rows, g13.s_rows, g13.q_cols, g13.s_cols};
 }
 
 // With MOE_FP8_DEBUG=1 (a sync) or CPU offs: every non-empty group starts at a multiple of 128.
@@ -695,4 +782,5 @@ TORCH_LIBRARY_IMPL(moe_fp8, CUDA, m) {
   m.impl("blockwise_grouped_mm_2d3d", TORCH_FN(moe_fp8::blockwise_grouped_mm_2d3d));
   m.impl("blockwise_grouped_mm_2d2d", TORCH_FN(moe_fp8::blockwise_grouped_mm_2d2d));
   m.impl("blockwise_grouped_mm_swiglu", TORCH_FN(moe_fp8::blockwise_grouped_mm_swiglu));
+  m.impl("blockwise_grouped_mm_dswiglu", TORCH_FN(moe_fp8::blockwise_grouped_mm_dswiglu));
 }

@@ -65,8 +65,9 @@ class Recipe:
     - **Operands are opaque**: a tensor or a tuple of tensors, read only by the recipe's
       GEMMs. ``mm_2d3d`` writes zeros in the rows past ``offs[-1]``.
     - **Fused variants** have defaults built from the above: ``quantize_swiglu(_backward)``,
-      ``quantize_colwise_pair``, ``mm_2d2d_parts``, and the experts layer's W13 GEMM with its
-      SwiGLU, ``quantize_w13`` then ``mm_2d3d_swiglu`` (which may read its own layout).
+      ``quantize_colwise_pair``, ``mm_2d2d_parts``, the experts layer's W13 GEMM with its
+      SwiGLU, ``quantize_w13`` then ``mm_2d3d_swiglu`` (which may read its own layout), and
+      its W2 input-gradient GEMM with the dSwiGLU, ``mm_2d3d_dswiglu``.
     - **Where it runs**: ``backend(device)`` names the GEMM path, or ``"emulated"``
       (dequantize, fp32 grouped GEMM: :func:`emulated_grouped_mm_2d3d`); a recipe never
       falls back to bf16 math silently. ``alignment``: the group-size multiple of the
@@ -141,7 +142,8 @@ class Recipe:
         """Whether the experts layer's W13 GEMM computes the SwiGLU and h's operands in its
         epilogue (:meth:`mm_2d3d_swiglu` on :meth:`quantize_w13`'s layout) for W1 and W3 of
         ``hidden_dim`` rows on ``device``; else the GEMM, then the SwiGLU kernels. Weights
-        all-gathered in fp8 (moe_fp8_ext.fsdp) take the latter."""
+        all-gathered in fp8 (moe_fp8_ext.fsdp) take the latter. (The backward's dSwiGLU
+        GEMM, :meth:`mm_2d3d_dswiglu`, runs where this holds and the recipe asks for it.)"""
         return False
 
     def quantize_w13(self, b_ts: Sequence[Tensor], fp8_dtype, *, bwd=False) -> Tuple[Operand, Optional[Operand]]:
@@ -186,6 +188,15 @@ class Recipe:
         Default: the two; a recipe may fuse them."""
         h13 = self.mm_2d3d(lhs, rhs13, offs, out_dtype, backend)
         return (h13,) + tuple(self.quantize_swiglu(h13, fp8_dtype, groups, colwise=colwise))
+
+    def mm_2d3d_dswiglu(self, lhs: Operand, rhs2: Operand, tensors: List[Tensor], offs: Tensor,
+                        out_dtype: torch.dtype, backend: str, fp8_dtype, groups: Groups, *, joint: bool,
+                        with_h: bool = False, colwise=False):
+        """``grad_h = mm_2d3d(lhs, rhs2, ...)`` (W2's input gradient) and
+        ``quantize_swiglu_backward([grad_h, h13], ...)`` for ``tensors = [h13]`` (emptied),
+        with that method's outputs. Default: the two; a recipe may fuse them."""
+        tensors.insert(0, self.mm_2d3d(lhs, rhs2, offs, out_dtype, backend))
+        return self.quantize_swiglu_backward(tensors, fp8_dtype, groups, joint=joint, with_h=with_h, colwise=colwise)
 
     def mm_2d2d(self, grad: Operand, a: Operand, offs: Tensor, out_dtype: torch.dtype, backend: str) -> Tensor:
         """(E, N, K) = grad (M, N)ᵀ x a (M, K) over each group's tokens (colwise operands;

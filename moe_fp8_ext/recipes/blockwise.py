@@ -65,10 +65,14 @@ class Fp8Blockwise(Recipe):
     name: str = "fp8_blockwise"
     alignment: int = 128
     hold_weight_operands: bool = True
+    # W2's input-gradient GEMM with the dSwiGLU in its epilogue (mm_2d3d_dswiglu): bit for bit the composed path,
+    # 2.5-3.2x slower than it on an H200 (record 038), so off.
+    dswiglu_in_gemm: bool = False
 
     def __post_init__(self):
-        if not isinstance(self.hold_weight_operands, bool):
-            raise TypeError(f"Fp8Blockwise: expected hold_weight_operands to be a bool, got {self.hold_weight_operands!r}")
+        for field in ("hold_weight_operands", "dswiglu_in_gemm"):
+            if not isinstance(getattr(self, field), bool):
+                raise TypeError(f"Fp8Blockwise: expected {field} to be a bool, got {getattr(self, field)!r}")
 
     def backend(self, device):
         from .. import blockwise_gemm
@@ -174,6 +178,23 @@ class Fp8Blockwise(Recipe):
             starts = _ops.padded_group_offsets(offs, qa.shape[0], self.alignment)[0]
         h13, qr, sr, qc, sc = _ops.blockwise_grouped_mm_swiglu(qa, sa, rhs13.q, rhs13.s, offs, starts)
         return h13, (qr, sr), ((qc, sc) if colwise else None)
+
+    def mm_2d3d_dswiglu(self, lhs, rhs2, tensors, offs, out_dtype, backend, fp8_dtype, groups, *, joint,
+                        with_h=False, colwise=False):
+        # With dswiglu_in_gemm, one GEMM writes grad_h13's two operands (blockwise_grouped_mm_dswiglu), bit for bit
+        # the composed path's, where both are wanted (one input-gradient GEMM, W13's weight gradient in the padded
+        # layout) and h is not.
+        h13 = tensors[0]
+        if not (self.dswiglu_in_gemm and joint and colwise and not with_h and groups[1] is not None
+                and backend == "blockwise_gemm"
+                and out_dtype == torch.bfloat16 and h13.dtype == torch.bfloat16
+                and self.swiglu_in_gemm(h13.shape[1] // 2, h13.device)):
+            return super().mm_2d3d_dswiglu(lhs, rhs2, tensors, offs, out_dtype, backend, fp8_dtype, groups,
+                                           joint=joint, with_h=with_h, colwise=colwise)
+        tensors.clear()
+        (qa, sa), (qb, sb) = lhs, rhs2
+        qr, sr, qc, sc = _ops.blockwise_grouped_mm_dswiglu(qa, sa, qb, sb, offs, h13.contiguous(), groups[1])
+        return None, (qr, sr), None, (qc, sc)
 
     def mm_2d2d(self, grad, a, offs, out_dtype, backend):
         (qg, sg), (qa, sa) = grad, a  # (Mp, N), (Mp, K) column-major; scales (Mp/128, N), (Mp/128, K)
