@@ -11,7 +11,8 @@
 # --ep (a machine with two or more GPUs): build, then only the multi-GPU examples under
 # torchrun on 2 and 4 GPUs where there are (expert parallelism, FSDP2 over the experts
 # layer) and their tests.
-# TEST_WORKERS=N runs the tests in N processes where pytest-xdist is installed.
+# TEST_WORKERS=N runs the tests in N processes where pytest-xdist is installed; TESTS="..."
+# gives pytest its files and options instead of the whole suite (one GPU).
 # --gpu-cases: the test cases whose `device` parameter is "cpu" are left to CI, which
 # runs them on every commit (MOE_FP8_SKIP_CPU_CASES=1, tests/conftest.py): for a GPU
 # machine on a time budget. On an H100 (2026-11-25) the build took 247 s and the whole
@@ -151,7 +152,8 @@ PYEOF
     cat "$OUT"/tests.*.log >"$OUT/tests.log"
     test $failed -eq 0 || { grep -h -E "^(FAILED|ERROR)" "$OUT"/tests.*.log | head -40; exit 1; }
   else
-    $PY -m pytest tests -q -rs --maxfail=20 ${workers[@]+"${workers[@]}"} 2>&1 | tee "$OUT/tests.log" | tail -25
+    # shellcheck disable=SC2086
+    $PY -m pytest ${TESTS:-tests} -q -rs --maxfail=20 ${workers[@]+"${workers[@]}"} 2>&1 | tee "$OUT/tests.log" | tail -25
     test ${PIPESTATUS[0]} -eq 0
   fi
 fi
