@@ -187,13 +187,15 @@ class _Experts(torch.autograd.Function):
             # where the recipe fuses them), and h where W2's weight gradient needs it (none kept in
             # fp8); h13 and grad_h are freed once read.
             if need_x:
-                tensors, h13 = [h13], None
+                tensors, lhs_g, rhs2, h13 = [lhs_g, rhs2, h13], None, None, None
                 grad_h13, lhs13, h, g13_col = recipe.mm_2d3d_dswiglu(
-                    lhs_g, rhs2, tensors, offs, ctx.gemm_dtype, backend, f8, groups, joint=ctx.joint,
+                    tensors, offs, ctx.gemm_dtype, backend, f8, groups, joint=ctx.joint,
                     with_h=need_w2 and h_col is None, colwise=SAME_READ if need_w13 and x_col is not None else False)
             else:
-                grad_h13 = swiglu_backward(recipe.mm_2d3d(lhs_g, rhs2, offs, ctx.gemm_dtype, backend), h13)
-            del rhs2, lhs_g
+                grad_h = recipe.mm_2d3d(lhs_g, rhs2, offs, ctx.gemm_dtype, backend)
+                del rhs2, lhs_g
+                grad_h13 = swiglu_backward(grad_h, h13)
+                del grad_h
             # (two input-gradient GEMMs whose operands the recipe leaves to them: each half of
             # grad_h13 quantized just before its GEMM)
             halves = grad_h13 if need_x and not ctx.joint and lhs13 is None else None

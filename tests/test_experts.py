@@ -7,6 +7,7 @@ import contextlib
 import dataclasses
 import functools
 import importlib
+import weakref
 
 import pytest
 import torch
@@ -242,6 +243,29 @@ def test_blockwise_swiglu_gemm_is_the_composed_path(hidden, pad, cached, monkeyp
     (out_f, grads_f), (out_c, grads_c) = results[0], results[-1]
     assert torch.equal(out_f, out_c) and all(torch.equal(a, b) for a, b in zip(grads_f, grads_c))
     assert all(torch.equal(results[0][0], r[0]) for r in results)
+
+
+@pytest.mark.parametrize("recipe", ["fp8_rowwise", "fp8_blockwise"])
+def test_backward_drops_w2_dgrad_operands_before_dswiglu(recipe, monkeypatch):
+    # W2's input-gradient GEMM's operands (grad_out's rowwise one, W2's backward one) are dropped before the SwiGLU
+    # backward allocates grad_h13 and its operands: the step's peak memory is in the backward.
+    r = get_recipe(recipe)
+    x, w1, w3, w2, offs, grad = make(3, 128, 128, 300, "cpu", offs=[100, 200, 300])
+    operands, dead = [], []
+    real_mm, real_bwd = type(r).mm_2d3d, type(r).quantize_swiglu_backward
+
+    def spy_mm(self, lhs, rhs, *a, **k):
+        operands.append([weakref.ref(t) for op in (lhs, rhs) for t in ((op,) if isinstance(op, torch.Tensor) else op)])
+        return real_mm(self, lhs, rhs, *a, **k)
+
+    def spy_bwd(self, *a, **k):  # (the last mm_2d3d before it is W2's input gradient)
+        dead.append(all(ref() is None for ref in operands[-1]))
+        return real_bwd(self, *a, **k)
+
+    monkeypatch.setattr(type(r), "mm_2d3d", spy_mm)
+    monkeypatch.setattr(type(r), "quantize_swiglu_backward", spy_bwd)
+    run(functools.partial(experts, recipe=r), (x, w1, w3, w2, offs), grad)
+    assert dead == [True]
 
 
 def test_blockwise_recipe_switches_are_bools():

@@ -189,13 +189,18 @@ class Recipe:
         h13 = self.mm_2d3d(lhs, rhs13, offs, out_dtype, backend)
         return (h13,) + tuple(self.quantize_swiglu(h13, fp8_dtype, groups, colwise=colwise))
 
-    def mm_2d3d_dswiglu(self, lhs: Operand, rhs2: Operand, tensors: List[Tensor], offs: Tensor,
-                        out_dtype: torch.dtype, backend: str, fp8_dtype, groups: Groups, *, joint: bool,
-                        with_h: bool = False, colwise=False):
+    def mm_2d3d_dswiglu(self, tensors: List[Any], offs: Tensor, out_dtype: torch.dtype, backend: str, fp8_dtype,
+                        groups: Groups, *, joint: bool, with_h: bool = False, colwise=False):
         """``grad_h = mm_2d3d(lhs, rhs2, ...)`` (W2's input gradient) and
-        ``quantize_swiglu_backward([grad_h, h13], ...)`` for ``tensors = [h13]`` (emptied),
-        with that method's outputs. Default: the two; a recipe may fuse them."""
-        tensors.insert(0, self.mm_2d3d(lhs, rhs2, offs, out_dtype, backend))
+        ``quantize_swiglu_backward([grad_h, h13], ...)`` for ``tensors = [lhs, rhs2, h13]``
+        (emptied: each dropped once read), with that method's outputs. Default: the two; a
+        recipe may fuse them."""
+        lhs, rhs2, h13 = tensors
+        tensors.clear()
+        grad_h = self.mm_2d3d(lhs, rhs2, offs, out_dtype, backend)
+        del lhs, rhs2
+        tensors += [grad_h, h13]
+        del grad_h, h13
         return self.quantize_swiglu_backward(tensors, fp8_dtype, groups, joint=joint, with_h=with_h, colwise=colwise)
 
     def mm_2d2d(self, grad: Operand, a: Operand, offs: Tensor, out_dtype: torch.dtype, backend: str) -> Tensor:

@@ -66,7 +66,7 @@ class Fp8Blockwise(Recipe):
     alignment: int = 128
     hold_weight_operands: bool = True
     # W2's input-gradient GEMM with the dSwiGLU in its epilogue (mm_2d3d_dswiglu): bit for bit the composed path,
-    # 2.5-3.2x slower than it on an H200 (record 038), so off.
+    # 1.45-1.77x slower than it on an H200 (record 038), so off.
     dswiglu_in_gemm: bool = False
 
     def __post_init__(self):
@@ -179,21 +179,22 @@ class Fp8Blockwise(Recipe):
         h13, qr, sr, qc, sc = _ops.blockwise_grouped_mm_swiglu(qa, sa, rhs13.q, rhs13.s, offs, starts)
         return h13, (qr, sr), ((qc, sc) if colwise else None)
 
-    def mm_2d3d_dswiglu(self, lhs, rhs2, tensors, offs, out_dtype, backend, fp8_dtype, groups, *, joint,
-                        with_h=False, colwise=False):
+    def mm_2d3d_dswiglu(self, tensors, offs, out_dtype, backend, fp8_dtype, groups, *, joint, with_h=False,
+                        colwise=False):
         # With dswiglu_in_gemm, one GEMM writes grad_h13's two operands (blockwise_grouped_mm_dswiglu), bit for bit
         # the composed path's, where both are wanted (one input-gradient GEMM, W13's weight gradient in the padded
         # layout) and h is not.
-        h13 = tensors[0]
+        h13 = tensors[2]
         if not (self.dswiglu_in_gemm and joint and colwise and not with_h and groups[1] is not None
                 and backend == "blockwise_gemm"
                 and out_dtype == torch.bfloat16 and h13.dtype == torch.bfloat16
                 and self.swiglu_in_gemm(h13.shape[1] // 2, h13.device)):
-            return super().mm_2d3d_dswiglu(lhs, rhs2, tensors, offs, out_dtype, backend, fp8_dtype, groups,
-                                           joint=joint, with_h=with_h, colwise=colwise)
+            del h13
+            return super().mm_2d3d_dswiglu(tensors, offs, out_dtype, backend, fp8_dtype, groups, joint=joint,
+                                           with_h=with_h, colwise=colwise)
+        ((qa, sa), (qb, sb), _), h13 = tensors, h13.contiguous()
         tensors.clear()
-        (qa, sa), (qb, sb) = lhs, rhs2
-        qr, sr, qc, sc = _ops.blockwise_grouped_mm_dswiglu(qa, sa, qb, sb, offs, h13.contiguous(), groups[1])
+        qr, sr, qc, sc = _ops.blockwise_grouped_mm_dswiglu(qa, sa, qb, sb, offs, h13, groups[1])
         return None, (qr, sr), None, (qc, sc)
 
     def mm_2d2d(self, grad, a, offs, out_dtype, backend):
