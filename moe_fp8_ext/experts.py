@@ -123,9 +123,10 @@ class _Experts(torch.autograd.Function):
         # -- W13 with SwiGLU (one GEMM where the recipe fuses them), then W2: out = h @ W2ᵀ,
         # h = silu(h1) * h3; h's colwise operand kept where the same read makes it (then the
         # backward computes no h).
-        h13, h_lhs, h_col = recipe.mm_2d3d_swiglu(x_lhs, rhs13, offs, gemm_dtype, backend, f8, groups,
+        # (x's operand and W13's dropped once the GEMM has read them: not held through the SwiGLU and W2)
+        tensors, x_lhs, rhs13 = [x_lhs, rhs13], None, None
+        h13, h_lhs, h_col = recipe.mm_2d3d_swiglu(tensors, offs, gemm_dtype, backend, f8, groups,
                                                   colwise=SAME_READ if pad_wgrad and need_w2 else False)
-        del x_lhs, rhs13  # (no other reader: not held through the SwiGLU and W2, the forward's peak)
         rhs2 = _fsdp.rhs_fwd((w2,)) if gathered else weight_fwd("w2", keys[2:], [w2.transpose(-2, -1)],
                                                                  need_x or need_w13)
         out = recipe.mm_2d3d(h_lhs, rhs2, offs, gemm_dtype, backend)

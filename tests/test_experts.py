@@ -212,9 +212,9 @@ def test_blockwise_swiglu_gemm_is_the_composed_path(hidden, pad, cached, monkeyp
     fused, real, real_w13 = [], recipes.Fp8Blockwise.mm_2d3d_swiglu, recipes.Fp8Blockwise.quantize_w13
     composed_bwd, real_bwd = [], recipes.Fp8Blockwise.quantize_swiglu_backward
 
-    def spy(self, lhs, rhs13, *a, **k):
-        fused.append(isinstance(rhs13, recipes.blockwise.W13Interleaved))
-        return real(self, lhs, rhs13, *a, **k)
+    def spy(self, tensors, *a, **k):
+        fused.append(isinstance(tensors[1], recipes.blockwise.W13Interleaved))
+        return real(self, tensors, *a, **k)
 
     def spy_bwd(self, *a, **k):  # the composed backward's dSwiGLU
         composed_bwd.append(True)
@@ -246,26 +246,31 @@ def test_blockwise_swiglu_gemm_is_the_composed_path(hidden, pad, cached, monkeyp
 
 
 @pytest.mark.parametrize("recipe", ["fp8_rowwise", "fp8_blockwise"])
-def test_backward_drops_w2_dgrad_operands_before_dswiglu(recipe, monkeypatch):
-    # W2's input-gradient GEMM's operands (grad_out's rowwise one, W2's backward one) are dropped before the SwiGLU
-    # backward allocates grad_h13 and its operands: the step's peak memory is in the backward.
+def test_swiglu_steps_drop_their_gemm_operands(recipe, monkeypatch):
+    # The operands of the GEMM before each SwiGLU step (x's and W13's in the forward, grad_out's and W2's backward
+    # one in the backward) are dropped before the step allocates its outputs: the forward's and the step's peaks.
     r = get_recipe(recipe)
     x, w1, w3, w2, offs, grad = make(3, 128, 128, 300, "cpu", offs=[100, 200, 300])
     operands, dead = [], []
-    real_mm, real_bwd = type(r).mm_2d3d, type(r).quantize_swiglu_backward
+    real_mm = type(r).mm_2d3d
 
     def spy_mm(self, lhs, rhs, *a, **k):
         operands.append([weakref.ref(t) for op in (lhs, rhs) for t in ((op,) if isinstance(op, torch.Tensor) else op)])
         return real_mm(self, lhs, rhs, *a, **k)
 
-    def spy_bwd(self, *a, **k):  # (the last mm_2d3d before it is W2's input gradient)
-        dead.append(all(ref() is None for ref in operands[-1]))
-        return real_bwd(self, *a, **k)
+    def spy(name):  # (the last mm_2d3d before each step is its GEMM)
+        real = getattr(type(r), name)
+
+        def step(self, *a, **k):
+            dead.append((name, all(ref() is None for ref in operands[-1])))
+            return real(self, *a, **k)
+        return step
 
     monkeypatch.setattr(type(r), "mm_2d3d", spy_mm)
-    monkeypatch.setattr(type(r), "quantize_swiglu_backward", spy_bwd)
+    for name in ("quantize_swiglu", "quantize_swiglu_backward"):
+        monkeypatch.setattr(type(r), name, spy(name))
     run(functools.partial(experts, recipe=r), (x, w1, w3, w2, offs), grad)
-    assert dead == [True]
+    assert dead == [("quantize_swiglu", True), ("quantize_swiglu_backward", True)]
 
 
 def test_blockwise_recipe_switches_are_bools():
@@ -289,9 +294,9 @@ def test_swiglu_in_gemm_says_which_path_runs(device, recipe, hidden, monkeypatch
     taken, real = [], type(r).mm_2d3d_swiglu
     composed_bwd, real_bwd = [], type(r).quantize_swiglu_backward
 
-    def spy(self, lhs, rhs13, *a, **k):
-        taken.append(isinstance(rhs13, recipes.blockwise.W13Interleaved))
-        return real(self, lhs, rhs13, *a, **k)
+    def spy(self, tensors, *a, **k):
+        taken.append(isinstance(tensors[1], recipes.blockwise.W13Interleaved))
+        return real(self, tensors, *a, **k)
 
     def spy_bwd(self, *a, **k):
         composed_bwd.append(True)

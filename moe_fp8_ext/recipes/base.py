@@ -181,12 +181,16 @@ class Recipe:
         """(M, N) = lhs (M, K) x rhs (E, K, N) per group; rows past offs[-1] zero."""
         raise NotImplementedError
 
-    def mm_2d3d_swiglu(self, lhs: Operand, rhs13: Operand, offs: Tensor, out_dtype: torch.dtype, backend: str,
-                       fp8_dtype, groups: Groups, *, colwise=False) -> Tuple[Tensor, Operand, Optional[Operand]]:
+    def mm_2d3d_swiglu(self, tensors: List[Any], offs: Tensor, out_dtype: torch.dtype, backend: str, fp8_dtype,
+                       groups: Groups, *, colwise=False) -> Tuple[Tensor, Operand, Optional[Operand]]:
         """``h13 = mm_2d3d(lhs, rhs13, ...)`` (rhs13 from :meth:`quantize_w13`) and
-        ``quantize_swiglu(h13, ...)``, as ``(h13, h's rowwise operand, h's colwise operand)``.
-        Default: the two; a recipe may fuse them."""
+        ``quantize_swiglu(h13, ...)`` for ``tensors = [lhs, rhs13]`` (emptied: dropped once
+        read), as ``(h13, h's rowwise operand, h's colwise operand)``. Default: the two; a
+        recipe may fuse them."""
+        lhs, rhs13 = tensors
+        tensors.clear()
         h13 = self.mm_2d3d(lhs, rhs13, offs, out_dtype, backend)
+        del lhs, rhs13
         return (h13,) + tuple(self.quantize_swiglu(h13, fp8_dtype, groups, colwise=colwise))
 
     def mm_2d3d_dswiglu(self, tensors: List[Any], offs: Tensor, out_dtype: torch.dtype, backend: str, fp8_dtype,

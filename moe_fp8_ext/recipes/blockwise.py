@@ -169,11 +169,12 @@ class Fp8Blockwise(Recipe):
             return W13Interleaved(qf, sf), (qb, sb)
         return W13Interleaved(*_ops.quantize_blockwise_weight_rhs_cat(b_ts, fp8_dtype, True)), None
 
-    def mm_2d3d_swiglu(self, lhs, rhs13, offs, out_dtype, backend, fp8_dtype, groups, *, colwise=False):
+    def mm_2d3d_swiglu(self, tensors, offs, out_dtype, backend, fp8_dtype, groups, *, colwise=False):
         # One GEMM writes h13 and both of h's operands (blockwise_grouped_mm_swiglu), bit for bit the composed path's.
-        if not isinstance(rhs13, W13Interleaved):
-            return super().mm_2d3d_swiglu(lhs, rhs13, offs, out_dtype, backend, fp8_dtype, groups, colwise=colwise)
-        (qa, sa), starts = lhs, groups[1]
+        if not isinstance(tensors[1], W13Interleaved):
+            return super().mm_2d3d_swiglu(tensors, offs, out_dtype, backend, fp8_dtype, groups, colwise=colwise)
+        ((qa, sa), rhs13), starts = tensors, groups[1]
+        tensors.clear()
         if starts is None:  # (h's colwise operand is made all the same, then dropped: the op has no switch for it)
             starts = _ops.padded_group_offsets(offs, qa.shape[0], self.alignment)[0]
         h13, qr, sr, qc, sc = _ops.blockwise_grouped_mm_swiglu(qa, sa, rhs13.q, rhs13.s, offs, starts)
