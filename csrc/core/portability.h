@@ -188,6 +188,16 @@ MOE_FP8_DEVICE void store_8_hint(void* gmem_dst, uint2 v, uint64_t policy) {
   *static_cast<uint2*>(gmem_dst) = v;
 #endif
 }
+// This thread's async copies so far arrive on the shared-memory mbarrier `bar` once they have landed, as one of
+// its expected arrivals (sm80+ CUDA: the dSwiGLU GEMM's store warp; nothing elsewhere).
+MOE_FP8_DEVICE void async_copy_arrive(void* bar) {
+#if !defined(USE_ROCM) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  const unsigned b = static_cast<unsigned>(__cvta_generic_to_shared(bar));
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(b) : "memory");
+#else
+  (void)bar;
+#endif
+}
 MOE_FP8_DEVICE void async_copy_wait_all() {
 #if !defined(USE_ROCM) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   asm volatile("cp.async.wait_all;\n" ::: "memory");

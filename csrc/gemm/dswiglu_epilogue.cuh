@@ -80,8 +80,8 @@ struct DswigluEpilogue : StoreWarpEpilogue<Base> {
   }
 
   // Store warp, once a tile: once the consumers are done with the area, the tile's rows of h1 and h3 (those in its
-  // group; none for a tile past the group or h's columns, which the consumers skip) by cp.async, 16 bytes a lane and
-  // row; each lane arrives on h_full when its copies have landed.
+  // group; none for a tile past the group or h's columns, which the consumers skip) by async copies, 16 bytes a lane
+  // and row; each lane arrives on h_full when its copies have landed.
   template <class LoadPipeline, class LoadPipelineState, class ProblemShapeMNKL, class TileShapeMNK,
             class TileCoordMNKL, class TiledMma, class TensorMapD>
   CUTLASS_DEVICE auto load(LoadPipeline, LoadPipelineState state, ProblemShapeMNKL problem_shape_mnkl, TileShapeMNK,
@@ -94,13 +94,10 @@ struct DswigluEpilogue : StoreWarpEpilogue<Base> {
     const int half = lane / 16, chunk = lane % 16;  // a row's 2 x 256 bytes, 16 a lane
     const char* from = reinterpret_cast<const char*>(out_.h13 + src + int64_t(half) * out_.hidden) + 16 * chunk;
     const int64_t stride = int64_t(4) * out_.hidden;  // bytes a row of h13
-    uint32_t to = cute::cast_smem_ptr_to_uint(shared.area) + half * 2 * kTileN + 16 * chunk;
+    uint8_t* to = shared.area + half * 2 * kTileN + 16 * chunk;
     shared.h_empty.wait(load_phase_ ^ 1);
-    for (int r = 0; r < n; ++r, from += stride, to += kH13Line) {
-      asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(to), "l"(from) : "memory");
-    }
-    const uint32_t bar = cute::cast_smem_ptr_to_uint(&shared.h_full);
-    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(bar) : "memory");
+    for (int r = 0; r < n; ++r, from += stride, to += kH13Line) async_copy_16(to, from);
+    async_copy_arrive(&shared.h_full);
     load_phase_ ^= 1;
     return state;
   }
