@@ -318,8 +318,7 @@ void run_gemm(const GroupTables<G>& t, int groups, bool raster_along_n, const at
   args.epilogue.dC = nullptr;
   args.epilogue.ptr_D = t.d;
   args.epilogue.dD = t.stride_d;
-  if constexpr (requires { args.epilogue.swiglu; }) args.epilogue.swiglu = *fused;
-  if constexpr (requires { args.epilogue.dswiglu; }) args.epilogue.dswiglu = *fused;
+  if constexpr (requires { args.epilogue.fused; }) args.epilogue.fused = *fused;
   // 2d3d rasters along N: the CTAs in flight cover whole M tile rows, so A is read once and the expert's weight
   // stays in L2 (record 009); 2d2d keeps the default. No swizzle: with device-only problem shapes the grouped
   // scheduler uses 1 whatever it is asked.

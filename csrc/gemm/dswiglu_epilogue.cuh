@@ -42,12 +42,6 @@ struct DswigluEpilogue : StoreWarpEpilogue<Base> {
   static_assert(2 * kTileM * kTileN <= sizeof(typename Base::TensorStorage::CollectiveStorage),
                 "DswigluEpilogue: grad_h in bf16, then a half's two fp8 tiles, fit in the base's D stages");
 
-  struct Arguments : Parent::Arguments {
-    DswigluQuantOut dswiglu;
-  };
-  struct Params : Parent::Params {
-    DswigluQuantOut dswiglu;
-  };
   struct TensorStorage {
     typename Parent::TensorStorage parent;
     alignas(128) uint8_t area[kAreaBytes];
@@ -56,22 +50,17 @@ struct DswigluEpilogue : StoreWarpEpilogue<Base> {
     cutlass::arch::ClusterBarrier h_full;               // the tile's h13 rows have landed (each lane's copies)
     cutlass::arch::ClusterBarrier h_empty;              // the consumers are done with the area
   };
-  struct SharedStorage {
-    TensorStorage tensors;
-    typename Parent::TensorMapStorage tensormaps;
-    typename Parent::PipelineStorage pipeline;
-  };
-
+  using Types = FusedEpilogueTypes<Parent, DswigluQuantOut, TensorStorage>;
+  using Arguments = typename Types::Arguments;
+  using Params = typename Types::Params;
+  using SharedStorage = typename Types::SharedStorage;
   template <class ProblemShape>
   static Params to_underlying_arguments(ProblemShape const& shape, Arguments const& args, void* workspace) {
-    Params p;
-    static_cast<typename Parent::Params&>(p) = Parent::to_underlying_arguments(shape, args, workspace);
-    p.dswiglu = args.dswiglu;
-    return p;
+    return Types::to_underlying_arguments(shape, args, workspace);
   }
 
   CUTLASS_DEVICE DswigluEpilogue(Params const& params, TensorStorage& shared)
-      : Parent(params, shared.parent), out_(params.dswiglu) {
+      : Parent(params, shared.parent), out_(params.fused) {
     if (threadIdx.x == 0) {
       shared.h_full.init(cutlass::NumThreadsPerWarp);
       shared.h_empty.init(kConsumerThreads);

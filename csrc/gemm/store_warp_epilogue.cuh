@@ -294,4 +294,28 @@ struct StoreWarpEpilogue : Base {
   uint32_t phase_ = 0;  // of `full` for the store warp; `empty` waits on the other parity
 };
 
+// The host-facing types of an epilogue built on StoreWarpEpilogue that also writes Fused (SwigluQuantOut, ...): its
+// Arguments and Params carry `fused`; its shared memory is Tensors with the parent's tensor maps and pipeline.
+template <class Parent, class Fused, class Tensors>
+struct FusedEpilogueTypes {
+  struct Arguments : Parent::Arguments {
+    Fused fused;
+  };
+  struct Params : Parent::Params {
+    Fused fused;
+  };
+  struct SharedStorage {
+    Tensors tensors;
+    typename Parent::TensorMapStorage tensormaps;
+    typename Parent::PipelineStorage pipeline;
+  };
+  template <class ProblemShape>
+  static Params to_underlying_arguments(ProblemShape const& shape, Arguments const& args, void* workspace) {
+    Params p;
+    static_cast<typename Parent::Params&>(p) = Parent::to_underlying_arguments(shape, args, workspace);
+    p.fused = args.fused;
+    return p;
+  }
+};
+
 }  // namespace moe_fp8

@@ -38,12 +38,6 @@ struct SwigluEpilogue : StoreWarpEpilogue<Base, true> {
   static constexpr int kWarps = kConsumerThreads / cutlass::NumThreadsPerWarp;
   static_assert(kTileM == 128 && kTileN == 256, "SwigluEpilogue: 128x256 tiles (one 128-row token block, h1 | h3)");
 
-  struct Arguments : Parent::Arguments {
-    SwigluQuantOut swiglu;
-  };
-  struct Params : Parent::Params {
-    SwigluQuantOut swiglu;
-  };
   // Per warp, its 16 rows' column amaxes, then each column's encode factor; by tile parity, so that no tile's writes
   // meet the previous tile's reads whatever the barriers between them.
   struct TensorStorage {
@@ -51,23 +45,18 @@ struct SwigluEpilogue : StoreWarpEpilogue<Base, true> {
     alignas(16) uint32_t col_amax[2][kWarps][kHalf];
     float col_encode[2][kHalf];  // each column's encode factor, computed once
   };
-  struct SharedStorage {
-    TensorStorage tensors;
-    typename Parent::TensorMapStorage tensormaps;
-    typename Parent::PipelineStorage pipeline;
-  };
-
+  using Types = FusedEpilogueTypes<Parent, SwigluQuantOut, TensorStorage>;
+  using Arguments = typename Types::Arguments;
+  using Params = typename Types::Params;
+  using SharedStorage = typename Types::SharedStorage;
   template <class ProblemShape>
   static Params to_underlying_arguments(ProblemShape const& shape, Arguments const& args, void* workspace) {
-    Params p;
-    static_cast<typename Parent::Params&>(p) = Parent::to_underlying_arguments(shape, args, workspace);
-    p.swiglu = args.swiglu;
-    return p;
+    return Types::to_underlying_arguments(shape, args, workspace);
   }
 
   CUTLASS_DEVICE SwigluEpilogue(Params const& params, TensorStorage& shared)
-      : Parent(params, shared.parent), out_(params.swiglu) {
-    this->split_tiles_ = params.swiglu.hidden / kHalf;
+      : Parent(params, shared.parent), out_(params.fused) {
+    this->split_tiles_ = params.fused.hidden / kHalf;
   }
 
   template <class... Args>
