@@ -10,6 +10,7 @@ map), AdamW.
 Prints the losses every tenth of the run and the largest relative gap between the two
 curves, per step and on 10-step moving averages (after 10 warm-up steps), against the
 1% target. Run: python scripts/tools/train_curve.py [--steps 150] [--recipe fp8_rowwise]
+[--dswiglu-in-gemm] (fp8_blockwise with the W2 dgrad GEMM's dSwiGLU epilogue)
 """
 
 import argparse
@@ -77,8 +78,14 @@ def main():
     p.add_argument("--dim", type=int, default=None, help="default 1024 on a GPU, 64 on the CPU")
     p.add_argument("--hidden", type=int, default=None, help="default 512 on a GPU, 32 on the CPU")
     p.add_argument("--experts", type=int, default=16)
+    p.add_argument("--dswiglu-in-gemm", action="store_true", help="fp8_blockwise: Fp8Blockwise(dswiglu_in_gemm=True)")
     p.add_argument("--target", type=float, default=0.01, help="largest relative gap allowed (exit 1 above it)")
     args = p.parse_args()
+    recipe = args.recipe
+    if args.dswiglu_in_gemm:
+        if recipe != "fp8_blockwise":
+            p.error("--dswiglu-in-gemm is an option of fp8_blockwise")
+        recipe = moe_fp8_ext.Fp8Blockwise(dswiglu_in_gemm=True)
     device = "cuda" if torch.cuda.is_available() and moe_fp8_ext.build_info()["cuda"] else "cpu"
     gpu = device == "cuda"
     tokens, dim, hidden = args.tokens or (8192 if gpu else 256), args.dim or (1024 if gpu else 64), args.hidden or (512 if gpu else 32)
@@ -87,16 +94,16 @@ def main():
     if base is not None:
         from moe_fp8_ext.integrations.torchtitan import convert
         fp8 = copy.deepcopy(base)
-        assert convert(fp8, args.recipe) == 1
+        assert convert(fp8, recipe) == 1
         what = "torchtitan 0.3.0 MoE (top-2 router, shared experts), experts converted"
     else:
         base = OurLayer(dim, hidden, args.experts, tokens, "bf16", device)
-        fp8 = OurLayer(dim, hidden, args.experts, tokens, args.recipe, device)
+        fp8 = OurLayer(dim, hidden, args.experts, tokens, recipe, device)
         fp8.load_state_dict(base.state_dict())
         what = "moe_fp8_ext.GroupedExperts, router-like fixed groups (torchtitan not installed)"
     where = torch.cuda.get_device_name() if gpu else "CPU"
     print(f"{what}; {where}; tokens={tokens} dim={dim} hidden={hidden} experts={args.experts} steps={args.steps}; "
-          f"bf16 vs {args.recipe}")
+          f"bf16 vs {recipe}")
     lb = train(base, args.steps, tokens, dim, device)
     l8 = train(fp8, args.steps, tokens, dim, device)
     every = max(1, args.steps // 10)
