@@ -28,7 +28,7 @@ import torch
 
 import moe_fp8_ext
 from moe_fp8_ext import blockwise_gemm as bg
-from conftest import ROUTER_SIZES_16, graph_matches_eager, offs_from_sizes, poison, random_offs
+from conftest import DEVICES, ROUTER_SIZES_16, graph_matches_eager, offs_from_sizes, poison, random_offs
 
 E4M3 = torch.float8_e4m3fn
 BLOCK = 128
@@ -668,13 +668,15 @@ def assert_bits_equal(outs, refs, names=("h13", "q_rows", "s_rows", "q_cols", "s
         assert torch.equal(o.view(as_int), r.view(as_int)), f"{name} differs"
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dual", [False, True])
-def test_interleaved_weight_cat_is_the_interleaved_weights_operand(dual):
+def test_interleaved_weight_cat_is_the_interleaved_weights_operand(device, dual):
     """The _cat ops' interleave: the forward operand of [W1; W3] interleaved by 128 (each
     128x128 tile and its scale belong to one weight); the transposed one of [W1; W3]."""
     g = torch.Generator().manual_seed(3)
-    w1, w3 = (torch.randn(2, 256, 200, generator=g).bfloat16() for _ in range(2))
+    w1, w3 = (torch.randn(2, 256, 200, generator=g).bfloat16().to(device) for _ in range(2))
     parts = [w1.transpose(1, 2), w3.transpose(1, 2)]
+    poison(device)
     w13i = torch.stack([w1.view(2, 2, 128, 200), w3.view(2, 2, 128, 200)], dim=2).reshape(2, 512, 200)
     ref = list(moe_fp8_ext.quantize_blockwise_weight_rhs(w13i.transpose(1, 2), E4M3))
     if dual:

@@ -198,28 +198,15 @@ std::vector<at::Tensor> quantize_blockwise_weight_cat(const TileKernels& k, at::
     outs.push_back(make(TN, TM, sopts));
   }
   if (E == 0 || M == 0 || N == 0) return outs;
-  // The pieces, each launched on its own: the weights, or with `interleave` their 128-column chunks, chunk j of
-  // weight p at forward tile column j * P + p (the backward operand keeps the concatenation's order).
-  struct Piece {
-    at::Tensor w;
-    int64_t j_fwd, j_bwd;
-  };
-  std::vector<Piece> pieces;
-  int64_t c0 = 0;  // the part's first column of the concatenation (a multiple of 128)
+  // One launch a weight: its tile column j at forward tile column j0 + j * step (interleaved by 128: j * P + p) and at
+  // backward tile column c0 / 128 + j (the concatenation's order).
+  const int64_t step = interleave ? int64_t(ws.size()) : 1;
+  int64_t c0 = 0;  // the weight's first column of the concatenation (a multiple of 128)
   for (size_t p = 0; p < ws.size(); ++p) {
-    const int64_t n = ws[p].size(-1);
-    if (interleave && ws.size() > 1) {
-      for (int64_t j = 0; j < n / kTile; ++j) {
-        pieces.push_back({ws[p].narrow(-1, j * kTile, kTile), j * int64_t(ws.size()) + int64_t(p), c0 / kTile + j});
-      }
-    } else if (n > 0) {
-      pieces.push_back({ws[p], c0 / kTile, c0 / kTile});
-    }
+    const at::Tensor& w = ws[p];
+    const int64_t n = w.size(-1), j_fwd = interleave ? int64_t(p) : c0 / kTile, j_bwd = c0 / kTile;
     c0 += n;
-  }
-  for (const Piece& piece : pieces) {
-    const at::Tensor& w = piece.w;
-    const int64_t n = w.size(-1);
+    if (n == 0) continue;
     TilesArgs a;
     a.x = w.data_ptr();
     a.batches = E;
@@ -230,27 +217,29 @@ std::vector<at::Tensor> quantize_blockwise_weight_cat(const TileKernels& k, at::
     a.sc = w.stride(-1);
     a.num_out = 0;
     size_t t = 0;
-    if (which == 0 || which == 2) {  // element (r, c) at r + (j0 * 128 + c) * M; tile (i, j) at i + (j0 + j) * TM
-      const int64_t j0 = piece.j_fwd;
+    if (which == 0 || which == 2) {  // element (r, c) at r + c * M of tile column j0 + j * step; tile (i, j) likewise
       TileOut& o = a.out[a.num_out++];
-      o.q = static_cast<uint8_t*>(outs[t].data_ptr()) + j0 * kTile * M;
+      o.q = static_cast<uint8_t*>(outs[t].data_ptr()) + j_fwd * kTile * M;
       o.q_sb = M * N;
+      o.q_si = kTile;
+      o.q_sj = step * kTile * M;
       o.q_sr = 1;
       o.q_sc = M;
-      o.s = outs[t + 1].data_ptr<float>() + j0 * TM;
+      o.s = outs[t + 1].data_ptr<float>() + j_fwd * TM;
       o.s_sb = TM * TN;
       o.s_si = 1;
-      o.s_sj = TM;
+      o.s_sj = step * TM;
       t += 2;
     }
     if (which == 1 || which == 2) {  // element (r, c) is q^T[j0 * 128 + c, r]; tile (i, j) is s^T[j0 + j, i]
-      const int64_t j0 = piece.j_bwd;
       TileOut& o = a.out[a.num_out++];
-      o.q = static_cast<uint8_t*>(outs[t].data_ptr()) + j0 * kTile;
+      o.q = static_cast<uint8_t*>(outs[t].data_ptr()) + j_bwd * kTile;
       o.q_sb = M * N;
+      o.q_si = kTile * N;
+      o.q_sj = kTile;
       o.q_sr = N;
       o.q_sc = 1;
-      o.s = outs[t + 1].data_ptr<float>() + j0;
+      o.s = outs[t + 1].data_ptr<float>() + j_bwd;
       o.s_sb = TM * TN;
       o.s_si = TN;
       o.s_sj = 1;

@@ -161,9 +161,11 @@ MOE_FP8_HD int64_t cols_scale_col_base(const ColsArgs& a, const ScaleOut& s, int
 // s + b*s_sb + i*s_si + j*s_sj. A tile and its transpose share the scale: one read writes both orientations of a weight.
 constexpr int kTile = 128;
 
+// Element (r, c) of tile (i, j) of batch b at q[b * q_sb + i * q_si + j * q_sj + r * q_sr + c * q_sc] (r, c < 128); its
+// scale at s[b * s_sb + i * s_si + j * s_sj].
 struct TileOut {
   uint8_t* q = nullptr;
-  int64_t q_sb = 0, q_sr = 0, q_sc = 0;
+  int64_t q_sb = 0, q_si = 0, q_sj = 0, q_sr = 0, q_sc = 0;
   void* s = nullptr;
   int64_t s_sb = 0, s_si = 0, s_sj = 0;
 };

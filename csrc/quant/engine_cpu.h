@@ -147,7 +147,7 @@ void tiles(const TilesArgs& a) {
         static_cast<typename Rule::stored_t*>(o.s)[b * o.s_sb + i * o.s_si + j * o.s_sj] = sc.stored;
         for (int64_t r = r0; r < r1; ++r) {
           for (int64_t c = c0; c < c1; ++c) {
-            o.q[b * o.q_sb + r * o.q_sr + c * o.q_sc] =
+            o.q[b * o.q_sb + i * o.q_si + j * o.q_sj + (r - r0) * o.q_sr + (c - c0) * o.q_sc] =
                 encode_fp8<F>(scale_clamp(static_cast<float>(xb[r * a.sr + c * a.sc]), sc.encode, kMax));
           }
         }

@@ -48,7 +48,7 @@ __global__ void __launch_bounds__(kTilesThreads) quantize_tiles_kernel(TilesArgs
   for (int k = 0; k < a.num_out; ++k) {
     const TileOut& o = a.out[k];
     if (threadIdx.x == 0) static_cast<typename Rule::stored_t*>(o.s)[b * o.s_sb + i * o.s_si + j * o.s_sj] = sc.stored;
-    uint8_t* qt = o.q + b * o.q_sb + r0 * o.q_sr + c0 * o.q_sc;
+    uint8_t* qt = o.q + b * o.q_sb + i * o.q_si + j * o.q_sj;
     const bool rows_fast = o.q_sr == 1 && o.q_sc != 1;  // a column-major output: walk down the columns
     for (int idx = threadIdx.x; idx < kTile * kTile; idx += kTilesThreads) {
       const int r = rows_fast ? idx % kTile : idx / kTile;
@@ -185,7 +185,7 @@ __global__ void __launch_bounds__(kTilesThreads, kTilesVecMinBlocks)
     // constant indices of the parameters.
     const auto write = [&](const TileOut& o) {
       if (threadIdx.x == 0) static_cast<typename Rule::stored_t*>(o.s)[b * o.s_sb + i * o.s_si + j * o.s_sj] = sc.stored;
-      uint8_t* qt = o.q + b * o.q_sb + r0 * o.q_sr + c0 * o.q_sc;
+      uint8_t* qt = o.q + b * o.q_sb + i * o.q_si + j * o.q_sj;
       if (o.q_sr == 1) {
         store_fragment_col_runs(q8, qt, o.q_sc, fr, fc, nr, nc);
       } else {
@@ -205,6 +205,7 @@ inline TilesArgs tiles_row_major(TilesArgs a) {
   std::swap(a.rows, a.cols);
   std::swap(a.sr, a.sc);
   for (int k = 0; k < a.num_out; ++k) {
+    std::swap(a.out[k].q_si, a.out[k].q_sj);
     std::swap(a.out[k].q_sr, a.out[k].q_sc);
     std::swap(a.out[k].s_si, a.out[k].s_sj);
   }
