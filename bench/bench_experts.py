@@ -305,11 +305,46 @@ def profile_step(name, step, top=10):
     return {"total_ms": total, "families": dict(fam), "kernels": dict(kern.most_common(top))}
 
 
+def copy_tbs(nbytes=1 << 30):
+    """The device's copy bandwidth, TB/s of bytes read + written (a memory-bound kernel's ceiling)."""
+    if DEVICE != "cuda":
+        return 1.0  # --smoke: any positive figure
+    a = torch.empty(nbytes, dtype=torch.uint8, device=DEVICE)
+    b = torch.empty_like(a)
+    b.copy_(a)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(10):
+        b.copy_(a)
+    end.record()
+    torch.cuda.synchronize()
+    return 2 * nbytes * 10 / (start.elapsed_time(end) * 1e-3) / 1e12
+
+
+def fusion_bytes(m, h):
+    """The most bytes DESIGN §13's epilogue fusions remove from a step of m rows and hidden h: the forward's h13
+    read-back and the backward's grad_h write and read (bf16), and h13 saved in fp8 instead of bf16 (write, read)."""
+    return 2 * (m * 2 * h * 2) + 2 * (m * h * 2) + 2 * (m * 2 * h)
+
+
+def profile_summary(m, h, res, bf16_ms, tbs):
+    """A variant's step split into GEMMs and memory-bound work, and the ratios to bf16 that would follow with no
+    memory-bound work at all (GEMM-only) and with §13's fusions removing their bytes at copy bandwidth."""
+    gemm = sum(v for k, v in res["families"].items() if "GEMM" in k)
+    rest = res["total_ms"] - gemm
+    fused = res["total_ms"] - (fusion_bytes(m, h) / (tbs * 1e12) * 1e3 if res["variant"] != "bf16" else 0.0)
+    return dict(shape=res["shape"], variant=res["variant"], step_ms=round(res["total_ms"], 3), gemm_ms=round(gemm, 3),
+                memory_bound_ms=round(rest, 3), memory_bound_share=round(rest / res["total_ms"], 3),
+                vs_bf16=round(bf16_ms / res["total_ms"], 3), gemm_only_vs_bf16=round(bf16_ms / gemm, 3),
+                fusion_bound_vs_bf16=round(bf16_ms / fused, 3))
+
+
 def profile_experts(shapes, swiglu_ab=False):
-    """The per-kernel profile of a fresh user-path step, bf16 and each recipe."""
+    """The per-kernel profile of a fresh user-path step, bf16 and each recipe, and its split into GEMMs and
+    memory-bound work (issue 69's profile table)."""
     from moe_fp8_ext.integrations.torchtitan import convert
 
-    out = []
+    out, steps, tbs = [], [], copy_tbs()
     for m, d, h, e in shapes:
         counts = router_counts(m, e).to(DEVICE)
         x = torch.randn(m, d, device=DEVICE, dtype=torch.bfloat16).requires_grad_()
@@ -324,10 +359,12 @@ def profile_experts(shapes, swiglu_ab=False):
                 convert(mod, recipes[name])
             res = profile_step(f"({m}, {d}, {h}, {e}) {name}", steps_of(mod, (x, counts), grad, "eager")[0])
             out.append(dict(shape=f"({m}, {d}, {h}, {e})", variant=name, **res))
+            bf16_ms = res["total_ms"] if name == "bf16" else bf16_ms
+            steps.append(profile_summary(m, h, out[-1], bf16_ms, tbs))
             del mod
         del bf16, x, grad
         torch.cuda.empty_cache()
-    return out
+    return dict(device=dict(copy_tbs=round(tbs, 2)), steps=steps, kernels=out)
 
 
 HEADER = ["shape", "mode", "variant", "fresh ms", "vs bf16", "accum ms", "vs bf16", "autograd.grad ms", "vs bf16",

@@ -26,6 +26,24 @@ def test_bench_experts_smoke(tmp_path, table):
     assert all(r["fresh_ms"] > 0 and r["accum_ms"] > 0 for r in rows)
 
 
+def test_profile_summary():
+    """issue 69's profile table: a step split into GEMMs and memory-bound work, the GEMM-only ceiling, and the bound
+    that §13's fusions could reach by removing their bf16 bytes at copy bandwidth."""
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import bench_experts
+
+    m, h = 1000, 100
+    assert bench_experts.fusion_bytes(m, h) == 2 * m * 2 * h * 2 + 2 * m * h * 2 + 2 * m * 2 * h
+    res = dict(shape="(1000, 64, 100, 4)", variant="fp8_blockwise", total_ms=10.0,
+               families={"fp8 grouped GEMM": 6.0, "bf16 grouped GEMM": 1.0, "quantization (ours)": 2.0,
+                         "swiglu (ours)": 1.0})
+    s = bench_experts.profile_summary(m, h, res, bf16_ms=14.0, tbs=1e-3)  # 1.6e6 bytes at 1 GB/s: 1.6 ms
+    assert (s["gemm_ms"], s["memory_bound_ms"], s["memory_bound_share"]) == (7.0, 3.0, 0.3)
+    assert (s["vs_bf16"], s["gemm_only_vs_bf16"], s["fusion_bound_vs_bf16"]) == (1.4, 2.0, round(14 / 8.4, 3))
+    bf16 = bench_experts.profile_summary(m, h, dict(res, variant="bf16", total_ms=14.0), bf16_ms=14.0, tbs=1e-3)
+    assert bf16["vs_bf16"] == bf16["fusion_bound_vs_bf16"] == 1.0
+
+
 def test_results_md_is_generated():
     out = subprocess.run([sys.executable, "bench/report.py", "--check"], cwd=ROOT, capture_output=True, text=True)
     assert out.returncode == 0, out.stdout + out.stderr
