@@ -157,12 +157,10 @@ MOE_FP8_HD int64_t cols_scale_col_base(const ColsArgs& a, const ScaleOut& s, int
 }
 
 // "tiles" shape (FP8 blockwise weights, DESIGN §6): a scale per 128x128 tile of x(b, r, c) = x + b*sb + r*sr + c*sc, a
-// partial tile's amax over its valid part. Output k: codes at q + b*q_sb + r*q_sr + c*q_sc, tile (b, i, j)'s scale at
-// s + b*s_sb + i*s_si + j*s_sj. A tile and its transpose share the scale: one read writes both orientations of a weight.
+// partial tile's amax over its valid part. Output k: element (r, c) of tile (b, i, j) at q + b*q_sb + i*q_si + j*q_sj +
+// r*q_sr + c*q_sc (r, c < 128), its scale at s + b*s_sb + i*s_si + j*s_sj. A tile and its transpose share the scale.
 constexpr int kTile = 128;
 
-// Element (r, c) of tile (i, j) of batch b at q[b * q_sb + i * q_si + j * q_sj + r * q_sr + c * q_sc] (r, c < 128); its
-// scale at s[b * s_sb + i * s_si + j * s_sj].
 struct TileOut {
   uint8_t* q = nullptr;
   int64_t q_sb = 0, q_si = 0, q_sj = 0, q_sr = 0, q_sc = 0;
