@@ -353,13 +353,14 @@ def profile_experts(shapes, swiglu_ab=False):
         recipes = {r: r for r in RECIPES}
         if swiglu_ab:
             recipes["fp8_blockwise (composed SwiGLU)"] = ComposedSwiglu()
+        bf16_ms = None  # (bf16 first)
         for name in ("bf16",) + tuple(recipes):
             mod = bf16 if name == "bf16" else copy.deepcopy(bf16)
             if name != "bf16":
                 convert(mod, recipes[name])
             res = profile_step(f"({m}, {d}, {h}, {e}) {name}", steps_of(mod, (x, counts), grad, "eager")[0])
             out.append(dict(shape=f"({m}, {d}, {h}, {e})", variant=name, **res))
-            bf16_ms = res["total_ms"] if name == "bf16" else bf16_ms
+            bf16_ms = bf16_ms or res["total_ms"]
             steps.append(profile_summary(m, h, out[-1], bf16_ms, tbs))
             del mod
         del bf16, x, grad
