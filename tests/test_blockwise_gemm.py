@@ -886,13 +886,9 @@ def test_dswiglu_gemm_reference_is_the_composed_math(hidden, sizes):
     assert not bool(ref[0][sum(sizes):].float().any())
 
 
-# hidden 128 and 384 (an odd number of column tiles) run the kernel with 2x1 clusters, 256 and 512 with 1x2 ones.
-DSWIGLU_CASES = [
-    (3000, 384, 384, 3, [1100, 0, 1700]),
-    (sum(MANY_GROUPS) + 77, 256, 128, len(MANY_GROUPS), MANY_GROUPS),
-    (sum(MANY_GROUPS_16), 512, 256, len(MANY_GROUPS_16), MANY_GROUPS_16),
-    (640, 128, 512, 2, [0, 0]),
-]
+# SwiGLU's groups; here hidden 128 and 384 (an odd number of column tiles) run the kernel with 2x1 clusters, 256 and
+# 512 with 1x2 ones.
+DSWIGLU_CASES = SWIGLU_CASES
 
 
 @requires_sm90
