@@ -29,7 +29,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import bench_interleaved_us, fmt, peak_mib, print_table, sqnr, write_json  # noqa: E402
+from common import bench_interleaved_us, copy_us, fmt, peak_mib, print_table, sqnr, write_json  # noqa: E402
 
 from moe_fp8_ext.recipes import Fp8Blockwise  # noqa: E402
 from moe_fp8_ext.token_groups import router_counts  # noqa: E402
@@ -305,20 +305,11 @@ def profile_step(name, step, top=10):
     return {"total_ms": total, "families": dict(fam), "kernels": dict(kern.most_common(top))}
 
 
-def copy_tbs(nbytes=1 << 30):
+def copy_tbs(total_bytes=2 << 30):
     """The device's copy bandwidth, TB/s of bytes read + written (a memory-bound kernel's ceiling)."""
     if DEVICE != "cuda":
         return 1.0  # --smoke: any positive figure
-    a = torch.empty(nbytes, dtype=torch.uint8, device=DEVICE)
-    b = torch.empty_like(a)
-    b.copy_(a)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(10):
-        b.copy_(a)
-    end.record()
-    torch.cuda.synchronize()
-    return 2 * nbytes * 10 / (start.elapsed_time(end) * 1e-3) / 1e12
+    return total_bytes / copy_us(total_bytes) / 1e6
 
 
 def fusion_bytes(m, h):
