@@ -275,7 +275,8 @@ FAMILIES = [  # (label, regex on the kernel name), first match wins
 
 
 def profile_step(name, step, top=10):
-    """torch.profiler's GPU kernel time of one step, summed by kernel family."""
+    """torch.profiler's GPU kernel time of one step, summed by kernel family. A short burst (5 steps after 3): near
+    the boost clock, where the timed loops run at the power cap's lower clock (decision record 041)."""
     import collections
     import re
 
