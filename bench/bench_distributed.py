@@ -11,9 +11,9 @@ One MoE layer per rank (a softmax top-k router, the SwiGLU experts of
 gradient, ``loss.backward()`` and an SGD step, in two layouts:
 
 - ``ep``: the experts split over all ranks; tokens go to their experts and back by
-  all-to-all (the path of examples/expert_parallel.py). The experts and the layer are in
-  one-rank FSDP2 groups (fp32 master weights, bf16 param_dtype), as torchtitan's EP over
-  every rank. fp8 communication: the routed tokens sent as fp8 (``moe_fp8_ext.dispatch``);
+  all-to-all (the path of examples/expert_parallel.py). As torchtitan's EP over every
+  rank: the experts in one-rank FSDP2 groups, the router data-parallel over all ranks
+  (fp32 master weights, bf16 param_dtype). fp8 communication: the routed tokens sent as fp8 (``moe_fp8_ext.dispatch``);
   the combine and the backward stay bf16.
 - ``fsdp``: every rank runs every expert on its own tokens; the expert weights (fp32
   master) are sharded by FSDP2 (``fully_shard``, bf16 param_dtype, fp32 reduce) and
@@ -23,6 +23,10 @@ gradient, ``loss.backward()`` and an SGD step, in two layouts:
 - ``fsdp_rows`` (not in the default ``--layouts``): ``fsdp`` with the expert weights
   sharded on their rows (``Shard(1)``, what torchtitan picks where EP x FSDP exceeds the
   experts); fp8_blockwise needs each rank's rows a multiple of 128.
+
+With ``--curve N`` each variant, and a reference in fp32 (compute and communication),
+trains N steps: each curve's largest per-step loss gap to bf16 and to fp32. bf16's own
+gap to fp32 is the floor that fp8's gap to bf16 is read against.
 
 ``--recipe`` picks the fp8 recipe (fp8_blockwise, the default, or fp8_rowwise). Bytes
 are per rank and step: all-to-all, the bytes a rank sends; all-gather, the bytes it
@@ -42,6 +46,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 VARIANTS = (("bf16", False), ("fp8", False), ("fp8_comm", True))  # (name, fp8 communication)
+FP32 = ("fp32", False)  # the loss curves' reference: fp32 compute and communication, no fp8
 GPUS = (64, 128, 256, 512, 1024)
 NODE = 8  # GPUs a node (NVLink inside)
 INTER_NODE_GBPS = 50.0  # per GPU across nodes: one 400 Gb/s NIC a GPU (an assumption, not measured)
@@ -140,14 +145,16 @@ def build(args, variant, layout, device, world):
     from moe_fp8_ext import fsdp
 
     name, fp8_comm = variant
-    recipe = "bf16" if name == "bf16" else args.recipe
+    recipe = "bf16" if name in ("bf16", "fp32") else args.recipe
     torch.manual_seed(0)
     layer = Layer(args, recipe, fp8_comm, layout, device, world)
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    if layout == "ep":  # one-rank FSDP2 groups, as torchtitan's EP over every rank: fp32 master weights
-        mesh = init_device_mesh(device.type, (world, 1), mesh_dim_names=("ep", "dp"))["dp"]
-        fully_shard(layer.experts, mesh=mesh, mp_policy=policy)
-        fully_shard(layer, mesh=mesh, mp_policy=policy)  # (the gate too: one kind of parameter for the optimizer)
+    policy = MixedPrecisionPolicy(param_dtype=torch.float32 if name == "fp32" else torch.bfloat16,
+                                  reduce_dtype=torch.float32)
+    if layout == "ep":  # as torchtitan's EP over every rank: the experts in one-rank FSDP2 groups (fp32 master
+        # weights), the rest (the router) data-parallel over all ranks, so that every rank routes alike
+        mesh = init_device_mesh(device.type, (world, 1), mesh_dim_names=("ep", "dp"))
+        fully_shard(layer.experts, mesh=mesh["dp"], mp_policy=policy)
+        fully_shard(layer, mesh=mesh["ep"], mp_policy=policy)
     else:
         if fp8_comm:
             fsdp.fp8_all_gather(layer.experts)
@@ -159,8 +166,9 @@ def build(args, variant, layout, device, world):
 
 
 def curve(args, variant, layout, device, world, counter):
-    """Losses of --curve steps of AdamW on a regression (fixed random targets of fresh
-    tokens a step, the same on every variant)."""
+    """(losses, whether every rank's router is the same after them) of --curve steps of AdamW on a regression
+    (fixed random targets of fresh tokens a step, the same on every variant). bf16 variants take bf16 tokens, FP32
+    fp32."""
     layer = build(args, variant, layout, device, world)
     opt = torch.optim.AdamW(layer.parameters(), lr=3e-3)
     g = torch.Generator(device=device).manual_seed(7 + dist.get_rank())
@@ -169,14 +177,19 @@ def curve(args, variant, layout, device, world, counter):
     for _ in range(args.curve):
         x = torch.randn(args.tokens, args.dim, device=device, generator=g)
         target = torch.tanh(x @ proj)
-        loss = (layer(x.bfloat16(), counter).float() - target).square().mean()
+        loss = (layer(x if variant == FP32 else x.bfloat16(), counter).float() - target).square().mean()
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         total = loss.detach().clone()
         dist.all_reduce(total)
         losses.append(total.item() / world)
-    return losses
+    gate = layer.gate.full_tensor()
+    first = gate.clone()
+    dist.broadcast(first, 0)
+    same = torch.tensor([float(torch.equal(gate, first))], device=device)
+    dist.all_reduce(same, op=dist.ReduceOp.MIN)
+    return losses, bool(same.item())
 
 
 def run_variant(args, variant, layout, device, world, counter):
@@ -328,12 +341,16 @@ def main():
     if args.curve:
         data["curves"] = []
         for layout in args.layouts.split(","):
-            losses = {v[0]: curve(args, v, layout, device, world, counter) for v in VARIANTS}
-            for name, ls in losses.items():
+            runs = {v[0]: curve(args, v, layout, device, world, counter) for v in VARIANTS + (FP32,)}
+            losses = {name: ls for name, (ls, _) in runs.items()}
+            for name, (ls, router_same) in runs.items():
                 gaps = [abs(a - b) / b for a, b in zip(ls, losses["bf16"])]
-                # (also after 10 warm-up steps: the measure of scripts/tools/train_curve.py)
+                # (also after 10 warm-up steps: the measure of scripts/tools/train_curve.py.) Against fp32 too:
+                # bf16's own gap there is the floor that fp8's gap to bf16 is read against.
                 data["curves"].append(dict(layout=layout, variant=name, steps=args.curve, first=ls[0], last=ls[-1],
-                                           max_rel_diff_vs_bf16=max(gaps), after_10_steps=max(gaps[10:] or gaps)))
+                                           max_rel_diff_vs_bf16=max(gaps), after_10_steps=max(gaps[10:] or gaps),
+                                           max_rel_diff_vs_fp32=max(abs(a - b) / b for a, b in zip(ls, losses["fp32"])),
+                                           losses=[round(v, 6) for v in ls], router_same_on_every_rank=router_same))
     if rank == 0:
         from common import print_table, write_json
 
@@ -346,11 +363,12 @@ def main():
                       "; ".join(f"{k} {v:.1f}" for k, v in r["mib"].items())] for r in rows],
                     "bench_distributed.md")
         if args.curve:
-            print_table(f"loss over {args.curve} steps against bf16", ["layout", "variant", "first", "last",
-                                                                        "max rel. diff vs bf16", "after 10 steps"],
+            print_table(f"loss over {args.curve} steps against bf16 and fp32",
+                        ["layout", "variant", "first", "last", "max rel. diff vs bf16", "after 10 steps",
+                         "max rel. diff vs fp32"],
                         [[c["layout"], c["variant"], f"{c['first']:.4f}", f"{c['last']:.4f}",
-                          f"{c['max_rel_diff_vs_bf16']:.4f}", f"{c['after_10_steps']:.4f}"] for c in data["curves"]],
-                        "bench_distributed.md")
+                          f"{c['max_rel_diff_vs_bf16']:.4f}", f"{c['after_10_steps']:.4f}",
+                          f"{c['max_rel_diff_vs_fp32']:.4f}"] for c in data["curves"]], "bench_distributed.md")
         name = f"bench_distributed_{args.recipe.split('_')[1]}_x{world}"
         write_json(name, data, sys.argv, launcher=f"torchrun --nproc-per-node={world}")
     dist.barrier()

@@ -100,12 +100,13 @@ def distributed_table(runs):
     """Issue 68's targets (set for 4 H100s) against the latest bench_distributed run of
     each recipe:
     fp8 communication's bytes, its step against bf16 and against the same recipe
-    communicating in bf16, and the loss curve against bf16."""
+    communicating in bf16, and the loss curve against bf16, next to bf16's own curve against fp32 (the
+    same measure: the floor of a loss gap on that task)."""
     docs = [d for n, d in runs.items() if n.startswith("bench_distributed")]
     if not docs:
         return ["(not run)"]
     lines = ["| recipe | layout | bytes vs bf16 comm (<= 0.55) | step vs bf16 (>= 1.25) | step vs fp8 with bf16 comm "
-             "(>= 1.10) | loss vs bf16, max rel. (< 0.01) | run |", "|---|---|---|---|---|---|---|"]
+             "(>= 1.10) | loss vs bf16, max rel. (< 0.01) | bf16's loss vs fp32 | run |", "|---|---|---|---|---|---|---|---|"]
     for doc in docs:
         lines += _distributed_rows(doc)
     return lines
@@ -127,6 +128,10 @@ def _distributed_rows(doc):
             met = v is not None and (v <= bound if op == "<=" else v >= bound if op == ">=" else v < bound)
             shown = f"{v:.4f}" if i == 3 and v is not None else _fmt(v)
             out.append("not run" if v is None else f"{shown} ({'yes' if met else '**no**'})")
+        if c is not None and r["layout"] == "ep" and "router_same_on_every_rank" not in c:
+            out[3] += " per-rank routers (record 042)"
+        floor = curves.get((r["layout"], "bf16"), {}).get("max_rel_diff_vs_fp32")
+        out.append("not run" if floor is None else f"{floor:.4f}")
         lines.append(f"| {r.get('recipe', 'fp8_blockwise')} | {r['layout']} | " + " | ".join(out) + f" | {run} |")
     return lines
 

@@ -67,5 +67,9 @@ def test_bench_distributed_smoke(tmp_path):
         ratio = r["comm_bytes_vs_bf16_comm"]
         assert 0.5 <= ratio <= 0.55 if r["variant"] == "fp8_comm" else ratio == 1.0, r
     curves = json.load(open(tmp_path / "bench_distributed_blockwise_x2.json"))["data"]["curves"]
-    assert len(curves) == 9 and all(c["steps"] == 3 and c["first"] > 0 and 0 <= c["after_10_steps"] for c in curves)
+    assert len(curves) == 12 and all(c["steps"] == 3 and c["first"] > 0 and 0 <= c["after_10_steps"] for c in curves)
     assert all(c["max_rel_diff_vs_bf16"] == 0 for c in curves if c["variant"] == "bf16")
+    assert all(c["max_rel_diff_vs_fp32"] == 0 for c in curves if c["variant"] == "fp32")
+    assert all(c["router_same_on_every_rank"] for c in curves)  # data-parallel router, EP layout included
+    # the fp32 reference really runs in fp32: its losses differ from bf16's
+    assert all(c["max_rel_diff_vs_bf16"] > 0 for c in curves if c["variant"] == "fp32")
