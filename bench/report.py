@@ -106,7 +106,8 @@ def distributed_table(runs):
     if not docs:
         return ["(not run)"]
     lines = ["| recipe | layout | bytes vs bf16 comm (<= 0.55) | step vs bf16 (>= 1.25) | step vs fp8 with bf16 comm "
-             "(>= 1.10) | loss vs bf16, max rel. (< 0.01) | bf16's loss vs fp32 | run |", "|---|---|---|---|---|---|---|---|"]
+             "(>= 1.10) | loss vs bf16, max rel. (< 0.01) | bf16's loss vs fp32 | run |",
+             "|---|---|---|---|---|---|---|---|"]
     for doc in docs:
         lines += _distributed_rows(doc)
     return lines
