@@ -13,8 +13,8 @@ gradient, ``loss.backward()`` and an SGD step, in two layouts:
 - ``ep``: the experts split over all ranks; tokens go to their experts and back by
   all-to-all (the path of examples/expert_parallel.py). As torchtitan's EP over every
   rank: the experts in one-rank FSDP2 groups, the router data-parallel over all ranks
-  (fp32 master weights, bf16 param_dtype). fp8 communication: the routed tokens sent as fp8 (``moe_fp8_ext.dispatch``);
-  the combine and the backward stay bf16.
+  (fp32 master weights, bf16 param_dtype). fp8 communication: the routed tokens sent as
+  fp8 (``moe_fp8_ext.dispatch``); the combine and the backward stay bf16.
 - ``fsdp``: every rank runs every expert on its own tokens; the expert weights (fp32
   master) are sharded by FSDP2 (``fully_shard``, bf16 param_dtype, fp32 reduce) and
   all-gathered for the forward and the backward. fp8 communication: the fp8 all-gather
