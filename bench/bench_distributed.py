@@ -165,6 +165,11 @@ def build(args, variant, layout, device, world):
     return layer
 
 
+def rel_gaps(losses, ref):
+    """Each step's |loss - ref| / ref."""
+    return [abs(a - b) / b for a, b in zip(losses, ref)]
+
+
 def curve(args, variant, layout, device, world, counter):
     """(losses, whether every rank's router is the same after them) of --curve steps of AdamW on a regression
     (fixed random targets of fresh tokens a step, the same on every variant). bf16 variants take bf16 tokens, FP32
@@ -344,12 +349,12 @@ def main():
             runs = {v[0]: curve(args, v, layout, device, world, counter) for v in VARIANTS + (FP32,)}
             losses = {name: ls for name, (ls, _) in runs.items()}
             for name, (ls, router_same) in runs.items():
-                gaps = [abs(a - b) / b for a, b in zip(ls, losses["bf16"])]
+                gaps = rel_gaps(ls, losses["bf16"])
                 # (also after 10 warm-up steps: the measure of scripts/tools/train_curve.py.) Against fp32 too:
                 # bf16's own gap there is the floor that fp8's gap to bf16 is read against.
                 data["curves"].append(dict(layout=layout, variant=name, steps=args.curve, first=ls[0], last=ls[-1],
                                            max_rel_diff_vs_bf16=max(gaps), after_10_steps=max(gaps[10:] or gaps),
-                                           max_rel_diff_vs_fp32=max(abs(a - b) / b for a, b in zip(ls, losses["fp32"])),
+                                           max_rel_diff_vs_fp32=max(rel_gaps(ls, losses["fp32"])),
                                            losses=[round(v, 6) for v in ls], router_same_on_every_rank=router_same))
     if rank == 0:
         from common import print_table, write_json
