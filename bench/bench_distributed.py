@@ -31,7 +31,9 @@ gap to fp32 is the floor that fp8's gap to bf16 is read against.
 ``--recipe`` picks the fp8 recipe (fp8_blockwise, the default, or fp8_rowwise). Bytes
 are per rank and step: all-to-all, the bytes a rank sends; all-gather, the bytes it
 receives (its own shard included); reduce-scatter, its input. Writes
-$OUT/bench_distributed_<blockwise|rowwise>_x<ranks>.json (rank 0).
+$OUT/bench_distributed_<blockwise|rowwise>_x<ranks>.json (rank 0). ``--profile`` (CUDA)
+also splits each variant's step into GPU kernel time by family (rank 0's, torch.profiler)
+and writes ..._x<ranks>_profile.json instead.
 """
 
 import argparse
@@ -47,6 +49,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 VARIANTS = (("bf16", False), ("fp8", False), ("fp8_comm", True))  # (name, fp8 communication)
 FP32 = ("fp32", False)  # the loss curves' reference: fp32 compute and communication, no fp8
+# --profile's kernel families (by name) ahead of bench_experts': FSDP2's copies and casts of the
+# weights and gradients, and the optimizer's foreach kernels.
+DIST_FAMILIES = (("communication (NCCL)", r"nccl"),
+                 ("FSDP2 copies and casts, optimizer", r"Memcpy DtoD|chunk_cat|multi_tensor_apply|bfloat16_copy"))
 GPUS = (64, 128, 256, 512, 1024)
 NODE = 8  # GPUs a node (NVLink inside)
 INTER_NODE_GBPS = 50.0  # per GPU across nodes: one 400 Gb/s NIC a GPU (an assumption, not measured)
@@ -231,10 +237,16 @@ def run_variant(args, variant, layout, device, world, counter):
     stats = torch.tensor([statistics.median(times), peak or 0.0], device=device, dtype=torch.float64)
     dist.all_reduce(stats, op=dist.ReduceOp.MAX)  # (the slowest rank's step, the largest peak)
     nbytes = dict(counter.bytes)
+    profiled = None
+    if args.profile:
+        from common import KERNEL_FAMILIES, profile_step
+
+        profiled = profile_step(f"{layout} {variant[0]}", step, families=DIST_FAMILIES + tuple(KERNEL_FAMILIES),
+                                show=False)
     layer = opt = None  # (freed before the next variant)
     if gpu:
         torch.cuda.empty_cache()
-    return dict(step_ms=stats[0].item(), peak_gib=stats[1].item() if gpu else None, bytes=nbytes)
+    return dict(step_ms=stats[0].item(), peak_gib=stats[1].item() if gpu else None, bytes=nbytes, profile=profiled)
 
 
 def bandwidth_gbps(device, world, nbytes, kind):
@@ -292,6 +304,17 @@ def paper_model(args, results):
     return out
 
 
+def profile_rows(results):
+    """--profile's table: a row a layout and variant, its kernel time and a column a family (0 where none ran)."""
+    fams = []
+    for res in results.values():
+        for r in res.values():
+            fams += [f for f in r["profile"]["families"] if f not in fams]
+    return [dict(layout=layout, variant=name, kernels_ms=r["profile"]["total_ms"],
+                 **{f: r["profile"]["families"].get(f, 0.0) for f in fams})
+            for layout, res in results.items() for name, r in res.items()]
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
@@ -305,7 +328,10 @@ def main():
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--curve", type=int, default=0, help="also train this many steps of each variant: loss curves")
+    p.add_argument("--profile", action="store_true", help="also each step's GPU kernel time by family (CUDA)")
     args = p.parse_args()
+    if args.profile and args.device != "cuda":
+        p.error("--profile needs --device cuda (it sums GPU kernel times)")
     if set(args.layouts.split(",")) - {"ep", "fsdp", "fsdp_rows"}:
         p.error(f"expected --layouts of ep, fsdp, fsdp_rows, got {args.layouts!r}")
     gpu = args.device == "cuda"
@@ -343,6 +369,8 @@ def main():
                                   all_gather_gbps=bandwidth_gbps(device, world, 256 << 20, "ag"))]
     if "fsdp" in results:
         data["paper_model"] = paper_model(args, results)
+    if args.profile:
+        data["profile"] = profile_rows(results)
     if args.curve:
         data["curves"] = []
         for layout in args.layouts.split(","):
@@ -374,7 +402,12 @@ def main():
                         [[c["layout"], c["variant"], f"{c['first']:.4f}", f"{c['last']:.4f}",
                           f"{c['max_rel_diff_vs_bf16']:.4f}", f"{c['after_10_steps']:.4f}",
                           f"{c['max_rel_diff_vs_fp32']:.4f}"] for c in data["curves"]], "bench_distributed.md")
-        name = f"bench_distributed_{args.recipe.split('_')[1]}_x{world}"
+        if args.profile:
+            cols = list(data["profile"][0])
+            print_table("GPU kernel time per step by family, ms (rank 0, torch.profiler)", cols,
+                        [[r[c] if isinstance(r[c], str) else f"{r[c]:.2f}" for c in cols] for r in data["profile"]],
+                        "bench_distributed.md")
+        name = f"bench_distributed_{args.recipe.split('_')[1]}_x{world}" + ("_profile" if args.profile else "")
         write_json(name, data, sys.argv, launcher=f"torchrun --nproc-per-node={world}")
     dist.barrier()
     dist.destroy_process_group()

@@ -186,3 +186,49 @@ def write_json(name: str, data, argv, launcher: str = "python") -> None:
     with open(path, "w") as f:
         json.dump(doc, f, indent=1)
     print(f"wrote {path}", file=sys.stderr)
+
+
+KERNEL_FAMILIES = [  # (label, regex on the kernel name), first match wins
+    ("fp8 grouped GEMM", r"f8f8bf16|fp8.*grouped|scaled.*grouped|cutlass.*(e4m3|f8)|GroupProblemShape.*e4m3|Blockwise"),
+    ("bf16 grouped GEMM", r"grouped|cutlass|sm90_xmma|gemm|nvjet"),
+    ("swiglu (ours)", r"swiglu"),
+    ("quantization (ours)", r"quantize|tiles|rows_kernel|cols_kernel"),
+    ("token groups / offs", r"copy_rows|padded_offsets|zero_rows|permute|invert|build_tables"),
+    ("gradient copy / accumulate", r"copy_kernel|CatArrayBatched|add_kernel|AddFunctor"),
+    ("elementwise / reduce (torch)", r"elementwise|vectorized|unrolled|silu|reduce_kernel|fill|cumsum|scan"),
+]
+
+
+def profile_step(name, step, top=10, families=KERNEL_FAMILIES, show=True):
+    """torch.profiler's GPU kernel time of one step, summed by kernel family. A short burst (5 steps after 3): near
+    the boost clock, where the timed loops run at the power cap's lower clock (decision record 041). ``families``:
+    (label, regex) pairs, the first match a kernel's family; ``show``: print the table."""
+    import collections
+    import re
+
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            step()
+        torch.cuda.synchronize()
+    fam, kern = collections.Counter(), collections.Counter()
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            label = next((lb for lb, pat in families if re.search(pat, ev.name, re.I)), "other")
+            fam[label] += ev.device_time / 5e3
+            kern[ev.name[:100]] += ev.device_time / 5e3
+    total = sum(fam.values())
+    if not show:
+        return {"total_ms": total, "families": dict(fam), "kernels": dict(kern.most_common(top))}
+    print(f"\n#### {name}: GPU kernel time per step {total:.2f} ms")
+    print("| family | ms | share |\n|---|---|---|")
+    for k, v in fam.most_common():
+        print(f"| {k} | {v:.3f} | {100 * v / total:.1f}% |")
+    print(f"top {top} kernels:")
+    for k, v in kern.most_common(top):
+        print(f"  {v:7.3f} ms  {k}")
+    return {"total_ms": total, "families": dict(fam), "kernels": dict(kern.most_common(top))}

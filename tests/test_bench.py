@@ -49,6 +49,28 @@ def test_results_md_is_generated():
     assert out.returncode == 0, out.stdout + out.stderr
 
 
+def test_bench_distributed_profile_rows():
+    """--profile's table: a row a layout and variant, a column a kernel family, 0 where a variant ran none of it; and
+    --profile refuses the CPU (it sums GPU kernel times) before starting any process group."""
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import bench_distributed
+
+    def prof(total, fams):
+        return {"profile": {"total_ms": total, "families": fams}}
+
+    results = {"ep": {"bf16": prof(3.0, {"bf16 grouped GEMM": 2.0, "communication (NCCL)": 1.0}),
+                      "fp8": prof(2.5, {"fp8 grouped GEMM": 1.0, "quantization (ours)": 0.5,
+                                        "communication (NCCL)": 1.0})}}
+    rows = bench_distributed.profile_rows(results)
+    assert [(r["layout"], r["variant"], r["kernels_ms"]) for r in rows] == [("ep", "bf16", 3.0), ("ep", "fp8", 2.5)]
+    assert list(rows[0])[3:] == ["bf16 grouped GEMM", "communication (NCCL)", "fp8 grouped GEMM", "quantization (ours)"]
+    assert (rows[0]["fp8 grouped GEMM"], rows[1]["bf16 grouped GEMM"], rows[1]["quantization (ours)"]) == (
+        0.0, 0.0, 0.5)
+    out = subprocess.run([sys.executable, "bench/bench_distributed.py", "--device", "cpu", "--profile"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "--profile needs --device cuda" in out.stderr, out.stderr[-2000:]
+
+
 def test_bench_distributed_smoke(tmp_path):
     """Two CPU ranks (gloo): every layout (weights sharded on experts and on rows) and
     variant runs, fp8 communication moves
