@@ -37,6 +37,7 @@ and writes ..._x<ranks>_profile.json instead.
 """
 
 import argparse
+import gc
 import os
 import statistics
 import sys
@@ -176,6 +177,14 @@ def rel_gaps(losses, ref):
     return [abs(a - b) / b for a, b in zip(losses, ref)]
 
 
+def free(device):
+    """Free a variant's layer before the next one is measured: FSDP2 leaves a sharded module in reference cycles,
+    which only the cycle collector frees (else each later variant's peak holds the earlier ones' weights)."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
 def curve(args, variant, layout, device, world, counter):
     """(losses, whether every rank's router is the same after them) of --curve steps of AdamW on a regression
     (fixed random targets of fresh tokens a step, the same on every variant). bf16 variants take bf16 tokens, FP32
@@ -200,6 +209,8 @@ def curve(args, variant, layout, device, world, counter):
     dist.broadcast(first, 0)
     same = torch.tensor([float(torch.equal(gate, first))], device=device)
     dist.all_reduce(same, op=dist.ReduceOp.MIN)
+    layer = opt = loss = None  # (the last loss's graph holds FSDP2's hooks, and so the layer)
+    free(device)
     return losses, bool(same.item())
 
 
@@ -243,9 +254,8 @@ def run_variant(args, variant, layout, device, world, counter):
 
         profiled = profile_step(f"{layout} {variant[0]}", step, families=DIST_FAMILIES + tuple(KERNEL_FAMILIES),
                                 show=False)
-    layer = opt = None  # (freed before the next variant)
-    if gpu:
-        torch.cuda.empty_cache()
+    layer = opt = None
+    free(device)
     return dict(step_ms=stats[0].item(), peak_gib=stats[1].item() if gpu else None, bytes=nbytes, profile=profiled)
 
 
@@ -363,7 +373,7 @@ def main():
                              comm_bytes_vs_bf16_comm=mine / ref if ref else None,
                              peak_gib=r["peak_gib"], mib=moved))
     data = dict(shape=dict(tokens=args.tokens, dim=args.dim, hidden=args.hidden, experts=args.experts,
-                           topk=args.topk, recipe=args.recipe), steps=rows)
+                           topk=args.topk, recipe=args.recipe), steps=rows, variants_freed=True)
     if gpu:
         data["bandwidth"] = [dict(world=world, all_to_all_gbps=bandwidth_gbps(device, world, 256 << 20, "a2a"),
                                   all_gather_gbps=bandwidth_gbps(device, world, 256 << 20, "ag"))]

@@ -160,6 +160,10 @@ def render(runs):
         if name.startswith("bench_distributed"):
             if data["steps"][0]["world"] < largest[data["shape"].get("recipe")]:
                 groups = [(k, v) for k, v in groups if k != "paper_model"]
+            groups = [(k, v) for k, v in groups if k != "variants_freed"]
+            if not data.get("variants_freed"):
+                lines += ["peak_gib: past the first row, each also holds the earlier variants' layers, which the "
+                          "benchmark did not free then (record 045); only the first row's is its variant's own.", ""]
         for key, rows in groups:
             if key:
                 lines += [f"### {key}", ""]

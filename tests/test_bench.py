@@ -71,6 +71,35 @@ def test_bench_distributed_profile_rows():
     assert out.returncode == 2 and "--profile needs --device cuda" in out.stderr, out.stderr[-2000:]
 
 
+FREED_SCRIPT = """
+import sys, weakref
+import torch, torch.distributed as dist
+sys.path.insert(0, "bench")
+import bench_distributed as bd
+
+dist.init_process_group("gloo")
+args = type("Args", (), dict(tokens=256, dim=256, hidden=256, experts=8, topk=2, recipe="fp8_blockwise", steps=1,
+                             warmup=1, profile=False, curve=2))()
+layers, build = [], bd.build
+bd.build = lambda *a, **k: layers.append(weakref.ref(build(*a, **k))) or layers[-1]()
+for layout in ("ep", "fsdp"):
+    bd.run_variant(args, bd.VARIANTS[1], layout, torch.device("cpu"), 1, bd.Counter())
+    bd.curve(args, bd.VARIANTS[1], layout, torch.device("cpu"), 1, bd.Counter())
+print("alive", sum(ref() is not None for ref in layers), "of", len(layers))
+"""
+
+
+def test_bench_distributed_frees_each_variant():
+    """Each variant's layer is freed before the next is measured: FSDP2 leaves sharded modules in reference cycles,
+    and a layer left to the cycle collector counted in every later variant's peak memory (record 045)."""
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29500 + os.getpid() % 1000), RANK="0",
+               WORLD_SIZE="1", LOCAL_RANK="0", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    out = subprocess.run([sys.executable, "-c", FREED_SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    assert "alive 0 of 4" in out.stdout, out.stdout[-2000:]
+
+
 def test_bench_distributed_smoke(tmp_path):
     """Two CPU ranks (gloo): every layout (weights sharded on experts and on rows) and
     variant runs, fp8 communication moves
