@@ -89,7 +89,9 @@ def route(x, gate, topk):
     scores = torch.softmax(x.float() @ gate.float().t(), dim=-1)
     weights, experts = torch.topk(scores, topk, dim=-1)
     order = torch.argsort(experts.flatten(), stable=True)
-    counts = torch.bincount(experts.flatten(), minlength=gate.shape[0]).to(torch.int32)
+    # (a scatter, not bincount, whose CUDA kernel syncs with the host: torchtitan's router counts without one)
+    counts = torch.zeros(gate.shape[0], dtype=torch.int32, device=x.device).scatter_add_(
+        0, experts.flatten(), torch.ones(experts.numel(), dtype=torch.int32, device=x.device))
     return weights, order, counts
 
 
@@ -124,8 +126,8 @@ class Layer(torch.nn.Module):
         recv_counts = torch.empty_like(counts)
         counter.label = "counts"
         dist.all_to_all_single(recv_counts, counts)
-        send = counts.view(world, epr).sum(1).tolist()  # host-sync-ok: all-to-all split sizes
-        recv = recv_counts.view(world, epr).sum(1).tolist()  # host-sync-ok: all-to-all split sizes
+        # host-sync-ok: the all-to-all split sizes, in one copy (as torchtitan's dispatcher)
+        send, recv = torch.stack([counts, recv_counts]).view(2, world, epr).sum(2).tolist()
         received = sum(recv)
         counter.label = "dispatch"
         if self.fp8_comm:
