@@ -223,6 +223,55 @@ def bench_grouped_experts(shapes, modes, peer, compile_shapes=(), swiglu_ab=Fals
     return rows, records
 
 
+def bench_fused_accumulation(shapes):
+    """A micro-batch into fp32 main gradients (Megatron's scheme; ``GroupedExperts(fuse_grad_accumulation=True)``):
+    torchtitan's bf16 module and our fp8_blockwise layer writing bf16 ``.grad`` then adding it to ``main_grad``,
+    against fp8_blockwise adding to ``main_grad`` inside its weight-gradient GEMMs. The step's time and peak (above the
+    weights and main gradients)."""
+    from moe_fp8_ext import GroupedExperts
+
+    rows = []
+    for m, d, h, e in shapes:
+        counts = router_counts(m, e).to(DEVICE)
+        g = torch.Generator(device=DEVICE).manual_seed(1)
+        x = torch.randn(m, d, device=DEVICE, dtype=torch.bfloat16, generator=g).requires_grad_()
+        grad = torch.randn(m, d, device=DEVICE, dtype=torch.bfloat16, generator=g)
+        bf16 = grouped_experts(d, h, e)
+        mods = {"bf16 (torchtitan), .grad then main_grad +=": bf16}
+        for name, fuse in (("fp8_blockwise, .grad then main_grad +=", False), ("fp8_blockwise, fused", True)):
+            mod = GroupedExperts(d, h, e, recipe="fp8_blockwise", dtype=torch.bfloat16, device=DEVICE,
+                                 fuse_grad_accumulation=fuse)
+            with torch.no_grad():
+                for n, t in (("w1", "w1_EFD"), ("w2", "w2_EDF"), ("w3", "w3_EFD")):  # (torchtitan's names)
+                    getattr(mod, n).copy_(getattr(bf16, t))
+            mods[name] = mod
+        for mod in mods.values():
+            for p in mod.parameters():
+                p.main_grad = torch.zeros(p.shape, dtype=torch.float32, device=DEVICE)
+
+        def step(mod, fused, x=x, counts=counts, grad=grad):
+            x.grad = None
+            mod(x, counts).backward(grad)
+            if not fused:
+                for p in mod.parameters():
+                    p.main_grad.add_(p.grad)
+                    p.grad = None
+
+        fns = [lambda mod=mod, n=n: step(mod, n.endswith("fused")) for n, mod in mods.items()]
+        for fn in fns:
+            fn()
+        peaks = [peak_step_mib(fn) for fn in fns]
+        times, _ = bench_interleaved_us(fns) if DEVICE == "cuda" else once_us(fns)
+        for i, name in enumerate(mods):
+            rows.append(dict(shape=f"({m}, {d}, {h}, {e})", variant=name, step_ms=times[i] / 1e3,
+                             vs_bf16=times[0] / times[i], vs_unfused_fp8=times[1] / times[i], peak_mib=peaks[i],
+                             peak_vs_bf16=peaks[i] / peaks[0]))
+            print(" | ".join(str(v) if not isinstance(v, float) else f"{v:.2f}" for v in rows[-1].values()), flush=True)
+        del mods, bf16, x, grad, fns
+        torch.cuda.empty_cache()
+    return rows
+
+
 def moe_layer(tokens, dim, hidden, experts, top_k, converter=None):
     from moe_fp8_ext.integrations.torchtitan import build_moe
 
@@ -333,6 +382,8 @@ def main():
     p.add_argument("--no-peer", action="store_true", help="without torchtitan's torchao FP8 path")
     p.add_argument("--smoke", action="store_true", help="CPU, tiny shapes, one call each: checks the script")
     p.add_argument("--profile", action="store_true", help="only the per-kernel profile of a fresh experts step")
+    p.add_argument("--fused-accumulation", action="store_true",
+                   help="only the micro-batch into fp32 main gradients, fused (fuse_grad_accumulation) and not")
     p.add_argument("--swiglu-ab", action="store_true",
                    help="also fp8_blockwise without the SwiGLU and dSwiGLU epilogues (Recipe.swiglu_in_gemm)")
     args = p.parse_args()
@@ -348,6 +399,13 @@ def main():
     out = {}
     if args.profile:
         write_json("profile_experts", profile_experts(shapes, args.swiglu_ab), sys.argv)
+        return
+    if args.fused_accumulation:
+        rows = bench_fused_accumulation(shapes)
+        print_table("a micro-batch into fp32 main gradients: .grad then an add, against the add in the GEMM",
+                    list(rows[0]), [[f"{v:.2f}" if isinstance(v, float) else v for v in r.values()] for r in rows],
+                    "bench_experts.md")
+        write_json("bench_experts_fused_accumulation", {"fused_accumulation": rows}, sys.argv)
         return
     if not args.moe:
         compile_shapes = [EXPERTS_SHAPES[int(i)] for i in args.compile_shapes.split(",")] if args.compile else []

@@ -116,6 +116,7 @@ TORCH_LIBRARY(moe_fp8, m) {
   // ---- FP8 blockwise grouped GEMMs (DESIGN §6), Hopper: gemm/blockwise_grouped_sm90.cu (CUDA only) -
   m.def("blockwise_grouped_mm_2d3d(Tensor a, Tensor scale_a, Tensor b, Tensor scale_b, Tensor offs, ScalarType out_dtype, int config=-1) -> Tensor");
   m.def("blockwise_grouped_mm_2d2d(Tensor a, Tensor scale_a, Tensor b, Tensor scale_b, Tensor offs, ScalarType out_dtype, int config=-1) -> Tensor");
+  m.def("blockwise_grouped_mm_2d2d_add_(Tensor(a!) out, Tensor a, Tensor scale_a, Tensor b, Tensor scale_b, Tensor offs, int config=-1) -> ()");
   m.def("blockwise_grouped_mm_swiglu(Tensor a, Tensor scale_a, Tensor b, Tensor scale_b, Tensor offs, Tensor padded_starts) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def("blockwise_grouped_mm_dswiglu(Tensor a, Tensor scale_a, Tensor b, Tensor scale_b, Tensor offs, Tensor h13, Tensor padded_starts) -> (Tensor, Tensor, Tensor, Tensor)");
 

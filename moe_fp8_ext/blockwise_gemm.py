@@ -414,3 +414,45 @@ def blockwise_grouped_mm_2d2d(a: Tensor, scale_a: Tensor, b: Tensor, scale_b: Te
 def _(a, scale_a, b, scale_b, offs, out_dtype, config=-1):
     e, n, k = check_blockwise_grouped_mm_2d2d(a, scale_a, b, scale_b, offs, out_dtype, config)
     return a.new_empty((e, n, k), dtype=torch.bfloat16)
+
+
+OP_2D2D_ADD = "blockwise_grouped_mm_2d2d_add_"
+CONFIGS_2D2D_ADD = 2  # 128x128 cluster 1x2, 128x128 2x1
+
+
+def check_blockwise_grouped_mm_2d2d_add_(out, a, scale_a, b, scale_b, offs, config=-1):
+    """The checks of :func:`blockwise_grouped_mm_2d2d_add_` (those of the 2d2d op, then out's)."""
+    op = OP_2D2D_ADD
+    try:
+        e, n, k = check_blockwise_grouped_mm_2d2d(a, scale_a, b, scale_b, offs, torch.bfloat16, -1)
+    except RuntimeError as err:  # (the same rules, named for this op)
+        raise RuntimeError(str(err).replace(OP_2D2D + ":", op + ":", 1)) from None
+    _check_config(op, config, CONFIGS_2D2D_ADD)
+    if not isinstance(out, Tensor) or out.dtype != torch.float32:
+        raise RuntimeError(f"{op}: expected out of dtype float32, got {getattr(out, 'dtype', type(out).__name__)}")
+    if out.device != a.device:
+        raise RuntimeError(f"{op}: expected out on {a.device} (the device of a), got {out.device}")
+    _check_shape(op, "out", out, (e, n, k))
+    if not out.is_contiguous():
+        raise RuntimeError(f"{op}: expected out contiguous (row-major (E, N, K)), got strides {tuple(out.stride())}")
+
+
+def blockwise_grouped_mm_2d2d_add_(out: Tensor, a: Tensor, scale_a: Tensor, b: Tensor, scale_b: Tensor, offs: Tensor,
+                                   config: int = -1) -> None:
+    """:func:`blockwise_grouped_mm_2d2d` added to ``out`` (E, N, K) float32 in place:
+    ``out[g] += dequant(a[:, tokens of g]) @ dequant(b[tokens of g, :])``, the fp32
+    accumulator added once (one rounding, IEEE, no flush to zero), never rounded to bf16
+    first. An empty group leaves its ``out[g]`` as it is. The weight gradient added into an
+    fp32 main gradient (Megatron's ``gradient_accumulation_fusion``): one read and one
+    write of out, where the GEMM and an add would write, read and read again.
+    ``config``: 0 (128x128 tiles, 1x2 clusters) or 1 (2x1), -1 picks by shape; both give
+    the same bits, and ``out`` gains the bits of ``blockwise_grouped_mm_2d2d``'s output
+    before its rounding to bf16."""
+    check_blockwise_grouped_mm_2d2d_add_(out, a, scale_a, b, scale_b, offs, config)
+    _check_device(OP_2D2D_ADD, a)
+    _ops.blockwise_grouped_mm_2d2d_add_(out, a, scale_a, b, scale_b, offs, config)
+
+
+@torch.library.register_fake("moe_fp8::blockwise_grouped_mm_2d2d_add_")
+def _(out, a, scale_a, b, scale_b, offs, config=-1):
+    check_blockwise_grouped_mm_2d2d_add_(out, a, scale_a, b, scale_b, offs, config)

@@ -60,9 +60,11 @@ __all__ = ["GroupedExperts", "WeightCache", "clear_weight_caches", "experts", "o
 
 class _Experts(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, w1, w3, w2, offs, recipe, fp8_dtype, backend, pad_wgrad, cache, keys, grad_mode):
-        # keys: the tensors that say whether w1, w3, w2 changed (weight_cache.weight_keys)
+    def forward(ctx, x, w1, w3, w2, offs, recipe, fp8_dtype, backend, pad_wgrad, cache, keys, grad_mode, main_grads):
+        # keys: the tensors that say whether w1, w3, w2 changed (weight_cache.weight_keys); main_grads: fp32
+        # tensors the weight gradients are added to in place (then returned as None), or None
         ctx.recipe, ctx.fp8_dtype, ctx.backend, ctx.cache = recipe, fp8_dtype, backend, cache
+        ctx.main_grads = main_grads
         ctx.keys = keys = (w1, w3, w2) if keys is None else keys
         ctx.dtypes = (x.dtype, w1.dtype, w3.dtype, w2.dtype)
         ctx.shapes = (x.shape, w1.shape, w3.shape, w2.shape)
@@ -151,7 +153,9 @@ class _Experts(torch.autograd.Function):
         if ctx.no_groups:  # the output is a constant zero: zero gradients
             grads = tuple(grad_out.new_zeros(s, dtype=d) if need else None
                           for s, d, need in zip(ctx.shapes, ctx.dtypes, ctx.needs_input_grad))
-            return grads + (None,) * 8
+            if ctx.main_grads is not None:  # (zero gradients: nothing to add)
+                grads = grads[:1] + (None,) * 3
+            return grads + (None,) * 9
         s = unpack(ctx.saved_tensors, ctx.layout)
         if ctx.box is not None:
             if "h13" not in ctx.box:
@@ -211,7 +215,10 @@ class _Experts(torch.autograd.Function):
             g_col, h_col = colwise_pair(recipe, grad_out, h, f8, groups, g_col, h_col)
             h = None
             dtype = _gemm_out_dtype(recipe, backend, ctx.dtypes[3], grad_out.dtype)
-            grad_w2 = recipe.mm_2d2d(g_col, h_col, wgrad_offs, dtype, backend).to(ctx.dtypes[3])
+            if ctx.main_grads is not None:
+                recipe.mm_2d2d_add_(ctx.main_grads[2], g_col, h_col, wgrad_offs, dtype, backend)
+            else:
+                grad_w2 = recipe.mm_2d2d(g_col, h_col, wgrad_offs, dtype, backend).to(ctx.dtypes[3])
             g_col = h_col = None
         # -- input gradient: grad_h13 @ [W1; W3], one GEMM or two summed
         grad_x = grad_w1 = grad_w3 = None
@@ -244,13 +251,15 @@ class _Experts(torch.autograd.Function):
             g13_col, x_col = colwise_pair(recipe, grad_h13, x, f8, groups, g13_col, x_col)
             grad_h13 = x = None
             dtype = _gemm_out_dtype(recipe, backend, ctx.dtypes[1], ctx.gemm_dtype)
-            grad_w1, grad_w3 = recipe.mm_2d2d_parts(g13_col, x_col, wgrad_offs, dtype, backend,
-                                                    ((0, hidden) if need_w1 else None,
-                                                     (hidden, 2 * hidden) if need_w3 else None))
+            parts = ((0, hidden) if need_w1 else None, (hidden, 2 * hidden) if need_w3 else None)
+            if ctx.main_grads is not None:
+                recipe.mm_2d2d_parts_add_(ctx.main_grads[:2], g13_col, x_col, wgrad_offs, dtype, backend, parts)
+            else:
+                grad_w1, grad_w3 = recipe.mm_2d2d_parts(g13_col, x_col, wgrad_offs, dtype, backend, parts)
+                grad_w1 = grad_w1.to(ctx.dtypes[1]) if need_w1 else None
+                grad_w3 = grad_w3.to(ctx.dtypes[2]) if need_w3 else None
             del g13_col, x_col
-            grad_w1 = grad_w1.to(ctx.dtypes[1]) if need_w1 else None
-            grad_w3 = grad_w3.to(ctx.dtypes[2]) if need_w3 else None
-        return grad_x, grad_w1, grad_w3, grad_w2, None, None, None, None, None, None, None, None
+        return grad_x, grad_w1, grad_w3, grad_w2, None, None, None, None, None, None, None, None, None
 
 
 # torch < 2.13 under compile: a Function output last written by an in-place op (the
@@ -301,6 +310,7 @@ def experts(
     weight_cache: Optional[WeightCache] = None,
     weight_keys: Optional[Tuple[Tensor, Tensor, Tensor]] = None,
     pad_groups: bool = True,
+    main_grads: Optional[Tuple[Tensor, Tensor, Tensor]] = None,
 ) -> Tensor:
     """The SwiGLU expert FFN ``(silu(x w1[e]ᵀ) ⊙ (x w3[e]ᵀ)) w2[e]ᵀ`` for the rows of each
     token group e, differentiable in x, w1, w3 and w2.
@@ -318,19 +328,24 @@ def experts(
     dispatched in fp8 (:class:`moe_fp8_ext.dispatch.Fp8Rows`) and the weights all-gathered
     in fp8 (:class:`moe_fp8_ext.fsdp.GatheredWeight`): read as they are, in eager mode
     (under torch.compile the layer runs eagerly there, a graph break; ``fullgraph=True``
-    raises).
+    raises). ``main_grads``: three float32 tensors of w1's, w3's and w2's shapes that
+    the backward adds the weights' gradients to in place, returning none for the weights
+    (Megatron's gradient accumulation fusion: fused into the weight-gradient GEMMs for
+    fp8_blockwise on Hopper, an add after them elsewhere); eager only (under torch.compile
+    a graph break).
     """
     kw = dict(recipe=recipe, fp8_dtype=fp8_dtype, weight_cache=weight_cache, weight_keys=weight_keys,
-              pad_groups=pad_groups)
-    if traced_fp8_comm(x, (w1, w3, w2)):
+              pad_groups=pad_groups, main_grads=main_grads)
+    if traced_fp8_comm(x, (w1, w3, w2)) or (main_grads is not None and torch.compiler.is_compiling()):
         return _experts_eager(x, w1, w3, w2, offs, **kw)
     return _experts(x, w1, w3, w2, offs, **kw)
 
 
-def _experts(x, w1, w3, w2, offs, *, recipe, fp8_dtype, weight_cache, weight_keys, pad_groups):
+def _experts(x, w1, w3, w2, offs, *, recipe, fp8_dtype, weight_cache, weight_keys, pad_groups, main_grads):
     r = get_recipe(recipe, "experts")
     backend = r.backend(x.device) if isinstance(x, Tensor) else None
     f8 = _check(x, w1, w3, w2, offs, r, backend, fp8_dtype)
+    main_grads = _check_main_grads(main_grads, (w1, w3, w2), x.device)
     if not isinstance(pad_groups, bool):
         raise TypeError(f"experts: expected pad_groups to be a bool, got {type(pad_groups).__name__}")
     if weight_cache is not None and not isinstance(weight_cache, WeightCache):
@@ -349,14 +364,34 @@ def _experts(x, w1, w3, w2, offs, *, recipe, fp8_dtype, weight_cache, weight_key
                                       "permute_indices makes it) and pass pad_groups=False")
         x_p, starts, ends = token_groups.pad_token_groups(x, offs, r.alignment)
         out_p = _Experts.apply(x_p, w1, w3, w2, ends, r, f8, backend, False, weight_cache, weight_keys,
-                               torch.is_grad_enabled())
+                               torch.is_grad_enabled(), main_grads)
         return token_groups.unpad_token_groups(out_p, offs, starts, x.shape[0])
     return _Experts.apply(x, w1, w3, w2, offs, r, f8, backend, pads_wgrad(r, pad_groups, x.shape[0]), weight_cache,
-                          weight_keys, torch.is_grad_enabled())
+                          weight_keys, torch.is_grad_enabled(), main_grads)
+
+
+def _check_main_grads(main_grads, ws, device):
+    """main_grads as a tuple of three fp32 contiguous tensors of the weights' shapes on x's device, or None."""
+    if main_grads is None:
+        return None
+    if not isinstance(main_grads, (tuple, list)) or len(main_grads) != 3:
+        raise TypeError("experts: expected main_grads to be None or three tensors (for w1, w3, w2)")
+    for name, g, w in zip(("w1", "w3", "w2"), main_grads, ws):
+        if not isinstance(g, Tensor) or g.dtype != torch.float32 or tuple(g.shape) != tuple(w.shape):
+            raise ValueError(f"experts: expected the main gradient of {name} float32 of shape {tuple(w.shape)}, got "
+                             f"{getattr(g, 'dtype', type(g).__name__)} {tuple(getattr(g, 'shape', ()))}")
+        if g.device != device or not g.is_contiguous():
+            raise ValueError(f"experts: expected the main gradient of {name} contiguous on {device}, got "
+                             f"{'strides ' + str(g.stride()) if g.device == device else g.device}")
+        if isinstance(w, _fsdp.GatheredWeight):
+            raise ValueError("experts: main_grads with weights all-gathered in fp8 (FSDP2): FSDP2 reduces the "
+                             "weights' .grad; leave main_grads off under FSDP2")
+    return tuple(main_grads)
 
 
 EAGER_REASON = ("moe_fp8_ext: rows dispatched and weights all-gathered in fp8 are tensor subclasses dynamo cannot "
-                "trace; the experts layer runs them eagerly (fullgraph=True cannot hold them)")
+                "trace, and main_grads are added to in place by the backward; the experts layer runs them eagerly "
+                "(fullgraph=True cannot hold them)")
 
 
 def traced_fp8_comm(x, ws) -> bool:
@@ -401,11 +436,22 @@ class GroupedExperts(torch.nn.Module):
     (E, dim, hidden); ``forward(x, num_tokens_per_expert)`` for tokens sorted by
     expert, as torchtitan's ``GroupedExperts.forward``. ``recipe``: as for
     :func:`experts`. ``reuse_weights``: keep a :class:`WeightCache` (``self.weight_cache``;
-    see the module docstring for when it is used and what it holds)."""
+    see the module docstring for when it is used and what it holds).
+    ``fuse_grad_accumulation``: the backward adds each weight's gradient to its
+    ``main_grad`` attribute (float32, made as zeros by the first forward) in place and
+    leaves ``.grad`` None, as Megatron's ``gradient_accumulation_fusion``: the optimizer
+    step reads ``main_grad`` (``p.grad = p.main_grad`` for fp32 weights) and the caller
+    zeroes it after. Not under FSDP2 or other DTensor weights (their reduction reads
+    ``.grad``)."""
 
     def __init__(self, dim: int, hidden_dim: int, num_experts: int, *, recipe: Union[str, Recipe] = "fp8_rowwise",
-                 reuse_weights: bool = False, dtype: Optional[torch.dtype] = None, device=None):
+                 reuse_weights: bool = False, dtype: Optional[torch.dtype] = None, device=None,
+                 fuse_grad_accumulation: bool = False):
         super().__init__()
+        if not isinstance(fuse_grad_accumulation, bool):
+            raise TypeError(f"GroupedExperts: expected fuse_grad_accumulation to be a bool, got "
+                            f"{type(fuse_grad_accumulation).__name__}")
+        self.fuse_grad_accumulation = fuse_grad_accumulation
         self.num_experts, self.dim, self.hidden_dim = num_experts, dim, hidden_dim
         self.recipe = get_recipe(recipe, "GroupedExperts")
         kw = dict(dtype=dtype, device=device)
@@ -426,9 +472,24 @@ class GroupedExperts(torch.nn.Module):
         offs = offsets_from_counts(num_tokens_per_expert, x.shape[0])
         _fsdp.check_wrapped(self, (self.w1, self.w3, self.w2))
         keys = weight_keys(self, ("w1", "w3", "w2")) if self.weight_cache is not None else None
+        main = self.main_grads() if self.fuse_grad_accumulation else None
         return experts(x, self.w1, self.w3, self.w2, offs, recipe=self.recipe, weight_cache=self.weight_cache,
-                       weight_keys=keys)
+                       weight_keys=keys, main_grads=main)
+
+    def main_grads(self) -> Tuple[Tensor, Tensor, Tensor]:
+        """w1's, w3's and w2's ``main_grad`` (fuse_grad_accumulation), made as float32 zeros where missing."""
+        from torch.distributed.tensor import DTensor
+
+        ws = (self.w1, self.w3, self.w2)
+        if any(isinstance(w, DTensor) for w in ws):
+            raise ValueError("GroupedExperts: fuse_grad_accumulation adds the weight gradients to main_grad, which "
+                             "FSDP2 and DTensor sharding do not reduce (they read .grad): turn it off there")
+        for w in ws:
+            if getattr(w, "main_grad", None) is None:
+                w.main_grad = torch.zeros(w.shape, dtype=torch.float32, device=w.device)
+        return tuple(w.main_grad for w in ws)
 
     def extra_repr(self) -> str:
         return (f"dim={self.dim}, hidden_dim={self.hidden_dim}, num_experts={self.num_experts}, "
-                f"recipe={self.recipe.name!r}, reuse_weights={self.weight_cache is not None}")
+                f"recipe={self.recipe.name!r}, reuse_weights={self.weight_cache is not None}"
+                + (", fuse_grad_accumulation=True" if self.fuse_grad_accumulation else ""))

@@ -26,6 +26,19 @@ def test_bench_experts_smoke(tmp_path, table):
     assert all(r["fresh_ms"] > 0 and r["accum_ms"] > 0 for r in rows)
 
 
+def test_bench_fused_accumulation_smoke(tmp_path):
+    """--fused-accumulation: the three ways into fp32 main gradients run and are timed (CPU, tiny)."""
+    pytest.importorskip("torchtitan.models.common.moe")
+    env = dict(os.environ, OUT=str(tmp_path), PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    out = subprocess.run([sys.executable, "bench/bench_experts.py", "--smoke", "--fused-accumulation"], cwd=ROOT,
+                         env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    rows = json.load(open(tmp_path / "bench_experts_fused_accumulation.json"))["data"]["fused_accumulation"]
+    assert [r["variant"] for r in rows] == ["bf16 (torchtitan), .grad then main_grad +=",
+                                            "fp8_blockwise, .grad then main_grad +=", "fp8_blockwise, fused"]
+    assert all(r["step_ms"] > 0 for r in rows)
+
+
 def test_profile_summary():
     """issue 69's profile table: a step split into GEMMs and memory-bound work, the GEMM-only ceiling, and the bound
     that §13's fusions could reach by removing their bf16 bytes at copy bandwidth."""

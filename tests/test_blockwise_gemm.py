@@ -294,6 +294,35 @@ def test_checks_2d2d(what, edit, out_dtype, msg):
         mm_2d2d(*ops, out_dtype)
 
 
+BAD_2D2D_ADD = [
+    ("out dtype", lambda o, out: (out.bfloat16(), o, -1), "expected out of dtype float32, got torch.bfloat16"),
+    ("out shape", lambda o, out: (out[:, :, :128], o, -1), "expected out of shape [5, 200, 136], got [5, 200, 128]"),
+    ("out strides", lambda o, out: (out.transpose(1, 2).contiguous().transpose(1, 2), o, -1),
+     "expected out contiguous (row-major (E, N, K))"),
+    ("config", lambda o, out: (out, o, 2), "expected config -1 (the pick by shape) or in [0, 2), got 2"),
+    ("operands", lambda o, out: (out, _edit(o, 1, o[1].contiguous()), -1), "expected scale_a column-major"),
+]
+
+
+@pytest.mark.parametrize("what, edit, msg", BAD_2D2D_ADD, ids=[c[0] for c in BAD_2D2D_ADD])
+def test_checks_2d2d_add(what, edit, msg):
+    """The fused wgrad-into-main-gradient op: the 2d2d op's rules, then out's (float32 (E, N, K) contiguous), alike
+    in the raw op (its fake, on the meta device) and the wrapper."""
+    out, ops, config = edit(operands_2d2d(640, 200, 136, 5), torch.empty(5, 200, 136, device="meta"))
+    pattern = re.escape("blockwise_grouped_mm_2d2d_add_: " + msg)
+    with pytest.raises(RuntimeError, match=pattern):
+        torch.ops.moe_fp8.blockwise_grouped_mm_2d2d_add_(out, *ops, config)
+    with pytest.raises(RuntimeError, match=pattern):
+        bg.blockwise_grouped_mm_2d2d_add_(out, *ops, config=config)
+
+
+def test_fake_2d2d_add_returns_nothing():
+    out = torch.empty(5, 200, 136, device="meta")
+    assert torch.ops.moe_fp8.blockwise_grouped_mm_2d2d_add_(out, *operands_2d2d(640, 200, 136, 5)) is None
+    with pytest.raises(RuntimeError, match="blockwise_grouped_mm_2d2d_add_: expected CUDA tensors"):
+        bg.blockwise_grouped_mm_2d2d_add_(torch.empty(2, 64, 64), *operands_2d2d(256, 64, 64, 2, device="cpu"))
+
+
 def test_checks_2d2d_row_alignment():
     # contiguous operands with M % 16 != 0: rows of a / columns of b not 16-byte aligned
     with pytest.raises(RuntimeError, match=r"expected a.stride\(0\) to be at least 200 and a multiple of 16"):
@@ -516,6 +545,62 @@ def test_2d2d_random_groups():
     assert_close_to_reference(out, *reference_2d2d(a, sa, b, sb, offs))
 
 
+@requires_sm90
+@pytest.mark.gpu
+@pytest.mark.parametrize("m, n, k, sizes", CASES_2D2D)
+def test_2d2d_add_is_the_product_before_rounding(m, n, k, sizes):
+    """blockwise_grouped_mm_2d2d_add_ adds the fp32 accumulator once: from zeros it is what the bf16 op rounds (bit
+    for bit), onto any out it is out + that accumulator (IEEE fp32 adds), in both configurations; an empty group
+    leaves its out as it is."""
+    a, sa, b, sb, offs = draw_2d2d(m, n, k, offs_from_sizes(sizes), seed=m + n)
+    e = offs.numel()
+    acc = torch.zeros(e, n, k, device="cuda")
+    bg.blockwise_grouped_mm_2d2d_add_(acc, a, sa, b, sb, offs)
+    poison("cuda")
+    assert torch.equal(mm_2d2d(a, sa, b, sb, offs), acc.bfloat16())
+    ref, mag = reference_2d2d(a, sa, b, sb, offs)
+    assert bool(((acc - ref).abs() <= 2.0**-11 * mag + 1e-30).all())
+    out0 = torch.randn(e, n, k, device="cuda", generator=torch.Generator("cuda").manual_seed(m))
+    for c in range(bg.CONFIGS_2D2D_ADD):
+        out = out0.clone()
+        bg.blockwise_grouped_mm_2d2d_add_(out, a, sa, b, sb, offs, config=c)
+        assert torch.equal(out, out0 + acc), f"config {c}: {int((out != out0 + acc).sum())} outputs differ"
+    for g, (s, t) in enumerate(ranges(offs, m)):
+        if t == s:
+            assert torch.equal(out[g], out0[g])
+
+
+@requires_sm90
+@pytest.mark.gpu
+def test_experts_main_grads_fused():
+    """experts(main_grads=...) on Hopper with fp8_blockwise: the weights' gradients added to fp32 main gradients by
+    the GEMM (no .grad), twice over two micro-batches; against autograd's bf16 gradients summed in fp32 (within the
+    bf16 rounding those carry)."""
+    torch.manual_seed(0)
+    e, d, h = 4, 256, 384
+    ws = [(torch.randn(e, h, d, device="cuda") * 0.05), (torch.randn(e, h, d, device="cuda") * 0.05),
+          (torch.randn(e, d, h, device="cuda") * 0.05)]
+    sizes = [[300, 0, 129, 211], [128, 500, 1, 7]]
+    xs = [torch.randn(sum(z), d, device="cuda", dtype=torch.bfloat16) for z in sizes]
+    counts = [torch.tensor(z, device="cuda") for z in sizes]
+    ref_w = [w.bfloat16().requires_grad_() for w in ws]
+    fused_w = [w.bfloat16().requires_grad_() for w in ws]
+    mains = tuple(torch.zeros_like(w) for w in ws)
+    ref = [torch.zeros_like(w) for w in ws]
+    for x, c in zip(xs, counts):
+        offs = torch.cumsum(c, 0).to(torch.int32)
+        for w in ref_w:
+            w.grad = None
+        moe_fp8_ext.experts(x, *ref_w, offs, recipe="fp8_blockwise").float().square().sum().backward()
+        for r, w in zip(ref, ref_w):
+            r += w.grad.float()
+        moe_fp8_ext.experts(x, *fused_w, offs, recipe="fp8_blockwise",
+                            main_grads=mains).float().square().sum().backward()
+    assert all(w.grad is None for w in fused_w)
+    for m, r in zip(mains, ref):
+        assert bool(((m - r).abs() <= 2.0**-7 * r.abs() + 2.0**-7 * r.abs().max()).all())
+
+
 # ---- sm90 GPU: graphs, compile, opcheck, garbage offs --------------------------------------
 
 def _gpu_2d3d():
@@ -536,6 +621,7 @@ def _gpu_2d2d():
 OPCHECK_CASES = [
     ("blockwise_grouped_mm_2d3d", lambda d: (*_gpu_2d3d(), torch.bfloat16)),
     ("blockwise_grouped_mm_2d2d", lambda d: (*_gpu_2d2d(), torch.bfloat16)),
+    ("blockwise_grouped_mm_2d2d_add_", lambda d: (torch.zeros(4, 128, 256, device=d), *_gpu_2d2d())),
     ("blockwise_grouped_mm_swiglu", lambda d: _gpu_swiglu()),
     ("blockwise_grouped_mm_dswiglu", lambda d: _gpu_dswiglu()),
 ]

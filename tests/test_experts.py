@@ -935,3 +935,60 @@ def test_compiled_blockwise_backward_reuses_the_forward_weight_operands():
     assert not any("quantize_blockwise_weight" in t for t in graphs["bw"]), graphs["bw"]
     for a, b in zip([want_out] + want, [out] + got):
         assert sqnr(a, b) > 35
+
+
+# ---- main_grads: weight gradients added to fp32 main gradients (gradient accumulation fusion)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("recipe", ["bf16", "fp8_rowwise", "fp8_blockwise"])
+def test_main_grads_accumulate_as_autograd_does(device, recipe):
+    """Over two micro-batches (empty and odd groups), main_grads gain the weights' gradients in place and the weights
+    get no .grad; x's gradient is unchanged. Where the recipe adds after its GEMM (all but fp8_blockwise on Hopper:
+    test_blockwise_gemm.py has that one) the sums are autograd's accumulation of .grad bit for bit."""
+    if device == "cuda" and recipe == "fp8_blockwise" and get_recipe(recipe).backend(torch.device("cuda")) == \
+            "blockwise_gemm":
+        pytest.skip("the fused GEMM adds the unrounded accumulator: test_experts_main_grads_fused")
+    batches = [make(4, 256, 128, 384, device, dtype=torch.float32, seed=s, offs=offs)
+               for s, offs in ((1, [0, 129, 129, 384]), (2, [200, 201, 300, 384]))]
+    ws = [w.clone().requires_grad_() for w in batches[0][1:4]]
+    fused = [w.clone().requires_grad_() for w in batches[0][1:4]]
+    mains = tuple(torch.zeros_like(w) for w in ws)
+    for x, _, _, _, offs, grad in batches:
+        xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+        experts(xa, *ws, offs, recipe=recipe).backward(grad)
+        experts(xb, *fused, offs, recipe=recipe, main_grads=mains).backward(grad)
+        assert torch.equal(xa.grad, xb.grad)
+    assert all(w.grad is None for w in fused)
+    for m, w in zip(mains, ws):
+        assert torch.equal(m, w.grad)
+
+
+def test_main_grads_checks():
+    x, w1, w3, w2, offs, _ = make(2, 64, 32, 16, "cpu", dtype=torch.float32)
+    good = [torch.zeros_like(w) for w in (w1, w3, w2)]
+    for bad, msg in (((good[0], good[1]), "expected main_grads to be None or three tensors"),
+                     ((good[0].bfloat16(), good[1], good[2]), "expected the main gradient of w1 float32 of shape"),
+                     ((good[0], good[1], good[2][:, :16]), "expected the main gradient of w2 float32 of shape"),
+                     ((good[0], good[1].transpose(1, 2).contiguous().transpose(1, 2), good[2]),
+                      "expected the main gradient of w3 contiguous")):
+        with pytest.raises((TypeError, ValueError), match=msg):
+            experts(x, w1, w3, w2, offs, recipe="bf16", main_grads=bad)
+
+
+def test_grouped_experts_fuse_grad_accumulation():
+    """GroupedExperts(fuse_grad_accumulation=True): each weight's main_grad made as fp32 zeros by the first forward,
+    then added to by every backward (twice the same batch: twice the gradient, exactly); .grad stays None."""
+    torch.manual_seed(0)
+    layer = GroupedExperts(128, 256, 4, recipe="fp8_blockwise", dtype=torch.float32, fuse_grad_accumulation=True)
+    assert "fuse_grad_accumulation=True" in repr(layer)
+    x, counts = torch.randn(300, 128), torch.tensor([100, 0, 150, 50])
+    layer(x, counts).square().sum().backward()
+    once = [p.main_grad.clone() for p in (layer.w1, layer.w3, layer.w2)]
+    assert all(p.grad is None and p.main_grad.dtype == torch.float32 for p in (layer.w1, layer.w3, layer.w2))
+    assert all(bool(g.abs().sum() > 0) for g in once)
+    layer(x, counts).square().sum().backward()
+    for p, g in zip((layer.w1, layer.w3, layer.w2), once):
+        assert torch.equal(p.main_grad, 2 * g)
+    with pytest.raises(TypeError, match="expected fuse_grad_accumulation to be a bool"):
+        GroupedExperts(128, 256, 4, fuse_grad_accumulation=1)

@@ -74,19 +74,23 @@ struct WithTiledMma<cutlass::gemm::collective::CollectiveMma<DP, TS, EA, SA, EB,
 // kWgrad: scale granularity 1 on both sides (2d2d); else (1, 128) on A and (128, 128) on B.
 // The cooperative kernel: both consumer warp groups on one tile, split along M (the
 // store-warp epilogue hands over such tiles). kEpi: plain D, the W13 GEMM's SwiGLU epilogue or the W2 dgrad's dSwiGLU.
-enum class Epi { kPlain, kSwiglu, kDswiglu };
+// kAccumulate: fp32 D = acc + D, CUTLASS's own epilogue reading D as its source C (the wgrad added into an fp32
+// main gradient in place).
+enum class Epi { kPlain, kSwiglu, kDswiglu, kAccumulate };
 template <class TileShape_, class ClusterShape_, bool kWgrad, class EpilogueTile, Epi kEpi = Epi::kPlain>
 struct BlockwiseGemm {
   using TileShape = TileShape_;
   using ClusterShape = ClusterShape_;
   using ElementA = cutlass::float_e4m3_t;
   using ElementB = cutlass::float_e4m3_t;
-  using ElementD = cutlass::bfloat16_t;
+  static constexpr bool kAccumulate = kEpi == Epi::kAccumulate;
+  using ElementD = std::conditional_t<kAccumulate, float, cutlass::bfloat16_t>;
+  using ElementC = std::conditional_t<kAccumulate, float, void>;
   using LayoutA = cutlass::layout::RowMajor;     // K-major
   using LayoutB = cutlass::layout::ColumnMajor;  // K-major
   using LayoutD = cutlass::layout::RowMajor;
   static constexpr int kAlignAB = 16;  // elements: 16 bytes, TMA
-  static constexpr int kAlignD = 8;
+  static constexpr int kAlignD = 16 / static_cast<int>(sizeof(ElementD));
 
   using ScaleConfig = cutlass::detail::Sm90BlockwiseScaleConfig<
       /*M*/ 1, /*N*/ kWgrad ? 1 : int(kBlock), /*K*/ int(kBlock), cute::GMMA::Major::MN,
@@ -100,9 +104,9 @@ struct BlockwiseGemm {
 
   using BuiltEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
-      EpilogueTile, float, float, void, LayoutD*, kAlignD, ElementD, LayoutD*,
+      EpilogueTile, float, float, ElementC, LayoutD*, kAlignD, ElementD, LayoutD*,
       kAlignD, EpilogueSchedule,
-      cutlass::epilogue::fusion::LinearCombination<ElementD, float, void, float>>::CollectiveOp;
+      cutlass::epilogue::fusion::LinearCombination<ElementD, float, ElementC, float>>::CollectiveOp;
   // One D stage per subtile: the store warp takes the whole tile at once.
   using CutlassEpilogue = typename WithStagesD<
       BuiltEpilogue, (cute::size<0>(TileShape{}) / cute::size<0>(EpilogueTile{})) *
@@ -110,8 +114,10 @@ struct BlockwiseGemm {
   // The TMA stores issued by the producer warp group's spare warp, not by the consumers
   // (store_warp_epilogue.cuh).
   using Epilogue = std::conditional_t<
-      kEpi == Epi::kSwiglu, SwigluEpilogue<CutlassEpilogue>,
-      std::conditional_t<kEpi == Epi::kDswiglu, DswigluEpilogue<CutlassEpilogue>, StoreWarpEpilogue<CutlassEpilogue>>>;
+      kAccumulate, BuiltEpilogue,
+      std::conditional_t<kEpi == Epi::kSwiglu, SwigluEpilogue<CutlassEpilogue>,
+                         std::conditional_t<kEpi == Epi::kDswiglu, DswigluEpilogue<CutlassEpilogue>,
+                                            StoreWarpEpilogue<CutlassEpilogue>>>>;
 
   using BuiltMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementA, cute::tuple<LayoutA*, ScaleLayoutA*>, kAlignAB,
@@ -245,14 +251,16 @@ struct Args2d2d {
   const uint8_t* b;       // [M, K] column-major (column stride ldb)
   const float* scale_b;   // [ceil(M/128), K] row-major (row stride sbr)
   const int32_t* offs;    // [E] group ends
-  void* out;              // [E, N, K] row-major bf16
+  void* out;              // [E, N, K] row-major bf16, or fp32 added to (accumulate)
   int64_t M, N, K, lda, lds, ldb, sbr;
   int groups;
   int blocks_per_group;
+  bool accumulate;  // out += the product: an empty group leaves its output as it is
 };
 
 // GEMM (N, K, T_g), "TN": A = a[:, tokens of g] (row-major (N, M)), B = b[tokens of g, :] (column-major (M, K));
-// SFA and SFB granularity (1, 128) MN-major. Empty groups' outputs are zeroed here.
+// SFA and SFB granularity (1, 128) MN-major. Empty groups' outputs are zeroed here (left as they are when
+// accumulating).
 template <class G>
 __global__ void build_tables_2d2d(GroupTables<G> t, Args2d2d p) {
   const int g = static_cast<int>(blockIdx.x / p.blocks_per_group);
@@ -285,7 +293,7 @@ __global__ void build_tables_2d2d(GroupTables<G> t, Args2d2d p) {
                                   make_stride(make_stride(Int<0>{}, Int<1>{}),
                                               make_stride(Int<0>{}, static_cast<int>(p.sbr)), 0));
   }
-  if (!live) {
+  if (!live && !p.accumulate) {
     const int64_t per_group = p.N * p.K;
     zero_bf16(p.out, g * per_group, (g + 1) * per_group, int64_t(x) * blockDim.x + threadIdx.x,
               int64_t(p.blocks_per_group) * blockDim.x);
@@ -313,9 +321,15 @@ void run_gemm(const GroupTables<G>& t, int groups, bool raster_along_n, const at
   args.mainloop.ptr_SFB = t.sfb;
   args.mainloop.layout_SFB = t.layout_sfb;
   args.epilogue.thread.alpha = 1.0f;
-  args.epilogue.thread.beta = 0.0f;
-  args.epilogue.ptr_C = nullptr;
-  args.epilogue.dC = nullptr;
+  if constexpr (G::kAccumulate) {  // D += acc: D is the source too (each tile read before it is written)
+    args.epilogue.thread.beta = 1.0f;
+    args.epilogue.ptr_C = const_cast<const float**>(t.d);
+    args.epilogue.dC = t.stride_d;
+  } else {
+    args.epilogue.thread.beta = 0.0f;
+    args.epilogue.ptr_C = nullptr;
+    args.epilogue.dC = nullptr;
+  }
   args.epilogue.ptr_D = t.d;
   args.epilogue.dD = t.stride_d;
   if constexpr (requires { args.epilogue.fused; }) args.epilogue.fused = *fused;
@@ -354,6 +368,9 @@ using FwdSwiglu12 = BlockwiseGemm<Shape<_128, _256, _128>, Shape<_1, _2, _1>, fa
 using FwdSwiglu11 = BlockwiseGemm<Shape<_128, _256, _128>, Shape<_1, _1, _1>, false, EpiTile, Epi::kSwiglu>;  // odd N
 using DgradDswiglu12 = BlockwiseGemm<Shape<_128, _128, _128>, Shape<_1, _2, _1>, false, EpiTile, Epi::kDswiglu>;  // W2
 using DgradDswiglu21 = BlockwiseGemm<Shape<_128, _128, _128>, Shape<_2, _1, _1>, false, EpiTile, Epi::kDswiglu>;
+// D += acc in fp32 (wgrad into a main gradient): CUTLASS's epilogue, 128x32 fp32 subtiles (128-byte rows).
+using WgradAdd12 = BlockwiseGemm<Shape<_128, _128, _128>, Shape<_1, _2, _1>, true, Shape<_128, _32>, Epi::kAccumulate>;
+using WgradAdd21 = BlockwiseGemm<Shape<_128, _128, _128>, Shape<_2, _1, _1>, true, Shape<_128, _32>, Epi::kAccumulate>;
 
 // The picks by shape (host values only: no sync; records 007, 020, 035). Big tiles move a quarter fewer bytes a
 // FLOP; pingpong 64x128x128 is not used (record 030).
@@ -705,12 +722,12 @@ void check_group_starts_128(const at::Tensor& offs, int64_t rows, const char* op
 }
 
 // Wgrad: out (E, N, K) bf16, out[g] = dequant(a[:, tokens of g]) @ dequant(b[tokens of g, :]); a (N, M) in 1x128
-// and b (M, K) in 128x1 blocks along the tokens; non-empty groups start at multiples of 128 tokens.
-at::Tensor blockwise_grouped_mm_2d2d(const at::Tensor& a, const at::Tensor& scale_a, const at::Tensor& b,
-                                     const at::Tensor& scale_b, const at::Tensor& offs, at::ScalarType out_dtype,
-                                     int64_t config) {
-  constexpr const char* op = "blockwise_grouped_mm_2d2d";
-  check_common(op, a, scale_a, b, scale_b, offs, 2, out_dtype, config, kConfigs2d2d);
+// and b (M, K) in 128x1 blocks along the tokens; non-empty groups start at multiples of 128 tokens. With `add`, the
+// product is added to out (E, N, K) fp32 in place instead (an empty group adds nothing): config 0 or 1 only.
+at::Tensor run_2d2d(const char* op, const at::Tensor* add, const at::Tensor& a, const at::Tensor& scale_a,
+                    const at::Tensor& b, const at::Tensor& scale_b, const at::Tensor& offs, at::ScalarType out_dtype,
+                    int64_t config) {
+  check_common(op, a, scale_a, b, scale_b, offs, 2, out_dtype, config, add != nullptr ? 2 : kConfigs2d2d);
   const int64_t N = a.size(0), M = a.size(1), K = b.size(1), E = offs.numel();
   const int64_t MB = ceil_div(M, kBlock);
   TORCH_CHECK(b.size(0) == M, op, ": expected b of shape (M, K) with M = ", M, " (the columns of a), got ", b.sizes());
@@ -733,16 +750,26 @@ at::Tensor blockwise_grouped_mm_2d2d(const at::Tensor& a, const at::Tensor& scal
   check_int32(op, "K", K);
   check_int32(op, "the scale_a offsets (scale_a.stride(1) * (M/128 - 1) + N)", lds * (MB - 1) + N);
   check_int32(op, "the scale_b offsets (scale_b.stride(0) * (M/128 - 1) + K)", sbr * (MB - 1) + K);
-  check_alloc({E, N, K}, 2, op, "out");
+  if (add != nullptr) {
+    TORCH_CHECK(add->scalar_type() == at::kFloat, op, ": expected out of dtype float32, got ", add->scalar_type());
+    TORCH_CHECK(add->device() == a.device(), op, ": expected out on ", a.device(), " (the device of a), got ",
+                add->device());
+    check_shape(op, "out", *add, {E, N, K});
+    TORCH_CHECK(add->is_contiguous(), op, ": expected out contiguous (row-major (E, N, K)), got strides ",
+                add->strides());
+  } else {
+    check_alloc({E, N, K}, 2, op, "out");
+  }
   check_offs(offs, a, M, op);
   check_group_starts_128(offs, M, op);
   check_hopper(a, op);
 
-  at::Tensor out = at::empty({E, N, K}, a.options().dtype(at::kBFloat16));
+  at::Tensor out = add != nullptr ? *add : at::empty({E, N, K}, a.options().dtype(at::kBFloat16));
   if (out.numel() == 0) return out;
-  if (M == 0) return out.zero_();  // no tokens: every group is empty
+  if (M == 0) return add != nullptr ? out : out.zero_();  // no tokens: every group is empty
   check_aligned(op, "a", a);
   check_aligned(op, "b", b);
+  if (add != nullptr) check_aligned(op, "out", out);
 #if MOE_FP8_BW_GEMM_SM90
   const GpuLaunch gpu(a.device().index());
   Args2d2d p;
@@ -761,6 +788,16 @@ at::Tensor blockwise_grouped_mm_2d2d(const at::Tensor& a, const at::Tensor& scal
   p.ldb = ldb;
   p.sbr = sbr;
   p.groups = static_cast<int>(E);
+  p.accumulate = add != nullptr;
+  if (add != nullptr) {  // 128x128 tiles: 2x1 clusters where 1x2 would leave a spare N tile (record 007)
+    const bool c21 = config >= 0 ? config == 1 : ceil_div(K, kBlock) % 2 == 1 && ceil_div(N, kBlock) % 2 == 0;
+    if (c21) {
+      launch_2d2d<WgradAdd21>(p, a, gpu, op);
+    } else {
+      launch_2d2d<WgradAdd12>(p, a, gpu, op);
+    }
+    return out;
+  }
   // GEMM (N, K, T_g): the tile by the mean group and N, K; the cluster by the tile counts.
   const int64_t c = config >= 0 ? config : pick_2d2d(M, N, K, E);
   switch (c) {
@@ -774,12 +811,25 @@ at::Tensor blockwise_grouped_mm_2d2d(const at::Tensor& a, const at::Tensor& scal
   return out;
 }
 
+at::Tensor blockwise_grouped_mm_2d2d(const at::Tensor& a, const at::Tensor& scale_a, const at::Tensor& b,
+                                     const at::Tensor& scale_b, const at::Tensor& offs, at::ScalarType out_dtype,
+                                     int64_t config) {
+  return run_2d2d("blockwise_grouped_mm_2d2d", nullptr, a, scale_a, b, scale_b, offs, out_dtype, config);
+}
+
+void blockwise_grouped_mm_2d2d_add_(const at::Tensor& out, const at::Tensor& a, const at::Tensor& scale_a,
+                                    const at::Tensor& b, const at::Tensor& scale_b, const at::Tensor& offs,
+                                    int64_t config) {
+  run_2d2d("blockwise_grouped_mm_2d2d_add_", &out, a, scale_a, b, scale_b, offs, at::kBFloat16, config);
+}
+
 }  // namespace
 }  // namespace moe_fp8
 
 TORCH_LIBRARY_IMPL(moe_fp8, CUDA, m) {
   m.impl("blockwise_grouped_mm_2d3d", TORCH_FN(moe_fp8::blockwise_grouped_mm_2d3d));
   m.impl("blockwise_grouped_mm_2d2d", TORCH_FN(moe_fp8::blockwise_grouped_mm_2d2d));
+  m.impl("blockwise_grouped_mm_2d2d_add_", TORCH_FN(moe_fp8::blockwise_grouped_mm_2d2d_add_));
   m.impl("blockwise_grouped_mm_swiglu", TORCH_FN(moe_fp8::blockwise_grouped_mm_swiglu));
   m.impl("blockwise_grouped_mm_dswiglu", TORCH_FN(moe_fp8::blockwise_grouped_mm_dswiglu));
 }

@@ -220,14 +220,39 @@ class Recipe:
         full = self.mm_2d2d(grad, a, offs, out_dtype, backend)
         return [None if p is None else full[:, p[0]:p[1]].contiguous() for p in parts]
 
+    def mm_2d2d_add_(self, out: Tensor, grad: Operand, a: Operand, offs: Tensor, out_dtype: torch.dtype,
+                     backend: str) -> None:
+        """``mm_2d2d`` added to ``out`` (float32, of its shape) in place: a weight gradient
+        into a main gradient. Default: the GEMM in ``out_dtype``, then an add; a recipe
+        whose GEMM adds (fp8_blockwise on Hopper) fuses them."""
+        out.add_(self.mm_2d2d(grad, a, offs, out_dtype, backend))
+
+    def mm_2d2d_parts_add_(self, outs: Sequence[Optional[Tensor]], grad: Operand, a: Operand, offs: Tensor,
+                           out_dtype: torch.dtype, backend: str, parts: Sequence[Optional[Tuple[int, int]]]) -> None:
+        """``mm_2d2d_parts``, each wanted part added to its out in place (``mm_2d2d_add_``)."""
+        for out, part in zip(outs, self.mm_2d2d_parts(grad, a, offs, out_dtype, backend, parts)):
+            if part is not None:
+                out.add_(part)
+
+
+def _columns(grad: Operand, p: Tuple[int, int]) -> Operand:
+    """A view of a colwise operand's columns [p0, p1) (data and per-column scales alike)."""
+    return grad[:, p[0]:p[1]] if isinstance(grad, Tensor) else tuple(t[:, p[0]:p[1]] for t in grad)
+
 
 def gemm_on_column_views(recipe: Recipe, grad: Operand, a: Operand, offs: Tensor, out_dtype: torch.dtype,
                          backend: str, parts) -> List[Optional[Tensor]]:
     """``mm_2d2d_parts`` as one GEMM a part, on a view of grad's columns: for colwise
     operands whose tensors all have N as their last dim (data and per-column scales)."""
-    def columns(p):
-        return grad[:, p[0]:p[1]] if isinstance(grad, Tensor) else tuple(t[:, p[0]:p[1]] for t in grad)
-    return [None if p is None else recipe.mm_2d2d(columns(p), a, offs, out_dtype, backend) for p in parts]
+    return [None if p is None else recipe.mm_2d2d(_columns(grad, p), a, offs, out_dtype, backend) for p in parts]
+
+
+def add_on_column_views(recipe: Recipe, outs, grad: Operand, a: Operand, offs: Tensor, out_dtype: torch.dtype,
+                        backend: str, parts) -> None:
+    """``mm_2d2d_parts_add_`` as ``mm_2d2d_add_`` on each part's view of grad's columns."""
+    for out, p in zip(outs, parts):
+        if p is not None:
+            recipe.mm_2d2d_add_(out, _columns(grad, p), a, offs, out_dtype, backend)
 
 
 def joined_fwd(b_ts: Sequence[Tensor]) -> Tensor:

@@ -14,6 +14,7 @@ from .base import (
     SAME_READ,
     Recipe,
     _zero_tail,
+    add_on_column_views,
     gemm_on_column_views,
     emulated_grouped_mm_2d2d,
     emulated_grouped_mm_2d3d,
@@ -150,6 +151,7 @@ class Fp8Blockwise(Recipe):
         return _zero_tail(emulated_grouped_mm_2d3d(a, b, offs).to(out_dtype), offs)
 
     mm_2d2d_parts = gemm_on_column_views  # (per-column scales: a GEMM on each part's view)
+    mm_2d2d_parts_add_ = add_on_column_views
 
     def swiglu_in_gemm(self, hidden_dim, device):
         # W1 and W3 of one hidden size, a multiple of 128, interleaved by 128 in the forward operand; a padded layout
@@ -197,6 +199,12 @@ class Fp8Blockwise(Recipe):
         tensors.clear()
         qr, sr, qc, sc = _ops.blockwise_grouped_mm_dswiglu(qa, sa, qb, sb, offs, h13, groups[1])
         return None, (qr, sr), None, (qc, sc)
+
+    def mm_2d2d_add_(self, out, grad, a, offs, out_dtype, backend):
+        if backend != "blockwise_gemm":
+            return super().mm_2d2d_add_(out, grad, a, offs, out_dtype, backend)
+        (qg, sg), (qa, sa) = grad, a  # (as mm_2d2d) the fp32 accumulator added to out by the GEMM
+        _ops.blockwise_grouped_mm_2d2d_add_(out, qg.t(), sg.t(), qa, sa, offs)
 
     def mm_2d2d(self, grad, a, offs, out_dtype, backend):
         (qg, sg), (qa, sa) = grad, a  # (Mp, N), (Mp, K) column-major; scales (Mp/128, N), (Mp/128, K)
