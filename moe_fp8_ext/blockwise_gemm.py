@@ -15,6 +15,8 @@ quantization ops of :mod:`moe_fp8_ext.blockwise` return (decode scales,
   :func:`~moe_fp8_ext.quantize_blockwise_act_transposed_lhs` of grad_out (M, N), b,
   scale_b from :func:`~moe_fp8_ext.quantize_blockwise_act_rhs` of the input (M, K), both
   with the same ``offs``: every non-empty group starts at a multiple of 128 tokens.
+* :func:`blockwise_grouped_mm_2d2d_add_`: the same product added to an fp32 ``out`` in
+  place (a weight gradient into its main gradient), unrounded.
 
 Only on an NVIDIA GPU of compute capability 9.0 in a build with the sm_90a kernels
 (:func:`available`); elsewhere the recipe emulates. Each wrapper runs the argument
