@@ -140,6 +140,9 @@ if blockwise_gemm.available():
             if config < blockwise_gemm.CONFIGS_2D3D:
                 attempt(blockwise_gemm.blockwise_grouped_mm_2d3d, xa, sa, qb, sb, o, torch.bfloat16, config)
             attempt(blockwise_gemm.blockwise_grouped_mm_2d2d, qg, sg, qx, sx, o, torch.bfloat16, config)
+        for config in range(-1, blockwise_gemm.CONFIGS_2D2D_ADD):  # the wgrad added into fp32 (in place)
+            attempt(blockwise_gemm.blockwise_grouped_mm_2d2d_add_, torch.zeros(o.numel(), 64, 96, device="cuda"), qg,
+                    sg, qx, sx, o, config)
         # The SwiGLU GEMM: garbage offs and padded starts alike (clamped; a token block the layout cannot hold is
         # not written).
         qw, sw = moe_fp8_ext.quantize_blockwise_weight_rhs(
