@@ -174,16 +174,22 @@ class ComposedSwiglu(Fp8Blockwise):
         return False
 
 
+def experts_problem(m, d, h, e):
+    """One experts shape's router counts, x (with a gradient), the output's gradient, their generator (for more
+    draws) and torchtitan's bf16 module."""
+    counts = router_counts(m, e).to(DEVICE)
+    g = torch.Generator(device=DEVICE).manual_seed(1)
+    x = torch.randn(m, d, device=DEVICE, dtype=torch.bfloat16, generator=g).requires_grad_()
+    grad = torch.randn(m, d, device=DEVICE, dtype=torch.bfloat16, generator=g)
+    return counts, x, grad, g, grouped_experts(d, h, e)
+
+
 def bench_grouped_experts(shapes, modes, peer, compile_shapes=(), swiglu_ab=False):
     from moe_fp8_ext.integrations.torchtitan import convert
 
     rows, records = [], []
     for m, d, h, e in shapes:
-        counts = router_counts(m, e).to(DEVICE)
-        g = torch.Generator(device=DEVICE).manual_seed(1)
-        x = torch.randn(m, d, device=DEVICE, dtype=torch.bfloat16, generator=g).requires_grad_()
-        grad = torch.randn(m, d, device=DEVICE, dtype=torch.bfloat16, generator=g)
-        bf16 = grouped_experts(d, h, e)
+        counts, x, grad, g, bf16 = experts_problem(m, d, h, e)
         variants = {"bf16": (bf16, (x, counts), grad)}
         for r in RECIPES:
             for reuse in (False, True):
@@ -232,11 +238,7 @@ def bench_fused_accumulation(shapes):
 
     rows = []
     for m, d, h, e in shapes:
-        counts = router_counts(m, e).to(DEVICE)
-        g = torch.Generator(device=DEVICE).manual_seed(1)
-        x = torch.randn(m, d, device=DEVICE, dtype=torch.bfloat16, generator=g).requires_grad_()
-        grad = torch.randn(m, d, device=DEVICE, dtype=torch.bfloat16, generator=g)
-        bf16 = grouped_experts(d, h, e)
+        counts, x, grad, g, bf16 = experts_problem(m, d, h, e)
         mods = {"bf16 (torchtitan), .grad then main_grad +=": bf16}
         for name, fuse in (("fp8_blockwise, .grad then main_grad +=", False), ("fp8_blockwise, fused", True)):
             mod = GroupedExperts(d, h, e, recipe="fp8_blockwise", dtype=torch.bfloat16, device=DEVICE,
