@@ -13,8 +13,6 @@ pointers built on the GPU from ``offs`` (no host sync; CUDA-graph capturable).
   (b[tokens of g, :] * scale_b[g])``; a (N, M) row-major, scale_a (E, N), b (M, K)
   column-major, scale_b (E, K); every non-empty group starts at a multiple of 16 tokens
   (the padded layout of DESIGN §3); an empty group gives zeros.
-* :func:`rowwise_grouped_mm_2d2d_add_`: the same product added to an fp32 ``out`` in
-  place (a weight gradient into its main gradient), before any rounding to bf16.
 
 The recipe calls them where :func:`in_use` says so: a Hopper GPU (compute capability
 9.0) of a build with the sm_90a kernels, unless the recipe asks for PyTorch's kernel
@@ -179,39 +177,3 @@ def rowwise_grouped_mm_2d2d(a: Tensor, scale_a: Tensor, b: Tensor, scale_b: Tens
 def _(a, scale_a, b, scale_b, offs, out_dtype, config=-1):
     e, n, k = check_rowwise_grouped_mm_2d2d(a, scale_a, b, scale_b, offs, out_dtype, config)
     return a.new_empty((e, n, k), dtype=torch.bfloat16)
-
-
-OP_2D2D_ADD = "rowwise_grouped_mm_2d2d_add_"
-
-
-def check_rowwise_grouped_mm_2d2d_add_(out, a, scale_a, b, scale_b, offs):
-    """The checks of :func:`rowwise_grouped_mm_2d2d_add_` (those of the 2d2d op, then out's)."""
-    op = OP_2D2D_ADD
-    try:
-        e, n, k = check_rowwise_grouped_mm_2d2d(a, scale_a, b, scale_b, offs, torch.bfloat16)
-    except RuntimeError as err:  # (the same rules, named for this op)
-        raise RuntimeError(str(err).replace(OP_2D2D + ":", op + ":", 1)) from None
-    if not isinstance(out, Tensor) or out.dtype != torch.float32:
-        raise RuntimeError(f"{op}: expected out of dtype float32, got {getattr(out, 'dtype', type(out).__name__)}")
-    if out.device != a.device:
-        raise RuntimeError(f"{op}: expected out on {a.device} (the device of a), got {out.device}")
-    _check_shape(op, "out", out, (e, n, k))
-    if not out.is_contiguous():
-        raise RuntimeError(f"{op}: expected out contiguous (row-major (E, N, K)), got strides {tuple(out.stride())}")
-
-
-def rowwise_grouped_mm_2d2d_add_(out: Tensor, a: Tensor, scale_a: Tensor, b: Tensor, scale_b: Tensor,
-                                 offs: Tensor) -> None:
-    """:func:`rowwise_grouped_mm_2d2d` added to ``out`` (E, N, K) float32 in place:
-    ``out[g] += (acc * scale_a) * scale_b``, one IEEE fp32 add of the scaled product
-    before any rounding to bf16 (from zeros, ``out`` rounded to bf16 is the bf16 op's
-    output). An empty group leaves its ``out[g]`` as it is. The weight gradient added to a
-    main gradient; the cooperative 128x256 configuration (the bf16 op's pick)."""
-    check_rowwise_grouped_mm_2d2d_add_(out, a, scale_a, b, scale_b, offs)
-    _check_device(OP_2D2D_ADD, a)
-    _ops.rowwise_grouped_mm_2d2d_add_(out, a, scale_a, b, scale_b, offs)
-
-
-@torch.library.register_fake("moe_fp8::rowwise_grouped_mm_2d2d_add_")
-def _(out, a, scale_a, b, scale_b, offs):
-    check_rowwise_grouped_mm_2d2d_add_(out, a, scale_a, b, scale_b, offs)
