@@ -189,9 +189,8 @@ def check_blockwise_grouped_mm_2d3d(a, scale_a, b, scale_b, offs, out_dtype, con
     return m, n
 
 
-def check_blockwise_grouped_mm_2d2d(a, scale_a, b, scale_b, offs, out_dtype, config=-1):
-    """The checks of :func:`blockwise_grouped_mm_2d2d`; returns (E, N, K)."""
-    op = OP_2D2D
+def check_blockwise_grouped_mm_2d2d(a, scale_a, b, scale_b, offs, out_dtype, config=-1, op=OP_2D2D):
+    """The checks of :func:`blockwise_grouped_mm_2d2d` (errors named for ``op``); returns (E, N, K)."""
     _check_common(op, a, scale_a, b, scale_b, offs, 2, out_dtype)
     _check_config(op, config, CONFIGS_2D2D)
     n, m = a.shape
@@ -425,10 +424,7 @@ CONFIGS_2D2D_ADD = 2  # 128x128 cluster 1x2, 128x128 2x1
 def check_blockwise_grouped_mm_2d2d_add_(out, a, scale_a, b, scale_b, offs, config=-1):
     """The checks of :func:`blockwise_grouped_mm_2d2d_add_` (those of the 2d2d op, then out's)."""
     op = OP_2D2D_ADD
-    try:
-        e, n, k = check_blockwise_grouped_mm_2d2d(a, scale_a, b, scale_b, offs, torch.bfloat16, -1)
-    except RuntimeError as err:  # (the same rules, named for this op)
-        raise RuntimeError(str(err).replace(OP_2D2D + ":", op + ":", 1)) from None
+    e, n, k = check_blockwise_grouped_mm_2d2d(a, scale_a, b, scale_b, offs, torch.bfloat16, -1, op=op)
     _check_config(op, config, CONFIGS_2D2D_ADD)
     if not isinstance(out, Tensor) or out.dtype != torch.float32:
         raise RuntimeError(f"{op}: expected out of dtype float32, got {getattr(out, 'dtype', type(out).__name__)}")
