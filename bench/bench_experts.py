@@ -231,8 +231,8 @@ def bench_grouped_experts(shapes, modes, peer, compile_shapes=(), swiglu_ab=Fals
 
 def bench_fused_accumulation(shapes):
     """A micro-batch into fp32 main gradients (Megatron's scheme; ``GroupedExperts(fuse_grad_accumulation=True)``):
-    torchtitan's bf16 module and our fp8_blockwise layer writing bf16 ``.grad`` then adding it to ``main_grad``,
-    against fp8_blockwise adding to ``main_grad`` inside its weight-gradient GEMMs. The step's time and peak (above the
+    torchtitan's bf16 module and our fp8 layers writing bf16 ``.grad`` then adding it to ``main_grad``, against the
+    fp8 recipes adding to ``main_grad`` inside their weight-gradient GEMMs. The step's time and peak (above the
     weights and main gradients)."""
     from moe_fp8_ext import GroupedExperts
 
@@ -240,8 +240,9 @@ def bench_fused_accumulation(shapes):
     for m, d, h, e in shapes:
         counts, x, grad, g, bf16 = experts_problem(m, d, h, e)
         mods = {"bf16 (torchtitan), .grad then main_grad +=": bf16}
-        for name, fuse in (("fp8_blockwise, .grad then main_grad +=", False), ("fp8_blockwise, fused", True)):
-            mod = GroupedExperts(d, h, e, recipe="fp8_blockwise", dtype=torch.bfloat16, device=DEVICE,
+        for recipe, fuse in ((r, f) for r in ("fp8_blockwise", "fp8_rowwise") for f in (False, True)):
+            name = f"{recipe}, fused" if fuse else f"{recipe}, .grad then main_grad +="
+            mod = GroupedExperts(d, h, e, recipe=recipe, dtype=torch.bfloat16, device=DEVICE,
                                  fuse_grad_accumulation=fuse)
             with torch.no_grad():
                 for n, t in (("w1", "w1_EFD"), ("w2", "w2_EDF"), ("w3", "w3_EFD")):  # (torchtitan's names)
@@ -265,8 +266,9 @@ def bench_fused_accumulation(shapes):
         peaks = [peak_step_mib(fn) for fn in fns]
         times, _ = bench_interleaved_us(fns) if DEVICE == "cuda" else once_us(fns)
         for i, name in enumerate(mods):
+            unfused = i - 1 if name.endswith("fused") else i  # (the same recipe's unfused row)
             rows.append(dict(shape=f"({m}, {d}, {h}, {e})", variant=name, step_ms=times[i] / 1e3,
-                             vs_bf16=times[0] / times[i], vs_unfused_fp8=times[1] / times[i], peak_mib=peaks[i],
+                             vs_bf16=times[0] / times[i], vs_unfused=times[unfused] / times[i], peak_mib=peaks[i],
                              peak_vs_bf16=peaks[i] / peaks[0]))
             print(" | ".join(str(v) if not isinstance(v, float) else f"{v:.2f}" for v in rows[-1].values()), flush=True)
         del mods, bf16, x, grad, fns

@@ -124,6 +124,7 @@ TORCH_LIBRARY(moe_fp8, m) {
   // config: -1 picks by shape; 0.. forces one (rowwise_grouped_sm90.cuh), for sweeps.
   m.def("rowwise_grouped_mm_2d3d(Tensor a, Tensor scale_a, Tensor b, Tensor scale_b, Tensor offs, ScalarType out_dtype, int config=-1) -> Tensor");
   m.def("rowwise_grouped_mm_2d2d(Tensor a, Tensor scale_a, Tensor b, Tensor scale_b, Tensor offs, ScalarType out_dtype, int config=-1) -> Tensor");
+  m.def("rowwise_grouped_mm_2d2d_add_(Tensor(a!) out, Tensor a, Tensor scale_a, Tensor b, Tensor scale_b, Tensor offs) -> ()");
 
   // ---- token groups (DESIGN §8): sync-free padding and expert-parallel permutation -
   // impls: grouping/grouping_cpu.cpp (CPU) and grouping/grouping.cu (CUDA).

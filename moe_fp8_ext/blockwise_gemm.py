@@ -426,11 +426,16 @@ def check_blockwise_grouped_mm_2d2d_add_(out, a, scale_a, b, scale_b, offs, conf
     op = OP_2D2D_ADD
     e, n, k = check_blockwise_grouped_mm_2d2d(a, scale_a, b, scale_b, offs, torch.bfloat16, -1, op=op)
     _check_config(op, config, CONFIGS_2D2D_ADD)
+    _check_add_out(op, out, a, (e, n, k))
+
+
+def _check_add_out(op, out, a, shape):
+    """The fp32 main gradient a wgrad op adds into: float32, a's device, ``shape``, contiguous."""
     if not isinstance(out, Tensor) or out.dtype != torch.float32:
         raise RuntimeError(f"{op}: expected out of dtype float32, got {getattr(out, 'dtype', type(out).__name__)}")
     if out.device != a.device:
         raise RuntimeError(f"{op}: expected out on {a.device} (the device of a), got {out.device}")
-    _check_shape(op, "out", out, (e, n, k))
+    _check_shape(op, "out", out, shape)
     if not out.is_contiguous():
         raise RuntimeError(f"{op}: expected out contiguous (row-major (E, N, K)), got strides {tuple(out.stride())}")
 

@@ -13,6 +13,8 @@ pointers built on the GPU from ``offs`` (no host sync; CUDA-graph capturable).
   (b[tokens of g, :] * scale_b[g])``; a (N, M) row-major, scale_a (E, N), b (M, K)
   column-major, scale_b (E, K); every non-empty group starts at a multiple of 16 tokens
   (the padded layout of DESIGN §3); an empty group gives zeros.
+* :func:`rowwise_grouped_mm_2d2d_add_`: the same product added to an fp32 ``out`` in
+  place (a weight gradient into its main gradient), before any rounding to bf16.
 
 The recipe calls them where :func:`in_use` says so: a Hopper GPU (compute capability
 9.0) of a build with the sm_90a kernels, unless the recipe asks for PyTorch's kernel
@@ -26,8 +28,8 @@ import torch
 from torch import Tensor
 
 from .blockwise_gemm import _check_common as _bw_check_common
-from .blockwise_gemm import (_check_config, _check_int32, _check_ld, _check_shape, _check_unit_stride, _stride_or,
-                             available_on)
+from .blockwise_gemm import (_check_add_out, _check_config, _check_int32, _check_ld, _check_shape, _check_unit_stride,
+                             _stride_or, available_on)
 from .ops import INT64_MAX
 
 _ops = torch.ops.moe_fp8
@@ -109,9 +111,8 @@ def check_rowwise_grouped_mm_2d3d(a, scale_a, b, scale_b, offs, out_dtype, confi
     return m, n
 
 
-def check_rowwise_grouped_mm_2d2d(a, scale_a, b, scale_b, offs, out_dtype, config=-1):
-    """The checks of :func:`rowwise_grouped_mm_2d2d`; returns (E, N, K)."""
-    op = OP_2D2D
+def check_rowwise_grouped_mm_2d2d(a, scale_a, b, scale_b, offs, out_dtype, config=-1, op=OP_2D2D):
+    """The checks of :func:`rowwise_grouped_mm_2d2d` (errors named for ``op``); returns (E, N, K)."""
     _check_common(op, a, scale_a, b, scale_b, offs, 2, out_dtype, config)
     n, m = a.shape
     k, e = b.shape[1], offs.numel()
@@ -177,3 +178,30 @@ def rowwise_grouped_mm_2d2d(a: Tensor, scale_a: Tensor, b: Tensor, scale_b: Tens
 def _(a, scale_a, b, scale_b, offs, out_dtype, config=-1):
     e, n, k = check_rowwise_grouped_mm_2d2d(a, scale_a, b, scale_b, offs, out_dtype, config)
     return a.new_empty((e, n, k), dtype=torch.bfloat16)
+
+
+OP_2D2D_ADD = "rowwise_grouped_mm_2d2d_add_"
+
+
+def check_rowwise_grouped_mm_2d2d_add_(out, a, scale_a, b, scale_b, offs):
+    """The checks of :func:`rowwise_grouped_mm_2d2d_add_` (those of the 2d2d op, then out's)."""
+    op = OP_2D2D_ADD
+    e, n, k = check_rowwise_grouped_mm_2d2d(a, scale_a, b, scale_b, offs, torch.bfloat16, op=op)
+    _check_add_out(op, out, a, (e, n, k))
+
+
+def rowwise_grouped_mm_2d2d_add_(out: Tensor, a: Tensor, scale_a: Tensor, b: Tensor, scale_b: Tensor,
+                                 offs: Tensor) -> None:
+    """:func:`rowwise_grouped_mm_2d2d` added to ``out`` (E, N, K) float32 in place:
+    ``out[g] += (acc * scale_a) * scale_b``, one IEEE fp32 add of the scaled product
+    before any rounding to bf16 (from zeros, ``out`` rounded to bf16 is the bf16 op's
+    output). An empty group leaves its ``out[g]`` as it is. The weight gradient added to a
+    main gradient; the cooperative 128x256 configuration (the bf16 op's pick)."""
+    check_rowwise_grouped_mm_2d2d_add_(out, a, scale_a, b, scale_b, offs)
+    _check_device(OP_2D2D_ADD, a)
+    _ops.rowwise_grouped_mm_2d2d_add_(out, a, scale_a, b, scale_b, offs)
+
+
+@torch.library.register_fake("moe_fp8::rowwise_grouped_mm_2d2d_add_")
+def _(out, a, scale_a, b, scale_b, offs):
+    check_rowwise_grouped_mm_2d2d_add_(out, a, scale_a, b, scale_b, offs)

@@ -169,6 +169,9 @@ if rowwise_gemm.available():
             attempt(rowwise_gemm.rowwise_grouped_mm_2d3d, qa, sa, qb, sb, o, torch.bfloat16, config)
             attempt(rowwise_gemm.rowwise_grouped_mm_2d2d, torch.randn(64, 1024, device="cuda").to(e4), sb,
                     qa.t().contiguous().t(), torch.rand(e, 96, device="cuda"), o, torch.bfloat16, config)
+        attempt(rowwise_gemm.rowwise_grouped_mm_2d2d_add_, torch.zeros(e, 64, 96, device="cuda"),
+                torch.randn(64, 1024, device="cuda").to(e4), sb, qa.t().contiguous().t(),
+                torch.rand(e, 96, device="cuda"), o)  # (the wgrad added into fp32, in place)
 print("sanitize_offs: MXFP8/blockwise/swizzle/GEMM calls refused with a clear error:", dict(refused))
 print("sanitize_offs: calls that launched:", dict(launched))
 never = sorted(set(refused) - set(launched))

@@ -34,8 +34,8 @@ def test_bench_fused_accumulation_smoke(tmp_path):
                          env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     rows = json.load(open(tmp_path / "bench_experts_fused_accumulation.json"))["data"]["fused_accumulation"]
-    assert [r["variant"] for r in rows] == ["bf16 (torchtitan), .grad then main_grad +=",
-                                            "fp8_blockwise, .grad then main_grad +=", "fp8_blockwise, fused"]
+    assert [r["variant"] for r in rows] == ["bf16 (torchtitan), .grad then main_grad +="] + [
+        f"{r}, {w}" for r in ("fp8_blockwise", "fp8_rowwise") for w in (".grad then main_grad +=", "fused")]
     assert all(r["step_ms"] > 0 for r in rows)
 
 

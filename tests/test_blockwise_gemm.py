@@ -572,10 +572,11 @@ def test_2d2d_add_is_the_product_before_rounding(m, n, k, sizes):
 
 @requires_sm90
 @pytest.mark.gpu
-def test_experts_main_grads_fused():
-    """experts(main_grads=...) on Hopper with fp8_blockwise: the weights' gradients added to fp32 main gradients by
-    the GEMM (no .grad), twice over two micro-batches; against autograd's bf16 gradients summed in fp32 (within the
-    bf16 rounding those carry)."""
+@pytest.mark.parametrize("recipe", ["fp8_blockwise", "fp8_rowwise"])
+def test_experts_main_grads_fused(recipe):
+    """experts(main_grads=...) on Hopper with either fp8 recipe: the weights' gradients added to fp32 main gradients
+    by the GEMM (no .grad), twice over two micro-batches; against autograd's bf16 gradients summed in fp32 (within
+    the bf16 rounding those carry)."""
     torch.manual_seed(0)
     e, d, h = 4, 256, 384
     ws = [(torch.randn(e, h, d, device="cuda") * 0.05), (torch.randn(e, h, d, device="cuda") * 0.05),
@@ -591,11 +592,10 @@ def test_experts_main_grads_fused():
         offs = torch.cumsum(c, 0).to(torch.int32)
         for w in ref_w:
             w.grad = None
-        moe_fp8_ext.experts(x, *ref_w, offs, recipe="fp8_blockwise").float().square().sum().backward()
+        moe_fp8_ext.experts(x, *ref_w, offs, recipe=recipe).float().square().sum().backward()
         for r, w in zip(ref, ref_w):
             r += w.grad.float()
-        moe_fp8_ext.experts(x, *fused_w, offs, recipe="fp8_blockwise",
-                            main_grads=mains).float().square().sum().backward()
+        moe_fp8_ext.experts(x, *fused_w, offs, recipe=recipe, main_grads=mains).float().square().sum().backward()
     assert all(w.grad is None for w in fused_w)
     for m, r in zip(mains, ref):
         assert bool(((m - r).abs() <= 2.0**-7 * r.abs() + 2.0**-7 * r.abs().max()).all())

@@ -122,6 +122,30 @@ def test_checks_2d2d(what, edit, msg):
         rg.rowwise_grouped_mm_2d2d(*ops, torch.bfloat16)
 
 
+BAD_2D2D_ADD = [
+    ("out dtype", lambda o, out: (out.bfloat16(), o), "expected out of dtype float32, got torch.bfloat16"),
+    ("out shape", lambda o, out: (out[:, :, :128], o), "expected out of shape [5, 200, 136], got [5, 200, 128]"),
+    ("out strides", lambda o, out: (out.transpose(1, 2).contiguous().transpose(1, 2), o),
+     "expected out contiguous (row-major (E, N, K))"),
+    ("operands", lambda o, out: (out, _edit(o, 1, torch.empty(5, 199, device="meta"))),
+     "expected scale_a of shape [5, 200]"),
+]
+
+
+@pytest.mark.parametrize("what, edit, msg", BAD_2D2D_ADD, ids=[c[0] for c in BAD_2D2D_ADD])
+def test_checks_2d2d_add(what, edit, msg):
+    """The fused wgrad-into-main-gradient op: the 2d2d op's rules, then out's, alike in the raw op (its fake, on the
+    meta device) and the wrapper."""
+    out, ops = edit(operands_2d2d(640, 200, 136, 5), torch.empty(5, 200, 136, device="meta"))
+    pattern = re.escape("rowwise_grouped_mm_2d2d_add_: " + msg)
+    with pytest.raises(RuntimeError, match=pattern):
+        torch.ops.moe_fp8.rowwise_grouped_mm_2d2d_add_(out, *ops)
+    with pytest.raises(RuntimeError, match=pattern):
+        rg.rowwise_grouped_mm_2d2d_add_(out, *ops)
+    assert torch.ops.moe_fp8.rowwise_grouped_mm_2d2d_add_(
+        torch.empty(5, 200, 136, device="meta"), *operands_2d2d(640, 200, 136, 5)) is None
+
+
 def _on_device(ops, device):
     """The same shapes, strides and dtypes on `device` (contents unset: the checks read none)."""
     return [torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device) for t in ops]
@@ -352,6 +376,33 @@ def test_2d2d_matches_reference(m, n, k, sizes, config):
 
 @requires_sm90
 @pytest.mark.gpu
+@pytest.mark.parametrize("m, n, k, sizes", CASES_2D2D)
+def test_2d2d_add_is_the_product_before_rounding(m, n, k, sizes):
+    """rowwise_grouped_mm_2d2d_add_ adds the scaled fp32 product once: from zeros it is what the bf16 op rounds (bit
+    for bit), onto any out it is out + that product (IEEE fp32 adds); an empty group leaves its out as it is."""
+    g = torch.Generator(device="cuda").manual_seed(m + n + k)
+    e = len(sizes)
+    r = -(-m // 16) * 16
+    a, b = fp8(n, r, g=g)[:, :m], fp8(k, r, g=g)[:, :m].t()
+    sa, sb = scales(e, n, g=g), scales(e, k, g=g)
+    offs = offs_from_sizes(sizes, "cuda")
+    acc = torch.zeros(e, n, k, device="cuda")
+    rg.rowwise_grouped_mm_2d2d_add_(acc, a, sa, b, sb, offs)
+    poison("cuda")
+    assert torch.equal(rg.rowwise_grouped_mm_2d2d(a, sa, b, sb, offs), acc.bfloat16())
+    out0 = torch.randn(e, n, k, device="cuda", generator=g)
+    out = out0.clone()
+    rg.rowwise_grouped_mm_2d2d_add_(out, a, sa, b, sb, offs)
+    want = out0 + acc
+    assert torch.equal(out, want), (f"{int((out != want).sum())} outputs differ, by up to "
+                                    f"{((out - want).abs() / want.abs().clamp_min(1e-30)).max().item():.2e} relative")
+    for i, size in enumerate(sizes):
+        if size == 0:
+            assert torch.equal(out[i], out0[i])
+
+
+@requires_sm90
+@pytest.mark.gpu
 def test_2d2d_misaligned_group_is_empty():
     g = torch.Generator(device="cuda").manual_seed(2)
     m, n, k = 96, 64, 64
@@ -413,6 +464,7 @@ def _opcheck_2d2d():
 OPCHECK_CASES = [
     ("rowwise_grouped_mm_2d3d", lambda d: _opcheck_2d3d()),
     ("rowwise_grouped_mm_2d2d", lambda d: _opcheck_2d2d()),
+    ("rowwise_grouped_mm_2d2d_add_", lambda d: (torch.zeros(2, 64, 128, device=d), *_opcheck_2d2d()[:5])),
 ]
 
 

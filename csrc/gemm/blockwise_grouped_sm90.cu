@@ -751,12 +751,7 @@ at::Tensor run_2d2d(const char* op, const at::Tensor* add, const at::Tensor& a, 
   check_int32(op, "the scale_a offsets (scale_a.stride(1) * (M/128 - 1) + N)", lds * (MB - 1) + N);
   check_int32(op, "the scale_b offsets (scale_b.stride(0) * (M/128 - 1) + K)", sbr * (MB - 1) + K);
   if (add != nullptr) {
-    TORCH_CHECK(add->scalar_type() == at::kFloat, op, ": expected out of dtype float32, got ", add->scalar_type());
-    TORCH_CHECK(add->device() == a.device(), op, ": expected out on ", a.device(), " (the device of a), got ",
-                add->device());
-    check_shape(op, "out", *add, {E, N, K});
-    TORCH_CHECK(add->is_contiguous(), op, ": expected out contiguous (row-major (E, N, K)), got strides ",
-                add->strides());
+    check_add_out(op, *add, a, {E, N, K});
   } else {
     check_alloc({E, N, K}, 2, op, "out");
   }

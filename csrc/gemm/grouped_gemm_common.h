@@ -39,6 +39,16 @@ inline void check_shape(const char* op, const char* name, const at::Tensor& t, c
   TORCH_CHECK(t.sizes() == expected, op, ": expected ", name, " of shape ", expected, ", got ", t.sizes());
 }
 
+// The fp32 main gradient a wgrad op adds into in place: float32, a's device, `expected`, contiguous.
+inline void check_add_out(const char* op, const at::Tensor& out, const at::Tensor& a, c10::IntArrayRef expected) {
+  TORCH_CHECK(out.scalar_type() == at::kFloat, op, ": expected out of dtype float32, got ", out.scalar_type());
+  TORCH_CHECK(out.device() == a.device(), op, ": expected out on ", a.device(), " (the device of a), got ",
+              out.device());
+  check_shape(op, "out", out, expected);
+  TORCH_CHECK(out.is_contiguous(), op, ": expected out contiguous (row-major (E, N, K)), got strides ",
+              out.strides());
+}
+
 // The stride of dim d, or `fallback` where it does not matter: dim d has one element,
 // or the tensor none.
 inline int64_t stride_or(const at::Tensor& t, int64_t d, int64_t fallback) {

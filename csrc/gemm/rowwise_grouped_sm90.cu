@@ -92,13 +92,15 @@ struct Args2d2d {
   const uint8_t* b;      // [M, K] column-major (column stride ldb)
   const float* scale_b;  // [E, K] (group stride ssb)
   const int32_t* offs;   // [E] group ends
-  void* out;             // [E, N, K] row-major bf16
+  void* out;             // [E, N, K] row-major bf16, or fp32 added to (accumulate)
   int64_t M, N, K, lda, ldb, ssa, ssb;
   int groups;
   int blocks_per_group;
+  bool accumulate;  // out += the product: an empty group leaves its output as it is
 };
 
-// "TN" GEMM (N, K, T_g): A = a[:, tokens of g], B = b[tokens of g, :]. Empty groups' outputs are zeroed here.
+// "TN" GEMM (N, K, T_g): A = a[:, tokens of g], B = b[tokens of g, :]. Empty groups' outputs are zeroed here (left as
+// they are when accumulating; the tables' d then points at fp32).
 __global__ void build_tables_2d2d(Tables t, Args2d2d p) {
   const int g = static_cast<int>(blockIdx.x / p.blocks_per_group);
   const int x = static_cast<int>(blockIdx.x % p.blocks_per_group);
@@ -113,14 +115,15 @@ __global__ void build_tables_2d2d(Tables t, Args2d2d p) {
     t.shape[g] = {live ? static_cast<int>(p.N) : 0, static_cast<int>(p.K), live ? static_cast<int>(e - s) : 0};
     t.a[g] = reinterpret_cast<const ElementAB*>(p.a + (live ? s : 0));
     t.b[g] = reinterpret_cast<const ElementAB*>(p.b + (live ? s : 0));
-    t.d[g] = static_cast<ElementD*>(p.out) + g * p.N * p.K;
+    const int64_t bytes = p.accumulate ? sizeof(float) : sizeof(ElementD);  // an element of out
+    t.d[g] = reinterpret_cast<ElementD*>(static_cast<char*>(p.out) + g * p.N * p.K * bytes);
     t.scale_a[g] = p.scale_a + g * p.ssa;
     t.scale_b[g] = p.scale_b + g * p.ssb;
     t.stride_a[g] = cute::make_stride(p.lda, cute::Int<1>{}, cute::Int<0>{});
     t.stride_b[g] = cute::make_stride(p.ldb, cute::Int<1>{}, cute::Int<0>{});
     t.stride_d[g] = cute::make_stride(p.K, cute::Int<1>{}, cute::Int<0>{});
   }
-  if (!live) {
+  if (!live && !p.accumulate) {
     const int64_t per_group = p.N * p.K;
     zero_bf16(p.out, g * per_group, (g + 1) * per_group, int64_t(x) * blockDim.x + threadIdx.x,
               int64_t(p.blocks_per_group) * blockDim.x);
@@ -253,11 +256,12 @@ void check_group_starts(const at::Tensor& offs, int64_t rows, const char* op) {
 // Wgrad: out (E, N, K) bf16, out[g] = (a[:, tokens of g] * scale_a[g]) @ (b[tokens of g, :] * scale_b[g]); a (N, M)
 // row-major, scale_a (E, N), b (M, K) column-major, scale_b (E, K); non-empty groups start at multiples of 16 tokens
 // (16-byte aligned for TMA; else empty, an error with MOE_FP8_DEBUG=1).
-at::Tensor rowwise_grouped_mm_2d2d(const at::Tensor& a, const at::Tensor& scale_a, const at::Tensor& b,
-                                   const at::Tensor& scale_b, const at::Tensor& offs, at::ScalarType out_dtype,
-                                   int64_t config) {
-  constexpr const char* op = "rowwise_grouped_mm_2d2d";
-  check_common(op, a, scale_a, b, scale_b, offs, 2, out_dtype, config);
+// With `add`, the product is added to out (E, N, K) fp32 in place instead (an empty group adds nothing; config -1, the
+// cooperative 128x256 tile with a 2x1 cluster, only).
+at::Tensor run_2d2d(const char* op, const at::Tensor* add, const at::Tensor& a, const at::Tensor& scale_a,
+                    const at::Tensor& b, const at::Tensor& scale_b, const at::Tensor& offs, at::ScalarType out_dtype,
+                    int64_t config) {
+  check_common(op, a, scale_a, b, scale_b, offs, 2, out_dtype, add != nullptr ? -1 : config);
   const int64_t N = a.size(0), M = a.size(1), K = b.size(1), E = offs.numel();
   TORCH_CHECK(b.size(0) == M, op, ": expected b of shape (M, K) with M = ", M, " (the columns of a), got ", b.sizes());
   check_shape(op, "scale_a", scale_a, {E, N});
@@ -275,16 +279,21 @@ at::Tensor rowwise_grouped_mm_2d2d(const at::Tensor& a, const at::Tensor& scale_
   check_fits_int32(M, op, "M");
   check_fits_int32(N, op, "N");
   check_fits_int32(K, op, "K");
-  check_alloc({E, N, K}, 2, op, "out");
+  if (add != nullptr) {
+    check_add_out(op, *add, a, {E, N, K});
+  } else {
+    check_alloc({E, N, K}, 2, op, "out");
+  }
   check_offs(offs, a, M, op);
   check_group_starts(offs, M, op);
   check_hopper(a, op, /*built=*/true);  // (the file is empty in a build without the kernels)
 
-  at::Tensor out = at::empty({E, N, K}, a.options().dtype(at::kBFloat16));
+  at::Tensor out = add != nullptr ? *add : at::empty({E, N, K}, a.options().dtype(at::kBFloat16));
   if (out.numel() == 0) return out;
-  if (M == 0) return out.zero_();  // no tokens: every group is empty
+  if (M == 0) return add != nullptr ? out : out.zero_();  // no tokens: every group is empty
   check_aligned(op, "a", a);
   check_aligned(op, "b", b);
+  if (add != nullptr) check_aligned(op, "out", out);
   const GpuLaunch gpu(a.device().index());
   Args2d2d p;
   p.a = static_cast<const uint8_t*>(a.data_ptr());
@@ -302,6 +311,7 @@ at::Tensor rowwise_grouped_mm_2d2d(const at::Tensor& a, const at::Tensor& scale_
   p.ssa = ssa;
   p.ssb = ssb;
   p.groups = static_cast<int>(E);
+  p.accumulate = add != nullptr;
   at::Tensor storage;
   const Tables tables = carve_tables(storage, E, a.options());
   constexpr int kThreads = 256;
@@ -312,8 +322,23 @@ at::Tensor rowwise_grouped_mm_2d2d(const at::Tensor& a, const at::Tensor& scale_
   TORCH_CHECK(blocks <= kInt32Max, op, ": expected at most ", kInt32Max / 16, " groups, got ", E);
   build_tables_2d2d<<<static_cast<unsigned>(blocks), kThreads, 0, gpu.stream()>>>(tables, p);
   gpu.check(static_cast<int>(cudaGetLastError()), op);
-  run(config >= 0 ? static_cast<int>(config) : kCoop128x256C21, tables, p.groups, a, gpu, op);
+  if (add != nullptr) {
+    run_AddCoop128x256C21(tables, p.groups, sm_count(gpu.device()), a, gpu, op);
+  } else {
+    run(config >= 0 ? static_cast<int>(config) : kCoop128x256C21, tables, p.groups, a, gpu, op);
+  }
   return out;
+}
+
+at::Tensor rowwise_grouped_mm_2d2d(const at::Tensor& a, const at::Tensor& scale_a, const at::Tensor& b,
+                                   const at::Tensor& scale_b, const at::Tensor& offs, at::ScalarType out_dtype,
+                                   int64_t config) {
+  return run_2d2d("rowwise_grouped_mm_2d2d", nullptr, a, scale_a, b, scale_b, offs, out_dtype, config);
+}
+
+void rowwise_grouped_mm_2d2d_add_(const at::Tensor& out, const at::Tensor& a, const at::Tensor& scale_a,
+                                  const at::Tensor& b, const at::Tensor& scale_b, const at::Tensor& offs) {
+  run_2d2d("rowwise_grouped_mm_2d2d_add_", &out, a, scale_a, b, scale_b, offs, at::kBFloat16, -1);
 }
 
 }  // namespace
@@ -327,5 +352,6 @@ at::Tensor rowwise_grouped_mm_2d2d(const at::Tensor& a, const at::Tensor& scale_
 TORCH_LIBRARY_IMPL(moe_fp8, CUDA, m) {
   m.impl("rowwise_grouped_mm_2d3d", TORCH_FN(moe_fp8::rowwise_grouped_mm_2d3d));
   m.impl("rowwise_grouped_mm_2d2d", TORCH_FN(moe_fp8::rowwise_grouped_mm_2d2d));
+  m.impl("rowwise_grouped_mm_2d2d_add_", TORCH_FN(moe_fp8::rowwise_grouped_mm_2d2d_add_));
 }
 #endif

@@ -72,22 +72,41 @@ struct Tables {
   void run_##name(const Tables& t, int groups, int sm_count, const at::Tensor& like, const GpuLaunch& gpu, const char* op);
 MOE_FP8_RW_CONFIGS(MOE_FP8_RW_DECLARE)
 #undef MOE_FP8_RW_DECLARE
+// The wgrad added into an fp32 out in place (the tables' d, reinterpreted as fp32): cooperative 128x256, 2x1 cluster.
+void run_AddCoop128x256C21(const Tables& t, int groups, int sm_count, const at::Tensor& like, const GpuLaunch& gpu,
+                           const char* op);
 
 #if MOE_FP8_RW_GEMM_SM90
+
+// out + product as one IEEE fp32 add: __fadd_rn keeps nvcc from contracting it with the scale multiply before it into
+// an FMA (which rounds once, not twice, and would differ from the bf16 op's product plus out).
+template <class T>
+struct AddRn {
+  CUTLASS_DEVICE T operator()(T const& x, T const& y) const {
+    T r;
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < int(T::kElements); ++i) r[i] = __fadd_rn(x[i], y[i]);
+    return r;
+  }
+};
 
 // One kernel type a configuration, for both ops: CUTLASS's pointer-array grouped "TN" GEMM, e4m3 with fast accumulation
 // (fp32, no promotion, as torch._scaled_grouped_mm), epilogue D = bf16((acc * scale_a[m]) * scale_b[n]) with per-group
 // scale pointers, in PyTorch's product order.
+// kAdd: D = C + (acc * scale_a[m]) * scale_b[n] in fp32, C the same memory as D (the wgrad into a main gradient).
 template <class TileShape_, class ClusterShape_, bool kPingpong,
-          class EpilogueTile = cutlass::epilogue::collective::EpilogueTileAuto>
+          class EpilogueTile = cutlass::epilogue::collective::EpilogueTileAuto, bool kAdd = false>
 struct Gemm {
   using TileShape = TileShape_;
   using ClusterShape = ClusterShape_;
   using LayoutA = cutlass::layout::RowMajor;     // K-major
   using LayoutB = cutlass::layout::ColumnMajor;  // K-major
   using LayoutD = cutlass::layout::RowMajor;
+  static constexpr bool kAccumulate = kAdd;
+  using Out = std::conditional_t<kAdd, float, ElementD>;
+  using ElementC = std::conditional_t<kAdd, float, void>;
   static constexpr int kAlignAB = 16;  // elements: 16 bytes, TMA
-  static constexpr int kAlignD = 8;
+  static constexpr int kAlignD = 16 / static_cast<int>(sizeof(Out));
 
   using MainloopSchedule =
       std::conditional_t<kPingpong, cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpongFP8FastAccum,
@@ -102,15 +121,21 @@ struct Gemm {
                                                              cute::Stride<cute::_0, cute::_1, cute::_0>>;
   using Mul = cutlass::epilogue::fusion::Sm90Compute<cutlass::multiplies, float, float,
                                                       cutlass::FloatRoundStyle::round_to_nearest>;
-  using Cast = cutlass::epilogue::fusion::Sm90Compute<cutlass::epilogue::thread::Identity, ElementD, float,
+  using Cast = cutlass::epilogue::fusion::Sm90Compute<cutlass::epilogue::thread::Identity, Out, float,
+                                                       cutlass::FloatRoundStyle::round_to_nearest>;
+  using Scaled = cutlass::epilogue::fusion::Sm90EVT<
+      Mul, ScaleB, cutlass::epilogue::fusion::Sm90EVT<Mul, ScaleA, cutlass::epilogue::fusion::Sm90AccFetch>>;
+  using Plus = cutlass::epilogue::fusion::Sm90Compute<AddRn, float, float,
                                                        cutlass::FloatRoundStyle::round_to_nearest>;
   using Evt = cutlass::epilogue::fusion::Sm90EVT<
-      Cast, cutlass::epilogue::fusion::Sm90EVT<
-                Mul, ScaleB, cutlass::epilogue::fusion::Sm90EVT<Mul, ScaleA, cutlass::epilogue::fusion::Sm90AccFetch>>>;
+      Cast, std::conditional_t<kAdd,
+                               cutlass::epilogue::fusion::Sm90EVT<Plus, cutlass::epilogue::fusion::Sm90SrcFetch<float>,
+                                                                  Scaled>,
+                               Scaled>>;
 
   using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
-      EpilogueTile, float, float, void, LayoutD*, kAlignD, ElementD, LayoutD*,
+      EpilogueTile, float, float, ElementC, LayoutD*, kAlignD, Out, LayoutD*,
       kAlignD, EpilogueSchedule, Evt>::CollectiveOp;
 
   using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
@@ -139,11 +164,18 @@ void run_config(const Tables& t, int groups, int sm_count, const at::Tensor& lik
   args.mainloop.dA = t.stride_a;
   args.mainloop.ptr_B = t.b;
   args.mainloop.dB = t.stride_b;
-  // The tree's arguments, children first: Cast(Mul(ScaleB, Mul(ScaleA, acc))).
-  args.epilogue.thread = {{{t.scale_b}, {{t.scale_a}, {}, {}}, {}}, {}};
-  args.epilogue.ptr_C = nullptr;
-  args.epilogue.dC = nullptr;
-  args.epilogue.ptr_D = t.d;
+  // The tree's arguments, children first: Cast(Mul(ScaleB, Mul(ScaleA, acc))), or Cast(Plus(C, that)).
+  if constexpr (G::kAccumulate) {
+    args.epilogue.thread = {{{}, {{t.scale_b}, {{t.scale_a}, {}, {}}, {}}, {}}, {}};
+    args.epilogue.ptr_C = const_cast<const float**>(reinterpret_cast<float**>(t.d));
+    args.epilogue.dC = t.stride_d;
+    args.epilogue.ptr_D = reinterpret_cast<float**>(t.d);
+  } else {
+    args.epilogue.thread = {{{t.scale_b}, {{t.scale_a}, {}, {}}, {}}, {}};
+    args.epilogue.ptr_C = nullptr;
+    args.epilogue.dC = nullptr;
+    args.epilogue.ptr_D = t.d;
+  }
   args.epilogue.dD = t.stride_d;
   // Along N the CTAs in flight cover whole M tile rows, so each A tile is read once (along M, the default, once per N
   // tile: from DRAM once a group's A outgrows L2); picked in rowwise_grouped_mm_2d3d. No swizzle: with device-only
@@ -174,6 +206,8 @@ using Coop128x128C12 = Gemm<cute::Shape<_128, _128, _128>, cute::Shape<_1, _2, _
 // The picked cooperative configuration stores 128x64 epilogue tiles, not CUTLASS's automatic 128x32: half the
 // named-barrier rounds and shared-memory fences a tile (record 013). Pingpong keeps CUTLASS's tile.
 using Coop128x256C21 = Gemm<cute::Shape<_128, _256, _128>, cute::Shape<_2, _1, _1>, false, cute::Shape<cute::_128, cute::_64>>;
+using AddCoop128x256C21 = Gemm<cute::Shape<_128, _256, _128>, cute::Shape<_2, _1, _1>, false,
+                               cute::Shape<cute::_128, cute::_32>, true>;  // (128-byte fp32 epilogue rows)
 using Coop256x128C21 = Gemm<cute::Shape<_256, _128, _128>, cute::Shape<_2, _1, _1>, false>;
 using Pong128x128C21 = Gemm<cute::Shape<_128, _128, _128>, cute::Shape<_2, _1, _1>, true>;
 using Pong128x128C12 = Gemm<cute::Shape<_128, _128, _128>, cute::Shape<_1, _2, _1>, true>;

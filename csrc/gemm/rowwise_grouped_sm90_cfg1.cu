@@ -8,6 +8,10 @@ namespace rowwise_gemm {
 void run_Coop128x256C21(const Tables& t, int groups, int sm_count, const at::Tensor& like, const GpuLaunch& gpu, const char* op) {
   run_config<Coop128x256C21>(t, groups, sm_count, like, gpu, op);
 }
+void run_AddCoop128x256C21(const Tables& t, int groups, int sm_count, const at::Tensor& like, const GpuLaunch& gpu,
+                           const char* op) {
+  run_config<AddCoop128x256C21>(t, groups, sm_count, like, gpu, op);
+}
 void run_Coop256x128C21(const Tables& t, int groups, int sm_count, const at::Tensor& like, const GpuLaunch& gpu, const char* op) {
   run_config<Coop256x128C21>(t, groups, sm_count, like, gpu, op);
 }

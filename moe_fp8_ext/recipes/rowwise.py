@@ -18,6 +18,7 @@ from .base import (
     SAME_READ,
     Recipe,
     _zero_tail,
+    add_on_column_views,
     gemm_on_column_views,
     emulated_grouped_mm_2d2d,
     emulated_grouped_mm_2d3d,
@@ -196,6 +197,13 @@ class Fp8Rowwise(Recipe):
         return _zero_tail(out, offs)
 
     mm_2d2d_parts = gemm_on_column_views  # (per-column scales: a GEMM on each part's view)
+    mm_2d2d_parts_add_ = add_on_column_views
+
+    def mm_2d2d_add_(self, out, grad, a, offs, out_dtype, backend):
+        (qg, sg), (qa, sa) = grad, a  # (as mm_2d2d) our GEMM adds its fp32 product to out
+        if backend == "fp8_gemm" and self._ours(qa):
+            return _ops.rowwise_grouped_mm_2d2d_add_(out, qg.t(), sg, qa, sa, offs)
+        return super().mm_2d2d_add_(out, grad, a, offs, out_dtype, backend)
 
     def mm_2d2d(self, grad, a, offs, out_dtype, backend):
         (qg, sg), (qa, sa) = grad, a  # (M, N) column-major, (G, N); (M, K) column-major, (G, K)
