@@ -331,8 +331,8 @@ def experts(
     raises). ``main_grads``: three float32 tensors of w1's, w3's and w2's shapes that
     the backward adds the weights' gradients to in place, returning none for the weights
     (Megatron's gradient accumulation fusion: fused into the weight-gradient GEMMs for
-    fp8_blockwise on Hopper, an add after them elsewhere); eager only (under torch.compile
-    a graph break).
+    both fp8 recipes on Hopper, an add after them elsewhere); eager only (under
+    torch.compile a graph break).
     """
     kw = dict(recipe=recipe, fp8_dtype=fp8_dtype, weight_cache=weight_cache, weight_keys=weight_keys,
               pad_groups=pad_groups, main_grads=main_grads)

@@ -224,7 +224,7 @@ class Recipe:
                      backend: str) -> None:
         """``mm_2d2d`` added to ``out`` (float32, of its shape) in place: a weight gradient
         into a main gradient. Default: the GEMM in ``out_dtype``, then an add; a recipe
-        whose GEMM adds (fp8_blockwise on Hopper) fuses them."""
+        whose GEMM adds (both fp8 recipes on Hopper) fuses them."""
         out.add_(self.mm_2d2d(grad, a, offs, out_dtype, backend))
 
     def mm_2d2d_parts_add_(self, outs: Sequence[Optional[Tensor]], grad: Operand, a: Operand, offs: Tensor,
