@@ -222,13 +222,12 @@ def profile_step(name, step, top=10, families=KERNEL_FAMILIES, show=True):
             fam[label] += ev.device_time / 5e3
             kern[ev.name[:100]] += ev.device_time / 5e3
     total = sum(fam.values())
-    if not show:
-        return {"total_ms": total, "families": dict(fam), "kernels": dict(kern.most_common(top))}
-    print(f"\n#### {name}: GPU kernel time per step {total:.2f} ms")
-    print("| family | ms | share |\n|---|---|---|")
-    for k, v in fam.most_common():
-        print(f"| {k} | {v:.3f} | {100 * v / total:.1f}% |")
-    print(f"top {top} kernels:")
-    for k, v in kern.most_common(top):
-        print(f"  {v:7.3f} ms  {k}")
+    if show:
+        print(f"\n#### {name}: GPU kernel time per step {total:.2f} ms")
+        print("| family | ms | share |\n|---|---|---|")
+        for k, v in fam.most_common():
+            print(f"| {k} | {v:.3f} | {100 * v / total:.1f}% |")
+        print(f"top {top} kernels:")
+        for k, v in kern.most_common(top):
+            print(f"  {v:7.3f} ms  {k}")
     return {"total_ms": total, "families": dict(fam), "kernels": dict(kern.most_common(top))}

@@ -948,8 +948,8 @@ def test_main_grads_accumulate_as_autograd_does(device, recipe):
     Hopper: test_blockwise_gemm.py has those) the sums are autograd's accumulation of .grad bit for bit."""
     from moe_fp8_ext import blockwise_gemm, rowwise_gemm
 
-    fused = {"fp8_blockwise": blockwise_gemm, "fp8_rowwise": rowwise_gemm}
-    if device == "cuda" and recipe in fused and fused[recipe].available("cuda"):
+    kernels = {"fp8_blockwise": blockwise_gemm, "fp8_rowwise": rowwise_gemm}  # (the GEMMs that add)
+    if device == "cuda" and recipe in kernels and kernels[recipe].available("cuda"):
         pytest.skip("the fused GEMM adds the unrounded product: test_blockwise_gemm.py's test_experts_main_grads_fused")
     batches = [make(4, 256, 128, 384, device, dtype=torch.float32, seed=s, offs=offs)
                for s, offs in ((1, [0, 129, 129, 384]), (2, [200, 201, 300, 384]))]
