@@ -945,12 +945,12 @@ def test_compiled_blockwise_backward_reuses_the_forward_weight_operands():
 def test_main_grads_accumulate_as_autograd_does(device, recipe):
     """Over two micro-batches (empty and odd groups), main_grads gain the weights' gradients in place and the weights
     get no .grad; x's gradient is unchanged. Where the recipe adds after its GEMM (all but the fp8 recipes on
-    Hopper: test_blockwise_gemm.py has those) the sums are autograd's accumulation of .grad bit for bit."""
+    Hopper: test_main_grads_fused_on_hopper) the sums are autograd's accumulation of .grad bit for bit."""
     from moe_fp8_ext import blockwise_gemm, rowwise_gemm
 
     kernels = {"fp8_blockwise": blockwise_gemm, "fp8_rowwise": rowwise_gemm}  # (the GEMMs that add)
     if device == "cuda" and recipe in kernels and kernels[recipe].available("cuda"):
-        pytest.skip("the fused GEMM adds the unrounded product: test_blockwise_gemm.py's test_experts_main_grads_fused")
+        pytest.skip("the fused GEMM adds the unrounded product: test_main_grads_fused_on_hopper")
     batches = [make(4, 256, 128, 384, device, dtype=torch.float32, seed=s, offs=offs)
                for s, offs in ((1, [0, 129, 129, 384]), (2, [200, 201, 300, 384]))]
     ws = [w.clone().requires_grad_() for w in batches[0][1:4]]
@@ -964,6 +964,40 @@ def test_main_grads_accumulate_as_autograd_does(device, recipe):
     assert all(w.grad is None for w in fused)
     for m, w in zip(mains, ws):
         assert torch.equal(m, w.grad)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe", ["fp8_blockwise", "fp8_rowwise"])
+def test_main_grads_fused_on_hopper(recipe):
+    """experts(main_grads=...) on Hopper with either fp8 recipe: the weights' gradients added to fp32 main gradients
+    by the GEMM (no .grad), twice over two micro-batches; against autograd's bf16 gradients summed in fp32 (within
+    the bf16 rounding those carry)."""
+    from moe_fp8_ext import blockwise_gemm, rowwise_gemm
+
+    if not {"fp8_blockwise": blockwise_gemm, "fp8_rowwise": rowwise_gemm}[recipe].available("cuda"):
+        pytest.skip("needs an NVIDIA GPU of compute capability 9.0 and the sm_90a build")
+    torch.manual_seed(0)
+    e, d, h = 4, 256, 384
+    ws = [(torch.randn(e, h, d, device="cuda") * 0.05), (torch.randn(e, h, d, device="cuda") * 0.05),
+          (torch.randn(e, d, h, device="cuda") * 0.05)]
+    sizes = [[300, 0, 129, 211], [128, 500, 1, 7]]
+    xs = [torch.randn(sum(z), d, device="cuda", dtype=torch.bfloat16) for z in sizes]
+    counts = [torch.tensor(z, device="cuda") for z in sizes]
+    ref_w = [w.bfloat16().requires_grad_() for w in ws]
+    fused_w = [w.bfloat16().requires_grad_() for w in ws]
+    mains = tuple(torch.zeros_like(w) for w in ws)
+    ref = [torch.zeros_like(w) for w in ws]
+    for x, c in zip(xs, counts):
+        offs = torch.cumsum(c, 0).to(torch.int32)
+        for w in ref_w:
+            w.grad = None
+        experts(x, *ref_w, offs, recipe=recipe).float().square().sum().backward()
+        for r, w in zip(ref, ref_w):
+            r += w.grad.float()
+        experts(x, *fused_w, offs, recipe=recipe, main_grads=mains).float().square().sum().backward()
+    assert all(w.grad is None for w in fused_w)
+    for m, r in zip(mains, ref):
+        assert bool(((m - r).abs() <= 2.0**-7 * r.abs() + 2.0**-7 * r.abs().max()).all())
 
 
 def test_main_grads_checks():

@@ -53,6 +53,7 @@ namespace {
 
 constexpr int64_t kBlock = 128;  // the recipe's block: 1x128 activations, 128x128 weights
 constexpr int64_t kConfigs2d3d = 4, kConfigs2d2d = 4;  // the GEMM configurations (below)
+constexpr int64_t kConfigs2d2dAdd = 2;  // the fused accumulation's: WgradAdd12, WgradAdd21
 
 using namespace gemm_common;  // NOLINT: the shared checks and helpers
 
@@ -727,7 +728,8 @@ void check_group_starts_128(const at::Tensor& offs, int64_t rows, const char* op
 at::Tensor run_2d2d(const char* op, const at::Tensor* add, const at::Tensor& a, const at::Tensor& scale_a,
                     const at::Tensor& b, const at::Tensor& scale_b, const at::Tensor& offs, at::ScalarType out_dtype,
                     int64_t config) {
-  check_common(op, a, scale_a, b, scale_b, offs, 2, out_dtype, config, add != nullptr ? 2 : kConfigs2d2d);
+  check_common(op, a, scale_a, b, scale_b, offs, 2, out_dtype, config,
+               add != nullptr ? kConfigs2d2dAdd : kConfigs2d2d);
   const int64_t N = a.size(0), M = a.size(1), K = b.size(1), E = offs.numel();
   const int64_t MB = ceil_div(M, kBlock);
   TORCH_CHECK(b.size(0) == M, op, ": expected b of shape (M, K) with M = ", M, " (the columns of a), got ", b.sizes());
