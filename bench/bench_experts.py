@@ -6,7 +6,8 @@ A step is the forward and ``out.backward(grad)`` (a loss's backward) into the
 parameters' ``.grad``, as after an optimizer step (the weights' version counters move):
 "fresh" sets every ``.grad`` to None first (one micro-batch a step), "accum" is the time
 per micro-batch of four that add into ``.grad`` in place. "+reuse" rows convert with
-``reuse_weights=True`` (each weight quantized once a step). Token groups are a
+``reuse_weights=True`` (each weight quantized once a step); in the MoE table, "+shared"
+rows convert the layer's shared experts too (``shared_experts=True``). Token groups are a
 router's: unaligned sizes drawn around tokens/experts (the MoE table routes real tokens
 through torchtitan's router). Peak is the most memory one fresh step allocates above
 what was allocated before it (activations, operands and the new gradients). The
@@ -291,8 +292,10 @@ def bench_moe(shapes, modes, peer):
         x = torch.randn(1, t, d, device=DEVICE, dtype=torch.bfloat16, generator=g).requires_grad_()
         grad = torch.randn(1, t, d, device=DEVICE, dtype=torch.bfloat16, generator=g)
         variants = {"bf16": (moe_layer(t, d, h, e, k), (x,), grad)}
-        for r in RECIPES:
+        for r in RECIPES:  # (+shared: the shared experts converted too, shared_experts=True)
             variants[r] = (moe_layer(t, d, h, e, k, ExpertsConverter.Config(recipe=r)), (x,), grad)
+            variants[r + "+shared"] = (moe_layer(t, d, h, e, k, ExpertsConverter.Config(recipe=r, shared_experts=True)),
+                                       (x,), grad)
         if peer:
             try:
                 from torchtitan.components.quantization import Float8GroupedExpertsConverter
@@ -304,7 +307,7 @@ def bench_moe(shapes, modes, peer):
                 variants.pop("torchao fp8", None)
         with torch.no_grad():
             want = variants["bf16"][0](x)
-            checks = {r: f"{sqnr(want, variants[r][0](x)):.1f} dB" for r in RECIPES}
+            checks = {r: f"{sqnr(want, variants[r][0](x)):.1f} dB" for r in variants if r.startswith(RECIPES)}
         for mode in modes:
             res = measure(compiled(variants) if mode == "compiled" else variants, mode)
             rw, rec = rows_of(f"({t}, {d}, {h}, {e}, top-{k})", mode, res, checks)

@@ -438,8 +438,8 @@ def check_wrapped(module: torch.nn.Module, ws: Sequence[Tensor]) -> None:
 def _expert_weights(module: torch.nn.Module):
     """(recipe, parameter names) of an experts module: moe_fp8_ext.GroupedExperts or a
     torchtitan GroupedExperts converted by moe_fp8_ext.integrations.torchtitan."""
-    if hasattr(module, "moe_fp8_recipe"):
-        return module.moe_fp8_recipe, ("w1_EFD", "w3_EFD", "w2_EDF")
+    if hasattr(module, "moe_fp8_recipe"):  # (shared experts converted have no such weights: FSDP2 gathers them in bf16)
+        return (module.moe_fp8_recipe, ("w1_EFD", "w3_EFD", "w2_EDF")) if hasattr(module, "w1_EFD") else (None, ())
     from .experts import GroupedExperts
 
     if isinstance(module, GroupedExperts):

@@ -201,3 +201,127 @@ def test_convert_refuses_an_instance_forward_it_does_not_know():
     with pytest.raises(RuntimeError, match="cannot rebuild"):
         convert(moe, "fp8_rowwise")
     assert type(inner) is tt_moe.GroupedExperts and not hasattr(inner, "moe_fp8_recipe")
+
+
+# ---- shared experts (shared_experts=True): torchtitan's FeedForward as one expert that every token goes to
+
+
+def shared_weights(ffn):
+    return [getattr(ffn, n).weight for n in ("w1", "w3", "w2")]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("recipe", ["fp8_rowwise", "fp8_blockwise", "mxfp8", "bf16"])
+def test_convert_shared_experts(device, recipe):
+    """The shared experts run moe_fp8_ext.experts with one group of all tokens (bit for bit), keep their parameters,
+    and train like torchtitan's bf16 FeedForward; bf16 is its math; unconvert restores it."""
+    from moe_fp8_ext import experts
+
+    ref = build_moe(device=device)
+    moe = copy.deepcopy(ref)
+    keys = list(moe.state_dict())
+    params = dict(moe.named_parameters())
+    assert convert(moe, recipe, shared_experts=True) == 2
+    ffn = moe.shared_experts
+    assert type(ffn).__name__ == "Fp8FeedForward" and ffn.moe_fp8_recipe == get_recipe(recipe)
+    assert list(moe.state_dict()) == keys and all(p is params[n] for n, p in moe.named_parameters())
+
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(2, 77, 128, generator=g).to(device=device, dtype=torch.bfloat16)  # (154 rows: odd, not 128's)
+    offs = torch.tensor([154], dtype=torch.int32, device=device)
+    want = experts(x.view(-1, 128), *(w.unsqueeze(0) for w in shared_weights(ffn)), offs, recipe=recipe)
+    assert torch.equal(ffn(x), want.view(2, 77, 128))
+    grad = torch.randn(2, 77, 128, generator=g).to(device=device, dtype=torch.bfloat16)
+    _, gx_ref, gp_ref = fwd_bwd(ref.shared_experts, x, grad)
+    out, gx, gp = fwd_bwd(ffn, x, grad)
+    floor = 60 if recipe == "bf16" else 20  # (bf16: torchtitan's own matmuls up to summation order)
+    assert sqnr(ref.shared_experts(x), out) > floor and sqnr(gx_ref, gx) > floor
+    assert all(sqnr(gp_ref[n], gp[n]) > floor for n in gp_ref), {n: sqnr(gp_ref[n], gp[n]) for n in gp_ref}
+
+    assert convert(moe, "fp8_rowwise") == 1 and ffn.moe_fp8_recipe.name == "fp8_rowwise"  # (converted again)
+    assert unconvert(moe) == 2 and type(ffn) is type(ref.shared_experts) and not hasattr(ffn, "moe_fp8_recipe")
+    assert torch.equal(ffn(x), ref.shared_experts(x))
+
+
+def test_config_converter_shared_experts():
+    """ExpertsConverter(shared_experts=True) builds the shared experts converted: the model convert() makes."""
+    from moe_fp8_ext.integrations.torchtitan import ExpertsConverter
+
+    config = ExpertsConverter.Config(recipe="fp8_blockwise", shared_experts=True)
+    built = titan_moe(128, 64, 8, 2, converter=config)
+    plain = build_moe()
+    assert convert(plain, "fp8_blockwise", shared_experts=True) == 2
+    assert type(built.shared_experts) is type(plain.shared_experts)
+    assert built.shared_experts.moe_fp8_recipe.name == "fp8_blockwise"
+    x = torch.randn(2, 40, 128, dtype=torch.bfloat16)
+    assert torch.equal(built(x), plain(x))
+    kept = titan_moe(128, 64, 8, 2, converter=ExpertsConverter.Config(shared_experts=True,
+                                                                      filter_fqns=["shared_experts"]))
+    assert not hasattr(kept.shared_experts, "moe_fp8_recipe")
+
+
+def test_shared_experts_reuse_weights_and_compile():
+    """reuse_weights: the second micro-batch reads the cached operands; torch.compile (fullgraph) gives the eager
+    bits."""
+    moe = build_moe()
+    convert(moe, "fp8_blockwise", reuse_weights=True, shared_experts=True)
+    ffn = moe.shared_experts
+    x = torch.randn(3, 50, 128, dtype=torch.bfloat16)
+    for _ in range(2):
+        ffn(x).sum().backward()
+    assert ffn.moe_fp8_weight_cache.hits > 0
+    plain = build_moe()
+    convert(plain, "fp8_rowwise", shared_experts=True)
+    assert torch.equal(torch.compile(plain.shared_experts, fullgraph=True)(x), plain.shared_experts(x))
+
+
+def test_shared_experts_refusals():
+    """What shared_experts=True cannot run raises before anything changes: a forward of its own, a biased Linear,
+    a forward stored on a Linear by anything but torchtitan's parallelize, and tensor-parallel (DTensor) weights at
+    forward. The fp8 all-gather leaves shared experts to FSDP2 (bf16)."""
+    from torchtitan.models.common.feed_forward import SigmoidGatedFeedForward
+
+    from moe_fp8_ext.integrations.torchtitan import ExpertsConverter
+
+    gated = titan_moe(128, 64, 8, 2)
+    base = gated.shared_experts
+    gated.shared_experts = SigmoidGatedFeedForward.__new__(SigmoidGatedFeedForward)
+    gated.shared_experts.__dict__.update(base.__dict__)
+    with pytest.raises(TypeError, match="overrides forward"):
+        convert(gated, "fp8_rowwise", shared_experts=True)
+    assert not hasattr(gated.routed_experts.inner_experts, "moe_fp8_recipe")  # (nothing changed)
+
+    for attr, value, err, match in (("bias", torch.nn.Parameter(torch.zeros(64)), TypeError, "without bias"),
+                                    ("forward", lambda x: x, RuntimeError, "cannot rebuild")):
+        moe = build_moe()
+        setattr(moe.shared_experts.w1, attr, value)
+        with pytest.raises(err, match=match):
+            convert(moe, "fp8_rowwise", shared_experts=True)
+        assert not hasattr(moe.shared_experts, "moe_fp8_recipe")
+    cfg = moe_config()
+    from torchtitan.models.common.feed_forward import FeedForward
+    from torchtitan.models.common.linear import Linear
+
+    cfg.shared_experts = FeedForward.Config(w1=Linear.Config(in_features=128, out_features=64, bias=True),
+                                            w2=Linear.Config(in_features=64, out_features=128),
+                                            w3=Linear.Config(in_features=128, out_features=64))
+    with pytest.raises(TypeError, match="without bias"):
+        ExpertsConverter.Config(shared_experts=True).build().convert(cfg)
+
+    moe = build_moe()
+    convert(moe, "fp8_rowwise", shared_experts=True)
+
+    class Sharded(torch.Tensor):  # (stands in for a tensor-parallel DTensor weight)
+        def to_local(self):
+            return self
+
+    w1 = moe.shared_experts.w1
+    w1.weight = torch.nn.Parameter(w1.weight.detach().as_subclass(Sharded))
+    with pytest.raises(RuntimeError, match="tensor parallelism"):
+        moe.shared_experts(torch.randn(1, 8, 128, dtype=torch.bfloat16))
+
+    from moe_fp8_ext import fsdp
+
+    moe = build_moe()
+    convert(moe, "fp8_rowwise", shared_experts=True)
+    assert fsdp.fp8_all_gather(moe) == 1 and not hasattr(moe.shared_experts, "moe_fp8_all_gather")

@@ -2,8 +2,8 @@
 (gloo): FSDP2 (apply_fsdp_to_decoder), expert parallelism (Module.parallelize with the
 all-to-all token dispatcher) and both, with every recipe converted before
 parallelizing, after it, and by the config converter (tests/torchtitan_parallel.py
-trains each for 20 steps); and with FP8 communication (the converter's fp8_all_gather
-and fp8_dispatch). Skipped without torchtitan (CI installs it)."""
+trains each for 20 steps); with shared experts converted too; and with FP8 communication
+(the converter's fp8_all_gather and fp8_dispatch). Skipped without torchtitan (CI installs it)."""
 
 import json
 import os
@@ -63,6 +63,25 @@ def test_trains_under_torchtitan_parallelisms(ranks, layout, runs):
     if f"{layout}:after:fp8_blockwise:reuse" in results:
         reuse, micro = results[f"{layout}:after:fp8_blockwise:reuse"], results[f"{layout}:after:fp8_blockwise:micro"]
         assert reuse["hits"] > 0 and reuse["losses"] == micro["losses"], (reuse["hits"], reuse["losses"], micro["losses"])
+
+
+@pytest.mark.parametrize("ranks, layout, runs", [
+    (2, "fsdp", ["before:fp8_blockwise", "after:fp8_rowwise", "config:fp8_blockwise"]),
+    (4, "ep_fsdp", ["after:fp8_blockwise", "config:fp8_rowwise"]),
+])
+def test_shared_experts_under_torchtitan_parallelisms(ranks, layout, runs):
+    """shared_experts=True, on a model whose MoE layers each have a shared expert: the routed and the shared experts
+    both run moe_fp8_ext (two calls a layer and step), in every conversion order."""
+    specs = [f"{layout}:none:bf16:shared"] + [f"{layout}:{r}:shared" for r in runs]
+    results = train(ranks, specs)
+    bf16 = results[specs[0]]
+    assert bf16["fp8_calls"] == 0
+    for spec in specs[1:]:
+        r = results[spec]
+        assert r["fp8_calls"] == 2 * LAYERS * STEPS, (spec, r["fp8_calls"])
+        assert abs(r["losses"][0] - r["single_step0"]) <= STEP0_RTOL * r["single_step0"], (spec, r)
+        worst = max(abs(a - b) / b for a, b in zip(r["losses"], bf16["losses"]))
+        assert worst < CURVE_RTOL, (spec, worst)
 
 
 # FP8 comms vs the same recipe in bf16: fp8 all-gather gives the GEMMs identical operands (equal losses: each gather

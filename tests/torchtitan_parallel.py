@@ -12,7 +12,8 @@ before (convert the built model), after (convert after parallelize and FSDP2), c
 (ExpertsConverter in the config tree) or none (bf16, unconverted); ":micro" trains two
 micro-batches a step, ":reuse" too, with reuse_weights; ":ag" all-gathers the expert
 weights in fp8, ":disp" dispatches the tokens in fp8 (FP8 communication, the converter's
-options).
+options), ":shared" gives every MoE layer a shared expert and converts it too
+(shared_experts=True).
 Every run trains 20 steps; rank 0 prints one JSON line per run (step losses, the
 single-process step-0 loss of the same model, how many experts calls went through
 moe_fp8_ext, weight-cache hits). tests/test_torchtitan_parallel.py checks them.
@@ -29,10 +30,11 @@ import torch.nn.functional as F
 STEPS, LR, SEQ, GLOBAL_BATCH, VOCAB, LAYERS = 20, 1e-3, 32, 8, 512, 2
 
 
-def config(ep_enabled, converter=None, experts=8):
+def config(ep_enabled, converter=None, experts=8, shared=False):
     import torchtitan.models.qwen3 as q3
     from torchtitan.models.common import CosSinRoPE, Embedding, Linear
     from torchtitan.models.common.attention import ScaledDotProductAttention
+    from torchtitan.models.common.config_utils import make_ffn_config
     from torchtitan.models.qwen3.sharding import set_qwen3_sharding_config
 
     dim, head_dim = 128, 32
@@ -46,14 +48,17 @@ def config(ep_enabled, converter=None, experts=8):
             rope=CosSinRoPE.Config(dim=head_dim, max_seq_len=SEQ + 1, theta=1e6), moe_comm_backend="standard"))
     for layer in cfg.layers:  # (flex attention has no CPU backward)
         layer.attention.inner_attention = ScaledDotProductAttention.Config()
+        if shared:  # a shared expert in every MoE layer, as DeepSeek's
+            layer.moe.shared_experts = make_ffn_config(dim=dim, hidden_dim=128, w1_param_init=q3._LINEAR_INIT,
+                                                       w2w3_param_init=q3._LINEAR_INIT)
     if converter is not None:  # what model_registry(..., converters=[...]) does
         cfg = converter.build().convert(cfg)
     set_qwen3_sharding_config(cfg, enable_sp=False, enable_ep=ep_enabled)  # what update_from_config does
     return cfg
 
 
-def build(ep_enabled, converter=None, experts=8):
-    cfg = config(ep_enabled, converter, experts)
+def build(ep_enabled, converter=None, experts=8, shared=False):
+    cfg = config(ep_enabled, converter, experts, shared)
     torch.manual_seed(0)  # the same full model on every rank, before any sharding
     model = cfg.build()
     with torch.no_grad():
@@ -88,12 +93,13 @@ def gloo_uneven_all_to_all():
     C._AllToAllUneven.forward = staticmethod(forward)
 
 
-def single_step0_loss(conversion, recipe, experts):
+def single_step0_loss(conversion, recipe, experts, shared):
     from moe_fp8_ext.integrations.torchtitan import ExpertsConverter, convert
 
-    model = build(False, ExpertsConverter.Config(recipe=recipe) if conversion == "config" else None, experts)
+    converter = ExpertsConverter.Config(recipe=recipe, shared_experts=shared) if conversion == "config" else None
+    model = build(False, converter, experts, shared)
     if conversion in ("before", "after"):
-        convert(model, recipe)
+        convert(model, recipe, shared_experts=shared)
     inp, lab = batch(0)
     with torch.no_grad():
         return F.cross_entropy(model(inp).flatten(0, 1).float(), lab.flatten(0, 1)).item()
@@ -114,11 +120,11 @@ def run(spec, world, calls):
 
     layout, conversion, recipe, *extra = spec.split(":")
     reuse = "reuse" in extra
-    comm = dict(fp8_all_gather="ag" in extra, fp8_dispatch="disp" in extra)
+    comm = dict(fp8_all_gather="ag" in extra, fp8_dispatch="disp" in extra, shared_experts="shared" in extra)
     ep = {"fsdp": 1, "fsdp_rows": 1, "ep": world, "ep_fsdp": 2, "ep_fsdp_rows": 2}[layout]
     experts = 2 if layout.endswith("_rows") else 8  # (fewer experts than ranks: FSDP2 shards their rows)
     converter = ExpertsConverter.Config(recipe=recipe, reuse_weights=reuse, **comm) if conversion == "config" else None
-    model = build(ep > 1, converter, experts)
+    model = build(ep > 1, converter, experts, comm["shared_experts"])
     if conversion == "before":
         convert(model, recipe, reuse_weights=reuse, **comm)
     if ep not in _DIMS:  # (one set of meshes a layout: FSDP2 wants the very mesh objects)
@@ -164,7 +170,8 @@ def run(spec, world, calls):
                if getattr(m, "moe_fp8_weight_cache", None) is not None)
     return dict(spec=spec, world=world, losses=losses, fp8_calls=len(calls), hits=hits,
                 fp8_gathers=fp8_comm.count("gather"), fp8_dispatches=fp8_comm.count("dispatch"),
-                single_step0=single_step0_loss(conversion, recipe, experts) if recipe != "bf16" else None)
+                single_step0=single_step0_loss(conversion, recipe, experts, comm["shared_experts"])
+                if recipe != "bf16" else None)
 
 
 fp8_comm = []  # "gather" per weight shard quantized for an all-gather, "dispatch" per fp8 dispatch

@@ -16,6 +16,10 @@ state_dict keys, initialization, optimizer state and sharding stay as they are, 
 token groups of any size work, so the token dispatcher is not swapped for a padding
 one. A module this cannot convert is an error, never a module left in bf16.
 
+``shared_experts=True`` converts each MoE layer's shared experts (torchtitan's SwiGLU
+``FeedForward``) too: they run as one expert that every token goes to, with the same
+recipe. They are not tensor-parallel here, and FSDP2 gathers them in bf16.
+
 FP8 communication (fp8_blockwise and fp8_rowwise): ``fp8_all_gather`` makes FSDP2
 all-gather the expert weights as fp8 (:mod:`moe_fp8_ext.fsdp`; convert before
 ``fully_shard``), ``fp8_dispatch`` swaps the ``AllToAllTokenDispatcher`` of each MoE
@@ -30,7 +34,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 from torchtitan.components.quantization import QuantizationConverter
-from torchtitan.models.common.moe import GroupedExperts, RoutedExperts
+from torchtitan.models.common.feed_forward import FeedForward
+from torchtitan.models.common.moe import GroupedExperts, MoE, RoutedExperts
 from torchtitan.models.common.token_dispatcher import (
     AllToAllDispatchMetadata,
     AllToAllTokenDispatcher,
@@ -46,6 +51,7 @@ from ..weight_cache import WeightCache, weight_keys
 __all__ = ["ExpertsConverter", "Fp8AllToAllTokenDispatcher", "build_moe", "convert", "unconvert"]
 
 _NAMES = ("w1_EFD", "w3_EFD", "w2_EDF")
+_FFN_NAMES = ("w1", "w3", "w2")  # (FeedForward's Linear modules: weight (out, in), no bias)
 
 
 def _local(p: Tensor) -> Tensor:
@@ -75,6 +81,24 @@ def _fp8_forward_impl(self, x_RD: Tensor, num_tokens_per_expert_E: Tensor) -> Te
     return out.type_as(x_RD)
 
 
+def _shared_forward(self, x: Tensor) -> Tensor:
+    """torchtitan's ``FeedForward`` (shared experts) as one expert that every token goes
+    to: :func:`moe_fp8_ext.experts` on x's rows with one group."""
+    ws = [getattr(self, n).weight for n in _FFN_NAMES]
+    if any(hasattr(w, "to_local") for w in ws):
+        raise RuntimeError("shared experts converted by moe_fp8_ext: expected plain weights at forward, got DTensors "
+                           "(tensor parallelism); convert with shared_experts=False")
+    recipe, cache = self.moe_fp8_recipe, self.moe_fp8_weight_cache
+    x_TD = x.reshape(-1, x.shape[-1])
+    w1, w3, w2 = (w.unsqueeze(0) for w in ws)
+    if recipe.precision == "bf16":
+        x_TD, w1, w3, w2 = (t.bfloat16() for t in (x_TD, w1, w3, w2))
+    keys = sum((weight_keys(getattr(self, n), ("weight",)) for n in _FFN_NAMES), ()) if cache is not None else None
+    offs = torch.full((1,), x_TD.shape[0], dtype=torch.int32, device=x.device)
+    out = experts(x_TD, w1, w3, w2, offs, recipe=recipe, weight_cache=cache, weight_keys=keys)
+    return out.view(*x.shape[:-1], out.shape[-1]).type_as(x)
+
+
 def _configure(module, recipe: Recipe, reuse_weights: bool) -> None:
     module.moe_fp8_recipe = recipe
     module.moe_fp8_weight_cache = WeightCache() if reuse_weights else None
@@ -89,11 +113,14 @@ def _new_converted(base: type):
 
 
 def converted_class(base: type) -> type:
-    """The subclass of the ``GroupedExperts`` class ``base`` that runs
-    :func:`moe_fp8_ext.experts`; its ``Config`` adds ``moe_fp8_recipe`` and
-    ``moe_fp8_reuse_weights`` to ``base.Config``. One class per base; instances pickle
-    by their base (the class itself is made at run time)."""
+    """The subclass of ``base`` (a ``GroupedExperts`` class, or a ``FeedForward`` one:
+    shared experts) that runs :func:`moe_fp8_ext.experts`; its ``Config`` adds
+    ``moe_fp8_recipe``, ``moe_fp8_reuse_weights`` and ``moe_fp8_all_gather`` (experts
+    only) to ``base.Config``. One class per base; instances pickle by their base (the
+    class itself is made at run time)."""
     if base not in _CLASSES:
+        shared = issubclass(base, FeedForward)
+
         @dataclass(kw_only=True, slots=True)
         class Config(base.Config):
             moe_fp8_recipe: Union[str, Recipe] = "fp8_rowwise"
@@ -104,6 +131,9 @@ def converted_class(base: type) -> type:
             base.__init__(self, config)
             _configure(self, get_recipe(config.moe_fp8_recipe, "ExpertsConverter"), config.moe_fp8_reuse_weights)
             if config.moe_fp8_all_gather:
+                if shared:
+                    raise ValueError("ExpertsConverter: the fp8 all-gather is for the routed experts' weights; "
+                                     "expected moe_fp8_all_gather=False for shared experts")
                 _fsdp.fp8_all_gather(self)
 
         def __reduce_ex__(self, protocol):
@@ -111,7 +141,8 @@ def converted_class(base: type) -> type:
 
         name = f"Fp8{base.__name__}"
         _CLASSES[base] = type(name, (base,), {
-            "Config": Config, "__init__": __init__, "forward": _fp8_forward, "__reduce_ex__": __reduce_ex__,
+            "Config": Config, "__init__": __init__, "forward": _shared_forward if shared else _fp8_forward,
+            "__reduce_ex__": __reduce_ex__,
             "_moe_fp8_base": base, "__module__": __name__, "__qualname__": name})
     return _CLASSES[base]
 
@@ -131,6 +162,43 @@ def _check_convertible(fqn: str, module, recipe: Recipe) -> None:
         _check(x, *meta, offs, recipe, recipe.backend(w1.device), None)
     except (ValueError, TypeError) as e:
         raise ValueError(f"convert: {fqn or 'the model'} cannot run recipe {recipe.name!r}: {e}") from None
+
+
+def _check_shared_convertible(fqn: str, module, recipe: Recipe) -> None:
+    """_check_convertible for shared experts: torchtitan's FeedForward forward, its
+    three Linear modules nn.Linear's forward without bias. Their forward is not called:
+    a redistribution wrapper of ``parallelize`` passes (no-op without tensor
+    parallelism; with it the weights are DTensors at forward, which raises)."""
+    base = type(module)
+    if base.forward is not FeedForward.forward and base.forward is not _shared_forward:
+        raise TypeError(f"convert: expected {fqn} to be a FeedForward with torchtitan's SwiGLU forward for "
+                        f"shared_experts, got {base.__name__}, which overrides forward")
+    for n in _FFN_NAMES:
+        lin = getattr(module, n)
+        if not isinstance(lin, torch.nn.Linear) or type(lin).forward is not torch.nn.Linear.forward \
+                or lin.bias is not None:
+            raise TypeError(f"convert: expected {fqn}.{n} to be a Linear without bias, with nn.Linear's forward, for "
+                            f"shared_experts, got {lin!r}")
+        _parallel_dims(f"{fqn}.{n}", lin)  # (any other instance forward: an error)
+    w1, w3, w2 = (getattr(module, n).weight for n in _FFN_NAMES)
+    if w1.shape != w3.shape or w2.shape != w1.shape[::-1]:
+        raise ValueError(f"convert: {fqn} is not a SwiGLU FeedForward: w1 {tuple(w1.shape)}, w3 {tuple(w3.shape)}, "
+                         f"w2 {tuple(w2.shape)}")
+    dtype = torch.bfloat16 if recipe.precision == "bf16" else w1.dtype
+    x = torch.empty((0, w1.shape[1]), dtype=torch.bfloat16, device="meta")
+    meta = [torch.empty((1, *w.shape), dtype=dtype, device="meta") for w in (w1, w3, w2)]
+    try:
+        _check(x, *meta, torch.empty((1,), dtype=torch.int32, device="meta"), recipe, recipe.backend(w1.device), None)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"convert: {fqn} cannot run recipe {recipe.name!r}: {e}") from None
+
+
+def _shared(model: torch.nn.Module, converted_only: bool):
+    """(fqn, module) of the shared experts of every MoE layer in ``model``; with
+    ``converted_only``, those converted already."""
+    return [(f"{fqn}.shared_experts" if fqn else "shared_experts", m.shared_experts)
+            for fqn, m in model.named_modules() if isinstance(m, MoE) and isinstance(m.shared_experts, FeedForward)
+            and (not converted_only or hasattr(type(m.shared_experts), "_moe_fp8_base"))]
 
 
 def _parallel_dims(fqn: str, module):
@@ -175,26 +243,28 @@ def _redistributing(self, parallel_dims):
 
 
 def convert(model: torch.nn.Module, recipe: Union[str, Recipe] = "fp8_rowwise", *, reuse_weights: bool = False,
-            fp8_all_gather: bool = False, fp8_dispatch: bool = False) -> int:
+            fp8_all_gather: bool = False, fp8_dispatch: bool = False, shared_experts: bool = False) -> int:
     """Convert every torchtitan ``GroupedExperts`` in ``model`` (the model itself
     included) to run :func:`moe_fp8_ext.experts` with ``recipe``, in place; returns how
-    many were converted. Converting again changes the recipe. Works before or after
-    torchtitan's ``parallelize`` and FSDP2. ``reuse_weights``: a
-    :class:`~moe_fp8_ext.WeightCache` per module (opt-in: see
+    many were converted. Converting again changes the recipe (of shared experts converted
+    before too). Works before or after torchtitan's ``parallelize`` and FSDP2.
+    ``reuse_weights``: a :class:`~moe_fp8_ext.WeightCache` per module (opt-in: see
     :mod:`moe_fp8_ext.weight_cache` for the writes it cannot see). ``fp8_all_gather``
-    (before FSDP2) and ``fp8_dispatch``: FP8 communication (the module docstring).
-    Raises ValueError for an unknown recipe or shapes the recipe cannot run, TypeError
-    for a GroupedExperts subclass with another forward or a token dispatcher other than
+    (before FSDP2) and ``fp8_dispatch``: FP8 communication; ``shared_experts``: the MoE
+    layers' shared experts too, counted (the module docstring). Raises ValueError for an
+    unknown recipe or shapes the recipe cannot run, TypeError for a GroupedExperts or
+    FeedForward subclass with another forward or a token dispatcher other than
     torchtitan's all-to-all one, RuntimeError where a parallelized forward cannot be
     rebuilt or the weights are already sharded for an fp8 all-gather."""
     r = get_recipe(recipe, "convert")
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"convert: expected a torch.nn.Module, got {type(model).__name__}")
     found = [(fqn, m) for fqn, m in model.named_modules() if isinstance(m, GroupedExperts)]
+    shared = _shared(model, converted_only=not shared_experts)
     dispatchers = _dispatchers(model, r) if fp8_dispatch else []
     dims = []
-    for fqn, module in found:  # every check before any change
-        _check_convertible(fqn, module, r)
+    for fqn, module in found + shared:  # every check before any change
+        (_check_shared_convertible if isinstance(module, FeedForward) else _check_convertible)(fqn, module, r)
         dims.append(_parallel_dims(fqn, module))
     if fp8_all_gather and found:
         if reuse_weights:
@@ -202,14 +272,14 @@ def convert(model: torch.nn.Module, recipe: Union[str, Recipe] = "fp8_rowwise", 
                              "what is reused, while FSDP2 keeps them unsharded)")
         for fqn, module in found:
             _fsdp.check_module(module, r, _NAMES, fqn or "the model")
-    for (fqn, module), parallel_dims in zip(found, dims):
+    for (fqn, module), parallel_dims in zip(found + shared, dims):
         _swap_class(module, converted_class(getattr(type(module), "_moe_fp8_base", type(module))), parallel_dims)
         _configure(module, r, reuse_weights)
     if fp8_all_gather:
         _fsdp.fp8_all_gather(model)
     for d in dispatchers:
         d.__class__, d.recipe = Fp8AllToAllTokenDispatcher, r
-    return len(found)
+    return len(found) + (len(shared) if shared_experts else 0)
 
 
 def _dispatchers(model: torch.nn.Module, recipe: Recipe):
@@ -260,6 +330,8 @@ class ExpertsConverter(QuantizationConverter):
         """FSDP2 all-gathers the expert weights in fp8 (moe_fp8_ext.fsdp)."""
         fp8_dispatch: bool = False
         """Expert parallelism sends the routed tokens in fp8 (Fp8AllToAllTokenDispatcher)."""
+        shared_experts: bool = False
+        """The MoE layers' shared experts (FeedForward) run moe_fp8_ext.experts too."""
         filter_fqns: List[str] = field(default_factory=list)
         """Experts whose fully qualified name contains one of these stay as they are."""
 
@@ -287,6 +359,24 @@ class ExpertsConverter(QuantizationConverter):
             values.update(moe_fp8_recipe=cfg.recipe, moe_fp8_reuse_weights=cfg.reuse_weights,
                           moe_fp8_all_gather=cfg.fp8_all_gather)
             model_config = _replace(model_config, parent, attr, converted_class(base).Config(**values))
+        if cfg.shared_experts:
+            for fqn, moe, _, _ in model_config.traverse(MoE.Config):
+                config = moe.shared_experts
+                if config is None or any(f in f"{fqn}.shared_experts" for f in cfg.filter_fqns):
+                    continue
+                base = type(config)._owner
+                base = getattr(base, "_moe_fp8_base", base)
+                if base.forward is not FeedForward.forward:
+                    raise TypeError(f"ExpertsConverter: expected {fqn}.shared_experts to be a FeedForward with "
+                                    f"torchtitan's SwiGLU forward, got {base.__name__}, which overrides forward")
+                for n in _FFN_NAMES:
+                    lin = getattr(config, n)
+                    if lin.bias or type(lin)._owner.forward is not torch.nn.Linear.forward:
+                        raise TypeError(f"ExpertsConverter: expected {fqn}.shared_experts.{n} to be a Linear without "
+                                        f"bias, got {type(lin).__qualname__} (bias={lin.bias})")
+                values = {f.name: getattr(config, f.name) for f in fields(config)}
+                values.update(moe_fp8_recipe=cfg.recipe, moe_fp8_reuse_weights=cfg.reuse_weights)
+                moe.shared_experts = converted_class(base).Config(**values)
         if cfg.fp8_dispatch:  # (the dispatcher of every MoE layer whose experts were converted)
             for fqn, routed, _, _ in model_config.traverse(RoutedExperts.Config):
                 config = routed.token_dispatcher
