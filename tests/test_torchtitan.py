@@ -258,6 +258,17 @@ def test_config_converter_shared_experts():
     kept = titan_moe(128, 64, 8, 2, converter=ExpertsConverter.Config(shared_experts=True,
                                                                       filter_fqns=["shared_experts"]))
     assert not hasattr(kept.shared_experts, "moe_fp8_recipe")
+    from torchtitan.models.common.feed_forward import FeedForward
+    from torchtitan.models.common.linear import Linear
+
+    cfg = moe_config()
+    cfg.shared_experts = FeedForward.Config(w1=Linear.Config(in_features=128, out_features=64),
+                                            w2=Linear.Config(in_features=64, out_features=128),
+                                            w3=Linear.Config(in_features=128, out_features=64))
+    for recipe, shared in (("fp8_rowwise", True), ("fp8_blockwise", False)):  # (converted again: the new recipe)
+        cfg = ExpertsConverter.Config(recipe=recipe, shared_experts=shared).build().convert(cfg)
+        assert cfg.shared_experts.moe_fp8_recipe == recipe == cfg.routed_experts.inner_experts.moe_fp8_recipe
+    assert ExpertsConverter.Config(shared_experts=True).build().convert(moe_config()).shared_experts is None
 
 
 def test_shared_experts_reuse_weights_and_compile():

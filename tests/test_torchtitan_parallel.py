@@ -41,6 +41,21 @@ def train(ranks, specs, expect_failure=None):
     return {r["spec"]: r for r in results}
 
 
+def check_trained(results, specs):
+    """Every converted run: all its experts calls through moe_fp8_ext (never left in bf16), step 0 as one process,
+    the curve within CURVE_RTOL of the bf16 run (specs[0])."""
+    bf16 = results[specs[0]]
+    assert bf16["fp8_calls"] == 0
+    for spec in specs[1:]:
+        r = results[spec]
+        micro = 2 if ":micro" in spec or ":reuse" in spec else 1
+        calls = LAYERS * STEPS * micro * (2 if ":shared" in spec else 1)  # (shared experts: a second call)
+        assert r["fp8_calls"] == calls, (spec, r["fp8_calls"])
+        assert abs(r["losses"][0] - r["single_step0"]) <= STEP0_RTOL * r["single_step0"], (spec, r)
+        worst = max(abs(a - b) / b for a, b in zip(r["losses"], bf16["losses"]))
+        assert worst < CURVE_RTOL, (spec, worst)
+
+
 @pytest.mark.parametrize("ranks, layout, runs", [
     (2, "fsdp", ["before:fp8_rowwise", "after:fp8_blockwise", "config:mxfp8"]),
     (2, "ep", ["after:fp8_rowwise", "config:fp8_blockwise", "before:mxfp8"]),
@@ -51,15 +66,7 @@ def train(ranks, specs, expect_failure=None):
 def test_trains_under_torchtitan_parallelisms(ranks, layout, runs):
     specs = [f"{layout}:none:bf16"] + [f"{layout}:{r}" for r in runs]
     results = train(ranks, specs)
-    bf16 = results[specs[0]]
-    assert bf16["fp8_calls"] == 0
-    for spec in specs[1:]:
-        r = results[spec]
-        micro = 2 if spec.endswith((":micro", ":reuse")) else 1
-        assert r["fp8_calls"] == LAYERS * STEPS * micro, (spec, r["fp8_calls"])  # never left in bf16
-        assert abs(r["losses"][0] - r["single_step0"]) <= STEP0_RTOL * r["single_step0"], (spec, r)
-        worst = max(abs(a - b) / b for a, b in zip(r["losses"], bf16["losses"]))
-        assert worst < CURVE_RTOL, (spec, worst)
+    check_trained(results, specs)
     if f"{layout}:after:fp8_blockwise:reuse" in results:
         reuse, micro = results[f"{layout}:after:fp8_blockwise:reuse"], results[f"{layout}:after:fp8_blockwise:micro"]
         assert reuse["hits"] > 0 and reuse["losses"] == micro["losses"], (reuse["hits"], reuse["losses"], micro["losses"])
@@ -73,15 +80,7 @@ def test_shared_experts_under_torchtitan_parallelisms(ranks, layout, runs):
     """shared_experts=True, on a model whose MoE layers each have a shared expert: the routed and the shared experts
     both run moe_fp8_ext (two calls a layer and step), in every conversion order."""
     specs = [f"{layout}:none:bf16:shared"] + [f"{layout}:{r}:shared" for r in runs]
-    results = train(ranks, specs)
-    bf16 = results[specs[0]]
-    assert bf16["fp8_calls"] == 0
-    for spec in specs[1:]:
-        r = results[spec]
-        assert r["fp8_calls"] == 2 * LAYERS * STEPS, (spec, r["fp8_calls"])
-        assert abs(r["losses"][0] - r["single_step0"]) <= STEP0_RTOL * r["single_step0"], (spec, r)
-        worst = max(abs(a - b) / b for a, b in zip(r["losses"], bf16["losses"]))
-        assert worst < CURVE_RTOL, (spec, worst)
+    check_trained(train(ranks, specs), specs)
 
 
 # FP8 comms vs the same recipe in bf16: fp8 all-gather gives the GEMMs identical operands (equal losses: each gather

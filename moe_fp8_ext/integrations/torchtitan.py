@@ -350,33 +350,22 @@ class ExpertsConverter(QuantizationConverter):
         for fqn, config, parent, attr in model_config.traverse(GroupedExperts.Config):
             if any(f in fqn for f in cfg.filter_fqns):
                 continue
-            base = type(config)._owner
-            base = getattr(base, "_moe_fp8_base", base)
-            if base.forward is not GroupedExperts.forward:
-                raise TypeError(f"ExpertsConverter: expected {fqn or 'the model'} to be a GroupedExperts with "
-                                f"torchtitan's SwiGLU forward, got {base.__name__}, which overrides forward")
-            values = {f.name: getattr(config, f.name) for f in fields(config)}
-            values.update(moe_fp8_recipe=cfg.recipe, moe_fp8_reuse_weights=cfg.reuse_weights,
-                          moe_fp8_all_gather=cfg.fp8_all_gather)
-            model_config = _replace(model_config, parent, attr, converted_class(base).Config(**values))
-        if cfg.shared_experts:
-            for fqn, moe, _, _ in model_config.traverse(MoE.Config):
-                config = moe.shared_experts
-                if config is None or any(f in f"{fqn}.shared_experts" for f in cfg.filter_fqns):
-                    continue
-                base = type(config)._owner
-                base = getattr(base, "_moe_fp8_base", base)
-                if base.forward is not FeedForward.forward:
-                    raise TypeError(f"ExpertsConverter: expected {fqn}.shared_experts to be a FeedForward with "
-                                    f"torchtitan's SwiGLU forward, got {base.__name__}, which overrides forward")
+            new = _converted_config(config, fqn or "the model", GroupedExperts, moe_fp8_recipe=cfg.recipe,
+                                    moe_fp8_reuse_weights=cfg.reuse_weights, moe_fp8_all_gather=cfg.fp8_all_gather)
+            model_config = _replace(model_config, parent, attr, new)
+        for fqn, moe, _, _ in model_config.traverse(MoE.Config):  # (converted before: the new recipe, as convert)
+            config = moe.shared_experts
+            if config is None or any(f in f"{fqn}.shared_experts" for f in cfg.filter_fqns):
+                continue
+            if cfg.shared_experts or hasattr(type(config)._owner, "_moe_fp8_base"):
                 for n in _FFN_NAMES:
                     lin = getattr(config, n)
                     if lin.bias or type(lin)._owner.forward is not torch.nn.Linear.forward:
                         raise TypeError(f"ExpertsConverter: expected {fqn}.shared_experts.{n} to be a Linear without "
                                         f"bias, got {type(lin).__qualname__} (bias={lin.bias})")
-                values = {f.name: getattr(config, f.name) for f in fields(config)}
-                values.update(moe_fp8_recipe=cfg.recipe, moe_fp8_reuse_weights=cfg.reuse_weights)
-                moe.shared_experts = converted_class(base).Config(**values)
+                moe.shared_experts = _converted_config(config, f"{fqn}.shared_experts", FeedForward,
+                                                       moe_fp8_recipe=cfg.recipe,
+                                                       moe_fp8_reuse_weights=cfg.reuse_weights)
         if cfg.fp8_dispatch:  # (the dispatcher of every MoE layer whose experts were converted)
             for fqn, routed, _, _ in model_config.traverse(RoutedExperts.Config):
                 config = routed.token_dispatcher
@@ -392,6 +381,19 @@ class ExpertsConverter(QuantizationConverter):
                 values = {f.name: getattr(config, f.name) for f in fields(config)}
                 routed.token_dispatcher = Fp8AllToAllTokenDispatcher.Config(**values, recipe=cfg.recipe)
         return model_config
+
+
+def _converted_config(config, where: str, kind: type, **options):
+    """The config of ``converted_class`` for ``config`` (a ``kind`` with torchtitan's
+    forward, else an error), its fields kept and ``options`` added."""
+    base = type(config)._owner
+    base = getattr(base, "_moe_fp8_base", base)
+    if base.forward is not kind.forward:
+        raise TypeError(f"ExpertsConverter: expected {where} to be a {kind.__name__} with torchtitan's SwiGLU forward, "
+                        f"got {base.__name__}, which overrides forward")
+    values = {f.name: getattr(config, f.name) for f in fields(config)}
+    values.update(options)  # (a config converted before: the new options)
+    return converted_class(base).Config(**values)
 
 
 def _replace(root, parent, attr, new):
