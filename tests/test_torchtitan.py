@@ -287,37 +287,55 @@ def test_shared_experts_reuse_weights_and_compile():
 
 
 def test_shared_experts_refusals():
-    """What shared_experts=True cannot run raises before anything changes: a forward of its own, a biased Linear,
-    a forward stored on a Linear by anything but torchtitan's parallelize, and tensor-parallel (DTensor) weights at
-    forward. The fp8 all-gather leaves shared experts to FSDP2 (bf16)."""
-    from torchtitan.models.common.feed_forward import SigmoidGatedFeedForward
+    """What shared_experts=True cannot run raises before anything changes (convert and the config converter): a
+    forward of its own, shared experts that are not a FeedForward, a biased Linear or one with its own forward, forward
+    hooks or an unknown instance forward on a Linear; a config changed after conversion raises at build; DTensor
+    weights (tensor parallelism) at forward. The fp8 all-gather leaves shared experts to FSDP2 (bf16)."""
+    from torchtitan.models.common.feed_forward import FeedForward, SigmoidGatedFeedForward
+    from torchtitan.models.common.linear import Linear, ScaledBiasRowwiseLinear
 
     from moe_fp8_ext.integrations.torchtitan import ExpertsConverter
 
-    gated = titan_moe(128, 64, 8, 2)
+    def refused(moe, err, match):
+        with pytest.raises(err, match=match):
+            convert(moe, "fp8_rowwise", shared_experts=True)
+        assert not hasattr(moe.routed_experts.inner_experts, "moe_fp8_recipe")  # (nothing changed)
+        assert not hasattr(moe.shared_experts, "moe_fp8_recipe")
+
+    gated = build_moe()
     base = gated.shared_experts
     gated.shared_experts = SigmoidGatedFeedForward.__new__(SigmoidGatedFeedForward)
     gated.shared_experts.__dict__.update(base.__dict__)
-    with pytest.raises(TypeError, match="overrides forward"):
-        convert(gated, "fp8_rowwise", shared_experts=True)
-    assert not hasattr(gated.routed_experts.inner_experts, "moe_fp8_recipe")  # (nothing changed)
-
+    refused(gated, TypeError, "overrides forward")
+    other = build_moe()
+    other.shared_experts = torch.nn.Sequential(torch.nn.Linear(128, 128))
+    refused(other, TypeError, "to be a FeedForward")
     for attr, value, err, match in (("bias", torch.nn.Parameter(torch.zeros(64)), TypeError, "without bias"),
-                                    ("forward", lambda x: x, RuntimeError, "cannot rebuild")):
+                                    ("forward", lambda x: x, RuntimeError, "would not call")):
         moe = build_moe()
         setattr(moe.shared_experts.w1, attr, value)
-        with pytest.raises(err, match=match):
-            convert(moe, "fp8_rowwise", shared_experts=True)
-        assert not hasattr(moe.shared_experts, "moe_fp8_recipe")
-    cfg = moe_config()
-    from torchtitan.models.common.feed_forward import FeedForward
-    from torchtitan.models.common.linear import Linear
+        refused(moe, err, match)
+    hooked = build_moe()
+    hooked.shared_experts.w3.register_forward_pre_hook(lambda m, a: None)
+    refused(hooked, TypeError, "forward hooks")
 
-    cfg.shared_experts = FeedForward.Config(w1=Linear.Config(in_features=128, out_features=64, bias=True),
-                                            w2=Linear.Config(in_features=64, out_features=128),
-                                            w3=Linear.Config(in_features=128, out_features=64))
+    def shared_config(w1):
+        cfg = moe_config()
+        cfg.shared_experts = FeedForward.Config(w1=w1, w2=Linear.Config(in_features=64, out_features=128),
+                                                w3=Linear.Config(in_features=128, out_features=64))
+        return cfg
+
+    for w1, match in ((Linear.Config(in_features=128, out_features=64, bias=True), "without bias"),
+                      (ScaledBiasRowwiseLinear.Config(in_features=128, out_features=64), "nn.Linear's forward")):
+        cfg = shared_config(w1)
+        with pytest.raises(TypeError, match=match):
+            ExpertsConverter.Config(shared_experts=True).build().convert(cfg)
+        assert type(cfg.routed_experts.inner_experts) is tt_moe.GroupedExperts.Config  # (nothing changed)
+    cfg = ExpertsConverter.Config(shared_experts=True).build().convert(shared_config(
+        Linear.Config(in_features=128, out_features=64)))
+    cfg.shared_experts.w1.bias = True  # (changed after our converter, e.g. by a later one)
     with pytest.raises(TypeError, match="without bias"):
-        ExpertsConverter.Config(shared_experts=True).build().convert(cfg)
+        cfg.build()
 
     moe = build_moe()
     convert(moe, "fp8_rowwise", shared_experts=True)
@@ -336,3 +354,25 @@ def test_shared_experts_refusals():
     moe = build_moe()
     convert(moe, "fp8_rowwise", shared_experts=True)
     assert fsdp.fp8_all_gather(moe) == 1 and not hasattr(moe.shared_experts, "moe_fp8_all_gather")
+
+
+def test_shared_experts_odd_inputs_and_copies():
+    """No tokens, a non-contiguous input, fp32 weights (fp8 recipes quantize them directly); the converted module
+    deep-copies and pickles."""
+    import io
+
+    moe = build_moe()
+    convert(moe, "fp8_blockwise", shared_experts=True)
+    ffn = moe.shared_experts
+    assert ffn(torch.randn(0, 7, 128, dtype=torch.bfloat16)).shape == (0, 7, 128)
+    x = torch.randn(3, 128, 40, dtype=torch.bfloat16).transpose(1, 2)
+    assert torch.equal(ffn(x), ffn(x.contiguous()))
+    fp32 = build_moe()
+    fp32.float()
+    convert(fp32, "fp8_blockwise", shared_experts=True)
+    assert torch.equal(fp32.shared_experts(x.float()), ffn(x).float())  # (the same fp8 operands: bf16 weights exactly)
+    buf = io.BytesIO()
+    torch.save(moe, buf)
+    buf.seek(0)
+    for back in (torch.load(buf, weights_only=False), copy.deepcopy(moe)):
+        assert type(back.shared_experts) is type(ffn) and torch.equal(back.shared_experts(x), ffn(x))

@@ -78,7 +78,8 @@ def test_trains_under_torchtitan_parallelisms(ranks, layout, runs):
 ])
 def test_shared_experts_under_torchtitan_parallelisms(ranks, layout, runs):
     """shared_experts=True, on a model whose MoE layers each have a shared expert: the routed and the shared experts
-    both run moe_fp8_ext (two calls a layer and step), in every conversion order."""
+    both run moe_fp8_ext (two calls a layer and step), converted before parallelizing, after it and by the config
+    converter (2 ranks; 4 ranks: after and config)."""
     specs = [f"{layout}:none:bf16:shared"] + [f"{layout}:{r}:shared" for r in runs]
     check_trained(train(ranks, specs), specs)
 

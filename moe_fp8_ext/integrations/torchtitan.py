@@ -87,7 +87,8 @@ def _shared_forward(self, x: Tensor) -> Tensor:
     ws = [getattr(self, n).weight for n in _FFN_NAMES]
     if any(hasattr(w, "to_local") for w in ws):
         raise RuntimeError("shared experts converted by moe_fp8_ext: expected plain weights at forward, got DTensors "
-                           "(tensor parallelism); convert with shared_experts=False")
+                           "(tensor parallelism, or FSDP2 applied to a Linear itself); convert with "
+                           "shared_experts=False")
     recipe, cache = self.moe_fp8_recipe, self.moe_fp8_weight_cache
     x_TD = x.reshape(-1, x.shape[-1])
     w1, w3, w2 = (w.unsqueeze(0) for w in ws)
@@ -129,6 +130,8 @@ def converted_class(base: type) -> type:
 
         def __init__(self, config):
             base.__init__(self, config)
+            if shared:  # (the built Linears: a converter listed after ours may have changed their configs)
+                _check_linears(self, base.__name__)
             _configure(self, get_recipe(config.moe_fp8_recipe, "ExpertsConverter"), config.moe_fp8_reuse_weights)
             if config.moe_fp8_all_gather:
                 if shared:
@@ -164,26 +167,51 @@ def _check_convertible(fqn: str, module, recipe: Recipe) -> None:
         raise ValueError(f"convert: {fqn or 'the model'} cannot run recipe {recipe.name!r}: {e}") from None
 
 
-def _check_shared_convertible(fqn: str, module, recipe: Recipe) -> None:
-    """_check_convertible for shared experts: torchtitan's FeedForward forward, its
-    three Linear modules nn.Linear's forward without bias. Their forward is not called:
-    a redistribution wrapper of ``parallelize`` passes (no-op without tensor
-    parallelism; with it the weights are DTensors at forward, which raises)."""
-    base = type(module)
-    if base.forward is not FeedForward.forward and base.forward is not _shared_forward:
-        raise TypeError(f"convert: expected {fqn} to be a FeedForward with torchtitan's SwiGLU forward for "
-                        f"shared_experts, got {base.__name__}, which overrides forward")
+def _check_linear(where: str, cls: type, bias: bool) -> None:
+    """A shared expert's Linear (class, or config's class): its forward is never called,
+    so it must be nn.Linear's, without bias."""
+    if not issubclass(cls, torch.nn.Linear) or cls.forward is not torch.nn.Linear.forward:
+        raise TypeError(f"convert: expected {where} to be a Linear with nn.Linear's forward for shared_experts (the "
+                        f"FP8 forward does not call it), got {cls.__name__}")
+    if bias:
+        raise TypeError(f"convert: expected {where} without bias for shared_experts (moe_fp8_ext.experts has none)")
+
+
+def _check_linears(module, where: str) -> None:
+    """The three Linears of a FeedForward as built: nn.Linear's forward, no bias, SwiGLU shapes."""
     for n in _FFN_NAMES:
         lin = getattr(module, n)
-        if not isinstance(lin, torch.nn.Linear) or type(lin).forward is not torch.nn.Linear.forward \
-                or lin.bias is not None:
-            raise TypeError(f"convert: expected {fqn}.{n} to be a Linear without bias, with nn.Linear's forward, for "
-                            f"shared_experts, got {lin!r}")
-        _parallel_dims(f"{fqn}.{n}", lin)  # (any other instance forward: an error)
+        _check_linear(f"{where}.{n}", type(lin), lin.bias is not None)
     w1, w3, w2 = (getattr(module, n).weight for n in _FFN_NAMES)
     if w1.shape != w3.shape or w2.shape != w1.shape[::-1]:
-        raise ValueError(f"convert: {fqn} is not a SwiGLU FeedForward: w1 {tuple(w1.shape)}, w3 {tuple(w3.shape)}, "
+        raise ValueError(f"convert: {where} is not a SwiGLU FeedForward: w1 {tuple(w1.shape)}, w3 {tuple(w3.shape)}, "
                          f"w2 {tuple(w2.shape)}")
+
+
+def _check_shared_convertible(fqn: str, module, recipe: Recipe) -> None:
+    """_check_convertible for shared experts. Their Linears' forwards are not called: a
+    Linear may carry no hooks, and an instance forward only ``parallelize``'s, without
+    tensor parallelism (its redistributions are then no-ops)."""
+    base = type(module)
+    if not isinstance(module, FeedForward) or base.forward not in (FeedForward.forward, _shared_forward):
+        raise TypeError(f"convert: expected {fqn} to be a FeedForward with torchtitan's SwiGLU forward for "
+                        f"shared_experts, got {base.__name__}" + (", which overrides forward"
+                                                                  if isinstance(module, FeedForward) else ""))
+    _check_linears(module, fqn)
+    for n in _FFN_NAMES:
+        lin, where = getattr(module, n), f"{fqn}.{n}"
+        if lin._forward_hooks or lin._forward_pre_hooks:
+            raise TypeError(f"convert: {where} has forward hooks, which the FP8 forward of shared_experts would "
+                            "not run")
+        try:
+            dims = _parallel_dims(where, lin)
+        except RuntimeError:
+            raise RuntimeError(f"convert: {where} has a forward set on the instance that the FP8 forward of "
+                               "shared_experts would not call; convert with shared_experts=False") from None
+        if dims is not None and dims.tp_enabled:
+            raise RuntimeError(f"convert: {where} is tensor-parallel; shared_experts does not run tensor "
+                               "parallelism: convert with shared_experts=False")
+    w1, w3, w2 = (getattr(module, n).weight for n in _FFN_NAMES)
     dtype = torch.bfloat16 if recipe.precision == "bf16" else w1.dtype
     x = torch.empty((0, w1.shape[1]), dtype=torch.bfloat16, device="meta")
     meta = [torch.empty((1, *w.shape), dtype=dtype, device="meta") for w in (w1, w3, w2)]
@@ -193,11 +221,15 @@ def _check_shared_convertible(fqn: str, module, recipe: Recipe) -> None:
         raise ValueError(f"convert: {fqn} cannot run recipe {recipe.name!r}: {e}") from None
 
 
+def _join(fqn: str, name: str) -> str:
+    return f"{fqn}.{name}" if fqn else name
+
+
 def _shared(model: torch.nn.Module, converted_only: bool):
     """(fqn, module) of the shared experts of every MoE layer in ``model``; with
     ``converted_only``, those converted already."""
-    return [(f"{fqn}.shared_experts" if fqn else "shared_experts", m.shared_experts)
-            for fqn, m in model.named_modules() if isinstance(m, MoE) and isinstance(m.shared_experts, FeedForward)
+    return [(_join(fqn, "shared_experts"), m.shared_experts) for fqn, m in model.named_modules()
+            if isinstance(m, MoE) and m.shared_experts is not None
             and (not converted_only or hasattr(type(m.shared_experts), "_moe_fp8_base"))]
 
 
@@ -263,8 +295,9 @@ def convert(model: torch.nn.Module, recipe: Union[str, Recipe] = "fp8_rowwise", 
     shared = _shared(model, converted_only=not shared_experts)
     dispatchers = _dispatchers(model, r) if fp8_dispatch else []
     dims = []
-    for fqn, module in found + shared:  # every check before any change
-        (_check_shared_convertible if isinstance(module, FeedForward) else _check_convertible)(fqn, module, r)
+    for (fqn, module), check in zip(found + shared, [_check_convertible] * len(found) + [
+            _check_shared_convertible] * len(shared)):  # every check before any change
+        check(fqn, module, r)
         dims.append(_parallel_dims(fqn, module))
     if fp8_all_gather and found:
         if reuse_weights:
@@ -347,25 +380,24 @@ class ExpertsConverter(QuantizationConverter):
 
     def convert(self, model_config):
         cfg = self.config
+        changes = []  # (parent, attribute, new config): every check before any change
         for fqn, config, parent, attr in model_config.traverse(GroupedExperts.Config):
-            if any(f in fqn for f in cfg.filter_fqns):
-                continue
-            new = _converted_config(config, fqn or "the model", GroupedExperts, moe_fp8_recipe=cfg.recipe,
-                                    moe_fp8_reuse_weights=cfg.reuse_weights, moe_fp8_all_gather=cfg.fp8_all_gather)
-            model_config = _replace(model_config, parent, attr, new)
+            if not any(f in fqn for f in cfg.filter_fqns):
+                changes.append((parent, attr, _converted_config(
+                    config, fqn or "the model", GroupedExperts, moe_fp8_recipe=cfg.recipe,
+                    moe_fp8_reuse_weights=cfg.reuse_weights, moe_fp8_all_gather=cfg.fp8_all_gather)))
         for fqn, moe, _, _ in model_config.traverse(MoE.Config):  # (converted before: the new recipe, as convert)
-            config = moe.shared_experts
-            if config is None or any(f in f"{fqn}.shared_experts" for f in cfg.filter_fqns):
+            config, where = moe.shared_experts, _join(fqn, "shared_experts")
+            if config is None or any(f in where for f in cfg.filter_fqns) or not (
+                    cfg.shared_experts or hasattr(type(config)._owner, "_moe_fp8_base")):
                 continue
-            if cfg.shared_experts or hasattr(type(config)._owner, "_moe_fp8_base"):
-                for n in _FFN_NAMES:
-                    lin = getattr(config, n)
-                    if lin.bias or type(lin)._owner.forward is not torch.nn.Linear.forward:
-                        raise TypeError(f"ExpertsConverter: expected {fqn}.shared_experts.{n} to be a Linear without "
-                                        f"bias, got {type(lin).__qualname__} (bias={lin.bias})")
-                moe.shared_experts = _converted_config(config, f"{fqn}.shared_experts", FeedForward,
-                                                       moe_fp8_recipe=cfg.recipe,
-                                                       moe_fp8_reuse_weights=cfg.reuse_weights)
+            for n in _FFN_NAMES:
+                lin = getattr(config, n)
+                _check_linear(f"{where}.{n}", type(lin)._owner, lin.bias)
+            changes.append((moe, "shared_experts", _converted_config(
+                config, where, FeedForward, moe_fp8_recipe=cfg.recipe, moe_fp8_reuse_weights=cfg.reuse_weights)))
+        for parent, attr, new in changes:
+            model_config = _replace(model_config, parent, attr, new)
         if cfg.fp8_dispatch:  # (the dispatcher of every MoE layer whose experts were converted)
             for fqn, routed, _, _ in model_config.traverse(RoutedExperts.Config):
                 config = routed.token_dispatcher
