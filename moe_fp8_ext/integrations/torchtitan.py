@@ -295,8 +295,9 @@ def convert(model: torch.nn.Module, recipe: Union[str, Recipe] = "fp8_rowwise", 
     shared = _shared(model, converted_only=not shared_experts)
     dispatchers = _dispatchers(model, r) if fp8_dispatch else []
     dims = []
-    for (fqn, module), check in zip(found + shared, [_check_convertible] * len(found) + [
-            _check_shared_convertible] * len(shared)):  # every check before any change
+    checks = [(fqn, m, _check_convertible) for fqn, m in found] + [
+        (fqn, m, _check_shared_convertible) for fqn, m in shared]
+    for fqn, module, check in checks:  # every check before any change
         check(fqn, module, r)
         dims.append(_parallel_dims(fqn, module))
     if fp8_all_gather and found:
