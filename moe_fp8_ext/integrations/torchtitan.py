@@ -156,15 +156,19 @@ def _check_convertible(fqn: str, module, recipe: Recipe) -> None:
     if base.forward is not GroupedExperts.forward and base.forward is not _fp8_forward:
         raise TypeError(f"convert: expected {fqn or 'the model'} to be a GroupedExperts with torchtitan's SwiGLU forward, "
                         f"got {base.__name__}, which overrides forward (moe_fp8_ext.experts would not compute it)")
-    w1, w3, w2 = (getattr(module, n) for n in _NAMES)
-    x = torch.empty((0, w1.shape[-1]), dtype=torch.bfloat16, device="meta")
-    dtype = (lambda w: torch.bfloat16) if recipe.precision == "bf16" else (lambda w: w.dtype)
-    meta = [torch.empty(w.shape, dtype=dtype(w), device="meta") for w in (w1, w3, w2)]
+    _check_recipe_runs(fqn or "the model", recipe, [getattr(module, n) for n in _NAMES])
+
+
+def _check_recipe_runs(where: str, recipe: Recipe, ws) -> None:
+    """That ``recipe`` runs on the 3-D weights ``ws`` (w1, w3, w2; shapes and dtypes, on meta tensors)."""
+    x = torch.empty((0, ws[0].shape[-1]), dtype=torch.bfloat16, device="meta")
+    meta = [torch.empty(w.shape, dtype=torch.bfloat16 if recipe.precision == "bf16" else w.dtype, device="meta")
+            for w in ws]
     offs = torch.empty((meta[0].shape[0],), dtype=torch.int32, device="meta")
     try:
-        _check(x, *meta, offs, recipe, recipe.backend(w1.device), None)
+        _check(x, *meta, offs, recipe, recipe.backend(ws[0].device), None)
     except (ValueError, TypeError) as e:
-        raise ValueError(f"convert: {fqn or 'the model'} cannot run recipe {recipe.name!r}: {e}") from None
+        raise ValueError(f"convert: {where} cannot run recipe {recipe.name!r}: {e}") from None
 
 
 def _check_linear(where: str, cls: type, bias: bool) -> None:
@@ -211,14 +215,7 @@ def _check_shared_convertible(fqn: str, module, recipe: Recipe) -> None:
         if dims is not None and dims.tp_enabled:
             raise RuntimeError(f"convert: {where} is tensor-parallel; shared_experts does not run tensor "
                                "parallelism: convert with shared_experts=False")
-    w1, w3, w2 = (getattr(module, n).weight for n in _FFN_NAMES)
-    dtype = torch.bfloat16 if recipe.precision == "bf16" else w1.dtype
-    x = torch.empty((0, w1.shape[1]), dtype=torch.bfloat16, device="meta")
-    meta = [torch.empty((1, *w.shape), dtype=dtype, device="meta") for w in (w1, w3, w2)]
-    try:
-        _check(x, *meta, torch.empty((1,), dtype=torch.int32, device="meta"), recipe, recipe.backend(w1.device), None)
-    except (ValueError, TypeError) as e:
-        raise ValueError(f"convert: {fqn} cannot run recipe {recipe.name!r}: {e}") from None
+    _check_recipe_runs(fqn, recipe, [getattr(module, n).weight.unsqueeze(0) for n in _FFN_NAMES])
 
 
 def _join(fqn: str, name: str) -> str:
