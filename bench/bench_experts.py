@@ -13,6 +13,8 @@ through torchtitan's router). Peak is the most memory one fresh step allocates a
 what was allocated before it (activations, operands and the new gradients). The
 ``autograd.grad`` column times ``torch.autograd.grad`` of the same step (no ``.grad``).
 With --swiglu-ab, fp8_blockwise also runs without its GEMMs' SwiGLU and dSwiGLU epilogues.
+--stack L times L MoE layers in a row (a model's step, which holds every layer's saved
+activations at once), each recipe also with ``hold_weight_operands=False``.
 Variants are timed in alternating rounds. Eager, and with --compile torch.compile'd
 modules (fullgraph, as torchtitan compiles its blocks) at the --compile-shapes. Each shape is checked first: ours against bf16 by SQNR.
 
@@ -277,10 +279,10 @@ def bench_fused_accumulation(shapes):
     return rows
 
 
-def moe_layer(tokens, dim, hidden, experts, top_k, converter=None):
+def moe_layer(tokens, dim, hidden, experts, top_k, converter=None, seed=0):
     from moe_fp8_ext.integrations.torchtitan import build_moe
 
-    return build_moe(dim, hidden, experts, top_k, device=DEVICE, all_to_all=True, converter=converter)
+    return build_moe(dim, hidden, experts, top_k, device=DEVICE, seed=seed, all_to_all=True, converter=converter)
 
 
 def bench_moe(shapes, modes, peer):
@@ -311,6 +313,57 @@ def bench_moe(shapes, modes, peer):
         for mode in modes:
             res = measure(compiled(variants) if mode == "compiled" else variants, mode)
             rw, rec = rows_of(f"({t}, {d}, {h}, {e}, top-{k})", mode, res, checks)
+            rows += rw
+            records += rec
+            print("\n".join(" | ".join(r) for r in rw), flush=True)
+        del variants, x, grad
+        torch._dynamo.reset()
+        torch.cuda.empty_cache()
+    return rows, records
+
+
+class MoEStack(torch.nn.Module):
+    """Layers of torchtitan's MoE with residuals, x + moe(x): a decoder without attention, whose
+    step holds every layer's saved activations at once, as a model's does."""
+
+    def __init__(self, layers):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(layers)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = x + layer(x)
+        return x
+
+
+def bench_stack(shapes, layers, modes):
+    """``layers`` MoE layers in a row: bf16, each recipe, and each with
+    ``hold_weight_operands=False`` (no weight operand saved from the forward: the backward
+    quantizes the weights again)."""
+    from moe_fp8_ext.integrations.torchtitan import ExpertsConverter
+    from moe_fp8_ext.recipes import get_recipe
+
+    rows, records = [], []
+    for t, d, h, e, k in shapes:
+        g = torch.Generator(device=DEVICE).manual_seed(1)
+        x = torch.randn(1, t, d, device=DEVICE, dtype=torch.bfloat16, generator=g).requires_grad_()
+        grad = torch.randn(1, t, d, device=DEVICE, dtype=torch.bfloat16, generator=g)
+
+        def stack(recipe=None):
+            conv = None if recipe is None else ExpertsConverter.Config(recipe=recipe)
+            return MoEStack([moe_layer(t, d, h, e, k, conv, seed=i) for i in range(layers)])
+
+        variants = {"bf16": (stack(), (x,), grad)}
+        for r in RECIPES:
+            variants[r] = (stack(r), (x,), grad)
+            variants[r + " no hold"] = (stack(dataclasses.replace(get_recipe(r), hold_weight_operands=False)), (x,),
+                                        grad)
+        with torch.no_grad():
+            want = variants["bf16"][0](x)
+            checks = {r: f"{sqnr(want, m(x)):.1f} dB" for r, (m, _, _) in variants.items() if r != "bf16"}
+        for mode in modes:
+            res = measure(compiled(variants) if mode == "compiled" else variants, mode)
+            rw, rec = rows_of(f"{layers} x ({t}, {d}, {h}, {e}, top-{k})", mode, res, checks)
             rows += rw
             records += rec
             print("\n".join(" | ".join(r) for r in rw), flush=True)
@@ -391,6 +444,9 @@ def main():
     p.add_argument("--profile", action="store_true", help="only the per-kernel profile of a fresh experts step")
     p.add_argument("--fused-accumulation", action="store_true",
                    help="only the micro-batch into fp32 main gradients, fused (fuse_grad_accumulation) and not")
+    p.add_argument("--stack", type=int, default=0, metavar="L",
+                   help="only L MoE layers in a row (a model's saved activations), the recipes with and without "
+                        "held weight operands")
     p.add_argument("--swiglu-ab", action="store_true",
                    help="also fp8_blockwise without the SwiGLU and dSwiGLU epilogues (Recipe.swiglu_in_gemm)")
     args = p.parse_args()
@@ -413,6 +469,12 @@ def main():
                     list(rows[0]), [[f"{v:.2f}" if isinstance(v, float) else v for v in r.values()] for r in rows],
                     "bench_experts.md")
         write_json("bench_experts_fused_accumulation", {"fused_accumulation": rows}, sys.argv)
+        return
+    if args.stack:
+        rows, out["stack"] = bench_stack(MOE_SHAPES[:1] if args.quick else MOE_SHAPES, args.stack, modes)
+        print_table(f"{args.stack} torchtitan MoE layers in a row, fwd + backward into .grad", HEADER, rows,
+                    "bench_experts.md")
+        write_json("bench_experts_stack", out, sys.argv)
         return
     if not args.moe:
         compile_shapes = [EXPERTS_SHAPES[int(i)] for i in args.compile_shapes.split(",")] if args.compile else []

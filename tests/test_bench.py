@@ -39,6 +39,19 @@ def test_bench_fused_accumulation_smoke(tmp_path):
     assert all(r["step_ms"] > 0 for r in rows)
 
 
+def test_bench_stack_smoke(tmp_path):
+    """--stack: MoE layers in a row, each recipe with and without held weight operands (CPU, tiny)."""
+    pytest.importorskip("torchtitan.models.common.moe")
+    env = dict(os.environ, OUT=str(tmp_path), PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    out = subprocess.run([sys.executable, "bench/bench_experts.py", "--smoke", "--stack", "2"], cwd=ROOT,
+                         env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    rows = json.load(open(tmp_path / "bench_experts_stack.json"))["data"]["stack"]
+    assert [r["variant"] for r in rows] == ["bf16"] + [f"{r}{h}" for r in ("fp8_rowwise", "fp8_blockwise")
+                                                       for h in ("", " no hold")]
+    assert all(r["shape"].startswith("2 x ") and r["fresh_ms"] > 0 for r in rows)
+
+
 def test_profile_summary():
     """issue 69's profile table: a step split into GEMMs and memory-bound work, the GEMM-only ceiling, and the bound
     that §13's fusions could reach by removing their bf16 bytes at copy bandwidth."""
