@@ -13,8 +13,8 @@ through torchtitan's router). Peak is the most memory one fresh step allocates a
 what was allocated before it (activations, operands and the new gradients). The
 ``autograd.grad`` column times ``torch.autograd.grad`` of the same step (no ``.grad``).
 With --swiglu-ab, fp8_blockwise also runs without its GEMMs' SwiGLU and dSwiGLU epilogues.
---stack L times L MoE layers in a row (a model's step, which holds every layer's saved
-activations at once), each recipe also with ``hold_weight_operands=False``.
+--stack L times fresh steps of L MoE layers in a row (a model's step, which holds every
+layer's saved activations at once), each recipe also with ``hold_weight_operands=False``.
 Variants are timed in alternating rounds. Eager, and with --compile torch.compile'd
 modules (fullgraph, as torchtitan compiles its blocks) at the --compile-shapes. Each shape is checked first: ours against bf16 by SQNR.
 
@@ -336,11 +336,11 @@ class MoEStack(torch.nn.Module):
         return x
 
 
-def bench_stack(shapes, layers, modes):
-    """``layers`` MoE layers in a row: bf16, each recipe, and each with
-    ``hold_weight_operands=False`` (no weight operand saved from the forward: the backward
-    quantizes the weights again)."""
-    from moe_fp8_ext.integrations.torchtitan import ExpertsConverter
+def bench_stack(shapes, layers):
+    """``layers`` MoE layers in a row (copies of one layer: the same weights, other inputs):
+    bf16, each recipe, and each with ``hold_weight_operands=False`` (no weight operand saved
+    from the forward: the backward quantizes the weights again). Fresh steps and their peak."""
+    from moe_fp8_ext.integrations.torchtitan import convert
     from moe_fp8_ext.recipes import get_recipe
 
     rows, records = [], []
@@ -348,27 +348,34 @@ def bench_stack(shapes, layers, modes):
         g = torch.Generator(device=DEVICE).manual_seed(1)
         x = torch.randn(1, t, d, device=DEVICE, dtype=torch.bfloat16, generator=g).requires_grad_()
         grad = torch.randn(1, t, d, device=DEVICE, dtype=torch.bfloat16, generator=g)
-
-        def stack(recipe=None):
-            conv = None if recipe is None else ExpertsConverter.Config(recipe=recipe)
-            return MoEStack([moe_layer(t, d, h, e, k, conv, seed=i) for i in range(layers)])
-
-        variants = {"bf16": (stack(), (x,), grad)}
+        layer = moe_layer(t, d, h, e, k)
+        bf16 = MoEStack([copy.deepcopy(layer) for _ in range(layers)])
+        del layer
+        variants = {"bf16": bf16}
         for r in RECIPES:
-            variants[r] = (stack(r), (x,), grad)
-            variants[r + " no hold"] = (stack(dataclasses.replace(get_recipe(r), hold_weight_operands=False)), (x,),
-                                        grad)
+            no_hold = dataclasses.replace(get_recipe(r), hold_weight_operands=False)
+            for name, recipe in ((r, r), (r + " no hold", no_hold)):
+                variants[name] = copy.deepcopy(bf16)
+                convert(variants[name], recipe)
         with torch.no_grad():
-            want = variants["bf16"][0](x)
-            checks = {r: f"{sqnr(want, m(x)):.1f} dB" for r, (m, _, _) in variants.items() if r != "bf16"}
-        for mode in modes:
-            res = measure(compiled(variants) if mode == "compiled" else variants, mode)
-            rw, rec = rows_of(f"{layers} x ({t}, {d}, {h}, {e}, top-{k})", mode, res, checks)
-            rows += rw
-            records += rec
-            print("\n".join(" | ".join(r) for r in rw), flush=True)
-        del variants, x, grad
-        torch._dynamo.reset()
+            want = bf16(x)
+            checks = {n: f"{sqnr(want, m(x)):.1f} dB" for n, m in variants.items() if n != "bf16"}
+        fresh = {n: steps_of(m, (x,), grad, "eager")[0] for n, m in variants.items()}
+        peak = {}
+        for n, fn in fresh.items():
+            fn()  # warm-up
+            peak[n] = peak_step_mib(fn)
+        times, _ = (bench_interleaved_us if DEVICE == "cuda" else once_us)(list(fresh.values()))
+        base = dict(zip(fresh, times))["bf16"], peak["bf16"]
+        for (n, t_us) in zip(fresh, times):
+            rec = dict(shape=f"{layers} x ({t}, {d}, {h}, {e}, top-{k})", variant=n, fresh_ms=t_us / 1e3,
+                       fresh_vs_bf16=base[0] / t_us, peak_mib=peak[n], peak_vs_bf16=peak[n] / base[1],
+                       check=checks.get(n))
+            records.append(rec)
+            rows.append([rec["shape"], n, fmt(rec["fresh_ms"], "{:.2f}"), fmt(rec["fresh_vs_bf16"], "{:.2f}x"),
+                         fmt(peak[n], "{:.0f}"), fmt(rec["peak_vs_bf16"], "{:.2f}x"), checks.get(n, "")])
+            print(" | ".join(rows[-1]), flush=True)
+        del variants, bf16, fresh, x, grad
         torch.cuda.empty_cache()
     return rows, records
 
@@ -471,8 +478,9 @@ def main():
         write_json("bench_experts_fused_accumulation", {"fused_accumulation": rows}, sys.argv)
         return
     if args.stack:
-        rows, out["stack"] = bench_stack(MOE_SHAPES[:1] if args.quick else MOE_SHAPES, args.stack, modes)
-        print_table(f"{args.stack} torchtitan MoE layers in a row, fwd + backward into .grad", HEADER, rows,
+        rows, out["stack"] = bench_stack(MOE_SHAPES[:1] if args.quick else MOE_SHAPES[::-1], args.stack)
+        print_table(f"{args.stack} torchtitan MoE layers in a row, fwd + backward into .grad (fresh)",
+                    ["shape", "variant", "fresh ms", "vs bf16", "peak MiB", "vs bf16", "SQNR out"], rows,
                     "bench_experts.md")
         write_json("bench_experts_stack", out, sys.argv)
         return
