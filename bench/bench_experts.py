@@ -323,8 +323,8 @@ def bench_moe(shapes, modes, peer):
 
 
 class MoEStack(torch.nn.Module):
-    """Layers of torchtitan's MoE with residuals, x + moe(x): a decoder without attention, whose
-    step holds every layer's saved activations at once, as a model's does."""
+    """Layers of torchtitan's MoE, pre-norm with residuals (x + moe(rms_norm(x))): a decoder
+    without attention, whose step holds every layer's saved activations at once, as a model's does."""
 
     def __init__(self, layers):
         super().__init__()
@@ -332,12 +332,12 @@ class MoEStack(torch.nn.Module):
 
     def forward(self, x):
         for layer in self.layers:
-            x = x + layer(x)
+            x = x + layer(torch.nn.functional.rms_norm(x, x.shape[-1:]))
         return x
 
 
 def bench_stack(shapes, layers):
-    """``layers`` MoE layers in a row (copies of one layer: the same weights, other inputs):
+    """``layers`` MoE layers in a row (copies of one layer, weights drawn again on the device):
     bf16, each recipe, and each with ``hold_weight_operands=False`` (no weight operand saved
     from the forward: the backward quantizes the weights again). Fresh steps and their peak."""
     from moe_fp8_ext.integrations.torchtitan import convert
@@ -351,6 +351,9 @@ def bench_stack(shapes, layers):
         layer = moe_layer(t, d, h, e, k)
         bf16 = MoEStack([copy.deepcopy(layer) for _ in range(layers)])
         del layer
+        with torch.no_grad():
+            for p in bf16.parameters():
+                p.copy_(torch.randn(p.shape, device=DEVICE, dtype=p.dtype, generator=g) * p.shape[-1] ** -0.5)
         variants = {"bf16": bf16}
         for r in RECIPES:
             no_hold = dataclasses.replace(get_recipe(r), hold_weight_operands=False)

@@ -22,10 +22,10 @@ Against three :func:`~moe_fp8_ext.grouped_mm` calls (same math up to fp8 roundin
 - optionally reuses quantized weights while they are unchanged
   (:mod:`moe_fp8_ext.weight_cache`, opt-in).
 
-Where one read makes a weight's two orientations (``bwd=SAME_READ``) the forward makes
-the backward operand too and holds it on ctx until the backward uses it (a recipe with
-``hold_weight_operands=False``: nothing derived from a weight lives from a forward to
-its backward). Under ``torch.compile`` the cache is bypassed.
+With a recipe whose ``hold_weight_operands`` is True, where one read makes a weight's
+two orientations (``bwd=SAME_READ``) the forward makes the backward operand too and
+holds it on ctx until the backward uses it; by default nothing derived from a weight
+lives from a forward to its backward. Under ``torch.compile`` the cache is bypassed.
 """
 
 from typing import Optional, Tuple, Union

@@ -18,13 +18,13 @@ PyTorch's FP8 grouped GEMM::
     dgrad    grad_A = grad_out_q(rows) @ B_q(cols over N)
     wgrad    grad_B = grad_out_q(cols per group)^T @ A_q(cols per group)
 
-Where one read makes both operands of the weight (``bwd=SAME_READ``: fp8_rowwise's dual
-kernel where two experts' matrices fit the extension's L2 budget, docs/TUNING.md;
-fp8_blockwise always) the forward makes B's dgrad operand with B_t's and holds it (E·N·K
-fp8 bytes and its scales) until the dgrad GEMM has used it (saved under torch.compile);
-not under saved-tensor hooks (see ``_may_free_early``), nor with a recipe whose
-``hold_weight_operands`` is False (then nothing derived from the weight lives from a
-forward to its backward: in a deep model, one such operand per layer otherwise).
+With a recipe whose ``hold_weight_operands`` is True, where one read makes both operands
+of the weight (``bwd=SAME_READ``: fp8_rowwise's dual kernel where two experts' matrices
+fit the extension's L2 budget, docs/TUNING.md; fp8_blockwise always), the forward makes
+B's dgrad operand with B_t's and holds it (E·N·K fp8 bytes and its scales) until the
+dgrad GEMM has used it (saved under torch.compile); not under saved-tensor hooks (see
+``_may_free_early``). By default nothing derived from the weight lives from a forward to
+its backward: a deep model would hold one such operand per layer (docs/decisions/050).
 
 Where the FP8 grouped GEMM is not available (a CPU, a GPU before sm90) the same
 quantized operands are dequantized and multiplied in fp32 ("emulated"), so results and

@@ -230,6 +230,16 @@ def count_backward_operand_calls(monkeypatch, recipe_name):
     return calls, recipe
 
 
+def holding(recipe_name):
+    """The named fp8 recipe with ``hold_weight_operands=True`` (the forward makes and holds
+    a weight's input-gradient operand where one read makes both; off by default)."""
+    import dataclasses
+
+    from moe_fp8_ext import recipes
+
+    return dataclasses.replace(recipes.get_recipe(recipe_name), hold_weight_operands=True)
+
+
 def force_weights_read_once(monkeypatch, recipe_name, once):
     """The recipe's rule for making a weight's two operands from one read (bwd=SAME_READ)
     forced to ``once`` (a bool, or a function of the weights), so that the CPU and a

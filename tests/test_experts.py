@@ -19,7 +19,7 @@ from moe_fp8_ext.experts import GroupedExperts, WeightCache, clear_weight_caches
 from moe_fp8_ext.recipes import RECIPES, get_recipe
 
 from conftest import (count_backward_operand_calls, count_zero_tail_calls, force_weights_read_once, graph_matches_eager,
-                      poison, set_dual_kernel_budget, spy_weight_bwd_calls)
+                      holding, poison, set_dual_kernel_budget, spy_weight_bwd_calls)
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
@@ -555,7 +555,7 @@ def test_backward_operands_made_in_forward(device, cached, dual_kernel, monkeypa
         remade.clear()
         leaves = [t.clone().requires_grad_() for t in (x, w1, w3, w2)]
         cache = WeightCache() if cached else None
-        out = experts(*leaves, offs, weight_cache=cache)
+        out = experts(*leaves, offs, recipe=holding("fp8_rowwise"), weight_cache=cache)
         box = out.grad_fn.box
         held = sorted(k for k in box if k.startswith("bwd_"))
         if cached:
@@ -582,14 +582,14 @@ def test_no_grad_makes_nothing_for_backward(recipe_name, monkeypatch):
     if recipe_name == "fp8_rowwise":
         force_weights_read_once(monkeypatch, recipe_name, True)
     leaves = [t.clone().requires_grad_() for t in (x, w1, w3, w2)]
-    out = experts(*leaves, offs, recipe=recipe_name)
+    out = experts(*leaves, offs, recipe=holding(recipe_name))
     if recipe_name == "fp8_rowwise":
         assert sorted(set(calls)) == ["quantize_both", "weights_both"]
     else:
         assert calls == ["weight_dual_cat", "weights_both", "quantize_both", "weight_dual", "weights_both"]
     calls.clear()
     with torch.no_grad():
-        out2 = experts(*leaves, offs, recipe=recipe_name)
+        out2 = experts(*leaves, offs, recipe=holding(recipe_name))
     assert calls == [] and torch.equal(out.detach(), out2)
 
 
@@ -912,7 +912,8 @@ def test_reuse_under_swapped_module_params():
 
 def test_compiled_blockwise_backward_reuses_the_forward_weight_operands():
     """Under compile nothing lives on ctx: the backward weight operands that the forward's
-    one read makes (fp8_blockwise's weight dual ops) are saved, not made again."""
+    one read makes (fp8_blockwise's weight dual ops, hold_weight_operands=True) are saved,
+    not made again."""
     from torch._dynamo.backends.common import aot_autograd
 
     graphs = {"fw": [], "bw": []}
@@ -924,7 +925,7 @@ def test_compiled_blockwise_backward_reuses_the_forward_weight_operands():
         return compiler
 
     x, w1, w3, w2, offs, grad = make(2, 128, 128, 96, "cpu", offs=[40, 96])
-    f = functools.partial(experts, recipe="fp8_blockwise")
+    f = functools.partial(experts, recipe=holding("fp8_blockwise"))
     want_out, want = run(f, (x, w1, w3, w2, offs), grad)
     torch._dynamo.reset()
     backend = aot_autograd(fw_compiler=recorder("fw"), bw_compiler=recorder("bw"))

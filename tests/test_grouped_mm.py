@@ -12,7 +12,7 @@ import torch.nn.functional as F
 import moe_fp8_ext
 from moe_fp8_ext import reference as ref
 from conftest import (DEVICES, count_backward_operand_calls, count_zero_rows_calls, count_zero_tail_calls,
-                      force_weights_read_once, spy_weight_bwd_calls,
+                      force_weights_read_once, holding, spy_weight_bwd_calls,
                       offs_from_sizes as make_offs, poison, random_offs, randn, requires_cuda, set_dual_kernel_budget,
                       sqnr)
 
@@ -207,7 +207,8 @@ def test_saves_fp8_a_instead_of_a(device, needs_b):
 def test_weight_backward_operand_made_in_forward(device, recipe_name, dual_kernel, monkeypatch):
     # Where one read makes both weight operands (bwd=SAME_READ; the rule forced so CPU and kernel-off GPU run it),
     # the forward makes B_t's dgrad operand, held on ctx until the dgrad GEMM: same bits as the backward's (rowwise) or
-    # the dual's transposed half (blockwise). A second backward re-quantizes; hold_weight_operands=False holds nothing.
+    # the dual's transposed half (blockwise). A second backward re-quantizes; hold_weight_operands=False (the default)
+    # holds nothing.
     import weakref
 
     set_dual_kernel_budget(monkeypatch, dual_kernel)
@@ -223,7 +224,7 @@ def test_weight_backward_operand_made_in_forward(device, recipe_name, dual_kerne
     for once in (False, True):
         force_weights_read_once(monkeypatch, recipe_name, real_cat_ok if once and recipe_name == "fp8_blockwise" else once)
         aa, bb = a.clone().requires_grad_(), b_t.clone().requires_grad_()
-        out = moe_fp8_ext.grouped_mm(aa, bb, offs, recipe=recipe_name)
+        out = moe_fp8_ext.grouped_mm(aa, bb, offs, recipe=holding(recipe_name))
         box = out.grad_fn.bwd_box
         assert (box is not None and len(box) == 1) == once
         held = weakref.ref(box[0][0]) if once else None
@@ -239,8 +240,8 @@ def test_weight_backward_operand_made_in_forward(device, recipe_name, dual_kerne
     for x, y in zip(*results):
         assert torch.equal(x, y)
     # Switched off: nothing held, the same bits.
-    held_nothing = dataclasses.replace(moe_fp8_ext.recipes.get_recipe(recipe_name), hold_weight_operands=False)
-    assert hash(held_nothing) != hash(moe_fp8_ext.recipes.get_recipe(recipe_name))  # (a compile-time constant)
+    held_nothing = moe_fp8_ext.recipes.get_recipe(recipe_name)
+    assert not held_nothing.hold_weight_operands and hash(held_nothing) != hash(holding(recipe_name))  # (a constant)
     aa, bb = a.clone().requires_grad_(), b_t.clone().requires_grad_()
     out = moe_fp8_ext.grouped_mm(aa, bb, offs, recipe=held_nothing)
     assert out.grad_fn.bwd_box is None
@@ -249,10 +250,11 @@ def test_weight_backward_operand_made_in_forward(device, recipe_name, dual_kerne
         assert torch.equal(x, y)
     # Only where the input gradient is wanted; and never under saved-tensor hooks
     # (activation checkpointing must see every saved tensor).
-    out = moe_fp8_ext.grouped_mm(a, b_t.clone().requires_grad_(), offs, recipe=recipe_name)
+    out = moe_fp8_ext.grouped_mm(a, b_t.clone().requires_grad_(), offs, recipe=holding(recipe_name))
     assert out.grad_fn.bwd_box is None
     with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
-        out = moe_fp8_ext.grouped_mm(a.clone().requires_grad_(), b_t.clone().requires_grad_(), offs, recipe=recipe_name)
+        out = moe_fp8_ext.grouped_mm(a.clone().requires_grad_(), b_t.clone().requires_grad_(), offs,
+                                     recipe=holding(recipe_name))
     assert out.grad_fn.bwd_box is None
     # Nor under torch.compile, where the recipe's check is not even asked (the real one
     # reads data pointers, which fullgraph tracing cannot: it broke the graph on a GPU).
@@ -264,7 +266,9 @@ def test_weight_backward_operand_made_in_forward(device, recipe_name, dual_kerne
 
     force_weights_read_once(monkeypatch, recipe_name, untraceable)
     torch._dynamo.reset()
-    step = torch.compile(lambda x, w: (moe_fp8_ext.grouped_mm(x, w, offs).float() * grad.float()).sum(), fullgraph=True)
+    held = holding(recipe_name)
+    step = torch.compile(lambda x, w: (moe_fp8_ext.grouped_mm(x, w, offs, recipe=held).float() * grad.float()).sum(),
+                         fullgraph=True)
     aa, bb = a.clone().requires_grad_(), b_t.clone().requires_grad_()
     step(aa, bb).backward()
     for x, y in zip((aa.grad, bb.grad), results[0][1:]):
@@ -281,13 +285,13 @@ def test_no_grad_makes_nothing_for_backward(recipe_name, monkeypatch):
     offs = make_offs([40, 0, 88], "cpu")
     a = randn((130, 128), torch.bfloat16).requires_grad_()  # 130 rows: the padded wgrad layout
     b_t = (randn((3, 128, 128), torch.bfloat16) * 0.02).requires_grad_()
-    out = moe_fp8_ext.grouped_mm(a, b_t, offs, recipe=recipe_name)
+    out = moe_fp8_ext.grouped_mm(a, b_t, offs, recipe=holding(recipe_name))
     made = sorted(set(calls))
     assert made == (["quantize_both", "weight_dual", "weights_both"] if recipe_name == "fp8_blockwise"
                     else ["quantize_both", "weights_both"])
     calls.clear()
     with torch.no_grad():
-        out2 = moe_fp8_ext.grouped_mm(a, b_t, offs, recipe=recipe_name)
+        out2 = moe_fp8_ext.grouped_mm(a, b_t, offs, recipe=holding(recipe_name))
     assert calls == [] and torch.equal(out.detach(), out2)
 
 
@@ -326,7 +330,8 @@ def test_in_place_weight_write_before_backward_raises(recipe_name, monkeypatch):
     offs = make_offs([64, 0, 96], "cpu")
     a = randn((200, 128), torch.bfloat16).requires_grad_()
     w = (randn((3, 128, 128), torch.bfloat16) * 0.02).requires_grad_()  # W (E, N, K)
-    out = moe_fp8_ext.grouped_mm(a, w.transpose(1, 2), offs, recipe=recipe_name)
+    recipe = recipe_name if recipe_name == "bf16" else holding(recipe_name)
+    out = moe_fp8_ext.grouped_mm(a, w.transpose(1, 2), offs, recipe=recipe)
     assert (out.grad_fn.bwd_box is not None) == (recipe_name != "bf16")  # the held path
     with torch.no_grad():
         w.mul_(2)  # what an optimizer step does

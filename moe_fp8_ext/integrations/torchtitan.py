@@ -354,7 +354,7 @@ class ExpertsConverter(QuantizationConverter):
     class Config(QuantizationConverter.Config):
         recipe: Union[str, Recipe] = "fp8_rowwise"
         """fp8_rowwise, fp8_blockwise, mxfp8 or bf16 (moe_fp8_ext.recipes.RECIPES), or a
-        Recipe, e.g. ``Fp8Rowwise(hold_weight_operands=False)``."""
+        Recipe, e.g. ``Fp8Blockwise(hold_weight_operands=True)``."""
         reuse_weights: bool = False
         """Reuse quantized weights until the optimizer step (moe_fp8_ext.weight_cache)."""
         fp8_all_gather: bool = False

@@ -84,7 +84,7 @@ class Recipe:
     precision = "fp8"
     #: Whether a forward may make a weight's input-gradient operand (``bwd=SAME_READ``) and hold it until the
     #: backward; a field of Fp8Rowwise and Fp8Blockwise. False: the backward quantizes the weight again.
-    hold_weight_operands = True
+    hold_weight_operands = False
 
     # ---- where and how it runs -----------------------------------------------------
     def backend(self, device: torch.device) -> str:

@@ -61,11 +61,16 @@ class Fp8Blockwise(Recipe):
     elsewhere ``"emulated"`` (dequantize, fp32 grouped GEMM; on CUDA via a bf16 GEMM, so
     the exact fp32 scale products are rounded to bf16 there). PyTorch 2.11 has no
     grouped blockwise GEMM.
+
+    ``hold_weight_operands`` (default False): True makes each weight's input-gradient
+    operand with the forward one (the dual ops' one read) and holds it until the input
+    gradient: 3·E·hidden·dim fp8 bytes a layer saved for the backward, for a few percent
+    of a step (docs/decisions/050).
     """
 
     name: str = "fp8_blockwise"
     alignment: int = 128
-    hold_weight_operands: bool = True
+    hold_weight_operands: bool = False
     # W2's input-gradient GEMM with the dSwiGLU in its epilogue (mm_2d3d_dswiglu): bit for bit the composed path,
     # 1.45-1.77x slower than it on an H200 (record 038), so off.
     dswiglu_in_gemm: bool = False

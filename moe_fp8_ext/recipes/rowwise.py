@@ -60,13 +60,14 @@ class Fp8Rowwise(Recipe):
     kernel checks the same): ``out_dtype`` must be bfloat16 there, while the emulation
     also writes float16 and float32.
 
-    ``hold_weight_operands`` (default True): where one read makes both orientations of
-    a weight (``quantize_experts_dual_cat``, while two experts' matrices fit the
-    extension's L2 budget), the forward makes the backward operand too and holds it
-    until the input gradient has used it (E·N·K fp8 bytes per weight and call); False:
-    the backward quantizes the weight again.
+    ``hold_weight_operands`` (default False: the backward quantizes the weight again):
+    True, where one read makes both orientations of a weight
+    (``quantize_experts_dual_cat``, while two experts' matrices fit the extension's L2
+    budget), makes the backward operand in the forward and holds it until the input
+    gradient has used it: E·N·K fp8 bytes per weight and layer saved from the forward to
+    the backward, for a few percent of a step (docs/decisions/050).
 
-        Fp8Rowwise(gemm_kernel="torch", hold_weight_operands=False)
+        Fp8Rowwise(gemm_kernel="torch", hold_weight_operands=True)
     """
 
     name: str = "fp8_rowwise"
@@ -74,7 +75,7 @@ class Fp8Rowwise(Recipe):
     pow2_scale: bool = True
     #: "auto": our grouped GEMM on Hopper where built, PyTorch's elsewhere; "torch": PyTorch's
     gemm_kernel: str = "auto"
-    hold_weight_operands: bool = True
+    hold_weight_operands: bool = False
 
     def __post_init__(self):
         if self.gemm_kernel not in GEMM_KERNELS:
