@@ -14,7 +14,7 @@ what was allocated before it (activations, operands and the new gradients). The
 ``autograd.grad`` column times ``torch.autograd.grad`` of the same step (no ``.grad``).
 With --swiglu-ab, fp8_blockwise also runs without its GEMMs' SwiGLU and dSwiGLU epilogues.
 --stack L times fresh steps of L MoE layers in a row (a model's step, which holds every
-layer's saved activations at once), each recipe also with ``hold_weight_operands=False``.
+layer's saved activations at once), each recipe also with ``hold_weight_operands=True``.
 Variants are timed in alternating rounds. Eager, and with --compile torch.compile'd
 modules (fullgraph, as torchtitan compiles its blocks) at the --compile-shapes. Each shape is checked first: ours against bf16 by SQNR.
 
@@ -338,8 +338,8 @@ class MoEStack(torch.nn.Module):
 
 def bench_stack(shapes, layers):
     """``layers`` MoE layers in a row (copies of one layer, weights drawn again on the device):
-    bf16, each recipe, and each with ``hold_weight_operands=False`` (no weight operand saved
-    from the forward: the backward quantizes the weights again). Fresh steps and their peak."""
+    bf16, each recipe, and each with ``hold_weight_operands=True`` (the weights' backward
+    operands saved from the forward, not quantized again). Fresh steps and their peak."""
     from moe_fp8_ext.integrations.torchtitan import convert
     from moe_fp8_ext.recipes import get_recipe
 
@@ -356,8 +356,8 @@ def bench_stack(shapes, layers):
                 p.copy_(torch.randn(p.shape, device=DEVICE, dtype=p.dtype, generator=g) * p.shape[-1] ** -0.5)
         variants = {"bf16": bf16}
         for r in RECIPES:
-            no_hold = dataclasses.replace(get_recipe(r), hold_weight_operands=False)
-            for name, recipe in ((r, r), (r + " no hold", no_hold)):
+            hold = dataclasses.replace(get_recipe(r), hold_weight_operands=True)
+            for name, recipe in ((r, r), (r + "+hold", hold)):
                 variants[name] = copy.deepcopy(bf16)
                 convert(variants[name], recipe)
         with torch.no_grad():
@@ -456,7 +456,7 @@ def main():
                    help="only the micro-batch into fp32 main gradients, fused (fuse_grad_accumulation) and not")
     p.add_argument("--stack", type=int, default=0, metavar="L",
                    help="only L MoE layers in a row (a model's saved activations), the recipes with and without "
-                        "held weight operands")
+                        "held weight operands (+hold)")
     p.add_argument("--swiglu-ab", action="store_true",
                    help="also fp8_blockwise without the SwiGLU and dSwiGLU epilogues (Recipe.swiglu_in_gemm)")
     args = p.parse_args()

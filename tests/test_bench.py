@@ -48,7 +48,7 @@ def test_bench_stack_smoke(tmp_path):
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     rows = json.load(open(tmp_path / "bench_experts_stack.json"))["data"]["stack"]
     assert [r["variant"] for r in rows] == ["bf16"] + [f"{r}{h}" for r in ("fp8_rowwise", "fp8_blockwise")
-                                                       for h in ("", " no hold")]
+                                                       for h in ("", "+hold")]
     assert all(r["shape"].startswith("2 x ") and r["fresh_ms"] > 0 for r in rows)
 
 
