@@ -573,6 +573,28 @@ def test_backward_operands_made_in_forward(device, cached, dual_kernel, monkeypa
 
 
 @pytest.mark.parametrize("recipe_name", ["fp8_rowwise", "fp8_blockwise"])
+def test_default_holds_no_weight_operand(recipe_name, monkeypatch):
+    # By default (hold_weight_operands=False, record 050) the forward keeps nothing made from a weight for the
+    # backward, where one read could make both operands: the backward quantizes each weight again, to the same bits.
+    x, w1, w3, w2, offs, grad = make(3, 128, 128, 300, "cpu", offs=[130, 130, 300])
+    force_weights_read_once(monkeypatch, recipe_name, True)
+    remade, _ = spy_weight_bwd_calls(monkeypatch, recipe_name)
+    assert not get_recipe(recipe_name).hold_weight_operands
+    results = []
+    for recipe in (recipe_name, holding(recipe_name)):
+        remade.clear()
+        leaves = [t.clone().requires_grad_() for t in (x, w1, w3, w2)]
+        out = experts(*leaves, offs, recipe=recipe)
+        held = sorted(k for k in out.grad_fn.box if k.startswith("bwd_"))
+        assert held == ([] if recipe == recipe_name else ["bwd_w13", "bwd_w2"])
+        out.backward(grad)
+        assert len(remade) == (2 if recipe == recipe_name else 0)  # W2, then [W1; W3] quantized again
+        results.append([out.detach()] + [t.grad for t in leaves])
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("recipe_name", ["fp8_rowwise", "fp8_blockwise"])
 def test_no_grad_makes_nothing_for_backward(recipe_name, monkeypatch):
     # Under no_grad the layer makes no backward operand (weights' dgrad ones, x's wgrad one), though autograd sets
     # needs_input_grad there too; the output equals grad mode's. (fp8_blockwise makes x's two operands, and each
