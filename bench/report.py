@@ -147,7 +147,10 @@ def render(runs):
              "tables of the sessions before this format).", "",
              f"## Targets ({TARGET_DEVICE} runs; user path: torchtitan's modules, backward into .grad, router group "
              "sizes)", "",
-             *targets_table(runs), "", "Compiled (torch.compile, fullgraph) against eager:", "",
+             *targets_table(runs), "",
+             "Runs of commits before 7a11733 held the weights' backward operands from the forward (then the "
+             "default; record 050): faster single layers, more memory a layer in a model.", "",
+             "Compiled (torch.compile, fullgraph) against eager:", "",
              *compiled_table(runs), "",
              "FP8 communication (`bench/bench_distributed.py`; targets set for 4 H100s):", "",
              *distributed_table(runs), ""]
