@@ -71,14 +71,19 @@ def _fp8_forward_eager(self, x_RD: Tensor, num_tokens_per_expert_E: Tensor) -> T
 
 def _fp8_forward_impl(self, x_RD: Tensor, num_tokens_per_expert_E: Tensor) -> Tensor:
     offs = offsets_from_counts(num_tokens_per_expert_E, x_RD.shape[0], "GroupedExperts")
+    ws = [_local(getattr(self, n)) for n in _NAMES]
+    _fsdp.check_wrapped(self, ws)
+    return _run_experts(self, x_RD, ws, offs, [(self, _NAMES)]).type_as(x_RD)
+
+
+def _run_experts(self, x: Tensor, ws, offs: Tensor, key_sources) -> Tensor:
+    """moe_fp8_ext.experts with the module's recipe and cache on x and ws (w1, w3, w2);
+    ``key_sources``: (module, parameter names) pairs whose versions key the cache."""
     recipe, cache = self.moe_fp8_recipe, self.moe_fp8_weight_cache
-    x, w1, w3, w2 = x_RD, *(_local(getattr(self, n)) for n in _NAMES)
-    _fsdp.check_wrapped(self, (w1, w3, w2))
     if recipe.precision == "bf16":  # torchtitan's casts; the fp8 recipes quantize fp32 weights directly
-        x, w1, w3, w2 = (t.bfloat16() for t in (x, w1, w3, w2))
-    keys = weight_keys(self, _NAMES) if cache is not None else None
-    out = experts(x, w1, w3, w2, offs, recipe=recipe, weight_cache=cache, weight_keys=keys)
-    return out.type_as(x_RD)
+        x, *ws = (t.bfloat16() for t in (x, *ws))
+    keys = sum((weight_keys(m, names) for m, names in key_sources), ()) if cache is not None else None
+    return experts(x, *ws, offs, recipe=recipe, weight_cache=cache, weight_keys=keys)
 
 
 def _shared_forward(self, x: Tensor) -> Tensor:
@@ -89,14 +94,10 @@ def _shared_forward(self, x: Tensor) -> Tensor:
         raise RuntimeError("shared experts converted by moe_fp8_ext: expected plain weights at forward, got DTensors "
                            "(tensor parallelism, or FSDP2 applied to a Linear itself); convert with "
                            "shared_experts=False")
-    recipe, cache = self.moe_fp8_recipe, self.moe_fp8_weight_cache
     x_TD = x.reshape(-1, x.shape[-1])
-    w1, w3, w2 = (w.unsqueeze(0) for w in ws)
-    if recipe.precision == "bf16":
-        x_TD, w1, w3, w2 = (t.bfloat16() for t in (x_TD, w1, w3, w2))
-    keys = sum((weight_keys(getattr(self, n), ("weight",)) for n in _FFN_NAMES), ()) if cache is not None else None
     offs = torch.full((1,), x_TD.shape[0], dtype=torch.int32, device=x.device)
-    out = experts(x_TD, w1, w3, w2, offs, recipe=recipe, weight_cache=cache, weight_keys=keys)
+    out = _run_experts(self, x_TD, [w.unsqueeze(0) for w in ws], offs,
+                       [(getattr(self, n), ("weight",)) for n in _FFN_NAMES])
     return out.view(*x.shape[:-1], out.shape[-1]).type_as(x)
 
 
