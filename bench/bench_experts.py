@@ -120,6 +120,11 @@ def once_us(fns):
     return ts, None
 
 
+def timed_us(fns):
+    """(µs of each, ratios): fns timed in alternating rounds on a GPU, once each on the CPU (--smoke)."""
+    return bench_interleaved_us(fns) if DEVICE == "cuda" else once_us(fns)
+
+
 def measure(variants, mode):
     """{name: (fresh ms, accum ms, autograd.grad ms, peak MiB)} for {name: (module, args, grad)}."""
     fns = {n: steps_of(m, a, g, mode) for n, (m, a, g) in variants.items()}
@@ -138,13 +143,12 @@ def measure(variants, mode):
             p.grad = None
         variants[n][1][0].grad = None
         peak[n] = peak_step_mib(fns[n][0])
-    timed = bench_interleaved_us if DEVICE == "cuda" else once_us
-    fresh, _ = timed([fns[n][0] for n in names])
+    fresh, _ = timed_us([fns[n][0] for n in names])
     for n in names:
         fns[n][1]()  # .grad exists from here on
-    accum, _ = timed([fns[n][1] for n in names])
+    accum, _ = timed_us([fns[n][1] for n in names])
     accum = [t / MICRO for t in accum]
-    agrad, _ = timed([fns[n][2] for n in names])
+    agrad, _ = timed_us([fns[n][2] for n in names])
     for m, a, _ in variants.values():
         for p in m.parameters():
             p.grad = None
@@ -267,7 +271,7 @@ def bench_fused_accumulation(shapes):
         for fn in fns:
             fn()
         peaks = [peak_step_mib(fn) for fn in fns]
-        times, _ = bench_interleaved_us(fns) if DEVICE == "cuda" else once_us(fns)
+        times, _ = timed_us(fns)
         for i, name in enumerate(mods):
             unfused = i - 1 if name.endswith("fused") else i  # (the same recipe's unfused row)
             rows.append(dict(shape=f"({m}, {d}, {h}, {e})", variant=name, step_ms=times[i] / 1e3,
@@ -368,7 +372,7 @@ def bench_stack(shapes, layers):
         for n, fn in fresh.items():
             fn()  # warm-up
             peak[n] = peak_step_mib(fn)
-        times, _ = (bench_interleaved_us if DEVICE == "cuda" else once_us)(list(fresh.values()))
+        times, _ = timed_us(list(fresh.values()))
         base = dict(zip(fresh, times))["bf16"], peak["bf16"]
         for (n, t_us) in zip(fresh, times):
             rec = dict(shape=f"{layers} x ({t}, {d}, {h}, {e}, top-{k})", variant=n, fresh_ms=t_us / 1e3,
