@@ -134,12 +134,12 @@ class _Experts(torch.autograd.Function):
         out = recipe.mm_2d3d(h_lhs, rhs2, offs, gemm_dtype, backend)
         del h_lhs, rhs2
         # -- kept for the backward, each only for the gradients that read it. h13 (the largest),
-        # h's colwise operand and held weight operands go on ctx where the backward may free them
-        # as it goes (the step's peak is there), else they are saved.
+        # x's and h's colwise operands and held weight operands go on ctx where the backward may
+        # free them as it goes (the step's peak is there), else they are saved.
         saved = {"x": x, "w1": w1 if need_x else None, "w3": w3 if need_x else None,
                  "w2": w2 if need_x or need_w13 else None, "offs": offs, "starts": starts,
-                 "wgrad_offs": wgrad_offs, "x_col": x_col}
-        late = {"h13": h13, "h_col": h_col, **{"bwd_" + k: v for k, v in held.items()}}
+                 "wgrad_offs": wgrad_offs}
+        late = {"h13": h13, "x_col": x_col, "h_col": h_col, **{"bwd_" + k: v for k, v in held.items()}}
         ctx.box = late if free_early else None
         if not free_early:
             saved.update(late)
@@ -209,14 +209,17 @@ class _Experts(torch.autograd.Function):
         if need_w2 and h is None and h_col is None:
             h = swiglu(h13)
         h13 = None
-        # -- W2 wgrad: grad_w2 = grad_outᵀ @ h per group
-        grad_w2 = None
+        # -- W2 wgrad: grad_w2 = grad_outᵀ @ h per group. Its operands are made here; its GEMM runs
+        # last where they are smaller than grad_w2 (then they, not grad_w2, live through W13's GEMMs).
+        grad_w2 = w2_last = None
         if need_w2:
             g_col, h_col = colwise_pair(recipe, grad_out, h, f8, groups, g_col, h_col)
             h = None
             dtype = _gemm_out_dtype(recipe, backend, ctx.dtypes[3], grad_out.dtype)
             if ctx.main_grads is not None:
                 recipe.mm_2d2d_add_(ctx.main_grads[2], g_col, h_col, wgrad_offs, dtype, backend)
+            elif (need_x or need_w13) and _nbytes(g_col, h_col) < ctx.shapes[3].numel() * ctx.dtypes[3].itemsize:
+                w2_last = [g_col, h_col, dtype]
             else:
                 grad_w2 = recipe.mm_2d2d(g_col, h_col, wgrad_offs, dtype, backend).to(ctx.dtypes[3])
             g_col = h_col = None
@@ -259,7 +262,17 @@ class _Experts(torch.autograd.Function):
                 grad_w1 = grad_w1.to(ctx.dtypes[1]) if need_w1 else None
                 grad_w3 = grad_w3.to(ctx.dtypes[2]) if need_w3 else None
             del g13_col, x_col
+        if w2_last is not None:
+            (g_col, h_col, dtype), w2_last = w2_last, None
+            grad_w2 = recipe.mm_2d2d(g_col, h_col, wgrad_offs, dtype, backend).to(ctx.dtypes[3])
+            del g_col, h_col
         return grad_x, grad_w1, grad_w3, grad_w2, None, None, None, None, None, None, None, None, None
+
+
+def _nbytes(*ts) -> int:
+    """Bytes of the tensors in nested tuples and lists."""
+    return sum(_nbytes(*t) if isinstance(t, (tuple, list)) else t.numel() * t.element_size()
+               for t in ts if t is not None)
 
 
 # torch < 2.13 under compile: a Function output last written by an in-place op (the

@@ -452,6 +452,31 @@ def test_w13_forward_operand_freed_before_w2_gemm(recipe_name, monkeypatch):
         assert torch.equal(t.grad, g)
 
 
+@pytest.mark.parametrize("recipe_name", ["bf16", "fp8_rowwise", "fp8_blockwise", "mxfp8"])
+@pytest.mark.parametrize("few_tokens", [True, False])
+def test_w2_weight_gradient_last_where_its_operands_are_smaller(recipe_name, few_tokens, monkeypatch):
+    """W2's weight-gradient GEMM runs after W1's and W3's where its two operands take fewer
+    bytes than grad_w2 (few tokens an expert: the operands, not grad_w2, live through
+    W13's GEMMs), else first; the gradients are the same either way."""
+    e, hidden, dim, m = (2, 384, 256, 64) if few_tokens else (2, 128, 96, 1000)
+    x, w1, w3, w2, offs, grad = make(e, hidden, dim, m, "cpu", offs=[m // 2, m])
+    _, full = run(lambda *a: experts(*a, recipe=recipe_name), (x, w1, w3, w2, offs), grad)
+    recipe_cls = type(get_recipe(recipe_name))
+    real, order = recipe_cls.mm_2d2d, []
+
+    def spy(self, *args):
+        out = real(self, *args)
+        order.append("w2" if tuple(out.shape[1:]) == (dim, hidden) else "w13")
+        return out
+
+    monkeypatch.setattr(recipe_cls, "mm_2d2d", spy)
+    leaves = [t.detach().clone().requires_grad_() for t in (x, w1, w3, w2)]
+    experts(*leaves, offs, recipe=recipe_name).backward(grad)
+    assert "w2" in order and order.count("w2") == 1 and (order[-1] if few_tokens else order[0]) == "w2", order
+    for t, g in zip(leaves, full):
+        assert torch.equal(t.grad, g)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("frozen_w13", [False, True])
 def test_saves_fp8_x_instead_of_x(device, frozen_w13):
