@@ -49,7 +49,7 @@ from .grouped_mm import (
 )
 from .recipes import FLOAT_DTYPES, SAME_READ, Recipe, get_recipe
 from .swiglu import swiglu, swiglu_backward
-from .weight_cache import WeightCache, cached as _cached, clear_weight_caches, weight_keys
+from .weight_cache import WeightCache, _nbytes, cached as _cached, clear_weight_caches, weight_keys
 
 _ops = torch.ops.moe_fp8
 
@@ -218,7 +218,7 @@ class _Experts(torch.autograd.Function):
             dtype = _gemm_out_dtype(recipe, backend, ctx.dtypes[3], grad_out.dtype)
             if ctx.main_grads is not None:
                 recipe.mm_2d2d_add_(ctx.main_grads[2], g_col, h_col, wgrad_offs, dtype, backend)
-            elif (need_x or need_w13) and _nbytes(g_col, h_col) < ctx.shapes[3].numel() * ctx.dtypes[3].itemsize:
+            elif (need_x or need_w13) and _nbytes((g_col, h_col)) < ctx.shapes[3].numel() * ctx.dtypes[3].itemsize:
                 w2_last = [g_col, h_col, dtype]
             else:
                 grad_w2 = recipe.mm_2d2d(g_col, h_col, wgrad_offs, dtype, backend).to(ctx.dtypes[3])
@@ -267,12 +267,6 @@ class _Experts(torch.autograd.Function):
             grad_w2 = recipe.mm_2d2d(g_col, h_col, wgrad_offs, dtype, backend).to(ctx.dtypes[3])
             del g_col, h_col
         return grad_x, grad_w1, grad_w3, grad_w2, None, None, None, None, None, None, None, None, None
-
-
-def _nbytes(*ts) -> int:
-    """Bytes of the tensors in nested tuples and lists."""
-    return sum(_nbytes(*t) if isinstance(t, (tuple, list)) else t.numel() * t.element_size()
-               for t in ts if t is not None)
 
 
 # torch < 2.13 under compile: a Function output last written by an in-place op (the

@@ -79,7 +79,7 @@ class WeightCache:
 
     def nbytes(self) -> int:
         """Bytes held by the cached operands."""
-        return sum(t.numel() * t.element_size() for _, _, op in self._entries.values() for t in _tensors(op))
+        return sum(_nbytes(op) for _, _, op in self._entries.values())
 
     def get(self, name: str, keys: Sequence[Tensor], tag: tuple, make):
         """The operand ``name`` if none of ``keys`` changed since it was made (and the
@@ -114,6 +114,11 @@ def _tensors(x):
     elif isinstance(x, (tuple, list)):
         for y in x:
             yield from _tensors(y)
+
+
+def _nbytes(op) -> int:
+    """Bytes of an operand's tensors (a tensor, or tensors in nested tuples and lists)."""
+    return sum(t.numel() * t.element_size() for t in _tensors(op))
 
 
 def cached(cache: Optional[WeightCache], name: str, keys: Sequence[Tensor], tag: tuple, make):
