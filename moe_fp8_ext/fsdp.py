@@ -48,7 +48,7 @@ import torch.utils._pytree as pytree
 from torch import Tensor
 
 from .recipes import Fp8Blockwise, Fp8Rowwise, Recipe, _expand_tiles
-from .weight_cache import _fsdp_params
+from .weight_cache import _fsdp_params, _key
 
 __all__ = ["GatheredWeight", "ShardedWeight", "fp8_all_gather", "gathered_weights"]
 
@@ -106,6 +106,16 @@ class ShardedWeight(Tensor):
     def __tensor_unflatten__(inner, meta, outer_size, outer_stride):
         return ShardedWeight(inner["_tensor"], *meta)
 
+    def _other(self, module) -> "ShardedWeight":
+        """The shard of the weight this one is joined with (FSDP2 has the module's sharded
+        parameters set while it gathers)."""
+        other = getattr(module, self._joint[0])
+        other = other._local_tensor if hasattr(other, "_local_tensor") else other
+        if not isinstance(other, ShardedWeight):
+            raise RuntimeError(f"fp8_all_gather: expected {type(module).__name__}.{self._joint[0]} to be an "
+                               f"fp8-gathered weight too, got {type(other).__name__}")
+        return other
+
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
         world = mesh.size()
         dim = _shard_dim(tuple(self.shape), tuple(outer_size), world, self._recipe)
@@ -118,21 +128,22 @@ class ShardedWeight(Tensor):
             return (cast(self._tensor),), None
         transposed = torch._C._current_graph_task_id() != -1  # (a gather for the backward)
         rowwise = isinstance(self._recipe, Fp8Rowwise)
-        joint = None
-        if transposed and self._joint is not None and rowwise:
-            # (the other weight's shard: FSDP2 has the module's sharded parameters set now)
-            other = getattr(module, self._joint[0])
-            other = other._local_tensor if hasattr(other, "_local_tensor") else other
-            if not isinstance(other, ShardedWeight):
-                raise RuntimeError(f"fp8_all_gather: expected {type(module).__name__}.{self._joint[0]} to be an "
-                                   f"fp8-gathered weight too, got {type(other).__name__}")
-            joint = (cast(other._tensor.to(self._tensor.device)), self._joint[1])  # (CPU offload: on the CPU)
+        group = mesh.get_group() if dim == 1 else None
+        w, joint, ahead = cast(self._tensor), None, None
+        if rowwise and (transposed or group is not None):
+            shards = [self._tensor]
+            if self._joint is not None:
+                other = self._other(module)
+                joint = (other._tensor, self._joint[1])  # (CPU offload: on the CPU; cast where read)
+                shards = [self._tensor, other._tensor][::1 if self._joint[1] == 0 else -1]
+            ahead = (_Ahead.of(module), shards)
+            if not transposed:  # (rows sharded: start the backward's column amaxes, if it gathers)
+                ahead[0].start_amax(shards, self._tensor, w, group)
+                ahead, joint = None, None
         # Rows sharded: fp8_blockwise gathers its forward tiles for both passes (a tile and its
         # transpose share the scale); fp8_rowwise's column scales span the ranks (amaxes reduced).
         transposed = transposed and (dim == 0 or rowwise)
-        group = mesh.get_group() if dim == 1 else None
-        q, s = _quantize_shard(self._recipe, cast(self._tensor), transposed, joint,
-                               group if transposed and rowwise else None)
+        q, s = _quantize_shard(self._recipe, w, transposed, joint, group if transposed and rowwise else None, ahead)
         if dim == 1:  # (FSDP2 joins the ranks' rows of what it gathers: sent as bytes of the shard's shape)
             # (transposed: each expert's (cols, rows/n) as they are; the gather holds them side by side)
             f8, q = q.dtype, q.view(torch.uint8).view(self.shape)
@@ -299,15 +310,17 @@ class GatheredWeight(Tensor):
 
 
 def _quantize_shard(recipe: Recipe, w: Tensor, transposed: bool = False, joint=None,
-                    group=None) -> Tuple[Tensor, Tensor]:
+                    group=None, ahead=None) -> Tuple[Tensor, Tensor]:
     """The weight shard (E_l, rows, cols) as the forward operand of ``w.transpose(-2,
     -1)`` in storage order, fp8 (E_l, rows, cols) and scales, both contiguous;
     ``transposed``: the backward operand, (E_l, cols, rows) and its scales. Scales:
     fp8_blockwise's 128x128 tiles, (E_l, ceil(rows/128), ceil(cols/128)), transposed for
     the backward; fp8_rowwise's one a row (E_l, rows), one a column (E_l, cols) for the
-    backward, over both weights with ``joint`` (the other weight's shard, this one's
-    place), as the [W1; W3] input gradient reads them, and over every rank's rows with
-    ``group`` (the shard group of weights sharded on their rows)."""
+    backward, over both weights with ``joint`` (the other weight's shard, cast to w's
+    dtype here, and this one's place), as the [W1; W3] input gradient reads them, and
+    over every rank's rows with ``group`` (the shard group of weights sharded on their
+    rows). ``ahead``: (:class:`_Ahead`, the shards in place order), what other gathers
+    did for this one."""
     f8 = recipe.default_fp8_dtype(w.device)
     if isinstance(recipe, Fp8Blockwise):
         op = (torch.ops.moe_fp8.quantize_blockwise_weight_transposed_rhs if transposed
@@ -317,24 +330,100 @@ def _quantize_shard(recipe: Recipe, w: Tensor, transposed: bool = False, joint=N
     if not transposed:
         q, s = recipe.quantize_weights([w.transpose(-2, -1)], f8)[0]
         return q.transpose(-2, -1), s
-    parts = [w] if joint is None else ([w, joint[0]] if joint[1] == 0 else [joint[0], w])
     start = 0 if joint is None or joint[1] == 0 else joint[0].shape[1]  # (w's first row in the parts)
-    if group is not None:  # one more row: each column's largest |value| on every rank (its scale's amax)
-        parts[-1] = torch.cat([parts[-1], _column_amax(parts, group)], dim=1)
-    b_ts = [p.transpose(-2, -1) for p in parts]
-    q, s = recipe.quantize_weights(b_ts, f8, fwd=False, bwd=True)[1]
+    made = ahead[0].take("operand", ahead[1]) if ahead is not None and joint is not None else None
+    if made is None:
+        parts = [w]
+        if joint is not None:
+            other = joint[0].to(device=w.device, dtype=w.dtype)
+            parts = [w, other] if joint[1] == 0 else [other, w]
+        if group is not None:  # one more row: each column's largest |value| on every rank (its scale's amax)
+            started = ahead[0].take("amax", ahead[1]) if ahead is not None else None
+            amax = _reduced(started) if started is not None else _column_amax(parts, group)
+            parts[-1] = torch.cat([parts[-1], amax], dim=1)
+        made = recipe.quantize_weights([p.transpose(-2, -1) for p in parts], f8, fwd=False, bwd=True)[1]
+        if ahead is not None and joint is not None:  # (the joined weight's gather takes its part)
+            ahead[0].put("operand", ahead[1], made)
+    if ahead is not None:
+        ahead[0].backward = True
+    q, s = made
     q = q.transpose(-2, -1)  # (E_l, cols, rows of the parts)
     return q[..., start:start + w.shape[1]].contiguous(), s
 
 
+def _abs_amax(w: Tensor) -> Tensor:
+    """(E_l, 1, cols): each column's largest |value| over the rows, NaN where any is."""
+    lo, hi = torch.aminmax(w, dim=1, keepdim=True)
+    return torch.maximum(-lo, hi)
+
+
+def _reduce_amax(a: Tensor, group, async_op: bool = False):
+    """Start reducing the column amaxes ``a`` over ``group`` (the largest, NaN above all):
+    as int32 bits, the order of non-negative floats, the positive NaN highest. What
+    :func:`_reduced` finishes."""
+    f = a.float()
+    bits = torch.where(torch.isnan(f), torch.full_like(f, 0, dtype=torch.int32) + 0x7FFFFFFF, f.view(torch.int32))
+    return bits, dist.all_reduce(bits, op=dist.ReduceOp.MAX, group=group, async_op=async_op), a.dtype
+
+
+def _reduced(started) -> Tensor:
+    bits, work, dtype = started
+    if work is not None:
+        work.wait()
+    return bits.view(torch.float32).to(dtype)
+
+
 def _column_amax(ws: Sequence[Tensor], group) -> Tensor:
     """(E_l, 1, cols) in the weights' dtype: each column's largest |value| over the rows
-    of ``ws`` on every rank of ``group``, NaN where any is (a value of the weights: exact).
-    Reduced as int32 bits: the order of non-negative floats, the positive NaN above all."""
-    a = torch.cat([w.abs().amax(dim=1, keepdim=True) for w in ws], dim=1).amax(dim=1, keepdim=True).float()
-    bits = torch.where(torch.isnan(a), torch.full_like(a, 0, dtype=torch.int32) + 0x7FFFFFFF, a.view(torch.int32))
-    dist.all_reduce(bits, op=dist.ReduceOp.MAX, group=group)
-    return bits.view(torch.float32).to(ws[0].dtype)
+    of ``ws`` on every rank of ``group``, NaN where any is (a value of the weights: exact)."""
+    a = _abs_amax(ws[0])
+    for w in ws[1:]:
+        a = torch.maximum(a, _abs_amax(w))
+    return _reduced(_reduce_amax(a, group))
+
+
+class _Ahead:
+    """fp8_rowwise backward work one gather of an experts module's weights does for
+    another, each entry taken once and keyed on the shards as weight_cache keys weights
+    (a step or a load in between makes it stale):
+    - W1's and W3's backward gathers make their joint operand once: the first makes it,
+      the second takes its part;
+    - weights sharded on their rows: once a backward has gathered, each forward gather
+      starts reducing the column amaxes the next backward's reads (off its critical path)."""
+
+    def __init__(self):
+        self._entries, self.backward = {}, False
+
+    def __reduce__(self):
+        return _Ahead, ()  # (copied and pickled empty: entries are not state)
+
+    @staticmethod
+    def of(module: torch.nn.Module) -> "_Ahead":
+        ahead = module.__dict__.get("_moe_fp8_ahead")
+        if ahead is None:
+            ahead = module._moe_fp8_ahead = _Ahead()
+        return ahead
+
+    def put(self, kind: str, shards: Sequence[Tensor], value) -> None:
+        self._entries[(kind, *map(id, shards))] = (tuple(_key(t)[0] for t in shards), value)
+
+    def take(self, kind: str, shards: Sequence[Tensor]):
+        got = self._entries.pop((kind, *map(id, shards)), None)
+        return got[1] if got is not None and got[0] == tuple(_key(t)[0] for t in shards) else None
+
+    def start_amax(self, shards: Sequence[Tensor], mine: Tensor, w: Tensor, group) -> None:
+        """A forward gather's share: the column amaxes of ``w`` (the shard ``mine``, cast
+        as gathered), reduced over the ranks with the joined weight's once both are in."""
+        if not self.backward:
+            return
+        a = _abs_amax(w)
+        if len(shards) > 1:
+            other = self.take("part", [t for t in shards if t is not mine])
+            if other is None:
+                self.put("part", [mine], a)
+                return
+            a = torch.maximum(a, other)
+        self.put("amax", shards, _reduce_amax(a, group, async_op=True))
 
 
 def _cat(ts: Sequence[Tensor], dim: int) -> Tensor:

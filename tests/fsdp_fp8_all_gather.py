@@ -79,7 +79,7 @@ def main():
         fully_shard(block, mesh=mesh, mp_policy=policy)
         return block
 
-    gathers = []
+    gathers, rowwise = [], args.recipe == "fp8_rowwise"
     quantize_shard = fsdp._quantize_shard
     fsdp._quantize_shard = lambda *a: gathers.append(a[2] if len(a) > 2 else False) or quantize_shard(*a)
 
@@ -156,9 +156,17 @@ def main():
                 o.zero_grad(set_to_none=True)
 
     gathers.clear()
+    takes = []
+    take = fsdp._Ahead.take
+    fsdp._Ahead.take = lambda self, kind, shards: (lambda got: takes.append((kind, got is not None)) or got)(
+        take(self, kind, shards))
     train([layer(False), layer(True)], name="reshard_after_forward=True")
     check(len(gathers) == 3 * 2 * 3 and sum(gathers) == 3 * 3,
           f"gathers: 3 weights, forward and backward (transposed), 3 steps; got {gathers}")
+    # (fp8_rowwise: W1's and W3's backward gathers make their joint operand once a step)
+    made_once = takes.count(("operand", True)) == takes.count(("operand", False)) == 3 * rowwise
+    check(made_once, f"joint backward operand made once a backward: {takes}")
+    fsdp._Ahead.take = take
     gathers.clear()
     # One gather for both passes: fp8_rowwise quantizes the dequantized weights again
     # for the other pass (fp8_blockwise transposes them, the same bits).
@@ -194,7 +202,14 @@ def main():
               and torch.equal(gs, s), f"rows sharded: gathered {n} = quantized whole weight")
     m.reshard()
     gathers.clear()
+    reduced = []
+    reduce_amax = fsdp._reduce_amax
+    fsdp._reduce_amax = lambda a, group, async_op=False: reduced.append(async_op) or reduce_amax(a, group, async_op)
     train([layer(False, **by_rows), layer(True, **by_rows)], name="rows sharded")
+    # (fp8_rowwise: the first backward reduces the column amaxes of [W1; W3] and of W2 itself;
+    # after it, each forward gather starts them and the backward waits on them)
+    check(reduced == ([False] * 2 + [True] * 4) * rowwise, f"rows sharded: column amax reductions {reduced}")
+    fsdp._reduce_amax = reduce_amax
     # (fp8_blockwise: the forward's tiles, transposed by the layer for the backward)
     backward = 3 * 3 if args.recipe == "fp8_rowwise" else 0
     check(len(gathers) == 3 * 2 * 3 and sum(gathers) == backward, f"rows sharded: gathers {gathers}")

@@ -487,3 +487,25 @@ def test_row_shards_joined_from_the_gather(offset):
         got = fsdp._whole(gathered.view(torch.float8_e4m3fn).permute(0, 2, 1, 3))
         assert got.dtype == torch.float8_e4m3fn and got.is_contiguous()
         assert torch.equal(got.view(torch.uint8), gathered.permute(0, 2, 1, 3).reshape(e, cols, n * part))
+
+
+def test_work_ahead_is_taken_once_and_only_for_unchanged_shards():
+    """What one gather leaves for another (fsdp._Ahead: the joint backward operand, the
+    started column amaxes) is taken once, and not at all once a shard was written (a step
+    or a load in between) or replaced, or a copy of the module is made."""
+    w1, w3 = torch.randn(2, 4, 3), torch.randn(2, 4, 3)
+    ahead = fsdp._Ahead()
+    ahead.put("operand", [w1, w3], "made")
+    assert ahead.take("operand", [w3, w1]) is None  # (another order: other shards)
+    assert ahead.take("operand", [w1, w3]) == "made" and ahead.take("operand", [w1, w3]) is None
+    ahead.put("amax", [w1, w3], "started")
+    with torch.no_grad():
+        w3.add_(1)
+    assert ahead.take("amax", [w1, w3]) is None
+    module = torch.nn.Linear(2, 2)
+    fsdp._Ahead.of(module).put("amax", [w1], "started")
+    assert fsdp._Ahead.of(module) is fsdp._Ahead.of(module)
+    import copy
+
+    assert fsdp._Ahead.of(copy.deepcopy(module)).take("amax", [w1]) is None
+    assert fsdp._Ahead.of(module).take("amax", [w1]) == "started"
