@@ -255,7 +255,7 @@ def run_variant(args, variant, layout, device, world, counter):
         from common import KERNEL_FAMILIES, profile_step
 
         profiled = profile_step(f"{layout} {variant[0]}", step, families=DIST_FAMILIES + tuple(KERNEL_FAMILIES),
-                                show=False)
+                                top=15, show=dist.get_rank() == 0)  # (rank 0 prints its top kernels)
     layer = opt = None
     free(device)
     return dict(step_ms=stats[0].item(), peak_gib=stats[1].item() if gpu else None, bytes=nbytes, profile=profiled)

@@ -129,7 +129,7 @@ class ShardedWeight(Tensor):
         transposed = torch._C._current_graph_task_id() != -1  # (a gather for the backward)
         rowwise = isinstance(self._recipe, Fp8Rowwise)
         group = mesh.get_group() if dim == 1 else None
-        w, joint, ahead = cast(self._tensor), None, None
+        w, joint, ahead = self._tensor, None, None  # (w cast where read: see _quantize_shard's dtype)
         if rowwise and (transposed or group is not None):
             shards = [self._tensor]
             if self._joint is not None:
@@ -138,12 +138,14 @@ class ShardedWeight(Tensor):
                 shards = [self._tensor, other._tensor][::1 if self._joint[1] == 0 else -1]
             ahead = (_Ahead.of(module), shards)
             if not transposed:  # (rows sharded: start the backward's column amaxes, if it gathers)
+                w = cast(w)
                 ahead[0].start_amax(shards, self._tensor, w, group)
                 ahead, joint = None, None
         # Rows sharded: fp8_blockwise gathers its forward tiles for both passes (a tile and its
         # transpose share the scale); fp8_rowwise's column scales span the ranks (amaxes reduced).
         transposed = transposed and (dim == 0 or rowwise)
-        q, s = _quantize_shard(self._recipe, w, transposed, joint, group if transposed and rowwise else None, ahead)
+        q, s = _quantize_shard(self._recipe, w, transposed, joint, group if transposed and rowwise else None, ahead,
+                               dtype if dtype is not None and dtype != w.dtype else None)
         if dim == 1:  # (FSDP2 joins the ranks' rows of what it gathers: sent as bytes of the shard's shape)
             # (transposed: each expert's (cols, rows/n) as they are; the gather holds them side by side)
             f8, q = q.dtype, q.view(torch.uint8).view(self.shape)
@@ -217,16 +219,34 @@ def _join_row_scales(parts: Tensor, work, dim: int, world: int) -> Tensor:
 
 
 def _whole(q: Tensor) -> Tensor:
-    """The gathered fp8 (E, a, b): as it is, or the ranks' parts (E, a, n, b/n) joined (a
-    copy that moves runs of b/n bytes, read as the widest word that divides them)."""
-    if q.dim() == 3:
-        return q
-    e, a, n, part = q.shape
+    """The gathered fp8 (E, a, b): as it is, or the ranks' parts (E, a, n, b/n) joined."""
+    return q if q.dim() == 3 else _join([q], 2)
+
+
+def _join(qs: Sequence[Tensor], dim: int) -> Tensor:
+    """fp8 (E, a_i, b_i) tensors joined along ``dim`` (1 or 2) into one contiguous tensor;
+    along 2, each may be the ranks' parts (E, a, n, b/n) of a gather. One copy, moving
+    the widest word that divides every run of bytes, offsets and strides."""
+    if len(qs) == 1 and qs[0].dim() == 3:
+        return qs[0].contiguous()
+    qs = [q if q.stride(-1) == 1 else q.contiguous() for q in qs]
+    widths = [q.shape[1] if dim == 1 else q.shape[-1] * (q.shape[2] if q.dim() == 4 else 1) for q in qs]
+    e, a, b = qs[0].shape[0], qs[0].shape[1], qs[0].shape[-1]
+    out = qs[0].new_empty((e, sum(widths), b) if dim == 1 else (e, a, sum(widths)))
+    runs = [out.shape[-1], *(widths if dim == 2 else ()),
+            *(n for q in qs for n in (q.shape[-1], q.storage_offset(), *q.stride()[:-1]))]
     word = next(w for w in (torch.int64, torch.int32, torch.int16, torch.uint8)
-                if part % w.itemsize == 0 and q.storage_offset() % w.itemsize == 0)
-    raw = q.permute(0, 2, 1, 3).contiguous().view(torch.uint8).view(word)  # (E, n, a, part) as gathered: no copy
-    out = raw.view(e, n, a, -1).permute(0, 2, 1, 3).contiguous()
-    return out.view(torch.uint8).view(q.dtype).view(e, a, n * part)
+                if all(r % w.itemsize == 0 for r in runs))
+    words, start = out.view(torch.uint8).view(word), 0
+    for q, width in zip(qs, widths):
+        src = q.view(torch.uint8).view(word)
+        if dim == 1:
+            words[:, start:start + width].copy_(src)
+        else:
+            step = word.itemsize
+            words[..., start // step:(start + width) // step].view(src.shape).copy_(src)
+        start += width
+    return out.view(qs[0].dtype)
 
 
 def _rebuild_sharded(tensor: Tensor, recipe: Recipe, joint, requires_grad: bool, is_param: bool) -> ShardedWeight:
@@ -267,13 +287,14 @@ class GatheredWeight(Tensor):
     def fp8_dtype(self) -> torch.dtype:
         return self._held.q.dtype
 
-    def storage(self, transposed: bool) -> Optional[Tuple[Tensor, Tensor]]:
+    def storage(self, transposed: bool, joined: bool = True) -> Optional[Tuple[Tensor, Tensor]]:
         """(fp8, scales) in storage order, (E, rows, cols) or transposed (E, cols, rows):
-        the gathered tensors, or for fp8_blockwise a transposed copy where the gather
-        carried the other orientation (None for fp8_rowwise: its scales differ)."""
+        the gathered tensors (``joined=False``: the ranks' parts as gathered, see
+        :func:`_join`), or for fp8_blockwise a transposed copy where the gather carried
+        the other orientation (None for fp8_rowwise: its scales differ)."""
         h = self._held
         if h.transposed == transposed:
-            return _whole(h.q), h.s
+            return (_whole(h.q) if joined else h.q), h.s
         if isinstance(self._recipe, Fp8Blockwise):
             return h.q.transpose(-2, -1).contiguous(), h.s.transpose(-2, -1).contiguous()
         return None
@@ -310,7 +331,7 @@ class GatheredWeight(Tensor):
 
 
 def _quantize_shard(recipe: Recipe, w: Tensor, transposed: bool = False, joint=None,
-                    group=None, ahead=None) -> Tuple[Tensor, Tensor]:
+                    group=None, ahead=None, dtype=None) -> Tuple[Tensor, Tensor]:
     """The weight shard (E_l, rows, cols) as the forward operand of ``w.transpose(-2,
     -1)`` in storage order, fp8 (E_l, rows, cols) and scales, both contiguous;
     ``transposed``: the backward operand, (E_l, cols, rows) and its scales. Scales:
@@ -320,8 +341,11 @@ def _quantize_shard(recipe: Recipe, w: Tensor, transposed: bool = False, joint=N
     dtype here, and this one's place), as the [W1; W3] input gradient reads them, and
     over every rank's rows with ``group`` (the shard group of weights sharded on their
     rows). ``ahead``: (:class:`_Ahead`, the shards in place order), what other gathers
-    did for this one."""
+    did for this one. ``dtype``: w cast to it first, where read (as FSDP2 casts what it
+    gathers)."""
     f8 = recipe.default_fp8_dtype(w.device)
+    if dtype is not None and not (transposed and isinstance(recipe, Fp8Rowwise)):
+        w = w.to(dtype)
     if isinstance(recipe, Fp8Blockwise):
         op = (torch.ops.moe_fp8.quantize_blockwise_weight_transposed_rhs if transposed
               else torch.ops.moe_fp8.quantize_blockwise_weight_rhs)
@@ -333,6 +357,7 @@ def _quantize_shard(recipe: Recipe, w: Tensor, transposed: bool = False, joint=N
     start = 0 if joint is None or joint[1] == 0 else joint[0].shape[1]  # (w's first row in the parts)
     made = ahead[0].take("operand", ahead[1]) if ahead is not None and joint is not None else None
     if made is None:
+        w = w if dtype is None else w.to(dtype)
         parts = [w]
         if joint is not None:
             other = joint[0].to(device=w.device, dtype=w.dtype)
@@ -427,16 +452,14 @@ class _Ahead:
 
 
 def _cat(ts: Sequence[Tensor], dim: int) -> Tensor:
-    if len(ts) == 1:
-        return ts[0].contiguous()
-    return torch.cat([t.view(torch.uint8) if t.dtype.itemsize == 1 else t for t in ts], dim).view(ts[0].dtype)
+    return ts[0].contiguous() if len(ts) == 1 else torch.cat(ts, dim)
 
 
 def _operand(ws: Sequence[GatheredWeight], transposed: bool) -> Tuple[Tensor, Tensor]:
     # The weights' storages joined along the operand's N ((E, rows, cols): dim 1;
     # transposed, (E, cols, rows): dim 2), as the operand's transposed view.
     recipe = ws[0]._recipe
-    parts = [w.storage(transposed) for w in ws]
+    parts = [w.storage(transposed, joined=False) for w in ws]
     if isinstance(recipe, Fp8Rowwise) and transposed and len(ws) > 1 and not all(w._held.joint for w in ws):
         parts = [None]  # (column scales not made over the joined weights: quantized again below)
     if any(p is None for p in parts):  # (fp8_rowwise gathered for the other pass: quantized again)
@@ -444,7 +467,7 @@ def _operand(ws: Sequence[GatheredWeight], transposed: bool) -> Tuple[Tensor, Te
         b_ts = [w.dequantize().transpose(-2, -1) for w in ws]
         return recipe.quantize_weights(b_ts, f8, fwd=not transposed, bwd=transposed)[transposed]
     dim = 2 if transposed else 1
-    q = _cat([p[0] for p in parts], dim)
+    q = _join([p[0] for p in parts], dim)
     if isinstance(recipe, Fp8Blockwise):
         return q.transpose(-2, -1), _cat([p[1] for p in parts], dim).transpose(-2, -1)
     # fp8_rowwise: row scales (E, rows) joined along the rows; column scales, one set over

@@ -509,3 +509,32 @@ def test_work_ahead_is_taken_once_and_only_for_unchanged_shards():
 
     assert fsdp._Ahead.of(copy.deepcopy(module)).take("amax", [w1]) is None
     assert fsdp._Ahead.of(module).take("amax", [w1]) == "started"
+
+
+@pytest.mark.parametrize("dim", [1, 2])
+def test_fp8_joined_as_torch_cat(dim):
+    """fsdp._join, the joined [W1; W3] operand: torch.cat's bytes, for pieces that are
+    3-D or (along 2) the ranks' parts of a gather, at widths and offsets that take every
+    word size, and strided pieces."""
+    e, n = 2, 4
+    for widths in ([8, 16], [24, 40], [12, 4], [6, 10], [3, 5], [16]):
+        for offset in (0, 1, 8):
+            buf = torch.randint(0, 255, (offset + 4 * e * 16 * 64 * n,), dtype=torch.uint8)[offset:]
+            pieces, want, at = [], [], 0
+            for i, w in enumerate(widths):
+                size = e * (9 * w * n if dim == 2 else 16 * w)
+                flat = buf[at:at + size]
+                at += size + 8
+                if dim == 2 and i % 2 == 0:  # (the ranks' parts as gathered: (E, n, 9, w) read (E, 9, n, w))
+                    piece = flat.view(e, n, 9, w).permute(0, 2, 1, 3)
+                    want.append(piece.reshape(e, 9, n * w))
+                else:
+                    piece = flat.view(e, 9, w * n) if dim == 2 else flat.view(e, w, 16)
+                    want.append(piece)
+                pieces.append(piece.view(torch.float8_e4m3fn))
+            got = fsdp._join(pieces, dim)
+            assert got.dtype == torch.float8_e4m3fn and got.is_contiguous()
+            assert torch.equal(got.view(torch.uint8), torch.cat(want, dim)), (widths, offset)
+    strided = torch.randint(0, 255, (e, 16, 32), dtype=torch.uint8)[:, :, :16]  # (rows of 16 bytes, stride 32)
+    got = fsdp._join([strided.view(torch.float8_e4m3fn)] * 2, dim)
+    assert torch.equal(got.view(torch.uint8), torch.cat([strided] * 2, dim))
