@@ -11,8 +11,8 @@ shard-local) and FSDP2 all-gathers the fp8 data and the scales: about half of
 bf16's bytes. A gather carries the operands its pass reads: the forward's all-gather the
 forward operands, the backward's (inside autograd's backward) the transposed ones, each
 quantized from the shard (fp8_rowwise's [W1; W3] one with column scales over both
-weights, read from the module's other shard). The experts layer takes them as they are
-(W1 and W3 joined by one copy). A weight gathered once for both passes
+weights, made once from both shards by the first of the two gathers). The experts layer
+takes them as they are (W1 and W3 joined by one copy). A weight gathered once for both passes
 (``reshard_after_forward=False``, the root module, activation-checkpoint recompute,
 micro-batches without resharding) gets the other operand by a transposed copy
 (fp8_blockwise: a tile and its transpose share the scale) or by quantizing its
@@ -33,7 +33,8 @@ experts must be a multiple of the shard group's size (FSDP2 would pad dim 0, and
 shards cannot carry scales). Sharded on the rows (``Shard(1)``, torchtitan's placement
 where the ranks outnumber the experts), FSDP2 joins the gathered fp8 itself and the
 scales are gathered beside it (fp8_rowwise's column scales from amaxes reduced over the
-ranks first: the same bits); those scales, small, stay between gathers, and
+ranks first, started by the forward's gather for the backward's: the same bits); those
+scales, small, stay between gathers, and
 fp8_blockwise needs each rank's rows a multiple of 128. A one-rank shard group (expert
 parallelism over every rank) sends nothing: its weights stay high precision and the
 layer quantizes them. Under
@@ -145,7 +146,7 @@ class ShardedWeight(Tensor):
         # transpose share the scale); fp8_rowwise's column scales span the ranks (amaxes reduced).
         transposed = transposed and (dim == 0 or rowwise)
         q, s = _quantize_shard(self._recipe, w, transposed, joint, group if transposed and rowwise else None, ahead,
-                               dtype if dtype is not None and dtype != w.dtype else None)
+                               dtype)
         if dim == 1:  # (FSDP2 joins the ranks' rows of what it gathers: sent as bytes of the shard's shape)
             # (transposed: each expert's (cols, rows/n) as they are; the gather holds them side by side)
             f8, q = q.dtype, q.view(torch.uint8).view(self.shape)
@@ -344,7 +345,7 @@ def _quantize_shard(recipe: Recipe, w: Tensor, transposed: bool = False, joint=N
     did for this one. ``dtype``: w cast to it first, where read (as FSDP2 casts what it
     gathers)."""
     f8 = recipe.default_fp8_dtype(w.device)
-    if dtype is not None and not (transposed and isinstance(recipe, Fp8Rowwise)):
+    if dtype is not None and not (transposed and isinstance(recipe, Fp8Rowwise)):  # (that one: where read)
         w = w.to(dtype)
     if isinstance(recipe, Fp8Blockwise):
         op = (torch.ops.moe_fp8.quantize_blockwise_weight_transposed_rhs if transposed
@@ -357,7 +358,7 @@ def _quantize_shard(recipe: Recipe, w: Tensor, transposed: bool = False, joint=N
     start = 0 if joint is None or joint[1] == 0 else joint[0].shape[1]  # (w's first row in the parts)
     made = ahead[0].take("operand", ahead[1]) if ahead is not None and joint is not None else None
     if made is None:
-        w = w if dtype is None else w.to(dtype)
+        w = w.to(dtype) if dtype is not None else w
         parts = [w]
         if joint is not None:
             other = joint[0].to(device=w.device, dtype=w.dtype)
