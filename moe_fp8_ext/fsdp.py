@@ -430,12 +430,17 @@ class _Ahead:
             ahead = module._moe_fp8_ahead = _Ahead()
         return ahead
 
+    # One entry a kind and number of shards (a new one replaces it); the weak references
+    # to the shards' storages keep a freed one's address from passing for it.
     def put(self, kind: str, shards: Sequence[Tensor], value) -> None:
-        self._entries[(kind, *map(id, shards))] = (tuple(_key(t)[0] for t in shards), value)
+        keys = [_key(t) for t in shards]
+        self._entries[kind, len(shards)] = ([k for k, _ in keys], [r for _, r in keys], value)
 
     def take(self, kind: str, shards: Sequence[Tensor]):
-        got = self._entries.pop((kind, *map(id, shards)), None)
-        return got[1] if got is not None and got[0] == tuple(_key(t)[0] for t in shards) else None
+        got = self._entries.pop((kind, len(shards)), None)
+        if got is None or any(r.expired() for r in got[1]) or got[0] != [_key(t)[0] for t in shards]:
+            return None
+        return got[2]
 
     def start_amax(self, shards: Sequence[Tensor], mine: Tensor, w: Tensor, group) -> None:
         """A forward gather's share: the column amaxes of ``w`` (the shard ``mine``, cast

@@ -496,8 +496,14 @@ def test_work_ahead_is_taken_once_and_only_for_unchanged_shards():
     w1, w3 = torch.randn(2, 4, 3), torch.randn(2, 4, 3)
     ahead = fsdp._Ahead()
     ahead.put("operand", [w1, w3], "made")
-    assert ahead.take("operand", [w3, w1]) is None  # (another order: other shards)
     assert ahead.take("operand", [w1, w3]) == "made" and ahead.take("operand", [w1, w3]) is None
+    ahead.put("operand", [w1, w3], "made")
+    assert ahead.take("operand", [w3, w1]) is None  # (other shards: the entry is dropped)
+    assert ahead.take("operand", [w1, w3]) is None
+    ahead.put("amax", [w1, w3], "joint")
+    ahead.put("amax", [w1], "one")  # (a slot a number of shards)
+    ahead.put("amax", [w3], "other")  # (replaces [w1]'s)
+    assert ahead.take("amax", [w1]) is None and ahead.take("amax", [w1, w3]) == "joint"
     ahead.put("amax", [w1, w3], "started")
     with torch.no_grad():
         w3.add_(1)
