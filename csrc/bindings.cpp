@@ -28,11 +28,14 @@ TORCH_LIBRARY(moe_fp8, m) {
   // Implementations: rowwise/rowwise_cpu.cpp (CPU) and rowwise/rowwise.cu (CUDA).
   m.def("quantize_rowwise(Tensor x, ScalarType fp8_dtype, bool pow2_scale=True) -> (Tensor, Tensor)");
 
-  m.def("quantize_experts_fwd(Tensor b_t, ScalarType fp8_dtype, bool pow2_scale=True) -> (Tensor, Tensor)");
+  m.def("quantize_experts_fwd(Tensor b_t, ScalarType fp8_dtype, bool pow2_scale=True, bool as_bf16=False)"
+        " -> (Tensor, Tensor)");
   m.def("quantize_experts_fwd_cat(Tensor[] b_ts, ScalarType fp8_dtype, bool pow2_scale=True) -> (Tensor, Tensor)");
 
-  m.def("quantize_experts_bwd(Tensor b_t, ScalarType fp8_dtype, bool pow2_scale=True) -> (Tensor, Tensor)");
-  m.def("quantize_experts_bwd_cat(Tensor[] b_ts, ScalarType fp8_dtype, bool pow2_scale=True) -> (Tensor, Tensor)");
+  m.def("quantize_experts_bwd(Tensor b_t, ScalarType fp8_dtype, bool pow2_scale=True, bool as_bf16=False)"
+        " -> (Tensor, Tensor)");
+  m.def("quantize_experts_bwd_cat(Tensor[] b_ts, ScalarType fp8_dtype, bool pow2_scale=True, bool as_bf16=False)"
+        " -> (Tensor, Tensor)");
   m.def("quantize_experts_dual_cat(Tensor[] b_ts, ScalarType fp8_dtype, bool pow2_scale=True) -> (Tensor, Tensor, Tensor, Tensor)");
 
   m.def(
@@ -104,8 +107,10 @@ TORCH_LIBRARY(moe_fp8, m) {
   // Weights, 128x128 tiles of w (M, N) or (E, M, N): weight_rhs q (M, N) column-major,
   // scale (ceil(M/128), ceil(N/128)) column-major; weight_transposed_rhs q (N, M)
   // column-major, scale (ceil(N/128), ceil(M/128)) column-major; weight_dual both.
-  m.def("quantize_blockwise_weight_rhs(Tensor w, ScalarType fp8_dtype) -> (Tensor, Tensor)");
-  m.def("quantize_blockwise_weight_transposed_rhs(Tensor w, ScalarType fp8_dtype) -> (Tensor, Tensor)");
+  // as_bf16 (here and in the rowwise experts ops): w fp32, read as w.to(torch.bfloat16).
+  m.def("quantize_blockwise_weight_rhs(Tensor w, ScalarType fp8_dtype, bool as_bf16=False) -> (Tensor, Tensor)");
+  m.def("quantize_blockwise_weight_transposed_rhs(Tensor w, ScalarType fp8_dtype, bool as_bf16=False)"
+        " -> (Tensor, Tensor)");
   m.def("quantize_blockwise_weight_dual(Tensor w, ScalarType fp8_dtype) -> (Tensor, Tensor, Tensor, Tensor)");
   // _cat: the same of ws concatenated along N (every part but the last a multiple of 128
   // columns), without a copy of the weights.

@@ -18,6 +18,7 @@ from torch import Tensor
 from .ops import (
     _dtype,
     _dtype_name,
+    check_as_bf16,
     check_block_jagged,
     check_fp8_dtype,
     check_quant_input,
@@ -183,9 +184,10 @@ def _(x, fp8_dtype, offs, padded_starts=None, alignment=None):
 # ---- quantize_blockwise_weight_rhs / _transposed_rhs / _dual (128x128 tiles) ----------
 
 
-def check_quantize_blockwise_weight(w, fp8_dtype, op):
+def check_quantize_blockwise_weight(w, fp8_dtype, op, as_bf16=False):
     """The checks of the weight ops: w (M, N) or (E, M, N), bf16/fp16/fp32."""
     check_quant_input(op, "w", w, None)
+    check_as_bf16(op, "w", w, as_bf16)
     if w.dim() not in (2, 3):
         raise RuntimeError(f"{op}: expected w to be 2-D (M, N) or 3-D (E, M, N), got {w.dim()}-D")
     check_fp8_dtype(op, fp8_dtype)
@@ -199,8 +201,8 @@ def _col_major(w, rows, cols, dtype):
     return w.new_empty_strided(lead + (rows, cols), stride, dtype=dtype)
 
 
-def _weight_fake(w, fp8_dtype, op, which):
-    check_quantize_blockwise_weight(w, fp8_dtype, op)
+def _weight_fake(w, fp8_dtype, op, which, as_bf16=False):
+    check_quantize_blockwise_weight(w, fp8_dtype, op, as_bf16)
     m, n = w.shape[-2:]
     tm, tn = _cdiv(m, BW_BLOCK), _cdiv(n, BW_BLOCK)
     out = []
@@ -211,35 +213,38 @@ def _weight_fake(w, fp8_dtype, op, which):
     return tuple(out)
 
 
-def quantize_blockwise_weight_rhs(w: Tensor, fp8_dtype: Optional[torch.dtype] = None) -> Tuple[Tensor, Tensor]:
+def quantize_blockwise_weight_rhs(w: Tensor, fp8_dtype: Optional[torch.dtype] = None,
+                                  as_bf16: bool = False) -> Tuple[Tensor, Tensor]:
     """128x128 tiles of ``w`` (M, N), or (E, M, N) per expert, any strides (the right
     operand of a 1x128 x 128x128 GEMM). Returns q (M, N) column-major and scale
     (ceil(M/128), ceil(N/128)) float32 column-major, torchao's
     ``triton_fp8_blockwise_weight_quant_rhs`` layouts; a partial tile's amax is over
-    its valid part."""
+    its valid part. ``as_bf16``: ``w`` fp32 read as ``w.to(torch.bfloat16)`` (those
+    bits, without the copy)."""
     op = "quantize_blockwise_weight_rhs"
-    check_quantize_blockwise_weight(w, fp8_dtype, op)
-    return _ops.quantize_blockwise_weight_rhs(w, _dtype(fp8_dtype, w))
+    check_quantize_blockwise_weight(w, fp8_dtype, op, as_bf16)
+    return _ops.quantize_blockwise_weight_rhs(w, _dtype(fp8_dtype, w), as_bf16)
 
 
 @torch.library.register_fake("moe_fp8::quantize_blockwise_weight_rhs")
-def _(w, fp8_dtype):
-    return _weight_fake(w, fp8_dtype, "quantize_blockwise_weight_rhs", 0)
+def _(w, fp8_dtype, as_bf16=False):
+    return _weight_fake(w, fp8_dtype, "quantize_blockwise_weight_rhs", 0, as_bf16)
 
 
-def quantize_blockwise_weight_transposed_rhs(w: Tensor,
-                                             fp8_dtype: Optional[torch.dtype] = None) -> Tuple[Tensor, Tensor]:
+def quantize_blockwise_weight_transposed_rhs(w: Tensor, fp8_dtype: Optional[torch.dtype] = None,
+                                             as_bf16: bool = False) -> Tuple[Tensor, Tensor]:
     """``w``^T (w (M, N) or (E, M, N)) in 128x128 tiles: q (N, M) column-major (the
     bytes of a row-major w) and scale (ceil(N/128), ceil(M/128)) column-major, torchao's
-    ``triton_fp8_blockwise_weight_quant_transposed_rhs`` layouts."""
+    ``triton_fp8_blockwise_weight_quant_transposed_rhs`` layouts. ``as_bf16``: as
+    :func:`quantize_blockwise_weight_rhs`'s."""
     op = "quantize_blockwise_weight_transposed_rhs"
-    check_quantize_blockwise_weight(w, fp8_dtype, op)
-    return _ops.quantize_blockwise_weight_transposed_rhs(w, _dtype(fp8_dtype, w))
+    check_quantize_blockwise_weight(w, fp8_dtype, op, as_bf16)
+    return _ops.quantize_blockwise_weight_transposed_rhs(w, _dtype(fp8_dtype, w), as_bf16)
 
 
 @torch.library.register_fake("moe_fp8::quantize_blockwise_weight_transposed_rhs")
-def _(w, fp8_dtype):
-    return _weight_fake(w, fp8_dtype, "quantize_blockwise_weight_transposed_rhs", 1)
+def _(w, fp8_dtype, as_bf16=False):
+    return _weight_fake(w, fp8_dtype, "quantize_blockwise_weight_transposed_rhs", 1, as_bf16)
 
 
 def quantize_blockwise_weight_dual(w: Tensor,

@@ -19,7 +19,8 @@ micro-batches without resharding) gets the other operand by a transposed copy
 dequantized values again (fp8_rowwise: a second rounding, close to the first but not
 its bits: a row's or column's largest value may round across a power of two). The bits
 are otherwise those of quantizing the whole weight, cast to the mixed-precision
-``param_dtype`` first as FSDP2 casts it.
+``param_dtype`` first as FSDP2 casts it (fp32 to bf16: read so by the quantize kernels,
+no cast written).
 
 Through FSDP2's extension points only: the parameter's data is a tensor subclass with
 ``fsdp_pre_all_gather`` / ``fsdp_post_all_gather`` (torchao's Float8 weights do the
@@ -139,7 +140,7 @@ class ShardedWeight(Tensor):
                 shards = [self._tensor, other._tensor][::1 if self._joint[1] == 0 else -1]
             ahead = (_Ahead.of(module), shards)
             if not transposed:  # (rows sharded: start the backward's column amaxes, if it gathers)
-                w = cast(w)
+                w = w if _as_bf16(w, dtype) else cast(w)  # (fp32: its amaxes round as its values do)
                 ahead[0].start_amax(shards, self._tensor, w, group)
                 ahead, joint = None, None
         # Rows sharded: fp8_blockwise gathers its forward tiles for both passes (a tile and its
@@ -343,22 +344,23 @@ def _quantize_shard(recipe: Recipe, w: Tensor, transposed: bool = False, joint=N
     over every rank's rows with ``group`` (the shard group of weights sharded on their
     rows). ``ahead``: (:class:`_Ahead`, the shards in place order), what other gathers
     did for this one. ``dtype``: w cast to it first, where read (as FSDP2 casts what it
-    gathers)."""
+    gathers): fp32 to bf16 is read so by the quantize kernels, with no cast written."""
     f8 = recipe.default_fp8_dtype(w.device)
-    if dtype is not None and not (transposed and isinstance(recipe, Fp8Rowwise)):  # (that one: where read)
-        w = w.to(dtype)
+    as_bf16 = _as_bf16(w, dtype)
+    if dtype is not None and not as_bf16 and not (transposed and isinstance(recipe, Fp8Rowwise)):
+        w = w.to(dtype)  # (the rowwise backward's: where read)
     if isinstance(recipe, Fp8Blockwise):
         op = (torch.ops.moe_fp8.quantize_blockwise_weight_transposed_rhs if transposed
               else torch.ops.moe_fp8.quantize_blockwise_weight_rhs)
-        q, s = op(w.transpose(-2, -1), f8)
+        q, s = op(w.transpose(-2, -1), f8, as_bf16)
         return q.transpose(-2, -1), s.transpose(-2, -1)
-    if not transposed:
-        q, s = recipe.quantize_weights([w.transpose(-2, -1)], f8)[0]
-        return q.transpose(-2, -1), s
+    if not transposed:  # (the recipe's forward operand: quantize_weights of one part)
+        q, s = torch.ops.moe_fp8.quantize_experts_fwd(w.transpose(-2, -1), f8, recipe.pow2_scale, as_bf16)
+        return q.transpose(-2, -1), s.squeeze(1)
     start = 0 if joint is None or joint[1] == 0 else joint[0].shape[1]  # (w's first row in the parts)
     made = ahead[0].take("operand", ahead[1]) if ahead is not None and joint is not None else None
     if made is None:
-        w = w.to(dtype) if dtype is not None else w
+        w = w.to(dtype) if dtype is not None and not as_bf16 else w
         parts = [w]
         if joint is not None:
             other = joint[0].to(device=w.device, dtype=w.dtype)
@@ -367,7 +369,9 @@ def _quantize_shard(recipe: Recipe, w: Tensor, transposed: bool = False, joint=N
             started = ahead[0].take("amax", ahead[1]) if ahead is not None else None
             amax = _reduced(started) if started is not None else _column_amax(parts, group)
             parts[-1] = torch.cat([parts[-1], amax], dim=1)
-        made = recipe.quantize_weights([p.transpose(-2, -1) for p in parts], f8, fwd=False, bwd=True)[1]
+        q, s = torch.ops.moe_fp8.quantize_experts_bwd_cat([p.transpose(-2, -1) for p in parts], f8, recipe.pow2_scale,
+                                                          as_bf16)  # (the recipe's backward operand of the parts)
+        made = q, s.squeeze(1)
         if ahead is not None and joint is not None:  # (the joined weight's gather takes its part)
             ahead[0].put("operand", ahead[1], made)
     if ahead is not None:
@@ -375,6 +379,11 @@ def _quantize_shard(recipe: Recipe, w: Tensor, transposed: bool = False, joint=N
     q, s = made
     q = q.transpose(-2, -1)  # (E_l, cols, rows of the parts)
     return q[..., start:start + w.shape[1]].contiguous(), s
+
+
+def _as_bf16(w: Tensor, dtype) -> bool:
+    """Whether the quantize kernels read fp32 ``w`` as its cast to ``dtype`` (bf16)."""
+    return dtype == torch.bfloat16 and w.dtype == torch.float32
 
 
 def _abs_amax(w: Tensor) -> Tensor:
@@ -443,8 +452,8 @@ class _Ahead:
         return got[2]
 
     def start_amax(self, shards: Sequence[Tensor], mine: Tensor, w: Tensor, group) -> None:
-        """A forward gather's share: the column amaxes of ``w`` (the shard ``mine``, cast
-        as gathered), reduced over the ranks with the joined weight's once both are in."""
+        """A forward gather's share: the column amaxes of ``w`` (the shard ``mine`` as the
+        gather reads it), reduced over the ranks with the joined weight's once both are in."""
         if not self.backward:
             return
         a = _abs_amax(w)

@@ -85,6 +85,22 @@ def sqnr(ref, x):
     return (20 * torch.log10(ref.norm() / (ref - x).norm())).item()
 
 
+def off_bf16_(w, seed=0):
+    """fp32 ``w`` (any strides) made, in place, what reading it as bf16 has to round:
+    random low 16 bits on its finite values, exact ties (low bits 0x8000) at some, and
+    values past bf16's largest that round to Inf. NaN and Inf elements are kept. Returns w."""
+    g = torch.Generator().manual_seed(seed)
+    bits = w.cpu().view(torch.int32)
+    low = torch.randint(0, 1 << 16, bits.shape, generator=g, dtype=torch.int32)
+    pick = torch.randint(0, 97, bits.shape, generator=g)
+    low = torch.where(pick == 0, torch.full_like(low, 0x8000), low)
+    new = (bits & ~0xFFFF) | low
+    new = torch.where(pick == 1, (bits & torch.iinfo(torch.int32).min) | 0x7F7FC000, new)  # (3.4e38: bf16's Inf)
+    finite = torch.isfinite(w.cpu())
+    w.view(torch.int32).copy_(torch.where(finite, new, bits).to(w.device))
+    return w
+
+
 def tiled_data(shape, dtype, device="cpu", seed=0, specials=True, *, tile, zero_frac, special_every):
     """randn with outliers, times a power of two that varies per `tile`-wide tile (so
     blocks along either dim see maxima over the dtype's range), a `zero_frac` of zero

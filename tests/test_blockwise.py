@@ -36,6 +36,7 @@ from conftest import (
     assert_fp8_equal,
     count_op_calls,
     graph_matches_eager,
+    off_bf16_,
     offs_from_sizes,
     poison,
     randn,
@@ -639,6 +640,21 @@ def test_weight_ops(device, dtype, fp8, shape):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fp8", FP8S)
+@pytest.mark.parametrize("shape", WEIGHT_SHAPES + [(2, 256, 520)])
+def test_weight_ops_read_as_bf16(device, fp8, shape):
+    # as_bf16: fp32 read as its bf16 cast (low bits, ties, overflow to Inf, specials), bit for bit the reference of
+    # w.to(bfloat16), in every layout (the vector kernel's and the scalar one's)
+    for i, w in enumerate(weight_layouts(shape, torch.float32, device)):
+        off_bf16_(w, seed=i)
+        wb = w.cpu().to(torch.bfloat16)
+        poison(device)
+        check(wrhs(w, fp8, as_bf16=True), ref.quantize_blockwise_weight_rhs(wb, fp8))
+        poison(device)
+        check(wtrhs(w, fp8, as_bf16=True), ref.quantize_blockwise_weight_transposed_rhs(wb, fp8))
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_weight_edge_tiles(device):
     # one tile per edge maximum (test_mxfp8's edges: fp8 ties, subnormal and huge
     # maxima, Inf, NaN, zero and tiny tiles), each placed at a random spot of its tile
@@ -685,8 +701,11 @@ def test_weight_bad_inputs(op):
         op(torch.zeros(4, 4, dtype=torch.int32), torch.float8_e4m3fn)
     with pytest.raises(RuntimeError, match=f"{name}: expected fp8_dtype"):
         op(torch.zeros(4, 4), torch.float16)
-    # the op itself (no Python wrapper) refuses the same way
-    raw = getattr(torch.ops.moe_fp8, name)
+    raw = getattr(torch.ops.moe_fp8, name)  # (the op itself, no Python wrapper, refuses the same way)
+    if op is not wdual:
+        for f in (op, raw):
+            with pytest.raises(RuntimeError, match=f"{name}: expected w of dtype float32 to read it as bfloat16"):
+                f(torch.zeros(4, 4, dtype=torch.bfloat16), torch.float8_e4m3fn, True)
     with pytest.raises(RuntimeError, match=f"{name}: expected w to be 2-D"):
         raw(torch.zeros(2, 2, 2, 2), torch.float8_e4m3fn)
     with pytest.raises(RuntimeError, match=f"{name}: expected w .*bfloat16, float16 or float32"):
@@ -811,6 +830,8 @@ OPCHECK_CASES = [
     ("quantize_blockwise_weight_rhs", lambda d: (randn((3, 130, 200), torch.float16, d), torch.float8_e4m3fnuz)),
     ("quantize_blockwise_weight_transposed_rhs", lambda d: (_x(d).t(), torch.float8_e4m3fn)),
     ("quantize_blockwise_weight_transposed_rhs", lambda d: (randn((2, 129, 64), torch.float32, d), torch.float8_e5m2)),
+    ("quantize_blockwise_weight_rhs", lambda d: (randn((3, 130, 200), torch.float32, d), F8, True)),
+    ("quantize_blockwise_weight_transposed_rhs", lambda d: (randn((2, 256, 136), torch.float32, d).mT, F8, True)),
     ("quantize_blockwise_weight_dual", lambda d: (_x(d), torch.float8_e4m3fnuz)),
     ("quantize_blockwise_weight_dual", lambda d: (randn((2, 300, 129), torch.bfloat16, d), torch.float8_e4m3fn)),
     ("quantize_blockwise_weight_rhs_cat", lambda d: ([randn((2, 300, 128), torch.bfloat16, d),

@@ -14,12 +14,12 @@ int blockwise_launchers(const QuantSpec& spec, const RowsArgs& r, const ColsArgs
   return instantiate_engine<RuleList<Fp32Exact>, BlockList<128>, LayoutList<LinearScales>>(spec, r, c, stream);
 }
 
-// The weights' 128x128 tiles, every input dtype and fp8 format.
+// The weights' 128x128 tiles, every input kind (fp32 as bf16 too) and fp8 format.
 int blockwise_tile_launchers(const TilesArgs& a, gpuStream_t stream) {
   int err = 0;
-  for (int in = 0; in < 3; ++in) {
+  for (int in = 0; in < 4; ++in) {
     for (int fmt = 0; fmt < 3; ++fmt) {
-      dispatch_input_fp8(static_cast<InputKind>(in), static_cast<Fp8Format>(fmt), [&](auto kin, auto kfmt) {
+      dispatch_input_fp8<true>(static_cast<InputKind>(in), static_cast<Fp8Format>(fmt), [&](auto kin, auto kfmt) {
         err |= launch_quantize_tiles<decltype(kin)::value, decltype(kfmt)::value, Fp32Exact>(a, stream);
       });
     }

@@ -148,10 +148,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_blockwise_ac
 
 std::vector<at::Tensor> quantize_blockwise_weight_cat(const TileKernels& k, at::TensorList ws,
                                                       at::ScalarType fp8_dtype, int which, const char* op,
-                                                      bool interleave) {
+                                                      bool interleave, bool as_bf16) {
   TORCH_CHECK(!ws.empty(), op, ": expected at least one weight, got none");
   const at::Tensor& w0 = ws[0];
-  const InputKind in = input_kind(w0, op, "w");
+  const InputKind in = input_kind(w0, op, "w", as_bf16);
   TORCH_CHECK(w0.dim() == 2 || w0.dim() == 3, op, ": expected w to be 2-D (M, N) or 3-D (E, M, N), got ", w0.dim(),
               "-D");
   const Fp8Format fmt = fp8_format(fp8_dtype, op);
@@ -250,11 +250,11 @@ std::vector<at::Tensor> quantize_blockwise_weight_cat(const TileKernels& k, at::
 }
 
 std::vector<at::Tensor> quantize_blockwise_weight(const TileKernels& k, const at::Tensor& w, at::ScalarType fp8_dtype,
-                                                  int which) {
+                                                  int which, bool as_bf16) {
   const char* op = which == 0   ? "quantize_blockwise_weight_rhs"
                    : which == 1 ? "quantize_blockwise_weight_transposed_rhs"
                                 : "quantize_blockwise_weight_dual";
-  return quantize_blockwise_weight_cat(k, {w}, fp8_dtype, which, op, false);
+  return quantize_blockwise_weight_cat(k, {w}, fp8_dtype, which, op, false, as_bf16);
 }
 
 }  // namespace moe_fp8

@@ -43,13 +43,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_blockwise_ac
 // The "tiles" shape, one scale a 128x128 tile of w (M, N) or (E, M, N), any strides. which: 0 weight_rhs, q (M, N) and
 // scale (ceil(M/128), ceil(N/128)) column-major per expert; 1 weight_transposed_rhs, q (N, M) and scale (ceil(N/128),
 // ceil(M/128)) column-major; 2 both (q, scale, q_t, scale_t) from one read (a tile and its transpose share the scale).
+// as_bf16: w fp32, read as its bf16 rounding (the bits of the op on w.to(torch.bfloat16), without that copy).
 std::vector<at::Tensor> quantize_blockwise_weight(const TileKernels& k, const at::Tensor& w, at::ScalarType fp8_dtype,
-                                                  int which);
+                                                  int which, bool as_bf16 = false);
 // The same of ws concatenated along N (each but the last whole 128-column tiles: the experts layer's W1 and W3),
 // each part read once and written straight into the concatenated outputs.
 std::vector<at::Tensor> quantize_blockwise_weight_cat(const TileKernels& k, at::TensorList ws,
                                                       at::ScalarType fp8_dtype, int which, const char* op,
-                                                      bool interleave);
+                                                      bool interleave, bool as_bf16 = false);
 
 template <const QuantKernels& K, const TileKernels& TK>
 struct BlockwiseOn {
@@ -75,12 +76,13 @@ struct BlockwiseOn {
                                                                              std::optional<int64_t> alignment) {
     return quantize_blockwise_act_dual(K, TK, x, fp8_dtype, offs, starts, alignment);
   }
-  static std::tuple<at::Tensor, at::Tensor> weight_rhs(const at::Tensor& w, at::ScalarType fp8_dtype) {
-    auto o = quantize_blockwise_weight(TK, w, fp8_dtype, 0);
+  static std::tuple<at::Tensor, at::Tensor> weight_rhs(const at::Tensor& w, at::ScalarType fp8_dtype, bool as_bf16) {
+    auto o = quantize_blockwise_weight(TK, w, fp8_dtype, 0, as_bf16);
     return {o[0], o[1]};
   }
-  static std::tuple<at::Tensor, at::Tensor> weight_transposed_rhs(const at::Tensor& w, at::ScalarType fp8_dtype) {
-    auto o = quantize_blockwise_weight(TK, w, fp8_dtype, 1);
+  static std::tuple<at::Tensor, at::Tensor> weight_transposed_rhs(const at::Tensor& w, at::ScalarType fp8_dtype,
+                                                                  bool as_bf16) {
+    auto o = quantize_blockwise_weight(TK, w, fp8_dtype, 1, as_bf16);
     return {o[0], o[1]};
   }
   static std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> weight_dual(const at::Tensor& w,

@@ -13,14 +13,18 @@ using Fp8Constant = std::integral_constant<Fp8Format, F>;
 template <InputKind K>
 using InputConstant = std::integral_constant<InputKind, K>;
 
-// Calls fn(InputConstant<K>{}, Fp8Constant<F>{}) for the runtime pair.
-template <typename Fn>
+// Calls fn(InputConstant<K>{}, Fp8Constant<F>{}) for the runtime pair; kFP32AsBF16 only
+// where kAsBF16 (the weight quantizers), else nothing is called for it.
+template <bool kAsBF16 = false, typename Fn>
 void dispatch_input_fp8(InputKind in, Fp8Format fmt, Fn&& fn) {
   auto with_input = [&](auto fc) {
     switch (in) {
       case InputKind::kBF16: fn(InputConstant<InputKind::kBF16>{}, fc); return;
       case InputKind::kFP16: fn(InputConstant<InputKind::kFP16>{}, fc); return;
       case InputKind::kFP32: fn(InputConstant<InputKind::kFP32>{}, fc); return;
+      case InputKind::kFP32AsBF16:
+        if constexpr (kAsBF16) fn(InputConstant<InputKind::kFP32AsBF16>{}, fc);
+        return;
     }
   };
   switch (fmt) {

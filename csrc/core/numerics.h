@@ -12,8 +12,10 @@ namespace moe_fp8 {
 
 enum class Fp8Format : int { kE4M3FN = 0, kE4M3FNUZ = 1, kE5M2 = 2 };
 
-// High-precision input element types the quantizers accept.
-enum class InputKind : int { kBF16 = 0, kFP16 = 1, kFP32 = 2 };
+// High-precision input element types the quantizers accept. kFP32AsBF16: fp32 read as
+// its bf16 rounding (what x.to(torch.bfloat16) holds), so a cast need not be written
+// first; only the weight quantizers that opt in (dispatch_input_fp8<true>) take it.
+enum class InputKind : int { kBF16 = 0, kFP16 = 1, kFP32 = 2, kFP32AsBF16 = 3 };
 
 template <Fp8Format F>
 struct Fp8Spec;

@@ -5,6 +5,7 @@
 
 #include <cstdint>
 
+#include "float_ops.h"
 #include "numerics.h"
 #include "portability.h"
 
@@ -34,6 +35,14 @@ template <>
 struct DeviceInput<InputKind::kFP32> {
   using storage = float;
   static MOE_FP8_DEVICE float to_float(float f) { return f; }
+};
+
+template <>
+struct DeviceInput<InputKind::kFP32AsBF16> {
+  using storage = float;
+  static MOE_FP8_DEVICE float to_float(float f) {
+    return bits_float(static_cast<uint32_t>(float_to_bf16_bits(f)) << 16);
+  }
 };
 
 // N consecutive elements (one 16-byte access when N * sizeof(T) == 16); N == 1 reads

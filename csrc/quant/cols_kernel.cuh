@@ -127,7 +127,7 @@ MOE_FP8_DEVICE float fragment_value(const ColsFragment& f, int i, int c) {
   using T = typename DeviceInput<K>::storage;
   const uint32_t w = (c * sizeof(T)) < 4 ? f.row[i].x : f.row[i].y;
   if constexpr (sizeof(T) == 4) {
-    return bits_float(w);
+    return DeviceInput<K>::to_float(bits_float(w));  // (kFP32AsBF16: rounded to bf16)
   } else if constexpr (K == InputKind::kBF16) {
     return bits_float((c % 2) ? (w & 0xFFFF0000u) : (w << 16));  // the bf16 bits in place
   } else {
@@ -220,7 +220,8 @@ MOE_FP8_DEVICE void store_fragment_runs_shifted(const ColsFragment& f, const flo
 }
 
 // Running column amax of fragments, kept packed: per 32-bit word, the max of the
-// sign-cleared elements (two 16-bit lanes, see amax16x2_add, or one float's abs_bits).
+// sign-cleared elements (two 16-bit lanes, see amax16x2_add, or one float's abs_bits,
+// converted at the end: kFP32AsBF16's rounding keeps the order, so it may come last).
 template <InputKind K>
 struct ColsAmax {
   static constexpr bool kPacked = sizeof(typename DeviceInput<K>::storage) == 2;
@@ -246,7 +247,7 @@ struct ColsAmax {
   // The amax of column c as float abs bits (c may be a run-time value: selects, not an
   // indexed register array).
   MOE_FP8_DEVICE uint32_t column_bits(int c) const {
-    if constexpr (!kPacked) return c == 0 ? w[0] : w[1];
+    if constexpr (!kPacked) return float_bits(DeviceInput<K>::to_float(bits_float(c == 0 ? w[0] : w[1])));
     else return amax16x2_lane_bits<DeviceInput<K>>(c < 2 ? w[0] : w[1], c % 2 != 0);
   }
 };

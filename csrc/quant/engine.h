@@ -354,11 +354,12 @@ bool dispatch_quant(RuleList<Rules...>, BlockList<Blocks...>, LayoutList<Layouts
 
 // The runtime (input dtype, fp8 format, QuantSpec) -> fn(InputConstant, Fp8Constant,
 // Rule, integral_constant<int, Block>, Layout), over the combinations the lists hold
-// and the rule supports (E8M0 rules: e4m3fn only); returns whether one ran.
-template <class Rules, class Blocks, class Layouts, class Fn>
+// and the rule supports (E8M0 rules: e4m3fn only); returns whether one ran. kAsBF16:
+// kFP32AsBF16 too (see dispatch_input_fp8).
+template <class Rules, class Blocks, class Layouts, bool kAsBF16 = false, class Fn>
 bool dispatch_engine(InputKind in, Fp8Format fmt, const QuantSpec& spec, Fn&& fn) {
   bool ran = false;
-  dispatch_input_fp8(in, fmt, [&](auto kin, auto kfmt) {
+  dispatch_input_fp8<kAsBF16>(in, fmt, [&](auto kin, auto kfmt) {
     constexpr Fp8Format F = decltype(kfmt)::value;  // a constant: nested lambdas see it uncaptured
     dispatch_quant(Rules{}, Blocks{}, Layouts{}, spec, [&](auto rule, auto block, auto layout) {
       if constexpr (decltype(rule)::supports(F)) {

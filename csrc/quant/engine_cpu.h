@@ -31,6 +31,16 @@ template <>
 struct CpuInput<InputKind::kFP32> {
   using type = float;
 };
+// fp32 read as its bf16 rounding (c10's cast: round to nearest even).
+struct Fp32AsBF16 {
+  float v;
+  operator float() const { return static_cast<float>(c10::BFloat16(v)); }
+};
+static_assert(sizeof(Fp32AsBF16) == sizeof(float), "read in place of fp32 elements");
+template <>
+struct CpuInput<InputKind::kFP32AsBF16> {
+  using type = Fp32AsBF16;
+};
 
 template <class Rule>
 void store_scale(const ScaleOut& s, int64_t index, typename Rule::stored_t v) {
@@ -157,24 +167,24 @@ void tiles(const TilesArgs& a) {
 }
 
 // The runners of one recipe's instantiations: policy lists -> a QuantKernels entry.
-template <class Rules, class Blocks, class Layouts>
+template <class Rules, class Blocks, class Layouts, bool kAsBF16>
 void run_rows(InputKind in, Fp8Format fmt, const QuantSpec& spec, const RowsArgs& a, int /*device*/) {
-  const bool ran = dispatch_engine<Rules, Blocks, Layouts>(in, fmt, spec, [&](auto kin, auto kfmt, auto rule, auto block,
-                                                                              auto layout) {
+  const auto run = [&](auto kin, auto kfmt, auto rule, auto block, auto layout) {
     using T = typename CpuInput<decltype(kin)::value>::type;
     rows<T, decltype(kfmt)::value, decltype(rule), decltype(block)::value, decltype(layout)>(a);
-  });
+  };
+  const bool ran = dispatch_engine<Rules, Blocks, Layouts, kAsBF16>(in, fmt, spec, run);
   TORCH_CHECK(ran, "moe_fp8: internal error: no CPU rows instantiation for this scale rule, block and layout");
 }
 
-template <class Rules, class Blocks, class Layouts>
+template <class Rules, class Blocks, class Layouts, bool kAsBF16>
 void run_cols(InputKind in, Fp8Format fmt, const QuantSpec& spec, const ColsArgs& a, int64_t /*expected*/,
               int /*device*/) {
-  const bool ran = dispatch_engine<Rules, Blocks, Layouts>(in, fmt, spec, [&](auto kin, auto kfmt, auto rule, auto block,
-                                                                              auto layout) {
+  const auto run = [&](auto kin, auto kfmt, auto rule, auto block, auto layout) {
     using T = typename CpuInput<decltype(kin)::value>::type;
     cols<T, decltype(kfmt)::value, decltype(rule), decltype(block)::value, decltype(layout)>(a);
-  });
+  };
+  const bool ran = dispatch_engine<Rules, Blocks, Layouts, kAsBF16>(in, fmt, spec, run);
   TORCH_CHECK(ran, "moe_fp8: internal error: no CPU cols instantiation for this scale rule, block and layout");
 }
 
@@ -199,7 +209,7 @@ template <class Rules>
 void run_tiles(InputKind in, Fp8Format fmt, ScaleRuleKind rule, const TilesArgs& a, int /*device*/) {
   bool ran = false;
   const Rules rules{};
-  dispatch_input_fp8(in, fmt, [&](auto kin, auto kfmt) {
+  dispatch_input_fp8<true>(in, fmt, [&](auto kin, auto kfmt) {
     ran = any_tiles<typename CpuInput<decltype(kin)::value>::type, decltype(kfmt)::value>(rules, rule, a);
   });
   TORCH_CHECK(ran, "moe_fp8: internal error: no CPU tiles instantiation for this scale rule");
@@ -214,9 +224,11 @@ constexpr TileKernels cpu_tile_kernels() {
   return k;
 }
 
-template <class Rules, class Blocks, class Layouts>
+// kAsBF16: the runners take kFP32AsBF16 too (a recipe whose weights are quantized by them).
+template <class Rules, class Blocks, class Layouts, bool kAsBF16 = false>
 constexpr QuantKernels cpu_quant_kernels() {
-  return {&engine_cpu::run_rows<Rules, Blocks, Layouts>, &engine_cpu::run_cols<Rules, Blocks, Layouts>};
+  return {&engine_cpu::run_rows<Rules, Blocks, Layouts, kAsBF16>,
+          &engine_cpu::run_cols<Rules, Blocks, Layouts, kAsBF16>};
 }
 
 }  // namespace moe_fp8

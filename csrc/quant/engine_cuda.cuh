@@ -43,18 +43,18 @@ inline ColsLaunchPlan cols_plan_override(const char* v, int device, bool block_m
   return {first, rows};
 }
 
-template <class Rules, class Blocks, class Layouts>
+template <class Rules, class Blocks, class Layouts, bool kAsBF16>
 void run_rows(InputKind in, Fp8Format fmt, const QuantSpec& spec, const RowsArgs& a, int device) {
   TORCH_CHECK(a.rows <= INT32_MAX, "moe_fp8: expected at most 2^31-1 reduction rows, got ", a.rows);
   TORCH_CHECK(spec.block == kWholeSet || a.rows * round_up(a.cols, 128) < (int64_t{1} << 32) - (int64_t{1} << 26),
               "moe_fp8: expected fewer than 2^32 elements for a block quantization, got ", a.rows, " x ", a.cols);
   const GpuLaunch gpu(device);
   int err = 0;
-  const bool ran = dispatch_engine<Rules, Blocks, Layouts>(in, fmt, spec, [&](auto kin, auto kfmt, auto rule, auto block,
-                                                                              auto layout) {
+  const auto run = [&](auto kin, auto kfmt, auto rule, auto block, auto layout) {
     err = launch_quantize_rows<decltype(kin)::value, decltype(kfmt)::value, decltype(rule), decltype(block)::value,
                                decltype(layout)>(a, gpu.stream());
-  });
+  };
+  const bool ran = dispatch_engine<Rules, Blocks, Layouts, kAsBF16>(in, fmt, spec, run);
   TORCH_CHECK(ran, "moe_fp8: internal error: no GPU rows instantiation for this scale rule, block and layout");
   gpu.check(err, "rows quantization");
 }
@@ -65,7 +65,7 @@ constexpr int64_t kColsMaxRows = INT32_MAX - (int64_t{1} << 16);
 // is unsigned 32-bit, 512 bytes per 4 blocks.
 constexpr int64_t kColsMaxBlockedRows = int64_t{1} << 30;
 
-template <class Rules, class Blocks, class Layouts>
+template <class Rules, class Blocks, class Layouts, bool kAsBF16>
 void run_cols(InputKind in, Fp8Format fmt, const QuantSpec& spec, const ColsArgs& a, int64_t expected_segment_rows,
               int device) {
   const GpuLaunch gpu(device);
@@ -90,14 +90,14 @@ void run_cols(InputKind in, Fp8Format fmt, const QuantSpec& spec, const ColsArgs
                 " is too large for ", segments, " segments");
   }
   int err = 0;
-  const bool ran = dispatch_engine<Rules, Blocks, Layouts>(in, fmt, spec, [&](auto kin, auto kfmt, auto rule, auto block,
-                                                                              auto layout) {
+  const auto run = [&](auto kin, auto kfmt, auto rule, auto block, auto layout) {
     constexpr InputKind K = decltype(kin)::value;
     ColsLaunchPlan p = plan;
     if (group_slices) plan_cols_group_slices(segments, cols_launch_tiles(a, ColsGeometry<K>::kTileCols), &p);
     err = launch_quantize_cols<K, decltype(kfmt)::value, decltype(rule), decltype(block)::value, decltype(layout)>(
         a, p, gpu.stream());
-  });
+  };
+  const bool ran = dispatch_engine<Rules, Blocks, Layouts, kAsBF16>(in, fmt, spec, run);
   TORCH_CHECK(ran, "moe_fp8: internal error: no GPU cols instantiation for this scale rule, block and layout");
   gpu.check(err, "cols quantization");
 }
@@ -122,12 +122,12 @@ bool launch_first_rule(RuleList<Rules...>, ScaleRuleKind rule, Fn&& launch) {
 // Runs launch(kin, kfmt, rule, stream) -> error code for the instantiation of the
 // runtime (input dtype, fp8 format, scale rule): the first rule of Rules that is `rule`
 // and supports the format, under a device guard on the current stream; then the checks.
-template <class Rules, class Launch>
+template <class Rules, bool kAsBF16, class Launch>
 void run_by_rule(InputKind in, Fp8Format fmt, ScaleRuleKind rule, int device, const char* what, Launch&& launch) {
   const GpuLaunch gpu(device);
   int err = 0;
   bool ran = false;
-  dispatch_input_fp8(in, fmt, [&](auto kin, auto kfmt) {
+  dispatch_input_fp8<kAsBF16>(in, fmt, [&](auto kin, auto kfmt) {
     ran = launch_first_rule<decltype(kfmt)::value>(Rules{}, rule,
                                                    [&](auto r) { err = launch(kin, kfmt, r, gpu.stream()); });
   });
@@ -137,9 +137,10 @@ void run_by_rule(InputKind in, Fp8Format fmt, ScaleRuleKind rule, int device, co
 
 template <class Rules>
 void run_tiles(InputKind in, Fp8Format fmt, ScaleRuleKind rule, const TilesArgs& a, int device) {
-  run_by_rule<Rules>(in, fmt, rule, device, "tiles quantization", [&](auto kin, auto kfmt, auto r, gpuStream_t s) {
+  const auto launch = [&](auto kin, auto kfmt, auto r, gpuStream_t s) {
     return launch_quantize_tiles<decltype(kin)::value, decltype(kfmt)::value, decltype(r)>(a, s);
-  });
+  };
+  run_by_rule<Rules, true>(in, fmt, rule, device, "tiles quantization", launch);
 }
 
 // Only for act_dual_vector_ok arguments (2-byte inputs: fp32 has no kernel, and its
@@ -148,7 +149,7 @@ template <class Rules>
 void run_act_dual(InputKind in, Fp8Format fmt, ScaleRuleKind rule, const ActDualArgs& a, int device) {
   TORCH_CHECK(in != InputKind::kFP32 && act_dual_vector_ok(a, 2),
               "moe_fp8: internal error: the activation dual kernel takes 2-byte inputs with aligned rows");
-  run_by_rule<Rules>(in, fmt, rule, device, "activation dual quantization",
+  run_by_rule<Rules, false>(in, fmt, rule, device, "activation dual quantization",
                      [&](auto kin, auto kfmt, auto r, gpuStream_t s) {
                        return launch_quantize_act_dual<decltype(kin)::value, decltype(kfmt)::value, decltype(r)>(a, s);
                      });
@@ -164,9 +165,11 @@ constexpr TileKernels cuda_tile_kernels() {
   return k;
 }
 
-template <class Rules, class Blocks, class Layouts>
+// kAsBF16: the runners take kFP32AsBF16 too (a recipe whose weights are quantized by them).
+template <class Rules, class Blocks, class Layouts, bool kAsBF16 = false>
 constexpr QuantKernels cuda_quant_kernels() {
-  return {&engine_cuda::run_rows<Rules, Blocks, Layouts>, &engine_cuda::run_cols<Rules, Blocks, Layouts>};
+  return {&engine_cuda::run_rows<Rules, Blocks, Layouts, kAsBF16>,
+          &engine_cuda::run_cols<Rules, Blocks, Layouts, kAsBF16>};
 }
 
 }  // namespace moe_fp8

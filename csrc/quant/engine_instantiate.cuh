@@ -9,12 +9,12 @@
 
 namespace moe_fp8 {
 
-template <class Rules, class Blocks, class Layouts>
+template <class Rules, class Blocks, class Layouts, bool kAsBF16 = false>
 int instantiate_engine(const QuantSpec& spec, const RowsArgs& r, const ColsArgs& c, gpuStream_t stream) {
   int err = 0;
-  for (int in = 0; in < 3; ++in) {
+  for (int in = 0; in < 4; ++in) {
     for (int fmt = 0; fmt < 3; ++fmt) {
-      dispatch_engine<Rules, Blocks, Layouts>(
+      dispatch_engine<Rules, Blocks, Layouts, kAsBF16>(
           static_cast<InputKind>(in), static_cast<Fp8Format>(fmt), spec,
           [&](auto kin, auto kfmt, auto rule, auto block, auto layout) {
             constexpr InputKind K = decltype(kin)::value;

@@ -24,6 +24,13 @@ inline InputKind input_kind(const at::Tensor& x, const char* op, const char* nam
   }
 }
 
+// as_bf16: x fp32, read as its bf16 rounding (kFP32AsBF16; the weight quantizers that take it).
+inline InputKind input_kind(const at::Tensor& x, const char* op, const char* name, bool as_bf16) {
+  TORCH_CHECK(!as_bf16 || x.scalar_type() == at::kFloat, op, ": expected ", name,
+              " of dtype float32 to read it as bfloat16 (as_bf16=True), got ", x.scalar_type());
+  return as_bf16 ? InputKind::kFP32AsBF16 : input_kind(x, op, name);
+}
+
 inline Fp8Format fp8_format(at::ScalarType t, const char* op) {
   switch (t) {
     case at::kFloat8_e4m3fn: return Fp8Format::kE4M3FN;

@@ -57,7 +57,7 @@ void run_dual(InputKind in, Fp8Format fmt, bool pow2, const DualArgs& a, int dev
 }
 
 constexpr QuantKernels rowwise_cuda_kernels() {
-  QuantKernels k = cuda_quant_kernels<RowwiseRules, RowwiseBlocks, RowwiseLayouts>();
+  QuantKernels k = cuda_quant_kernels<RowwiseRules, RowwiseBlocks, RowwiseLayouts, true>();
   k.dual_budget = &dual_budget;
   k.dual = &run_dual;
   return k;

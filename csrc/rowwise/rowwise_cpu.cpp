@@ -8,7 +8,7 @@
 namespace moe_fp8 {
 
 extern const QuantKernels kRowwiseCpu;
-const QuantKernels kRowwiseCpu = cpu_quant_kernels<RowwiseRules, RowwiseBlocks, RowwiseLayouts>();
+const QuantKernels kRowwiseCpu = cpu_quant_kernels<RowwiseRules, RowwiseBlocks, RowwiseLayouts, true>();
 
 }  // namespace moe_fp8
 

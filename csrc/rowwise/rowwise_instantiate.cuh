@@ -10,8 +10,8 @@ namespace moe_fp8 {
 namespace instantiate {
 
 int rowwise_launchers(const QuantSpec& spec, const RowsArgs& r, const ColsArgs& c, gpuStream_t stream) {
-  return instantiate_engine<RuleList<Fp32Pow2, Fp32Exact>, BlockList<kWholeSet>, LayoutList<LinearScales>>(spec, r, c,
-                                                                                                         stream);
+  return instantiate_engine<RuleList<Fp32Pow2, Fp32Exact>, BlockList<kWholeSet>, LayoutList<LinearScales>, true>(
+      spec, r, c, stream);
 }
 
 // The dual kernel (a weight's two orientations), 2-byte inputs only.

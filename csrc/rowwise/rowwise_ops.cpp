@@ -30,15 +30,15 @@ ScaleOut linear_scales(const at::Tensor& scale, int64_t seg_stride) {
 }
 
 void run_rows(const QuantKernels& k, const at::Tensor& x, at::ScalarType fp8_dtype, bool pow2, RowsArgs& a,
-              const at::Tensor& q, const char* op) {
+              const at::Tensor& q, const char* op, bool as_bf16 = false) {
   a.x = x.data_ptr();
   a.q = static_cast<uint8_t*>(q.data_ptr());
-  k.rows(input_kind(x, op, "x"), fp8_format(fp8_dtype, op), rowwise_spec(pow2), a, x.device().index());
+  k.rows(input_kind(x, op, "x", as_bf16), fp8_format(fp8_dtype, op), rowwise_spec(pow2), a, x.device().index());
 }
 
 void run_cols(const QuantKernels& k, const at::Tensor& x, at::ScalarType fp8_dtype, bool pow2, const ColsArgs& a,
-              int64_t expected_segment_rows, const char* op) {
-  k.cols(input_kind(x, op, "x"), fp8_format(fp8_dtype, op), rowwise_spec(pow2), a, expected_segment_rows,
+              int64_t expected_segment_rows, const char* op, bool as_bf16 = false) {
+  k.cols(input_kind(x, op, "x", as_bf16), fp8_format(fp8_dtype, op), rowwise_spec(pow2), a, expected_segment_rows,
          x.device().index());
 }
 
@@ -61,7 +61,8 @@ ColsOperand cols_operand(const at::Tensor& x, int64_t sb, int64_t sr, int64_t sc
 // run contiguous), and scale (E, 1, C), strides (s_E, ., 1); q_E, s_E exceed R * C, C for a slice of a concatenation
 // along C. The "rows" shape where R is b's contiguous dimension, else "cols".
 void quantize_per_expert_into(const QuantKernels& k, const at::Tensor& b, int rdim, at::ScalarType fp8_dtype,
-                              bool pow2, const at::Tensor& q, const at::Tensor& scale, const char* op) {
+                              bool pow2, const at::Tensor& q, const at::Tensor& scale, const char* op,
+                              bool as_bf16 = false) {
   const int cdim = 3 - rdim;
   const int64_t E = b.size(0), R = b.size(rdim), C = b.size(cdim);
   const int64_t s_r = b.stride(rdim), s_c = b.stride(cdim);
@@ -78,7 +79,7 @@ void quantize_per_expert_into(const QuantKernels& k, const at::Tensor& b, int rd
     a.q_stride_outer = q.stride(0);
     a.scale = linear_scales(scale, scale.stride(0));
     a.scale.numel = scale_extent;
-    run_rows(k, b, fp8_dtype, pow2, a, q, op);
+    run_rows(k, b, fp8_dtype, pow2, a, q, op, as_bf16);
     return;
   }
   TORCH_CHECK(E <= 65535, op, ": expected at most 65535 experts, got ", E);
@@ -87,18 +88,19 @@ void quantize_per_expert_into(const QuantKernels& k, const at::Tensor& b, int rd
   a.op[0].scale.numel = scale_extent;
   a.rows = R;
   a.num_segments = static_cast<int>(E);
-  run_cols(k, b, fp8_dtype, pow2, a, R, op);
+  run_cols(k, b, fp8_dtype, pow2, a, R, op, as_bf16);
 }
 
 std::tuple<at::Tensor, at::Tensor> quantize_per_expert(const QuantKernels& k, const at::Tensor& b, int rdim,
-                                                       at::ScalarType fp8_dtype, bool pow2, const char* op) {
+                                                       at::ScalarType fp8_dtype, bool pow2, const char* op,
+                                                       bool as_bf16 = false) {
   check_rank(b, 3, op, "b_t");
-  input_kind(b, op, "b_t");
+  input_kind(b, op, "b_t", as_bf16);
   fp8_format(fp8_dtype, op);
   const int64_t E = b.size(0), R = b.size(rdim), C = b.size(3 - rdim);
   at::Tensor q = at::empty_strided({E, R, C}, {R * C, 1, R}, b.options().dtype(fp8_dtype));
   at::Tensor scale = at::empty({E, 1, C}, b.options().dtype(at::kFloat));
-  quantize_per_expert_into(k, b, rdim, fp8_dtype, pow2, q, scale, op);
+  quantize_per_expert_into(k, b, rdim, fp8_dtype, pow2, q, scale, op, as_bf16);
   return {q, scale};
 }
 
@@ -136,8 +138,8 @@ std::tuple<at::Tensor, at::Tensor> quantize_rowwise(const QuantKernels& k, const
 }
 
 std::tuple<at::Tensor, at::Tensor> quantize_experts_fwd(const QuantKernels& k, const at::Tensor& b_t,
-                                                        at::ScalarType fp8_dtype, bool pow2_scale) {
-  return quantize_per_expert(k, b_t, /*rdim=K*/ 1, fp8_dtype, pow2_scale, "quantize_experts_fwd");
+                                                        at::ScalarType fp8_dtype, bool pow2_scale, bool as_bf16) {
+  return quantize_per_expert(k, b_t, /*rdim=K*/ 1, fp8_dtype, pow2_scale, "quantize_experts_fwd", as_bf16);
 }
 
 namespace {
@@ -185,12 +187,13 @@ std::tuple<at::Tensor, at::Tensor> quantize_experts_fwd_cat(const QuantKernels& 
 }
 
 std::tuple<at::Tensor, at::Tensor> quantize_experts_bwd_cat(const QuantKernels& k, at::TensorList b_ts,
-                                                            at::ScalarType fp8_dtype, bool pow2_scale) {
+                                                            at::ScalarType fp8_dtype, bool pow2_scale, bool as_bf16) {
   constexpr const char* op = "quantize_experts_bwd_cat";
   TORCH_CHECK(b_ts.size() == 1 || b_ts.size() == 2, op, ": expected one or two weights, got ", b_ts.size());
   fp8_format(fp8_dtype, op);
   const int64_t N = check_cat_weights(b_ts, op);
-  if (b_ts.size() == 1) return quantize_per_expert(k, b_ts[0], /*rdim=N*/ 2, fp8_dtype, pow2_scale, op);
+  input_kind(b_ts[0], op, "b_t", as_bf16);
+  if (b_ts.size() == 1) return quantize_per_expert(k, b_ts[0], /*rdim=N*/ 2, fp8_dtype, pow2_scale, op, as_bf16);
   const at::Tensor &b0 = b_ts[0], &b1 = b_ts[1];
   const int64_t E = b0.size(0), K = b0.size(1), N0 = b0.size(2);
   // The reduction over N spans both weights: one "cols" launch whose rows from N0 on
@@ -198,7 +201,7 @@ std::tuple<at::Tensor, at::Tensor> quantize_experts_bwd_cat(const QuantKernels& 
   const bool same_strides = b0.stride(0) == b1.stride(0) && b0.stride(1) == b1.stride(1) &&
                             b0.stride(2) == b1.stride(2);
   if (!same_strides || b0.stride(2) == 1 || N0 == 0 || b1.size(2) == 0 || E > 65535) {
-    return quantize_per_expert(k, at::cat({b0, b1}, 2), /*rdim=N*/ 2, fp8_dtype, pow2_scale, op);
+    return quantize_per_expert(k, at::cat({b0, b1}, 2), /*rdim=N*/ 2, fp8_dtype, pow2_scale, op, as_bf16);
   }
   at::Tensor q = at::empty_strided({E, N, K}, {N * K, 1, N}, b0.options().dtype(fp8_dtype));
   at::Tensor scale = at::empty({E, 1, K}, b0.options().dtype(at::kFloat));
@@ -209,7 +212,7 @@ std::tuple<at::Tensor, at::Tensor> quantize_experts_bwd_cat(const QuantKernels& 
   a.op[0].row_split = N0;
   a.rows = N;
   a.num_segments = static_cast<int>(E);
-  run_cols(k, b0, fp8_dtype, pow2_scale, a, N, op);
+  run_cols(k, b0, fp8_dtype, pow2_scale, a, N, op, as_bf16);
   return {q, scale};
 }
 
@@ -255,13 +258,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_experts_dual
     }
   }
   auto [q_fwd, s_fwd] = quantize_experts_fwd_cat(k, b_ts, fp8_dtype, pow2_scale);
-  auto [q_bwd, s_bwd] = quantize_experts_bwd_cat(k, b_ts, fp8_dtype, pow2_scale);
+  auto [q_bwd, s_bwd] = quantize_experts_bwd_cat(k, b_ts, fp8_dtype, pow2_scale, false);
   return {q_fwd, s_fwd, q_bwd, s_bwd};
 }
 
 std::tuple<at::Tensor, at::Tensor> quantize_experts_bwd(const QuantKernels& k, const at::Tensor& b_t,
-                                                        at::ScalarType fp8_dtype, bool pow2_scale) {
-  return quantize_per_expert(k, b_t, /*rdim=N*/ 2, fp8_dtype, pow2_scale, "quantize_experts_bwd");
+                                                        at::ScalarType fp8_dtype, bool pow2_scale, bool as_bf16) {
+  return quantize_per_expert(k, b_t, /*rdim=N*/ 2, fp8_dtype, pow2_scale, "quantize_experts_bwd", as_bf16);
 }
 
 namespace {

@@ -21,19 +21,21 @@ using RowwiseLayouts = LayoutList<LinearScales>;
 
 std::tuple<at::Tensor, at::Tensor> quantize_rowwise(const QuantKernels& k, const at::Tensor& x,
                                                     at::ScalarType fp8_dtype, bool pow2_scale);
+// as_bf16 (this op and the two bwd ops): b_t fp32, read as its bf16 rounding (the bits of
+// the op on b_t.to(torch.bfloat16), without that copy).
 std::tuple<at::Tensor, at::Tensor> quantize_experts_fwd(const QuantKernels& k, const at::Tensor& b_t,
-                                                        at::ScalarType fp8_dtype, bool pow2_scale);
+                                                        at::ScalarType fp8_dtype, bool pow2_scale, bool as_bf16);
 // quantize_experts_fwd of each weight, written into one (E, K, sum N_i) column-major q
 // and (E, 1, sum N_i) scale: the operand of the concatenation, without a copy.
 std::tuple<at::Tensor, at::Tensor> quantize_experts_fwd_cat(const QuantKernels& k, at::TensorList b_ts,
                                                             at::ScalarType fp8_dtype, bool pow2_scale);
 std::tuple<at::Tensor, at::Tensor> quantize_experts_bwd(const QuantKernels& k, const at::Tensor& b_t,
-                                                        at::ScalarType fp8_dtype, bool pow2_scale);
+                                                        at::ScalarType fp8_dtype, bool pow2_scale, bool as_bf16);
 // quantize_experts_bwd of the concatenation of one or two weights (E, K, N_i) along N,
 // the reduced dimension (each (e, k) scale spans both): q (E, sum N_i, K) column-major,
 // scale (E, 1, K). Two weights of one layout with N strided are read in place.
 std::tuple<at::Tensor, at::Tensor> quantize_experts_bwd_cat(const QuantKernels& k, at::TensorList b_ts,
-                                                            at::ScalarType fp8_dtype, bool pow2_scale);
+                                                            at::ScalarType fp8_dtype, bool pow2_scale, bool as_bf16);
 // (quantize_experts_fwd_cat(b_ts), quantize_experts_bwd_cat(b_ts)) bit for bit: both
 // orientations of one or two weights, from one read where the device has the dual
 // kernel and the layout suits it (DESIGN §5), else the two ops.
@@ -65,21 +67,21 @@ struct RowwiseOn {
   static std::tuple<at::Tensor, at::Tensor> rowwise(const at::Tensor& x, at::ScalarType t, bool pow2) {
     return quantize_rowwise(K, x, t, pow2);
   }
-  static std::tuple<at::Tensor, at::Tensor> experts_fwd(const at::Tensor& b, at::ScalarType t, bool pow2) {
-    return quantize_experts_fwd(K, b, t, pow2);
+  static std::tuple<at::Tensor, at::Tensor> experts_fwd(const at::Tensor& b, at::ScalarType t, bool pow2, bool bf) {
+    return quantize_experts_fwd(K, b, t, pow2, bf);
   }
   static std::tuple<at::Tensor, at::Tensor> experts_fwd_cat(at::TensorList b, at::ScalarType t, bool pow2) {
     return quantize_experts_fwd_cat(K, b, t, pow2);
   }
-  static std::tuple<at::Tensor, at::Tensor> experts_bwd_cat(at::TensorList b, at::ScalarType t, bool pow2) {
-    return quantize_experts_bwd_cat(K, b, t, pow2);
+  static std::tuple<at::Tensor, at::Tensor> experts_bwd_cat(at::TensorList b, at::ScalarType t, bool pow2, bool bf) {
+    return quantize_experts_bwd_cat(K, b, t, pow2, bf);
   }
   static std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> experts_dual_cat(at::TensorList b,
                                                                                     at::ScalarType t, bool pow2) {
     return quantize_experts_dual_cat(K, b, t, pow2);
   }
-  static std::tuple<at::Tensor, at::Tensor> experts_bwd(const at::Tensor& b, at::ScalarType t, bool pow2) {
-    return quantize_experts_bwd(K, b, t, pow2);
+  static std::tuple<at::Tensor, at::Tensor> experts_bwd(const at::Tensor& b, at::ScalarType t, bool pow2, bool bf) {
+    return quantize_experts_bwd(K, b, t, pow2, bf);
   }
   static std::tuple<at::Tensor, at::Tensor> jagged(const at::Tensor& x, const at::Tensor& offs, at::ScalarType t,
                                                    bool pow2, const std::optional<at::Tensor>& starts, int64_t align) {

@@ -22,6 +22,7 @@ from ._checks import (  # noqa: F401
     _dtype_name,
     _require,
     check_alignment,
+    check_as_bf16,
     check_block_jagged,
     check_fp8_dtype,
     check_index,

@@ -112,6 +112,13 @@ def check_quant_input(op: str, name: str, t, dim: int) -> None:
         raise RuntimeError(f"{op}: expected {name} of dtype bfloat16, float16 or float32, got {_dtype_name(t.dtype)}")
 
 
+def check_as_bf16(op: str, name: str, t: Tensor, as_bf16: bool) -> None:
+    """``as_bf16`` (the weight quantizers): ``t`` fp32, read as ``t.to(torch.bfloat16)``."""
+    if as_bf16 and t.dtype != torch.float32:
+        raise RuntimeError(f"{op}: expected {name} of dtype float32 to read it as bfloat16 (as_bf16=True), got "
+                           f"{_dtype_name(t.dtype)}")
+
+
 def check_fp8_dtype(op: str, fp8_dtype) -> None:
     """The dtype of q: one of the three fp8 encodings (None: the default, resolved by
     the wrapper)."""

@@ -18,6 +18,7 @@ from ._checks import (
     _dtype,
     _dtype_name,
     _require,
+    check_as_bf16,
     check_fp8_dtype,
     check_jagged_layout,
     check_quant_input,
@@ -67,10 +68,11 @@ def _(x, fp8_dtype, pow2_scale=True):
 MAX_EXPERTS_COLS = 65535  # experts of the "cols" shape: one grid dimension
 
 
-def check_quantize_experts(b_t, fp8_dtype, rdim, op):
+def check_quantize_experts(b_t, fp8_dtype, rdim, op, as_bf16=False):
     """b_t (E, K, N) reduced over dim rdim; E <= 65535 where the kernel takes the
     "cols" shape (rdim not the contiguous dimension), as rowwise_ops.cpp decides."""
     check_quant_input(op, "b_t", b_t, 3)
+    check_as_bf16(op, "b_t", b_t, as_bf16)
     check_fp8_dtype(op, fp8_dtype)
     e, r, c = b_t.shape[0], b_t.shape[rdim], b_t.shape[3 - rdim]
     if e == 0 or c == 0 or (b_t.stride(rdim) == 1 and r > 1):
@@ -78,32 +80,34 @@ def check_quantize_experts(b_t, fp8_dtype, rdim, op):
     _require(e <= MAX_EXPERTS_COLS, lambda: f"{op}: expected at most {MAX_EXPERTS_COLS} experts, got {e}")
 
 
-def quantize_experts_fwd(b_t: Tensor, fp8_dtype: Optional[torch.dtype] = None, pow2_scale: bool = True) -> Tuple[Tensor, Tensor]:
+def quantize_experts_fwd(b_t: Tensor, fp8_dtype: Optional[torch.dtype] = None, pow2_scale: bool = True,
+                         as_bf16: bool = False) -> Tuple[Tensor, Tensor]:
     """Quantize expert weights ``b_t`` (E, K, N), the right operand of ``A @ B_t``,
     over K for every (e, n).
 
     Returns ``q`` (E, K, N) column-major per expert (strides (K·N, 1, K)) and
     ``scale`` (E, 1, N) float32. Any input layout; the fast paths are B_t
-    column-major (the transpose of an (E, N, K) weight) and row-major.
+    column-major (the transpose of an (E, N, K) weight) and row-major. ``as_bf16``:
+    ``b_t`` fp32 read as ``b_t.to(torch.bfloat16)`` (those bits, without the copy).
     """
-    check_quantize_experts(b_t, fp8_dtype, 1, "quantize_experts_fwd")
-    return _ops.quantize_experts_fwd(b_t, _dtype(fp8_dtype, b_t), pow2_scale)
+    check_quantize_experts(b_t, fp8_dtype, 1, "quantize_experts_fwd", as_bf16)
+    return _ops.quantize_experts_fwd(b_t, _dtype(fp8_dtype, b_t), pow2_scale, as_bf16)
 
 
-def _experts_fake(b_t, fp8_dtype, rdim, op):
+def _experts_fake(b_t, fp8_dtype, rdim, op, as_bf16=False):
     """q (E, R, C) column-major per expert and scale (E, 1, C), R = b_t.shape[rdim]."""
-    check_quantize_experts(b_t, fp8_dtype, rdim, op)
+    check_quantize_experts(b_t, fp8_dtype, rdim, op, as_bf16)
     e, r, c = b_t.shape[0], b_t.shape[rdim], b_t.shape[3 - rdim]
     q = b_t.new_empty_strided((e, r, c), (r * c, 1, r), dtype=fp8_dtype)
     return q, b_t.new_empty((e, 1, c), dtype=torch.float32)
 
 
 @torch.library.register_fake("moe_fp8::quantize_experts_fwd")
-def _(b_t, fp8_dtype, pow2_scale=True):
-    return _experts_fake(b_t, fp8_dtype, 1, "quantize_experts_fwd")
+def _(b_t, fp8_dtype, pow2_scale=True, as_bf16=False):
+    return _experts_fake(b_t, fp8_dtype, 1, "quantize_experts_fwd", as_bf16)
 
 
-def check_quantize_experts_cat(b_ts, fp8_dtype, op="quantize_experts_fwd_cat", rdim=1):
+def check_quantize_experts_cat(b_ts, fp8_dtype, op="quantize_experts_fwd_cat", rdim=1, as_bf16=False):
     """Each weight (E, K, N_i) as quantize_experts_fwd (rdim 1) or _bwd (rdim 2) takes
     it, all of one dtype, device, E and K (rowwise_ops.cpp's rules, in its words)."""
     _require(isinstance(b_ts, (list, tuple)) and len(b_ts) > 0,
@@ -121,6 +125,7 @@ def check_quantize_experts_cat(b_ts, fp8_dtype, op="quantize_experts_fwd_cat", r
                  lambda: f"{op}: expected every weight of shape (E, K, N_i) with the E and K of the first, "
                          f"({b0.shape[0]}, {b0.shape[1]}, .), got ({b.shape[0]}, {b.shape[1]}, {b.shape[2]}) "
                          f"(weight {i})")
+    check_as_bf16(op, "b_t", b0, as_bf16)
 
 
 def quantize_experts_fwd_cat(b_ts: Sequence[Tensor], fp8_dtype: Optional[torch.dtype] = None,
@@ -152,21 +157,22 @@ def _(b_ts, fp8_dtype, pow2_scale=True):
 
 
 def quantize_experts_bwd_cat(b_ts: Sequence[Tensor], fp8_dtype: Optional[torch.dtype] = None,
-                             pow2_scale: bool = True) -> Tuple[Tensor, Tensor]:
+                             pow2_scale: bool = True, as_bf16: bool = False) -> Tuple[Tensor, Tensor]:
     """``quantize_experts_bwd`` of the concatenation of one or two weights ``b_ts``
     (each (E, K, N_i)) along N, the reduced dimension, so each (e, k) scale spans both:
     ``q`` (E, ΣN_i, K) column-major per expert and ``scale`` (E, 1, K), bit for bit
     ``quantize_experts_bwd(torch.cat(b_ts, dim=2))``. Two weights of one layout with N
     strided (the transposes of row-major (E, N_i, K) weights, e.g. torchtitan's w1 and
     w3) are read in place; other layouts quantize a copy. The experts layer's backward
-    operand of W1 and W3 together (one input-gradient GEMM)."""
-    check_quantize_experts_cat(b_ts, fp8_dtype, "quantize_experts_bwd_cat", 2)
-    return _ops.quantize_experts_bwd_cat(list(b_ts), _dtype(fp8_dtype, b_ts[0]), pow2_scale)
+    operand of W1 and W3 together (one input-gradient GEMM). ``as_bf16``: as
+    :func:`quantize_experts_fwd`'s."""
+    check_quantize_experts_cat(b_ts, fp8_dtype, "quantize_experts_bwd_cat", 2, as_bf16)
+    return _ops.quantize_experts_bwd_cat(list(b_ts), _dtype(fp8_dtype, b_ts[0]), pow2_scale, as_bf16)
 
 
 @torch.library.register_fake("moe_fp8::quantize_experts_bwd_cat")
-def _(b_ts, fp8_dtype, pow2_scale=True):
-    check_quantize_experts_cat(b_ts, fp8_dtype, "quantize_experts_bwd_cat", 2)
+def _(b_ts, fp8_dtype, pow2_scale=True, as_bf16=False):
+    check_quantize_experts_cat(b_ts, fp8_dtype, "quantize_experts_bwd_cat", 2, as_bf16)
     return _cat_outputs(b_ts, fp8_dtype, bwd=True)
 
 
@@ -213,20 +219,21 @@ def _(b_ts, fp8_dtype, pow2_scale=True):
     return _cat_outputs(b_ts, fp8_dtype, bwd=False) + _cat_outputs(b_ts, fp8_dtype, bwd=True)
 
 
-def quantize_experts_bwd(b_t: Tensor, fp8_dtype: Optional[torch.dtype] = None, pow2_scale: bool = True) -> Tuple[Tensor, Tensor]:
+def quantize_experts_bwd(b_t: Tensor, fp8_dtype: Optional[torch.dtype] = None, pow2_scale: bool = True,
+                         as_bf16: bool = False) -> Tuple[Tensor, Tensor]:
     """Quantize the same expert weights for the input gradient ``grad_A = grad_out @ B``
     (B = ``b_t.transpose(-2, -1)``, (E, N, K)), over N for every (e, k).
 
     Returns ``q`` (E, N, K) column-major per expert (strides (N·K, 1, N)) and
-    ``scale`` (E, 1, K) float32.
+    ``scale`` (E, 1, K) float32. ``as_bf16``: as :func:`quantize_experts_fwd`'s.
     """
-    check_quantize_experts(b_t, fp8_dtype, 2, "quantize_experts_bwd")
-    return _ops.quantize_experts_bwd(b_t, _dtype(fp8_dtype, b_t), pow2_scale)
+    check_quantize_experts(b_t, fp8_dtype, 2, "quantize_experts_bwd", as_bf16)
+    return _ops.quantize_experts_bwd(b_t, _dtype(fp8_dtype, b_t), pow2_scale, as_bf16)
 
 
 @torch.library.register_fake("moe_fp8::quantize_experts_bwd")
-def _(b_t, fp8_dtype, pow2_scale=True):
-    return _experts_fake(b_t, fp8_dtype, 2, "quantize_experts_bwd")
+def _(b_t, fp8_dtype, pow2_scale=True, as_bf16=False):
+    return _experts_fake(b_t, fp8_dtype, 2, "quantize_experts_bwd", as_bf16)
 
 
 def check_quantize_jagged_colwise(x, offs, fp8_dtype, padded_starts, alignment, op="quantize_jagged_colwise"):

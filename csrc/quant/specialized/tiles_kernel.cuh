@@ -1,6 +1,6 @@
-// Specialized (FP8 blockwise weights; engine.h TilesArgs): a scale per 128x128 tile, which no engine policy has. A block
-// a tile, read once, every output from it; a column-major input runs as its row-major transpose (tiles_row_major). Vector
-// kernel (2-byte, 16-byte aligned rows): register fragments, no shared memory; scalar kernel: a swizzled shared tile.
+// Specialized (FP8 blockwise weights; engine.h TilesArgs): a scale per 128x128 tile, read once, every output from it; a
+// column-major input runs as its row-major transpose. Vector kernel (2-byte or fp32-as-bf16 inputs, 16-byte aligned
+// rows): register fragments, no shared memory; scalar kernel: a swizzled shared tile.
 #pragma once
 
 #include <cstdint>
@@ -125,6 +125,21 @@ MOE_FP8_DEVICE void store_fragment_row_runs(const uint2 (&q8)[kTileFragRows], ui
     }
   }
 }
+// One fragment row: 8 elements as 8 16-bit values (kFP32AsBF16: two fp32 loads, each value
+// rounded to bf16 bits, so the rest of the kernel is the bf16 one).
+template <InputKind K, typename T>
+MOE_FP8_DEVICE uint4 load_fragment_row(const T* p) {
+  if constexpr (K == InputKind::kFP32AsBF16) {
+    const Array<float, 4> lo = load_elems<float, 4>(p, 1), hi = load_elems<float, 4>(p + 4, 1);
+    const auto two = [](float a, float b) {
+      return static_cast<uint32_t>(float_to_bf16_bits(a)) | (static_cast<uint32_t>(float_to_bf16_bits(b)) << 16);
+    };
+    return make_uint4(two(lo.v[0], lo.v[1]), two(lo.v[2], lo.v[3]), two(hi.v[0], hi.v[1]), two(hi.v[2], hi.v[3]));
+  } else {
+    return *reinterpret_cast<const uint4*>(p);
+  }
+}
+
 constexpr int kTileRowGroups = kTile / kTileFragRows;
 static_assert(kTileRowGroups * (kTile / kTileFragCols) == kTilesThreads, "one fragment a thread");
 // Four blocks an SM on CUDA (64 registers): a block's loads, amax and stores run one after another, so the SM overlaps
@@ -135,8 +150,9 @@ template <InputKind K, Fp8Format F, class Rule>
 __global__ void __launch_bounds__(kTilesThreads, kTilesVecMinBlocks)
     quantize_tiles_vec_kernel(TilesArgs a, int64_t tiles_i, int64_t tiles_j) {
   using T = typename DeviceInput<K>::storage;
-  using In = DeviceInput<K>;
-  static_assert(sizeof(T) == 2, "the vector kernel reads 2-byte inputs");
+  constexpr InputKind KE = K == InputKind::kFP32AsBF16 ? InputKind::kBF16 : K;  // the elements once loaded
+  using In = DeviceInput<KE>;
+  static_assert(sizeof(typename In::storage) == 2, "the vector kernel reads 2-byte inputs (or fp32 as bf16)");
   __shared__ uint32_t s_red[kMaxWarpsPerBlock + 1];
   // Each 32 threads (a warp on CUDA, half a wave on ROCm) hold a 64-row x 32-column strip: lane l has rows 8 * (l % 8)
   // .. +7 and columns 8 * (l / 8) .. +7, so two lanes 8 apart (a pair) hold 16 adjacent columns of the same rows.
@@ -156,7 +172,7 @@ __global__ void __launch_bounds__(kTilesThreads, kTilesVecMinBlocks)
     uint4 v[kTileFragRows];
 #pragma unroll
     for (int r = 0; r < kTileFragRows; ++r) {  // past the weight: zero, never the amax
-      v[r] = (fr + r < nr && fc < nc) ? *reinterpret_cast<const uint4*>(xf + r * a.sr) : make_uint4(0u, 0u, 0u, 0u);
+      v[r] = (fr + r < nr && fc < nc) ? load_fragment_row<K>(xf + r * a.sr) : make_uint4(0u, 0u, 0u, 0u);
     }
     // The packed 16-bit amax: no element is converted to float before the block's max,
     // so no converted value is held across it.
@@ -175,8 +191,10 @@ __global__ void __launch_bounds__(kTilesThreads, kTilesVecMinBlocks)
       uint32_t w[2];
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        const uint16_t lo = scaled_fp8x2<F>(uint4_elem<K>(v[r], 4 * h), uint4_elem<K>(v[r], 4 * h + 1), sc.encode);
-        const uint16_t hi = scaled_fp8x2<F>(uint4_elem<K>(v[r], 4 * h + 2), uint4_elem<K>(v[r], 4 * h + 3), sc.encode);
+        const uint16_t lo = scaled_fp8x2<F>(uint4_elem<KE>(v[r], 4 * h), uint4_elem<KE>(v[r], 4 * h + 1),
+                                            sc.encode);
+        const uint16_t hi = scaled_fp8x2<F>(uint4_elem<KE>(v[r], 4 * h + 2), uint4_elem<KE>(v[r], 4 * h + 3),
+                                            sc.encode);
         w[h] = static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16);
       }
       q8[r] = make_uint2(w[0], w[1]);
@@ -212,11 +230,13 @@ inline TilesArgs tiles_row_major(TilesArgs a) {
   return a;
 }
 
-template <typename T>
+// Rows of whole 8-column fragments, each row's fragments at 16-byte aligned addresses.
+template <InputKind K>
 inline bool tiles_vector_ok(const TilesArgs& a) {
+  using T = typename DeviceInput<K>::storage;
   constexpr int64_t n = 16 / sizeof(T);
-  return sizeof(T) == 2 && a.sc == 1 && a.cols % n == 0 && a.sr % n == 0 && a.sb % n == 0 &&
-         reinterpret_cast<uintptr_t>(a.x) % 16 == 0;
+  return (sizeof(T) == 2 || K == InputKind::kFP32AsBF16) && a.sc == 1 && a.cols % kTileFragCols == 0 &&
+         a.sr % n == 0 && a.sb % n == 0 && reinterpret_cast<uintptr_t>(a.x) % 16 == 0;
 }
 
 template <InputKind K, Fp8Format F, class Rule>
@@ -227,8 +247,8 @@ int launch_quantize_tiles(const TilesArgs& args, gpuStream_t stream) {
   const int64_t n = a.batches * ti * tj;
   if (n == 0) return 0;
   if (n >= (int64_t{1} << 31)) return -1;
-  if constexpr (sizeof(T) == 2) {
-    if (tiles_vector_ok<T>(a)) {
+  if constexpr (sizeof(T) == 2 || K == InputKind::kFP32AsBF16) {
+    if (tiles_vector_ok<K>(a)) {
       return launch_kernel(quantize_tiles_vec_kernel<K, F, Rule>, dim3(static_cast<unsigned>(n)), dim3(kTilesThreads),
                            0, stream, 1, a, ti, tj);
     }
