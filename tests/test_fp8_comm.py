@@ -16,7 +16,7 @@ from moe_fp8_ext import dispatch, fsdp
 from moe_fp8_ext.dispatch import Fp8Rows, fp8_dispatch
 from moe_fp8_ext.fsdp import GatheredWeight, ShardedWeight, fp8_all_gather
 
-from conftest import DEVICES, HAS_CUDA, offs_from_sizes, randn
+from conftest import DEVICES, HAS_CUDA, off_bf16_, offs_from_sizes, randn
 
 SIZES = [37, 0, 130, 5, 200, 0]  # odd, empty and multi-tile groups
 
@@ -126,6 +126,23 @@ def test_gathered_operands_are_the_whole_weights(device, recipe):
         for a, b in zip(mine, theirs):
             assert a.shape == b.shape and a.stride() == b.stride()
             assert torch.equal(a.view(torch.uint8) if a.dtype == f8 else a, b.view(torch.uint8) if b.dtype == f8 else b)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("recipe", ["fp8_blockwise", "fp8_rowwise"])
+@pytest.mark.parametrize("transposed", [False, True])
+def test_fp32_shards_quantize_as_their_bf16_cast(device, recipe, transposed):
+    """An fp32 shard gathered with a bf16 param_dtype (read as bf16 by the kernels, no
+    cast written) gives the bits of its bf16 cast, fp8_rowwise's joint operand included."""
+    r = moe_fp8_ext.get_recipe(recipe)
+    w1, w3, _ = (off_bf16_(w, seed=i) for i, w in enumerate(weights(3, 256, 208, device, torch.float32)))
+    for joint in (None, (w3, 0)):
+        got = fsdp._quantize_shard(r, w1, transposed, joint, dtype=torch.bfloat16)
+        want = fsdp._quantize_shard(r, w1.bfloat16(), transposed, None if joint is None else (w3.bfloat16(), 0))
+        for a, b in zip(got, want):
+            assert a.dtype == b.dtype and a.shape == b.shape and a.stride() == b.stride()
+            assert torch.equal(a.view(torch.uint8) if a.element_size() == 1 else a,
+                               b.view(torch.uint8) if b.element_size() == 1 else b)
 
 
 def test_sharded_weight_computes_as_its_tensor():
