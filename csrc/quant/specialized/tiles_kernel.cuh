@@ -125,6 +125,7 @@ MOE_FP8_DEVICE void store_fragment_row_runs(const uint2 (&q8)[kTileFragRows], ui
     }
   }
 }
+
 // One fragment row: 8 elements as 8 16-bit values (kFP32AsBF16: two fp32 loads, each value
 // rounded to bf16 bits, so the rest of the kernel is the bf16 one).
 template <InputKind K, typename T>
