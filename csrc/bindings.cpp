@@ -104,10 +104,9 @@ TORCH_LIBRARY(moe_fp8, m) {
   m.def(
       "quantize_blockwise_act_dual(Tensor x, ScalarType fp8_dtype, Tensor offs, Tensor? padded_starts=None,"
       " int? alignment=None) -> (Tensor, Tensor, Tensor, Tensor)");
-  // Weights, 128x128 tiles of w (M, N) or (E, M, N): weight_rhs q (M, N) column-major,
-  // scale (ceil(M/128), ceil(N/128)) column-major; weight_transposed_rhs q (N, M)
-  // column-major, scale (ceil(N/128), ceil(M/128)) column-major; weight_dual both.
-  // as_bf16 (here and in the rowwise experts ops): w fp32, read as w.to(torch.bfloat16).
+  // Weights, 128x128 tiles of w (M, N) or (E, M, N): weight_rhs q (M, N) column-major, scale (ceil(M/128),
+  // ceil(N/128)) column-major; weight_transposed_rhs q (N, M), scale (ceil(N/128), ceil(M/128)), both column-major;
+  // weight_dual both. as_bf16 (here and in the rowwise experts ops): w fp32, read as w.to(torch.bfloat16).
   m.def("quantize_blockwise_weight_rhs(Tensor w, ScalarType fp8_dtype, bool as_bf16=False) -> (Tensor, Tensor)");
   m.def("quantize_blockwise_weight_transposed_rhs(Tensor w, ScalarType fp8_dtype, bool as_bf16=False)"
         " -> (Tensor, Tensor)");

@@ -40,10 +40,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_blockwise_ac
     const QuantKernels& k, const TileKernels& tk, const at::Tensor& x, at::ScalarType fp8_dtype,
     const at::Tensor& offs, const std::optional<at::Tensor>& padded_starts, std::optional<int64_t> alignment);
 
-// The "tiles" shape, one scale a 128x128 tile of w (M, N) or (E, M, N), any strides. which: 0 weight_rhs, q (M, N) and
-// scale (ceil(M/128), ceil(N/128)) column-major per expert; 1 weight_transposed_rhs, q (N, M) and scale (ceil(N/128),
-// ceil(M/128)) column-major; 2 both (q, scale, q_t, scale_t) from one read (a tile and its transpose share the scale).
-// as_bf16: w fp32, read as its bf16 rounding (the bits of the op on w.to(torch.bfloat16), without that copy).
+// The "tiles" shape, a scale a 128x128 tile of w (M, N) or (E, M, N), any strides (as_bf16: fp32 read as bf16). which:
+// 0 weight_rhs, q (M, N) and scale (ceil(M/128), ceil(N/128)) column-major per expert; 1 weight_transposed_rhs, q
+// (N, M), scale transposed likewise; 2 both (q, scale, q_t, scale_t) from one read (a tile and its transpose share it).
 std::vector<at::Tensor> quantize_blockwise_weight(const TileKernels& k, const at::Tensor& w, at::ScalarType fp8_dtype,
                                                   int which, bool as_bf16 = false);
 // The same of ws concatenated along N (each but the last whole 128-column tiles: the experts layer's W1 and W3),

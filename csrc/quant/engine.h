@@ -352,10 +352,9 @@ bool dispatch_quant(RuleList<Rules...>, BlockList<Blocks...>, LayoutList<Layouts
   return done;
 }
 
-// The runtime (input dtype, fp8 format, QuantSpec) -> fn(InputConstant, Fp8Constant,
-// Rule, integral_constant<int, Block>, Layout), over the combinations the lists hold
-// and the rule supports (E8M0 rules: e4m3fn only); returns whether one ran. kAsBF16:
-// kFP32AsBF16 too (see dispatch_input_fp8).
+// The runtime (input kind, fp8 format, QuantSpec) -> fn(InputConstant, Fp8Constant, Rule, integral_constant<int,
+// Block>, Layout), over the combinations the lists hold and the rule supports (E8M0 rules: e4m3fn only; kFP32AsBF16
+// where kAsBF16); returns whether one ran.
 template <class Rules, class Blocks, class Layouts, bool kAsBF16 = false, class Fn>
 bool dispatch_engine(InputKind in, Fp8Format fmt, const QuantSpec& spec, Fn&& fn) {
   bool ran = false;
