@@ -347,7 +347,8 @@ def _quantize_shard(recipe: Recipe, w: Tensor, transposed: bool = False, joint=N
     gathers): fp32 to bf16 is read so by the quantize kernels, with no cast written."""
     f8 = recipe.default_fp8_dtype(w.device)
     as_bf16 = _as_bf16(w, dtype)
-    if dtype is not None and not as_bf16 and not (transposed and isinstance(recipe, Fp8Rowwise)):
+    cast = dtype is not None and not as_bf16
+    if cast and not (transposed and isinstance(recipe, Fp8Rowwise)):
         w = w.to(dtype)  # (the rowwise backward's: where read)
     if isinstance(recipe, Fp8Blockwise):
         op = (torch.ops.moe_fp8.quantize_blockwise_weight_transposed_rhs if transposed
@@ -360,7 +361,7 @@ def _quantize_shard(recipe: Recipe, w: Tensor, transposed: bool = False, joint=N
     start = 0 if joint is None or joint[1] == 0 else joint[0].shape[1]  # (w's first row in the parts)
     made = ahead[0].take("operand", ahead[1]) if ahead is not None and joint is not None else None
     if made is None:
-        w = w.to(dtype) if dtype is not None and not as_bf16 else w
+        w = w.to(dtype) if cast else w
         parts = [w]
         if joint is not None:
             other = joint[0].to(device=w.device, dtype=w.dtype)
