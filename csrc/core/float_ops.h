@@ -97,6 +97,9 @@ MOE_FP8_HD uint16_t float_to_bf16_bits(float f) {
   return f != f ? static_cast<uint16_t>(0x7FC0u) : b;
 }
 
+// f as its bf16 cast holds it (torch's x.to(torch.bfloat16)), as a float: kFP32AsBF16's read.
+MOE_FP8_HD float float_as_bf16(float f) { return bits_float(static_cast<uint32_t>(float_to_bf16_bits(f)) << 16); }
+
 // Integer ops only: the same bits on host and device; a NaN keeps its sign (0x7E00).
 MOE_FP8_HD uint16_t float_to_half_bits(float f) {
   const uint32_t u = float_bits(f);

@@ -40,9 +40,7 @@ struct DeviceInput<InputKind::kFP32> {
 template <>
 struct DeviceInput<InputKind::kFP32AsBF16> {
   using storage = float;
-  static MOE_FP8_DEVICE float to_float(float f) {
-    return bits_float(static_cast<uint32_t>(float_to_bf16_bits(f)) << 16);
-  }
+  static MOE_FP8_DEVICE float to_float(float f) { return float_as_bf16(f); }
 };
 
 // N consecutive elements (one 16-byte access when N * sizeof(T) == 16); N == 1 reads

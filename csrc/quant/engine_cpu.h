@@ -12,6 +12,7 @@
 #include <cstring>
 
 #include "../core/dispatch.h"
+#include "../core/float_ops.h"
 #include "engine.h"
 
 namespace moe_fp8 {
@@ -31,10 +32,10 @@ template <>
 struct CpuInput<InputKind::kFP32> {
   using type = float;
 };
-// fp32 read as its bf16 rounding (c10's cast: round to nearest even).
+// fp32 read as its bf16 rounding: the GPU's float_as_bf16.
 struct Fp32AsBF16 {
   float v;
-  operator float() const { return static_cast<float>(c10::BFloat16(v)); }
+  operator float() const { return float_as_bf16(v); }
 };
 static_assert(sizeof(Fp32AsBF16) == sizeof(float), "read in place of fp32 elements");
 template <>
