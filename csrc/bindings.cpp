@@ -30,7 +30,8 @@ TORCH_LIBRARY(moe_fp8, m) {
 
   m.def("quantize_experts_fwd(Tensor b_t, ScalarType fp8_dtype, bool pow2_scale=True, bool as_bf16=False)"
         " -> (Tensor, Tensor)");
-  m.def("quantize_experts_fwd_cat(Tensor[] b_ts, ScalarType fp8_dtype, bool pow2_scale=True) -> (Tensor, Tensor)");
+  m.def("quantize_experts_fwd_cat(Tensor[] b_ts, ScalarType fp8_dtype, bool pow2_scale=True, bool as_bf16=False)"
+        " -> (Tensor, Tensor)");
 
   m.def("quantize_experts_bwd(Tensor b_t, ScalarType fp8_dtype, bool pow2_scale=True, bool as_bf16=False)"
         " -> (Tensor, Tensor)");
@@ -113,8 +114,10 @@ TORCH_LIBRARY(moe_fp8, m) {
   m.def("quantize_blockwise_weight_dual(Tensor w, ScalarType fp8_dtype) -> (Tensor, Tensor, Tensor, Tensor)");
   // _cat: the same of ws concatenated along N (every part but the last a multiple of 128
   // columns), without a copy of the weights.
-  m.def("quantize_blockwise_weight_rhs_cat(Tensor[] ws, ScalarType fp8_dtype, bool interleave=False) -> (Tensor, Tensor)");
-  m.def("quantize_blockwise_weight_transposed_rhs_cat(Tensor[] ws, ScalarType fp8_dtype) -> (Tensor, Tensor)");
+  m.def("quantize_blockwise_weight_rhs_cat(Tensor[] ws, ScalarType fp8_dtype, bool interleave=False,"
+        " bool as_bf16=False) -> (Tensor, Tensor)");
+  m.def("quantize_blockwise_weight_transposed_rhs_cat(Tensor[] ws, ScalarType fp8_dtype, bool as_bf16=False)"
+        " -> (Tensor, Tensor)");
   m.def("quantize_blockwise_weight_dual_cat(Tensor[] ws, ScalarType fp8_dtype, bool interleave=False) -> (Tensor, Tensor, Tensor, Tensor)");
 
   // ---- FP8 blockwise grouped GEMMs (DESIGN §6), Hopper: gemm/blockwise_grouped_sm90.cu (CUDA only) -

@@ -293,11 +293,11 @@ def weight_cat_ok(ws: Sequence[Tensor]) -> bool:
             and _cat_mismatch(ws, "weight_cat_ok") is None)
 
 
-def check_quantize_blockwise_weight_cat(ws, fp8_dtype, op):
+def check_quantize_blockwise_weight_cat(ws, fp8_dtype, op, as_bf16=False):
     """The first weight as the weight ops check it, then each weight against it."""
     if not isinstance(ws, (list, tuple)) or not ws:
         raise RuntimeError(f"{op}: expected at least one weight, got none")
-    check_quantize_blockwise_weight(ws[0], fp8_dtype, op)
+    check_quantize_blockwise_weight(ws[0], fp8_dtype, op, as_bf16)
     bad = _cat_mismatch(ws, op)
     if bad is not None:
         raise bad[0](bad[1])
@@ -312,15 +312,17 @@ def _check_interleave(ws, op):
                                f"and {w.shape[-1]} columns (weight {i})")
 
 
-def _run_cat(op, ws, fp8_dtype, *interleave):
-    check_quantize_blockwise_weight_cat(ws, fp8_dtype, op)
-    if interleave and interleave[0]:
+def _run_cat(op, ws, fp8_dtype, interleave=None, as_bf16=None):
+    # (None: an argument the op does not take)
+    check_quantize_blockwise_weight_cat(ws, fp8_dtype, op, bool(as_bf16))
+    if interleave:
         _check_interleave(ws, op)
-    return getattr(_ops, op)(list(ws), _dtype(fp8_dtype, ws[0]), *interleave)
+    flags = [f for f in (interleave, as_bf16) if f is not None]
+    return getattr(_ops, op)(list(ws), _dtype(fp8_dtype, ws[0]), *flags)
 
 
 def quantize_blockwise_weight_rhs_cat(ws: Sequence[Tensor], fp8_dtype: Optional[torch.dtype] = None,
-                                      interleave: bool = False) -> Tuple[Tensor, Tensor]:
+                                      interleave: bool = False, as_bf16: bool = False) -> Tuple[Tensor, Tensor]:
     """:func:`quantize_blockwise_weight_rhs` of ``torch.cat(ws, dim=-1)``, bit for bit,
     without the copy: each weight (M, N_i) or (E, M, N_i) (one dtype and device, the
     same E and M) is read once and written straight into its columns of the outputs.
@@ -328,34 +330,35 @@ def quantize_blockwise_weight_rhs_cat(ws: Sequence[Tensor], fp8_dtype: Optional[
     tile spans two of them. The experts layer's W1 / W3 forward operand.
     ``interleave``: the weights (all of one width, a multiple of 128) interleaved by 128
     columns instead, chunk j of weight p at column block j·P + p (the operand of
-    :func:`moe_fp8_ext.blockwise_gemm.blockwise_grouped_mm_swiglu`)."""
-    return _run_cat("quantize_blockwise_weight_rhs_cat", ws, fp8_dtype, interleave)
+    :func:`moe_fp8_ext.blockwise_gemm.blockwise_grouped_mm_swiglu`). ``as_bf16``: as
+    :func:`quantize_blockwise_weight_rhs`'s."""
+    return _run_cat("quantize_blockwise_weight_rhs_cat", ws, fp8_dtype, interleave, as_bf16)
 
 
-def _cat_fake(ws, fp8_dtype, op, which, interleave=False):
-    check_quantize_blockwise_weight_cat(ws, fp8_dtype, op)
+def _cat_fake(ws, fp8_dtype, op, which, interleave=False, as_bf16=False):
+    check_quantize_blockwise_weight_cat(ws, fp8_dtype, op, as_bf16)
     if interleave:
         _check_interleave(ws, op)
     n = sum(w.shape[-1] for w in ws)
-    return _weight_fake(ws[0].new_empty(tuple(ws[0].shape[:-1]) + (n,)), fp8_dtype, op, which)
+    return _weight_fake(ws[0].new_empty(tuple(ws[0].shape[:-1]) + (n,)), fp8_dtype, op, which, as_bf16)
 
 
 @torch.library.register_fake("moe_fp8::quantize_blockwise_weight_rhs_cat")
-def _(ws, fp8_dtype, interleave=False):
-    return _cat_fake(ws, fp8_dtype, "quantize_blockwise_weight_rhs_cat", 0, interleave)
+def _(ws, fp8_dtype, interleave=False, as_bf16=False):
+    return _cat_fake(ws, fp8_dtype, "quantize_blockwise_weight_rhs_cat", 0, interleave, as_bf16)
 
 
-def quantize_blockwise_weight_transposed_rhs_cat(ws: Sequence[Tensor],
-                                                 fp8_dtype: Optional[torch.dtype] = None) -> Tuple[Tensor, Tensor]:
+def quantize_blockwise_weight_transposed_rhs_cat(ws: Sequence[Tensor], fp8_dtype: Optional[torch.dtype] = None,
+                                                 as_bf16: bool = False) -> Tuple[Tensor, Tensor]:
     """:func:`quantize_blockwise_weight_transposed_rhs` of ``torch.cat(ws, dim=-1)``, bit
     for bit, without the copy (the rules of :func:`quantize_blockwise_weight_rhs_cat`):
     the experts layer's joint W1 / W3 input-gradient operand (E, ΣN_i, M)."""
-    return _run_cat("quantize_blockwise_weight_transposed_rhs_cat", ws, fp8_dtype)
+    return _run_cat("quantize_blockwise_weight_transposed_rhs_cat", ws, fp8_dtype, as_bf16=as_bf16)
 
 
 @torch.library.register_fake("moe_fp8::quantize_blockwise_weight_transposed_rhs_cat")
-def _(ws, fp8_dtype):
-    return _cat_fake(ws, fp8_dtype, "quantize_blockwise_weight_transposed_rhs_cat", 1)
+def _(ws, fp8_dtype, as_bf16=False):
+    return _cat_fake(ws, fp8_dtype, "quantize_blockwise_weight_transposed_rhs_cat", 1, as_bf16=as_bf16)
 
 
 def quantize_blockwise_weight_dual_cat(ws: Sequence[Tensor], fp8_dtype: Optional[torch.dtype] = None,

@@ -10,9 +10,10 @@ shard holds whole experts: fp8_blockwise's 128x128 tiles and fp8_rowwise's scale
 shard-local) and FSDP2 all-gathers the fp8 data and the scales: about half of
 bf16's bytes. A gather carries the operands its pass reads: the forward's all-gather the
 forward operands, the backward's (inside autograd's backward) the transposed ones, each
-quantized from the shard (fp8_rowwise's [W1; W3] one with column scales over both
-weights, made once from both shards by the first of the two gathers). The experts layer
-takes them as they are (W1 and W3 joined by one copy). A weight gathered once for both passes
+quantized from the shard. W1's gather carries [W1; W3] as the layer reads it (the
+forward's interleaved for the SwiGLU GEMM where it runs; fp8_rowwise's backward one with
+column scales over both weights), W3's 16 bytes: the experts layer takes the operands
+as they are, with no copy. A weight gathered once for both passes
 (``reshard_after_forward=False``, the root module, activation-checkpoint recompute,
 micro-batches without resharding) gets the other operand by a transposed copy
 (fp8_blockwise: a tile and its transpose share the scale) or by quantizing its
@@ -34,8 +35,9 @@ experts must be a multiple of the shard group's size (FSDP2 would pad dim 0, and
 shards cannot carry scales). Sharded on the rows (``Shard(1)``, torchtitan's placement
 where the ranks outnumber the experts), FSDP2 joins the gathered fp8 itself and the
 scales are gathered beside it (fp8_rowwise's column scales from amaxes reduced over the
-ranks first, started by the forward's gather for the backward's: the same bits); those
-scales, small, stay between gathers, and
+ranks first, started by the forward's gather for the backward's: the same bits; W1 and
+W3 gathered apart, joined by the layer with one copy); those scales, small, stay
+between gathers, and
 fp8_blockwise needs each rank's rows a multiple of 128. A one-rank shard group (expert
 parallelism over every rank) sends nothing: its weights stay high precision and the
 layer quantizes them. Under
@@ -50,6 +52,7 @@ import torch.utils._pytree as pytree
 from torch import Tensor
 
 from .recipes import Fp8Blockwise, Fp8Rowwise, Recipe, _expand_tiles
+from .recipes.blockwise import W13Interleaved
 from .weight_cache import _fsdp_params, _key
 
 __all__ = ["GatheredWeight", "ShardedWeight", "fp8_all_gather", "gathered_weights"]
@@ -130,6 +133,8 @@ class ShardedWeight(Tensor):
             return (cast(self._tensor),), None
         transposed = torch._C._current_graph_task_id() != -1  # (a gather for the backward)
         rowwise = isinstance(self._recipe, Fp8Rowwise)
+        if dim == 0 and self._joint is not None:
+            return self._pre_gather_joint(module, transposed, tuple(outer_size), dtype)
         group = mesh.get_group() if dim == 1 else None
         w, joint, ahead = self._tensor, None, None  # (w cast where read: see _quantize_shard's dtype)
         if rowwise and (transposed or group is not None):
@@ -152,10 +157,26 @@ class ShardedWeight(Tensor):
             # (transposed: each expert's (cols, rows/n) as they are; the gather holds them side by side)
             f8, q = q.dtype, q.view(torch.uint8).view(self.shape)
             return (q,), (transposed, tuple(outer_size), joint is not None,
-                          (f8, world, *_gather_row_scales(s, transposed, rowwise, group)))
+                          (f8, world, *_gather_row_scales(s, transposed, rowwise, group)), None)
         if s.dim() == 2:  # fp8_rowwise: scales padded to one width, as FSDP2 sizes its buffers once
             s = torch.nn.functional.pad(s, (0, max(self.shape[1:]) - s.shape[1]))
-        return (q, s), (transposed, tuple(outer_size), joint is not None, None)
+        return (q, s), (transposed, tuple(outer_size), joint is not None, None, None)
+
+    def _pre_gather_joint(self, module, transposed: bool, shape, dtype):
+        """Sharded on the experts, W1's gather carries [W1; W3] as the layer reads it (the
+        forward's interleaved by 128 rows where its GEMM computes the SwiGLU): no join
+        after the gather. W3's carries 16 bytes (FSDP2 gathers every parameter)."""
+        held, place = _Ahead.of(module).joint_held(), self._joint[1]
+        if place == 1:
+            return (self._tensor.new_zeros(16, dtype=torch.uint8),), (transposed, shape, False, None, (held, 1, False))
+        other = self._other(module)._tensor
+        interleave = not transposed and self._recipe.swiglu_in_gemm(self.shape[1], self._tensor.device)
+        q, s = _quantize_shard(self._recipe, self._tensor, transposed, (other, 0), dtype=dtype, whole=True,
+                               interleave=interleave)
+        if s.dim() == 2:  # fp8_rowwise: row scales (E_l, 2 rows) and column scales (E_l, cols) padded to one width
+            s = torch.nn.functional.pad(s, (0, max(2 * self.shape[1], self.shape[2]) - s.shape[1]))
+        joint = transposed and isinstance(self._recipe, Fp8Rowwise)
+        return (q, s), (transposed, shape, joint, None, (held, 0, interleave))
 
     def fsdp_post_all_gather(self, outputs: Tuple[Tensor, ...], metadata, param_dtype: torch.dtype, *,
                              out: Optional[Tensor] = None):
@@ -163,7 +184,18 @@ class ShardedWeight(Tensor):
             if out is None:
                 return ShardedWeight(outputs[0], self._recipe, self._joint), outputs
             return
-        transposed, shape, joint, rows = metadata
+        transposed, shape, joint, rows, carried = metadata
+        if carried is not None:  # [W1; W3] in W1's gather, shared by both weights
+            held, part, interleaved = carried
+            if part == 0:
+                q, s = outputs
+                held.q, held.s = q, (s.narrow(1, 0, q.shape[1]) if s.dim() == 2 else s)
+                held.transposed, held.joint, held.interleaved = transposed, joint, interleaved
+            if out is not None:
+                (out._local_tensor if hasattr(out, "_local_tensor") else out)._held = held
+                return
+            return (GatheredWeight(held, shape, param_dtype, self._recipe, part, device=outputs[0].device),
+                    tuple(outputs))
         if rows is not None:  # rows sharded: the fp8 joined by FSDP2, the scales gathered beside it
             f8, n = rows[:2]
             q = outputs[0].view(f8)
@@ -261,12 +293,31 @@ class _Held:
     (E, cols, rows) (fp8 contiguous; for weights sharded on their rows, transposed, the
     ranks' parts as gathered: (E, cols, n, rows/n), see :func:`_whole`): shared by the
     weight and its aliases (FSDP2 makes several), and refilled by every all-gather.
-    ``joint``: fp8_rowwise's backward column scales were made over both joined weights."""
+    ``joint``: fp8_rowwise's backward column scales were made over both joined weights.
+    Of W1 and W3 both (:meth:`ShardedWeight._pre_gather_joint`): [W1; W3], its rows
+    ``interleaved`` by 128 or not."""
 
-    __slots__ = ("q", "s", "transposed", "joint")
+    __slots__ = ("q", "s", "transposed", "joint", "interleaved")
 
-    def __init__(self, q: Tensor, s: Tensor, transposed: bool, joint: bool = False):
-        self.q, self.s, self.transposed, self.joint = q, s, transposed, joint
+    def __init__(self, q: Optional[Tensor], s: Optional[Tensor], transposed: bool, joint: bool = False,
+                 interleaved: bool = False):
+        self.q, self.s, self.transposed, self.joint, self.interleaved = q, s, transposed, joint, interleaved
+
+
+def _part(h: _Held, p: int) -> Tuple[Tensor, Tensor]:
+    """Weight p's fp8 and scales in a held [W1; W3] (views, but a copy where interleaved)."""
+    q, s = h.q, h.s
+    if h.interleaved:  # (the forward's: 128-row blocks of W1 and W3 in turn, tile rows likewise)
+        e, rows, cols = q.shape
+        return (q.view(e, rows // 256, 2, 128, cols)[:, :, p].reshape(e, rows // 2, cols),
+                s.view(e, s.shape[1] // 2, 2, s.shape[2])[:, :, p])
+    dim = 2 if h.transposed else 1
+    n = q.shape[dim] // 2
+    if s.dim() == 3:  # fp8_blockwise: tiles of 128 along that dim
+        s = s.narrow(dim, p * n // 128, n // 128)
+    elif not h.transposed:  # fp8_rowwise's row scales (its column scales span both weights)
+        s = s.narrow(1, p * n, n)
+    return q.narrow(dim, p * n, n), s
 
 
 class GatheredWeight(Tensor):
@@ -276,11 +327,14 @@ class GatheredWeight(Tensor):
     values of its own: any op other than a view of the whole of it raises."""
 
     @staticmethod
-    def __new__(cls, held: _Held, shape, dtype: torch.dtype, recipe: Recipe):
-        return Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=held.q.device)
+    def __new__(cls, held: _Held, shape, dtype: torch.dtype, recipe: Recipe, part: Optional[int] = None,
+                device=None):
+        return Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=device or held.q.device)
 
-    def __init__(self, held: _Held, shape, dtype: torch.dtype, recipe: Recipe):
-        self._held, self._recipe = held, recipe
+    def __init__(self, held: _Held, shape, dtype: torch.dtype, recipe: Recipe, part: Optional[int] = None,
+                 device=None):
+        # part: W1 (0) or W3 (1) of a held [W1; W3]
+        self._held, self._recipe, self._part = held, recipe, part
 
     def __repr__(self):
         return f"GatheredWeight(shape={tuple(self.shape)}, dtype={self.dtype}, recipe={self._recipe.name!r})"
@@ -295,23 +349,25 @@ class GatheredWeight(Tensor):
         :func:`_join`), or for fp8_blockwise a transposed copy where the gather carried
         the other orientation (None for fp8_rowwise: its scales differ)."""
         h = self._held
+        q, s = (h.q, h.s) if self._part is None else _part(h, self._part)
         if h.transposed == transposed:
-            return (_whole(h.q) if joined else h.q), h.s
+            return (_whole(q) if joined else q), s
         if isinstance(self._recipe, Fp8Blockwise):
-            return h.q.transpose(-2, -1).contiguous(), h.s.transpose(-2, -1).contiguous()
+            return q.transpose(-2, -1).contiguous(), s.transpose(-2, -1).contiguous()
         return None
 
     def dequantize(self) -> Tensor:
         """The gathered values in the weight's dtype, (E, rows, cols): products of fp8
         and power-of-two scales are exact there; other scales multiply in fp32."""
         h = self._held
+        q, s = self.storage(h.transposed)
         exact = getattr(self._recipe, "pow2_scale", False)
         dt = self.dtype if exact else torch.float32
         if isinstance(self._recipe, Fp8Blockwise):
-            s = _expand_tiles(h.s, h.q.shape[-2], h.q.shape[-1], 128, 128)
+            s = _expand_tiles(s, q.shape[-2], q.shape[-1], 128, 128)
         else:
-            s = h.s[..., None]
-        w = (_whole(h.q).to(dt) * s.to(dt)).to(self.dtype)
+            s = s[..., None]
+        w = (q.to(dt) * s.to(dt)).to(self.dtype)
         return w.transpose(-2, -1) if h.transposed else w
 
     @classmethod
@@ -323,7 +379,7 @@ class GatheredWeight(Tensor):
             or (func is torch.ops.aten.as_strided.default and tuple(args[1]) == tuple(t.shape)
                 and tuple(args[2]) == tuple(t.stride()) and (len(args) < 4 or args[3] in (0, None))))
         if whole:
-            return GatheredWeight(t._held, t.shape, t.dtype, t._recipe)
+            return GatheredWeight(t._held, t.shape, t.dtype, t._recipe, t._part, device=t.device)
         raise TypeError(f"{func}: an expert weight all-gathered in fp8 (moe_fp8_ext.fsdp) is read by "
                         "moe_fp8_ext.experts only; it holds no high-precision values")
 
@@ -333,7 +389,8 @@ class GatheredWeight(Tensor):
 
 
 def _quantize_shard(recipe: Recipe, w: Tensor, transposed: bool = False, joint=None,
-                    group=None, ahead=None, dtype=None) -> Tuple[Tensor, Tensor]:
+                    group=None, ahead=None, dtype=None, *, whole: bool = False,
+                    interleave: bool = False) -> Tuple[Tensor, Tensor]:
     """The weight shard (E_l, rows, cols) as the forward operand of ``w.transpose(-2,
     -1)`` in storage order, fp8 (E_l, rows, cols) and scales, both contiguous;
     ``transposed``: the backward operand, (E_l, cols, rows) and its scales. Scales:
@@ -344,12 +401,24 @@ def _quantize_shard(recipe: Recipe, w: Tensor, transposed: bool = False, joint=N
     over every rank's rows with ``group`` (the shard group of weights sharded on their
     rows). ``ahead``: (:class:`_Ahead`, the shards in place order), what other gathers
     did for this one. ``dtype``: w cast to it first, where read (as FSDP2 casts what it
-    gathers): fp32 to bf16 is read so by the quantize kernels, with no cast written."""
+    gathers): fp32 to bf16 is read so by the quantize kernels, with no cast written.
+    ``whole``: the operand of both weights of ``joint`` (the layer's [W1; W3]), the forward's
+    ``interleave``d by 128 rows where asked (fp8_blockwise)."""
     f8 = recipe.default_fp8_dtype(w.device)
     as_bf16 = _as_bf16(w, dtype)
     cast = dtype is not None and not as_bf16
-    if cast and not (transposed and isinstance(recipe, Fp8Rowwise)):
+    rowwise_bwd = transposed and isinstance(recipe, Fp8Rowwise)
+    if cast and not rowwise_bwd:
         w = w.to(dtype)  # (the rowwise backward's: where read)
+    if whole and not rowwise_bwd:  # (the _cat ops: each weight read in place)
+        other = joint[0].to(device=w.device, dtype=w.dtype)
+        b_ts = [p.transpose(-2, -1) for p in ([w, other] if joint[1] == 0 else [other, w])]
+        if isinstance(recipe, Fp8Rowwise):
+            q, s = torch.ops.moe_fp8.quantize_experts_fwd_cat(b_ts, f8, recipe.pow2_scale, as_bf16)
+            return q.transpose(-2, -1), s.squeeze(1)
+        q, s = (torch.ops.moe_fp8.quantize_blockwise_weight_transposed_rhs_cat(b_ts, f8, as_bf16) if transposed
+                else torch.ops.moe_fp8.quantize_blockwise_weight_rhs_cat(b_ts, f8, interleave, as_bf16))
+        return q.transpose(-2, -1), s.transpose(-2, -1)
     if isinstance(recipe, Fp8Blockwise):
         op = (torch.ops.moe_fp8.quantize_blockwise_weight_transposed_rhs if transposed
               else torch.ops.moe_fp8.quantize_blockwise_weight_rhs)
@@ -379,7 +448,7 @@ def _quantize_shard(recipe: Recipe, w: Tensor, transposed: bool = False, joint=N
         ahead[0].backward = True
     q, s = made
     q = q.transpose(-2, -1)  # (E_l, cols, rows of the parts)
-    return q[..., start:start + w.shape[1]].contiguous(), s
+    return (q if whole else q[..., start:start + w.shape[1]].contiguous()), s
 
 
 def _as_bf16(w: Tensor, dtype) -> bool:
@@ -428,7 +497,13 @@ class _Ahead:
       starts reducing the column amaxes the next backward's reads (off its critical path)."""
 
     def __init__(self):
-        self._entries, self.backward = {}, False
+        self._entries, self.backward, self._joint = {}, False, None
+
+    def joint_held(self) -> _Held:
+        """The module's gathered [W1; W3], refilled by every gather of W1 (sharded on the experts)."""
+        if self._joint is None:
+            self._joint = _Held(None, None, False)
+        return self._joint
 
     def __reduce__(self):
         return _Ahead, ()  # (copied and pickled empty: entries are not state)
@@ -474,7 +549,13 @@ def _cat(ts: Sequence[Tensor], dim: int) -> Tensor:
 def _operand(ws: Sequence[GatheredWeight], transposed: bool) -> Tuple[Tensor, Tensor]:
     # The weights' storages joined along the operand's N ((E, rows, cols): dim 1;
     # transposed, (E, cols, rows): dim 2), as the operand's transposed view.
-    recipe = ws[0]._recipe
+    recipe, h = ws[0]._recipe, ws[0]._held
+    if [w._part for w in ws] == [0, 1] and ws[1]._held is h and h.transposed == transposed:
+        # [W1; W3] as W1's gather carried it
+        if isinstance(recipe, Fp8Rowwise):
+            return h.q.transpose(-2, -1), h.s
+        operand = h.q.transpose(-2, -1), h.s.transpose(-2, -1)
+        return W13Interleaved(*operand) if h.interleaved else operand
     parts = [w.storage(transposed, joined=False) for w in ws]
     if isinstance(recipe, Fp8Rowwise) and transposed and len(ws) > 1 and not all(w._held.joint for w in ws):
         parts = [None]  # (column scales not made over the joined weights: quantized again below)

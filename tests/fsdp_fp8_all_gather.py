@@ -79,9 +79,11 @@ def main():
         fully_shard(block, mesh=mesh, mp_policy=policy)
         return block
 
+    # (each quantization of a gather: whether for the backward (transposed), whether of [W1; W3])
     gathers, rowwise = [], args.recipe == "fp8_rowwise"
     quantize_shard = fsdp._quantize_shard
-    fsdp._quantize_shard = lambda *a: gathers.append(a[2] if len(a) > 2 else False) or quantize_shard(*a)
+    fsdp._quantize_shard = lambda *a, **k: gathers.append(
+        (a[2] if len(a) > 2 else False, k.get("whole", False))) or quantize_shard(*a, **k)
 
     # The gathered operands: the whole weight's, bit for bit.
     m = layer(True).experts
@@ -156,33 +158,27 @@ def main():
                 o.zero_grad(set_to_none=True)
 
     gathers.clear()
-    takes = []
-    take = fsdp._Ahead.take
-    fsdp._Ahead.take = lambda self, kind, shards: (lambda got: takes.append((kind, got is not None)) or got)(
-        take(self, kind, shards))
     train([layer(False), layer(True)], name="reshard_after_forward=True")
-    check(len(gathers) == 3 * 2 * 3 and sum(gathers) == 3 * 3,
-          f"gathers: 3 weights, forward and backward (transposed), 3 steps; got {gathers}")
-    # (fp8_rowwise: W1's and W3's backward gathers make their joint operand once a step)
-    made_once = takes.count(("operand", True)) == takes.count(("operand", False)) == 3 * rowwise
-    check(made_once, f"joint backward operand made once a backward: {takes}")
-    fsdp._Ahead.take = take
+    # (W1's gather quantizes [W1; W3], W3's nothing: two quantizations a gather)
+    check(len(gathers) == 2 * 2 * 3 and sum(t for t, _ in gathers) == 2 * 3
+          and sum(w for _, w in gathers) == 2 * 3,
+          f"gathers: [W1; W3] and W2, forward and backward (transposed), 3 steps; got {gathers}")
     gathers.clear()
     # One gather for both passes: fp8_rowwise quantizes the dequantized weights again
     # for the other pass (fp8_blockwise transposes them, the same bits).
     exact = args.recipe == "fp8_blockwise"
     train([layer(False, reshard_after_forward=False), layer(True, reshard_after_forward=False)],
           name="reshard_after_forward=False", exact=exact)
-    check(len(gathers) == 3 * 3, f"gathers: 3 weights once a step; got {len(gathers)}")
+    check(len(gathers) == 2 * 3, f"gathers: [W1; W3] and W2 once a step; got {len(gathers)}")
     gathers.clear()
     # (the recompute reads the weights the backward's gather brought, transposed: a copy)
     train([layer(False, ac=True), layer(True, ac=True)], name="activation checkpointing", exact=exact)
-    check(len(gathers) == 3 * 2 * 3, f"gathers with activation checkpointing: {len(gathers)}")
+    check(len(gathers) == 2 * 2 * 3, f"gathers with activation checkpointing: {len(gathers)}")
     gathers.clear()
     train([layer(False), layer(True)], micro=2, name="micro-batches", exact=exact)
     # (the first micro-batch's forward and backward; the second's backward after its
     # forward resharded)
-    check(len(gathers) == 3 * 3 * 3, f"gathers: 3 a micro-batch step; got {len(gathers)}")
+    check(len(gathers) == 2 * 3 * 3, f"gathers: 3 a micro-batch step; got {len(gathers)}")
 
     # Rows sharded (Shard(1), torchtitan's placement where the ranks outnumber the experts):
     # FSDP2 joins the fp8 rank shards along the rows; the scales are gathered beside it,
@@ -202,17 +198,24 @@ def main():
               and torch.equal(gs, s), f"rows sharded: gathered {n} = quantized whole weight")
     m.reshard()
     gathers.clear()
-    reduced = []
-    reduce_amax = fsdp._reduce_amax
+    reduced, takes = [], []
+    reduce_amax, take = fsdp._reduce_amax, fsdp._Ahead.take
     fsdp._reduce_amax = lambda a, group, async_op=False: reduced.append(async_op) or reduce_amax(a, group, async_op)
+    fsdp._Ahead.take = lambda self, kind, shards: (lambda got: takes.append((kind, got is not None)) or got)(
+        take(self, kind, shards))
     train([layer(False, **by_rows), layer(True, **by_rows)], name="rows sharded")
+    # (fp8_rowwise: W1's and W3's backward gathers make their joint operand once a step)
+    made_once = takes.count(("operand", True)) == takes.count(("operand", False)) == 3 * rowwise
+    check(made_once, f"rows sharded: joint backward operand made once a backward: {takes}")
+    fsdp._Ahead.take = take
     # (fp8_rowwise: the first backward reduces the column amaxes of [W1; W3] and of W2 itself;
     # after it, each forward gather starts them and the backward waits on them)
     check(reduced == ([False] * 2 + [True] * 4) * rowwise, f"rows sharded: column amax reductions {reduced}")
     fsdp._reduce_amax = reduce_amax
     # (fp8_blockwise: the forward's tiles, transposed by the layer for the backward)
     backward = 3 * 3 if args.recipe == "fp8_rowwise" else 0
-    check(len(gathers) == 3 * 2 * 3 and sum(gathers) == backward, f"rows sharded: gathers {gathers}")
+    check(len(gathers) == 3 * 2 * 3 and sum(t for t, _ in gathers) == backward and not any(w for _, w in gathers),
+          f"rows sharded: gathers {gathers}")
     train([layer(False, ac=True, reshard_after_forward=False, **by_rows),
            layer(True, ac=True, reshard_after_forward=False, **by_rows)], steps=2, micro=2,
           name="rows sharded, one gather a step, activation checkpointing", exact=exact)
@@ -234,7 +237,7 @@ def main():
     # graph break is dynamo's; inductor would only compile the offsets around it)
     gathers.clear()
     train([layer(True), torch.compile(layer(True), backend="aot_eager")], steps=2, name="torch.compile")
-    check(len(gathers) == 2 * 3 * 2 * 2, f"gathers under torch.compile: {len(gathers)}")
+    check(len(gathers) == 2 * 2 * 2 * 2, f"gathers under torch.compile: {len(gathers)}")
     try:  # (the experts alone: a root's nested FSDP2 hooks would stop fullgraph first)
         torch.compile(layer(True).experts, backend="aot_eager", fullgraph=True)(
             torch.randn(8, DIM, device=device).bfloat16(), torch.full((E,), 1, device=device))

@@ -641,7 +641,7 @@ def test_weight_ops(device, dtype, fp8, shape):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("fp8", FP8S)
-@pytest.mark.parametrize("shape", WEIGHT_SHAPES + [(2, 256, 520)])
+@pytest.mark.parametrize("shape", WEIGHT_SHAPES + [(2, 256, 520), (2, 200, 256)])
 def test_weight_ops_read_as_bf16(device, fp8, shape):
     # as_bf16: fp32 read as its bf16 cast (low bits, ties, overflow to Inf, specials), bit for bit the reference of
     # w.to(bfloat16), in every layout (the vector kernel's and the scalar one's)
@@ -652,6 +652,22 @@ def test_weight_ops_read_as_bf16(device, fp8, shape):
         check(wrhs(w, fp8, as_bf16=True), ref.quantize_blockwise_weight_rhs(wb, fp8))
         poison(device)
         check(wtrhs(w, fp8, as_bf16=True), ref.quantize_blockwise_weight_transposed_rhs(wb, fp8))
+    # the _cat ops: [W1; W3] of two weights, interleaved by 128 or not (each part any layout)
+    if shape[-1] % 128 or len(shape) != 3:
+        return
+    parts = [list(weight_layouts(shape, torch.float32, device))[i] for i in (0, -1)]
+    for i, w in enumerate(parts):
+        off_bf16_(w, seed=10 + i)
+    wb = torch.cat([w.cpu().to(torch.bfloat16) for w in parts], dim=-1)
+    poison(device)
+    check(moe_fp8_ext.quantize_blockwise_weight_rhs_cat(parts, fp8, as_bf16=True),
+          ref.quantize_blockwise_weight_rhs(wb, fp8))
+    poison(device)
+    check(moe_fp8_ext.quantize_blockwise_weight_transposed_rhs_cat(parts, fp8, as_bf16=True),
+          ref.quantize_blockwise_weight_transposed_rhs(wb, fp8))
+    poison(device)
+    check(moe_fp8_ext.quantize_blockwise_weight_rhs_cat(parts, fp8, interleave=True, as_bf16=True),
+          moe_fp8_ext.quantize_blockwise_weight_rhs_cat([w.to(torch.bfloat16) for w in parts], fp8, interleave=True))
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -766,6 +782,10 @@ def test_weight_cat_bad_inputs():
                 with pytest.raises(RuntimeError, match=f"{name}: {msg}"):
                     op(ws, F8)
             assert not moe_fp8_ext.blockwise.weight_cat_ok(ws)
+    for name in ("quantize_blockwise_weight_rhs_cat", "quantize_blockwise_weight_transposed_rhs_cat"):
+        for op in (getattr(moe_fp8_ext, name), getattr(torch.ops.moe_fp8, name)):
+            with pytest.raises(RuntimeError, match=f"{name}: expected w of dtype float32 to read it as bfloat16"):
+                op([w.bfloat16()] * 2, F8, as_bf16=True)
 
 
 def test_recipe_takes_the_cat_ops(monkeypatch):
@@ -844,6 +864,10 @@ OPCHECK_CASES = [
                                                        randn((2, 200, 256), torch.bfloat16, d)], F8, True)),
     ("quantize_blockwise_weight_dual_cat", lambda d: ([randn((2, 130, 128), torch.float32, d),
                                                         randn((2, 130, 128), torch.float32, d)], F8, True)),
+    ("quantize_blockwise_weight_rhs_cat", lambda d: ([randn((2, 200, 256), torch.float32, d),
+                                                       randn((2, 200, 256), torch.float32, d)], F8, True, True)),
+    ("quantize_blockwise_weight_transposed_rhs_cat", lambda d: ([randn((3, 130, 128), torch.float32, d),
+                                                                  randn((3, 130, 40), torch.float32, d)], F8, True)),
 ]
 
 

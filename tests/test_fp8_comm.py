@@ -53,9 +53,24 @@ def gathered(w, recipe, transposed=False, joint=None, shards=1):
     return GatheredWeight(held, w.shape, w.dtype, recipe).requires_grad_()
 
 
-def gathered_layer(w1, w3, w2, recipe, transposed=False, shards=1):
-    return [gathered(w1, recipe, transposed, (w3, 0), shards), gathered(w3, recipe, transposed, (w1, 1), shards),
-            gathered(w2, recipe, transposed, None, shards)]
+def carried(w1, w3, recipe, transposed=False, shards=1):
+    """W1's and W3's gathers sharded on the experts: [W1; W3] in W1's (the forward's
+    interleaved by 128 rows where the layer's GEMM computes the SwiGLU), shared by both."""
+    n = w1.shape[0] // shards
+    interleave = not transposed and recipe.swiglu_in_gemm(w1.shape[1], w1.device)
+    parts = [fsdp._quantize_shard(recipe, w1[i:i + n], transposed, (w3[i:i + n], 0), whole=True,
+                                  interleave=interleave) for i in range(0, w1.shape[0], n)]
+    held = fsdp._Held(torch.cat([q for q, _ in parts]), torch.cat([s for _, s in parts]), transposed,
+                      transposed and recipe.name == "fp8_rowwise", interleave)
+    return [GatheredWeight(held, w.shape, w.dtype, recipe, p).requires_grad_() for p, w in enumerate((w1, w3))]
+
+
+def gathered_layer(w1, w3, w2, recipe, transposed=False, shards=1, joint=True):
+    """The layer's weights as the fp8 all-gather hands them: ``joint``, sharded on the
+    experts ([W1; W3] carried by W1's gather); else each weight its own (rows sharded)."""
+    pair = (carried(w1, w3, recipe, transposed, shards) if joint else
+            [gathered(w1, recipe, transposed, (w3, 0), shards), gathered(w3, recipe, transposed, (w1, 1), shards)])
+    return [*pair, gathered(w2, recipe, transposed, None, shards)]
 
 
 def rel(a, b):
@@ -77,10 +92,11 @@ def same(a, b):
 @pytest.mark.parametrize("recipe", ["fp8_blockwise", "fp8_rowwise"])
 @pytest.mark.parametrize("hidden, dim", [(256, 144), (128, 384)])
 @pytest.mark.parametrize("transposed", [False, True])
-def test_gathered_weights_give_the_bits_of_the_weights(device, recipe, hidden, dim, transposed):
+@pytest.mark.parametrize("joint", [True, False])
+def test_gathered_weights_give_the_bits_of_the_weights(device, recipe, hidden, dim, transposed, joint):
     """Weights gathered for the forward (the backward transposes fp8_blockwise's, and
     quantizes fp8_rowwise's dequantized values again), or for the backward (the
-    forward the same)."""
+    forward the same); W1 and W3 gathered together or each alone."""
     r = moe_fp8_ext.get_recipe(recipe)
     offs = offs_from_sizes(SIZES, device)
     x = randn((int(offs[-1]) + 3, dim), torch.bfloat16, device).requires_grad_()
@@ -89,7 +105,7 @@ def test_gathered_weights_give_the_bits_of_the_weights(device, recipe, hidden, d
     out, gw = run(x, w, offs, r, grad)
     gx = x.grad
     x.grad = None
-    out_g, gw_g = run(x, gathered_layer(*w, r, transposed), offs, r, grad)
+    out_g, gw_g = run(x, gathered_layer(*w, r, transposed, joint=joint), offs, r, grad)
     assert all(type(g) is torch.Tensor for g in gw_g)  # (ordinary gradients for FSDP2 to reduce-scatter)
     if recipe == "fp8_blockwise":
         assert same(out_g, out) and same(x.grad, gx)
@@ -101,27 +117,40 @@ def test_gathered_weights_give_the_bits_of_the_weights(device, recipe, hidden, d
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("recipe", ["fp8_blockwise", "fp8_rowwise"])
-def test_gathered_operands_are_the_whole_weights(device, recipe):
+@pytest.mark.parametrize("joint", [True, False])
+def test_gathered_operands_are_the_whole_weights(device, recipe, joint):
     """Shards' fp8 and scales, concatenated over the experts, are the whole weight's
     (every 128x128 tile, every row's and column's scale is inside one expert; W1's and
     W3's column scales of fp8_rowwise's backward are made over both shards), and the
-    operands the layer makes of them are the recipe's own, bit for bit, layouts too."""
+    operands the layer makes of them are the recipe's own, bit for bit, layouts too
+    ([W1; W3] carried in one gather: the SwiGLU GEMM's interleaved operand where it runs)."""
     r = moe_fp8_ext.get_recipe(recipe)
     w1, w3, w2 = weights(6, 256, 208, device)
     f8 = r.default_fp8_dtype(torch.device(device))
     parts = [w1.transpose(-2, -1), w3.transpose(-2, -1)]
-    f1, f3, f2 = gathered_layer(w1, w3, w2, r, False, shards=3)  # (a gather for the forward)
-    b1, b3, b2 = gathered_layer(w1, w3, w2, r, True, shards=3)  # (one for the backward)
+    f1, f3, f2 = gathered_layer(w1, w3, w2, r, False, shards=3, joint=joint)  # (a gather for the forward)
+    b1, b3, b2 = gathered_layer(w1, w3, w2, r, True, shards=3, joint=joint)  # (one for the backward)
+
     def fwd(b_ts):
         return r.quantize_weights(b_ts, f8)[0]
 
     def bwd(b_ts):
         return r.quantize_weights(b_ts, f8, fwd=False, bwd=True)[1]
 
-    pairs = [(fsdp.rhs_fwd([f1, f3]), fwd(parts)), (fsdp.rhs_fwd([f2]), fwd([w2.mT])),
+    w13 = r.quantize_w13(parts, f8)[0] if joint else fwd(parts)
+    assert type(fsdp.rhs_fwd([f1, f3])) is type(w13)
+    pairs = [(fsdp.rhs_fwd([f1, f3]), w13), (fsdp.rhs_fwd([f2]), fwd([w2.mT])),
              (fsdp.rhs_bwd([b1, b3]), bwd(parts)), (fsdp.rhs_bwd([b2]), bwd([w2.mT]))]
+    # (each weight's own, in storage order; views of [W1; W3]. fp8_rowwise's backward scales span both.)
+    for w, p, own in zip((f1, f3, b1, b3), parts * 2, (True, True, *[recipe == "fp8_blockwise"] * 2)):
+        if own:
+            for a, b in zip(w.storage(False), fwd([p])):
+                b = b.transpose(-2, -1) if b.dim() == 3 else b
+                assert a.shape == b.shape and torch.equal(a.view(torch.uint8) if a.dtype == f8 else a,
+                                                          b.view(torch.uint8) if b.dtype == f8 else b)
     if recipe == "fp8_blockwise":  # (the transposed copies)
-        pairs += [(fsdp.rhs_bwd([f1, f3]), bwd(parts)), (fsdp.rhs_fwd([b2]), fwd([w2.mT]))]
+        pairs += [(fsdp.rhs_bwd([f1, f3]), bwd(parts)), (fsdp.rhs_fwd([b2]), fwd([w2.mT])),
+                  (fsdp.rhs_fwd([b1, b3]), fwd(parts))]
     for mine, theirs in pairs:
         for a, b in zip(mine, theirs):
             assert a.shape == b.shape and a.stride() == b.stride()
@@ -133,12 +162,13 @@ def test_gathered_operands_are_the_whole_weights(device, recipe):
 @pytest.mark.parametrize("transposed", [False, True])
 def test_fp32_shards_quantize_as_their_bf16_cast(device, recipe, transposed):
     """An fp32 shard gathered with a bf16 param_dtype (read as bf16 by the kernels, no
-    cast written) gives the bits of its bf16 cast, fp8_rowwise's joint operand included."""
+    cast written) gives the bits of its bf16 cast, joint operands included."""
     r = moe_fp8_ext.get_recipe(recipe)
     w1, w3, _ = (off_bf16_(w, seed=i) for i, w in enumerate(weights(3, 256, 208, device, torch.float32)))
-    for joint in (None, (w3, 0)):
-        got = fsdp._quantize_shard(r, w1, transposed, joint, dtype=torch.bfloat16)
-        want = fsdp._quantize_shard(r, w1.bfloat16(), transposed, None if joint is None else (w3.bfloat16(), 0))
+    for joint, whole in ((None, False), ((w3, 0), False), ((w3, 0), True)):  # (whole: [W1; W3], as W1's gather)
+        kw = dict(whole=whole, interleave=whole and not transposed and recipe == "fp8_blockwise")
+        got = fsdp._quantize_shard(r, w1, transposed, joint, dtype=torch.bfloat16, **kw)
+        want = fsdp._quantize_shard(r, w1.bfloat16(), transposed, None if joint is None else (w3.bfloat16(), 0), **kw)
         for a, b in zip(got, want):
             assert a.dtype == b.dtype and a.shape == b.shape and a.stride() == b.stride()
             assert torch.equal(a.view(torch.uint8) if a.element_size() == 1 else a,
@@ -488,8 +518,8 @@ def test_dispatch_errors(one_rank):
 def test_gathered_weights_on_the_gpu_run_the_real_gemm(transposed):
     r = moe_fp8_ext.get_recipe("fp8_blockwise")
     assert r.backend(torch.device("cuda")) == "blockwise_gemm"
-    test_gathered_weights_give_the_bits_of_the_weights("cuda", "fp8_blockwise", 256, 144, transposed)
-    test_gathered_weights_give_the_bits_of_the_weights("cuda", "fp8_rowwise", 256, 144, transposed)
+    for recipe in ("fp8_blockwise", "fp8_rowwise"):  # (W1 and W3 gathered together: the SwiGLU GEMM's operand)
+        test_gathered_weights_give_the_bits_of_the_weights("cuda", recipe, 256, 144, transposed, joint=True)
 
 
 @pytest.mark.parametrize("offset", [0, 1])

@@ -149,7 +149,8 @@ def test_quantize_experts_bwd_cat(device, in_dtype, fp8_dtype, pow2, shape, ns):
                                        ((0, 8), (8, 8)), ((2, 256), (264, 264))])
 def test_quantize_experts_read_as_bf16(device, fp8_dtype, pow2, shape, ns):
     # as_bf16: fp32 read as its bf16 cast (low bits, ties, overflow to Inf, specials), bit for bit the reference of the
-    # parts' bf16 cast: fwd and bwd of each part, bwd_cat of the parts, every layout (rows and cols kernels)
+    # parts' bf16 cast: fwd and bwd of the first part, fwd_cat and bwd_cat of the parts, every layout (rows and cols
+    # kernels)
     e, k = shape
     for rot in range(3):
         parts = [list(layouts_3d(e, k, n, torch.float32, device))[(rot + i * (rot != 1)) % 3]
@@ -163,10 +164,12 @@ def test_quantize_experts_read_as_bf16(device, fp8_dtype, pow2, shape, ns):
             poison(device)
             check(getattr(moe_fp8_ext, f"quantize_experts_{which}")(parts[0], fp8_dtype, pow2, as_bf16=True),
                   getattr(ref, f"quantize_experts_{which}")(bf[0], fp8_dtype, pow2))
-        poison(device)
-        q, s = moe_fp8_ext.quantize_experts_bwd_cat(parts, fp8_dtype, pow2, as_bf16=True)
-        assert_fp8_equal(q, ref.quantize_experts_bwd(torch.cat(bf, dim=2), fp8_dtype, pow2)[0])
-        assert_scale_equal(s, ref.quantize_experts_bwd(torch.cat(bf, dim=2), fp8_dtype, pow2)[1])
+        for which in ("fwd", "bwd"):
+            poison(device)
+            q, s = getattr(moe_fp8_ext, f"quantize_experts_{which}_cat")(parts, fp8_dtype, pow2, as_bf16=True)
+            want = getattr(ref, f"quantize_experts_{which}")(torch.cat(bf, dim=2), fp8_dtype, pow2)
+            assert_fp8_equal(q, want[0])
+            assert_scale_equal(s, want[1])
 
 
 # ---- jagged column-wise ---------------------------------------------------------------
@@ -231,6 +234,8 @@ offs2 = torch.tensor([4, 8], dtype=torch.int32)
         (lambda: moe_fp8_ext.quantize_experts_fwd(torch.randn(2, 2, 2, dtype=torch.bfloat16), F8, as_bf16=True), "quantize_experts_fwd: expected b_t of dtype float32 to read it as bfloat16 (as_bf16=True), got BFloat16"),
         (lambda: torch.ops.moe_fp8.quantize_experts_bwd(torch.randn(2, 2, 2, dtype=torch.bfloat16), F8, True, True), "quantize_experts_bwd: expected b_t of dtype float32 to read it as bfloat16 (as_bf16=True), got BFloat16"),
         (lambda: moe_fp8_ext.quantize_experts_bwd_cat([torch.randn(2, 8, 4, dtype=torch.half)] * 2, F8, as_bf16=True), "quantize_experts_bwd_cat: expected b_t of dtype float32 to read it as bfloat16 (as_bf16=True), got Half"),
+        (lambda: torch.ops.moe_fp8.quantize_experts_fwd_cat([torch.randn(2, 8, 4, dtype=torch.half)] * 2, F8, True, True), "quantize_experts_fwd_cat: expected b_t of dtype float32 to read it as bfloat16 (as_bf16=True), got Half"),
+        (lambda: moe_fp8_ext.quantize_experts_fwd_cat([torch.randn(2, 8, 4, dtype=torch.half)] * 2, F8, as_bf16=True), "quantize_experts_fwd_cat: expected b_t of dtype float32 to read it as bfloat16 (as_bf16=True), got Half"),
         (lambda: moe_fp8_ext.quantize_experts_fwd_cat([], F8), "quantize_experts_fwd_cat: expected at least one weight, got none"),
         (lambda: moe_fp8_ext.quantize_experts_bwd_cat([torch.randn(2, 8, 4)] * 3, F8), "quantize_experts_bwd_cat: expected one or two weights, got 3"),
         (lambda: moe_fp8_ext.quantize_experts_bwd_cat([torch.randn(2, 8, 4), torch.randn(2, 4, 4)], F8), "quantize_experts_bwd_cat: expected every weight of shape (E, K, N_i) with the E and K of the first, (2, 8, .), got (2, 4, 4) (weight 1)"),
@@ -462,6 +467,7 @@ OPCHECK_CASES = [
     ("quantize_experts_fwd", lambda d: (_w(d).float(), F8, True, True)),
     ("quantize_experts_bwd", lambda d: (_w(d).float().transpose(1, 2), F8, False, True)),
     ("quantize_experts_bwd_cat", lambda d: ([_w(d).float().transpose(1, 2)] * 2, F8, True, True)),
+    ("quantize_experts_fwd_cat", lambda d: ([_w(d).float(), _w(d).float()[:, :, :16]], F8, False, True)),
     ("quantize_experts_dual_cat", lambda d: ([_w(d).transpose(1, 2), _w(d)[:, :16].transpose(1, 2)], F8, True)),
     ("quantize_experts_dual_cat", lambda d: ([_w(d)[:, :, :16]], F8, False)),
     ("quantize_jagged_colwise", lambda d: (_x(d), _offs(d), F8, True)),

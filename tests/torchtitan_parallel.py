@@ -174,7 +174,7 @@ def run(spec, world, calls):
                 if recipe != "bf16" else None)
 
 
-fp8_comm = []  # "gather" per weight shard quantized for an all-gather, "dispatch" per fp8 dispatch
+fp8_comm = []  # "gather" per fp8 all-gather of a weight that sends, "dispatch" per fp8 dispatch
 
 
 def main():
@@ -194,8 +194,15 @@ def main():
     integration.experts = lambda *a, **k: calls.append(1) or experts(*a, **k)  # count the FP8 layer's calls
     import moe_fp8_ext.fsdp as fsdp
 
-    quantize_shard, dispatch = fsdp._quantize_shard, integration.fp8_dispatch
-    fsdp._quantize_shard = lambda *a: fp8_comm.append("gather") or quantize_shard(*a)
+    pre_gather, dispatch = fsdp.ShardedWeight.fsdp_pre_all_gather, integration.fp8_dispatch
+
+    def counted_gather(self, mesh, outer_size, outer_stride, module, mp_policy):  # (FSDP2 reads the signature)
+        out = pre_gather(self, mesh, outer_size, outer_stride, module, mp_policy)  # (metadata None: a one-rank group)
+        if out[1] is not None:
+            fp8_comm.append("gather")
+        return out
+
+    fsdp.ShardedWeight.fsdp_pre_all_gather = counted_gather
     integration.fp8_dispatch = lambda *a, **k: fp8_comm.append("dispatch") or dispatch(*a, **k)
     dist.init_process_group("gloo")
     world = dist.get_world_size()

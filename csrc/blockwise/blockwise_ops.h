@@ -90,13 +90,15 @@ struct BlockwiseOn {
     return {o[0], o[1], o[2], o[3]};
   }
   static std::tuple<at::Tensor, at::Tensor> weight_rhs_cat(at::TensorList ws, at::ScalarType fp8_dtype,
-                                                           bool interleave) {
-    auto o = quantize_blockwise_weight_cat(TK, ws, fp8_dtype, 0, "quantize_blockwise_weight_rhs_cat", interleave);
+                                                           bool interleave, bool as_bf16) {
+    auto o = quantize_blockwise_weight_cat(TK, ws, fp8_dtype, 0, "quantize_blockwise_weight_rhs_cat", interleave,
+                                           as_bf16);
     return {o[0], o[1]};
   }
-  static std::tuple<at::Tensor, at::Tensor> weight_transposed_rhs_cat(at::TensorList ws, at::ScalarType fp8_dtype) {
+  static std::tuple<at::Tensor, at::Tensor> weight_transposed_rhs_cat(at::TensorList ws, at::ScalarType fp8_dtype,
+                                                                      bool as_bf16) {
     auto o = quantize_blockwise_weight_cat(TK, ws, fp8_dtype, 1, "quantize_blockwise_weight_transposed_rhs_cat",
-                                           false);
+                                           false, as_bf16);
     return {o[0], o[1]};
   }
   static std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> weight_dual_cat(at::TensorList ws,

@@ -167,11 +167,12 @@ int64_t check_cat_weights(at::TensorList b_ts, const char* op) {
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor> quantize_experts_fwd_cat(const QuantKernels& k, at::TensorList b_ts,
-                                                            at::ScalarType fp8_dtype, bool pow2_scale) {
+                                                            at::ScalarType fp8_dtype, bool pow2_scale, bool as_bf16) {
   constexpr const char* op = "quantize_experts_fwd_cat";
   TORCH_CHECK(!b_ts.empty(), op, ": expected at least one weight, got none");
   fp8_format(fp8_dtype, op);
   const int64_t n_total = check_cat_weights(b_ts, op);
+  input_kind(b_ts[0], op, "b_t", as_bf16);
   const at::Tensor& b0 = b_ts[0];
   const int64_t E = b0.size(0), K = b0.size(1);
   at::Tensor q = at::empty_strided({E, K, n_total}, {K * n_total, 1, K}, b0.options().dtype(fp8_dtype));
@@ -180,7 +181,7 @@ std::tuple<at::Tensor, at::Tensor> quantize_experts_fwd_cat(const QuantKernels& 
   for (const at::Tensor& b : b_ts) {
     const int64_t n = b.size(2);
     quantize_per_expert_into(k, b, /*rdim=K*/ 1, fp8_dtype, pow2_scale, q.narrow(2, n0, n), scale.narrow(2, n0, n),
-                             op);
+                             op, as_bf16);
     n0 += n;
   }
   return {q, scale};
@@ -257,7 +258,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_experts_dual
       return {q_fwd, s_fwd, q_bwd, s_bwd};
     }
   }
-  auto [q_fwd, s_fwd] = quantize_experts_fwd_cat(k, b_ts, fp8_dtype, pow2_scale);
+  auto [q_fwd, s_fwd] = quantize_experts_fwd_cat(k, b_ts, fp8_dtype, pow2_scale, false);
   auto [q_bwd, s_bwd] = quantize_experts_bwd_cat(k, b_ts, fp8_dtype, pow2_scale, false);
   return {q_fwd, s_fwd, q_bwd, s_bwd};
 }

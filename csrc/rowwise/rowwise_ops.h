@@ -21,14 +21,14 @@ using RowwiseLayouts = LayoutList<LinearScales>;
 
 std::tuple<at::Tensor, at::Tensor> quantize_rowwise(const QuantKernels& k, const at::Tensor& x,
                                                     at::ScalarType fp8_dtype, bool pow2_scale);
-// as_bf16 (this op and the two bwd ops): b_t fp32, read as its bf16 rounding (the bits of
+// as_bf16 (this op, fwd_cat and the two bwd ops): b_t fp32, read as its bf16 rounding (the bits of
 // the op on b_t.to(torch.bfloat16), without that copy).
 std::tuple<at::Tensor, at::Tensor> quantize_experts_fwd(const QuantKernels& k, const at::Tensor& b_t,
                                                         at::ScalarType fp8_dtype, bool pow2_scale, bool as_bf16);
 // quantize_experts_fwd of each weight, written into one (E, K, sum N_i) column-major q
 // and (E, 1, sum N_i) scale: the operand of the concatenation, without a copy.
 std::tuple<at::Tensor, at::Tensor> quantize_experts_fwd_cat(const QuantKernels& k, at::TensorList b_ts,
-                                                            at::ScalarType fp8_dtype, bool pow2_scale);
+                                                            at::ScalarType fp8_dtype, bool pow2_scale, bool as_bf16);
 std::tuple<at::Tensor, at::Tensor> quantize_experts_bwd(const QuantKernels& k, const at::Tensor& b_t,
                                                         at::ScalarType fp8_dtype, bool pow2_scale, bool as_bf16);
 // quantize_experts_bwd of the concatenation of one or two weights (E, K, N_i) along N,
@@ -70,8 +70,8 @@ struct RowwiseOn {
   static std::tuple<at::Tensor, at::Tensor> experts_fwd(const at::Tensor& b, at::ScalarType t, bool pow2, bool bf) {
     return quantize_experts_fwd(K, b, t, pow2, bf);
   }
-  static std::tuple<at::Tensor, at::Tensor> experts_fwd_cat(at::TensorList b, at::ScalarType t, bool pow2) {
-    return quantize_experts_fwd_cat(K, b, t, pow2);
+  static std::tuple<at::Tensor, at::Tensor> experts_fwd_cat(at::TensorList b, at::ScalarType t, bool pow2, bool bf) {
+    return quantize_experts_fwd_cat(K, b, t, pow2, bf);
   }
   static std::tuple<at::Tensor, at::Tensor> experts_bwd_cat(at::TensorList b, at::ScalarType t, bool pow2, bool bf) {
     return quantize_experts_bwd_cat(K, b, t, pow2, bf);

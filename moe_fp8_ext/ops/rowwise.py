@@ -129,14 +129,15 @@ def check_quantize_experts_cat(b_ts, fp8_dtype, op="quantize_experts_fwd_cat", r
 
 
 def quantize_experts_fwd_cat(b_ts: Sequence[Tensor], fp8_dtype: Optional[torch.dtype] = None,
-                             pow2_scale: bool = True) -> Tuple[Tensor, Tensor]:
+                             pow2_scale: bool = True, as_bf16: bool = False) -> Tuple[Tensor, Tensor]:
     """``quantize_experts_fwd`` of the concatenation of the weights ``b_ts`` (each
     (E, K, N_i)) along N, written straight into one operand (no copy of the weights or
     of their fp8 codes): ``q`` (E, K, ΣN_i) column-major per expert and ``scale``
     (E, 1, ΣN_i), each weight's part bit for bit its own ``quantize_experts_fwd`` (the
-    scales never span two weights). The experts layer's W1/W3 operand."""
-    check_quantize_experts_cat(b_ts, fp8_dtype)
-    return _ops.quantize_experts_fwd_cat(list(b_ts), _dtype(fp8_dtype, b_ts[0]), pow2_scale)
+    scales never span two weights). The experts layer's W1/W3 operand. ``as_bf16``: as
+    :func:`quantize_experts_fwd`'s."""
+    check_quantize_experts_cat(b_ts, fp8_dtype, as_bf16=as_bf16)
+    return _ops.quantize_experts_fwd_cat(list(b_ts), _dtype(fp8_dtype, b_ts[0]), pow2_scale, as_bf16)
 
 
 def _cat_outputs(b_ts, fp8_dtype, bwd):
@@ -151,8 +152,8 @@ def _cat_outputs(b_ts, fp8_dtype, bwd):
 
 
 @torch.library.register_fake("moe_fp8::quantize_experts_fwd_cat")
-def _(b_ts, fp8_dtype, pow2_scale=True):
-    check_quantize_experts_cat(b_ts, fp8_dtype)
+def _(b_ts, fp8_dtype, pow2_scale=True, as_bf16=False):
+    check_quantize_experts_cat(b_ts, fp8_dtype, as_bf16=as_bf16)
     return _cat_outputs(b_ts, fp8_dtype, bwd=False)
 
 

@@ -142,8 +142,9 @@ class Recipe:
         """Whether the experts layer's W13 GEMM computes the SwiGLU and h's operands in its
         epilogue (:meth:`mm_2d3d_swiglu` on :meth:`quantize_w13`'s layout) for W1 and W3 of
         ``hidden_dim`` rows on ``device``; else the GEMM, then the SwiGLU kernels. Weights
-        all-gathered in fp8 (moe_fp8_ext.fsdp) take the latter. (The backward's dSwiGLU
-        GEMM, :meth:`mm_2d3d_dswiglu`, runs where this holds and the recipe asks for it.)"""
+        all-gathered in fp8 (moe_fp8_ext.fsdp) sharded on their rows take the latter. (The
+        backward's dSwiGLU GEMM, :meth:`mm_2d3d_dswiglu`, runs where this holds and the
+        recipe asks for it.)"""
         return False
 
     def quantize_w13(self, b_ts: Sequence[Tensor], fp8_dtype, *, bwd=False) -> Tuple[Operand, Optional[Operand]]:
