@@ -78,8 +78,8 @@ class ShardedWeight(Tensor):
     """An expert weight (E, rows, cols) whose FSDP2 all-gather sends fp8 operands:
     ``fsdp_pre_all_gather`` quantizes this rank's shard with ``recipe``. Computes as its
     high-precision tensor everywhere else. ``joint``: (the module attribute of the
-    weight it is joined with in the input gradient, its place 0 or 1), for fp8_rowwise's
-    [W1; W3] backward operand, whose scales span both."""
+    weight it is joined with, its place 0 or 1): the [W1; W3] operands (sharded on the
+    experts, W1's gather carries them; on the rows, fp8_rowwise's backward scales span both)."""
 
     @staticmethod
     def __new__(cls, tensor: Tensor, recipe: Recipe, joint=None):
@@ -166,12 +166,14 @@ class ShardedWeight(Tensor):
         """Sharded on the experts, W1's gather carries [W1; W3] as the layer reads it (the
         forward's interleaved by 128 rows where its GEMM computes the SwiGLU): no join
         after the gather. W3's carries 16 bytes (FSDP2 gathers every parameter)."""
-        held, place = _Ahead.of(module).joint_held(), self._joint[1]
+        held, place, other = _Ahead.of(module).joint_held(), self._joint[1], self._other(module)
+        if other.shape != self.shape:  # (alike on every rank: none hangs)
+            raise ValueError(f"fp8_all_gather: expected {type(module).__name__}'s w1 and w3 sharded alike, got "
+                             f"shards {tuple(self.shape)} and {tuple(other.shape)} (one placement for both)")
         if place == 1:
             return (self._tensor.new_zeros(16, dtype=torch.uint8),), (transposed, shape, False, None, (held, 1, False))
-        other = self._other(module)._tensor
         interleave = not transposed and self._recipe.swiglu_in_gemm(self.shape[1], self._tensor.device)
-        q, s = _quantize_shard(self._recipe, self._tensor, transposed, (other, 0), dtype=dtype, whole=True,
+        q, s = _quantize_shard(self._recipe, self._tensor, transposed, (other._tensor, 0), dtype=dtype, whole=True,
                                interleave=interleave)
         if s.dim() == 2:  # fp8_rowwise: row scales (E_l, 2 rows) and column scales (E_l, cols) padded to one width
             s = torch.nn.functional.pad(s, (0, max(2 * self.shape[1], self.shape[2]) - s.shape[1]))
@@ -488,13 +490,14 @@ def _column_amax(ws: Sequence[Tensor], group) -> Tensor:
 
 
 class _Ahead:
-    """fp8_rowwise backward work one gather of an experts module's weights does for
-    another, each entry taken once and keyed on the shards as weight_cache keys weights
-    (a step or a load in between makes it stale):
+    """What one gather of an experts module's weights does for another. Sharded on the
+    experts, the [W1; W3] operand W1's gather carries (:meth:`joint_held`). Sharded on the
+    rows, fp8_rowwise backward work, each entry taken once and keyed on the shards as
+    weight_cache keys weights (a step or a load in between makes it stale):
     - W1's and W3's backward gathers make their joint operand once: the first makes it,
       the second takes its part;
-    - weights sharded on their rows: once a backward has gathered, each forward gather
-      starts reducing the column amaxes the next backward's reads (off its critical path)."""
+    - once a backward has gathered, each forward gather starts reducing the column amaxes
+      the next backward's reads (off its critical path)."""
 
     def __init__(self):
         self._entries, self.backward, self._joint = {}, False, None

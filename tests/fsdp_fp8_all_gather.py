@@ -14,8 +14,8 @@ Checks, exit status 1 on a failure:
 - the state_dict holds the high-precision shards as plain tensors (torch.save with
   weights_only loads, a distributed checkpoint round trip), and a load_state_dict is seen;
 - weights sharded on their rows (Shard(1)): the same operands and training bits;
-- the set-up errors: after fully_shard, experts not divisible by the ranks, and
-  fp8_blockwise rows sharded off its 128-row tiles.
+- the set-up errors: after fully_shard, experts not divisible by the ranks, w1 and w3
+  sharded on different dims, and fp8_blockwise rows sharded off its 128-row tiles.
 fp8_blockwise bit for bit everywhere; fp8_rowwise where a gather serves one pass.
 """
 
@@ -178,7 +178,9 @@ def main():
     train([layer(False), layer(True)], micro=2, name="micro-batches", exact=exact)
     # (the first micro-batch's forward and backward; the second's backward after its
     # forward resharded)
-    check(len(gathers) == 2 * 3 * 3, f"gathers: 3 a micro-batch step; got {len(gathers)}")
+    check(len(gathers) == 2 * 3 * 3, f"gathers: [W1; W3] and W2, 3 a micro-batch step; got {len(gathers)}")
+    # dim above twice the hidden size: [W1; W3]'s fp8_rowwise row scales padded to dim for the gather
+    train([layer(False, dims=(608, 128, E)), layer(True, dims=(608, 128, E))], steps=2, name="dim > 2 hidden")
 
     # Rows sharded (Shard(1), torchtitan's placement where the ranks outnumber the experts):
     # FSDP2 joins the fp8 rank shards along the rows; the scales are gathered beside it,
@@ -277,6 +279,19 @@ def main():
             check(False, "experts not divisible by the ranks raises")
         except ValueError as e:
             check("multiple of the shard group's size" in str(e), "experts not divisible: message")
+
+    if world > 1:  # (W1's gather carries [W1; W3] only where both are sharded alike)
+        torch.manual_seed(0)
+        mixed = moe_fp8_ext.GroupedExperts(DIM, 128 * world, world, recipe=args.recipe, dtype=torch.float32,
+                                           device=device)
+        fsdp.fp8_all_gather(mixed)
+        w3 = mixed.w3
+        fully_shard(mixed, mesh=mesh, mp_policy=policy, shard_placement_fn=lambda p_: Shard(1 if p_ is w3 else 0))
+        try:
+            mixed(torch.randn(8, DIM, device=device).bfloat16(), torch.full((world,), 1, device=device))
+            check(False, "w1 and w3 sharded on different dims raises")
+        except ValueError as e:
+            check("w1 and w3 sharded alike" in str(e), f"w1 and w3 sharded on different dims: message {e}")
 
     if world > 1 and args.recipe == "fp8_blockwise":
         odd = layer(True, dims=(DIM, 128 * world, 1), shard_placement_fn=lambda p_: Shard(1))

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 import moe_fp8_ext
-from moe_fp8_ext import dispatch, fsdp
+from moe_fp8_ext import dispatch, fsdp, recipes
 from moe_fp8_ext.dispatch import Fp8Rows, fp8_dispatch
 from moe_fp8_ext.fsdp import GatheredWeight, ShardedWeight, fp8_all_gather
 
@@ -53,11 +53,12 @@ def gathered(w, recipe, transposed=False, joint=None, shards=1):
     return GatheredWeight(held, w.shape, w.dtype, recipe).requires_grad_()
 
 
-def carried(w1, w3, recipe, transposed=False, shards=1):
+def carried(w1, w3, recipe, transposed=False, shards=1, interleave=None):
     """W1's and W3's gathers sharded on the experts: [W1; W3] in W1's (the forward's
     interleaved by 128 rows where the layer's GEMM computes the SwiGLU), shared by both."""
     n = w1.shape[0] // shards
-    interleave = not transposed and recipe.swiglu_in_gemm(w1.shape[1], w1.device)
+    if interleave is None:
+        interleave = not transposed and recipe.swiglu_in_gemm(w1.shape[1], w1.device)
     parts = [fsdp._quantize_shard(recipe, w1[i:i + n], transposed, (w3[i:i + n], 0), whole=True,
                                   interleave=interleave) for i in range(0, w1.shape[0], n)]
     held = fsdp._Held(torch.cat([q for q, _ in parts]), torch.cat([s for _, s in parts]), transposed,
@@ -155,6 +156,31 @@ def test_gathered_operands_are_the_whole_weights(device, recipe, joint):
         for a, b in zip(mine, theirs):
             assert a.shape == b.shape and a.stride() == b.stride()
             assert torch.equal(a.view(torch.uint8) if a.dtype == f8 else a, b.view(torch.uint8) if b.dtype == f8 else b)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_interleaved_gather_holds_each_weights_tiles(device):
+    """[W1; W3] carried interleaved by 128 rows (the SwiGLU GEMM's forward operand, made on
+    any device here): the layer reads quantize_w13's interleaved operand, each weight's
+    part is its own tiles, and a backward reading it gets the joint [W1; W3] one."""
+    r = moe_fp8_ext.get_recipe("fp8_blockwise")
+    w1, w3, _ = weights(6, 384, 208, device)
+    f8 = r.default_fp8_dtype(torch.device(device))
+    parts = [w1.transpose(-2, -1), w3.transpose(-2, -1)]
+    f1, f3 = carried(w1, w3, r, shards=3, interleave=True)
+    got = fsdp.rhs_fwd([f1, f3])
+    want = moe_fp8_ext.quantize_blockwise_weight_rhs_cat(parts, f8, interleave=True)
+    pairs = [(got, want), (fsdp.rhs_bwd([f1, f3]), r.quantize_weights(parts, f8, fwd=False, bwd=True)[1])]
+    pairs += [([t.transpose(-2, -1) for t in w.storage(False)], moe_fp8_ext.quantize_blockwise_weight_rhs(p, f8))
+              for w, p in zip((f1, f3), parts)]
+    assert isinstance(got, recipes.blockwise.W13Interleaved)
+    for mine, theirs in pairs:
+        for a, b in zip(mine, theirs):
+            assert a.shape == b.shape and torch.equal(a.view(torch.uint8) if a.dtype == f8 else a,
+                                                      b.view(torch.uint8) if b.dtype == f8 else b)
+    assert all(a.stride() == b.stride() for a, b in zip(got, want))
+    assert torch.equal(f3.dequantize(), fsdp.GatheredWeight(
+        fsdp._Held(*fsdp._quantize_shard(r, w3, False), False), w3.shape, w3.dtype, r).dequantize())
 
 
 @pytest.mark.parametrize("device", DEVICES)
