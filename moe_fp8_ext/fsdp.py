@@ -413,8 +413,7 @@ def _quantize_shard(recipe: Recipe, w: Tensor, transposed: bool = False, joint=N
     if cast and not rowwise_bwd:
         w = w.to(dtype)  # (the rowwise backward's: where read)
     if whole and not rowwise_bwd:  # (the _cat ops: each weight read in place)
-        other = joint[0].to(device=w.device, dtype=w.dtype)
-        b_ts = [p.transpose(-2, -1) for p in ([w, other] if joint[1] == 0 else [other, w])]
+        b_ts = [p.transpose(-2, -1) for p in _parts(w, joint)]
         if isinstance(recipe, Fp8Rowwise):
             q, s = torch.ops.moe_fp8.quantize_experts_fwd_cat(b_ts, f8, recipe.pow2_scale, as_bf16)
             return q.transpose(-2, -1), s.squeeze(1)
@@ -433,10 +432,7 @@ def _quantize_shard(recipe: Recipe, w: Tensor, transposed: bool = False, joint=N
     made = ahead[0].take("operand", ahead[1]) if ahead is not None and joint is not None else None
     if made is None:
         w = w.to(dtype) if cast else w
-        parts = [w]
-        if joint is not None:
-            other = joint[0].to(device=w.device, dtype=w.dtype)
-            parts = [w, other] if joint[1] == 0 else [other, w]
+        parts = _parts(w, joint)
         if group is not None:  # one more row: each column's largest |value| on every rank (its scale's amax)
             started = ahead[0].take("amax", ahead[1]) if ahead is not None else None
             amax = _reduced(started) if started is not None else _column_amax(parts, group)
@@ -451,6 +447,14 @@ def _quantize_shard(recipe: Recipe, w: Tensor, transposed: bool = False, joint=N
     q, s = made
     q = q.transpose(-2, -1)  # (E_l, cols, rows of the parts)
     return (q if whole else q[..., start:start + w.shape[1]].contiguous()), s
+
+
+def _parts(w: Tensor, joint) -> list:
+    """``w`` and the weight of ``joint`` (moved to w's device and dtype) in place order."""
+    if joint is None:
+        return [w]
+    other = joint[0].to(device=w.device, dtype=w.dtype)
+    return [w, other] if joint[1] == 0 else [other, w]
 
 
 def _as_bf16(w: Tensor, dtype) -> bool:
