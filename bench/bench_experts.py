@@ -7,7 +7,10 @@ parameters' ``.grad``, as after an optimizer step (the weights' version counters
 "fresh" sets every ``.grad`` to None first (one micro-batch a step), "accum" is the time
 per micro-batch of four that add into ``.grad`` in place. "+reuse" rows convert with
 ``reuse_weights=True`` (each weight quantized once a step); in the MoE table, "+shared"
-rows convert the layer's shared experts too (``shared_experts=True``). Token groups are a
+rows convert the layer's shared experts too (``shared_experts=True``), and "+dispatch"
+rows swap its token dispatcher for the fp8 one (``fp8_dispatch=True``: each token
+quantized once and its fp8 rows gathered; x's gradient rows summed in one pass, the bits
+of torchtitan's index_put backward). Token groups are a
 router's: unaligned sizes drawn around tokens/experts (the MoE table routes real tokens
 through torchtitan's router). Peak is the most memory one fresh step allocates above
 what was allocated before it (activations, operands and the new gradients). The
@@ -298,10 +301,12 @@ def bench_moe(shapes, modes, peer):
         x = torch.randn(1, t, d, device=DEVICE, dtype=torch.bfloat16, generator=g).requires_grad_()
         grad = torch.randn(1, t, d, device=DEVICE, dtype=torch.bfloat16, generator=g)
         variants = {"bf16": (moe_layer(t, d, h, e, k), (x,), grad)}
-        for r in RECIPES:  # (+shared: the shared experts converted too, shared_experts=True)
+        for r in RECIPES:  # (+shared: shared_experts=True; +dispatch: fp8_dispatch=True)
             variants[r] = (moe_layer(t, d, h, e, k, ExpertsConverter.Config(recipe=r)), (x,), grad)
             variants[r + "+shared"] = (moe_layer(t, d, h, e, k, ExpertsConverter.Config(recipe=r, shared_experts=True)),
                                        (x,), grad)
+            variants[r + "+dispatch"] = (moe_layer(t, d, h, e, k, ExpertsConverter.Config(recipe=r, fp8_dispatch=True)),
+                                         (x,), grad)
         if peer:
             try:
                 from torchtitan.components.quantization import Float8GroupedExpertsConverter

@@ -148,6 +148,7 @@ TORCH_LIBRARY(moe_fp8, m) {
   // q (R, D) fp8 codes, scale (R, ceil(D / block)) fp32: q * scale in fp32, rounded once
   // to out_dtype (bf16, fp16 or fp32): token rows dispatched in fp8, as values.
   m.def("dequantize_rows(Tensor q, Tensor scale, int block, ScalarType out_dtype) -> Tensor");
+  m.def("sum_rows(Tensor x, Tensor indices, Tensor offs) -> Tensor");
 }
 
 #if defined(MOE_FP8_WITH_CUDA)

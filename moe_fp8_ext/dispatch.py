@@ -1,15 +1,19 @@
-"""FP8 expert-parallel dispatch (DESIGN §12): tokens are quantized once, before the
-all-to-all, into the W13 forward GEMM's left operand, and sent as fp8 data with their
-scales (fp8_blockwise: 1x128 blocks, about 52% of bf16's bytes; fp8_rowwise: one scale
-a row, about 50%). The combine and the backward's gradient all-to-all stay bf16, as in
-DeepSeek-V3.
+"""FP8 token dispatch (DESIGN §12): tokens are quantized once, before they are copied to
+their k experts, into the W13 forward GEMM's left operand. With expert parallelism they
+cross the all-to-all as fp8 data with their scales (fp8_blockwise: 1x128 blocks, about
+52% of bf16's bytes; fp8_rowwise: one scale a row, about 50%); without it (no group)
+(no splits) the fp8 rows are gathered locally. The combine and the backward's gradient all-to-all
+stay bf16, as in DeepSeek-V3.
 
     rows = fp8_dispatch(x, token_idx, recipe, group, input_splits, output_splits, perm)
+    rows = fp8_dispatch(x, token_idx, recipe)  # no splits: local, rows[j] = x[token_idx[j]]
     out = moe_fp8_ext.experts(rows, w1, w3, w2, offs, recipe=recipe)
 
 ``rows`` is an :class:`Fp8Rows`: it has the shape and dtype of the bf16 rows it
 replaces, is read by :func:`moe_fp8_ext.experts` as its forward operand as is, and its
-gradient (bf16) flows back through the reverse all-to-all to x. W1/W3's weight gradient
+gradient (bf16) flows back through the reverse all-to-all to x, where each token's rows
+are summed in one pass (``sum_rows``: the bits of autograd's backward of
+``x[token_idx]``, without its sort of the gradient rows). W1/W3's weight gradient
 needs x in the other orientation (128x1 blocks per token group for fp8_blockwise, one
 scale per group and column for fp8_rowwise): the experts layer makes it from the
 dispatched values, dequantized (the values the forward GEMM read; a second rounding to
@@ -108,15 +112,26 @@ def _all_to_all(t: Tensor, out_rows: int, out_splits: List[int], in_splits: List
     return out
 
 
+def _gather_backward(grad: Tensor, token_idx: Tensor, num_tokens: int) -> Tensor:
+    """x's gradient for rows ``x[token_idx]``: each token's rows summed in ascending order
+    (the sums of autograd's index_put with accumulate), in one pass."""
+    token, rows = torch.sort(token_idx, stable=True)
+    ends = torch.searchsorted(token, torch.arange(1, num_tokens + 1, dtype=token.dtype, device=token.device),
+                              out_int32=True)
+    return _ops.sum_rows(grad, rows.to(torch.int32), ends)
+
+
 class _Fp8Dispatch(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, token_idx, recipe, fp8_dtype, group, in_splits, out_splits, perm):
         ctx.group, ctx.in_splits, ctx.out_splits = group, in_splits, out_splits
-        ctx.num_tokens, ctx.num_rows, ctx.received = x.shape[0], token_idx.shape[0], sum(out_splits)
+        ctx.num_tokens, ctx.num_rows, ctx.local = x.shape[0], token_idx.shape[0], in_splits is None
+        ctx.received = token_idx.shape[0] if ctx.local else sum(out_splits)
         ctx.save_for_backward(token_idx, perm)
         q, s = _quantize_rows(recipe, x, fp8_dtype)  # each token once, before its k copies
         q, s = _ops.gather_rows(q, token_idx), _ops.gather_rows(s, token_idx)
-        q, s = (_all_to_all(t, ctx.received, out_splits, in_splits, group) for t in (q, s))
+        if not ctx.local:
+            q, s = (_all_to_all(t, ctx.received, out_splits, in_splits, group) for t in (q, s))
         if perm is not None:
             q, s = _ops.gather_rows(q, perm), _ops.gather_rows(s, perm)
         return Fp8Rows(q.view(fp8_dtype), s, x.dtype, recipe)
@@ -127,30 +142,36 @@ class _Fp8Dispatch(torch.autograd.Function):
         grad = grad.contiguous()
         if perm is not None:
             grad = _ops.scatter_rows(grad, perm, ctx.received)
-        grad = _all_to_all(grad, ctx.num_rows, ctx.in_splits, ctx.out_splits, ctx.group)
-        # (as autograd's backward of x[token_idx]: the same sums as the bf16 dispatch)
-        grad_x = grad.new_zeros((ctx.num_tokens, grad.shape[1])).index_put_((token_idx.long(),), grad, accumulate=True)
-        return grad_x, None, None, None, None, None, None, None
+        if not ctx.local:
+            grad = _all_to_all(grad, ctx.num_rows, ctx.in_splits, ctx.out_splits, ctx.group)
+        return _gather_backward(grad, token_idx, ctx.num_tokens), None, None, None, None, None, None, None
 
 
 @torch.compiler.disable(reason="moe_fp8_ext: the fp8 dispatch returns a tensor subclass dynamo cannot trace and "
                         "runs eagerly (a graph break; fullgraph=True cannot hold it)")
-def fp8_dispatch(x: Tensor, token_idx: Tensor, recipe: Recipe, group, input_splits: List[int],
-                 output_splits: List[int], perm: Optional[Tensor] = None, fp8_dtype=None) -> Fp8Rows:
+def fp8_dispatch(x: Tensor, token_idx: Tensor, recipe: Recipe, group=None, input_splits: Optional[List[int]] = None,
+                 output_splits: Optional[List[int]] = None, perm: Optional[Tensor] = None, fp8_dtype=None) -> Fp8Rows:
     """Send the rows ``x[token_idx]`` (x (T, D) this rank's tokens, ``token_idx`` int32
     (N,), the token of each routed row in send order) to the ranks of ``group`` in fp8:
     ``input_splits``/``output_splits`` as for ``all_to_all_single``; ``perm`` int32
     (optional) reorders the received rows (``y[j] = received[perm[j]]``, -1: a zero
-    row). Returns the received rows as :class:`Fp8Rows`, differentiable in x (its
-    gradient comes back through the reverse all-to-all in x's dtype)."""
+    row). Without splits (and group) the rows stay local: ``y[j] = x[token_idx[j]]``.
+    Returns the rows as :class:`Fp8Rows`, differentiable in x (its gradient comes back
+    through the reverse all-to-all in x's dtype)."""
     _check_recipe(recipe, "fp8_dispatch")
     if not isinstance(x, Tensor) or x.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise ValueError(f"fp8_dispatch: expected x a 2-D bf16, fp16 or fp32 tensor, got {getattr(x, 'shape', x)}")
     for name, t in (("token_idx", token_idx), ("perm", perm)):
         if t is not None and (t.dtype != torch.int32 or t.dim() != 1):
             raise ValueError(f"fp8_dispatch: expected {name} int32 1-D, got {t.dtype} {tuple(t.shape)}")
-    if sum(input_splits) != token_idx.shape[0]:
+    local = input_splits is None and output_splits is None
+    if local and group is not None:
+        raise ValueError("fp8_dispatch: expected input_splits and output_splits with a group")
+    if not local and (input_splits is None or output_splits is None):
+        raise ValueError("fp8_dispatch: expected both input_splits and output_splits, or neither (a local dispatch)")
+    if not local and sum(input_splits) != token_idx.shape[0]:
         raise ValueError(f"fp8_dispatch: expected input_splits summing to {token_idx.shape[0]} (the rows sent), "
                          f"got {sum(input_splits)}")
     f8 = fp8_dtype or recipe.default_fp8_dtype(x.device)
-    return _Fp8Dispatch.apply(x, token_idx, recipe, f8, group, list(input_splits), list(output_splits), perm)
+    splits = (None, None) if local else (list(input_splits), list(output_splits))
+    return _Fp8Dispatch.apply(x, token_idx, recipe, f8, group, *splits, perm)

@@ -159,6 +159,22 @@ def scatter_rows(y: Tensor, indices: Tensor, num_rows: int) -> Tensor:
     return x[:num_rows]
 
 
+def sum_rows(x: Tensor, indices: Tensor, offs: Tensor) -> Tensor:
+    """Row t: x's rows indices[offs[t-1]:offs[t]] added in order to +0, each partial sum
+    rounded to x's dtype; -1 adds nothing."""
+    ends, idx = offs.long().cpu(), torch.cat([indices.long().cpu(), torch.full((1,), -1)])
+    starts = torch.cat([ends.new_zeros(1), ends[:-1]])
+    xc = x.cpu()
+    acc = torch.zeros(offs.shape[0], x.shape[1], dtype=x.dtype)
+    for step in range(int((ends - starts).max()) if offs.numel() else 0):
+        j = starts + step
+        rows = idx[torch.where(j < ends, j, -1)]
+        live = rows >= 0
+        add = xc[rows.clamp(min=0)].float() if xc.shape[0] else acc.float()
+        acc = torch.where(live[:, None], (acc.float() + add).to(x.dtype), acc)
+    return acc.to(x.device)
+
+
 def dequantize_rows(q: Tensor, scale: Tensor, block: int, out_dtype: torch.dtype) -> Tensor:
     s = scale.repeat_interleave(block, dim=1)[:, :q.shape[1]]
     return (q.float() * s).to(out_dtype)

@@ -1,6 +1,6 @@
 """Token groups (DESIGN §8): pad / unpad, the padded jagged quantization, the
 expert-parallel permutation indices, row gather / scatter, zero_rows_past_groups_,
-padded_group_offsets, dequantize_rows, their autograd, and torch.compile. Every op is compared with
+padded_group_offsets, dequantize_rows, sum_rows, their autograd, and torch.compile. Every op is compared with
 moe_fp8_ext.reference, bit for bit, on CPU and (when present) GPU; errors; opcheck
 on every op of the family (OPCHECK_CASES; test_op_coverage.py checks that every
 registered op has a case); GPU only: large shapes bit-exact with the CPU op, garbage
@@ -315,6 +315,75 @@ def test_dequantize_rows_errors():
                 fn(*args)
 
 
+def rows_of_tokens(tokens, rows, k, device, gen):
+    """A row gather's indices as a dispatcher makes them: each token's k rows (fewer for
+    some, none for others), in a random order; with the rows grouped by token, ascending
+    (the indices and offs of sum_rows) and the token of each row."""
+    token = torch.arange(tokens).repeat_interleave(k)[torch.randperm(tokens * k, generator=gen)][:rows]
+    order = torch.sort(token, stable=True)[1].to(torch.int32)
+    offs = torch.searchsorted(token.sort().values, torch.arange(1, tokens + 1)).to(torch.int32)
+    return token.to(torch.int32).to(device), order.to(device), offs.to(device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("tokens, rows, k, width", [(37, 200, 6, 72), (64, 512, 8, 256), (5, 9, 2, 3), (9, 0, 4, 8)])
+def test_sum_rows_is_the_gather_backward(device, dtype, tokens, rows, k, width):
+    """Each token's rows summed in ascending order: the reference, and the bits of
+    autograd's backward of x[token] (index_put with accumulate) on the same device;
+    values of every size (fp16 overflow to Inf, -0 sums), a strided x, a poisoned output."""
+    gen = torch.Generator().manual_seed(tokens + rows + width)
+    token, order, offs = rows_of_tokens(tokens, rows, k, device, gen)
+    g = (torch.randn(rows, width, generator=gen) * torch.logspace(-30, 4, width)).to(dtype)
+    g[::7] = -g[::7].abs() * 1e-30
+    g = torch.cat([g, g], 1).to(device)[:, ::2]  # (strided rows)
+    poison(device)
+    got = torch.ops.moe_fp8.sum_rows(g, order, offs)
+    assert got.shape == (tokens, width) and got.dtype == dtype and got.is_contiguous()
+    assert_dequantized_equal(got, ref.sum_rows(g, order, offs))
+    assert_dequantized_equal(got, gather_backward(token, g, tokens))
+
+
+def gather_backward(token, g, tokens):
+    """Autograd's backward of x[token] (one CPU thread: torch's CPU index_put adds fp32
+    rows with atomics across threads, in no fixed order)."""
+    x = torch.zeros(tokens, g.shape[1], dtype=g.dtype, device=g.device, requires_grad=True)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        torch.autograd.backward(x[token.long()], g)
+    finally:
+        torch.set_num_threads(threads)
+    return x.grad
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_sum_rows_skips_minus_one_and_leaves_empty_tokens_zero(device):
+    x = torch.tensor([[1.0, -0.0], [2.0, 3.0], [-0.0, -0.0]], device=device)
+    idx = _i32([1, -1, 0, 2, -1, 2], device)
+    offs = _i32([3, 3, 5, 6], device)  # (token 1: no rows; token 2: -0 only, kept +0 + -0 = +0)
+    got = torch.ops.moe_fp8.sum_rows(x, idx, offs)
+    want = torch.tensor([[3.0, 3.0], [0.0, 0.0], [0.0, 0.0], [0.0, 0.0]], device=device)
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+    assert_dequantized_equal(got, ref.sum_rows(x, idx, offs))
+
+
+def test_sum_rows_errors():
+    x, idx, offs = torch.randn(4, 3), torch.tensor([0, 3], dtype=torch.int32), torch.tensor([1, 2], dtype=torch.int32)
+    cases = [((x.to(torch.int32), idx, offs), "expected x of dtype bfloat16, float16 or float32, got Int"),
+             ((x[0], idx, offs), "expected x to be a 2-D tensor, got 1-D"),
+             ((x, idx.long(), offs), "expected indices of dtype int32, got Long"),
+             ((x, idx, offs[None]), "expected offs to be a 1-D tensor, got 2-D")]
+    for fn in (moe_fp8_ext.ops.token_groups.sum_rows, torch.ops.moe_fp8.sum_rows):
+        for args, message in cases:
+            with pytest.raises(RuntimeError, match="sum_rows: " + message):
+                fn(*args)
+    with pytest.raises(RuntimeError, match=r"sum_rows: expected offs\[1\] in \[0, 2\], got 3"):
+        torch.ops.moe_fp8.sum_rows(x, idx, torch.tensor([1, 3], dtype=torch.int32))
+    with pytest.raises(RuntimeError, match=r"sum_rows: expected indices in \[-1, 4\), got 4 at 1"):
+        torch.ops.moe_fp8.sum_rows(x, torch.tensor([0, 4], dtype=torch.int32), offs)
+
+
 def test_gather_scatter_reject_bad_indices():
     x = torch.randn(4, 3)
     with pytest.raises(RuntimeError, match=r"gather_rows: expected indices in \[-1, 4\), got 4 at 1"):
@@ -414,6 +483,8 @@ OPCHECK_CASES = [
                                    128, torch.bfloat16)),
     ("dequantize_rows", lambda d: (torch.randn(5, 100, device=d).to(torch.float8_e4m3fnuz), torch.rand(5, 1, device=d),
                                    100, torch.float32)),
+    ("sum_rows", lambda d: (randn((6, 16), torch.bfloat16, d), _i32([5, 0, -1, 2, 2], d), _i32([2, 2, 5], d))),
+    ("sum_rows", lambda d: (torch.randn(3, 5, device=d), _i32([], d), _i32([0, 0], d))),
 ]
 
 
@@ -487,9 +558,22 @@ def test_token_group_ops_garbage_is_memory_safe():
     moe_fp8_ext.quantize_jagged_colwise(x, bad, torch.float8_e4m3fn, padded_starts=bad)
     moe_fp8_ext.gather_rows(x, bad)
     moe_fp8_ext.scatter_rows(x[:6], bad, 50)
+    torch.ops.moe_fp8.sum_rows(x, bad, bad)
     moe_fp8_ext.permute_indices(torch.tensor([5, -3, 2**30, 7], dtype=torch.int32, device="cuda"), 2, 2, 16, 100)
     torch.cuda.synchronize()
     assert torch.all(guard == 7)
+
+
+@requires_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens, k, width", [(16384, 6, 2048), (8192, 8, 7168), (3000, 3, 1000)])
+def test_sum_rows_large_same_as_cpu_and_autograd(tokens, k, width):
+    token, order, offs = rows_of_tokens(tokens, tokens * k, k, "cuda", torch.Generator().manual_seed(k))
+    g = randn((tokens * k, width), torch.bfloat16, "cuda")
+    poison("cuda")
+    got = torch.ops.moe_fp8.sum_rows(g, order, offs)
+    assert torch.equal(got.cpu(), torch.ops.moe_fp8.sum_rows(g.cpu(), order.cpu(), offs.cpu()))
+    assert torch.equal(got, gather_backward(token, g, tokens))
 
 
 @requires_cuda
@@ -511,12 +595,15 @@ def test_token_group_ops_have_no_host_sync():
     offs = torch.tensor([0, 700, 701, 2500, 2990], dtype=torch.int32, device="cuda")
     counts = torch.tensor([5, 0, 900, 17, 1200, 33, 400, 1], dtype=torch.int32, device="cuda")  # 2 ranks x 4 experts
     gy = randn((3000, 200), torch.bfloat16, "cuda")
+    rows = torch.randperm(3000, device="cuda").to(torch.int32)
+    ends = torch.tensor([500, 500, 2999], dtype=torch.int32, device="cuda")
 
     def step():
         xp, starts, _ends = moe_fp8_ext.pad_token_groups(x, offs, 16)
         y = moe_fp8_ext.unpad_token_groups(xp * 2, offs, starts, x.shape[0])
         xe, pends, idx = moe_fp8_ext.permute_and_pad(y, counts, 4, 2, 16)
         back = moe_fp8_ext.unpermute(xe, idx, x.shape[0])
-        return (xp, y, xe, pends, back, *torch.autograd.grad(back, (x,), gy))
+        summed = torch.ops.moe_fp8.sum_rows(gy, rows, ends)
+        return (xp, y, xe, pends, back, summed, *torch.autograd.grad(back, (x,), gy))
 
     graph_matches_eager(step)

@@ -53,11 +53,16 @@ void dequantize_rows_cuda(const DequantRows& a, int device) {
   gpu.check(launch_dequantize_rows(a, gpu.stream()), "dequantize_rows");
 }
 
+void sum_rows_cuda(const SumRows& a, int device) {
+  const GpuLaunch gpu(device);
+  gpu.check(launch_sum_rows(a, gpu.stream()), "sum_rows");
+}
+
 }  // namespace
 
 extern const GroupingKernels kGroupingCuda = {
-    padded_offsets_cuda, copy_rows_cuda,     permute_indices_cuda, zero_rows_past_groups_cuda,
-    invert_indices_cuda, dequantize_rows_cuda,
+    padded_offsets_cuda, copy_rows_cuda,       permute_indices_cuda, zero_rows_past_groups_cuda,
+    invert_indices_cuda, dequantize_rows_cuda, sum_rows_cuda,
 };
 
 }  // namespace moe_fp8

@@ -1,6 +1,6 @@
-// Token-group family (DESIGN §8): padding token groups to an alignment, the inverse, the expert-parallel permutation
-// and dequantize_rows (token rows dispatched in fp8 back to values). Plain data and the index math shared by the CPU
-// loops and the GPU kernels: no torch, no CUDA headers.
+// Token-group family (DESIGN §8): padding token groups to an alignment, the inverse, the expert-parallel permutation,
+// dequantize_rows (token rows dispatched in fp8 back to values) and sum_rows (a row gather's backward). Plain data and
+// the index math shared by the CPU loops and the GPU kernels: no torch, no CUDA headers.
 #pragma once
 
 #include <cstdint>
@@ -97,6 +97,44 @@ template <Fp8Format F, InputKind O>
 MOE_FP8_HD typename RowsOut<O>::T dequantize_value(uint32_t code, float scale) {
   return RowsOut<O>::encode(f_mul(decode_fp8<F>(code), scale));
 }
+
+// sum_rows: y[t, :] = the rows x[indices[j], :] for j in [offs[t-1], offs[t]) (offs[-1] = 0), added in order of j
+// to +0 with each partial sum rounded to x's type: autograd's backward of a row gather whose repeats are listed in
+// ascending order (index_put with accumulate). An index outside [0, x_rows) adds nothing; offs are clamped.
+struct SumRows {
+  const void* x = nullptr;  // (x_rows, cols), rows x_stride elements apart
+  int64_t x_rows = 0;
+  int64_t x_stride = 0;
+  const int32_t* indices = nullptr;
+  int64_t num_indices = 0;
+  const int32_t* offs = nullptr;
+  void* y = nullptr;  // (rows, cols) contiguous
+  int64_t rows = 0;
+  int64_t cols = 0;
+  InputKind kind = InputKind::kBF16;  // (x's and y's type)
+};
+
+// A row element of the type as fp32, and an fp32 partial sum rounded to the type (NaN: the type's +NaN).
+template <InputKind K>
+struct SumType;
+template <>
+struct SumType<InputKind::kBF16> {
+  using T = uint16_t;
+  static MOE_FP8_HD float load(T b) { return bits_float(static_cast<uint32_t>(b) << 16); }
+  static MOE_FP8_HD float round(float v) { return float_as_bf16(v); }
+};
+template <>
+struct SumType<InputKind::kFP16> {
+  using T = uint16_t;
+  static MOE_FP8_HD float load(T b) { return half_bits_float(b); }
+  static MOE_FP8_HD float round(float v) { return half_bits_float(RowsOut<InputKind::kFP16>::encode(v)); }
+};
+template <>
+struct SumType<InputKind::kFP32> {
+  using T = float;
+  static MOE_FP8_HD float load(T f) { return f; }
+  static MOE_FP8_HD float round(float v) { return v; }
+};
 
 // The runners of one device (CPU loops in grouping_cpu.cpp, kernels in grouping.cu)
 // are gathered in a GroupingKernels table (grouping_ops.h); each takes the device

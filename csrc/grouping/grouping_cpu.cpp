@@ -106,11 +106,42 @@ void dequantize_rows_cpu(const DequantRows& a, int /*device*/) {
   });
 }
 
+template <InputKind K>
+void sum_rows_as(const SumRows& a) {
+  using S = SumType<K>;
+  using T = typename S::T;
+  const T* x = static_cast<const T*>(a.x);
+  T* y = static_cast<T*>(a.y);
+  at::parallel_for(0, a.rows, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> acc(static_cast<size_t>(a.cols));
+    for (int64_t r = begin; r < end; ++r) {
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      int64_t j, stop;
+      group_range(a.offs, static_cast<int>(r), a.num_indices, &j, &stop);
+      for (; j < stop; ++j) {
+        const int32_t src = a.indices[j];
+        if (src < 0 || src >= a.x_rows) continue;
+        const T* row = x + src * a.x_stride;
+        for (int64_t c = 0; c < a.cols; ++c) acc[c] = S::round(acc[c] + S::load(row[c]));
+      }
+      for (int64_t c = 0; c < a.cols; ++c) y[r * a.cols + c] = RowsOut<K>::encode(acc[c]);
+    }
+  });
+}
+
+void sum_rows_cpu(const SumRows& a, int /*device*/) {
+  switch (a.kind) {
+    case InputKind::kBF16: return sum_rows_as<InputKind::kBF16>(a);
+    case InputKind::kFP16: return sum_rows_as<InputKind::kFP16>(a);
+    default: return sum_rows_as<InputKind::kFP32>(a);
+  }
+}
+
 }  // namespace
 
 extern const GroupingKernels kGroupingCpu = {
-    padded_offsets_cpu, copy_rows_cpu,     permute_indices_cpu, zero_rows_past_groups_cpu,
-    invert_indices_cpu, dequantize_rows_cpu,
+    padded_offsets_cpu, copy_rows_cpu,       permute_indices_cpu, zero_rows_past_groups_cpu,
+    invert_indices_cpu, dequantize_rows_cpu, sum_rows_cpu,
 };
 
 }  // namespace moe_fp8

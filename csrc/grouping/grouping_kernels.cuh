@@ -1,6 +1,6 @@
 // Device code of the token-group family (grouping.h): padded offsets, the row-copy
-// kernel behind pad / unpad / gather, the expert-parallel permutation indices and
-// an index inversion. Raw pointers, sizes and a stream only (no torch headers).
+// kernel behind pad / unpad / gather, the expert-parallel permutation indices, an
+// index inversion, dequantize_rows and sum_rows. Raw pointers, sizes and a stream only (no torch headers).
 #pragma once
 
 #include <algorithm>
@@ -12,6 +12,7 @@
 #include "../core/numerics.h"
 #include "../core/portability.h"
 #include "../core/scan.cuh"
+#include "../core/vec.cuh"
 #include "grouping.h"
 
 namespace moe_fp8 {
@@ -204,6 +205,50 @@ __global__ void __launch_bounds__(kGroupingThreads) dequantize_rows_kernel(Dequa
   }
 }
 
+// sum_rows (grouping.h): V consecutive elements of one output row a thread, its rows'
+// vectors loaded four at a time and added in order (V divides cols, stride and bases).
+template <InputKind K, int V>
+__global__ void __launch_bounds__(kGroupingThreads) sum_rows_kernel(SumRows a) {
+  using S = SumType<K>;
+  using T = typename S::T;
+  using Vec = Array<T, V>;
+  constexpr int kAhead = 4;
+  const T* x = static_cast<const T*>(a.x);
+  const int64_t per_row = a.cols / V;
+  const int64_t n = a.rows * per_row;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t r = i / per_row;
+    const int64_t c = (i - r * per_row) * V;
+    int64_t j, end;
+    group_range(a.offs, static_cast<int>(r), a.num_indices, &j, &end);
+    float acc[V];
+#pragma unroll
+    for (int k = 0; k < V; ++k) acc[k] = 0.0f;
+    while (j < end) {
+      Vec v[kAhead];
+      bool ok[kAhead];
+#pragma unroll
+      for (int u = 0; u < kAhead; ++u) {
+        const int32_t src = j + u < end ? a.indices[j + u] : -1;
+        ok[u] = src >= 0 && src < a.x_rows;
+        if (ok[u]) v[u] = *reinterpret_cast<const Vec*>(x + src * a.x_stride + c);
+      }
+#pragma unroll
+      for (int u = 0; u < kAhead; ++u) {
+        if (!ok[u]) continue;
+#pragma unroll
+        for (int k = 0; k < V; ++k) acc[k] = S::round(acc[k] + S::load(v[u].v[k]));
+      }
+      j += kAhead;
+    }
+    Vec out;
+#pragma unroll
+    for (int k = 0; k < V; ++k) out.v[k] = RowsOut<K>::encode(acc[k]);
+    *reinterpret_cast<Vec*>(static_cast<T*>(a.y) + r * a.cols + c) = out;
+  }
+}
+
 // ---- launchers ---------------------------------------------------------------------
 
 inline int launch_padded_offsets(const int32_t* offs, int groups, int64_t rows, int64_t alignment, int32_t* pstart,
@@ -323,6 +368,33 @@ inline int launch_dequantize_rows(const DequantRows& a, gpuStream_t stream) {
     err = vec ? launch_dequantize_rows_as<F, O, 8>(a, stream) : launch_dequantize_rows_as<F, O, 1>(a, stream);
   });
   return err;
+}
+
+template <InputKind K, int V>
+int launch_sum_rows_as(const SumRows& a, gpuStream_t stream) {
+  auto kernel = sum_rows_kernel<K, V>;
+  const int64_t n = a.rows * (a.cols / V);
+  const int64_t resident = static_cast<int64_t>(resident_blocks(kernel, kGroupingThreads, 0)) * multiprocessor_count();
+  const int64_t blocks = std::max<int64_t>(1, std::min<int64_t>(ceil_div(n, kGroupingThreads), resident));
+  return launch_kernel(kernel, dim3(static_cast<unsigned>(blocks)), dim3(kGroupingThreads), 0, stream, 1, a);
+}
+
+template <InputKind K>
+int launch_sum_rows_kind(const SumRows& a, gpuStream_t stream) {
+  using T = typename SumType<K>::T;
+  constexpr int kV = 16 / static_cast<int>(sizeof(T));
+  const bool vec = a.cols % kV == 0 && a.x_stride % kV == 0 && reinterpret_cast<uintptr_t>(a.x) % 16 == 0 &&
+                   reinterpret_cast<uintptr_t>(a.y) % 16 == 0;
+  return vec ? launch_sum_rows_as<K, kV>(a, stream) : launch_sum_rows_as<K, 1>(a, stream);
+}
+
+inline int launch_sum_rows(const SumRows& a, gpuStream_t stream) {
+  if (a.rows == 0 || a.cols == 0) return 0;
+  switch (a.kind) {
+    case InputKind::kBF16: return launch_sum_rows_kind<InputKind::kBF16>(a, stream);
+    case InputKind::kFP16: return launch_sum_rows_kind<InputKind::kFP16>(a, stream);
+    default: return launch_sum_rows_kind<InputKind::kFP32>(a, stream);
+  }
 }
 
 }  // namespace moe_fp8

@@ -304,4 +304,38 @@ at::Tensor dequantize_rows(const GroupingKernels& k, const at::Tensor& q_in, con
   return y;
 }
 
+at::Tensor sum_rows(const GroupingKernels& k, const at::Tensor& x_in, const at::Tensor& indices, const at::Tensor& offs) {
+  constexpr const char* op = "sum_rows";
+  check_same_device(op, {"x", x_in}, {{"indices", indices}, {"offs", offs}});
+  check_rank(x_in, 2, op, "x");
+  InputKind kind = InputKind::kBF16;
+  switch (x_in.scalar_type()) {
+    case at::kBFloat16: kind = InputKind::kBF16; break;
+    case at::kHalf: kind = InputKind::kFP16; break;
+    case at::kFloat: kind = InputKind::kFP32; break;
+    default: TORCH_CHECK(false, op, ": expected x of dtype bfloat16, float16 or float32, got ", x_in.scalar_type());
+  }
+  check_index_tensor(indices, x_in, op, "indices");
+  check_offs(offs, x_in, indices.size(0), op);
+  check_indices(indices, x_in, x_in.size(0), /*unique=*/false, op);
+  check_rows_alloc(offs.size(0), x_in, op, "the output");
+  const at::Tensor x = byte_rows(x_in, op, "x");
+  const at::Tensor idx = indices.contiguous(), offs_c = offs.contiguous();
+  at::Tensor y = at::empty({offs.size(0), x.size(1)}, x.options());
+  if (y.numel() == 0) return y;
+  SumRows a;
+  a.x = x.data_ptr();
+  a.x_rows = x.size(0);
+  a.x_stride = x.stride(0);
+  a.indices = idx.data_ptr<int32_t>();
+  a.num_indices = idx.numel();
+  a.offs = offs_c.data_ptr<int32_t>();
+  a.y = y.data_ptr();
+  a.rows = y.size(0);
+  a.cols = y.size(1);
+  a.kind = kind;
+  k.sum_rows(a, x.device().index());
+  return y;
+}
+
 }  // namespace moe_fp8

@@ -28,6 +28,7 @@ struct GroupingKernels {
   // inverse[indices[j]] = j for every j with 0 <= indices[j] < inverse_len, -1 elsewhere.
   void (*invert_indices)(const int32_t* indices, int64_t n, int32_t* inverse, int64_t inverse_len, int device);
   void (*dequantize_rows)(const DequantRows& a, int device);
+  void (*sum_rows)(const SumRows& a, int device);
 };
 
 // The ops, on the runners of k.
@@ -48,6 +49,7 @@ at::Tensor gather_rows(const GroupingKernels& k, const at::Tensor& x, const at::
 at::Tensor scatter_rows(const GroupingKernels& k, const at::Tensor& y, const at::Tensor& indices, int64_t num_rows);
 at::Tensor dequantize_rows(const GroupingKernels& k, const at::Tensor& q, const at::Tensor& scale, int64_t block,
                            at::ScalarType out_dtype);
+at::Tensor sum_rows(const GroupingKernels& k, const at::Tensor& x, const at::Tensor& indices, const at::Tensor& offs);
 
 // Every op bound to the runners of K, as plain functions for m.impl:
 //   extern const GroupingKernels kGroupingCpu = {...};
@@ -88,6 +90,9 @@ struct GroupingOn {
                                     at::ScalarType out_dtype) {
     return moe_fp8::dequantize_rows(K, q, scale, block, out_dtype);
   }
+  static at::Tensor sum_rows(const at::Tensor& x, const at::Tensor& indices, const at::Tensor& offs) {
+    return moe_fp8::sum_rows(K, x, indices, offs);
+  }
 
   static void register_impls(torch::Library& m) {
     m.impl("pad_token_groups", TORCH_FN(pad_token_groups));
@@ -99,6 +104,7 @@ struct GroupingOn {
     m.impl("gather_rows", TORCH_FN(gather_rows));
     m.impl("scatter_rows", TORCH_FN(scatter_rows));
     m.impl("dequantize_rows", TORCH_FN(dequantize_rows));
+    m.impl("sum_rows", TORCH_FN(sum_rows));
   }
 };
 

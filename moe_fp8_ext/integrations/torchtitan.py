@@ -23,8 +23,9 @@ recipe. They are not tensor-parallel here, and FSDP2 gathers them in bf16.
 FP8 communication (fp8_blockwise and fp8_rowwise): ``fp8_all_gather`` makes FSDP2
 all-gather the expert weights as fp8 (:mod:`moe_fp8_ext.fsdp`; convert before
 ``fully_shard``), ``fp8_dispatch`` swaps the ``AllToAllTokenDispatcher`` of each MoE
-layer whose experts it converts for :class:`Fp8AllToAllTokenDispatcher`, which sends the
-routed tokens as fp8 (:mod:`moe_fp8_ext.dispatch`).
+layer whose experts it converts for :class:`Fp8AllToAllTokenDispatcher`, which
+quantizes each token once and sends (or, without expert parallelism, copies) the
+routed rows as fp8 (:mod:`moe_fp8_ext.dispatch`).
 """
 
 from dataclasses import dataclass, field, fields, replace
@@ -39,6 +40,7 @@ from torchtitan.models.common.moe import GroupedExperts, MoE, RoutedExperts
 from torchtitan.models.common.token_dispatcher import (
     AllToAllDispatchMetadata,
     AllToAllTokenDispatcher,
+    LocalDispatchMetadata,
     LocalTokenDispatcher,
 )
 
@@ -284,7 +286,7 @@ def convert(model: torch.nn.Module, recipe: Union[str, Recipe] = "fp8_rowwise", 
     layers' shared experts too, counted (the module docstring). Raises ValueError for an
     unknown recipe or shapes the recipe cannot run, TypeError for a GroupedExperts or
     FeedForward subclass with another forward or a token dispatcher other than
-    torchtitan's all-to-all one, RuntimeError where a parallelized forward cannot be
+    torchtitan's all-to-all or local one, RuntimeError where a parallelized forward cannot be
     rebuilt or the weights are already sharded for an fp8 all-gather."""
     r = get_recipe(recipe, "convert")
     if not isinstance(model, torch.nn.Module):
@@ -309,25 +311,24 @@ def convert(model: torch.nn.Module, recipe: Union[str, Recipe] = "fp8_rowwise", 
         _configure(module, r, reuse_weights)
     if fp8_all_gather:
         _fsdp.fp8_all_gather(model)
-    for d in dispatchers:
-        d.__class__, d.recipe = Fp8AllToAllTokenDispatcher, r
+    for d in dispatchers:  # (a local one has no mesh: ours is local without one)
+        d.__class__, d.recipe, d.ep_mesh = Fp8AllToAllTokenDispatcher, r, getattr(d, "ep_mesh", None)
     return len(found) + (len(shared) if shared_experts else 0)
 
 
 def _dispatchers(model: torch.nn.Module, recipe: Recipe):
     """The token dispatchers of ``model``'s MoE layers whose experts are converted,
-    each torchtitan's all-to-all one (or already ours), for an fp8 dispatch with
-    ``recipe``."""
+    each torchtitan's all-to-all or local one (or already ours), for an fp8 dispatch
+    with ``recipe``."""
     _check_recipe(recipe, "convert")
     found = []
     for fqn, m in model.named_modules():
         d = getattr(m, "token_dispatcher", None)
-        if d is None or not isinstance(getattr(m, "inner_experts", None), GroupedExperts) or \
-                type(d) is LocalTokenDispatcher:  # (local: nothing is sent)
+        if d is None or not isinstance(getattr(m, "inner_experts", None), GroupedExperts):
             continue
-        if type(d) not in (AllToAllTokenDispatcher, Fp8AllToAllTokenDispatcher):
-            raise TypeError(f"convert: expected {fqn}.token_dispatcher to be torchtitan's AllToAllTokenDispatcher for "
-                            f"fp8_dispatch, got {type(d).__name__}")
+        if type(d) not in (AllToAllTokenDispatcher, LocalTokenDispatcher, Fp8AllToAllTokenDispatcher):
+            raise TypeError(f"convert: expected {fqn}.token_dispatcher to be torchtitan's AllToAllTokenDispatcher or "
+                            f"LocalTokenDispatcher for fp8_dispatch, got {type(d).__name__}")
         found.append(d)
     return found
 
@@ -401,14 +402,15 @@ class ExpertsConverter(QuantizationConverter):
             for fqn, routed, _, _ in model_config.traverse(RoutedExperts.Config):
                 config = routed.token_dispatcher
                 converted = hasattr(getattr(type(routed.inner_experts), "_owner", None), "_moe_fp8_base")
-                if not converted or type(config) is LocalTokenDispatcher.Config:  # (local: nothing is sent)
+                if not converted:
                     continue
                 if type(config) is Fp8AllToAllTokenDispatcher.Config:  # (converted again: the new recipe)
                     routed.token_dispatcher = replace(config, recipe=cfg.recipe)
                     continue
-                if type(config) is not AllToAllTokenDispatcher.Config:
+                if type(config) not in (AllToAllTokenDispatcher.Config, LocalTokenDispatcher.Config):
                     raise TypeError(f"ExpertsConverter: expected {fqn}.token_dispatcher to be torchtitan's "
-                                    f"AllToAllTokenDispatcher for fp8_dispatch, got {type(config).__qualname__}")
+                                    f"AllToAllTokenDispatcher or LocalTokenDispatcher for fp8_dispatch, got "
+                                    f"{type(config).__qualname__}")
                 values = {f.name: getattr(config, f.name) for f in fields(config)}
                 routed.token_dispatcher = Fp8AllToAllTokenDispatcher.Config(**values, recipe=cfg.recipe)
         return model_config
@@ -440,8 +442,10 @@ def _replace(root, parent, attr, new):
 class Fp8AllToAllTokenDispatcher(AllToAllTokenDispatcher):
     """torchtitan's all-to-all token dispatcher, sending the routed tokens as the first
     expert GEMM's fp8 operand (:func:`moe_fp8_ext.dispatch.fp8_dispatch`: each token
-    quantized once, fp8 data + scales); the experts read them as they arrive. The
-    combine is torchtitan's (bf16). Without expert parallelism it is the local one."""
+    quantized once, fp8 data + scales); the experts read them as they arrive. Without
+    expert parallelism the fp8 rows are gathered locally. x's gradient sums each token's
+    rows in one pass, with the bits of torchtitan's gather backward. The combine is
+    torchtitan's (bf16)."""
 
     @dataclass(kw_only=True, slots=True)
     class Config(AllToAllTokenDispatcher.Config):
@@ -453,12 +457,16 @@ class Fp8AllToAllTokenDispatcher(AllToAllTokenDispatcher):
         _check_recipe(self.recipe, "Fp8AllToAllTokenDispatcher")
 
     def dispatch(self, x_TD, topk_scores_TK, topk_expert_ids_TK, num_local_tokens_per_expert_E):
-        if self.ep_mesh is None:  # (nothing is sent)
-            return super().dispatch(x_TD, topk_scores_TK, topk_expert_ids_TK, num_local_tokens_per_expert_E)
-        ep = self.ep_mesh.size()
+        # torchtitan's order of the routed rows: by expert, each expert's in token order
         order = torch.argsort(topk_expert_ids_TK.view(-1), stable=True)
         scores = topk_scores_TK.view(-1)[order]
         token_idx = order // self.top_k
+        if self.ep_mesh is None:  # (the rows are gathered here, nothing is sent)
+            rows = fp8_dispatch(x_TD, token_idx.to(torch.int32), self.recipe)
+            metadata = LocalDispatchMetadata(token_indices_experts_sorted_N=token_idx,
+                                             topk_scores_experts_sorted_N=scores)
+            return rows, num_local_tokens_per_expert_E, metadata
+        ep = self.ep_mesh.size()
         group = self.ep_mesh.get_group()
         counts = num_local_tokens_per_expert_E.to(torch.int32)
         with torch.no_grad():

@@ -1,5 +1,6 @@
 """Token-group building blocks (DESIGN §8): the padded layout's offsets and size, the expert-parallel
-permutation, row gather and scatter, and fp8 token rows back to values (dequantize_rows). Raw ops; the differentiable helpers are in
+permutation, row gather and scatter, fp8 token rows back to values (dequantize_rows) and a row gather's
+backward (sum_rows). Raw ops; the differentiable helpers are in
 :mod:`moe_fp8_ext.token_groups` (top-level names). Each op's argument checks are one function, run
 by its wrapper (before any shape is read) and by its fake.
 """
@@ -35,6 +36,7 @@ __all__ = [
     "padded_rows",
     "permute_indices",
     "scatter_rows",
+    "sum_rows",
     "zero_rows_past_groups_",
 ]
 
@@ -260,3 +262,29 @@ def dequantize_rows(q: Tensor, scale: Tensor, block: int, out_dtype: torch.dtype
 def _(q, scale, block, out_dtype):
     check_dequantize_rows(q, scale, block, out_dtype)
     return q.new_empty(q.shape, dtype=out_dtype)
+
+
+def check_sum_rows(x, indices, offs, op="sum_rows"):
+    check_tensor(op, "x", x, dim=2)
+    _require(x.dtype in QUANT_IN_DTYPES,
+             lambda: f"{op}: expected x of dtype bfloat16, float16 or float32, got {_dtype_name(x.dtype)}")
+    check_index(op, "indices", indices)
+    check_index(op, "offs", offs)
+    check_same_device(op, "x", x, indices=indices, offs=offs)
+    check_rows_alloc(op, "the output", offs.shape[0], x)
+
+
+def sum_rows(x: Tensor, indices: Tensor, offs: Tensor) -> Tensor:
+    """``y[t] = x[indices[j]]`` summed over j in ``[offs[t-1], offs[t])`` (``offs[-1]``
+    = 0; ``indices[j] == -1`` adds nothing), added in order of j to +0, each partial sum
+    rounded to x's dtype (bf16, fp16 or fp32). That is autograd's backward of the gather
+    ``x[token]`` (index_put with accumulate) when ``indices`` lists each token's rows in
+    ascending order; in one pass, without a sort of the gradient rows."""
+    check_sum_rows(x, indices, offs)
+    return _ops.sum_rows(x, indices, offs)
+
+
+@torch.library.register_fake("moe_fp8::sum_rows")
+def _(x, indices, offs):
+    check_sum_rows(x, indices, offs)
+    return x.new_empty((offs.shape[0], x.shape[1]))
