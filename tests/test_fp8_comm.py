@@ -432,7 +432,8 @@ def test_local_fp8_dispatch_in_torchtitan_moe(device, recipe, how):
     """torchtitan's MoE without expert parallelism, its all-to-all or local dispatcher
     swapped for ours (converter config, or convert() of a built model): the output and
     the gradients of x, the router and W2 have the bits of the bf16 dispatch; W1's and
-    W3's are within the second fp8 rounding of x (relative L2 below 2%)."""
+    W3's are within the second fp8 rounding of x (relative L2 below 2%). unconvert()
+    restores the dispatcher's class."""
     tt = pytest.importorskip("moe_fp8_ext.integrations.torchtitan")
     results = []
     for fp8 in (False, True):
@@ -449,6 +450,10 @@ def test_local_fp8_dispatch_in_torchtitan_moe(device, recipe, how):
         out = moe(x)
         out.backward(randn(out.shape, torch.bfloat16, device, seed=4))
         results.append({"out": out, "x": x.grad, **{n: p.grad for n, p in moe.named_parameters()}})
+        if fp8 and how == "convert":  # (unconvert gives the local dispatcher back)
+            from torchtitan.models.common.token_dispatcher import LocalTokenDispatcher
+
+            assert tt.unconvert(moe) == 1 and type(d) is LocalTokenDispatcher and not hasattr(d, "moe_fp8_base")
     bf16, fp8 = results
     for name in bf16:
         if name.endswith(("w1_EFD", "w3_EFD")):

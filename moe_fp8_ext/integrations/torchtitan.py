@@ -22,8 +22,9 @@ recipe. They are not tensor-parallel here, and FSDP2 gathers them in bf16.
 
 FP8 communication (fp8_blockwise and fp8_rowwise): ``fp8_all_gather`` makes FSDP2
 all-gather the expert weights as fp8 (:mod:`moe_fp8_ext.fsdp`; convert before
-``fully_shard``), ``fp8_dispatch`` swaps the ``AllToAllTokenDispatcher`` of each MoE
-layer whose experts it converts for :class:`Fp8AllToAllTokenDispatcher`, which
+``fully_shard``), ``fp8_dispatch`` swaps the ``AllToAllTokenDispatcher`` (or
+``LocalTokenDispatcher``) of each MoE layer whose experts it converts for
+:class:`Fp8AllToAllTokenDispatcher`, which
 quantizes each token once and sends (or, without expert parallelism, copies) the
 routed rows as fp8 (:mod:`moe_fp8_ext.dispatch`).
 """
@@ -312,6 +313,7 @@ def convert(model: torch.nn.Module, recipe: Union[str, Recipe] = "fp8_rowwise", 
     if fp8_all_gather:
         _fsdp.fp8_all_gather(model)
     for d in dispatchers:  # (a local one has no mesh: ours is local without one)
+        d.moe_fp8_base = getattr(d, "moe_fp8_base", type(d))  # (unconvert restores it)
         d.__class__, d.recipe, d.ep_mesh = Fp8AllToAllTokenDispatcher, r, getattr(d, "ep_mesh", None)
     return len(found) + (len(shared) if shared_experts else 0)
 
@@ -343,7 +345,7 @@ def unconvert(model: torch.nn.Module) -> int:
     for m in model.modules():
         d = getattr(m, "token_dispatcher", None)
         if type(d) is Fp8AllToAllTokenDispatcher:
-            d.__class__ = AllToAllTokenDispatcher
+            d.__class__ = d.__dict__.pop("moe_fp8_base", AllToAllTokenDispatcher)
     return len(found)
 
 
@@ -362,7 +364,8 @@ class ExpertsConverter(QuantizationConverter):
         fp8_all_gather: bool = False
         """FSDP2 all-gathers the expert weights in fp8 (moe_fp8_ext.fsdp)."""
         fp8_dispatch: bool = False
-        """Expert parallelism sends the routed tokens in fp8 (Fp8AllToAllTokenDispatcher)."""
+        """The routed tokens are quantized once and dispatched in fp8, sent under expert
+        parallelism and gathered locally without it (Fp8AllToAllTokenDispatcher)."""
         shared_experts: bool = False
         """The MoE layers' shared experts (FeedForward) run moe_fp8_ext.experts too."""
         filter_fqns: List[str] = field(default_factory=list)
