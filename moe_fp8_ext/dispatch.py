@@ -1,8 +1,8 @@
 """FP8 token dispatch (DESIGN §12): tokens are quantized once, before they are copied to
 their k experts, into the W13 forward GEMM's left operand. With expert parallelism they
 cross the all-to-all as fp8 data with their scales (fp8_blockwise: 1x128 blocks, about
-52% of bf16's bytes; fp8_rowwise: one scale a row, about 50%); without it (no group)
-(no splits) the fp8 rows are gathered locally. The combine and the backward's gradient all-to-all
+52% of bf16's bytes; fp8_rowwise: one scale a row, about 50%); without it (no splits)
+the fp8 rows are gathered locally. The combine and the backward's gradient all-to-all
 stay bf16, as in DeepSeek-V3.
 
     rows = fp8_dispatch(x, token_idx, recipe, group, input_splits, output_splits, perm)
@@ -113,12 +113,13 @@ def _all_to_all(t: Tensor, out_rows: int, out_splits: List[int], in_splits: List
 
 
 def _gather_backward(grad: Tensor, token_idx: Tensor, num_tokens: int) -> Tensor:
-    """x's gradient for rows ``x[token_idx]``: each token's rows summed in ascending order
-    (the sums of autograd's index_put with accumulate), in one pass."""
+    """x's gradient for rows ``x[token_idx]`` (-1: a zero row): each token's rows summed in
+    ascending order (the sums of autograd's index_put with accumulate), in one pass."""
     token, rows = torch.sort(token_idx, stable=True)
     ends = torch.searchsorted(token, torch.arange(1, num_tokens + 1, dtype=token.dtype, device=token.device),
                               out_int32=True)
-    return _ops.sum_rows(grad, rows.to(torch.int32), ends)
+    rows = torch.where(token >= 0, rows.to(torch.int32), -1)  # (a -1 token, a padding row: no gradient)
+    return _ops.sum_rows(grad, rows, ends)
 
 
 class _Fp8Dispatch(torch.autograd.Function):

@@ -341,6 +341,10 @@ def test_fp8_dispatch_converts_the_dispatchers_of_converted_experts():
     cfg = tt.ExpertsConverter.Config(recipe="fp8_rowwise", fp8_dispatch=True).build().convert(_moe_config())
     cfg = tt.ExpertsConverter.Config(recipe="fp8_blockwise", fp8_dispatch=True).build().convert(cfg)
     assert cfg.routed_experts.token_dispatcher.recipe == "fp8_blockwise"
+    # A built model converted again, then unconverted: torchtitan's all-to-all dispatcher.
+    moe = tt.build_moe(64, 128, 4, converter=tt.ExpertsConverter.Config(recipe="fp8_rowwise", fp8_dispatch=True))
+    assert tt.convert(moe, "fp8_blockwise", fp8_dispatch=True) == 1
+    assert tt.unconvert(moe) == 1 and type(moe.routed_experts.token_dispatcher) is AllToAllTokenDispatcher
 
 
 def _moe_config():
@@ -460,6 +464,21 @@ def test_local_fp8_dispatch_in_torchtitan_moe(device, recipe, how):
             assert (fp8[name] - bf16[name]).float().norm() < 0.02 * bf16[name].float().norm(), name
         else:
             assert same(fp8[name], bf16[name]), name
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_local_dispatch_gives_padding_rows_no_gradient(device):
+    """token_idx -1: a zero row, whose gradient reaches no token."""
+    r = moe_fp8_ext.get_recipe("fp8_blockwise")
+    x = randn((5, 256), torch.bfloat16, device, seed=1).requires_grad_()
+    token_idx = torch.tensor([4, -1, 0, 2, 2, -1, 1], dtype=torch.int32, device=device)
+    rows = fp8_dispatch(x, token_idx, r)
+    assert not rows.dequantize()[[1, 5]].any()
+    grad = randn((7, 256), torch.bfloat16, device, seed=2)
+    torch.autograd.backward(rows, grad)
+    keep = token_idx >= 0
+    want = torch.zeros_like(x).index_put_((token_idx[keep].long(),), grad[keep], accumulate=True)
+    assert same(x.grad, want)
 
 
 def test_dispatch_permutes_rows_and_pads_with_zeros(one_rank):

@@ -327,21 +327,35 @@ def rows_of_tokens(tokens, rows, k, device, gen):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-@pytest.mark.parametrize("tokens, rows, k, width", [(37, 200, 6, 72), (64, 512, 8, 256), (5, 9, 2, 3), (9, 0, 4, 8)])
+@pytest.mark.parametrize("tokens, rows, k, width", [(37, 200, 6, 72), (64, 512, 8, 256), (5, 9, 2, 3), (5, 40, 8, 16),
+                                                    (9, 0, 4, 8)])
 def test_sum_rows_is_the_gather_backward(device, dtype, tokens, rows, k, width):
     """Each token's rows summed in ascending order: the reference, and the bits of
-    autograd's backward of x[token] (index_put with accumulate) on the same device;
-    values of every size (fp16 overflow to Inf, -0 sums), a strided x, a poisoned output."""
+    autograd's backward of x[token] (index_put with accumulate) on the same device (on
+    CUDA for rows of more than 64 elements: torch adds narrower rows' repeats in fp32 and
+    rounds once); values of every size (fp16 overflow to Inf, -0 sums), rows apart by
+    more than their width, a poisoned output."""
     gen = torch.Generator().manual_seed(tokens + rows + width)
     token, order, offs = rows_of_tokens(tokens, rows, k, device, gen)
     g = (torch.randn(rows, width, generator=gen) * torch.logspace(-30, 4, width)).to(dtype)
     g[::7] = -g[::7].abs() * 1e-30
-    g = torch.cat([g, g], 1).to(device)[:, ::2]  # (strided rows)
+    g = torch.cat([g, g], 1).to(device)[:, :width]  # (rows 2 * width apart)
     poison(device)
     got = torch.ops.moe_fp8.sum_rows(g, order, offs)
     assert got.shape == (tokens, width) and got.dtype == dtype and got.is_contiguous()
-    assert_dequantized_equal(got, ref.sum_rows(g, order, offs))
-    assert_dequantized_equal(got, gather_backward(token, g, tokens))
+    assert_same_bits(got, ref.sum_rows(g, order, offs))
+    if device == "cpu" or width > 64:
+        assert_same_bits(got, gather_backward(token, g, tokens))
+
+
+def assert_same_bits(a, b):
+    """Bit for bit, NaN for NaN (of any payload: torch's casts differ by device)."""
+    assert a.shape == b.shape and a.dtype == b.dtype
+    a, b = a.cpu(), b.cpu()
+    nan = a.isnan()
+    assert torch.equal(nan, b.isnan())
+    bits = _INT_VIEW[a.dtype]
+    assert torch.equal(a.view(bits)[~nan], b.view(bits)[~nan])
 
 
 def gather_backward(token, g, tokens):
@@ -365,7 +379,7 @@ def test_sum_rows_skips_minus_one_and_leaves_empty_tokens_zero(device):
     got = torch.ops.moe_fp8.sum_rows(x, idx, offs)
     want = torch.tensor([[3.0, 3.0], [0.0, 0.0], [0.0, 0.0], [0.0, 0.0]], device=device)
     assert torch.equal(got.view(torch.int32), want.view(torch.int32))
-    assert_dequantized_equal(got, ref.sum_rows(x, idx, offs))
+    assert_same_bits(got, ref.sum_rows(x, idx, offs))
 
 
 def test_sum_rows_errors():

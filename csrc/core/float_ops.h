@@ -121,4 +121,36 @@ MOE_FP8_HD float half_bits_float(uint16_t h) {
   return m == 0 ? bits_float(sign) : (sign ? -1.0f : 1.0f) * static_cast<float>(m) * 5.9604644775390625e-8f;
 }
 
+// One element of a bf16, fp16 or fp32 tensor: its storage (bits or a float), as fp32, from
+// fp32 (nearest even; a NaN stays a NaN), and an fp32 intermediate rounded to the type.
+template <InputKind K>
+struct ElemBits;
+
+template <>
+struct ElemBits<InputKind::kBF16> {
+  using storage = uint16_t;
+  static MOE_FP8_HD float to_float(uint16_t b) { return bits_float(static_cast<uint32_t>(b) << 16); }
+  static MOE_FP8_HD uint16_t from_float(float f) { return float_to_bf16_bits(f); }
+  // An intermediate's rounding: a NaN stays a NaN of some payload (no canonical select;
+  // every output goes through from_float). From bf16 inputs a NaN's low 16 bits are 0,
+  // so the integer rounding off CUDA cannot carry it into the sign.
+  static MOE_FP8_HD float round(float f) { return bits_float(static_cast<uint32_t>(bf16_bits_rn(f)) << 16); }
+};
+
+template <>
+struct ElemBits<InputKind::kFP16> {
+  using storage = uint16_t;
+  static MOE_FP8_HD float to_float(uint16_t b) { return half_bits_float(b); }
+  static MOE_FP8_HD uint16_t from_float(float f) { return float_to_half_bits(f); }
+  static MOE_FP8_HD float round(float f) { return half_bits_float(float_to_half_bits(f)); }
+};
+
+template <>
+struct ElemBits<InputKind::kFP32> {
+  using storage = float;
+  static MOE_FP8_HD float to_float(float f) { return f; }
+  static MOE_FP8_HD float from_float(float f) { return f; }
+  static MOE_FP8_HD float round(float f) { return f; }
+};
+
 }  // namespace moe_fp8

@@ -114,28 +114,6 @@ struct SumRows {
   InputKind kind = InputKind::kBF16;  // (x's and y's type)
 };
 
-// A row element of the type as fp32, and an fp32 partial sum rounded to the type (NaN: the type's +NaN).
-template <InputKind K>
-struct SumType;
-template <>
-struct SumType<InputKind::kBF16> {
-  using T = uint16_t;
-  static MOE_FP8_HD float load(T b) { return bits_float(static_cast<uint32_t>(b) << 16); }
-  static MOE_FP8_HD float round(float v) { return float_as_bf16(v); }
-};
-template <>
-struct SumType<InputKind::kFP16> {
-  using T = uint16_t;
-  static MOE_FP8_HD float load(T b) { return half_bits_float(b); }
-  static MOE_FP8_HD float round(float v) { return half_bits_float(RowsOut<InputKind::kFP16>::encode(v)); }
-};
-template <>
-struct SumType<InputKind::kFP32> {
-  using T = float;
-  static MOE_FP8_HD float load(T f) { return f; }
-  static MOE_FP8_HD float round(float v) { return v; }
-};
-
 // The runners of one device (CPU loops in grouping_cpu.cpp, kernels in grouping.cu)
 // are gathered in a GroupingKernels table (grouping_ops.h); each takes the device
 // index of its tensors (ignored on the CPU).

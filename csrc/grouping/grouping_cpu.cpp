@@ -108,8 +108,8 @@ void dequantize_rows_cpu(const DequantRows& a, int /*device*/) {
 
 template <InputKind K>
 void sum_rows_as(const SumRows& a) {
-  using S = SumType<K>;
-  using T = typename S::T;
+  using S = ElemBits<K>;
+  using T = typename S::storage;
   const T* x = static_cast<const T*>(a.x);
   T* y = static_cast<T*>(a.y);
   at::parallel_for(0, a.rows, 16, [&](int64_t begin, int64_t end) {
@@ -122,9 +122,9 @@ void sum_rows_as(const SumRows& a) {
         const int32_t src = a.indices[j];
         if (src < 0 || src >= a.x_rows) continue;
         const T* row = x + src * a.x_stride;
-        for (int64_t c = 0; c < a.cols; ++c) acc[c] = S::round(acc[c] + S::load(row[c]));
+        for (int64_t c = 0; c < a.cols; ++c) acc[c] = S::round(acc[c] + S::to_float(row[c]));
       }
-      for (int64_t c = 0; c < a.cols; ++c) y[r * a.cols + c] = RowsOut<K>::encode(acc[c]);
+      for (int64_t c = 0; c < a.cols; ++c) y[r * a.cols + c] = S::from_float(acc[c]);
     }
   });
 }

@@ -179,6 +179,19 @@ __global__ void __launch_bounds__(kGroupingThreads) zero_rows_past_groups_kernel
   }
 }
 
+// fn(r, c) for each run of V elements (row r, columns [c, c + V)) of a rows x cols
+// array, V dividing cols: a thread a run, grid-stride.
+template <int V, typename Fn>
+MOE_FP8_DEVICE void for_each_row_vector(int64_t rows, int64_t cols, Fn&& fn) {
+  const int64_t per_row = cols / V;
+  const int64_t n = rows * per_row;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t r = i / per_row;
+    fn(r, (i - r * per_row) * V);
+  }
+}
+
 // dequantize_rows (grouping.h): V consecutive elements of one row a thread (V divides
 // cols, and block or the run is in one block: one scale, one V-byte load, one store).
 template <Fp8Format F, InputKind O, int V>
@@ -190,36 +203,26 @@ __global__ void __launch_bounds__(kGroupingThreads) dequantize_rows_kernel(Dequa
   struct alignas(V) In {
     uint8_t b[V];
   };
-  const int64_t per_row = a.cols / V;
-  const int64_t n = a.rows * per_row;
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int64_t r = i / per_row;
-    const int64_t c = (i - r * per_row) * V;
+  for_each_row_vector<V>(a.rows, a.cols, [&](int64_t r, int64_t c) {
     const float s = a.scale[r * a.scale_cols + c / a.block];
     const In in = *reinterpret_cast<const In*>(a.q + r * a.cols + c);
     Out out;
 #pragma unroll
     for (int k = 0; k < V; ++k) out.v[k] = dequantize_value<F, O>(in.b[k], s);
     *reinterpret_cast<Out*>(static_cast<T*>(a.y) + r * a.cols + c) = out;
-  }
+  });
 }
 
 // sum_rows (grouping.h): V consecutive elements of one output row a thread, its rows'
 // vectors loaded four at a time and added in order (V divides cols, stride and bases).
 template <InputKind K, int V>
 __global__ void __launch_bounds__(kGroupingThreads) sum_rows_kernel(SumRows a) {
-  using S = SumType<K>;
-  using T = typename S::T;
+  using S = ElemBits<K>;
+  using T = typename S::storage;
   using Vec = Array<T, V>;
   constexpr int kAhead = 4;
   const T* x = static_cast<const T*>(a.x);
-  const int64_t per_row = a.cols / V;
-  const int64_t n = a.rows * per_row;
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int64_t r = i / per_row;
-    const int64_t c = (i - r * per_row) * V;
+  for_each_row_vector<V>(a.rows, a.cols, [&](int64_t r, int64_t c) {
     int64_t j, end;
     group_range(a.offs, static_cast<int>(r), a.num_indices, &j, &end);
     float acc[V];
@@ -238,15 +241,15 @@ __global__ void __launch_bounds__(kGroupingThreads) sum_rows_kernel(SumRows a) {
       for (int u = 0; u < kAhead; ++u) {
         if (!ok[u]) continue;
 #pragma unroll
-        for (int k = 0; k < V; ++k) acc[k] = S::round(acc[k] + S::load(v[u].v[k]));
+        for (int k = 0; k < V; ++k) acc[k] = S::round(acc[k] + S::to_float(v[u].v[k]));
       }
       j += kAhead;
     }
     Vec out;
 #pragma unroll
-    for (int k = 0; k < V; ++k) out.v[k] = RowsOut<K>::encode(acc[k]);
+    for (int k = 0; k < V; ++k) out.v[k] = S::from_float(acc[k]);
     *reinterpret_cast<Vec*>(static_cast<T*>(a.y) + r * a.cols + c) = out;
-  }
+  });
 }
 
 // ---- launchers ---------------------------------------------------------------------
@@ -381,7 +384,7 @@ int launch_sum_rows_as(const SumRows& a, gpuStream_t stream) {
 
 template <InputKind K>
 int launch_sum_rows_kind(const SumRows& a, gpuStream_t stream) {
-  using T = typename SumType<K>::T;
+  using T = typename ElemBits<K>::storage;
   constexpr int kV = 16 / static_cast<int>(sizeof(T));
   const bool vec = a.cols % kV == 0 && a.x_stride % kV == 0 && reinterpret_cast<uintptr_t>(a.x) % 16 == 0 &&
                    reinterpret_cast<uintptr_t>(a.y) % 16 == 0;

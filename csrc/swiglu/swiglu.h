@@ -108,36 +108,9 @@ MOE_FP8_HD float silu_backward_f32(float g, float x, float sig) {
   return f_mul(f_mul(g, sig), f_add(1.0f, f_mul(x, f_sub(1.0f, sig))));
 }
 
-// Storage of one input element as bits (bf16/fp16) or a float, and its rounding.
+// Storage of one input element and its rounding (core/float_ops.h).
 template <InputKind K>
-struct SwigluElem;
-
-template <>
-struct SwigluElem<InputKind::kBF16> {
-  using storage = uint16_t;
-  static MOE_FP8_HD float to_float(uint16_t b) { return bits_float(static_cast<uint32_t>(b) << 16); }
-  static MOE_FP8_HD uint16_t from_float(float f) { return float_to_bf16_bits(f); }
-  // An intermediate's rounding: a NaN stays a NaN of some payload (no canonical select;
-  // every output goes through from_float). From bf16 inputs a NaN's low 16 bits are 0,
-  // so the integer rounding off CUDA cannot carry it into the sign.
-  static MOE_FP8_HD float round(float f) { return bits_float(static_cast<uint32_t>(bf16_bits_rn(f)) << 16); }
-};
-
-template <>
-struct SwigluElem<InputKind::kFP16> {
-  using storage = uint16_t;
-  static MOE_FP8_HD float to_float(uint16_t b) { return half_bits_float(b); }
-  static MOE_FP8_HD uint16_t from_float(float f) { return float_to_half_bits(f); }
-  static MOE_FP8_HD float round(float f) { return half_bits_float(float_to_half_bits(f)); }
-};
-
-template <>
-struct SwigluElem<InputKind::kFP32> {
-  using storage = float;
-  static MOE_FP8_HD float to_float(float f) { return f; }
-  static MOE_FP8_HD float from_float(float f) { return f; }
-  static MOE_FP8_HD float round(float f) { return f; }
-};
+using SwigluElem = ElemBits<K>;
 
 // The bf16 module's math (torchtitan: F.silu(x w1) * (x w3)): R rounds to the input dtype (nearest even) what autograd
 // materializes, the rest is fp32. h = R(R(silu(h1)) * h3), with silu(x) = x / (1 + exp(-x)) from silu_quot<false>(h1).

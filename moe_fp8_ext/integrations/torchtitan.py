@@ -313,7 +313,8 @@ def convert(model: torch.nn.Module, recipe: Union[str, Recipe] = "fp8_rowwise", 
     if fp8_all_gather:
         _fsdp.fp8_all_gather(model)
     for d in dispatchers:  # (a local one has no mesh: ours is local without one)
-        d.moe_fp8_base = getattr(d, "moe_fp8_base", type(d))  # (unconvert restores it)
+        if type(d) is not Fp8AllToAllTokenDispatcher:  # (torchtitan's class, which unconvert restores)
+            d.moe_fp8_base = type(d)
         d.__class__, d.recipe, d.ep_mesh = Fp8AllToAllTokenDispatcher, r, getattr(d, "ep_mesh", None)
     return len(found) + (len(shared) if shared_experts else 0)
 

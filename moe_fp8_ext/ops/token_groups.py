@@ -277,9 +277,10 @@ def check_sum_rows(x, indices, offs, op="sum_rows"):
 def sum_rows(x: Tensor, indices: Tensor, offs: Tensor) -> Tensor:
     """``y[t] = x[indices[j]]`` summed over j in ``[offs[t-1], offs[t])`` (``offs[-1]``
     = 0; ``indices[j] == -1`` adds nothing), added in order of j to +0, each partial sum
-    rounded to x's dtype (bf16, fp16 or fp32). That is autograd's backward of the gather
-    ``x[token]`` (index_put with accumulate) when ``indices`` lists each token's rows in
-    ascending order; in one pass, without a sort of the gradient rows."""
+    rounded to x's dtype (bf16, fp16 or fp32). With each token's rows listed in ascending
+    order, that is autograd's backward of the gather ``x[token]`` (index_put with
+    accumulate; on CUDA for rows of more than 64 elements, where torch also rounds each
+    sum), in one pass, without a sort of the gradient rows."""
     check_sum_rows(x, indices, offs)
     return _ops.sum_rows(x, indices, offs)
 
