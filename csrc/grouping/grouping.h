@@ -99,8 +99,8 @@ MOE_FP8_HD typename RowsOut<O>::T dequantize_value(uint32_t code, float scale) {
 }
 
 // sum_rows: y[t, :] = the rows x[indices[j], :] for j in [offs[t-1], offs[t]) (offs[-1] = 0), added in order of j
-// to +0 with each partial sum rounded to x's type: autograd's backward of a row gather whose repeats are listed in
-// ascending order (index_put with accumulate). An index outside [0, x_rows) adds nothing; offs are clamped.
+// to +0, each partial sum rounded to x's type (as torch's CUDA index_put adds a repeated index's rows of > 64
+// elements). An index outside [0, x_rows) adds nothing; offs are clamped.
 struct SumRows {
   const void* x = nullptr;  // (x_rows, cols), rows x_stride elements apart
   int64_t x_rows = 0;
