@@ -88,7 +88,9 @@ def test_shared_experts_under_torchtitan_parallelisms(ranks, layout, runs):
 # serves one pass, torchtitan reshards after forward); fp8 dispatch keeps the forward's bits (step 0 equal) but
 # rounds W1/W3's wgrad inputs to fp8 again, so the loss curve stays within 1% of bf16's.
 @pytest.mark.parametrize("ranks, layout, pairs", [
-    (2, "fsdp", [("config:fp8_blockwise", "config:fp8_blockwise:ag"), ("before:fp8_rowwise", "before:fp8_rowwise:ag")]),
+    # (fsdp + disp: no EP mesh, the tokens dispatched in fp8 locally)
+    (2, "fsdp", [("config:fp8_blockwise", "config:fp8_blockwise:ag"), ("before:fp8_rowwise", "before:fp8_rowwise:ag"),
+                 ("config:fp8_blockwise:ag", "config:fp8_blockwise:ag:disp")]),
     (2, "ep", [("config:fp8_blockwise", "config:fp8_blockwise:disp"), ("before:fp8_rowwise", "before:fp8_rowwise:disp"),
                ("config:fp8_blockwise:disp", "config:fp8_blockwise:ag:disp")]),
     (4, "ep_fsdp", [("config:fp8_blockwise", "config:fp8_blockwise:ag:disp"),
