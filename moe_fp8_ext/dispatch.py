@@ -149,7 +149,8 @@ class _Fp8Dispatch(torch.autograd.Function):
 
 
 @torch.compiler.disable(reason="moe_fp8_ext: the fp8 dispatch returns a tensor subclass dynamo cannot trace and "
-                        "runs eagerly (a graph break; fullgraph=True cannot hold it)")
+                        "runs eagerly (a graph break; fullgraph=True cannot hold it: compile without fullgraph, "
+                        "or convert with fp8_dispatch=False)")
 def fp8_dispatch(x: Tensor, token_idx: Tensor, recipe: Recipe, group=None, input_splits: Optional[List[int]] = None,
                  output_splits: Optional[List[int]] = None, perm: Optional[Tensor] = None, fp8_dtype=None) -> Fp8Rows:
     """Send the rows ``x[token_idx]`` (x (T, D) this rank's tokens, ``token_idx`` int32

@@ -398,7 +398,8 @@ def _check_main_grads(main_grads, ws, device):
 
 EAGER_REASON = ("moe_fp8_ext: rows dispatched and weights all-gathered in fp8 are tensor subclasses dynamo cannot "
                 "trace, and main_grads are added to in place by the backward; the experts layer runs them eagerly "
-                "(fullgraph=True cannot hold them)")
+                "(fullgraph=True cannot hold them: compile without fullgraph, or without FP8 communication and "
+                "fused gradient accumulation)")
 
 
 def traced_fp8_comm(x, ws) -> bool:
