@@ -308,13 +308,7 @@ at::Tensor sum_rows(const GroupingKernels& k, const at::Tensor& x_in, const at::
   constexpr const char* op = "sum_rows";
   check_same_device(op, {"x", x_in}, {{"indices", indices}, {"offs", offs}});
   check_rank(x_in, 2, op, "x");
-  InputKind kind = InputKind::kBF16;
-  switch (x_in.scalar_type()) {
-    case at::kBFloat16: kind = InputKind::kBF16; break;
-    case at::kHalf: kind = InputKind::kFP16; break;
-    case at::kFloat: kind = InputKind::kFP32; break;
-    default: TORCH_CHECK(false, op, ": expected x of dtype bfloat16, float16 or float32, got ", x_in.scalar_type());
-  }
+  const InputKind kind = input_kind(x_in, op, "x");
   check_index_tensor(indices, x_in, op, "indices");
   check_offs(offs, x_in, indices.size(0), op);
   check_indices(indices, x_in, x_in.size(0), /*unique=*/false, op);

@@ -24,9 +24,8 @@ FP8 communication (fp8_blockwise and fp8_rowwise): ``fp8_all_gather`` makes FSDP
 all-gather the expert weights as fp8 (:mod:`moe_fp8_ext.fsdp`; convert before
 ``fully_shard``), ``fp8_dispatch`` swaps the ``AllToAllTokenDispatcher`` (or
 ``LocalTokenDispatcher``) of each MoE layer whose experts it converts for
-:class:`Fp8AllToAllTokenDispatcher`, which
-quantizes each token once and sends (or, without expert parallelism, copies) the
-routed rows as fp8 (:mod:`moe_fp8_ext.dispatch`).
+:class:`Fp8AllToAllTokenDispatcher`, which quantizes each token once and sends (or,
+without expert parallelism, gathers) the routed rows as fp8 (:mod:`moe_fp8_ext.dispatch`).
 """
 
 from dataclasses import dataclass, field, fields, replace
