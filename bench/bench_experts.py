@@ -10,7 +10,10 @@ per micro-batch of four that add into ``.grad`` in place. "+reuse" rows convert 
 rows convert the layer's shared experts too (``shared_experts=True``), and "+dispatch"
 rows swap its token dispatcher for the fp8 one (``fp8_dispatch=True``: each token
 quantized once and its fp8 rows gathered; x's gradient rows summed in one pass, the bits
-of torchtitan's index_put backward). Token groups are a
+of torchtitan's index_put backward; the combine in one pass each way, the bits of
+torchtitan's on CUDA). "bf16+combine" is torchtitan's bf16 layer with only that combine
+(moe_fp8_ext.dispatch.combine): the part of "+dispatch"'s gain that is not FP8's.
+Token groups are a
 router's: unaligned sizes drawn around tokens/experts (the MoE table routes real tokens
 through torchtitan's router). Peak is the most memory one fresh step allocates above
 what was allocated before it (activations, operands and the new gradients). The
@@ -31,6 +34,7 @@ import copy
 import dataclasses
 import os
 import sys
+import types
 
 import torch
 
@@ -293,7 +297,7 @@ def moe_layer(tokens, dim, hidden, experts, top_k, converter=None, seed=0):
 
 
 def bench_moe(shapes, modes, peer):
-    from moe_fp8_ext.integrations.torchtitan import ExpertsConverter
+    from moe_fp8_ext.integrations.torchtitan import ExpertsConverter, Fp8AllToAllTokenDispatcher
 
     rows, records = [], []
     for t, d, h, e, k in shapes:
@@ -301,6 +305,10 @@ def bench_moe(shapes, modes, peer):
         x = torch.randn(1, t, d, device=DEVICE, dtype=torch.bfloat16, generator=g).requires_grad_()
         grad = torch.randn(1, t, d, device=DEVICE, dtype=torch.bfloat16, generator=g)
         variants = {"bf16": (moe_layer(t, d, h, e, k), (x,), grad)}
+        bf16_combine = moe_layer(t, d, h, e, k)
+        disp = bf16_combine.routed_experts.token_dispatcher
+        disp.combine = types.MethodType(Fp8AllToAllTokenDispatcher.combine, disp)
+        variants["bf16+combine"] = (bf16_combine, (x,), grad)
         for r in RECIPES:  # (+shared: shared_experts=True; +dispatch: fp8_dispatch=True)
             variants[r] = (moe_layer(t, d, h, e, k, ExpertsConverter.Config(recipe=r)), (x,), grad)
             variants[r + "+shared"] = (moe_layer(t, d, h, e, k, ExpertsConverter.Config(recipe=r, shared_experts=True)),

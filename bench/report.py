@@ -30,7 +30,7 @@ TARGETS = [
       for s in ("(32768, 7168, 2048, 8)", "(16384, 5120, 1536, 16)", "(65536, 2048, 1408, 64)",
                 "(65536, 2048, 768, 128)")],
     *[("MoE layer fresh step vs bf16", "bench_experts", "moe", s, v, "eager", "fresh_vs_bf16", ">=", 1.15)
-      for v in ("fp8_blockwise", "fp8_blockwise+shared")
+      for v in ("fp8_blockwise", "fp8_blockwise+shared", "fp8_blockwise+dispatch")
       for s in ("(16384, 2048, 1408, 64, top-6)", "(8192, 7168, 2048, 32, top-8)")],
 ]
 TARGET_DEVICE = "H100"  # the targets' GPU: the table reads only runs on it

@@ -149,6 +149,8 @@ TORCH_LIBRARY(moe_fp8, m) {
   // to out_dtype (bf16, fp16 or fp32): token rows dispatched in fp8, as values.
   m.def("dequantize_rows(Tensor q, Tensor scale, int block, ScalarType out_dtype) -> Tensor");
   m.def("sum_rows(Tensor x, Tensor indices, Tensor offs) -> Tensor");
+  m.def("combine_rows(Tensor x, Tensor scores, Tensor indices, Tensor offs) -> Tensor");
+  m.def("combine_rows_backward(Tensor grad, Tensor x, Tensor scores, Tensor token) -> (Tensor, Tensor)");
 }
 
 #if defined(MOE_FP8_WITH_CUDA)

@@ -20,6 +20,11 @@ dispatched values, dequantized (the values the forward GEMM read; a second round
 fp8, as DeepSeek-V3 requantizes its cached 1x128 activations). The forward output and
 the input gradient are the bits of the bf16 dispatch; W1's and W3's gradients are
 within a second fp8 rounding of them.
+
+The combine (:func:`combine`, bf16) weights each returned row by its routing score
+and sums each token's rows in one pass (``combine_rows``), with the bits of
+torchtitan's combine on CUDA, without its N x D scatter index; its backward is one pass
+too (``combine_rows_backward``).
 """
 
 from typing import List, Optional, Tuple
@@ -30,7 +35,7 @@ from torch import Tensor
 
 from .recipes import Fp8Blockwise, Fp8Rowwise, Recipe
 
-__all__ = ["Fp8Rows", "fp8_dispatch", "fp8_rows_operand"]
+__all__ = ["Fp8Rows", "combine", "fp8_dispatch", "fp8_rows_operand"]
 
 _ops = torch.ops.moe_fp8
 
@@ -112,14 +117,48 @@ def _all_to_all(t: Tensor, out_rows: int, out_splits: List[int], in_splits: List
     return out
 
 
-def _gather_backward(grad: Tensor, token_idx: Tensor, num_tokens: int) -> Tensor:
-    """x's gradient for rows ``x[token_idx]`` (-1: a zero row): each token's rows summed in
-    ascending order (the sums of autograd's index_put with accumulate), in one pass."""
+def _token_rows(token_idx: Tensor, num_tokens: int) -> Tuple[Tensor, Tensor]:
+    """The rows of each token of ``token_idx`` (int32, -1: none), ascending: row indices
+    and their ends per token, for ``sum_rows`` and ``combine_rows``."""
     token, rows = torch.sort(token_idx, stable=True)
     ends = torch.searchsorted(token, torch.arange(1, num_tokens + 1, dtype=token.dtype, device=token.device),
                               out_int32=True)
-    rows = torch.where(token >= 0, rows.to(torch.int32), -1)  # (a -1 token, a padding row: no gradient)
-    return _ops.sum_rows(grad, rows, ends)
+    return torch.where(token >= 0, rows.to(torch.int32), -1), ends  # (a -1 token, a padding row: nothing)
+
+
+def _gather_backward(grad: Tensor, token_idx: Tensor, num_tokens: int) -> Tensor:
+    """x's gradient for rows ``x[token_idx]`` (-1: a zero row): each token's rows summed in
+    ascending order (the sums of autograd's index_put with accumulate), in one pass."""
+    return _ops.sum_rows(grad, *_token_rows(token_idx, num_tokens))
+
+
+class _Combine(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y, scores, token_idx, num_tokens):
+        ctx.save_for_backward(y, scores, token_idx)
+        return _ops.combine_rows(y, scores, *_token_rows(token_idx, num_tokens))
+
+    @staticmethod
+    def backward(ctx, grad):
+        y, scores, token_idx = ctx.saved_tensors
+        grad_y, grad_scores = _ops.combine_rows_backward(grad.contiguous(), y, scores, token_idx)
+        return grad_y, grad_scores, None, None
+
+
+def combine(y: Tensor, scores: Tensor, token_idx: Tensor, num_tokens: int) -> Tensor:
+    """``out[t]`` = the sum over rows j of token t (``token_idx[j] == t``; -1: no token) of
+    ``y[j] * scores[j]``: torchtitan's combine (the product in fp32, rounded to y's dtype,
+    the terms added in ascending j in fp32 and rounded once: the bits of its CUDA
+    deterministic scatter_add for fewer than 32 rows a token), in one pass forward and
+    one backward. Differentiable in y and scores (any float dtype; the product is fp32)."""
+    if not isinstance(y, Tensor) or y.dim() != 2 or y.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"combine: expected y a 2-D bf16, fp16 or fp32 tensor, got {getattr(y, 'shape', y)}")
+    if scores.shape != y.shape[:1] or token_idx.shape != y.shape[:1] or not scores.is_floating_point():
+        raise ValueError(f"combine: expected scores (float) and token_idx of shape ({y.shape[0]},), got "
+                         f"{scores.dtype} {tuple(scores.shape)} and {tuple(token_idx.shape)}")
+    if token_idx.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"combine: expected token_idx int32 or int64, got {token_idx.dtype}")
+    return _Combine.apply(y, scores.float(), token_idx.to(torch.int32), num_tokens)
 
 
 class _Fp8Dispatch(torch.autograd.Function):

@@ -175,6 +175,50 @@ def sum_rows(x: Tensor, indices: Tensor, offs: Tensor) -> Tensor:
     return acc.to(x.device)
 
 
+def combine_rows(x: Tensor, scores: Tensor, indices: Tensor, offs: Tensor) -> Tensor:
+    """Row t: the rows x[i] * scores[i] (fp32, rounded to x's dtype) for i in
+    indices[offs[t-1]:offs[t]], added in order in fp32 to +0, rounded once; -1 adds nothing."""
+    ends, idx = offs.long().cpu(), torch.cat([indices.long().cpu(), torch.full((1,), -1)])
+    starts = torch.cat([ends.new_zeros(1), ends[:-1]])
+    terms = (x.cpu().float() * scores.cpu()[:, None]).to(x.dtype).float()
+    acc = torch.zeros(offs.shape[0], x.shape[1])
+    for step in range(int((ends - starts).max()) if offs.numel() else 0):
+        j = starts + step
+        rows = idx[torch.where(j < ends, j, -1)]
+        live = rows >= 0
+        add = terms[rows.clamp(min=0)] if terms.shape[0] else acc
+        acc = torch.where(live[:, None], acc + add, acc)
+    return acc.to(x.dtype).to(x.device)
+
+
+def combine_rows_backward(grad: Tensor, x: Tensor, scores: Tensor, token: Tensor) -> Tuple[Tensor, Tensor]:
+    """x's row i of token t = token[i]: grad[t] * scores[i] (fp32, rounded to x's dtype),
+    and the fp32 dot of grad[t] and x[i]: 32 partial sums, partial l over the columns of
+    the 8-column chunks l, l + 32, ... in order, then added pairwise (l + 16 into l, then
+    l + 8, ...). A row of no token (-1): zeros."""
+    tok = token.long().cpu()
+    live = tok >= 0
+    g = torch.where(live[:, None], grad.cpu().float()[tok.clamp(min=0)], 0.0) if grad.shape[0] else \
+        torch.zeros(x.shape[0], x.shape[1])
+    s = scores.cpu()
+    gx = torch.where(live[:, None], (g * s[:, None]).to(x.dtype), torch.zeros((), dtype=x.dtype))
+    n, d = x.shape
+    chunks = -(-d // 256) * 256
+    prod = torch.full((n, chunks), -0.0)  # (-0.0 adds nothing, the sign of a zero sum kept)
+    prod[:, :d] = g * x.cpu().float()
+    prod = prod.view(n, chunks // 256, 32, 8)
+    part = torch.zeros(n, 32)
+    for c in range(prod.shape[1]):
+        for k in range(8):
+            part = part + prod[:, c, :, k]
+    off = 16
+    while off:
+        part[:, :off] = part[:, :off] + part[:, off:2 * off]
+        off //= 2
+    gs = torch.where(live, part[:, 0], 0.0)
+    return gx.to(x.device), gs.to(x.device)
+
+
 def dequantize_rows(q: Tensor, scale: Tensor, block: int, out_dtype: torch.dtype) -> Tensor:
     s = scale.repeat_interleave(block, dim=1)[:, :q.shape[1]]
     return (q.float() * s).to(out_dtype)

@@ -22,7 +22,8 @@ def test_bench_experts_smoke(tmp_path, table):
     rows = next(iter(doc["data"].values()))
     want = {"bf16", "fp8_rowwise", "fp8_blockwise"} | ({"fp8_blockwise (composed SwiGLU)"} if "--swiglu-ab" in table
                                                        else {"fp8_rowwise+shared", "fp8_blockwise+shared",
-                                                             "fp8_rowwise+dispatch", "fp8_blockwise+dispatch"})
+                                                             "fp8_rowwise+dispatch", "fp8_blockwise+dispatch",
+                                                             "bf16+combine"})
     assert want <= {r["variant"] for r in rows}
     assert all(r["fresh_ms"] > 0 and r["accum_ms"] > 0 for r in rows)
 

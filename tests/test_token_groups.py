@@ -1,6 +1,6 @@
 """Token groups (DESIGN §8): pad / unpad, the padded jagged quantization, the
 expert-parallel permutation indices, row gather / scatter, zero_rows_past_groups_,
-padded_group_offsets, dequantize_rows, sum_rows, their autograd, and torch.compile. Every op is compared with
+padded_group_offsets, dequantize_rows, sum_rows, combine_rows, their autograd, and torch.compile. Every op is compared with
 moe_fp8_ext.reference, bit for bit, on CPU and (when present) GPU; errors; opcheck
 on every op of the family (OPCHECK_CASES; test_op_coverage.py checks that every
 registered op has a case); GPU only: large shapes bit-exact with the CPU op, garbage
@@ -382,6 +382,105 @@ def test_sum_rows_skips_minus_one_and_leaves_empty_tokens_zero(device):
     assert_same_bits(got, ref.sum_rows(x, idx, offs))
 
 
+def torchtitan_combine(y, scores, token, tokens):
+    """torchtitan 0.3.0's combine (LocalTokenDispatcher.combine): the scores applied in
+    fp32, a cast, and a deterministic scatter_add (one CPU thread, as gather_backward)."""
+    out = torch.zeros(tokens, y.shape[1], dtype=y.dtype, device=y.device)
+    scaled = (y.to(torch.float32) * scores.reshape(-1, 1)).to(y.dtype)
+    threads, det = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
+    torch.set_num_threads(1)
+    torch.use_deterministic_algorithms(True)
+    try:
+        return out.scatter_add(0, token.long().reshape(-1, 1).expand(-1, y.shape[1]), scaled)
+    finally:
+        torch.set_num_threads(threads)
+        torch.use_deterministic_algorithms(det)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("tokens, rows, k, width", [(37, 200, 6, 72), (64, 512, 8, 256), (5, 9, 2, 3), (5, 40, 8, 300),
+                                                    (9, 0, 4, 8)])
+def test_combine_rows_and_backward(device, dtype, tokens, rows, k, width):
+    """combine_rows and its backward: the reference's bits on every device, for values of
+    every size, rows apart by more than their width, a poisoned output; the forward and
+    y's gradient also have the bits of autograd through torchtitan's combine (the scores'
+    gradient: within fp32 ordering)."""
+    gen = torch.Generator().manual_seed(tokens + rows + width + 1)
+    token, order, offs = rows_of_tokens(tokens, rows, k, device, gen)
+    y = (torch.randn(rows, width, generator=gen) * torch.logspace(-30, 4, width)).to(dtype)
+    y[::7] = -y[::7].abs() * 1e-30
+    y = torch.cat([y, y], 1).to(device)[:, :width]
+    scores = torch.rand(rows, generator=gen).to(device)
+    g = randn((tokens, width), dtype, device)
+    poison(device)
+    got = torch.ops.moe_fp8.combine_rows(y, scores, order, offs)
+    assert got.shape == (tokens, width) and got.dtype == dtype and got.is_contiguous()
+    assert_same_bits(got, ref.combine_rows(y, scores, order, offs))
+    poison(device)
+    gy, gs = torch.ops.moe_fp8.combine_rows_backward(g, y, scores, token)
+    want_gy, want_gs = ref.combine_rows_backward(g, y, scores, token)
+    assert_same_bits(gy, want_gy)
+    assert_same_bits(gs, want_gs)
+    yr, sr = y.detach().requires_grad_(), scores.detach().requires_grad_()
+    tt = torchtitan_combine(yr, sr, token, tokens)
+    tt.backward(g)
+    if dtype != torch.float16:  # (fp16: the logspace values overflow to Inf)
+        assert_same_bits(got, tt.detach())
+    assert_same_bits(gy, yr.grad)
+    assert_dots_close(gs, sr.grad, g, y, token)
+
+
+def assert_dots_close(got, want, g, y, token):
+    """Two fp32 sums of the products g[token[i]] * y[i] in different orders: apart by at
+    most the bound of a sum's rounding, columns x 2^-23 x the sum of |products|."""
+    finite = want.isfinite()
+    assert torch.equal(finite, got.isfinite())
+    live = (token >= 0).long()
+    mass = (g.float()[token.long().clamp(min=0)].abs() * y.float().abs()).sum(1) * live
+    bound = mass * y.shape[1] * 2.0**-23
+    assert torch.all((got - want).abs()[finite] <= bound[finite])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_combine_rows_minus_one_rows_and_tokens_without_rows(device):
+    y = torch.tensor([[1.0, -0.0], [2.0, 3.0], [-0.0, -0.0]], device=device)
+    scores = torch.tensor([0.5, -1.0, 2.0], device=device)
+    idx, offs = _i32([1, -1, 0, 2, -1, 2], device), _i32([3, 3, 5, 6], device)
+    got = torch.ops.moe_fp8.combine_rows(y, scores, idx, offs)
+    want = torch.tensor([[-1.5, -3.0], [0.0, 0.0], [0.0, 0.0], [0.0, 0.0]], device=device)
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))  # (+0 + -0 = +0)
+    token = _i32([0, -1, 3], device)
+    gy, gs = torch.ops.moe_fp8.combine_rows_backward(torch.ones(4, 2, device=device), y, scores, token)
+    assert torch.equal(gy.view(torch.int32), torch.tensor([[0.5, 0.5], [0.0, 0.0], [2.0, 2.0]],
+                                                          device=device).view(torch.int32))
+    assert torch.equal(gs, torch.tensor([1.0, 0.0, 0.0], device=device))
+
+
+def test_combine_rows_errors():
+    y, s = torch.randn(4, 3), torch.rand(4)
+    idx, offs = torch.tensor([0, 3], dtype=torch.int32), torch.tensor([1, 2], dtype=torch.int32)
+    cases = [((y, s.double(), idx, offs), "expected scores of dtype float32, got Double"),
+             ((y, s[:3], idx, offs), r"expected scores of 4 elements \(one a row of x\), got 3"),
+             ((y, s[None], idx, offs), "expected scores to be a 1-D tensor, got 2-D"),
+             ((y.to(torch.int32), s, idx, offs), "expected x of dtype bfloat16, float16 or float32, got Int")]
+    for fn in (moe_fp8_ext.ops.token_groups.combine_rows, torch.ops.moe_fp8.combine_rows):
+        for args, message in cases:
+            with pytest.raises(RuntimeError, match="combine_rows: " + message):
+                fn(*args)
+    g, token = torch.randn(2, 3), torch.tensor([0, 1, -1, 1], dtype=torch.int32)
+    cases = [((g.double(), y, s, token), "expected grad of x's dtype and columns"),
+             ((g[:, :2], y, s, token), "expected grad of x's dtype and columns"),
+             ((g, y, s, token[:3]), r"expected token of 4 elements \(one a row of x\), got 3"),
+             ((g, y, s, token.long()), "expected token of dtype int32, got Long")]
+    for fn in (moe_fp8_ext.ops.token_groups.combine_rows_backward, torch.ops.moe_fp8.combine_rows_backward):
+        for args, message in cases:
+            with pytest.raises(RuntimeError, match="combine_rows_backward: " + message):
+                fn(*args)
+    with pytest.raises(RuntimeError, match=r"combine_rows_backward: expected indices in \[-1, 2\), got 2 at 1"):
+        torch.ops.moe_fp8.combine_rows_backward(g, y, s, torch.tensor([0, 2, 0, 0], dtype=torch.int32))
+
+
 def test_sum_rows_errors():
     x, idx, offs = torch.randn(4, 3), torch.tensor([0, 3], dtype=torch.int32), torch.tensor([1, 2], dtype=torch.int32)
     cases = [((x.to(torch.int32), idx, offs), "expected x of dtype bfloat16, float16 or float32, got Int"),
@@ -499,6 +598,10 @@ OPCHECK_CASES = [
                                    100, torch.float32)),
     ("sum_rows", lambda d: (randn((6, 16), torch.bfloat16, d), _i32([5, 0, -1, 2, 2], d), _i32([2, 2, 5], d))),
     ("sum_rows", lambda d: (torch.randn(3, 5, device=d), _i32([], d), _i32([0, 0], d))),
+    ("combine_rows", lambda d: (randn((6, 16), torch.bfloat16, d), torch.rand(6, device=d), _i32([5, 0, -1, 2, 2], d),
+                                _i32([2, 2, 5], d))),
+    ("combine_rows_backward", lambda d: (randn((3, 24), torch.bfloat16, d), randn((5, 24), torch.bfloat16, d),
+                                         torch.rand(5, device=d), _i32([2, -1, 0, 0, 1], d))),
 ]
 
 
@@ -573,6 +676,8 @@ def test_token_group_ops_garbage_is_memory_safe():
     moe_fp8_ext.gather_rows(x, bad)
     moe_fp8_ext.scatter_rows(x[:6], bad, 50)
     torch.ops.moe_fp8.sum_rows(x, bad, bad)
+    torch.ops.moe_fp8.combine_rows(x, torch.rand(512, device="cuda"), bad, bad)
+    torch.ops.moe_fp8.combine_rows_backward(x[:6], x[:6], torch.rand(6, device="cuda"), bad)
     moe_fp8_ext.permute_indices(torch.tensor([5, -3, 2**30, 7], dtype=torch.int32, device="cuda"), 2, 2, 16, 100)
     torch.cuda.synchronize()
     assert torch.all(guard == 7)
@@ -588,6 +693,27 @@ def test_sum_rows_large_same_as_cpu_and_autograd(tokens, k, width):
     got = torch.ops.moe_fp8.sum_rows(g, order, offs)
     assert torch.equal(got.cpu(), torch.ops.moe_fp8.sum_rows(g.cpu(), order.cpu(), offs.cpu()))
     assert torch.equal(got, gather_backward(token, g, tokens))
+
+
+@requires_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens, k, width", [(16384, 6, 2048), (8192, 8, 7168), (3000, 3, 1000)])
+def test_combine_rows_large_same_as_cpu_and_torchtitan(tokens, k, width):
+    token, order, offs = rows_of_tokens(tokens, tokens * k, k, "cuda", torch.Generator().manual_seed(k))
+    y, g = randn((tokens * k, width), torch.bfloat16, "cuda"), randn((tokens, width), torch.bfloat16, "cuda")
+    scores = torch.rand(tokens * k, device="cuda")
+    poison("cuda")
+    got = torch.ops.moe_fp8.combine_rows(y, scores, order, offs)
+    gy, gs = torch.ops.moe_fp8.combine_rows_backward(g, y, scores, token)
+    cpu = (y.cpu(), scores.cpu())
+    assert torch.equal(got.cpu(), torch.ops.moe_fp8.combine_rows(*cpu, order.cpu(), offs.cpu()))
+    for a, b in zip((gy, gs), torch.ops.moe_fp8.combine_rows_backward(g.cpu(), *cpu, token.cpu())):
+        assert torch.equal(a.cpu(), b)
+    yr, sr = y.detach().requires_grad_(), scores.detach().requires_grad_()
+    tt = torchtitan_combine(yr, sr, token, tokens)
+    tt.backward(g)
+    assert torch.equal(got, tt) and torch.equal(gy, yr.grad)
+    assert_dots_close(gs, sr.grad, g, y, token)
 
 
 @requires_cuda
@@ -611,6 +737,7 @@ def test_token_group_ops_have_no_host_sync():
     gy = randn((3000, 200), torch.bfloat16, "cuda")
     rows = torch.randperm(3000, device="cuda").to(torch.int32)
     ends = torch.tensor([500, 500, 2999], dtype=torch.int32, device="cuda")
+    scores, token = torch.rand(3000, device="cuda"), torch.randint(-1, 3, (3000,), dtype=torch.int32, device="cuda")
 
     def step():
         xp, starts, _ends = moe_fp8_ext.pad_token_groups(x, offs, 16)
@@ -618,6 +745,8 @@ def test_token_group_ops_have_no_host_sync():
         xe, pends, idx = moe_fp8_ext.permute_and_pad(y, counts, 4, 2, 16)
         back = moe_fp8_ext.unpermute(xe, idx, x.shape[0])
         summed = torch.ops.moe_fp8.sum_rows(gy, rows, ends)
-        return (xp, y, xe, pends, back, summed, *torch.autograd.grad(back, (x,), gy))
+        combined = torch.ops.moe_fp8.combine_rows(gy, scores, rows, ends)
+        grads = torch.ops.moe_fp8.combine_rows_backward(gy[:3], gy, scores, token)
+        return (xp, y, xe, pends, back, summed, combined, *grads, *torch.autograd.grad(back, (x,), gy))
 
     graph_matches_eager(step)

@@ -58,11 +58,16 @@ void sum_rows_cuda(const SumRows& a, int device) {
   gpu.check(launch_sum_rows(a, gpu.stream()), "sum_rows");
 }
 
+void combine_rows_backward_cuda(const CombineBackward& a, int device) {
+  const GpuLaunch gpu(device);
+  gpu.check(launch_combine_rows_backward(a, gpu.stream()), "combine_rows_backward");
+}
+
 }  // namespace
 
 extern const GroupingKernels kGroupingCuda = {
     padded_offsets_cuda, copy_rows_cuda,       permute_indices_cuda, zero_rows_past_groups_cuda,
-    invert_indices_cuda, dequantize_rows_cuda, sum_rows_cuda,
+    invert_indices_cuda, dequantize_rows_cuda, sum_rows_cuda,        combine_rows_backward_cuda,
 };
 
 }  // namespace moe_fp8

@@ -101,8 +101,12 @@ MOE_FP8_HD typename RowsOut<O>::T dequantize_value(uint32_t code, float scale) {
 // sum_rows: y[t, :] = the rows x[indices[j], :] for j in [offs[t-1], offs[t]) (offs[-1] = 0), added in order of j
 // to +0, each partial sum rounded to x's type (as torch's CUDA index_put adds a repeated index's rows of > 64
 // elements). An index outside [0, x_rows) adds nothing; offs are clamped.
+// combine_rows (scale set): each row is first multiplied by scale[row] in fp32 and rounded to x's type, and the
+// terms are added in fp32 and rounded once (torchtitan's combine: an fp32 multiply, a cast, and CUDA's
+// deterministic scatter_add, for fewer than 32 rows a token).
 struct SumRows {
   const void* x = nullptr;  // (x_rows, cols), rows x_stride elements apart
+  const float* scale = nullptr;  // (x_rows,): combine_rows
   int64_t x_rows = 0;
   int64_t x_stride = 0;
   const int32_t* indices = nullptr;
@@ -113,6 +117,27 @@ struct SumRows {
   int64_t cols = 0;
   InputKind kind = InputKind::kBF16;  // (x's and y's type)
 };
+
+// combine_rows_backward: row r of token t = token[r] in [0, grad_rows) gets grad_x[r] = grad[t] * scale[r] (fp32,
+// rounded to the type) and grad_scale[r] = the fp32 dot of grad[t] and x[r]: 32 partial sums, partial l over the
+// columns of the 8-column chunks l, l + 32, ... in order, then added pairwise (l + 16, l + 8, ..., l + 1 into l).
+// Any other token: zeros.
+struct CombineBackward {
+  const void* grad = nullptr;  // (grad_rows, cols), rows grad_stride elements apart
+  int64_t grad_rows = 0;
+  int64_t grad_stride = 0;
+  const void* x = nullptr;  // (rows, cols), rows x_stride elements apart
+  int64_t x_stride = 0;
+  const float* scale = nullptr;  // (rows,)
+  const int32_t* token = nullptr;  // (rows,)
+  void* grad_x = nullptr;  // (rows, cols) contiguous
+  float* grad_scale = nullptr;  // (rows,)
+  int64_t rows = 0;
+  int64_t cols = 0;
+  InputKind kind = InputKind::kBF16;  // (grad's, x's and grad_x's type)
+};
+constexpr int kDotLanes = 32;
+constexpr int kDotChunk = 8;
 
 // The runners of one device (CPU loops in grouping_cpu.cpp, kernels in grouping.cu)
 // are gathered in a GroupingKernels table (grouping_ops.h); each takes the device

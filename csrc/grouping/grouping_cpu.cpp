@@ -122,7 +122,12 @@ void sum_rows_as(const SumRows& a) {
         const int32_t src = a.indices[j];
         if (src < 0 || src >= a.x_rows) continue;
         const T* row = x + src * a.x_stride;
-        for (int64_t c = 0; c < a.cols; ++c) acc[c] = S::round(acc[c] + S::to_float(row[c]));
+        if (a.scale == nullptr) {
+          for (int64_t c = 0; c < a.cols; ++c) acc[c] = S::round(acc[c] + S::to_float(row[c]));
+        } else {
+          const float s = a.scale[src];
+          for (int64_t c = 0; c < a.cols; ++c) acc[c] = f_add(acc[c], S::round(f_mul(S::to_float(row[c]), s)));
+        }
       }
       for (int64_t c = 0; c < a.cols; ++c) y[r * a.cols + c] = S::from_float(acc[c]);
     }
@@ -137,11 +142,53 @@ void sum_rows_cpu(const SumRows& a, int /*device*/) {
   }
 }
 
+template <InputKind K>
+void combine_rows_backward_as(const CombineBackward& a) {
+  using S = ElemBits<K>;
+  using T = typename S::storage;
+  const T* grad = static_cast<const T*>(a.grad);
+  const T* x = static_cast<const T*>(a.x);
+  T* gx = static_cast<T*>(a.grad_x);
+  at::parallel_for(0, a.rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const int32_t t = a.token[r];
+      T* out = gx + r * a.cols;
+      if (t < 0 || t >= a.grad_rows) {
+        std::fill(out, out + a.cols, S::from_float(0.0f));
+        a.grad_scale[r] = 0.0f;
+        continue;
+      }
+      const T* g = grad + t * a.grad_stride;
+      const T* xr = x + r * a.x_stride;
+      const float s = a.scale[r];
+      float part[kDotLanes] = {};
+      for (int64_t c = 0; c < a.cols; ++c) {
+        const float gc = S::to_float(g[c]);
+        out[c] = S::from_float(f_mul(gc, s));
+        float& p = part[(c / kDotChunk) % kDotLanes];
+        p = f_add(p, f_mul(gc, S::to_float(xr[c])));
+      }
+      for (int off = kDotLanes / 2; off > 0; off /= 2) {
+        for (int l = 0; l < off; ++l) part[l] = f_add(part[l], part[l + off]);
+      }
+      a.grad_scale[r] = part[0];
+    }
+  });
+}
+
+void combine_rows_backward_cpu(const CombineBackward& a, int /*device*/) {
+  switch (a.kind) {
+    case InputKind::kBF16: return combine_rows_backward_as<InputKind::kBF16>(a);
+    case InputKind::kFP16: return combine_rows_backward_as<InputKind::kFP16>(a);
+    default: return combine_rows_backward_as<InputKind::kFP32>(a);
+  }
+}
+
 }  // namespace
 
 extern const GroupingKernels kGroupingCpu = {
     padded_offsets_cpu, copy_rows_cpu,       permute_indices_cpu, zero_rows_past_groups_cpu,
-    invert_indices_cpu, dequantize_rows_cpu, sum_rows_cpu,
+    invert_indices_cpu, dequantize_rows_cpu, sum_rows_cpu,      combine_rows_backward_cpu,
 };
 
 }  // namespace moe_fp8

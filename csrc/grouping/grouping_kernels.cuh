@@ -240,8 +240,14 @@ __global__ void __launch_bounds__(kGroupingThreads) sum_rows_kernel(SumRows a) {
 #pragma unroll
       for (int u = 0; u < kAhead; ++u) {
         if (!ok[u]) continue;
+        if (a.scale == nullptr) {
 #pragma unroll
-        for (int k = 0; k < V; ++k) acc[k] = S::round(acc[k] + S::to_float(v[u].v[k]));
+          for (int k = 0; k < V; ++k) acc[k] = S::round(acc[k] + S::to_float(v[u].v[k]));
+        } else {
+          const float s = a.scale[a.indices[j + u]];
+#pragma unroll
+          for (int k = 0; k < V; ++k) acc[k] = f_add(acc[k], S::round(f_mul(S::to_float(v[u].v[k]), s)));
+        }
       }
       j += kAhead;
     }
@@ -250,6 +256,53 @@ __global__ void __launch_bounds__(kGroupingThreads) sum_rows_kernel(SumRows a) {
     for (int k = 0; k < V; ++k) out.v[k] = S::from_float(acc[k]);
     *reinterpret_cast<Vec*>(static_cast<T*>(a.y) + r * a.cols + c) = out;
   });
+}
+
+// combine_rows_backward (grouping.h): kDotLanes threads a row, lane l on the kDotChunk-column
+// chunks l, l + kDotLanes, ...; V = kDotChunk loads a chunk at once (V divides cols, strides, bases).
+template <InputKind K, int V>
+__global__ void __launch_bounds__(kGroupingThreads) combine_rows_backward_kernel(CombineBackward a) {
+  using S = ElemBits<K>;
+  using T = typename S::storage;
+  using Vec = Array<T, V>;
+  const int lane = threadIdx.x % kDotLanes;
+  const int64_t per_block = blockDim.x / kDotLanes;
+  const T* grad = static_cast<const T*>(a.grad);
+  const T* x = static_cast<const T*>(a.x);
+  for (int64_t r = static_cast<int64_t>(blockIdx.x) * per_block + threadIdx.x / kDotLanes; r < a.rows;
+       r += static_cast<int64_t>(gridDim.x) * per_block) {
+    const int32_t t = a.token[r];
+    const bool live = t >= 0 && t < a.grad_rows;
+    const float s = a.scale[r];
+    const T* g = grad + (live ? t : 0) * a.grad_stride;
+    const T* xr = x + r * a.x_stride;
+    T* out = static_cast<T*>(a.grad_x) + r * a.cols;
+    float dot = 0.0f;
+    for (int64_t c0 = static_cast<int64_t>(lane) * kDotChunk; c0 < a.cols; c0 += kDotLanes * kDotChunk) {
+      const int64_t n = a.cols - c0 < kDotChunk ? a.cols - c0 : kDotChunk;
+      for (int64_t c = c0; c < c0 + n; c += V) {
+        Vec gv, xv, ov;
+        if (live) {
+          gv = *reinterpret_cast<const Vec*>(g + c);
+          xv = *reinterpret_cast<const Vec*>(xr + c);
+        }
+#pragma unroll
+        for (int k = 0; k < V; ++k) {
+          if (live) {
+            const float gc = S::to_float(gv.v[k]);
+            ov.v[k] = S::from_float(f_mul(gc, s));
+            dot = f_add(dot, f_mul(gc, S::to_float(xv.v[k])));
+          } else {
+            ov.v[k] = S::from_float(0.0f);
+          }
+        }
+        *reinterpret_cast<Vec*>(out + c) = ov;
+      }
+    }
+#pragma unroll
+    for (int off = kDotLanes / 2; off > 0; off /= 2) dot = f_add(dot, bits_float(warp_shfl_xor(float_bits(dot), off)));
+    if (lane == 0) a.grad_scale[r] = dot;
+  }
 }
 
 // ---- launchers ---------------------------------------------------------------------
@@ -389,6 +442,34 @@ int launch_sum_rows_kind(const SumRows& a, gpuStream_t stream) {
   const bool vec = a.cols % kV == 0 && a.x_stride % kV == 0 && reinterpret_cast<uintptr_t>(a.x) % 16 == 0 &&
                    reinterpret_cast<uintptr_t>(a.y) % 16 == 0;
   return vec ? launch_sum_rows_as<K, kV>(a, stream) : launch_sum_rows_as<K, 1>(a, stream);
+}
+
+template <InputKind K, int V>
+int launch_combine_rows_backward_as(const CombineBackward& a, gpuStream_t stream) {
+  auto kernel = combine_rows_backward_kernel<K, V>;
+  const int64_t per_block = kGroupingThreads / kDotLanes;
+  const int64_t resident = static_cast<int64_t>(resident_blocks(kernel, kGroupingThreads, 0)) * multiprocessor_count();
+  const int64_t blocks = std::max<int64_t>(1, std::min<int64_t>(ceil_div(a.rows, per_block), resident));
+  return launch_kernel(kernel, dim3(static_cast<unsigned>(blocks)), dim3(kGroupingThreads), 0, stream, 1, a);
+}
+
+template <InputKind K>
+int launch_combine_rows_backward_kind(const CombineBackward& a, gpuStream_t stream) {
+  using T = typename ElemBits<K>::storage;
+  constexpr int kAlign = kDotChunk * static_cast<int>(sizeof(T));
+  const bool vec = a.cols % kDotChunk == 0 && a.grad_stride % kDotChunk == 0 && a.x_stride % kDotChunk == 0 &&
+                   reinterpret_cast<uintptr_t>(a.grad) % kAlign == 0 && reinterpret_cast<uintptr_t>(a.x) % kAlign == 0 &&
+                   reinterpret_cast<uintptr_t>(a.grad_x) % kAlign == 0;
+  return vec ? launch_combine_rows_backward_as<K, kDotChunk>(a, stream) : launch_combine_rows_backward_as<K, 1>(a, stream);
+}
+
+inline int launch_combine_rows_backward(const CombineBackward& a, gpuStream_t stream) {
+  if (a.rows == 0) return 0;
+  switch (a.kind) {
+    case InputKind::kBF16: return launch_combine_rows_backward_kind<InputKind::kBF16>(a, stream);
+    case InputKind::kFP16: return launch_combine_rows_backward_kind<InputKind::kFP16>(a, stream);
+    default: return launch_combine_rows_backward_kind<InputKind::kFP32>(a, stream);
+  }
 }
 
 inline int launch_sum_rows(const SumRows& a, gpuStream_t stream) {

@@ -304,21 +304,36 @@ at::Tensor dequantize_rows(const GroupingKernels& k, const at::Tensor& q_in, con
   return y;
 }
 
-at::Tensor sum_rows(const GroupingKernels& k, const at::Tensor& x_in, const at::Tensor& indices, const at::Tensor& offs) {
-  constexpr const char* op = "sum_rows";
+namespace {
+
+// scores: fp32 (rows,) on x's device, one a row of x.
+void check_scores(const at::Tensor& scores, const at::Tensor& x, int64_t rows, const char* op) {
+  TORCH_CHECK(scores.scalar_type() == at::kFloat, op, ": expected scores of dtype float32, got ",
+              scores.scalar_type());
+  check_rank(scores, 1, op, "scores");
+  TORCH_CHECK(scores.size(0) == rows, op, ": expected scores of ", rows, " elements (one a row of x), got ",
+              scores.size(0));
+  check_same_device(op, {"x", x}, {{"scores", scores}});
+}
+
+at::Tensor sum_rows_scaled(const GroupingKernels& k, const at::Tensor& x_in, const at::Tensor* scores,
+                           const at::Tensor& indices, const at::Tensor& offs, const char* op) {
   check_same_device(op, {"x", x_in}, {{"indices", indices}, {"offs", offs}});
   check_rank(x_in, 2, op, "x");
   const InputKind kind = input_kind(x_in, op, "x");
   check_index_tensor(indices, x_in, op, "indices");
   check_offs(offs, x_in, indices.size(0), op);
   check_indices(indices, x_in, x_in.size(0), /*unique=*/false, op);
+  if (scores != nullptr) check_scores(*scores, x_in, x_in.size(0), op);
   check_rows_alloc(offs.size(0), x_in, op, "the output");
   const at::Tensor x = byte_rows(x_in, op, "x");
   const at::Tensor idx = indices.contiguous(), offs_c = offs.contiguous();
+  const at::Tensor s = scores != nullptr ? scores->contiguous() : at::Tensor();
   at::Tensor y = at::empty({offs.size(0), x.size(1)}, x.options());
   if (y.numel() == 0) return y;
   SumRows a;
   a.x = x.data_ptr();
+  a.scale = s.defined() ? s.data_ptr<float>() : nullptr;
   a.x_rows = x.size(0);
   a.x_stride = x.stride(0);
   a.indices = idx.data_ptr<int32_t>();
@@ -330,6 +345,55 @@ at::Tensor sum_rows(const GroupingKernels& k, const at::Tensor& x_in, const at::
   a.kind = kind;
   k.sum_rows(a, x.device().index());
   return y;
+}
+
+}  // namespace
+
+at::Tensor sum_rows(const GroupingKernels& k, const at::Tensor& x, const at::Tensor& indices, const at::Tensor& offs) {
+  return sum_rows_scaled(k, x, nullptr, indices, offs, "sum_rows");
+}
+
+at::Tensor combine_rows(const GroupingKernels& k, const at::Tensor& x, const at::Tensor& scores,
+                        const at::Tensor& indices, const at::Tensor& offs) {
+  return sum_rows_scaled(k, x, &scores, indices, offs, "combine_rows");
+}
+
+std::tuple<at::Tensor, at::Tensor> combine_rows_backward(const GroupingKernels& k, const at::Tensor& grad_in,
+                                                         const at::Tensor& x_in, const at::Tensor& scores,
+                                                         const at::Tensor& token) {
+  constexpr const char* op = "combine_rows_backward";
+  check_same_device(op, {"x", x_in}, {{"grad", grad_in}, {"token", token}});
+  check_rank(grad_in, 2, op, "grad");
+  check_rank(x_in, 2, op, "x");
+  const InputKind kind = input_kind(x_in, op, "x");
+  TORCH_CHECK(grad_in.scalar_type() == x_in.scalar_type() && grad_in.size(1) == x_in.size(1), op,
+              ": expected grad of x's dtype and columns (", x_in.scalar_type(), ", ", x_in.size(1), "), got ",
+              grad_in.scalar_type(), " with ", grad_in.size(1), " columns");
+  check_scores(scores, x_in, x_in.size(0), op);
+  check_index_tensor(token, x_in, op, "token");
+  TORCH_CHECK(token.size(0) == x_in.size(0), op, ": expected token of ", x_in.size(0),
+              " elements (one a row of x), got ", token.size(0));
+  check_indices(token, x_in, grad_in.size(0), /*unique=*/false, op);
+  const at::Tensor g = byte_rows(grad_in, op, "grad"), x = byte_rows(x_in, op, "x");
+  const at::Tensor s = scores.contiguous(), t = token.contiguous();
+  at::Tensor gx = at::empty(x.sizes(), x.options());
+  at::Tensor gs = at::empty({x.size(0)}, s.options());
+  if (x.size(0) == 0) return {gx, gs};
+  CombineBackward a;
+  a.grad = g.data_ptr();
+  a.grad_rows = g.size(0);
+  a.grad_stride = g.stride(0);
+  a.x = x.data_ptr();
+  a.x_stride = x.stride(0);
+  a.scale = s.data_ptr<float>();
+  a.token = t.data_ptr<int32_t>();
+  a.grad_x = gx.data_ptr();
+  a.grad_scale = gs.data_ptr<float>();
+  a.rows = x.size(0);
+  a.cols = x.size(1);
+  a.kind = kind;
+  k.combine_rows_backward(a, x.device().index());
+  return {gx, gs};
 }
 
 }  // namespace moe_fp8

@@ -29,6 +29,7 @@ struct GroupingKernels {
   void (*invert_indices)(const int32_t* indices, int64_t n, int32_t* inverse, int64_t inverse_len, int device);
   void (*dequantize_rows)(const DequantRows& a, int device);
   void (*sum_rows)(const SumRows& a, int device);
+  void (*combine_rows_backward)(const CombineBackward& a, int device);
 };
 
 // The ops, on the runners of k.
@@ -50,6 +51,11 @@ at::Tensor scatter_rows(const GroupingKernels& k, const at::Tensor& y, const at:
 at::Tensor dequantize_rows(const GroupingKernels& k, const at::Tensor& q, const at::Tensor& scale, int64_t block,
                            at::ScalarType out_dtype);
 at::Tensor sum_rows(const GroupingKernels& k, const at::Tensor& x, const at::Tensor& indices, const at::Tensor& offs);
+at::Tensor combine_rows(const GroupingKernels& k, const at::Tensor& x, const at::Tensor& scores,
+                        const at::Tensor& indices, const at::Tensor& offs);
+std::tuple<at::Tensor, at::Tensor> combine_rows_backward(const GroupingKernels& k, const at::Tensor& grad,
+                                                         const at::Tensor& x, const at::Tensor& scores,
+                                                         const at::Tensor& token);
 
 // Every op bound to the runners of K, as plain functions for m.impl:
 //   extern const GroupingKernels kGroupingCpu = {...};
@@ -93,6 +99,14 @@ struct GroupingOn {
   static at::Tensor sum_rows(const at::Tensor& x, const at::Tensor& indices, const at::Tensor& offs) {
     return moe_fp8::sum_rows(K, x, indices, offs);
   }
+  static at::Tensor combine_rows(const at::Tensor& x, const at::Tensor& scores, const at::Tensor& indices,
+                                 const at::Tensor& offs) {
+    return moe_fp8::combine_rows(K, x, scores, indices, offs);
+  }
+  static std::tuple<at::Tensor, at::Tensor> combine_rows_backward(const at::Tensor& grad, const at::Tensor& x,
+                                                                  const at::Tensor& scores, const at::Tensor& token) {
+    return moe_fp8::combine_rows_backward(K, grad, x, scores, token);
+  }
 
   static void register_impls(torch::Library& m) {
     m.impl("pad_token_groups", TORCH_FN(pad_token_groups));
@@ -105,6 +119,8 @@ struct GroupingOn {
     m.impl("scatter_rows", TORCH_FN(scatter_rows));
     m.impl("dequantize_rows", TORCH_FN(dequantize_rows));
     m.impl("sum_rows", TORCH_FN(sum_rows));
+    m.impl("combine_rows", TORCH_FN(combine_rows));
+    m.impl("combine_rows_backward", TORCH_FN(combine_rows_backward));
   }
 };
 

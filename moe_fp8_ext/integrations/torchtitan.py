@@ -45,7 +45,7 @@ from torchtitan.models.common.token_dispatcher import (
 )
 
 from .. import fsdp as _fsdp
-from ..dispatch import _check_recipe, fp8_dispatch
+from ..dispatch import _check_recipe, combine, fp8_dispatch
 from ..experts import EAGER_REASON, _check, experts, offsets_from_counts, traced_fp8_comm
 from ..recipes import Recipe, get_recipe
 from ..weight_cache import WeightCache, weight_keys
@@ -447,8 +447,9 @@ class Fp8AllToAllTokenDispatcher(AllToAllTokenDispatcher):
     expert GEMM's fp8 operand (:func:`moe_fp8_ext.dispatch.fp8_dispatch`: each token
     quantized once, fp8 data + scales); the experts read them as they arrive. Without
     expert parallelism the fp8 rows are gathered locally. x's gradient sums each token's
-    rows in one pass, with the bits of torchtitan's gather backward. The combine is
-    torchtitan's (bf16)."""
+    rows in one pass, with the bits of torchtitan's gather backward. The combine stays
+    bf16 and is :func:`moe_fp8_ext.dispatch.combine`: torchtitan's bits on CUDA, one
+    pass each way instead of its N x D scatter."""
 
     @dataclass(kw_only=True, slots=True)
     class Config(AllToAllTokenDispatcher.Config):
@@ -487,6 +488,16 @@ class Fp8AllToAllTokenDispatcher(AllToAllTokenDispatcher):
             input_shape=torch.Size((received, x_TD.shape[1])), permuted_indices=perm, input_splits=in_splits,
             output_splits=out_splits)
         return rows, counts_e, metadata
+
+
+    def combine(self, routed_output_RD, metadata, x_TD):
+        routed = routed_output_RD
+        if self.ep_mesh is not None:  # (torchtitan's unpermute and all-to-all back)
+            routed = self._unpermute(routed, metadata.input_shape, metadata.permuted_indices)
+            routed = self._combine_token_exchange(routed, self.ep_mesh.get_group(), metadata.input_splits,
+                                                  metadata.output_splits)
+        return combine(routed, metadata.topk_scores_experts_sorted_N, metadata.token_indices_experts_sorted_N,
+                       x_TD.shape[0])
 
 
 def build_moe(dim: int, hidden: int, experts: int, top_k: int = 2, *, device="cpu", dtype=torch.bfloat16,

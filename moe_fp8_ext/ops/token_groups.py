@@ -1,6 +1,6 @@
 """Token-group building blocks (DESIGN §8): the padded layout's offsets and size, the expert-parallel
 permutation, row gather and scatter, fp8 token rows back to values (dequantize_rows) and a row gather's
-backward (sum_rows). Raw ops; the differentiable helpers are in
+backward (sum_rows) and the MoE combine (combine_rows). Raw ops; the differentiable helpers are in
 :mod:`moe_fp8_ext.token_groups` (top-level names). Each op's argument checks are one function, run
 by its wrapper (before any shape is read) and by its fake.
 """
@@ -37,6 +37,8 @@ __all__ = [
     "permute_indices",
     "scatter_rows",
     "sum_rows",
+    "combine_rows",
+    "combine_rows_backward",
     "zero_rows_past_groups_",
 ]
 
@@ -289,3 +291,62 @@ def sum_rows(x: Tensor, indices: Tensor, offs: Tensor) -> Tensor:
 def _(x, indices, offs):
     check_sum_rows(x, indices, offs)
     return x.new_empty((offs.shape[0], x.shape[1]))
+
+
+def _check_scores(op, scores, x):
+    check_tensor(op, "scores", scores, dim=1)
+    _require(scores.dtype == torch.float32,
+             lambda: f"{op}: expected scores of dtype float32, got {_dtype_name(scores.dtype)}")
+    _require(scores.shape[0] == x.shape[0],
+             lambda: f"{op}: expected scores of {x.shape[0]} elements (one a row of x), got {scores.shape[0]}")
+    check_same_device(op, "x", x, scores=scores)
+
+
+def check_combine_rows(x, scores, indices, offs, op="combine_rows"):
+    check_sum_rows(x, indices, offs, op)
+    _check_scores(op, scores, x)
+
+
+def combine_rows(x: Tensor, scores: Tensor, indices: Tensor, offs: Tensor) -> Tensor:
+    """:func:`sum_rows` of the rows ``x[i] * scores[i]`` (fp32 ``scores``, one a row of
+    x; each product rounded to x's dtype), added in fp32 and rounded once: torchtitan's
+    combine (an fp32 multiply, a cast, then CUDA's deterministic ``scatter_add``, for
+    fewer than 32 rows a token) in one pass, without its N x D index."""
+    check_combine_rows(x, scores, indices, offs)
+    return _ops.combine_rows(x, scores, indices, offs)
+
+
+@torch.library.register_fake("moe_fp8::combine_rows")
+def _(x, scores, indices, offs):
+    check_combine_rows(x, scores, indices, offs)
+    return x.new_empty((offs.shape[0], x.shape[1]))
+
+
+def check_combine_rows_backward(grad, x, scores, token, op="combine_rows_backward"):
+    check_tensor(op, "grad", grad, dim=2)
+    check_tensor(op, "x", x, dim=2)
+    _require(x.dtype in QUANT_IN_DTYPES,
+             lambda: f"{op}: expected x of dtype bfloat16, float16 or float32, got {_dtype_name(x.dtype)}")
+    _require(grad.dtype == x.dtype and grad.shape[1] == x.shape[1],
+             lambda: f"{op}: expected grad of x's dtype and columns ({_dtype_name(x.dtype)}, {x.shape[1]}), got "
+                     f"{_dtype_name(grad.dtype)} with {grad.shape[1]} columns")
+    _check_scores(op, scores, x)
+    check_index(op, "token", token)
+    _require(token.shape[0] == x.shape[0],
+             lambda: f"{op}: expected token of {x.shape[0]} elements (one a row of x), got {token.shape[0]}")
+    check_same_device(op, "x", x, grad=grad, token=token)
+
+
+def combine_rows_backward(grad: Tensor, x: Tensor, scores: Tensor, token: Tensor) -> Tuple[Tensor, Tensor]:
+    """The gradients of :func:`combine_rows` for x's row i of token ``token[i]`` (-1:
+    none): ``grad[token[i]] * scores[i]`` (fp32, rounded to x's dtype: autograd's bits
+    for torchtitan's combine) and the fp32 dot of ``grad[token[i]]`` and ``x[i]`` (in
+    a fixed order, DESIGN §8); zeros for a row of no token."""
+    check_combine_rows_backward(grad, x, scores, token)
+    return _ops.combine_rows_backward(grad, x, scores, token)
+
+
+@torch.library.register_fake("moe_fp8::combine_rows_backward")
+def _(grad, x, scores, token):
+    check_combine_rows_backward(grad, x, scores, token)
+    return x.new_empty(x.shape), scores.new_empty((x.shape[0],))
