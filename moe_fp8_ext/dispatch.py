@@ -23,8 +23,8 @@ within a second fp8 rounding of them.
 
 The combine (:func:`combine`, bf16) weights each returned row by its routing score
 and sums each token's rows in one pass (``combine_rows``), with the bits of
-torchtitan's combine on CUDA, without its N x D scatter index; its backward is one pass
-too (``combine_rows_backward``).
+torchtitan's combine on CUDA, without its copies and sort of the rows; its backward is
+one pass too (``combine_rows_backward``).
 """
 
 from typing import List, Optional, Tuple
@@ -148,9 +148,9 @@ class _Combine(torch.autograd.Function):
 def combine(y: Tensor, scores: Tensor, token_idx: Tensor, num_tokens: int) -> Tensor:
     """``out[t]`` = the sum over rows j of token t (``token_idx[j] == t``; -1: no token) of
     ``y[j] * scores[j]``: torchtitan's combine (the product in fp32, rounded to y's dtype,
-    the terms added in ascending j in fp32 and rounded once: the bits of its CUDA
-    deterministic scatter_add for fewer than 32 rows a token), in one pass forward and
-    one backward. Differentiable in y and scores (any float dtype; the product is fp32)."""
+    the terms added in ascending j, each sum rounded: the bits of its CUDA deterministic
+    scatter_add for rows of more than 64 elements), in one pass forward and one
+    backward. Differentiable in y and scores (any float dtype; the product is fp32)."""
     if not isinstance(y, Tensor) or y.dim() != 2 or y.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise ValueError(f"combine: expected y a 2-D bf16, fp16 or fp32 tensor, got {getattr(y, 'shape', y)}")
     if scores.shape != y.shape[:1] or token_idx.shape != y.shape[:1] or not scores.is_floating_point():

@@ -176,8 +176,7 @@ def sum_rows(x: Tensor, indices: Tensor, offs: Tensor) -> Tensor:
 
 
 def combine_rows(x: Tensor, scores: Tensor, indices: Tensor, offs: Tensor) -> Tensor:
-    """Row t: the rows x[i] * scores[i] (fp32, rounded to x's dtype) for i in
-    indices[offs[t-1]:offs[t]], added in order in fp32 to +0, rounded once; -1 adds nothing."""
+    """sum_rows of the rows x[i] * scores[i] (fp32 products, rounded to x's dtype)."""
     ends, idx = offs.long().cpu(), torch.cat([indices.long().cpu(), torch.full((1,), -1)])
     starts = torch.cat([ends.new_zeros(1), ends[:-1]])
     terms = (x.cpu().float() * scores.cpu()[:, None]).to(x.dtype).float()
@@ -187,7 +186,7 @@ def combine_rows(x: Tensor, scores: Tensor, indices: Tensor, offs: Tensor) -> Te
         rows = idx[torch.where(j < ends, j, -1)]
         live = rows >= 0
         add = terms[rows.clamp(min=0)] if terms.shape[0] else acc
-        acc = torch.where(live[:, None], acc + add, acc)
+        acc = torch.where(live[:, None], (acc + add).to(x.dtype).float(), acc)
     return acc.to(x.dtype).to(x.device)
 
 

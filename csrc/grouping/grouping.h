@@ -101,9 +101,8 @@ MOE_FP8_HD typename RowsOut<O>::T dequantize_value(uint32_t code, float scale) {
 // sum_rows: y[t, :] = the rows x[indices[j], :] for j in [offs[t-1], offs[t]) (offs[-1] = 0), added in order of j
 // to +0, each partial sum rounded to x's type (as torch's CUDA index_put adds a repeated index's rows of > 64
 // elements). An index outside [0, x_rows) adds nothing; offs are clamped.
-// combine_rows (scale set): each row is first multiplied by scale[row] in fp32 and rounded to x's type, and the
-// terms are added in fp32 and rounded once (torchtitan's combine: an fp32 multiply, a cast, and CUDA's
-// deterministic scatter_add, for fewer than 32 rows a token).
+// combine_rows (scale set): the same sum of the rows x[i] * scale[i], each product fp32 rounded to x's type
+// (torchtitan's combine: an fp32 multiply, a cast, and CUDA's deterministic scatter_add, which is index_put).
 struct SumRows {
   const void* x = nullptr;  // (x_rows, cols), rows x_stride elements apart
   const float* scale = nullptr;  // (x_rows,): combine_rows

@@ -126,7 +126,7 @@ void sum_rows_as(const SumRows& a) {
           for (int64_t c = 0; c < a.cols; ++c) acc[c] = S::round(acc[c] + S::to_float(row[c]));
         } else {
           const float s = a.scale[src];
-          for (int64_t c = 0; c < a.cols; ++c) acc[c] = f_add(acc[c], S::round(f_mul(S::to_float(row[c]), s)));
+          for (int64_t c = 0; c < a.cols; ++c) acc[c] = S::round(f_add(acc[c], S::round(f_mul(S::to_float(row[c]), s))));
         }
       }
       for (int64_t c = 0; c < a.cols; ++c) y[r * a.cols + c] = S::from_float(acc[c]);

@@ -246,7 +246,7 @@ __global__ void __launch_bounds__(kGroupingThreads) sum_rows_kernel(SumRows a) {
         } else {
           const float s = a.scale[a.indices[j + u]];
 #pragma unroll
-          for (int k = 0; k < V; ++k) acc[k] = f_add(acc[k], S::round(f_mul(S::to_float(v[u].v[k]), s)));
+          for (int k = 0; k < V; ++k) acc[k] = S::round(f_add(acc[k], S::round(f_mul(S::to_float(v[u].v[k]), s))));
         }
       }
       j += kAhead;

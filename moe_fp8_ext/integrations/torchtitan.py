@@ -449,7 +449,7 @@ class Fp8AllToAllTokenDispatcher(AllToAllTokenDispatcher):
     expert parallelism the fp8 rows are gathered locally. x's gradient sums each token's
     rows in one pass, with the bits of torchtitan's gather backward. The combine stays
     bf16 and is :func:`moe_fp8_ext.dispatch.combine`: torchtitan's bits on CUDA, one
-    pass each way instead of its N x D scatter."""
+    pass each way instead of its copies and sort of the rows."""
 
     @dataclass(kw_only=True, slots=True)
     class Config(AllToAllTokenDispatcher.Config):

@@ -309,9 +309,9 @@ def check_combine_rows(x, scores, indices, offs, op="combine_rows"):
 
 def combine_rows(x: Tensor, scores: Tensor, indices: Tensor, offs: Tensor) -> Tensor:
     """:func:`sum_rows` of the rows ``x[i] * scores[i]`` (fp32 ``scores``, one a row of
-    x; each product rounded to x's dtype), added in fp32 and rounded once: torchtitan's
-    combine (an fp32 multiply, a cast, then CUDA's deterministic ``scatter_add``, for
-    fewer than 32 rows a token) in one pass, without its N x D index."""
+    x; each fp32 product rounded to x's dtype): torchtitan's combine (an fp32 multiply,
+    a cast, then CUDA's deterministic ``scatter_add``, which is index_put with
+    accumulate: the same bits for rows of more than 64 elements) in one pass."""
     check_combine_rows(x, scores, indices, offs)
     return _ops.combine_rows(x, scores, indices, offs)
 
