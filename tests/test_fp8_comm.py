@@ -485,6 +485,40 @@ def test_local_dispatch_gives_padding_rows_no_gradient(device):
     assert same(x.grad, want)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_combine_is_torchtitans(device, dtype):
+    """dispatch.combine against torchtitan's LocalTokenDispatcher.combine, through
+    autograd: the output bit for bit (fp32; bf16 on CUDA, where torch's scatter_add is
+    index_put: the CPU's adds bf16 otherwise), y's gradient bit for bit, the scores'
+    (bf16 scores, as a router may give) within fp32 ordering."""
+    tt = pytest.importorskip("torchtitan.models.common.token_dispatcher")
+    tokens, k, width = 37, 6, 200
+    order = torch.randperm(tokens * k, generator=torch.Generator().manual_seed(5)).to(device)
+    token_idx = order // k
+    y = randn((tokens * k, width), dtype, device, seed=6)
+    scores = torch.rand(tokens * k, device=device).to(torch.bfloat16)
+    g = randn((tokens, width), dtype, device, seed=7)
+    got, want = [], []
+    for fn, out in ((lambda y, s: dispatch.combine(y, s, token_idx, tokens), got),
+                    (lambda y, s: tt.LocalTokenDispatcher.combine(None, y, tt.LocalDispatchMetadata(
+                        token_indices_experts_sorted_N=token_idx, topk_scores_experts_sorted_N=s),
+                        y.new_empty(tokens, width)), want)):
+        yr, sr = y.clone().requires_grad_(), scores.clone().requires_grad_()
+        o = fn(yr, sr)
+        o.backward(g)
+        out += [o.detach(), yr.grad, sr.grad]
+    if dtype == torch.float32 or device != "cpu":
+        assert same(got[0], want[0])
+    assert same(got[1], want[1])
+    assert got[2].dtype == torch.bfloat16 and (got[2].float() - want[2].float()).abs().max() <= 2 ** -7 * want[
+        2].float().abs().max()  # (one bf16 rounding of fp32 sums in another order)
+    with pytest.raises(ValueError, match=r"combine: expected scores \(float\) and token_idx of shape \(222,\)"):
+        dispatch.combine(y, scores[1:], token_idx, tokens)
+    with pytest.raises(ValueError, match="combine: expected token_idx int32 or int64"):
+        dispatch.combine(y, scores, token_idx.to(torch.int16), tokens)
+
+
 def test_dispatch_permutes_rows_and_pads_with_zeros(one_rank):
     r = moe_fp8_ext.get_recipe("fp8_blockwise")
     x = torch.randn(5, 256, dtype=torch.bfloat16, requires_grad=True)
