@@ -117,10 +117,9 @@ struct SumRows {
   InputKind kind = InputKind::kBF16;  // (x's and y's type)
 };
 
-// combine_rows_backward: row r of token t = token[r] in [0, grad_rows) gets grad_x[r] = grad[t] * scale[r] (fp32,
-// rounded to the type) and grad_scale[r] = the fp32 dot of grad[t] and x[r]: 32 partial sums, partial l over the
-// columns of the 8-column chunks l, l + 32, ... in order, then added pairwise (l + 16, l + 8, ..., l + 1 into l).
-// Any other token: zeros.
+// combine_rows_backward: row r of token t = token[r] in [0, grad_rows) gets grad_x[r] = grad[t] * scale[r] (rounded)
+// and grad_scale[r] = the fp32 dot of grad[t] and x[r] (32 partials over 8-column chunks l, l + 32, ..., then added
+// pairwise: l + 16, l + 8, ..., l + 1 into l); a row of any other token gets zeros.
 struct CombineBackward {
   const void* grad = nullptr;  // (grad_rows, cols), rows grad_stride elements apart
   int64_t grad_rows = 0;
