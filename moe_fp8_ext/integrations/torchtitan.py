@@ -489,7 +489,6 @@ class Fp8AllToAllTokenDispatcher(AllToAllTokenDispatcher):
             output_splits=out_splits)
         return rows, counts_e, metadata
 
-
     def combine(self, routed_output_RD, metadata, x_TD):
         routed = routed_output_RD
         if self.ep_mesh is not None:  # (torchtitan's unpermute and all-to-all back)
