@@ -177,17 +177,8 @@ def sum_rows(x: Tensor, indices: Tensor, offs: Tensor) -> Tensor:
 
 def combine_rows(x: Tensor, scores: Tensor, indices: Tensor, offs: Tensor) -> Tensor:
     """sum_rows of the rows x[i] * scores[i] (fp32 products, rounded to x's dtype)."""
-    ends, idx = offs.long().cpu(), torch.cat([indices.long().cpu(), torch.full((1,), -1)])
-    starts = torch.cat([ends.new_zeros(1), ends[:-1]])
-    terms = (x.cpu().float() * scores.cpu()[:, None]).to(x.dtype).float()
-    acc = torch.zeros(offs.shape[0], x.shape[1])
-    for step in range(int((ends - starts).max()) if offs.numel() else 0):
-        j = starts + step
-        rows = idx[torch.where(j < ends, j, -1)]
-        live = rows >= 0
-        add = terms[rows.clamp(min=0)] if terms.shape[0] else acc
-        acc = torch.where(live[:, None], (acc + add).to(x.dtype).float(), acc)
-    return acc.to(x.dtype).to(x.device)
+    terms = (x.cpu().float() * scores.cpu()[:, None]).to(x.dtype)
+    return sum_rows(terms, indices, offs).to(x.device)
 
 
 def combine_rows_backward(grad: Tensor, x: Tensor, scores: Tensor, token: Tensor) -> Tuple[Tensor, Tensor]:

@@ -230,12 +230,13 @@ __global__ void __launch_bounds__(kGroupingThreads) sum_rows_kernel(SumRows a) {
     for (int k = 0; k < V; ++k) acc[k] = 0.0f;
     while (j < end) {
       Vec v[kAhead];
+      int32_t src[kAhead];
       bool ok[kAhead];
 #pragma unroll
       for (int u = 0; u < kAhead; ++u) {
-        const int32_t src = j + u < end ? a.indices[j + u] : -1;
-        ok[u] = src >= 0 && src < a.x_rows;
-        if (ok[u]) v[u] = *reinterpret_cast<const Vec*>(x + src * a.x_stride + c);
+        src[u] = j + u < end ? a.indices[j + u] : -1;
+        ok[u] = src[u] >= 0 && src[u] < a.x_rows;
+        if (ok[u]) v[u] = *reinterpret_cast<const Vec*>(x + src[u] * a.x_stride + c);
       }
 #pragma unroll
       for (int u = 0; u < kAhead; ++u) {
@@ -244,7 +245,7 @@ __global__ void __launch_bounds__(kGroupingThreads) sum_rows_kernel(SumRows a) {
 #pragma unroll
           for (int k = 0; k < V; ++k) acc[k] = S::round(acc[k] + S::to_float(v[u].v[k]));
         } else {
-          const float s = a.scale[a.indices[j + u]];
+          const float s = a.scale[src[u]];
 #pragma unroll
           for (int k = 0; k < V; ++k) acc[k] = S::round(f_add(acc[k], S::round(f_mul(S::to_float(v[u].v[k]), s))));
         }
