@@ -4,6 +4,7 @@ ranks, trained in FP8.
     torchrun --nproc-per-node=2 examples/expert_parallel.py            # GPUs (NCCL)
     torchrun --nproc-per-node=2 examples/expert_parallel.py --device cpu   # gloo
     torchrun --nproc-per-node=2 examples/expert_parallel.py --recipe fp8_blockwise --fp8-dispatch
+    torchrun --nproc-per-node=2 examples/expert_parallel.py --fp8-dispatch --compile   # torch.compile, fullgraph
 
 Per step: route every token to its top-k experts, send each (token, expert) row to
 the rank that owns the expert (torch.distributed all-to-all), reorder the rows that
@@ -25,19 +26,16 @@ Python ints); the permutation and the FP8 experts never sync.
 import argparse
 import os
 import sys
-import warnings
 
 import torch
 import torch.distributed as dist
-import torch.distributed.nn.functional as dist_fn
+from torch.distributed._functional_collectives import all_to_all_single_autograd
 
 import moe_fp8_ext
 from moe_fp8_ext.dispatch import fp8_dispatch
 from moe_fp8_ext.ops.token_groups import padded_rows, permute_indices
 
 ALIGN = 16
-# The differentiable all-to-all is public here; torch points to a private successor.
-warnings.filterwarnings("ignore", message=".*all_to_all_single is deprecated", category=FutureWarning)
 
 
 def make_layer(args, device, dtype):
@@ -95,12 +93,11 @@ def moe_expert_parallel(x, layer, local, args):
                           perm=idx)
     else:
         rows = x.repeat_interleave(topk, dim=0)[order]  # (T·k, D), sorted by global expert
-        recv = dist_fn.all_to_all_single(rows.new_empty((received, rows.shape[1])), rows, recv_splits, send_splits)
+        recv = all_to_all_single_autograd(rows, recv_splits, send_splits, dist.group.WORLD)
         xp, ends, idx = moe_fp8_ext.permute_and_pad(recv, recv_counts, epr, world, ALIGN)
     yp = swiglu(xp, ends, local["w1"], local["w3"], local["w2"], args.recipe)
     y_recv = moe_fp8_ext.unpermute(yp, idx, received)
-    y_rows = dist_fn.all_to_all_single(y_recv.new_empty((order.shape[0], x.shape[1])), y_recv, send_splits,
-                                       recv_splits)
+    y_rows = all_to_all_single_autograd(y_recv, send_splits, recv_splits, dist.group.WORLD)
     return combine(y_rows, order, weights, x.shape[0], topk)
 
 
@@ -137,6 +134,8 @@ def main():
     p.add_argument("--recipe", default="fp8_rowwise")
     p.add_argument("--fp8-dispatch", action="store_true", help="send the routed tokens in fp8 (moe_fp8_ext.dispatch)")
     p.add_argument("--tol", type=float, default=1e-2, help="max relative error (norm) against one process")
+    p.add_argument("--compile", nargs="?", const="inductor", default=None, metavar="BACKEND",
+                   help="torch.compile the EP forward (fullgraph; the split sizes as unbacked ints)")
     args = p.parse_args()
     gpu = args.device == "cuda"
     args.tokens = args.tokens or (4096 if gpu else 64)
@@ -161,7 +160,11 @@ def main():
     x = x_all[mine].clone().requires_grad_()
     gate = layer["gate"].clone().requires_grad_()
     local = {k: layer[k][local_experts].clone().requires_grad_() for k in ("w1", "w3", "w2")}
-    out = moe_expert_parallel(x, {"gate": gate}, local, args)
+    forward = moe_expert_parallel
+    if args.compile:  # (as torchtitan compiles its blocks: .tolist() of the split sizes traced)
+        torch._dynamo.config.capture_scalar_outputs = True
+        forward = torch.compile(moe_expert_parallel, backend=args.compile, fullgraph=True)
+    out = forward(x, {"gate": gate}, local, args)
     out.backward(grad_all[mine])
     dist.all_reduce(gate.grad)  # the router is replicated: sum its gradient over ranks
 

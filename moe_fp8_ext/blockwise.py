@@ -65,7 +65,7 @@ def quantize_blockwise_act_lhs(x: Tensor, fp8_dtype: Optional[torch.dtype] = Non
 def _lhs_fake(x, fp8_dtype):
     m, k = x.shape
     q = x.new_empty((m, k), dtype=fp8_dtype)
-    return q, x.new_empty_strided((m, _cdiv(k, BW_BLOCK)), (1, max(m, 1)), dtype=torch.float32)
+    return q, x.new_empty_strided((m, _cdiv(k, BW_BLOCK)), (1, torch.sym_max(m, 1)), dtype=torch.float32)
 
 
 @torch.library.register_fake("moe_fp8::quantize_blockwise_act_lhs")
@@ -83,9 +83,9 @@ def _cols_fake(x, fp8_dtype, offs, padded_starts, alignment, transposed, op):
     c = _cdiv(r, BW_BLOCK)
     if transposed:
         q = x.new_empty((k, r), dtype=fp8_dtype)
-        s = x.new_empty_strided((k, c), (1, max(k, 1)), dtype=torch.float32)
+        s = x.new_empty_strided((k, c), (1, torch.sym_max(k, 1)), dtype=torch.float32)
     else:
-        q = x.new_empty_strided((r, k), (1, max(r, 1)), dtype=fp8_dtype)
+        q = x.new_empty_strided((r, k), (1, torch.sym_max(r, 1)), dtype=fp8_dtype)
         s = x.new_empty((c, k), dtype=torch.float32)
     return q, s
 
@@ -196,7 +196,7 @@ def check_quantize_blockwise_weight(w, fp8_dtype, op, as_bf16=False):
 def _col_major(w, rows, cols, dtype):
     """(..., rows, cols) column-major per matrix, the batch dims of w in front."""
     lead = tuple(w.shape[:-2])
-    r1 = max(rows, 1)
+    r1 = torch.sym_max(rows, 1)
     stride = ((rows * cols,) if lead else ()) + (1, r1)
     return w.new_empty_strided(lead + (rows, cols), stride, dtype=dtype)
 

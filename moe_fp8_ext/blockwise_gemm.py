@@ -324,8 +324,8 @@ def _(a, scale_a, b, scale_b, offs, padded_starts):
     h = n // 2
     f8 = torch.float8_e4m3fn
     return (a.new_empty((m, n), dtype=torch.bfloat16), a.new_empty((m, h), dtype=f8),
-            a.new_empty_strided((m, h // BW_BLOCK), (1, max(m, 1)), dtype=torch.float32),
-            a.new_empty_strided((r, h), (1, max(r, 1)), dtype=f8),
+            a.new_empty_strided((m, h // BW_BLOCK), (1, torch.sym_max(m, 1)), dtype=torch.float32),
+            a.new_empty_strided((r, h), (1, torch.sym_max(r, 1)), dtype=f8),
             a.new_empty((r // BW_BLOCK, h), dtype=torch.float32))
 
 
@@ -378,8 +378,8 @@ def _(a, scale_a, b, scale_b, offs, h13, padded_starts):
     m, h, r = check_blockwise_grouped_mm_dswiglu(a, scale_a, b, scale_b, offs, h13, padded_starts)
     w, f8 = 2 * h, torch.float8_e4m3fn
     return (a.new_empty((m, w), dtype=f8),
-            a.new_empty_strided((m, w // BW_BLOCK), (1, max(m, 1)), dtype=torch.float32),
-            a.new_empty_strided((r, w), (1, max(r, 1)), dtype=f8),
+            a.new_empty_strided((m, w // BW_BLOCK), (1, torch.sym_max(m, 1)), dtype=torch.float32),
+            a.new_empty_strided((r, w), (1, torch.sym_max(r, 1)), dtype=f8),
             a.new_empty((r // BW_BLOCK, w), dtype=torch.float32))
 
 

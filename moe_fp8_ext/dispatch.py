@@ -25,6 +25,10 @@ The combine (:func:`combine`, bf16) weights each returned row by its routing sco
 and sums each token's rows in one pass (``combine_rows``), with the bits of
 torchtitan's combine on CUDA, without its copies and sort of the rows; its backward is
 one pass too (``combine_rows_backward``).
+
+Both trace under ``torch.compile(fullgraph=True)`` (torchtitan compiles its blocks so):
+``Fp8Rows`` is a traceable tensor subclass, the all-to-all is the functional collective,
+and the split sizes may be unbacked ints (``.tolist()`` in the graph).
 """
 
 from typing import List, Optional, Tuple
@@ -76,10 +80,25 @@ class Fp8Rows(Tensor):
         return Tensor._make_wrapper_subclass(cls, q.shape, dtype=dtype, device=q.device)
 
     def __init__(self, q: Tensor, s: Tensor, dtype: torch.dtype, recipe: Recipe):
-        self._q, self._s, self._recipe = q, s, recipe  # (q in its fp8 dtype; s row-major (R, c))
+        # q in its fp8 dtype; s row-major (R, c); made for the recipe's kind (its name: a
+        # string, where dynamo may make a recipe's int fields symbolic)
+        self._q, self._s, self._made_for = q, s, recipe.name
+
+    @staticmethod
+    def _make(q: Tensor, s: Tensor, dtype: torch.dtype, made_for: str) -> "Fp8Rows":
+        t = Tensor._make_wrapper_subclass(Fp8Rows, q.shape, dtype=dtype, device=q.device)
+        t._q, t._s, t._made_for = q, s, made_for
+        return t
+
+    def __tensor_flatten__(self):  # (traceable: dynamo and AOT autograd see q and s)
+        return ["_q", "_s"], (self.dtype, self._made_for)
+
+    @staticmethod
+    def __tensor_unflatten__(inner, meta, outer_size, outer_stride):
+        return Fp8Rows._make(inner["_q"], inner["_s"], *meta)
 
     def __repr__(self):
-        return f"Fp8Rows(shape={tuple(self.shape)}, dtype={self.dtype}, recipe={self._recipe.name!r})"
+        return f"Fp8Rows(shape={tuple(self.shape)}, dtype={self.dtype}, recipe={self._made_for!r})"
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
@@ -88,7 +107,7 @@ class Fp8Rows(Tensor):
         # hook on the inputs of a module it wraps).
         if isinstance(t, Fp8Rows) and (func in (torch.ops.aten.detach.default, torch.ops.aten.alias.default) or (
                 func == torch.ops.aten.view.default and _whole(t, args[1]))):
-            return Fp8Rows(t._q, t._s, t.dtype, t._recipe)
+            return Fp8Rows._make(t._q, t._s, t.dtype, t._made_for)
         raise TypeError(f"{func}: token rows dispatched in fp8 (moe_fp8_ext.dispatch) are read by "
                         "moe_fp8_ext.experts only; they hold no high-precision values")
 
@@ -105,16 +124,16 @@ def fp8_rows_operand(recipe: Recipe, fp8_dtype: torch.dtype, x: Tensor) -> Optio
     for ``recipe`` and ``fp8_dtype``, else an error); None for any other tensor."""
     if not isinstance(x, Fp8Rows):
         return None
-    if x._recipe != recipe or x._q.dtype != fp8_dtype:
-        raise ValueError(f"experts: expected rows dispatched for recipe {recipe.name!r} in {fp8_dtype}, got "
-                         f"{x._recipe.name!r} in {x._q.dtype}")
+    if x._made_for != recipe.name or x._q.dtype != fp8_dtype:
+        raise ValueError(f"experts: expected rows dispatched for recipe {recipe.name!r} in {fp8_dtype}, "
+                         f"got {x._made_for!r} in {x._q.dtype}")
     return _lhs(recipe, x._q, x._s)
 
 
-def _all_to_all(t: Tensor, out_rows: int, out_splits: List[int], in_splits: List[int], group) -> Tensor:
-    out = t.new_empty((out_rows, t.shape[1]))
-    dist.all_to_all_single(out, t.contiguous(), out_splits, in_splits, group=group)
-    return out
+def _all_to_all(t: Tensor, out_splits: List[int], in_splits: List[int], group_name: str) -> Tensor:
+    # (the functional collective, by group name: traceable, where a process group is not)
+    c10d = torch.ops._c10d_functional
+    return c10d.wait_tensor(c10d.all_to_all_single(t.contiguous(), out_splits, in_splits, group_name))
 
 
 def _token_rows(token_idx: Tensor, num_tokens: int) -> Tuple[Tensor, Tensor]:
@@ -161,6 +180,9 @@ def combine(y: Tensor, scores: Tensor, token_idx: Tensor, num_tokens: int) -> Te
     return _Combine.apply(y, scores.float(), token_idx.to(torch.int32), num_tokens)
 
 
+# In the graph as one node: dynamo would trace its backward with a gradient of the
+# output's type (Fp8Rows); autograd gives it a plain one.
+@torch._dynamo.allow_in_graph
 class _Fp8Dispatch(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, token_idx, recipe, fp8_dtype, group, in_splits, out_splits, perm):
@@ -171,7 +193,7 @@ class _Fp8Dispatch(torch.autograd.Function):
         q, s = _quantize_rows(recipe, x, fp8_dtype)  # each token once, before its k copies
         q, s = _ops.gather_rows(q, token_idx), _ops.gather_rows(s, token_idx)
         if not ctx.local:
-            q, s = (_all_to_all(t, ctx.received, out_splits, in_splits, group) for t in (q, s))
+            q, s = (_all_to_all(t, out_splits, in_splits, group) for t in (q, s))
         if perm is not None:
             q, s = _ops.gather_rows(q, perm), _ops.gather_rows(s, perm)
         return Fp8Rows(q.view(fp8_dtype), s, x.dtype, recipe)
@@ -183,13 +205,10 @@ class _Fp8Dispatch(torch.autograd.Function):
         if perm is not None:
             grad = _ops.scatter_rows(grad, perm, ctx.received)
         if not ctx.local:
-            grad = _all_to_all(grad, ctx.num_rows, ctx.in_splits, ctx.out_splits, ctx.group)
+            grad = _all_to_all(grad, ctx.in_splits, ctx.out_splits, ctx.group)
         return _gather_backward(grad, token_idx, ctx.num_tokens), None, None, None, None, None, None, None
 
 
-@torch.compiler.disable(reason="moe_fp8_ext: the fp8 dispatch returns a tensor subclass dynamo cannot trace and "
-                        "runs eagerly (a graph break; fullgraph=True cannot hold it: compile without fullgraph, "
-                        "or convert with fp8_dispatch=False)")
 def fp8_dispatch(x: Tensor, token_idx: Tensor, recipe: Recipe, group=None, input_splits: Optional[List[int]] = None,
                  output_splits: Optional[List[int]] = None, perm: Optional[Tensor] = None, fp8_dtype=None) -> Fp8Rows:
     """Send the rows ``x[token_idx]`` (x (T, D) this rank's tokens, ``token_idx`` int32
@@ -210,9 +229,12 @@ def fp8_dispatch(x: Tensor, token_idx: Tensor, recipe: Recipe, group=None, input
         raise ValueError("fp8_dispatch: expected input_splits and output_splits with a group")
     if not local and (input_splits is None or output_splits is None):
         raise ValueError("fp8_dispatch: expected both input_splits and output_splits, or neither (a local dispatch)")
-    if not local and sum(input_splits) != token_idx.shape[0]:
+    if not local and torch.compiler.is_compiling():  # (the splits may be unbacked ints: a run-time assert)
+        torch._check(sum(input_splits) == token_idx.shape[0])
+    elif not local and sum(input_splits) != token_idx.shape[0]:
         raise ValueError(f"fp8_dispatch: expected input_splits summing to {token_idx.shape[0]} (the rows sent), "
                          f"got {sum(input_splits)}")
     f8 = fp8_dtype or recipe.default_fp8_dtype(x.device)
     splits = (None, None) if local else (list(input_splits), list(output_splits))
+    group = None if local else (group or dist.group.WORLD).group_name
     return _Fp8Dispatch.apply(x, token_idx, recipe, f8, group, *splits, perm)

@@ -32,6 +32,7 @@ from typing import Optional, Tuple, Union
 
 import torch
 from torch import Tensor
+from torch.fx.experimental.symbolic_shapes import guard_or_false
 from torch.torch_version import TorchVersion
 
 from . import dispatch as _dispatch, fsdp as _fsdp, token_groups
@@ -218,7 +219,7 @@ class _Experts(torch.autograd.Function):
             dtype = _gemm_out_dtype(recipe, backend, ctx.dtypes[3], grad_out.dtype)
             if ctx.main_grads is not None:
                 recipe.mm_2d2d_add_(ctx.main_grads[2], g_col, h_col, wgrad_offs, dtype, backend)
-            elif (need_x or need_w13) and _nbytes((g_col, h_col)) < ctx.shapes[3].numel() * ctx.dtypes[3].itemsize:
+            elif (need_x or need_w13) and guard_or_false(_nbytes((g_col, h_col)) < ctx.shapes[3].numel() * ctx.dtypes[3].itemsize):
                 w2_last = [g_col, h_col, dtype]
             else:
                 grad_w2 = recipe.mm_2d2d(g_col, h_col, wgrad_offs, dtype, backend).to(ctx.dtypes[3])
@@ -331,11 +332,12 @@ def experts(
     unchanged (None: quantize every call); ``weight_keys``: the three tensors whose
     versions say whether w1, w3, w2 changed, where those are not the weights themselves
     (FSDP2's sharded parameters: :func:`moe_fp8_ext.weight_cache.weight_keys`). Works
-    under ``torch.compile(fullgraph=True)`` (the cache is bypassed there). x may be rows
-    dispatched in fp8 (:class:`moe_fp8_ext.dispatch.Fp8Rows`) and the weights all-gathered
-    in fp8 (:class:`moe_fp8_ext.fsdp.GatheredWeight`): read as they are, in eager mode
-    (under torch.compile the layer runs eagerly there, a graph break; ``fullgraph=True``
-    raises). ``main_grads``: three float32 tensors of w1's, w3's and w2's shapes that
+    under ``torch.compile(fullgraph=True)`` (the cache is bypassed there), rows of
+    unbacked size included (after an all-to-all). x may be rows dispatched in fp8
+    (:class:`moe_fp8_ext.dispatch.Fp8Rows`, traceable too) and the weights all-gathered
+    in fp8 (:class:`moe_fp8_ext.fsdp.GatheredWeight`): read as they are (gathered
+    weights in eager mode: under torch.compile the layer runs eagerly there, a graph
+    break; ``fullgraph=True`` raises). ``main_grads``: three float32 tensors of w1's, w3's and w2's shapes that
     the backward adds the weights' gradients to in place, returning none for the weights
     (Megatron's gradient accumulation fusion: fused into the weight-gradient GEMMs for
     both fp8 recipes on Hopper, an add after them elsewhere); eager only (under
@@ -343,7 +345,7 @@ def experts(
     """
     kw = dict(recipe=recipe, fp8_dtype=fp8_dtype, weight_cache=weight_cache, weight_keys=weight_keys,
               pad_groups=pad_groups, main_grads=main_grads)
-    if traced_fp8_comm(x, (w1, w3, w2)) or (main_grads is not None and torch.compiler.is_compiling()):
+    if traced_fp8_comm((w1, w3, w2)) or (main_grads is not None and torch.compiler.is_compiling()):
         return _experts_eager(x, w1, w3, w2, offs, **kw)
     return _experts(x, w1, w3, w2, offs, **kw)
 
@@ -396,17 +398,16 @@ def _check_main_grads(main_grads, ws, device):
     return tuple(main_grads)
 
 
-EAGER_REASON = ("moe_fp8_ext: rows dispatched and weights all-gathered in fp8 are tensor subclasses dynamo cannot "
-                "trace, and main_grads are added to in place by the backward; the experts layer runs them eagerly "
-                "(fullgraph=True cannot hold them: compile without fullgraph, or without FP8 communication and "
+EAGER_REASON = ("moe_fp8_ext: weights all-gathered in fp8 are tensor subclasses dynamo cannot trace, and "
+                "main_grads are added to in place by the backward; the experts layer runs them eagerly "
+                "(fullgraph=True cannot hold them: compile without fullgraph, or without fp8_all_gather and "
                 "fused gradient accumulation)")
 
 
-def traced_fp8_comm(x, ws) -> bool:
-    """Whether dynamo traces a call given rows dispatched or weights all-gathered in fp8
-    (then it runs eagerly: EAGER_REASON)."""
-    return torch.compiler.is_compiling() and (isinstance(x, _dispatch.Fp8Rows)
-                                              or any(_fsdp.is_fp8_comm_weight(w) for w in ws))
+def traced_fp8_comm(ws) -> bool:
+    """Whether dynamo traces a call given weights all-gathered in fp8 (then it runs
+    eagerly: EAGER_REASON)."""
+    return torch.compiler.is_compiling() and any(_fsdp.is_fp8_comm_weight(w) for w in ws)
 
 
 @torch.compiler.disable(reason=EAGER_REASON)

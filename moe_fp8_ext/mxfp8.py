@@ -133,7 +133,7 @@ def quantize_mxfp8_colwise(x: Tensor, rounding: str = "rceil", blocked: bool = F
 def _(x, rounding="rceil", blocked=False, offs=None, padded_starts=None, alignment=None):
     q_rows = check_quantize_mxfp8_colwise(x, rounding, blocked, offs, padded_starts, alignment)
     m, k = x.shape
-    q = x.new_empty_strided((q_rows, k), (1, max(q_rows, 1)), dtype=torch.float8_e4m3fn)
+    q = x.new_empty_strided((q_rows, k), (1, torch.sym_max(q_rows, 1)), dtype=torch.float8_e4m3fn)
     c = q_rows // MX_BLOCK
     if not blocked:
         shape = (k, c)
@@ -158,7 +158,7 @@ def quantize_mxfp8_experts(b: Tensor, rounding: str = "rceil", blocked: bool = F
 def _(b, rounding="rceil", blocked=False):
     check_quantize_mxfp8_experts(b, rounding, blocked)
     e, k, n = b.shape
-    q = b.new_empty_strided((e, k, n), (k * n, 1, max(k, 1)), dtype=torch.float8_e4m3fn)
+    q = b.new_empty_strided((e, k, n), (k * n, 1, torch.sym_max(k, 1)), dtype=torch.float8_e4m3fn)
     c = k // MX_BLOCK
     shape = (e, _ceil(n, 128) * _ceil(c, 4)) if blocked else (e, n, c)
     return q, b.new_empty(shape, dtype=torch.float8_e8m0fnu)

@@ -11,7 +11,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-@pytest.mark.parametrize("table", [["--experts", "--swiglu-ab"], ["--moe"]])
+@pytest.mark.parametrize("table", [["--experts", "--swiglu-ab"], ["--moe", "--compile"]])
 def test_bench_experts_smoke(tmp_path, table):
     pytest.importorskip("torchtitan.models.common.moe")
     env = dict(os.environ, OUT=str(tmp_path), PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
@@ -26,6 +26,9 @@ def test_bench_experts_smoke(tmp_path, table):
                                                              "bf16+combine"})
     assert want <= {r["variant"] for r in rows}
     assert all(r["fresh_ms"] > 0 and r["accum_ms"] > 0 for r in rows)
+    if "--compile" in table:  # (the MoE layer's fp8 dispatch compiles fullgraph)
+        assert {"bf16", "fp8_blockwise+dispatch", "fp8_rowwise+dispatch"} <= {
+            r["variant"] for r in rows if r["mode"] == "compiled"}
 
 
 def test_bench_fused_accumulation_smoke(tmp_path):

@@ -3,7 +3,7 @@ and the gradients of its input, experts and router must match a single-process r
 the same layer (the example checks and exits 1 otherwise). And examples/fsdp2_experts.py:
 the experts layer sharded by FSDP2 trains like an unsharded copy that does the same
 math by hand, reusing its quantized weights over micro-batches. FP8 communication: the
-example's fp8 dispatch, and tests/fsdp_fp8_all_gather.py (the fp8 all-gather against
+example's fp8 dispatch (eager and compiled), and tests/fsdp_fp8_all_gather.py (the fp8 all-gather against
 the bf16 one, bit for bit). CPU (gloo) everywhere; GPUs (NCCL) when the machine has
 enough."""
 
@@ -31,7 +31,7 @@ def run_torchrun(*args, example=EXAMPLE, ok="expert_parallel: OK", ranks=2):
 
 
 @pytest.mark.parametrize("ranks, extra", [(2, []), (2, ["--topk", "1", "--experts-per-rank", "3", "--tokens", "37"]),
-                                          (4, [])])
+                                          (4, []), (2, ["--compile", "aot_eager"])])
 def test_expert_parallel_matches_single_process_cpu(ranks, extra):
     run_torchrun("--device", "cpu", *extra, ranks=ranks)
 
@@ -63,7 +63,9 @@ def test_fsdp2_experts_gpus(ranks, recipe):
 # (in practice bit for bit; the router's gradient sums over ranks in another order).
 @pytest.mark.parametrize("ranks, extra", [(2, ["--recipe", "fp8_blockwise"]), (2, ["--recipe", "fp8_rowwise"]),
                                           (2, ["--recipe", "fp8_blockwise", "--topk", "1", "--tokens", "37"]),
-                                          (4, ["--recipe", "fp8_blockwise"])])
+                                          (4, ["--recipe", "fp8_blockwise"]),
+                                          (2, ["--recipe", "fp8_rowwise", "--compile", "aot_eager"]),
+                                          (4, ["--recipe", "fp8_blockwise", "--compile", "aot_eager"])])
 def test_fp8_dispatch_matches_single_process_cpu(ranks, extra):
     run_torchrun("--device", "cpu", "--fp8-dispatch", *extra, ranks=ranks)
 
@@ -71,10 +73,11 @@ def test_fp8_dispatch_matches_single_process_cpu(ranks, extra):
 @pytest.mark.gpu
 @pytest.mark.parametrize("ranks", [2, 4])
 @pytest.mark.parametrize("recipe", ["fp8_rowwise", "fp8_blockwise"])
-def test_fp8_dispatch_matches_single_process_gpus(ranks, recipe):
+@pytest.mark.parametrize("compiled", [[], ["--compile"]])
+def test_fp8_dispatch_matches_single_process_gpus(ranks, recipe, compiled):
     if not (HAS_CUDA and torch.cuda.device_count() >= ranks):
         pytest.skip(f"needs {ranks} CUDA GPUs")
-    print(run_torchrun("--device", "cuda", "--fp8-dispatch", "--recipe", recipe, ranks=ranks))
+    print(run_torchrun("--device", "cuda", "--fp8-dispatch", "--recipe", recipe, *compiled, ranks=ranks))
 
 
 @pytest.mark.parametrize("ranks", [2, 4])

@@ -61,7 +61,7 @@ def _local(p: Tensor) -> Tensor:
 
 
 def _fp8_forward(self, x_RD: Tensor, num_tokens_per_expert_E: Tensor) -> Tensor:
-    if traced_fp8_comm(x_RD, [getattr(self, n) for n in _NAMES]):
+    if traced_fp8_comm([getattr(self, n) for n in _NAMES]):
         return _fp8_forward_eager(self, x_RD, num_tokens_per_expert_E)  # (to_local included)
     return _fp8_forward_impl(self, x_RD, num_tokens_per_expert_E)
 

@@ -10,6 +10,7 @@ from typing import Optional
 
 import torch
 from torch import Tensor
+from torch.fx.experimental.symbolic_shapes import guard_or_true
 
 from ..platform import default_fp8_dtype
 
@@ -30,11 +31,14 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 def _require(cond, message) -> None:
-    """RuntimeError(message()) unless cond. A plain branch (not torch._check), so
-    that dynamo traces it into the compiled graph's guards (torch._check's message
-    closure may only hold constants)."""
-    if not cond:
+    """RuntimeError(message()) unless cond. A condition on sizes that torch.compile
+    cannot decide while tracing (unbacked: rows after an all-to-all) becomes a run-time
+    assert (its message: dynamo takes closures of constants only)."""
+    if cond is True:
+        return
+    if not guard_or_true(cond):
         raise RuntimeError(message())
+    torch._check(cond)
 
 
 def check_tensor(op: str, name: str, t, dim: Optional[int] = None, dtype: Optional[torch.dtype] = None) -> None:

@@ -162,7 +162,7 @@ def check_zero_rows_past_groups_(x, offs, op="zero_rows_past_groups_"):
     # at::has_internal_overlap's "Yes" (a dim of size > 1 with stride 0: an expanded
     # view); the cases it calls too hard to tell are let through, as torch's in-place
     # ops do. Written out so that dynamo traces it.
-    if any(n > 1 and s == 0 for n, s in zip(x.shape, x.stride())):
+    if any(s == 0 and n > 1 for n, s in zip(x.shape, x.stride())):
         raise RuntimeError(
             f"{op}: expected x without internal overlap (each element its own memory, as torch's in-place ops "
             f"require), got sizes {tuple(x.shape)} and strides {x.stride()}"
