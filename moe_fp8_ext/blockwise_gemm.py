@@ -28,9 +28,10 @@ import functools
 
 import torch
 from torch import Tensor
+from torch.fx.experimental.symbolic_shapes import guard_or_false, guard_or_true
 
 from .ops import INT32_MAX, _dtype_name, check_index, check_same_device, check_tensor
-from .ops._checks import padded_rows
+from .ops._checks import _require, padded_rows
 from .platform import remembered_per_device
 
 _ops = torch.ops.moe_fp8
@@ -127,25 +128,29 @@ def _check_shape(op, name, t, expected):
 
 def _stride_or(t, d, fallback):
     """The stride of dim d, or ``fallback`` where it does not matter: dim d has one
-    element, or the tensor none."""
-    return t.stride(d) if t.shape[d] > 1 and t.numel() > 0 else fallback
+    element, or the tensor none (sizes torch.compile cannot decide: the stride)."""
+    return t.stride(d) if guard_or_true(t.shape[d] > 1) and guard_or_true(t.numel() > 0) else fallback
 
 
 def _check_unit_stride(op, name, t, d, layout):
-    if t.shape[d] > 1 and t.stride(d) != 1:
+    if guard_or_false(t.stride(d) != 1) and guard_or_true(t.shape[d] > 1):
         raise RuntimeError(f"{op}: expected {name} {layout} (stride({d}) == 1), got strides {list(t.stride())}")
 
 
 def _check_ld(op, what, ld, lo, multiple):
-    if ld < lo or ld % multiple != 0:
-        raise RuntimeError(
-            f"{op}: expected {what} to be at least {lo} and a multiple of {multiple} (16-byte rows for TMA), got {ld}"
-        )
+    def message():
+        return f"{op}: expected {what} to be at least {lo} and a multiple of {multiple} (16-byte rows for TMA), got {ld}"
+
+    _require(ld >= lo, message)
+    _require(ld % multiple == 0, message)
 
 
 def _check_int32(op, what, v):
-    if v < 0 or v > INT32_MAX:
-        raise RuntimeError(f"{op}: expected {what} to fit in int32 (at most 2^31-1), got {v}")
+    def message():
+        return f"{op}: expected {what} to fit in int32 (at most 2^31-1), got {v}"
+
+    _require(v >= 0, message)
+    _require(v <= INT32_MAX, message)
 
 
 def check_blockwise_grouped_mm_2d3d(a, scale_a, b, scale_b, offs, out_dtype, config=-1):
@@ -177,8 +182,7 @@ def check_blockwise_grouped_mm_2d3d(a, scale_a, b, scale_b, offs, out_dtype, con
     _check_ld(op, "b.stride(2)", ldb, k, 16)
     if sbe % 16 != 0:
         raise RuntimeError(f"{op}: expected b.stride(0) to be a multiple of 16 (16-byte aligned experts), got {sbe}")
-    if lds < m:
-        raise RuntimeError(f"{op}: expected scale_a.stride(1) >= {m} (column-major), got {lds}")
+    _require(lds >= m, lambda: f"{op}: expected scale_a.stride(1) >= {m} (column-major), got {lds}")
     if snb < kb:
         raise RuntimeError(f"{op}: expected scale_b.stride(2) >= {kb} (column-major per expert), got {snb}")
     _check_int32(op, "M", m)

@@ -1078,3 +1078,32 @@ def test_grouped_experts_fuse_grad_accumulation():
         assert torch.equal(p.main_grad, 2 * g)
     with pytest.raises(TypeError, match="expected fuse_grad_accumulation to be a bool"):
         GroupedExperts(128, 256, 4, fuse_grad_accumulation=1)
+
+
+@pytest.mark.parametrize("recipe, ours", [("fp8_blockwise", True), ("fp8_blockwise+dswiglu", True),
+                                          ("fp8_rowwise", True), ("fp8_rowwise", False)])
+def test_hopper_paths_trace_rows_of_unbacked_size(monkeypatch, recipe, ours):
+    """Rows of a size torch.compile knows only at run time (unbacked: after expert
+    parallelism's all-to-all, as torchtitan compiles it) through the sm90 paths'
+    Python and fakes, forward and backward (fake tensors with an unbacked row count;
+    the backends forced, as no GPU is needed to trace): no check or choice guards on it."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    from moe_fp8_ext import rowwise_gemm
+    from moe_fp8_ext.recipes import Fp8Blockwise, Fp8Rowwise
+
+    monkeypatch.setattr(Fp8Blockwise, "backend", lambda self, device: "blockwise_gemm")
+    monkeypatch.setattr(Fp8Rowwise, "backend", lambda self, device: "fp8_gemm")
+    monkeypatch.setattr(rowwise_gemm, "available", lambda device=None: ours)  # (ours, or torch's GEMM)
+    r = Fp8Blockwise(dswiglu_in_gemm=True) if recipe.endswith("+dswiglu") else get_recipe(recipe)
+    env = ShapeEnv()
+    with FakeTensorMode(shape_env=env):
+        m = env.create_unbacked_symint()
+        torch._check(m >= 0)
+        torch._check(m <= 2 ** 20)
+        x, w1, w3, w2 = (torch.empty(s, dtype=torch.bfloat16, device="meta", requires_grad=True)
+                         for s in ((m, 256), (4, 256, 256), (4, 256, 256), (4, 256, 256)))
+        out = experts(x, w1, w3, w2, torch.empty(4, dtype=torch.int32, device="meta"), recipe=r)
+        grads = torch.autograd.grad(out, (x, w1, w3, w2), torch.empty_like(out))
+    assert out.shape == (m, 256) and [g.shape for g in grads] == [(m, 256)] + [(4, 256, 256)] * 3
