@@ -36,6 +36,8 @@ def _require(cond, message) -> None:
     assert (its message: dynamo takes closures of constants only)."""
     if cond is True:
         return
+    if not isinstance(cond, (bool, torch.SymBool)):
+        cond = bool(cond)
     if not guard_or_true(cond):
         raise RuntimeError(message())
     torch._check(cond)
