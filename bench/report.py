@@ -87,8 +87,8 @@ def compiled_table(runs):
              "(<= 1.00) | run |", "|---|---|---|---|---|---|---|---|"]
     seen = set()
     for name, doc in runs.items():
-        rows = doc["data"].get("grouped_experts", []) + doc["data"].get("moe", []) if name.startswith(
-            "bench_experts") else []
+        data = doc["data"] if name.startswith("bench_experts") else {}
+        rows = data.get("grouped_experts", []) + data.get("moe", [])
         eager = {(r["shape"], r["variant"]): r["fresh_ms"] for r in rows if r["mode"] == "eager"}
         shapes = {r["shape"] for r in rows if r["mode"] == "compiled"} - seen
         for r in rows:

@@ -139,7 +139,8 @@ def _check_unit_stride(op, name, t, d, layout):
 
 def _check_ld(op, what, ld, lo, multiple):
     def message():
-        return f"{op}: expected {what} to be at least {lo} and a multiple of {multiple} (16-byte rows for TMA), got {ld}"
+        return (f"{op}: expected {what} to be at least {lo} and a multiple of {multiple} (16-byte rows for TMA), "
+                f"got {ld}")
 
     _require(ld >= lo, message)
     _require(ld % multiple == 0, message)

@@ -185,15 +185,15 @@ def combine(y: Tensor, scores: Tensor, token_idx: Tensor, num_tokens: int) -> Te
 @torch._dynamo.allow_in_graph
 class _Fp8Dispatch(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, token_idx, recipe, fp8_dtype, group, in_splits, out_splits, perm):
-        ctx.group, ctx.in_splits, ctx.out_splits = group, in_splits, out_splits
-        ctx.num_tokens, ctx.num_rows, ctx.local = x.shape[0], token_idx.shape[0], in_splits is None
+    def forward(ctx, x, token_idx, recipe, fp8_dtype, group_name, in_splits, out_splits, perm):
+        ctx.group_name, ctx.in_splits, ctx.out_splits = group_name, in_splits, out_splits
+        ctx.num_tokens, ctx.local = x.shape[0], in_splits is None
         ctx.received = token_idx.shape[0] if ctx.local else sum(out_splits)
         ctx.save_for_backward(token_idx, perm)
         q, s = _quantize_rows(recipe, x, fp8_dtype)  # each token once, before its k copies
         q, s = _ops.gather_rows(q, token_idx), _ops.gather_rows(s, token_idx)
         if not ctx.local:
-            q, s = (_all_to_all(t, out_splits, in_splits, group) for t in (q, s))
+            q, s = (_all_to_all(t, out_splits, in_splits, group_name) for t in (q, s))
         if perm is not None:
             q, s = _ops.gather_rows(q, perm), _ops.gather_rows(s, perm)
         return Fp8Rows(q.view(fp8_dtype), s, x.dtype, recipe)
@@ -205,7 +205,7 @@ class _Fp8Dispatch(torch.autograd.Function):
         if perm is not None:
             grad = _ops.scatter_rows(grad, perm, ctx.received)
         if not ctx.local:
-            grad = _all_to_all(grad, ctx.in_splits, ctx.out_splits, ctx.group)
+            grad = _all_to_all(grad, ctx.in_splits, ctx.out_splits, ctx.group_name)
         return _gather_backward(grad, token_idx, ctx.num_tokens), None, None, None, None, None, None, None
 
 
@@ -236,5 +236,5 @@ def fp8_dispatch(x: Tensor, token_idx: Tensor, recipe: Recipe, group=None, input
                          f"got {sum(input_splits)}")
     f8 = fp8_dtype or recipe.default_fp8_dtype(x.device)
     splits = (None, None) if local else (list(input_splits), list(output_splits))
-    group = None if local else (group or dist.group.WORLD).group_name
-    return _Fp8Dispatch.apply(x, token_idx, recipe, f8, group, *splits, perm)
+    group_name = None if local else (group or dist.group.WORLD).group_name
+    return _Fp8Dispatch.apply(x, token_idx, recipe, f8, group_name, *splits, perm)

@@ -219,7 +219,8 @@ class _Experts(torch.autograd.Function):
             dtype = _gemm_out_dtype(recipe, backend, ctx.dtypes[3], grad_out.dtype)
             if ctx.main_grads is not None:
                 recipe.mm_2d2d_add_(ctx.main_grads[2], g_col, h_col, wgrad_offs, dtype, backend)
-            elif (need_x or need_w13) and guard_or_false(_nbytes((g_col, h_col)) < ctx.shapes[3].numel() * ctx.dtypes[3].itemsize):
+            elif (need_x or need_w13) and guard_or_false(  # (unbacked rows under compile: now)
+                    _nbytes((g_col, h_col)) < ctx.shapes[3].numel() * ctx.dtypes[3].itemsize):
                 w2_last = [g_col, h_col, dtype]
             else:
                 grad_w2 = recipe.mm_2d2d(g_col, h_col, wgrad_offs, dtype, backend).to(ctx.dtypes[3])
@@ -337,8 +338,9 @@ def experts(
     (:class:`moe_fp8_ext.dispatch.Fp8Rows`, traceable too) and the weights all-gathered
     in fp8 (:class:`moe_fp8_ext.fsdp.GatheredWeight`): read as they are (gathered
     weights in eager mode: under torch.compile the layer runs eagerly there, a graph
-    break; ``fullgraph=True`` raises). ``main_grads``: three float32 tensors of w1's, w3's and w2's shapes that
-    the backward adds the weights' gradients to in place, returning none for the weights
+    break; ``fullgraph=True`` raises). ``main_grads``: three float32 tensors of w1's,
+    w3's and w2's shapes that the backward adds the weights' gradients to in place,
+    returning none for the weights
     (Megatron's gradient accumulation fusion: fused into the weight-gradient GEMMs for
     both fp8 recipes on Hopper, an add after them elsewhere); eager only (under
     torch.compile a graph break).

@@ -3,7 +3,8 @@
 all-to-all token dispatcher) and both, with every recipe converted before
 parallelizing, after it, and by the config converter (tests/torchtitan_parallel.py
 trains each for 20 steps); with shared experts converted too; and with FP8 communication
-(the converter's fp8_all_gather and fp8_dispatch); compiled as torchtitan compiles. Skipped without torchtitan (CI installs it)."""
+(the converter's fp8_all_gather and fp8_dispatch); compiled as torchtitan compiles.
+Skipped without torchtitan (CI installs it)."""
 
 import json
 import os
