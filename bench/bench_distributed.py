@@ -61,25 +61,37 @@ INTER_NODE_GBPS = 50.0  # per GPU across nodes: one 400 Gb/s NIC a GPU (an assum
 
 class Counter:
     """Bytes of every collective, by kind and label, through wrappers around
-    torch.distributed's entry points (FSDP2 and the all-to-alls call them)."""
+    torch.distributed's entry points (FSDP2 and the all-to-alls call them) and around
+    the fp8 dispatch's functional all-to-all."""
 
     def __init__(self):
+        from moe_fp8_ext import dispatch
+
         self.bytes, self.label, self.on = {}, None, False
         for name, kind in (("all_to_all_single", "a2a"), ("all_gather_into_tensor", "ag"),
                            ("all_gather_single", "ag"), ("reduce_scatter_tensor", "rs")):
             fn = getattr(dist, name, None)
             if fn is not None:
                 setattr(dist, name, self._wrap(fn, kind))
+        functional = dispatch._all_to_all
+
+        def counted(t, *args, **kwargs):
+            self._count("a2a", t)
+            return functional(t, *args, **kwargs)
+
+        dispatch._all_to_all = counted
+
+    def _count(self, kind, t):
+        if self.on:
+            key = f"{kind} {self.label or ('backward' if kind == 'a2a' else '')}".strip()
+            self.bytes[key] = self.bytes.get(key, 0) + t.numel() * t.element_size()
 
     def _wrap(self, fn, kind):
         def counted(*args, **kwargs):
-            if self.on:
-                out, inp = (args + (None, None))[:2]
-                out, inp = kwargs.get("output_tensor", kwargs.get("output", out)), kwargs.get("input_tensor",
-                                                                                            kwargs.get("input", inp))
-                t = out if kind == "ag" else inp
-                key = f"{kind} {self.label or ('backward' if kind == 'a2a' else '')}".strip()
-                self.bytes[key] = self.bytes.get(key, 0) + t.numel() * t.element_size()
+            out, inp = (args + (None, None))[:2]
+            out, inp = kwargs.get("output_tensor", kwargs.get("output", out)), kwargs.get("input_tensor",
+                                                                                        kwargs.get("input", inp))
+            self._count(kind, out if kind == "ag" else inp)
             return fn(*args, **kwargs)
 
         return counted

@@ -51,6 +51,7 @@ def check_trained(results, specs):
         r = results[spec]
         micro = 2 if ":micro" in spec or ":reuse" in spec else 1
         calls = LAYERS * STEPS * micro * (2 if ":shared" in spec else 1)  # (shared experts: a second call)
+        calls *= 2 if ":ac" in spec else 1  # (activation checkpointing: the forward again in the backward)
         assert r["fp8_calls"] == calls, (spec, r["fp8_calls"])
         assert abs(r["losses"][0] - r["single_step0"]) <= STEP0_RTOL * r["single_step0"], (spec, r)
         worst = max(abs(a - b) / b for a, b in zip(r["losses"], bf16["losses"]))
@@ -120,10 +121,12 @@ def test_fp8_communication_under_torchtitan(ranks, layout, pairs):
 
 
 # torchtitan's compile (apply_compile: each block, fullgraph) with aot_eager, which traces the eager ops: the same
-# losses as the eager run, bit for bit. Under expert parallelism the experts' rows after the all-to-all are
-# unbacked sizes there; fp8 rows are a traceable tensor subclass.
+# losses as the eager run, bit for bit (":ac": with its selective activation checkpointing, applied before). Under
+# expert parallelism the experts' rows after the all-to-all are unbacked sizes there; fp8 rows are a traceable
+# tensor subclass.
 @pytest.mark.parametrize("ranks, layout, runs", [
-    (2, "ep", ["config:fp8_blockwise", "config:fp8_rowwise:disp", "before:fp8_blockwise:disp"]),
+    (2, "ep", ["config:fp8_blockwise", "config:fp8_rowwise:disp", "before:fp8_blockwise:disp",
+               "config:fp8_blockwise:disp:ac"]),
     (2, "fsdp", ["after:fp8_rowwise:disp", "config:mxfp8"]),
     (4, "ep_fsdp", ["config:fp8_blockwise:disp", "after:fp8_rowwise"]),
 ])

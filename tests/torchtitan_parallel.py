@@ -13,7 +13,8 @@ before (convert the built model), after (convert after parallelize and FSDP2), c
 micro-batches a step, ":reuse" too, with reuse_weights; ":ag" all-gathers the expert
 weights in fp8, ":disp" dispatches the tokens in fp8 (FP8 communication, the converter's
 options), ":shared" gives every MoE layer a shared expert and converts it too
-(shared_experts=True).
+(shared_experts=True), ":ac" applies torchtitan's selective activation checkpointing and
+":compile" its compile (each block, fullgraph; aot_eager).
 Every run trains 20 steps; rank 0 prints one JSON line per run (step losses, the
 single-process step-0 loss of the same model, how many experts calls went through
 moe_fp8_ext, weight-cache hits). tests/test_torchtitan_parallel.py checks them.
@@ -134,6 +135,10 @@ def run(spec, world, calls):
     dims = _DIMS[ep]
     validate_config(dims, model)
     model.parallelize(dims)
+    if "ac" in extra:  # (torchtitan's selective activation checkpointing, before compile as it applies it)
+        from torchtitan.distributed.activation_checkpoint import SelectiveAC
+
+        SelectiveAC.Config().build(dump_folder="").apply(model)
     if "compile" in extra:  # (torchtitan's: each block, fullgraph, after parallelize and before FSDP2)
         from torchtitan.config import CompileConfig
         from torchtitan.distributed.compile import apply_compile
