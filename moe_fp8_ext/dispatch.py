@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from .ops._checks import _require
 from .recipes import Fp8Blockwise, Fp8Rowwise, Recipe
 
 __all__ = ["Fp8Rows", "combine", "fp8_dispatch", "fp8_rows_operand"]
@@ -229,11 +230,10 @@ def fp8_dispatch(x: Tensor, token_idx: Tensor, recipe: Recipe, group=None, input
         raise ValueError("fp8_dispatch: expected input_splits and output_splits with a group")
     if not local and (input_splits is None or output_splits is None):
         raise ValueError("fp8_dispatch: expected both input_splits and output_splits, or neither (a local dispatch)")
-    if not local and torch.compiler.is_compiling():  # (the splits may be unbacked ints: a run-time assert)
-        torch._check(sum(input_splits) == token_idx.shape[0])
-    elif not local and sum(input_splits) != token_idx.shape[0]:
-        raise ValueError(f"fp8_dispatch: expected input_splits summing to {token_idx.shape[0]} (the rows sent), "
-                         f"got {sum(input_splits)}")
+    if not local:  # (under torch.compile the splits may be unbacked ints: then a run-time assert)
+        _require(sum(input_splits) == token_idx.shape[0], lambda: (
+            f"fp8_dispatch: expected input_splits summing to {token_idx.shape[0]} (the rows sent), "
+            f"got {sum(input_splits)}"), ValueError)
     f8 = fp8_dtype or recipe.default_fp8_dtype(x.device)
     splits = (None, None) if local else (list(input_splits), list(output_splits))
     group_name = None if local else (group or dist.group.WORLD).group_name

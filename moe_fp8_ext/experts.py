@@ -219,7 +219,7 @@ class _Experts(torch.autograd.Function):
             dtype = _gemm_out_dtype(recipe, backend, ctx.dtypes[3], grad_out.dtype)
             if ctx.main_grads is not None:
                 recipe.mm_2d2d_add_(ctx.main_grads[2], g_col, h_col, wgrad_offs, dtype, backend)
-            elif (need_x or need_w13) and guard_or_false(  # (unbacked rows under compile: now)
+            elif (need_x or need_w13) and guard_or_false(  # (rows unknown while compiling: run it now)
                     _nbytes((g_col, h_col)) < ctx.shapes[3].numel() * ctx.dtypes[3].itemsize):
                 w2_last = [g_col, h_col, dtype]
             else:

@@ -200,13 +200,16 @@ def main():
     dist_utils.set_spmd_backend("spmd_types")
     gloo_uneven_all_to_all()
     calls = []
-    experts = integration.experts
-    def counted(*a, **k):  # the FP8 layer's eager calls (a compiled run is checked against the eager one)
-        if not torch.compiler.is_compiling():
-            calls.append(1)
-        return experts(*a, **k)
 
-    integration.experts = counted
+    def counted(fn, record):  # eager calls only (a compiled run is checked against the eager one)
+        def call(*a, **k):
+            if not torch.compiler.is_compiling():
+                record()
+            return fn(*a, **k)
+
+        return call
+
+    integration.experts = counted(integration.experts, lambda: calls.append(1))  # the FP8 layer's calls
     import moe_fp8_ext.fsdp as fsdp
 
     pre_gather, dispatch = fsdp.ShardedWeight.fsdp_pre_all_gather, integration.fp8_dispatch
@@ -218,12 +221,7 @@ def main():
         return out
 
     fsdp.ShardedWeight.fsdp_pre_all_gather = counted_gather
-    def counted_dispatch(*a, **k):
-        if not torch.compiler.is_compiling():
-            fp8_comm.append("dispatch")
-        return dispatch(*a, **k)
-
-    integration.fp8_dispatch = counted_dispatch
+    integration.fp8_dispatch = counted(dispatch, lambda: fp8_comm.append("dispatch"))
     dist.init_process_group("gloo")
     world = dist.get_world_size()
     for spec in sys.argv[1:]:

@@ -30,16 +30,16 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return _C10_NAMES.get(dtype, str(dtype).replace("torch.", ""))
 
 
-def _require(cond, message) -> None:
-    """RuntimeError(message()) unless cond. A condition on sizes that torch.compile
-    cannot decide while tracing (unbacked: rows after an all-to-all) becomes a run-time
-    assert (its message: dynamo takes closures of constants only)."""
+def _require(cond, message, error: type = RuntimeError) -> None:
+    """error(message()) unless cond. A condition on sizes that torch.compile cannot
+    decide while tracing (unbacked: rows after an all-to-all) becomes a run-time assert
+    (its message: dynamo takes closures of constants only)."""
     if cond is True:
         return
     if not isinstance(cond, (bool, torch.SymBool)):
         cond = bool(cond)
     if not guard_or_true(cond):
-        raise RuntimeError(message())
+        raise error(message())
     torch._check(cond)
 
 
