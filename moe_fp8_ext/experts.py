@@ -184,11 +184,14 @@ class _Experts(torch.autograd.Function):
         grad_out = grad_out.contiguous()
         grad_h13 = lhs13 = h = g13_col = g_col = halves = None
         if need_x or need_w13:  # grad_h feeds only the gradients below W2
-            # -- W2 dgrad: grad_h = grad_out @ W2; grad_out's colwise operand with it where one read makes both
+            # -- W2 dgrad: grad_h = grad_out @ W2; grad_out's colwise operand with it where one read
+            # makes both, and always under compile: grad_out then dies here, not after the dSwiGLU
+            # (in eager mode autograd holds it through the whole backward anyway)
             rhs2 = _fsdp.rhs_bwd((w2,)) if ctx.gathered else weight_bwd("w2", ctx.keys[2:],
                                                                         lambda: [w2.transpose(-2, -1)])
-            lhs_g, g_col = recipe.quantize(grad_out, f8, groups,
-                                           colwise=SAME_READ if need_w2 and groups[1] is not None else False)
+            g_col_now = need_w2 and (True if torch.compiler.is_compiling() else
+                                     SAME_READ if groups[1] is not None else False)
+            lhs_g, g_col = recipe.quantize(grad_out, f8, groups, colwise=g_col_now)
             # -- with dSwiGLU: reads h13 once, fused with grad_h13's operands (in the GEMM's epilogue
             # where the recipe fuses them), and h where W2's weight gradient needs it (none kept in
             # fp8); h13 and grad_h are freed once read.

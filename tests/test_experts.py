@@ -987,6 +987,36 @@ def test_compiled_blockwise_backward_reuses_the_forward_weight_operands():
         assert sqnr(a, b) > 35
 
 
+@pytest.mark.parametrize("recipe", ["fp8_rowwise", "fp8_blockwise"])
+def test_compiled_backward_reads_grad_out_before_the_dswiglu(recipe):
+    """Under compile the output gradient's colwise operand is made with its rowwise one,
+    so the backward graph reads grad_out for the last time before the dSwiGLU (Inductor
+    frees it there: the step's peak is at the dSwiGLU for fp8_rowwise). Bits as eager."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    seen = {}
+
+    def bw_compiler(gm, example_inputs):
+        nodes = list(gm.graph.nodes)
+        tangent = next(n for n in nodes if n.op == "placeholder" and n.name.startswith("tangents"))
+        readers = [i for i, n in enumerate(nodes) if tangent in n.all_input_nodes]
+        dswiglu = [i for i, n in enumerate(nodes) if "swiglu" in str(n.target)]
+        seen.update(readers=readers, dswiglu=dswiglu)
+        return gm.forward
+
+    x, w1, w3, w2, offs, grad = make(3, 128, 128, 200, "cpu", offs=[40, 40, 200])
+    f = functools.partial(experts, recipe=recipe, pad_groups=True)
+    want_out, want = run(f, (x, w1, w3, w2, offs), grad)
+    torch._dynamo.reset()
+    backend = aot_autograd(fw_compiler=lambda gm, _: gm.forward, bw_compiler=bw_compiler)
+    out, got = run(torch.compile(f, fullgraph=True, backend=backend), (x, w1, w3, w2, offs), grad)
+    torch._dynamo.reset()
+    assert seen["readers"] and seen["dswiglu"], seen
+    assert max(seen["readers"]) < min(seen["dswiglu"]), seen
+    for a, b in zip([want_out] + want, [out] + got):
+        assert torch.equal(a, b)
+
+
 # ---- main_grads: weight gradients added to fp32 main gradients (gradient accumulation fusion)
 
 
