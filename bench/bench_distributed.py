@@ -183,6 +183,10 @@ def build(args, variant, layout, device, world):
         rows = (lambda p: Shard(1)) if layout == "fsdp_rows" else None
         fully_shard(layer.experts, mesh=mesh, mp_policy=policy, shard_placement_fn=rows)
         fully_shard(layer, mesh=mesh, mp_policy=policy)  # (a root above, as in a model)
+    # (not fullgraph: FSDP2's hooks of the experts inside the root run eagerly. The fp32 reference stays
+    # eager: torch 2.11's fake _grouped_mm takes bf16 only)
+    if args.compile and name != "fp32":
+        return torch.compile(layer, backend="inductor" if device.type == "cuda" else "aot_eager")
     return layer
 
 
@@ -353,7 +357,10 @@ def main():
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--curve", type=int, default=0, help="also train this many steps of each variant: loss curves")
     p.add_argument("--profile", action="store_true", help="also each step's GPU kernel time by family (CUDA)")
+    p.add_argument("--compile", action="store_true", help="torch.compile each variant's layer (FSDP layouts)")
     args = p.parse_args()
+    if args.compile and "ep" in args.layouts.split(","):
+        p.error("--compile: FSDP layouts only (the EP layout's byte counts wrap collectives the graph would hold)")
     if args.profile and args.device != "cuda":
         p.error("--profile needs --device cuda (it sums GPU kernel times)")
     if set(args.layouts.split(",")) - {"ep", "fsdp", "fsdp_rows"}:
@@ -387,7 +394,7 @@ def main():
                              comm_bytes_vs_bf16_comm=mine / ref if ref else None,
                              peak_gib=r["peak_gib"], mib=moved))
     data = dict(shape=dict(tokens=args.tokens, dim=args.dim, hidden=args.hidden, experts=args.experts,
-                           topk=args.topk, recipe=args.recipe), steps=rows, variants_freed=True)
+                           topk=args.topk, recipe=args.recipe, compiled=args.compile), steps=rows, variants_freed=True)
     if gpu:
         data["bandwidth"] = [dict(world=world, all_to_all_gbps=bandwidth_gbps(device, world, 256 << 20, "a2a"),
                                   all_gather_gbps=bandwidth_gbps(device, world, 256 << 20, "ag"))]
@@ -431,7 +438,8 @@ def main():
             print_table("GPU kernel time per step by family, ms (rank 0, torch.profiler)", cols,
                         [[r[c] if isinstance(r[c], str) else f"{r[c]:.2f}" for c in cols] for r in data["profile"]],
                         "bench_distributed.md")
-        name = f"bench_distributed_{args.recipe.split('_')[1]}_x{world}" + ("_profile" if args.profile else "")
+        name = (f"bench_distributed_{args.recipe.split('_')[1]}_x{world}" + ("_compiled" if args.compile else "")
+                + ("_profile" if args.profile else ""))
         write_json(name, data, sys.argv, launcher=f"torchrun --nproc-per-node={world}")
     dist.barrier()
     dist.destroy_process_group()

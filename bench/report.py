@@ -123,7 +123,8 @@ def _distributed_rows(doc):
     data = doc["data"]
     curves = {(c["layout"], c["variant"]): c for c in data.get("curves", [])}
     lines = []
-    run = f"{doc['commit']}, {data['steps'][0]['world']}× {doc['device']}"
+    run = f"{doc['commit']}, {data['steps'][0]['world']}× {doc['device']}" + (", compiled" if data["shape"].get(
+        "compiled") else "")
     for r in data["steps"]:
         if r["variant"] != "fp8_comm":
             continue

@@ -339,18 +339,16 @@ def experts(
     under ``torch.compile(fullgraph=True)`` (the cache is bypassed there), rows of
     unbacked size included (after an all-to-all). x may be rows dispatched in fp8
     (:class:`moe_fp8_ext.dispatch.Fp8Rows`, traceable too) and the weights all-gathered
-    in fp8 (:class:`moe_fp8_ext.fsdp.GatheredWeight`): read as they are (gathered
-    weights in eager mode: under torch.compile the layer runs eagerly there, a graph
-    break; ``fullgraph=True`` raises). ``main_grads``: three float32 tensors of w1's,
-    w3's and w2's shapes that the backward adds the weights' gradients to in place,
-    returning none for the weights
+    in fp8 (:class:`moe_fp8_ext.fsdp.GatheredWeight`, traceable): read as they are.
+    ``main_grads``: three float32 tensors of w1's, w3's and w2's shapes that the
+    backward adds the weights' gradients to in place, returning none for the weights
     (Megatron's gradient accumulation fusion: fused into the weight-gradient GEMMs for
     both fp8 recipes on Hopper, an add after them elsewhere); eager only (under
     torch.compile a graph break).
     """
     kw = dict(recipe=recipe, fp8_dtype=fp8_dtype, weight_cache=weight_cache, weight_keys=weight_keys,
               pad_groups=pad_groups, main_grads=main_grads)
-    if traced_fp8_comm((w1, w3, w2)) or (main_grads is not None and torch.compiler.is_compiling()):
+    if main_grads is not None and torch.compiler.is_compiling():
         return _experts_eager(x, w1, w3, w2, offs, **kw)
     return _experts(x, w1, w3, w2, offs, **kw)
 
@@ -403,21 +401,13 @@ def _check_main_grads(main_grads, ws, device):
     return tuple(main_grads)
 
 
-EAGER_REASON = ("moe_fp8_ext: weights all-gathered in fp8 are tensor subclasses dynamo cannot trace, and "
-                "main_grads are added to in place by the backward; the experts layer runs them eagerly "
-                "(fullgraph=True cannot hold them: compile without fullgraph, or without fp8_all_gather and "
-                "fused gradient accumulation)")
-
-
-def traced_fp8_comm(ws) -> bool:
-    """Whether dynamo traces a call given weights all-gathered in fp8 (then it runs
-    eagerly: EAGER_REASON)."""
-    return torch.compiler.is_compiling() and any(_fsdp.is_fp8_comm_weight(w) for w in ws)
+EAGER_REASON = ("moe_fp8_ext: main_grads are added to in place by the backward; the experts layer runs eagerly "
+                "with them (fullgraph=True cannot hold that: compile without fullgraph, or without fused "
+                "gradient accumulation)")
 
 
 @torch.compiler.disable(reason=EAGER_REASON)
 def _experts_eager(*args, **kwargs):
-    # (traced, these subclasses would be constants: no gradient would reach the weights)
     return _experts(*args, **kwargs)
 
 

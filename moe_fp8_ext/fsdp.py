@@ -41,7 +41,10 @@ between gathers, and
 fp8_blockwise needs each rank's rows a multiple of 128. A one-rank shard group (expert
 parallelism over every rank) sends nothing: its weights stay high precision and the
 layer quantizes them. Under
-``torch.compile`` the experts layer runs gathered weights eagerly (a graph break).
+``torch.compile`` (fullgraph too) the graph reads the gathered fp8 and scales as its
+inputs and saves them for its backward; the backward's all-gather then carries the
+forward's operands again (FSDP2 refills the storage the graph saved) and the backward
+makes the transposed ones from them, as for a weight gathered once for both passes.
 """
 
 from typing import Optional, Sequence, Tuple
@@ -131,9 +134,13 @@ class ShardedWeight(Tensor):
 
         if world == 1:  # (FSDP2 copies a one-rank group's first input: nothing to send, plain weights)
             return (cast(self._tensor),), None
-        transposed = torch._C._current_graph_task_id() != -1  # (a gather for the backward)
+        joined = dim == 0 and self._joint is not None
+        held = _Ahead.of(module).held("w13" if joined else self._joint[1] if self._joint is not None else 2)
+        # A gather for the backward carries the transposed operands, unless a compiled graph read the
+        # forward's: its backward reads them again, from the storage FSDP2 refills now.
+        transposed = torch._C._current_graph_task_id() != -1 and not held.compiled
         rowwise = isinstance(self._recipe, Fp8Rowwise)
-        if dim == 0 and self._joint is not None:
+        if joined:
             return self._pre_gather_joint(module, transposed, tuple(outer_size), dtype)
         group = mesh.get_group() if dim == 1 else None
         w, joint, ahead = self._tensor, None, None  # (w cast where read: see _quantize_shard's dtype)
@@ -157,16 +164,16 @@ class ShardedWeight(Tensor):
             # (transposed: each expert's (cols, rows/n) as they are; the gather holds them side by side)
             f8, q = q.dtype, q.view(torch.uint8).view(self.shape)
             return (q,), (transposed, tuple(outer_size), joint is not None,
-                          (f8, world, *_gather_row_scales(s, transposed, rowwise, group)), None)
+                          (f8, world, *_gather_row_scales(s, transposed, rowwise, group)), (held, None, False))
         if s.dim() == 2:  # fp8_rowwise: scales padded to one width, as FSDP2 sizes its buffers once
             s = torch.nn.functional.pad(s, (0, max(self.shape[1:]) - s.shape[1]))
-        return (q, s), (transposed, tuple(outer_size), joint is not None, None, None)
+        return (q, s), (transposed, tuple(outer_size), joint is not None, None, (held, None, False))
 
     def _pre_gather_joint(self, module, transposed: bool, shape, dtype):
         """Sharded on the experts, W1's gather carries [W1; W3] as the layer reads it (the
         forward's interleaved by 128 rows where its GEMM computes the SwiGLU): no join
         after the gather. W3's carries 16 bytes (FSDP2 gathers every parameter)."""
-        held, place, other = _Ahead.of(module).joint_held(), self._joint[1], self._other(module)
+        held, place, other = _Ahead.of(module).held("w13"), self._joint[1], self._other(module)
         if other.shape != self.shape:  # (alike on every rank: none hangs)
             raise ValueError(f"fp8_all_gather: expected {type(module).__name__}'s w1 and w3 sharded alike, got "
                              f"shards {tuple(self.shape)} and {tuple(other.shape)} (one placement for both)")
@@ -186,13 +193,11 @@ class ShardedWeight(Tensor):
             if out is None:
                 return ShardedWeight(outputs[0], self._recipe, self._joint), outputs
             return
-        transposed, shape, joint, rows, carried = metadata
-        if carried is not None:  # [W1; W3] in W1's gather, shared by both weights
-            held, part, interleaved = carried
+        transposed, shape, joint, rows, (held, part, interleaved) = metadata
+        if part is not None:  # [W1; W3] in W1's gather, shared by both weights
             if part == 0:
                 q, s = outputs
-                held.q, held.s = q, (s.narrow(1, 0, q.shape[1]) if s.dim() == 2 else s)
-                held.transposed, held.joint, held.interleaved = transposed, joint, interleaved
+                held.fill(q, s.narrow(1, 0, q.shape[1]) if s.dim() == 2 else s, transposed, joint, interleaved)
             if out is not None:
                 (out._local_tensor if hasattr(out, "_local_tensor") else out)._held = held
                 return
@@ -208,12 +213,12 @@ class ShardedWeight(Tensor):
         else:
             q, s_out = outputs
             s = s_out.narrow(1, 0, q.shape[1]) if s_out.dim() == 2 else s_out  # (fp8_rowwise: this orientation's)
+        held.fill(q, s, transposed, joint)
         if out is not None:  # the same storage, refilled: this gather's views and orientation
-            held = (out._local_tensor if hasattr(out, "_local_tensor") else out)._held
-            held.q, held.s, held.transposed, held.joint = q, s, transposed, joint
+            (out._local_tensor if hasattr(out, "_local_tensor") else out)._held = held
             return
         # (FSDP2 frees and reallocates the storage of what is returned: the whole outputs)
-        return GatheredWeight(_Held(q, s, transposed, joint), shape, param_dtype, self._recipe), tuple(outputs)
+        return GatheredWeight(held, shape, param_dtype, self._recipe), tuple(outputs)
 
 
 def _shard_dim(shard, whole, world: int, recipe: Recipe) -> int:
@@ -265,6 +270,9 @@ def _join(qs: Sequence[Tensor], dim: int) -> Tensor:
     the widest word that divides every run of bytes, offsets and strides."""
     if len(qs) == 1 and qs[0].dim() == 3:
         return qs[0].contiguous()
+    if torch.compiler.is_compiling():  # (traced: no storage offsets; Inductor fuses the copies)
+        parts = [q.reshape(q.shape[0], q.shape[1], -1).view(torch.uint8) for q in qs]
+        return (parts[0].contiguous() if len(parts) == 1 else torch.cat(parts, dim)).view(qs[0].dtype)
     qs = [q if q.stride(-1) == 1 else q.contiguous() for q in qs]
     widths = [q.shape[1] if dim == 1 else q.shape[-1] * (q.shape[2] if q.dim() == 4 else 1) for q in qs]
     e, a, b = qs[0].shape[0], qs[0].shape[1], qs[0].shape[-1]
@@ -297,13 +305,18 @@ class _Held:
     weight and its aliases (FSDP2 makes several), and refilled by every all-gather.
     ``joint``: fp8_rowwise's backward column scales were made over both joined weights.
     Of W1 and W3 both (:meth:`ShardedWeight._pre_gather_joint`): [W1; W3], its rows
-    ``interleaved`` by 128 or not."""
+    ``interleaved`` by 128 or not. ``compiled``: a compiled graph read them since the
+    gather (:meth:`GatheredWeight.__tensor_flatten__`)."""
 
-    __slots__ = ("q", "s", "transposed", "joint", "interleaved")
+    __slots__ = ("q", "s", "transposed", "joint", "interleaved", "compiled")
 
     def __init__(self, q: Optional[Tensor], s: Optional[Tensor], transposed: bool, joint: bool = False,
                  interleaved: bool = False):
+        self.fill(q, s, transposed, joint, interleaved)
+
+    def fill(self, q, s, transposed: bool, joint: bool = False, interleaved: bool = False) -> None:
         self.q, self.s, self.transposed, self.joint, self.interleaved = q, s, transposed, joint, interleaved
+        self.compiled = False
 
 
 def _part(h: _Held, p: int) -> Tuple[Tensor, Tensor]:
@@ -340,6 +353,27 @@ class GatheredWeight(Tensor):
 
     def __repr__(self):
         return f"GatheredWeight(shape={tuple(self.shape)}, dtype={self.dtype}, recipe={self._recipe.name!r})"
+
+    # Traceable: a compiled graph reads the fp8 and scales as its inputs (and saves them for
+    # its backward, which reads them after FSDP2 refills their storage: see fsdp_pre_all_gather).
+    def __tensor_flatten__(self):
+        h = self._held
+        h.compiled = True
+        return ["_q", "_s"], (self._recipe, self._part, h.transposed, h.joint, h.interleaved, self.dtype)
+
+    @staticmethod
+    def __tensor_unflatten__(inner, meta, outer_size, outer_stride):
+        recipe, part, transposed, joint, interleaved, dtype = meta
+        return GatheredWeight(_Held(inner["_q"], inner["_s"], transposed, joint, interleaved), outer_size, dtype,
+                              recipe, part)
+
+    @property
+    def _q(self) -> Tensor:
+        return self._held.q
+
+    @property
+    def _s(self) -> Tensor:
+        return self._held.s
 
     @property
     def fp8_dtype(self) -> torch.dtype:
@@ -495,7 +529,7 @@ def _column_amax(ws: Sequence[Tensor], group) -> Tensor:
 
 class _Ahead:
     """What one gather of an experts module's weights does for another. Sharded on the
-    experts, the [W1; W3] operand W1's gather carries (:meth:`joint_held`). Sharded on the
+    experts, the [W1; W3] operand W1's gather carries (:meth:`held`). Sharded on the
     rows, fp8_rowwise backward work, each entry taken once and keyed on the shards as
     weight_cache keys weights (a step or a load in between makes it stale):
     - W1's and W3's backward gathers make their joint operand once: the first makes it,
@@ -504,13 +538,14 @@ class _Ahead:
       the next backward's reads (off its critical path)."""
 
     def __init__(self):
-        self._entries, self.backward, self._joint = {}, False, None
+        self._entries, self.backward, self._held = {}, False, {}
 
-    def joint_held(self) -> _Held:
-        """The module's gathered [W1; W3], refilled by every gather of W1 (sharded on the experts)."""
-        if self._joint is None:
-            self._joint = _Held(None, None, False)
-        return self._joint
+    def held(self, slot) -> _Held:
+        """The module's gathered weight in ``slot`` (0, 1, 2: W1, W3, W2; "w13": [W1; W3] in
+        W1's gather, sharded on the experts), refilled by every gather of it."""
+        if slot not in self._held:
+            self._held[slot] = _Held(None, None, False)
+        return self._held[slot]
 
     def __reduce__(self):
         return _Ahead, ()  # (copied and pickled empty: entries are not state)
@@ -591,10 +626,13 @@ def rhs_bwd(ws: Sequence[GatheredWeight]) -> Tuple[Tensor, Tensor]:
     return _operand(ws, True)
 
 
-def is_fp8_comm_weight(w) -> bool:
-    """Whether ``w`` is a weight set up for, or made by, the fp8 all-gather (possibly as
-    FSDP2's DTensor): a tensor subclass dynamo cannot trace."""
-    return isinstance(getattr(w, "_local_tensor", w), (ShardedWeight, GatheredWeight))
+DTENSOR_EAGER_REASON = ("moe_fp8_ext: expert weights set up for the fp8 all-gather inside a DTensor are not traced "
+                        "(torchtitan 0.3.0's are not DTensors); the experts layer runs them eagerly")
+
+
+def in_dtensor(w) -> bool:
+    """Whether ``w`` is a DTensor holding a weight set up for, or made by, the fp8 all-gather."""
+    return isinstance(getattr(w, "_local_tensor", None), (ShardedWeight, GatheredWeight))
 
 
 def gathered_weights(recipe: Recipe, fp8_dtype: torch.dtype, ws: Sequence[Tensor]) -> bool:

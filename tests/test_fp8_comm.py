@@ -626,10 +626,12 @@ def test_fp8_dispatch_under_fullgraph_compile(one_rank, device, recipe, sent):
 
 
 @pytest.mark.parametrize("kind", ["gathered", "one_rank"])
-def test_torchtitan_forward_under_compile_with_dtensor_weights(one_rank, kind):
-    """torchtitan's converted forward (to_local of DTensor weights under expert
-    parallelism) compiled: with weights all-gathered in fp8, or a one-rank group's
-    ShardedWeight, it runs eagerly and gives the eager bits and gradients."""
+@pytest.mark.parametrize("in_dtensor", [False, True])
+def test_torchtitan_forward_under_compile_with_fp8_comm_weights(one_rank, kind, in_dtensor):
+    """torchtitan's converted forward compiled, with weights all-gathered in fp8 or a
+    one-rank group's ShardedWeight: traced (fullgraph), or inside DTensors (to_local, as
+    expert parallelism with DTensor weights has them) run eagerly; the eager bits and
+    gradients either way."""
     tt = pytest.importorskip("moe_fp8_ext.integrations.torchtitan")
     from torch.distributed.tensor import DTensor, Shard, init_device_mesh
 
@@ -645,17 +647,19 @@ def test_torchtitan_forward_under_compile_with_dtensor_weights(one_rank, kind):
             super().__init__()
             self.moe_fp8_recipe, self.moe_fp8_weight_cache = r, None
             for n, w in zip(tt._NAMES, made):
-                setattr(self, n, torch.nn.Parameter(DTensor.from_local(w.detach(), mesh, [Shard(0)], run_check=False)))
+                w = DTensor.from_local(w.detach(), mesh, [Shard(0)], run_check=False) if in_dtensor else w.detach()
+                setattr(self, n, torch.nn.Parameter(w))
 
     x, counts = torch.randn(8, 256, dtype=torch.bfloat16), torch.tensor([3, 5])
     results = []
     for compiled in (False, True):
         m = Experts()
-        f = torch.compile(m, backend="aot_eager") if compiled else m
+        f = torch.compile(m, backend="aot_eager", fullgraph=not in_dtensor) if compiled else m
         xi = x.clone().requires_grad_()
         loss = f(xi, counts).float().square().sum()
         loss.backward()
-        results.append([loss, xi.grad] + [p.grad.to_local() for p in m.parameters()])
+        results.append([loss, xi.grad] + [getattr(p.grad, "_local_tensor", p.grad) for p in m.parameters()])
+    torch._dynamo.reset()
     assert all(same(a, b) for a, b in zip(*results))
 
 

@@ -179,12 +179,13 @@ def run(spec, world, calls):
     hits = sum(getattr(m.moe_fp8_weight_cache, "hits", 0) for m in model.modules()
                if getattr(m, "moe_fp8_weight_cache", None) is not None)
     return dict(spec=spec, world=world, losses=losses, fp8_calls=len(calls), hits=hits,
-                fp8_gathers=fp8_comm.count("gather"), fp8_dispatches=fp8_comm.count("dispatch"),
+                fp8_gathers=sum(c.startswith("gather") for c in fp8_comm),
+                fp8_transposed_gathers=fp8_comm.count("gather transposed"), fp8_dispatches=fp8_comm.count("dispatch"),
                 single_step0=single_step0_loss(conversion, recipe, experts, comm["shared_experts"])
                 if recipe != "bf16" else None)
 
 
-fp8_comm = []  # "gather" per fp8 all-gather of a weight that sends, "dispatch" per fp8 dispatch
+fp8_comm = []  # "gather" ("gather transposed") per fp8 all-gather of a weight that sends, "dispatch" per fp8 dispatch
 
 
 def main():
@@ -217,7 +218,7 @@ def main():
     def counted_gather(self, mesh, outer_size, outer_stride, module, mp_policy):  # (FSDP2 reads the signature)
         out = pre_gather(self, mesh, outer_size, outer_stride, module, mp_policy)  # (metadata None: a one-rank group)
         if out[1] is not None:
-            fp8_comm.append("gather")
+            fp8_comm.append("gather transposed" if out[1][0] else "gather")  # (metadata[0]: the backward's orientation)
         return out
 
     fsdp.ShardedWeight.fsdp_pre_all_gather = counted_gather

@@ -46,7 +46,7 @@ from torchtitan.models.common.token_dispatcher import (
 
 from .. import fsdp as _fsdp
 from ..dispatch import _check_recipe, combine, fp8_dispatch
-from ..experts import EAGER_REASON, _check, experts, offsets_from_counts, traced_fp8_comm
+from ..experts import _check, experts, offsets_from_counts
 from ..recipes import Recipe, get_recipe
 from ..weight_cache import WeightCache, weight_keys
 
@@ -61,12 +61,12 @@ def _local(p: Tensor) -> Tensor:
 
 
 def _fp8_forward(self, x_RD: Tensor, num_tokens_per_expert_E: Tensor) -> Tensor:
-    if traced_fp8_comm([getattr(self, n) for n in _NAMES]):
+    if torch.compiler.is_compiling() and any(_fsdp.in_dtensor(getattr(self, n)) for n in _NAMES):
         return _fp8_forward_eager(self, x_RD, num_tokens_per_expert_E)  # (to_local included)
     return _fp8_forward_impl(self, x_RD, num_tokens_per_expert_E)
 
 
-@torch.compiler.disable(reason=EAGER_REASON)
+@torch.compiler.disable(reason=_fsdp.DTENSOR_EAGER_REASON)
 def _fp8_forward_eager(self, x_RD: Tensor, num_tokens_per_expert_E: Tensor) -> Tensor:
     return _fp8_forward_impl(self, x_RD, num_tokens_per_expert_E)
 
