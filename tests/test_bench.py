@@ -110,7 +110,7 @@ import bench_distributed as bd
 
 dist.init_process_group("gloo")
 args = type("Args", (), dict(tokens=256, dim=256, hidden=256, experts=8, topk=2, recipe="fp8_blockwise", steps=1,
-                             warmup=1, profile=False, curve=2))()
+                             warmup=1, profile=False, curve=2, compile=False))()
 layers, build = [], bd.build
 bd.build = lambda *a, **k: layers.append(weakref.ref(build(*a, **k))) or layers[-1]()
 for layout in ("ep", "fsdp"):
