@@ -236,10 +236,9 @@ def main():
     check(got.dtype == torch.bfloat16 and torch.equal(torch.isnan(got.cpu()), torch.isnan(want))
           and torch.equal(got.cpu().nan_to_num(), want.nan_to_num()), f"reduced column amaxes: {got.tolist()}")
 
-    # torch.compile: the graph reads the gathered fp8 as its inputs and saves them for its
-    # backward, whose gathers then carry the forward's operands again (none transposed: FSDP2
-    # refills the storage the graph saved); the backward transposes them (fp8_blockwise: the
-    # eager bits) or quantizes their dequantized values again (fp8_rowwise: a second rounding).
+    # torch.compile: the backward's gathers carry the forward's operands again (none transposed),
+    # which the backward transposes (fp8_blockwise: the eager bits) or quantizes again from their
+    # dequantized values (fp8_rowwise: a second rounding). Record 059.
     backend = "inductor" if gpu else "aot_eager"
     gathers.clear()
     train([layer(True), torch.compile(layer(True), backend=backend)], steps=2, name="torch.compile", exact=exact)
