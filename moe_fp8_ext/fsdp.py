@@ -44,9 +44,11 @@ layer quantizes them. Under
 ``torch.compile`` (fullgraph too) the graph reads the gathered fp8 and scales as its
 inputs and saves them for its backward; the backward's all-gather then carries the
 forward's operands again (FSDP2 refills the storage the graph saved) and the backward
-makes the transposed ones from them, as for a weight gathered once for both passes.
+makes the transposed ones from them, as for a weight gathered once for both passes
+(fp8_rowwise with power-of-two scales in traced ops, no dequantized copy held).
 """
 
+import functools
 from typing import Optional, Sequence, Tuple
 
 import torch
@@ -54,6 +56,7 @@ import torch.distributed as dist
 import torch.utils._pytree as pytree
 from torch import Tensor
 
+from . import reference
 from .recipes import Fp8Blockwise, Fp8Rowwise, Recipe, _expand_tiles
 from .recipes.blockwise import W13Interleaved
 from .weight_cache import _fsdp_params, _key
@@ -603,8 +606,10 @@ def _operand(ws: Sequence[GatheredWeight], transposed: bool) -> Tuple[Tensor, Te
         parts = [None]  # (column scales not made over the joined weights: quantized again below)
     if any(p is None for p in parts):  # (fp8_rowwise gathered for the other pass: quantized again)
         f8 = ws[0].fp8_dtype
+        if transposed and recipe.pow2_scale and torch.compiler.is_compiling():
+            return _requantized_columns(ws, f8)
         b_ts = [w.dequantize().transpose(-2, -1) for w in ws]
-        return recipe.quantize_weights(b_ts, f8, fwd=not transposed, bwd=transposed)[transposed]
+        return recipe.quantize_weights(b_ts, f8, fwd=not transposed, bwd=transposed)[int(transposed)]
     dim = 2 if transposed else 1
     q = _join([p[0] for p in parts], dim)
     if isinstance(recipe, Fp8Blockwise):
@@ -613,6 +618,19 @@ def _operand(ws: Sequence[GatheredWeight], transposed: bool) -> Tuple[Tensor, Te
     # all the weights (quantized together, _quantize_shard's joint)
     scales = [parts[0][1]] if transposed else [p[1] for p in parts]
     return q.transpose(-2, -1), _cat(scales, 1)
+
+
+def _requantized_columns(ws: Sequence[GatheredWeight], f8: torch.dtype) -> Tuple[Tensor, Tensor]:
+    """fp8_rowwise's backward operand of weights gathered for the forward, traced: the
+    spec's ops (``reference``, which the kernels match bit for bit) on the dequantized
+    values, which Inductor computes from the fp8 where they are read, holding no copy.
+    For power-of-two scales only: the products are then exact, and so is Inductor's
+    fp32 arithmetic (it keeps bf16 intermediates unrounded)."""
+    vs = [w.dequantize() for w in ws]  # (E, rows_i, cols)
+    amax = functools.reduce(torch.maximum, [reference.amax(v, 1) for v in vs])  # (each column over all rows)
+    s, dec = reference.scales_from_amax(amax, f8, True)
+    q = _cat([reference.encode(v, s, f8).transpose(-2, -1) for v in vs], 2)  # (E, cols, Σrows), contiguous
+    return q.transpose(-2, -1), dec.squeeze(1)
 
 
 def rhs_fwd(ws: Sequence[GatheredWeight]) -> Tuple[Tensor, Tensor]:

@@ -25,9 +25,10 @@ F32_NAN_BITS = 0x7FFFFFFF  # the one fp32 NaN of the outputs: +NaN, every payloa
 
 def positive_nan(v: Tensor) -> Tensor:
     """v (fp32) with every NaN replaced by F32_NAN_BITS: what the ops write for a NaN
-    (DESIGN §4), whatever NaN the arithmetic made."""
-    nan = torch.tensor(F32_NAN_BITS, dtype=torch.int32, device=v.device).view(torch.float32)
-    return torch.where(torch.isnan(v), nan, v)
+    (DESIGN §4), whatever NaN the arithmetic made. (Chosen as bits: traced, a NaN
+    constant would be folded to the canonical one.)"""
+    bits = v.view(torch.int32)
+    return torch.where(torch.isnan(v), torch.full_like(bits, F32_NAN_BITS), bits).view(torch.float32)
 
 
 def amax(x: Tensor, dim: int) -> Tensor:

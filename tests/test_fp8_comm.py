@@ -185,6 +185,32 @@ def test_interleaved_gather_holds_each_weights_tiles(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("pow2_scale", [True, False])
+@pytest.mark.parametrize("joint", [True, False])
+def test_rowwise_backward_operand_compiled_from_forward_gathers(device, pow2_scale, joint):
+    """Compiled, fp8_rowwise's backward operand of weights gathered for the forward (what
+    a compiled backward reads) is traced from the fp8 with no bf16 copy where the scales
+    are powers of two, else quantized again by the kernels: the eager bits, a NaN's too."""
+    from torch._inductor.utils import run_and_get_code
+
+    r = recipes.Fp8Rowwise(pow2_scale=pow2_scale)
+    w1, w3, w2 = weights(4, 256, 208, device)
+    w1[1, 3, 5] = float("nan")
+    ws = gathered_layer(w1, w3, w2, r, False, shards=2, joint=joint)
+    torch._dynamo.reset()
+    fn = torch.compile(lambda a, b, c: (fsdp.rhs_bwd([a, b]), fsdp.rhs_bwd([c])), backend="inductor",
+                       fullgraph=True)
+    got, code = run_and_get_code(fn, *ws)
+    allocs = [line for c in code for line in c.splitlines() if "empty_strided" in line and "= empty" in line]
+    assert allocs and any("bfloat16" in line for line in allocs) == (not pow2_scale)
+    for mine, eager in zip(got, (fsdp.rhs_bwd(ws[:2]), fsdp.rhs_bwd(ws[2:]))):
+        for a, b in zip(mine, eager):
+            assert a.shape == b.shape and a.stride() == b.stride()
+            assert torch.equal(a.view(torch.uint8) if a.element_size() == 1 else a.view(torch.int32),
+                               b.view(torch.uint8) if b.element_size() == 1 else b.view(torch.int32))
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("recipe", ["fp8_blockwise", "fp8_rowwise"])
 @pytest.mark.parametrize("transposed", [False, True])
 def test_fp32_shards_quantize_as_their_bf16_cast(device, recipe, transposed):
