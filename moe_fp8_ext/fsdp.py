@@ -144,7 +144,7 @@ class ShardedWeight(Tensor):
         transposed = torch._C._current_graph_task_id() != -1 and not held.compiled
         rowwise = isinstance(self._recipe, Fp8Rowwise)
         if joined:
-            return self._pre_gather_joint(module, transposed, tuple(outer_size), dtype)
+            return self._pre_gather_joint(module, held, transposed, tuple(outer_size), dtype)
         group = mesh.get_group() if dim == 1 else None
         w, joint, ahead = self._tensor, None, None  # (w cast where read: see _quantize_shard's dtype)
         if rowwise and (transposed or group is not None):
@@ -172,11 +172,11 @@ class ShardedWeight(Tensor):
             s = torch.nn.functional.pad(s, (0, max(self.shape[1:]) - s.shape[1]))
         return (q, s), (transposed, tuple(outer_size), joint is not None, None, (held, None, False))
 
-    def _pre_gather_joint(self, module, transposed: bool, shape, dtype):
+    def _pre_gather_joint(self, module, held: "_Held", transposed: bool, shape, dtype):
         """Sharded on the experts, W1's gather carries [W1; W3] as the layer reads it (the
         forward's interleaved by 128 rows where its GEMM computes the SwiGLU): no join
         after the gather. W3's carries 16 bytes (FSDP2 gathers every parameter)."""
-        held, place, other = _Ahead.of(module).held("w13"), self._joint[1], self._other(module)
+        place, other = self._joint[1], self._other(module)
         if other.shape != self.shape:  # (alike on every rank: none hangs)
             raise ValueError(f"fp8_all_gather: expected {type(module).__name__}'s w1 and w3 sharded alike, got "
                              f"shards {tuple(self.shape)} and {tuple(other.shape)} (one placement for both)")
