@@ -239,9 +239,9 @@ def run_variant(args, variant, layout, device, world, counter):
     x0 = torch.randn(args.tokens, args.dim, device=device, generator=g).bfloat16()
     gpu = device.type == "cuda"
 
-    def step():
+    def step(module=layer):
         x = x0.clone().requires_grad_()
-        out = layer(x, counter)
+        out = module(x, counter)
         out.float().square().mean().backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -249,19 +249,20 @@ def run_variant(args, variant, layout, device, world, counter):
     for _ in range(args.warmup):
         step()
     counter.bytes.clear()
+    counter.on = True  # (the bytes of one step, eager: a compiled graph's collectives run without the wrappers)
+    step(getattr(layer, "_orig_mod", layer))
+    counter.on = False
     if gpu:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
     times = []
-    for i in range(args.steps):
-        counter.on = i == 0  # (bytes of one step)
+    for _ in range(args.steps):
         dist.barrier()
         t0 = time.perf_counter()
         step()
         if gpu:
             torch.cuda.synchronize()
         times.append((time.perf_counter() - t0) * 1e3)
-        counter.on = False
     peak = torch.cuda.max_memory_allocated() / 2**30 if gpu else None
     stats = torch.tensor([statistics.median(times), peak or 0.0], device=device, dtype=torch.float64)
     dist.all_reduce(stats, op=dist.ReduceOp.MAX)  # (the slowest rank's step, the largest peak)
@@ -357,10 +358,8 @@ def main():
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--curve", type=int, default=0, help="also train this many steps of each variant: loss curves")
     p.add_argument("--profile", action="store_true", help="also each step's GPU kernel time by family (CUDA)")
-    p.add_argument("--compile", action="store_true", help="torch.compile each variant's layer (FSDP layouts)")
+    p.add_argument("--compile", action="store_true", help="torch.compile each variant's layer")
     args = p.parse_args()
-    if args.compile and "ep" in args.layouts.split(","):
-        p.error("--compile: FSDP layouts only (the EP layout's byte counts wrap collectives the graph would hold)")
     if args.profile and args.device != "cuda":
         p.error("--profile needs --device cuda (it sums GPU kernel times)")
     if set(args.layouts.split(",")) - {"ep", "fsdp", "fsdp_rows"}:

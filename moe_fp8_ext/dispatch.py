@@ -28,13 +28,17 @@ one pass too (``combine_rows_backward``).
 
 Both trace under ``torch.compile(fullgraph=True)`` (torchtitan compiles its blocks so):
 ``Fp8Rows`` is a traceable tensor subclass, the all-to-all is the functional collective,
-and the split sizes may be unbacked ints (``.tolist()`` in the graph).
+and the split sizes may be unbacked ints (``.tolist()`` in the graph). A graph break
+between the dispatch and the experts layer (FSDP2's hooks of an experts module sharded
+on its own) works too: the rows' gradient is an ``Fp8Rows`` holding it, the type a
+compiled graph's backward takes for its output.
 """
 
 from typing import List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
+import torch.utils._pytree as pytree
 from torch import Tensor
 
 from .ops._checks import _require
@@ -71,10 +75,17 @@ def _whole(t: Tensor, size) -> bool:
                                            and all(d in (-1, n) for d, n in zip(size, t.shape)))
 
 
+_GRADIENT = ""  # (made_for of an Fp8Rows that is the rows' gradient, a plain tensor in a wrapper)
+
+
 class Fp8Rows(Tensor):
     """Dispatched token rows (R, D) as the recipe's fp8 left operand: what
     :func:`moe_fp8_ext.experts` reads instead of quantizing. Shape and dtype are those
-    of the bf16 rows; it has no values of its own (any op on it raises)."""
+    of the bf16 rows; it has no values of its own (any op on it raises).
+
+    Their gradient is an Fp8Rows too, holding it in the rows' dtype (:meth:`gradient`;
+    any op reads it as that tensor): a compiled graph whose output the rows are (a graph
+    break before the experts layer) takes a gradient of the output's type."""
 
     @staticmethod
     def __new__(cls, q: Tensor, s: Tensor, dtype: torch.dtype, recipe: Recipe):
@@ -91,14 +102,29 @@ class Fp8Rows(Tensor):
         t._q, t._s, t._made_for = q, s, made_for
         return t
 
+    @staticmethod
+    def gradient(g: Tensor) -> "Fp8Rows":
+        """The rows' gradient ``g`` (R, D) in its wrapper."""
+        return _gradient(g)
+
     def __tensor_flatten__(self):  # (traceable: dynamo and AOT autograd see q and s)
         return ["_q", "_s"], (self.dtype, self._made_for)
+
+    # A compiled graph's backward takes its outputs' gradients in the form these say.
+    def __coerce_tangent_metadata__(self):
+        return self if self._made_for == _GRADIENT else Fp8Rows.gradient(torch.empty_like(self._q, dtype=self.dtype))
+
+    def __coerce_same_metadata_as_tangent__(self, expected_metadata, expected_type=None):
+        same = self._made_for == _GRADIENT and expected_metadata == (self.dtype, _GRADIENT)
+        return self if same and expected_type in (None, Fp8Rows) else None
 
     @staticmethod
     def __tensor_unflatten__(inner, meta, outer_size, outer_stride):
         return Fp8Rows._make(inner["_q"], inner["_s"], *meta)
 
     def __repr__(self):
+        if self._made_for == _GRADIENT:
+            return f"Fp8Rows(gradient={self._q!r})"
         return f"Fp8Rows(shape={tuple(self.shape)}, dtype={self.dtype}, recipe={self._made_for!r})"
 
     @classmethod
@@ -109,6 +135,10 @@ class Fp8Rows(Tensor):
         if isinstance(t, Fp8Rows) and (func in (torch.ops.aten.detach.default, torch.ops.aten.alias.default) or (
                 func == torch.ops.aten.view.default and _whole(t, args[1]))):
             return Fp8Rows._make(t._q, t._s, t.dtype, t._made_for)
+        leaves = [a for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, Fp8Rows)]
+        if all(a._made_for == _GRADIENT for a in leaves):  # (gradients compute as the tensors they hold)
+            args, kwargs = pytree.tree_map_only(Fp8Rows, lambda a: a._q, (args, kwargs or {}))
+            return func(*args, **kwargs)
         raise TypeError(f"{func}: token rows dispatched in fp8 (moe_fp8_ext.dispatch) are read by "
                         "moe_fp8_ext.experts only; they hold no high-precision values")
 
@@ -118,6 +148,11 @@ class Fp8Rows(Tensor):
         if q.shape[1] == 0:
             return q.new_empty(q.shape, dtype=self.dtype)
         return _ops.dequantize_rows(q, s, 128 if s.shape[1] > 1 else q.shape[1], self.dtype)
+
+
+@torch._dynamo.allow_in_graph  # (in the graph as one call: dynamo does not trace a wrapper's construction)
+def _gradient(g: Tensor) -> Fp8Rows:
+    return Fp8Rows._make(g, g.new_empty((g.shape[0], 0), dtype=torch.float32), g.dtype, _GRADIENT)
 
 
 def fp8_rows_operand(recipe: Recipe, fp8_dtype: torch.dtype, x: Tensor) -> Optional[Tuple[Tensor, Tensor]]:
@@ -202,7 +237,7 @@ class _Fp8Dispatch(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         token_idx, perm = ctx.saved_tensors
-        grad = grad.contiguous()
+        grad = (grad._q if isinstance(grad, Fp8Rows) else grad).contiguous()  # (see Fp8Rows.gradient)
         if perm is not None:
             grad = _ops.scatter_rows(grad, perm, ctx.received)
         if not ctx.local:

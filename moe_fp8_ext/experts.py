@@ -70,6 +70,7 @@ class _Experts(torch.autograd.Function):
         ctx.dtypes = (x.dtype, w1.dtype, w3.dtype, w2.dtype)
         ctx.shapes = (x.shape, w1.shape, w3.shape, w2.shape)
         ctx.no_groups = offs.shape[0] == 0
+        ctx.x_rows = isinstance(x, _dispatch.Fp8Rows)
         if ctx.no_groups:  # every row is past offs[-1] (static: no sync)
             return torch.zeros(x.shape, dtype=x.dtype, device=x.device)
         f8, tag = fp8_dtype, (recipe, fp8_dtype)
@@ -151,6 +152,13 @@ class _Experts(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
+        grads = _Experts._backward(ctx, grad_out)
+        if ctx.x_rows and grads[0] is not None:  # (x's gradient as rows dispatched in fp8 take it)
+            grads = (_dispatch.Fp8Rows.gradient(grads[0]),) + grads[1:]
+        return grads
+
+    @staticmethod
+    def _backward(ctx, grad_out):
         if ctx.no_groups:  # the output is a constant zero: zero gradients
             grads = tuple(grad_out.new_zeros(s, dtype=d) if need else None
                           for s, d, need in zip(ctx.shapes, ctx.dtypes, ctx.needs_input_grad))

@@ -584,14 +584,18 @@ def test_dispatch_permutes_rows_and_pads_with_zeros(one_rank):
     assert s.stride() == (1, 6)  # (the GEMM's column-major scales)
 
 
-def test_dispatched_rows_into_fully_sharded_experts(one_rank):
+@pytest.mark.parametrize("recipe, compiled", [("fp8_blockwise", False), ("fp8_blockwise", True),
+                                              ("fp8_rowwise", True)])
+def test_dispatched_rows_into_fully_sharded_experts(one_rank, recipe, compiled):
     """FSDP2 hooks the inputs of a module it wraps (a whole view of each): fp8 rows go into
     a fully_shard'ed GroupedExperts (fp32 master weights, bf16 param_dtype; a one-rank
-    group, as torchtitan's EP over every rank) with the bits of the bf16-weight module."""
+    group, as torchtitan's EP over every rank) with the bits of the bf16-weight module.
+    ``compiled`` (not fullgraph): FSDP2's hooks break the graph, so the rows are the first
+    graph's output, whose gradient the second graph's backward gives as an Fp8Rows."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    r = moe_fp8_ext.get_recipe("fp8_blockwise")
+    r = moe_fp8_ext.get_recipe(recipe)
     torch.manual_seed(0)
     sharded = moe_fp8_ext.GroupedExperts(256, 128, 2, recipe=r, dtype=torch.float32)
     plain = moe_fp8_ext.GroupedExperts(256, 128, 2, recipe=r, dtype=torch.bfloat16)
@@ -602,9 +606,11 @@ def test_dispatched_rows_into_fully_sharded_experts(one_rank):
     token_idx = torch.tensor([4, 0, 2, 2, 8, 7, 1, 3], dtype=torch.int32)
     counts = torch.tensor([3, 5], dtype=torch.int32)
     results = []
+    torch._dynamo.reset()
     for layer in (sharded, plain):
         x.grad = None
-        out = layer(fp8_dispatch(x, token_idx, r, None, [8], [8]), counts)
+        step = lambda: layer(fp8_dispatch(x, token_idx, r, None, [8], [8]), counts)  # noqa: E731
+        out = (torch.compile(step, backend="aot_eager") if compiled and layer is sharded else step)()
         out.square().sum().backward()
         results.append([out, x.grad] + [getattr(p.grad, "_local_tensor", p.grad) for p in layer.parameters()])
     for a, b in zip(*results):
@@ -612,6 +618,9 @@ def test_dispatched_rows_into_fully_sharded_experts(one_rank):
     assert torch.ops.aten.view.default(fp8_dispatch(x, token_idx, r, None, [8], [8]), [-1, 256]).shape == (8, 256)
     with pytest.raises(TypeError, match="read by moe_fp8_ext.experts only"):
         fp8_dispatch(x, token_idx, r, None, [8], [8]).view(16, 128)
+    rows = fp8_dispatch(x, token_idx, r, None, [8], [8])
+    (g,) = torch.autograd.grad(plain(rows, counts).square().sum(), rows)  # (its wrapper computes as its tensor)
+    assert isinstance(g, Fp8Rows) and type(g * 1) is torch.Tensor and torch.equal(g * 1, g._q)
 
 
 @pytest.mark.parametrize("device", DEVICES)
