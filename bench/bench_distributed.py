@@ -232,16 +232,34 @@ def curve(args, variant, layout, device, world, counter):
     return losses, bool(same.item())
 
 
+def tokens(args, device):
+    g = torch.Generator(device=device).manual_seed(1 + dist.get_rank())
+    return torch.randn(args.tokens, args.dim, device=device, generator=g).bfloat16()
+
+
+def eager_bytes(args, variant, layout, device, world, counter):
+    """The bytes of one step of the variant's layer built eagerly: a compiled graph's collectives run without
+    the counting wrappers (the layer timed is built apart, so that it never runs eagerly)."""
+    layer = build(argparse.Namespace(**{**vars(args), "compile": False}), variant, layout, device, world)
+    counter.bytes.clear()
+    counter.on = True
+    layer(tokens(args, device).requires_grad_(), counter).float().square().mean().backward()
+    counter.on = False
+    layer = None
+    free(device)
+    return dict(counter.bytes)
+
+
 def run_variant(args, variant, layout, device, world, counter):
+    nbytes = eager_bytes(args, variant, layout, device, world, counter) if args.compile else None
     layer = build(args, variant, layout, device, world)
     opt = torch.optim.SGD(layer.parameters(), lr=1e-4)
-    g = torch.Generator(device=device).manual_seed(1 + dist.get_rank())
-    x0 = torch.randn(args.tokens, args.dim, device=device, generator=g).bfloat16()
+    x0 = tokens(args, device)
     gpu = device.type == "cuda"
 
-    def step(module=layer):
+    def step():
         x = x0.clone().requires_grad_()
-        out = module(x, counter)
+        out = layer(x, counter)
         out.float().square().mean().backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -249,24 +267,23 @@ def run_variant(args, variant, layout, device, world, counter):
     for _ in range(args.warmup):
         step()
     counter.bytes.clear()
-    counter.on = True  # (the bytes of one step, eager: a compiled graph's collectives run without the wrappers)
-    step(getattr(layer, "_orig_mod", layer))
-    counter.on = False
     if gpu:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
     times = []
-    for _ in range(args.steps):
+    for i in range(args.steps):
+        counter.on = i == 0 and nbytes is None  # (bytes of one step)
         dist.barrier()
         t0 = time.perf_counter()
         step()
         if gpu:
             torch.cuda.synchronize()
         times.append((time.perf_counter() - t0) * 1e3)
+        counter.on = False
     peak = torch.cuda.max_memory_allocated() / 2**30 if gpu else None
     stats = torch.tensor([statistics.median(times), peak or 0.0], device=device, dtype=torch.float64)
     dist.all_reduce(stats, op=dist.ReduceOp.MAX)  # (the slowest rank's step, the largest peak)
-    nbytes = dict(counter.bytes)
+    nbytes = nbytes or dict(counter.bytes)
     profiled = None
     if args.profile:
         from common import KERNEL_FAMILIES, profile_step
