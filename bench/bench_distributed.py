@@ -381,6 +381,9 @@ def main():
         p.error("--profile needs --device cuda (it sums GPU kernel times)")
     if set(args.layouts.split(",")) - {"ep", "fsdp", "fsdp_rows"}:
         p.error(f"expected --layouts of ep, fsdp, fsdp_rows, got {args.layouts!r}")
+    if args.compile:  # (every variant and layout compiles graphs of its own: raise, never run eagerly, at a limit)
+        torch._dynamo.config.recompile_limit = 64
+        torch._dynamo.config.fail_on_recompile_limit_hit = True
     gpu = args.device == "cuda"
     dist.init_process_group("nccl" if gpu else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
