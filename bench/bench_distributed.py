@@ -186,6 +186,7 @@ def build(args, variant, layout, device, world):
     # (not fullgraph: FSDP2's hooks of the experts inside the root run eagerly. The fp32 reference stays
     # eager: torch 2.11's fake _grouped_mm takes bf16 only)
     if args.compile and name != "fp32":
+        torch._dynamo.reset()  # (each variant compiled alone, as one model: no shapes made dynamic by another's)
         return torch.compile(layer, backend="inductor" if device.type == "cuda" else "aot_eager")
     return layer
 
