@@ -28,7 +28,7 @@ one pass too (``combine_rows_backward``).
 
 Both trace under ``torch.compile(fullgraph=True)`` (torchtitan compiles its blocks so):
 ``Fp8Rows`` is a traceable tensor subclass, the all-to-all is the functional collective,
-and the split sizes may be unbacked ints (``.tolist()`` in the graph). A graph break
+and the split sizes may be unbacked ints (read to the host in the graph). A graph break
 between the dispatch and the experts layer (FSDP2's hooks of an experts module sharded
 on its own) works too: the rows' gradient is an ``Fp8Rows`` holding it, the type a
 compiled graph's backward takes for its output.
@@ -237,7 +237,9 @@ class _Fp8Dispatch(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         token_idx, perm = ctx.saved_tensors
-        grad = (grad._q if isinstance(grad, Fp8Rows) else grad).contiguous()  # (see Fp8Rows.gradient)
+        if isinstance(grad, Fp8Rows) and grad._made_for == _GRADIENT:  # (see Fp8Rows.gradient)
+            grad = grad._q
+        grad = grad.contiguous()
         if perm is not None:
             grad = _ops.scatter_rows(grad, perm, ctx.received)
         if not ctx.local:
