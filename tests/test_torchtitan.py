@@ -286,6 +286,42 @@ def test_shared_experts_reuse_weights_and_compile():
     assert torch.equal(torch.compile(plain.shared_experts, fullgraph=True)(x), plain.shared_experts(x))
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("recipe,fp8_dispatch", [("fp8_blockwise", False), ("fp8_blockwise", True),
+                                                 ("fp8_rowwise", False), ("fp8_rowwise", True),
+                                                 ("mxfp8", False), ("bf16", False)])
+@torch._dynamo.config.patch(capture_scalar_outputs=True)
+def test_converted_moe_compiles_across_graph_breaks(device, recipe, fp8_dispatch):
+    """torch.compile without fullgraph, graph breaks just before and after the experts
+    layer (as a user's code or FSDP2's hooks put them): the eager bits, the output and
+    every gradient, over two steps."""
+    from moe_fp8_ext.integrations.torchtitan import ExpertsConverter
+
+    def graph_break(*args):
+        torch._dynamo.graph_break()
+
+    results = []
+    for compiled in (False, True):
+        moe = titan_moe(256, 128, 4, 3, device=device, shared_experts=False,
+                        converter=ExpertsConverter.Config(recipe=recipe, fp8_dispatch=fp8_dispatch))
+        torch._dynamo.reset()
+        torch._dynamo.utils.counters.clear()
+        if compiled:
+            moe.routed_experts.inner_experts.register_forward_pre_hook(graph_break)
+            moe.routed_experts.inner_experts.register_forward_hook(graph_break)
+        f = torch.compile(moe, backend="aot_eager") if compiled else moe
+        g = torch.Generator().manual_seed(3)
+        for _ in range(2):
+            x = torch.randn(2, 37, 256, generator=g).to(device, torch.bfloat16).requires_grad_()
+            out = f(x)
+            out.backward(torch.randn(out.shape, generator=g).to(device, torch.bfloat16))
+        results.append([out, x.grad] + [p.grad for p in moe.parameters()])
+        if compiled:  # (the breaks took effect: router, experts and combine apart)
+            assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 3
+    torch._dynamo.reset()
+    assert all(torch.equal(a, b) for a, b in zip(*results))
+
+
 def test_shared_experts_refusals():
     """What shared_experts=True cannot run raises before anything changes (convert and the config converter): a
     forward of its own, shared experts that are not a FeedForward, a biased Linear or one with its own forward, forward
