@@ -31,7 +31,7 @@ gap to fp32 is the floor that fp8's gap to bf16 is read against.
 ``--recipe`` picks the fp8 recipe (fp8_blockwise, the default, or fp8_rowwise). Bytes
 are per rank and step: all-to-all, the bytes a rank sends; all-gather, the bytes it
 receives (its own shard included); reduce-scatter, its input. Writes
-$OUT/bench_distributed_<blockwise|rowwise>_x<ranks>.json (rank 0). ``--profile`` (CUDA)
+$OUT/bench_distributed_<blockwise|rowwise>_x<ranks>[_compiled].json (rank 0). ``--profile`` (CUDA)
 also splits each variant's step into GPU kernel time by family (rank 0's, torch.profiler)
 and writes ..._x<ranks>_profile.json instead.
 """

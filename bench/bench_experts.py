@@ -28,7 +28,9 @@ bf16 by SQNR.
 
     python bench/bench_experts.py [--quick] [--compile] [--moe] [--shapes 0,2]
 
-Prints tables and writes $OUT/bench_experts.json (bench/report.py renders RESULTS.md).
+Prints tables and writes $OUT/bench_experts.json (--profile: profile_experts.json;
+--fused-accumulation, --stack: bench_experts_fused_accumulation.json,
+bench_experts_stack.json); bench/report.py renders RESULTS.md from them.
 """
 
 import argparse

@@ -8,6 +8,7 @@ bf16 ulp (the fused values) and quantize_rowwise of its own values bit for bit (
 codes) before timing. Run: python bench/bench_swiglu.py
 """
 
+import argparse
 import sys
 
 import torch
@@ -93,4 +94,5 @@ def main():
 
 
 if __name__ == "__main__":
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     main()

@@ -2,6 +2,7 @@
 a read-only reduction, and torch's own bf16 -> fp8 cast (the 2:1 read/write mix of
 the quantization kernels), each as GB/s of bytes read + written."""
 
+import argparse
 import sys
 
 import torch
@@ -29,4 +30,5 @@ def main():
 
 
 if __name__ == "__main__":
+    argparse.ArgumentParser(description=__doc__).parse_args()
     main()

@@ -8,14 +8,15 @@ wall time three ways, so that time outside the kernels (launch gaps, host work) 
   host      host time to issue one step (no synchronization in between), and
             the host time by op (torch.profiler, CPU, after a warm-up step it does
             not record: the first op a profile records bears the profiler's
-            start-up, which read as 0.7-0.9 ms of aten::clamp a step before)
+            start-up)
 
 and one step's timeline (profiler, from an idle GPU): each kernel's start, duration and
 the idle time before it, so that the time between the kernels shows where it falls.
 
 The step is torch.autograd.grad of the output (the bench_grouped_mm timing).
-Run: python bench/profile_grouped_mm.py [M K N E [recipe ...]]"""
+Run: python bench/profile_grouped_mm.py [M K N E] [--recipes fp8_rowwise,fp8_blockwise]"""
 
+import argparse
 import sys
 
 import torch
@@ -26,8 +27,14 @@ import moe_fp8_ext
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from common import bench_us, host_us, linear_problem  # noqa: E402
 
-m, k, n, e = (int(v) for v in sys.argv[1:5]) if len(sys.argv) >= 5 else (16384, 7168, 2048, 8)
-RECIPES = ["bf16"] + (sys.argv[5:] or ["fp8_rowwise"])
+_p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+_p.add_argument("shape", nargs="*", type=int, default=[16384, 7168, 2048, 8], help="M K N E (default 16384 7168 2048 8)")
+_p.add_argument("--recipes", default="fp8_rowwise", help="comma-separated recipes after bf16 (default fp8_rowwise)")
+_args = _p.parse_args()
+if len(_args.shape) != 4:
+    _p.error(f"expected the shape as M K N E, got {_args.shape}")
+m, k, n, e = _args.shape
+RECIPES = ["bf16"] + _args.recipes.split(",")
 a, w, offs, grad = linear_problem(m, k, n, e)
 
 

@@ -29,8 +29,8 @@ from .weight_cache import WeightCache, clear_weight_caches  # noqa: E402
 from .ops import blockwise as _ops_blockwise, mxfp8 as _ops_mxfp8, rowwise as _ops_rowwise  # noqa: E402,F401
 from .ops import swiglu as _ops_swiglu, token_groups as _ops_token_groups  # noqa: E402,F401  (ops.<family>)
 
-# The raw ops live in moe_fp8_ext.ops.<family>. Their former top-level names stay as
-# aliases for existing code; they are not part of the public surface (__all__).
+# The raw ops live in moe_fp8_ext.ops.<family>; the top-level names are aliases of
+# them, outside the public surface (__all__).
 from .ops.blockwise import *  # noqa: E402,F401,F403
 from .ops.mxfp8 import *  # noqa: E402,F401,F403
 from .ops.rowwise import *  # noqa: E402,F401,F403

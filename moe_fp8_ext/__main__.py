@@ -1,14 +1,15 @@
 """python -m moe_fp8_ext: train an MoE expert layer in bf16 and in fp8.
 
 Trains a ``moe_fp8_ext.GroupedExperts`` layer (the SwiGLU experts, torchtitan's layout
-and forward) on a regression task with each recipe, on the GPU if there is one at a
+and forward) on a regression task in bf16 and with one fp8 recipe, on the GPU if there is one at a
 DeepSeek-V3 expert shape per GPU (32768 routed tokens, dim 7168, hidden 2048, 8 local
 experts; else on the CPU at a small size, with an fp32 baseline), with a router's
 unaligned token groups, ``loss.backward()`` into fresh gradients and an AdamW step, and
 prints the step time and peak memory of each, the speedup, the final losses and the
 SQNR of one fp8 forward against the baseline. ``--recipe`` picks the fp8 recipe (fp8_rowwise, fp8_blockwise, mxfp8).
-`--check` instead runs every quantization op and verifies it bit for bit against
-moe_fp8_ext.reference, with timings.
+`--check` instead runs the quantization, SwiGLU and token-group ops of every recipe
+at that shape and verifies them bit for bit against moe_fp8_ext.reference, with
+timings.
 """
 
 import argparse
@@ -125,13 +126,13 @@ def train_demo(args):
 
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m moe_fp8_ext", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--check", action="store_true", help="verify every quantization op against the reference instead")
+    p.add_argument("--check", action="store_true", help="verify the ops of every recipe against the reference instead")
     p.add_argument("--steps", type=int, default=None, help="training steps (default 100 on a GPU, 60 on the CPU)")
     p.add_argument("--tokens", type=int, default=None, help="routed tokens M (default 32768 training / 16384 --check on a GPU)")
     p.add_argument("--hidden", type=int, default=None, help="model dim (default 7168 on a GPU)")
     p.add_argument("--ffn", type=int, default=None, help="expert hidden dim (default 2048 on a GPU)")
     p.add_argument("--experts", type=int, default=8, help="experts E (default 8)")
-    p.add_argument("--fp8-dtype", choices=["e4m3fn", "e4m3fnuz"], default=None, help="default: the platform's")
+    p.add_argument("--fp8-dtype", choices=["e4m3fn", "e4m3fnuz"], default=None, help="fp8 dtype of --check (default: the platform's)")
     p.add_argument("--device", choices=["cuda", "cpu"], default=None, help="default: cuda when available")
     p.add_argument("--iters", type=int, default=20, help="timing iterations for --check")
     p.add_argument("--recipe", choices=["fp8_rowwise", "fp8_blockwise", "mxfp8"], default="fp8_rowwise",
@@ -155,16 +156,39 @@ def main(argv=None):
 
     a = torch.randn(m, k, device=device, dtype=torch.bfloat16)
     go = torch.randn(m, n, device=device, dtype=torch.bfloat16)
-    w_t = (torch.randn(e, n, k, device=device, dtype=torch.bfloat16) * 0.02).transpose(1, 2)
+    w = torch.randn(e, n, k, device=device, dtype=torch.bfloat16) * 0.02
+    w_t = w.transpose(1, 2)
+    h13 = torch.randn(m, 2 * n, device=device, dtype=torch.bfloat16)
     sizes = torch.full((e,), m // e, dtype=torch.int32)
     sizes[-1] += m - int(sizes.sum())
     offs = torch.cumsum(sizes, 0).to(torch.int32).to(device)
+    starts = moe_fp8_ext.padded_group_offsets(offs, m, 128)[0]  # (any group sizes: the padded layouts)
     cases = [
         ("quantize_rowwise A", lambda: moe_fp8_ext.quantize_rowwise(a, f8), lambda: ref.quantize_rowwise(a, f8), m * k * 3),
         ("quantize_experts_fwd W", lambda: moe_fp8_ext.quantize_experts_fwd(w_t, f8), lambda: ref.quantize_experts_fwd(w_t, f8), e * k * n * 3),
         ("quantize_experts_bwd W", lambda: moe_fp8_ext.quantize_experts_bwd(w_t, f8), lambda: ref.quantize_experts_bwd(w_t, f8), e * k * n * 3),
         ("quantize_jagged_colwise_dual", lambda: moe_fp8_ext.quantize_jagged_colwise_dual(go, a, offs, f8),
          lambda: ref.quantize_jagged_colwise_dual(go, a, offs, f8), m * (k + n) * 3),
+        ("blockwise_act_lhs A", lambda: moe_fp8_ext.quantize_blockwise_act_lhs(a, f8),
+         lambda: ref.quantize_blockwise_act_lhs(a, f8), m * k * 3),
+        ("blockwise_act_rhs A, groups", lambda: moe_fp8_ext.quantize_blockwise_act_rhs(a, f8, offs, starts, 128),
+         lambda: ref.quantize_blockwise_act_rhs(a, f8, offs, 128), m * k * 3),
+        ("blockwise_weight_rhs W", lambda: moe_fp8_ext.quantize_blockwise_weight_rhs(w, f8),
+         lambda: ref.quantize_blockwise_weight_rhs(w, f8), e * k * n * 3),
+        ("blockwise_weight_transposed W", lambda: moe_fp8_ext.quantize_blockwise_weight_transposed_rhs(w, f8),
+         lambda: ref.quantize_blockwise_weight_transposed_rhs(w, f8), e * k * n * 3),
+        ("mxfp8_rowwise A", lambda: moe_fp8_ext.quantize_mxfp8_rowwise(a),
+         lambda: ref.quantize_mxfp8_rowwise(a), m * k * 3),
+        ("mxfp8_colwise A, groups", lambda: moe_fp8_ext.quantize_mxfp8_colwise(a, "rceil", True, offs, starts, 128),
+         lambda: ref.quantize_mxfp8_colwise_padded(a, offs, 128, "rceil", True), m * k * 3),
+        ("mxfp8_experts W", lambda: moe_fp8_ext.quantize_mxfp8_experts(w_t, blocked=True),
+         lambda: ref.quantize_mxfp8_experts(w_t, blocked=True), e * k * n * 3),
+        ("swiglu_quantize_rowwise", lambda: moe_fp8_ext.swiglu_quantize_rowwise(h13, f8),
+         lambda: ref.swiglu_quantize_rowwise(h13, f8), m * n * 5),
+        ("swiglu_backward", lambda: (moe_fp8_ext.swiglu_backward(go, h13),),
+         lambda: (ref.swiglu_backward(go, h13),), m * n * 10),
+        ("pad_token_groups A", lambda: moe_fp8_ext.pad_token_groups(a, offs, 128),
+         lambda: ref.pad_token_groups(a, offs, 128), m * k * 4),
     ]
     print(f"{'op':<30} {'bit-exact':>9} {'ms':>9} {'GB/s':>8}")
     ok = True

@@ -34,7 +34,7 @@ on its own) works too: the rows' gradient is an ``Fp8Rows`` holding it, the type
 compiled graph's backward takes for its output.
 """
 
-from typing import List, Optional, Tuple
+from typing import List, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -42,16 +42,19 @@ import torch.utils._pytree as pytree
 from torch import Tensor
 
 from .ops._checks import _require
-from .recipes import Fp8Blockwise, Fp8Rowwise, Recipe
+from .recipes import Fp8Blockwise, Fp8Rowwise, Recipe, get_recipe
 
 __all__ = ["Fp8Rows", "combine", "fp8_dispatch", "fp8_rows_operand"]
 
 _ops = torch.ops.moe_fp8
 
 
-def _check_recipe(recipe: Recipe, op: str) -> None:
+def _check_recipe(recipe: Union[str, Recipe], op: str) -> Recipe:
+    """The recipe (a name or a Recipe): fp8_blockwise or fp8_rowwise, else ValueError."""
+    recipe = get_recipe(recipe, op)
     if not isinstance(recipe, (Fp8Blockwise, Fp8Rowwise)):
         raise ValueError(f"{op}: expected recipe fp8_blockwise or fp8_rowwise for an fp8 dispatch, got {recipe.name!r}")
+    return recipe
 
 
 def _quantize_rows(recipe: Recipe, x: Tensor, fp8_dtype) -> Tuple[Tensor, Tensor]:
@@ -247,7 +250,7 @@ class _Fp8Dispatch(torch.autograd.Function):
         return _gather_backward(grad, token_idx, ctx.num_tokens), None, None, None, None, None, None, None
 
 
-def fp8_dispatch(x: Tensor, token_idx: Tensor, recipe: Recipe, group=None, input_splits: Optional[List[int]] = None,
+def fp8_dispatch(x: Tensor, token_idx: Tensor, recipe: Union[str, Recipe], group=None, input_splits: Optional[List[int]] = None,
                  output_splits: Optional[List[int]] = None, perm: Optional[Tensor] = None, fp8_dtype=None) -> Fp8Rows:
     """Send the rows ``x[token_idx]`` (x (T, D) this rank's tokens, ``token_idx`` int32
     (N,), the token of each routed row in send order) to the ranks of ``group`` in fp8:
@@ -256,7 +259,7 @@ def fp8_dispatch(x: Tensor, token_idx: Tensor, recipe: Recipe, group=None, input
     row). Without splits (and group) the rows stay local: ``y[j] = x[token_idx[j]]``.
     Returns the rows as :class:`Fp8Rows`, differentiable in x (its gradient comes back
     through the reverse all-to-all in x's dtype)."""
-    _check_recipe(recipe, "fp8_dispatch")
+    recipe = _check_recipe(recipe, "fp8_dispatch")
     if not isinstance(x, Tensor) or x.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise ValueError(f"fp8_dispatch: expected x a 2-D bf16, fp16 or fp32 tensor, got {getattr(x, 'shape', x)}")
     for name, t in (("token_idx", token_idx), ("perm", perm)):

@@ -124,10 +124,9 @@ class _Experts(torch.autograd.Function):
             x_lhs, x_col = recipe.quantize(x, f8, groups, colwise=x_col_wanted)
         if x_col is not None or not need_w13:
             x = None
-        # -- W13 with SwiGLU (one GEMM where the recipe fuses them), then W2: out = h @ W2ᵀ,
-        # h = silu(h1) * h3; h's colwise operand kept where the same read makes it (then the
-        # backward computes no h).
-        # (x's operand and W13's dropped once the GEMM has read them: not held through the SwiGLU and W2)
+        # -- W13 with SwiGLU (one GEMM where the recipe fuses them), then W2: out = h @ W2ᵀ, h =
+        # silu(h1) * h3; h's colwise operand kept where the same read makes it (the backward then
+        # computes no h). x's and W13's operands are dropped once the GEMM has read them.
         tensors, x_lhs, rhs13 = [x_lhs, rhs13], None, None
         h13, h_lhs, h_col = recipe.mm_2d3d_swiglu(tensors, offs, gemm_dtype, backend, f8, groups,
                                                   colwise=SAME_READ if pad_wgrad and need_w2 else False)
@@ -193,8 +192,8 @@ class _Experts(torch.autograd.Function):
         grad_h13 = lhs13 = h = g13_col = g_col = halves = None
         if need_x or need_w13:  # grad_h feeds only the gradients below W2
             # -- W2 dgrad: grad_h = grad_out @ W2; grad_out's colwise operand with it where one read
-            # makes both, and always under compile: grad_out then dies here, not after the dSwiGLU
-            # (in eager mode autograd holds it through the whole backward anyway)
+            # makes both, and always under compile, where grad_out then dies here, not after the
+            # dSwiGLU (in eager mode autograd holds it through the backward anyway)
             rhs2 = _fsdp.rhs_bwd((w2,)) if ctx.gathered else weight_bwd("w2", ctx.keys[2:],
                                                                         lambda: [w2.transpose(-2, -1)])
             g_col_now = need_w2 and (True if torch.compiler.is_compiling() else
@@ -256,8 +255,8 @@ class _Experts(torch.autograd.Function):
                 rhs = weight_bwd("w3", ctx.keys[1:2], lambda: [w3.transpose(-2, -1)])
                 part = recipe.mm_2d3d(lhs3, rhs, offs, dtype, backend)
                 del lhs3, rhs
-                # In place in eager mode (three (M, dim) tensors at once were the step's peak); out of
-                # place under compile (an in-place op here dropped gradients with torch 2.11).
+                # In place in eager mode (else three (M, dim) tensors live at once, the step's peak); out
+                # of place under compile (in place, torch 2.11's compiled backward drops gradients).
                 grad_x = grad_x + part if torch.compiler.is_compiling() else grad_x.add_(part)
                 del part
             grad_x = grad_x.to(ctx.dtypes[0])
@@ -348,7 +347,9 @@ def experts(
     unbacked size included (after an all-to-all). x may be rows dispatched in fp8
     (:class:`moe_fp8_ext.dispatch.Fp8Rows`, traceable too) and the weights all-gathered
     in fp8 (:class:`moe_fp8_ext.fsdp.GatheredWeight`, traceable): read as they are.
-    ``main_grads``: three float32 tensors of w1's, w3's and w2's shapes that the
+    ``pad_groups=False``: every group size is already a multiple of the recipe's
+    alignment (as a padded dispatch lays them out), so nothing is padded for the weight
+    gradients (checked only with ``MOE_FP8_DEBUG=1``). ``main_grads``: three float32 tensors of w1's, w3's and w2's shapes that the
     backward adds the weights' gradients to in place, returning none for the weights
     (Megatron's gradient accumulation fusion: fused into the weight-gradient GEMMs for
     both fp8 recipes on Hopper, an add after them elsewhere); eager only (under

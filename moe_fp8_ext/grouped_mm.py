@@ -12,7 +12,8 @@ recipe's alignment.
 A new recipe is a Recipe subclass (``moe_fp8_ext.recipes``); nothing here changes.
 
 fp8_rowwise: every operand is quantized with this package's kernels and multiplied by
-PyTorch's FP8 grouped GEMM::
+its CUTLASS grouped GEMMs on Hopper (PyTorch's FP8 grouped GEMM elsewhere, or with
+``Fp8Rowwise(gemm_kernel="torch")``)::
 
     forward  out    = A_q(rows) @ B_t_q(cols over K)
     dgrad    grad_A = grad_out_q(rows) @ B_q(cols over N)
@@ -60,9 +61,11 @@ _ops = torch.ops.moe_fp8
 
 
 def grouped_mm_backend(device: torch.device, recipe: Union[str, Recipe] = "fp8_rowwise") -> str:
-    """Which GEMM path ``recipe`` runs on ``device``. fp8_rowwise: ``"fp8_gemm"`` when the
-    FP8 grouped GEMM runs there (CUDA sm90+ or a ROCm GPU with a torch that has it),
-    else ``"emulated"`` (dequantize + fp32 GEMM). bf16: ``"grouped_mm"``."""
+    """Which GEMM path ``recipe`` runs on ``device``: ``"emulated"`` (dequantize + fp32
+    GEMM) where no FP8 grouped GEMM runs, else fp8_rowwise ``"fp8_gemm"`` (CUDA sm90+ or
+    ROCm; ours on sm90 where ``rowwise_gemm.in_use``, else PyTorch's), fp8_blockwise
+    ``"blockwise_gemm"`` (ours, sm90), mxfp8 ``"mxfp8_gemm"`` (PyTorch's, sm100); bf16
+    ``"grouped_mm"``."""
     return get_recipe(recipe, "grouped_mm_backend").backend(torch.device(device))
 
 
@@ -336,8 +339,7 @@ def grouped_mm(
       None: anything else raises rather than being ignored.
 
     ``pad_groups`` (recipes with an alignment): groups of any size, no host sync (see
-    the module docstring for how, and bench/RESULTS.md for the cost: within noise of
-    aligned groups on H200). With ``pad_groups=False`` every group size must be a
+    the module docstring for how). With ``pad_groups=False`` every group size must be a
     multiple of the recipe's alignment (16 for fp8_rowwise; M need not be).
     """
     r = get_recipe(recipe, "grouped_mm")

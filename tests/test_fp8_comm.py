@@ -711,7 +711,11 @@ def test_dispatch_errors(one_rank):
         fp8_dispatch(x, idx, moe_fp8_ext.get_recipe("fp8_blockwise"), None, [4])
     with pytest.raises(ValueError, match="expected input_splits and output_splits with a group"):
         fp8_dispatch(x, idx, moe_fp8_ext.get_recipe("fp8_blockwise"), dist.group.WORLD)
+    with pytest.raises(ValueError, match="fp8_dispatch: expected recipe in"):
+        fp8_dispatch(x, idx, "fp8_blockwize", None, [4], [4])
     rows = fp8_dispatch(x, idx, moe_fp8_ext.get_recipe("fp8_blockwise"), None, [4], [4])
+    by_name = fp8_dispatch(x, idx, "fp8_blockwise", None, [4], [4])  # (a recipe's name, as every call takes)
+    assert same(by_name.dequantize(), rows.dequantize())
     w = weights(1, 128, 128, "cpu")
     with pytest.raises(ValueError, match="rows dispatched for recipe"):
         moe_fp8_ext.experts(rows, *w, torch.tensor([4], dtype=torch.int32), recipe="fp8_rowwise")

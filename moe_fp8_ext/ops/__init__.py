@@ -6,8 +6,9 @@ share are in ``_checks``. Importing this package registers the fakes of the roww
 token-group ops (the other families register theirs in ``moe_fp8_ext.blockwise``,
 ``.mxfp8`` and ``.swiglu``).
 
-All scales are *decode* scales: ``x ≈ q.float() * scale``. With ``pow2_scale`` (the
-default) every scale is an exact power of two. ``fp8_dtype=None`` picks
+All scales are *decode* scales: ``x ≈ q.float() * scale``. The rowwise ops' scales are
+exact powers of two with ``pow2_scale`` (the default); blockwise scales are fp32, MXFP8's
+e8m0. ``fp8_dtype=None`` picks
 :func:`moe_fp8_ext.default_fp8_dtype`.
 """
 

@@ -9,7 +9,7 @@ running the three grouped GEMMs of an MoE expert linear (DESIGN §5-§8).
 
 A recipe is a frozen dataclass: a name, an alignment, and the user fields of its kind
 (``Fp8Rowwise(pow2_scale, gemm_kernel, hold_weight_operands)``, ``Mxfp8(rounding)``,
-``Fp8Blockwise(hold_weight_operands)``); ``dataclasses.replace`` makes a variant.
+``Fp8Blockwise(hold_weight_operands, dswiglu_in_gemm)``); ``dataclasses.replace`` makes a variant.
 ``grouped_mm`` and the experts layer know nothing about scales or formats: one
 ``quantize`` call per tensor asks the recipe for the orientations it needs, and the
 recipe's GEMMs multiply them. Adding a recipe is a subclass of :class:`Recipe` with

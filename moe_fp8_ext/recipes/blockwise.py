@@ -72,7 +72,7 @@ class Fp8Blockwise(Recipe):
     alignment: int = 128
     hold_weight_operands: bool = False
     # W2's input-gradient GEMM with the dSwiGLU in its epilogue (mm_2d3d_dswiglu): bit for bit the composed path,
-    # 1.45-1.77x slower than it on an H200 (record 038), so off.
+    # slower than it (record 038), so off.
     dswiglu_in_gemm: bool = False
 
     def __post_init__(self):
