@@ -3,6 +3,7 @@
 // the code lives (TORCH_LIBRARY_IMPL in each family's CPU file and .cu file).
 #define Py_LIMITED_API 0x030A0000  // CPython's stable ABI as of 3.10 (pyproject.toml)
 #include <Python.h>
+#include <torch/csrc/autograd/autograd_not_implemented_fallback.h>
 #include <torch/library.h>
 #include <torch/version.h>
 
@@ -151,6 +152,28 @@ TORCH_LIBRARY(moe_fp8, m) {
   m.def("sum_rows(Tensor x, Tensor indices, Tensor offs) -> Tensor");
   m.def("combine_rows(Tensor x, Tensor scores, Tensor indices, Tensor offs) -> Tensor");
   m.def("combine_rows_backward(Tensor grad, Tensor x, Tensor scores, Tensor token) -> (Tensor, Tensor)");
+}
+
+// The raw ops have no derivative (moe_fp8_ext's autograd Functions differentiate the
+// layers): a backward through one raises instead of dropping the gradient. Every op that
+// writes no input (tests/test_op_coverage.py checks the list).
+TORCH_LIBRARY_IMPL(moe_fp8, Autograd, m) {
+  static const char* const kFunctionalOps[] = {
+    "blockwise_grouped_mm_2d2d", "blockwise_grouped_mm_2d3d", "blockwise_grouped_mm_dswiglu",
+    "blockwise_grouped_mm_swiglu", "combine_rows", "combine_rows_backward", "dequantize_rows", "from_blocked_scales",
+    "from_blocked_scales_k_groups", "from_blocked_scales_m_groups", "gather_rows", "pad_token_groups",
+    "pad_token_groups_at", "padded_group_offsets", "permute_indices", "quantize_blockwise_act_dual",
+    "quantize_blockwise_act_lhs", "quantize_blockwise_act_rhs", "quantize_blockwise_act_transposed_lhs",
+    "quantize_blockwise_weight_dual", "quantize_blockwise_weight_dual_cat", "quantize_blockwise_weight_rhs",
+    "quantize_blockwise_weight_rhs_cat", "quantize_blockwise_weight_transposed_rhs",
+    "quantize_blockwise_weight_transposed_rhs_cat", "quantize_experts_bwd", "quantize_experts_bwd_cat",
+    "quantize_experts_dual_cat", "quantize_experts_fwd", "quantize_experts_fwd_cat", "quantize_jagged_colwise",
+    "quantize_jagged_colwise_dual", "quantize_mxfp8_colwise", "quantize_mxfp8_experts", "quantize_mxfp8_rowwise",
+    "quantize_rowwise", "quantize_rowwise_jagged_dual", "rowwise_grouped_mm_2d2d", "rowwise_grouped_mm_2d3d",
+    "scatter_rows", "sum_rows", "swiglu", "swiglu_backward", "swiglu_backward_quantize_rowwise",
+    "swiglu_backward_with_h_quantize_rowwise", "swiglu_quantize_rowwise", "to_blocked_scales",
+    "to_blocked_scales_k_groups", "to_blocked_scales_m_groups", "unpad_token_groups"};
+  for (const char* name : kFunctionalOps) m.impl(name, torch::autograd::autogradNotImplementedFallback());
 }
 
 #if defined(MOE_FP8_WITH_CUDA)

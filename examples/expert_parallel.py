@@ -183,7 +183,8 @@ def main():
     worst = torch.tensor(max(checks.values()), device=device)
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)
     line = ", ".join(f"{k} {v:.2e}" for k, v in checks.items())
-    print(f"rank {rank}/{args.world} ({moe_fp8_ext.grouped_mm_backend(device)}, {args.tokens} tokens, "
+    backend = moe_fp8_ext.grouped_mm_backend(device, args.recipe)
+    print(f"rank {rank}/{args.world} ({args.recipe}: {backend}, {args.tokens} tokens, "
           f"{args.experts_per_rank} experts/rank, top-{args.topk}): relative error vs one process: {line}", flush=True)
     ok = worst.item() <= args.tol
     if rank == 0:

@@ -31,6 +31,14 @@ def positive_nan(v: Tensor) -> Tensor:
     return torch.where(torch.isnan(v), torch.full_like(bits, F32_NAN_BITS), bits).view(torch.float32)
 
 
+def round_to(v: Tensor, dtype: torch.dtype) -> Tensor:
+    """v (fp32) rounded to bf16, fp16 or fp32 as the ops write it (§3): a bf16 NaN is
+    0x7FC0 (c10's cast) whatever its sign and payload; fp16 and fp32 keep the NaN the
+    arithmetic made."""
+    out = v.to(dtype)
+    return torch.where(torch.isnan(out), torch.full_like(out, float("nan")), out) if dtype == torch.bfloat16 else out
+
+
 def amax(x: Tensor, dim: int) -> Tensor:
     """NaN-propagating max of |x| in fp32 along ``dim`` (kept); 0 for an empty set."""
     x = x.float().abs()
@@ -172,13 +180,13 @@ def sum_rows(x: Tensor, indices: Tensor, offs: Tensor) -> Tensor:
         rows = idx[torch.where(j < ends, j, -1)]
         live = rows >= 0
         add = xc[rows.clamp(min=0)].float() if xc.shape[0] else acc.float()
-        acc = torch.where(live[:, None], (acc.float() + add).to(x.dtype), acc)
+        acc = torch.where(live[:, None], round_to(acc.float() + add, x.dtype), acc)
     return acc.to(x.device)
 
 
 def combine_rows(x: Tensor, scores: Tensor, indices: Tensor, offs: Tensor) -> Tensor:
     """sum_rows of the rows x[i] * scores[i] (fp32 products, rounded to x's dtype)."""
-    terms = (x.cpu().float() * scores.cpu()[:, None]).to(x.dtype)
+    terms = round_to(x.cpu().float() * scores.cpu()[:, None], x.dtype)
     return sum_rows(terms, indices, offs).to(x.device)
 
 
@@ -192,7 +200,7 @@ def combine_rows_backward(grad: Tensor, x: Tensor, scores: Tensor, token: Tensor
     g = torch.where(live[:, None], grad.cpu().float()[tok.clamp(min=0)], 0.0) if grad.shape[0] else \
         torch.zeros(x.shape[0], x.shape[1])
     s = scores.cpu()
-    gx = torch.where(live[:, None], (g * s[:, None]).to(x.dtype), torch.zeros((), dtype=x.dtype))
+    gx = torch.where(live[:, None], round_to(g * s[:, None], x.dtype), torch.zeros((), dtype=x.dtype))
     n, d = x.shape
     chunks = -(-d // 256) * 256
     prod = torch.full((n, chunks), -0.0)  # (-0.0 adds nothing, the sign of a zero sum kept)
@@ -212,7 +220,8 @@ def combine_rows_backward(grad: Tensor, x: Tensor, scores: Tensor, token: Tensor
 
 def dequantize_rows(q: Tensor, scale: Tensor, block: int, out_dtype: torch.dtype) -> Tensor:
     s = scale.repeat_interleave(block, dim=1)[:, :q.shape[1]]
-    return (q.float() * s).to(out_dtype)
+    y = (q.float() * s).to(out_dtype)  # (every NaN the type's +NaN, §8)
+    return torch.where(torch.isnan(y), torch.full_like(y, float("nan")), y)
 
 
 # ---- MXFP8 (DESIGN §7): E8M0 scales over blocks of 32, the blocked scale layout ----------
@@ -523,7 +532,7 @@ def swiglu(h13: Tensor) -> Tensor:
     """h = R(R(silu(h1)) * h3) for h13 = [h1 | h3] (R: round to h13's dtype)."""
     hidden = h13.shape[1] // 2
     h1, h3 = h13[:, :hidden].float(), h13[:, hidden:].float()
-    return (_round_as(silu_f32(h1), h13.dtype) * h3).to(h13.dtype)
+    return round_to(_round_as(silu_f32(h1), h13.dtype) * h3, h13.dtype)
 
 
 def swiglu_backward(grad_h: Tensor, h13: Tensor) -> Tensor:
@@ -531,8 +540,8 @@ def swiglu_backward(grad_h: Tensor, h13: Tensor) -> Tensor:
     hidden = h13.shape[1] // 2
     dt = h13.dtype
     g, h1, h3 = grad_h.float(), h13[:, :hidden].float(), h13[:, hidden:].float()
-    grad_h1 = silu_backward_f32(_round_as(g * h3, dt), h1).to(dt)
-    grad_h3 = (g * _round_as(silu_f32(h1), dt)).to(dt)
+    grad_h1 = round_to(silu_backward_f32(_round_as(g * h3, dt), h1), dt)
+    grad_h3 = round_to(g * _round_as(silu_f32(h1), dt), dt)
     return torch.cat([grad_h1, grad_h3], dim=1)
 
 

@@ -8,7 +8,8 @@ tensor to the input dtype): forward ``R(R(silu(h1)) * h3)``, backward
 ``[R(silu_backward(R(g * h3), h1)) | R(g * R(silu(h1))))]``, with ``exp`` computed by
 additions and multiplications only (``reference.exp_f32``, within 2 ulp in fp32), so
 the CPU twin, the CUDA kernel and ``reference.py`` agree to the bit. Against torch's
-own ``silu`` the outputs differ by at most one ulp of the output dtype, and rarely.
+own ``silu`` bf16 and fp16 outputs differ by at most one ulp, and rarely; fp32 ones
+by a few ulp (the ``exp``).
 The quantized variants return exactly ``quantize_rowwise`` of the values they compute
 (q row-major, scale (M, 1) fp32 decode scales). Inputs: bf16, fp16 or fp32; a
 non-unit column stride is copied first. Each wrapper has its fake beside it, so the ops

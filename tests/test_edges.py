@@ -404,3 +404,41 @@ def test_gpu_matches_cpu_on_edges(family, in_dtype, size):
         assert_same_bytes(f"{label} ({in_dtype}, {size}) GPU vs CPU", gpu, cpu, strides=True)
         n += 1
     assert n > 0
+
+
+def _nan_data(rows, cols, dtype, seed):
+    """Random values with NaNs of both signs and several payloads, and +-Inf."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, cols, generator=g)
+    bits = x.view(torch.int32)
+    pick = torch.randint(0, 16, (rows, cols), generator=g)
+    for k, b in enumerate((0x7FC00000, 0xFFC00000 - 2**32, 0x7F800001, 0xFFFFFFFF - 2**32, 0x7FFFFFFF)):
+        bits[pick == k] = b
+    x[pick == 5], x[pick == 6] = float("inf"), -float("inf")
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+def test_float_outputs_write_the_spec_nan_bits(device):
+    """The non-fp8 outputs (DESIGN §3, §8): a bf16 NaN is 0x7FC0 whatever the arithmetic
+    made, dequantize_rows writes the type's +NaN; the reference's bytes, on every device."""
+    if device == "cuda":
+        poison("cuda")
+    q = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(E4).repeat(3, 1)  # every code, NaNs included
+    s = torch.tensor([[1.0, float("nan")], [2.0**-10, float("inf")], [0.0, 3.0]])
+    for dt in IN_DTYPES:
+        assert_same_bytes(f"dequantize_rows {dt}", M.dequantize_rows(q.to(device), s.to(device), 128, dt),
+                          ref.dequantize_rows(q, s, 128, dt))
+    bf = torch.bfloat16
+    x, h13, g = _nan_data(9, 136, bf, 1), _nan_data(7, 272, bf, 2), _nan_data(7, 136, bf, 3)
+    idx = torch.tensor([3, 0, 8, -1, 1, 1, 5, 2, 7, 6, 4], dtype=torch.int32)
+    offs, scores = torch.tensor([2, 2, 6, 11], dtype=torch.int32), torch.rand(9)
+    token = torch.tensor([0, 1, -1, 2, 3, 1, 0, 2, 3], dtype=torch.int32)
+    cases = [("sum_rows", M.sum_rows, ref.sum_rows, (x, idx, offs)),
+             ("combine_rows", M.combine_rows, ref.combine_rows, (x, scores, idx, offs)),
+             ("swiglu", M.swiglu, ref.swiglu, (h13,)),
+             ("swiglu_backward", M.swiglu_backward, ref.swiglu_backward, (g, h13))]
+    for label, op, spec, args in cases:
+        assert_same_bytes(label, op(*_to(list(args), device)), spec(*args))
+    got = M.ops.token_groups.combine_rows_backward(*_to([x[:4], x, scores, token], device))[0]
+    assert_same_bytes("combine_rows_backward", got, ref.combine_rows_backward(x[:4], x, scores, token)[0])

@@ -273,12 +273,27 @@ def test_swiglu_steps_drop_their_gemm_operands(recipe, monkeypatch):
     assert dead == [("quantize_swiglu", True), ("quantize_swiglu_backward", True)]
 
 
-def test_blockwise_recipe_switches_are_bools():
+def test_recipe_fields_are_checked_at_construction():
+    """Every built-in recipe refuses a bad field when it is made (dataclasses.replace
+    included), not at its first use; the alignment a power-of-two multiple of its own."""
+    import dataclasses
+
     from moe_fp8_ext import recipes
 
-    for field in ("hold_weight_operands", "dswiglu_in_gemm"):
-        with pytest.raises(TypeError, match=f"expected {field} to be a bool, got 1"):
-            recipes.Fp8Blockwise(**{field: 1})
+    for cls, field in [(recipes.Fp8Blockwise, "hold_weight_operands"), (recipes.Fp8Blockwise, "dswiglu_in_gemm"),
+                       (recipes.Fp8Rowwise, "pow2_scale"), (recipes.Fp8Rowwise, "hold_weight_operands")]:
+        with pytest.raises(TypeError, match=f"{cls.__name__}: expected {field} to be a bool, got 'false'"):
+            cls(**{field: "false"})
+    with pytest.raises(ValueError, match=r"Mxfp8: expected rounding in \('rceil', 'floor'\), got 'up'"):
+        recipes.Mxfp8(rounding="up")
+    with pytest.raises(ValueError, match="Fp8Rowwise: expected gemm_kernel in"):
+        recipes.Fp8Rowwise(gemm_kernel="cutlass")
+    for name, wrong in [("fp8_blockwise", 16), ("fp8_blockwise", 384), ("fp8_rowwise", 8), ("mxfp8", 16),
+                        ("bf16", 0), ("bf16", True)]:
+        r = get_recipe(name)
+        with pytest.raises(ValueError, match=f"multiple of {r.alignment} .*got {wrong}"):
+            dataclasses.replace(r, alignment=wrong)
+        assert dataclasses.replace(r, alignment=2 * r.alignment).alignment == 2 * r.alignment
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -358,6 +373,31 @@ def test_tail_rows_and_empty_groups(device, recipe, hidden):
             assert sqnr(ref_out[:o[-1]], out[:o[-1]]) > 20
         for g in grads[1:]:
             assert torch.isfinite(g).all()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("recipe", ["fp8_rowwise", "fp8_blockwise", "mxfp8", "bf16"])
+@pytest.mark.parametrize("m", [96, 100])
+def test_strided_inputs_give_the_contiguous_bits(device, recipe, m):
+    """x and grad_out column-major (a leading stride of m elements: not 16 bytes for
+    m = 100): the bits of contiguous inputs."""
+    x, w1, w3, w2, offs, grad = make(3, 64, 64, m, device, offs=[30, 30, m])
+    want = run(lambda *a: experts(*a, recipe=recipe), (x, w1, w3, w2, offs), grad)
+    xs = x.t().contiguous().t()
+    got = run(lambda *a: experts(*a, recipe=recipe), (xs, w1, w3, w2, offs), grad.t().contiguous().t())
+    assert all(torch.equal(a, b) for a, b in zip([want[0]] + want[1], [got[0]] + got[1]))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("recipe", ["fp8_rowwise", "fp8_blockwise", "mxfp8"])
+def test_autocast_changes_no_bit(device, recipe):
+    """Under torch.autocast (bf16) the fp8 recipes give the bits they give without it:
+    their emulated GEMMs keep fp32 operands."""
+    x, w1, w3, w2, offs, grad = make(4, 64, 128, 100, device, dtype=torch.float32, offs=[30, 30, 80, 100])
+    want = run(lambda *a: experts(*a, recipe=recipe), (x, w1, w3, w2, offs), grad)
+    with torch.autocast(device, dtype=torch.bfloat16):
+        got = run(lambda *a: experts(*a, recipe=recipe), (x, w1, w3, w2, offs), grad)
+    assert all(torch.equal(a, b) for a, b in zip([want[0]] + want[1], [got[0]] + got[1]))
 
 
 @pytest.mark.parametrize("zeroes", [False, True])

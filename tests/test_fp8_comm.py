@@ -456,6 +456,43 @@ def test_dequantized_rows_are_fp32_products_rounded_once(device, dtype, f8, cols
     assert torch.equal(got.nan_to_num(0.0), ref.nan_to_num(0.0))
 
 
+@pytest.mark.parametrize("recipe", ["fp8_blockwise", "fp8_rowwise"])
+def test_torchtitan_moe_with_fp8_dispatch_under_inference_mode(recipe):
+    """Evaluation under torch.inference_mode gives no_grad's output (the dispatched rows
+    are read by the experts only: nothing else touches them)."""
+    tt = pytest.importorskip("moe_fp8_ext.integrations.torchtitan")
+    moe = tt.build_moe(256, 128, 4, 3, all_to_all=True)
+    tt.convert(moe, recipe, fp8_dispatch=True)
+    x = randn((2, 37, 256), torch.bfloat16, "cpu", seed=3)
+    with torch.no_grad():
+        want = moe(x)
+    with torch.inference_mode():
+        assert same(moe(x), want)
+
+
+@pytest.mark.parametrize("recipe", ["fp8_blockwise", "fp8_rowwise"])
+def test_fp8_gathered_experts_keep_their_recipe(one_rank, recipe):
+    """Experts whose weights all-gather in fp8 refuse, before any change, a convert to
+    another recipe and unconvert (their weights are the recipe's); the same recipe again
+    is accepted."""
+    tt = pytest.importorskip("moe_fp8_ext.integrations.torchtitan")
+    from torch.distributed.fsdp import fully_shard
+
+    moe = tt.build_moe(256, 128, 4, 2, dtype=torch.float32)
+    tt.convert(moe, recipe, fp8_all_gather=True)
+    fully_shard(moe.routed_experts.inner_experts)
+    fully_shard(moe)
+    inner = moe.routed_experts.inner_experts
+    for other in ("bf16", "mxfp8", "fp8_rowwise" if recipe == "fp8_blockwise" else "fp8_blockwise"):
+        with pytest.raises(RuntimeError, match=f"for recipe '{recipe}' .*which it keeps; to change it to '{other}'"):
+            tt.convert(moe, other)
+    with pytest.raises(RuntimeError, match="unconvert: routed_experts.inner_experts all-gathers its weights in fp8"):
+        tt.unconvert(moe)
+    assert inner.moe_fp8_recipe.name == recipe and type(inner).__name__ == "FSDPFp8GroupedExperts"
+    assert tt.convert(moe, recipe) == 1
+    moe(torch.randn(2, 8, 256)).sum().backward()
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("recipe", ["fp8_blockwise", "fp8_rowwise"])
 @pytest.mark.parametrize("how", ["config", "convert"])

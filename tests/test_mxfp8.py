@@ -196,6 +196,14 @@ def test_reference_matches_torchao_to_mx(dtype, rounding, data):
     assert_fp8_equal(rq[keep], q[keep])
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_rceil_float_log2_never_misses_for_16_bit_inputs(dtype):
+    # Every finite 16-bit amax: torchao's float log2 and the bit rule agree (DESIGN §7).
+    finite = torch.arange(0, 0x7C00 if dtype == torch.float16 else 0x7F80, dtype=torch.int32)
+    amax = finite.to(torch.int16).view(dtype)
+    assert not torchao_float_log2_misses(amax).any()
+
+
 def test_reference_rceil_follows_the_bit_rule():
     # amax / 448 = 2^j (1 + 2^-23): the scale must be 2^(j+1) (ceil of the exact log2),
     # so that no element saturates, whatever a float log2 rounds to.

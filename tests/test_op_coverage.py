@@ -2,6 +2,7 @@
 its family's test file (STYLE 9: "every op gets opcheck"). A new op fails this test
 until its family's OPCHECK_CASES list gets a case for it."""
 
+import pytest
 import torch
 
 import moe_fp8_ext  # noqa: F401  (registers the ops)
@@ -40,6 +41,28 @@ def test_opcheck_cases_name_registered_ops():
     ops = set(registered_ops())
     stale = {op: where for op, where in opchecked_ops().items() if op not in ops}
     assert not stale, f"OPCHECK_CASES name ops that are not registered in torch.ops.moe_fp8: {stale}"
+
+
+def _writes_an_input(op):
+    schema = getattr(torch.ops.moe_fp8, op).default._schema
+    return any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
+
+
+def test_every_functional_op_refuses_a_backward():
+    """A raw op has no derivative: its Autograd kernel makes a backward through it raise
+    (csrc/bindings.cpp's list) rather than drop the gradient with a warning."""
+    ops = [op for op in registered_ops() if not _writes_an_input(op)]
+    assert len(ops) > 40 and "swiglu" in ops, ops
+    missing = [op for op in ops if not torch._C._dispatch_has_kernel_for_dispatch_key(f"moe_fp8::{op}", "Autograd")]
+    assert not missing, f"ops without an Autograd kernel (add them to csrc/bindings.cpp's kFunctionalOps): {missing}"
+    h13 = torch.randn(4, 64, dtype=torch.bfloat16, requires_grad=True)
+    with pytest.raises(RuntimeError, match="derivative for moe_fp8::swiglu is not implemented"):
+        moe_fp8_ext.swiglu(h13).sum().backward()
+    x = torch.randn(4, 128, requires_grad=True)
+    with pytest.raises(RuntimeError, match="derivative for moe_fp8::quantize_rowwise is not implemented"):
+        moe_fp8_ext.quantize_rowwise(x)[1].sum().backward()
+    with torch.no_grad():
+        assert not moe_fp8_ext.swiglu(h13).requires_grad
 
 
 def test_module_is_stable_abi_and_reports_its_build():

@@ -169,6 +169,22 @@ def test_convert_refuses_what_it_cannot_run():
     with pytest.raises(TypeError, match="overrides forward"):
         convert(module)
     assert type(module) is Biased
+    class Scaled(tt_moe.GroupedExperts):  # torchtitan's seam for its own fp8 classes
+        def _grouped_mm(self, x, w, offs):
+            return 2 * super()._grouped_mm(x, w, offs)
+
+    from moe_fp8_ext.integrations.torchtitan import ExpertsConverter
+    module = Scaled(tt_moe.GroupedExperts.Config(dim=64, hidden_dim=64, num_experts=2))
+    with pytest.raises(TypeError, match="overrides _grouped_mm"):
+        convert(module)
+    assert type(module) is Scaled
+    from torchtitan.components.quantization.mx import _get_mxfp8_grouped_experts_cls
+
+    cfg = moe_config()  # (torchtitan's own MXFP8 experts: a _grouped_mm override with a Config of its own)
+    cfg.routed_experts.inner_experts = _get_mxfp8_grouped_experts_cls(tt_moe.GroupedExperts).Config(
+        dim=128, hidden_dim=64, num_experts=8)
+    with pytest.raises(TypeError, match="overrides _grouped_mm"):
+        ExpertsConverter.Config().build().convert(cfg)
     odd = tt_moe.GroupedExperts(tt_moe.GroupedExperts.Config(dim=48, hidden_dim=40, num_experts=2))
     with pytest.raises(ValueError, match="cannot run recipe 'mxfp8'"):
         convert(odd, "mxfp8")

@@ -29,7 +29,7 @@ without expert parallelism, gathers) the routed rows as fp8 (:mod:`moe_fp8_ext.d
 """
 
 from dataclasses import dataclass, field, fields, replace
-from typing import List, Union
+from typing import List, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -75,7 +75,7 @@ def _fp8_forward_impl(self, x_RD: Tensor, num_tokens_per_expert_E: Tensor) -> Te
     offs = offsets_from_counts(num_tokens_per_expert_E, x_RD.shape[0], "GroupedExperts")
     ws = [_local(getattr(self, n)) for n in _NAMES]
     _fsdp.check_wrapped(self, ws)
-    return _run_experts(self, x_RD, ws, offs, [(self, _NAMES)]).type_as(x_RD)
+    return _run_experts(self, x_RD, ws, offs, [(self, _NAMES)]).to(x_RD.dtype)
 
 
 def _run_experts(self, x: Tensor, ws, offs: Tensor, key_sources) -> Tensor:
@@ -153,12 +153,22 @@ def converted_class(base: type) -> type:
     return _CLASSES[base]
 
 
+def _overridden(base: type, kind: type) -> Optional[str]:
+    """The compute method (forward, or torchtitan's ``_grouped_mm`` seam) that class
+    ``base`` overrides from ``kind``, else None: the converted forward would not run it."""
+    for name in ("forward", "_grouped_mm"):
+        if hasattr(kind, name) and getattr(base, name) is not getattr(kind, name) and not (
+                name == "forward" and base.forward in (_fp8_forward, _shared_forward)):
+            return name
+    return None
+
+
 def _check_convertible(fqn: str, module, recipe: Recipe) -> None:
     """Errors that would otherwise come at the first forward, or never."""
-    base = type(module)
-    if base.forward is not GroupedExperts.forward and base.forward is not _fp8_forward:
+    name = _overridden(getattr(type(module), "_moe_fp8_base", type(module)), GroupedExperts)
+    if name is not None:
         raise TypeError(f"convert: expected {fqn or 'the model'} to be a GroupedExperts with torchtitan's SwiGLU forward, "
-                        f"got {base.__name__}, which overrides forward (moe_fp8_ext.experts would not compute it)")
+                        f"got {type(module).__name__}, which overrides {name} (moe_fp8_ext.experts would not compute it)")
     _check_recipe_runs(fqn or "the model", recipe, [getattr(module, n) for n in _NAMES])
 
 
@@ -279,7 +289,7 @@ def convert(model: torch.nn.Module, recipe: Union[str, Recipe] = "fp8_rowwise", 
     """Convert every torchtitan ``GroupedExperts`` in ``model`` (the model itself
     included) to run :func:`moe_fp8_ext.experts` with ``recipe``, in place; returns how
     many were converted. Converting again changes the recipe (of shared experts converted
-    before too). Works before or after torchtitan's ``parallelize`` and FSDP2.
+    before too), except where the weights all-gather in fp8 (RuntimeError). Works before or after torchtitan's ``parallelize`` and FSDP2.
     ``reuse_weights``: a :class:`~moe_fp8_ext.WeightCache` per module (opt-in: see
     :mod:`moe_fp8_ext.weight_cache` for the writes it cannot see). ``fp8_all_gather``
     (before FSDP2) and ``fp8_dispatch``: FP8 communication; ``shared_experts``: the MoE
@@ -299,6 +309,11 @@ def convert(model: torch.nn.Module, recipe: Union[str, Recipe] = "fp8_rowwise", 
         (fqn, m, _check_shared_convertible) for fqn, m in shared]
     for fqn, module, check in checks:  # every check before any change
         check(fqn, module, r)
+        old = getattr(module, "moe_fp8_recipe", None)
+        if getattr(module, "moe_fp8_all_gather", False) and old != r:
+            raise RuntimeError(f"convert: {fqn or 'the model'} all-gathers its weights in fp8 for recipe {old.name!r} "
+                               f"(fp8_all_gather), which it keeps; to change it to {r.name!r}, convert before "
+                               "fp8_all_gather")
         dims.append(_parallel_dims(fqn, module))
     if fp8_all_gather and found:
         if reuse_weights:
@@ -336,8 +351,13 @@ def _dispatchers(model: torch.nn.Module, recipe: Recipe):
 
 
 def unconvert(model: torch.nn.Module) -> int:
-    """Undo :func:`convert`: the modules run torchtitan's own forward again."""
+    """Undo :func:`convert`: the modules run torchtitan's own forward again (RuntimeError,
+    nothing changed, where weights all-gather in fp8)."""
     found = [(fqn, m) for fqn, m in model.named_modules() if hasattr(type(m), "_moe_fp8_base")]
+    for fqn, m in found:
+        if getattr(m, "moe_fp8_all_gather", False):
+            raise RuntimeError(f"unconvert: {fqn or 'the model'} all-gathers its weights in fp8 (fp8_all_gather); "
+                               "torchtitan's forward cannot read them")
     dims = [_parallel_dims(fqn, m) for fqn, m in found]
     for (fqn, module), parallel_dims in zip(found, dims):
         _swap_class(module, type(module)._moe_fp8_base, parallel_dims)
@@ -424,9 +444,10 @@ def _converted_config(config, where: str, kind: type, **options):
     forward, else an error), its fields kept and ``options`` added."""
     base = type(config)._owner
     base = getattr(base, "_moe_fp8_base", base)
-    if base.forward is not kind.forward:
+    name = _overridden(base, kind)
+    if name is not None:
         raise TypeError(f"ExpertsConverter: expected {where} to be a {kind.__name__} with torchtitan's SwiGLU forward, "
-                        f"got {base.__name__}, which overrides forward")
+                        f"got {base.__name__}, which overrides {name}")
     values = {f.name: getattr(config, f.name) for f in fields(config)}
     values.update(options)  # (a config converted before: the new options)
     return converted_class(base).Config(**values)

@@ -42,6 +42,26 @@ SAME_READ = "same_read"
 Groups = Tuple[Tensor, Optional[Tensor]]
 
 
+def check_fields(recipe, bools: Sequence[str] = (), choices: Optional[Dict[str, Sequence[Any]]] = None) -> None:
+    """A built-in recipe's fields at construction: ``bools`` are bools, ``choices`` in
+    their lists, and the alignment a power-of-two multiple of the class's own (the group
+    size its kernels need). Not while tracing: dynamo rebuilds a recipe it has made
+    symbolic (an alignment seen with several values), and the values were checked."""
+    if torch.compiler.is_compiling():
+        return
+    cls = type(recipe).__name__
+    for f in bools:
+        if not isinstance(getattr(recipe, f), bool):
+            raise TypeError(f"{cls}: expected {f} to be a bool, got {getattr(recipe, f)!r}")
+    for f, ok in (choices or {}).items():
+        if getattr(recipe, f) not in ok:
+            raise ValueError(f"{cls}: expected {f} in {tuple(ok)}, got {getattr(recipe, f)!r}")
+    want, a = next(f.default for f in dataclasses.fields(recipe) if f.name == "alignment"), recipe.alignment
+    if isinstance(a, bool) or not isinstance(a, int) or a < want or a % want or a & (a - 1):
+        raise ValueError(f"{cls}: expected alignment a power of two multiple of {want} (what its kernels need), "
+                         f"got {a!r}")
+
+
 @dataclasses.dataclass(frozen=True)
 class Recipe:
     """How the grouped GEMMs of :func:`moe_fp8_ext.grouped_mm` and the experts layer run:
@@ -280,6 +300,9 @@ def row_groups(offs: Tensor, m: int) -> Tuple[Tensor, Tensor]:
 # Emulated GEMMs: dequantized fp8 operands, fp32 accumulation. CUDA: torch._grouped_mm in bf16, exact for fp8 x pow2
 # scale (non-pow2 scales get bf16-rounded operands: not bit-exact). CPU: a bf16 grouped GEMM is not everywhere (its
 # fake rejects fp32), so every expert runs densely in fp32 and each row keeps its group's: E times the flops, traceable.
+# Autocast is off around them: it would round the fp32 operands to its dtype.
+@torch.autocast("cpu", enabled=False)
+@torch.autocast("cuda", enabled=False)
 def emulated_grouped_mm_2d3d(a: Tensor, b: Tensor, offs: Tensor) -> Tensor:
     """fp32 (M, K) x (E, K, N) grouped along M -> fp32 (M, N). Rows past offs[-1] are
     not zero here (grouped_mm zeroes them)."""
@@ -290,6 +313,8 @@ def emulated_grouped_mm_2d3d(a: Tensor, b: Tensor, offs: Tensor) -> Tensor:
     return full.gather(0, g.long()[None, :, None].expand(1, a.shape[0], b.shape[2])).squeeze(0)
 
 
+@torch.autocast("cpu", enabled=False)
+@torch.autocast("cuda", enabled=False)
 def emulated_grouped_mm_2d2d(a_t: Tensor, b: Tensor, offs: Tensor) -> Tensor:
     """fp32 (N, M) x (M, K) grouped along M (the contraction) -> fp32 (E, N, K)."""
     if a_t.is_cuda:

@@ -6,17 +6,25 @@ import torch
 from torch import Tensor
 
 from .. import ops
-from .base import Recipe, _zero_tail, gemm_on_column_views, joined_bwd, joined_fwd
+from .base import (
+    Recipe,
+    _zero_tail,
+    check_fields,
+    gemm_on_column_views,
+    joined_bwd,
+    joined_fwd,
+)
 
 _ops = torch.ops.moe_fp8
 
 def _gemm_ready(x: Tensor) -> Tensor:
     """x itself when torch._grouped_mm takes its layout (row- or column-major in the
-    last two dims), else a row-major copy. Expanded views (a stride of 0, e.g. the
-    gradient of ``out.sum()``) are what torch's own _grouped_mm backward trips on."""
-    s, n = x.stride(), x.shape
-    row = s[-1] == 1 and s[-2] >= max(1, n[-1])
-    col = s[-2] == 1 and s[-1] >= max(1, n[-2])
+    last two dims, the leading stride a multiple of 16 bytes), else a row-major copy.
+    Expanded views (a stride of 0, e.g. the gradient of ``out.sum()``) are what torch's
+    own _grouped_mm backward trips on."""
+    s, n, unit = x.stride(), x.shape, 16 // x.element_size()
+    row = s[-1] == 1 and s[-2] >= max(1, n[-1]) and s[-2] % unit == 0
+    col = s[-2] == 1 and s[-1] >= max(1, n[-2]) and s[-1] % unit == 0
     return x if row or col else x.contiguous()
 
 
@@ -33,6 +41,9 @@ class Bf16(Recipe):
     name: str = "bf16"
     alignment: int = 1
     precision = "bf16"  # (a class attribute: Recipe.precision)
+
+    def __post_init__(self):
+        check_fields(self)
 
     def backend(self, device):
         return "grouped_mm"

@@ -15,9 +15,10 @@ from .base import (
     Recipe,
     _zero_tail,
     add_on_column_views,
-    gemm_on_column_views,
+    check_fields,
     emulated_grouped_mm_2d2d,
     emulated_grouped_mm_2d3d,
+    gemm_on_column_views,
     joined_bwd,
     joined_fwd,
 )
@@ -76,9 +77,7 @@ class Fp8Blockwise(Recipe):
     dswiglu_in_gemm: bool = False
 
     def __post_init__(self):
-        for field in ("hold_weight_operands", "dswiglu_in_gemm"):
-            if not isinstance(getattr(self, field), bool):
-                raise TypeError(f"Fp8Blockwise: expected {field} to be a bool, got {getattr(self, field)!r}")
+        check_fields(self, ("hold_weight_operands", "dswiglu_in_gemm"))
 
     def backend(self, device):
         from .. import blockwise_gemm

@@ -13,6 +13,7 @@ from .base import (
     FLOAT_DTYPES,
     Recipe,
     _zero_tail,
+    check_fields,
     emulated_grouped_mm_2d2d,
     emulated_grouped_mm_2d3d,
     joined_bwd,
@@ -132,6 +133,9 @@ class Mxfp8(Recipe):
     name: str = "mxfp8"
     alignment: int = 32
     rounding: str = "rceil"
+
+    def __post_init__(self):
+        check_fields(self, choices={"rounding": ("rceil", "floor")})
 
     def backend(self, device):
         device = torch.device(device)

@@ -19,9 +19,10 @@ from .base import (
     Recipe,
     _zero_tail,
     add_on_column_views,
-    gemm_on_column_views,
+    check_fields,
     emulated_grouped_mm_2d2d,
     emulated_grouped_mm_2d3d,
+    gemm_on_column_views,
     row_groups,
 )
 
@@ -78,10 +79,7 @@ class Fp8Rowwise(Recipe):
     hold_weight_operands: bool = False
 
     def __post_init__(self):
-        if self.gemm_kernel not in GEMM_KERNELS:
-            raise ValueError(f"Fp8Rowwise: expected gemm_kernel in {GEMM_KERNELS}, got {self.gemm_kernel!r}")
-        if not isinstance(self.hold_weight_operands, bool):
-            raise TypeError(f"Fp8Rowwise: expected hold_weight_operands to be a bool, got {self.hold_weight_operands!r}")
+        check_fields(self, ("pow2_scale", "hold_weight_operands"), {"gemm_kernel": GEMM_KERNELS})
 
     def _ours(self, a: Tensor) -> bool:
         """Whether the fp8 GEMM of operand ``a`` runs on our kernels (a constant under
