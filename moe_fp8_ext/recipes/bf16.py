@@ -28,6 +28,14 @@ def _gemm_ready(x: Tensor) -> Tensor:
     return x if row or col else x.contiguous()
 
 
+def _token_strided(x: Tensor) -> Tensor:
+    """x (M, N) as a weight-gradient operand: row-major with a 16-byte aligned row stride,
+    so that its groups of tokens (the contraction) are the strided dim and need no
+    alignment (torch._grouped_mm's CUDA kernel asserts it of a contiguous one)."""
+    s, unit = x.stride(), 16 // x.element_size()
+    return x if s[-1] == 1 and s[-2] >= max(1, x.shape[-1]) and s[-2] % unit == 0 else x.contiguous()
+
+
 @dataclasses.dataclass(frozen=True)
 class Bf16(Recipe):
     """The high-precision baseline: ``torch._grouped_mm`` for each of the three products,
@@ -67,7 +75,7 @@ class Bf16(Recipe):
     def quantize(self, x, fp8_dtype, groups=None, *, rowwise=True, colwise=False):
         col = None
         if colwise is True:
-            col = _gemm_ready(x)
+            col = _token_strided(x)
             offs, starts = groups
             if starts is not None:  # only if a subclass sets an alignment
                 rows = ops.padded_rows(x.shape[0], offs.shape[0], self.alignment)
