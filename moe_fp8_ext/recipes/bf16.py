@@ -18,8 +18,8 @@ from .base import (
 _ops = torch.ops.moe_fp8
 
 def _gemm_ready(x: Tensor) -> Tensor:
-    """x itself when torch._grouped_mm takes its layout (row- or column-major in the
-    last two dims, the leading stride a multiple of 16 bytes), else a row-major copy.
+    """A weight x itself when torch._grouped_mm takes its layout (row- or column-major in
+    the last two dims, the leading stride a multiple of 16 bytes), else a row-major copy.
     Expanded views (a stride of 0, e.g. the gradient of ``out.sum()``) are what torch's
     own _grouped_mm backward trips on."""
     s, n, unit = x.stride(), x.shape, 16 // x.element_size()
@@ -29,9 +29,9 @@ def _gemm_ready(x: Tensor) -> Tensor:
 
 
 def _token_strided(x: Tensor) -> Tensor:
-    """x (M, N) as a weight-gradient operand: row-major with a 16-byte aligned row stride,
-    so that its groups of tokens (the contraction) are the strided dim and need no
-    alignment (torch._grouped_mm's CUDA kernel asserts it of a contiguous one)."""
+    """x (M, N), an activation: row-major with a 16-byte aligned row stride, so that its
+    token groups run along the strided dim and need no alignment (torch._grouped_mm's
+    CUDA kernel asserts 16-byte group sizes along a contiguous one)."""
     s, unit = x.stride(), 16 // x.element_size()
     return x if s[-1] == 1 and s[-2] >= max(1, x.shape[-1]) and s[-2] % unit == 0 else x.contiguous()
 
@@ -80,7 +80,7 @@ class Bf16(Recipe):
             if starts is not None:  # only if a subclass sets an alignment
                 rows = ops.padded_rows(x.shape[0], offs.shape[0], self.alignment)
                 col = _ops.pad_token_groups_at(col.contiguous(), offs, starts, rows)
-        return (_gemm_ready(x) if rowwise else None), col
+        return (_token_strided(x) if rowwise else None), col
 
     def quantize_weights(self, b_ts, fp8_dtype, *, fwd=True, bwd=False):
         f = _gemm_ready(joined_fwd(b_ts)) if fwd else None
