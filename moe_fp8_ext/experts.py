@@ -37,6 +37,7 @@ from torch.torch_version import TorchVersion
 
 from . import dispatch as _dispatch, fsdp as _fsdp, token_groups
 from .grouped_mm import (
+    _check_debug_alignment,
     _debug,
     _gemm_out_dtype,
     _may_free_early,
@@ -376,6 +377,8 @@ def _experts(x, w1, w3, w2, offs, *, recipe, fp8_dtype, weight_cache, weight_key
         raise TypeError("experts: expected weight_keys to be None or three tensors (for w1, w3, w2)")
     check_offs_where_cheap(offs, x.shape[0], "experts", "x")
     offs = device_offs(offs, x.shape[0])
+    if not pad_groups and r.alignment > 1 and _debug() and not torch.compiler.is_compiling():
+        _check_debug_alignment(offs, r, "experts")
     if torch.compiler.is_compiling() or _fsdp.gathered_weights(r, f8, (w1, w3, w2)):
         weight_cache = None  # (gathered fp8 weights: FSDP2 keeps them while unsharded)
     if pad_groups and r.alignment > 1 and r.pads_token_groups(backend) and offs.shape[0] > 0:

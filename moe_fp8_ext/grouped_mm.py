@@ -254,13 +254,13 @@ def resolve_fp8_dtype(op: str, recipe: Recipe, backend: str, device: torch.devic
     return fp8_dtype
 
 
-def _check_debug_alignment(offs: Tensor, recipe: Recipe) -> None:
+def _check_debug_alignment(offs: Tensor, recipe: Recipe, op: str = "grouped_mm") -> None:
     alignment = recipe.alignment
     sizes = torch.diff(offs, prepend=offs.new_zeros(1)).cpu()  # host-sync-ok: MOE_FP8_DEBUG only
     bad = (sizes % alignment != 0).nonzero().flatten().tolist()  # host-sync-ok: MOE_FP8_DEBUG only
     if bad:
         raise ValueError(
-            f"grouped_mm: expected group sizes that are multiples of {alignment} for the {recipe.precision} GEMM, "
+            f"{op}: expected group sizes that are multiples of {alignment} for the {recipe.precision} GEMM, "
             f"got {sizes[bad[0]].item()} for group {bad[0]}"  # host-sync-ok: MOE_FP8_DEBUG only
         )
 

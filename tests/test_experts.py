@@ -390,6 +390,20 @@ def test_strided_inputs_give_the_contiguous_bits(device, recipe, m):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("recipe", ["fp8_rowwise", "fp8_blockwise", "mxfp8"])
+def test_unpadded_groups_checked_in_debug_mode(device, recipe, monkeypatch):
+    """pad_groups=False promises group sizes that are multiples of the alignment:
+    MOE_FP8_DEBUG=1 checks them (a sync), as grouped_mm does."""
+    x, w1, w3, w2, offs, grad = make(3, 64, 128, 96, device, offs=[30, 30, 96])
+    monkeypatch.setenv("MOE_FP8_DEBUG", "1")
+    with pytest.raises(ValueError, match="experts: expected group sizes that are multiples of"):
+        experts(x, w1, w3, w2, offs, recipe=recipe, pad_groups=False)
+    aligned = torch.tensor([32, 32, 96], dtype=torch.int32, device=device) if recipe == "fp8_rowwise" else None
+    if aligned is not None:
+        experts(x, w1, w3, w2, aligned, recipe=recipe, pad_groups=False)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("recipe", ["fp8_rowwise", "fp8_blockwise", "mxfp8"])
 def test_autocast_changes_no_bit(device, recipe):
     """Under torch.autocast (bf16) the fp8 recipes give the bits they give without it:
     their emulated GEMMs keep fp32 operands."""

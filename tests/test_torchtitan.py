@@ -185,6 +185,11 @@ def test_convert_refuses_what_it_cannot_run():
         dim=128, hidden_dim=64, num_experts=8)
     with pytest.raises(TypeError, match="overrides _grouped_mm"):
         ExpertsConverter.Config().build().convert(cfg)
+    from moe_fp8_ext.integrations.torchtitan import converted_class
+
+    after_ours = _get_mxfp8_grouped_experts_cls(converted_class(tt_moe.GroupedExperts))  # (listed after ours)
+    with pytest.raises(TypeError, match="overrides _grouped_mm"):
+        after_ours(after_ours.Config(dim=128, hidden_dim=128, num_experts=2))
     odd = tt_moe.GroupedExperts(tt_moe.GroupedExperts.Config(dim=48, hidden_dim=40, num_experts=2))
     with pytest.raises(ValueError, match="cannot run recipe 'mxfp8'"):
         convert(odd, "mxfp8")

@@ -135,6 +135,10 @@ def converted_class(base: type) -> type:
             base.__init__(self, config)
             if shared:  # (the built Linears: a converter listed after ours may have changed their configs)
                 _check_linears(self, base.__name__)
+            elif _overridden(type(self), GroupedExperts) is not None:  # (a converter after ours subclassed it)
+                raise TypeError(f"ExpertsConverter: {type(self).__name__} overrides "
+                                f"{_overridden(type(self), GroupedExperts)}, which moe_fp8_ext.experts would not run; "
+                                "list moe_fp8_ext's converter alone for the routed experts")
             _configure(self, get_recipe(config.moe_fp8_recipe, "ExpertsConverter"), config.moe_fp8_reuse_weights)
             if config.moe_fp8_all_gather:
                 if shared:
@@ -165,7 +169,8 @@ def _overridden(base: type, kind: type) -> Optional[str]:
 
 def _check_convertible(fqn: str, module, recipe: Recipe) -> None:
     """Errors that would otherwise come at the first forward, or never."""
-    name = _overridden(getattr(type(module), "_moe_fp8_base", type(module)), GroupedExperts)
+    cls = type(module)
+    name = _overridden(cls, GroupedExperts) or _overridden(getattr(cls, "_moe_fp8_base", cls), GroupedExperts)
     if name is not None:
         raise TypeError(f"convert: expected {fqn or 'the model'} to be a GroupedExperts with torchtitan's SwiGLU forward, "
                         f"got {type(module).__name__}, which overrides {name} (moe_fp8_ext.experts would not compute it)")
@@ -295,7 +300,7 @@ def convert(model: torch.nn.Module, recipe: Union[str, Recipe] = "fp8_rowwise", 
     (before FSDP2) and ``fp8_dispatch``: FP8 communication; ``shared_experts``: the MoE
     layers' shared experts too, counted (the module docstring). Raises ValueError for an
     unknown recipe or shapes the recipe cannot run, TypeError for a GroupedExperts or
-    FeedForward subclass with another forward or a token dispatcher other than
+    FeedForward subclass with another forward (or ``_grouped_mm``) or a token dispatcher other than
     torchtitan's all-to-all or local one, RuntimeError where a parallelized forward cannot be
     rebuilt or the weights are already sharded for an fp8 all-gather."""
     r = get_recipe(recipe, "convert")
@@ -312,7 +317,7 @@ def convert(model: torch.nn.Module, recipe: Union[str, Recipe] = "fp8_rowwise", 
         old = getattr(module, "moe_fp8_recipe", None)
         if getattr(module, "moe_fp8_all_gather", False) and old != r:
             raise RuntimeError(f"convert: {fqn or 'the model'} all-gathers its weights in fp8 for recipe {old.name!r} "
-                               f"(fp8_all_gather), which it keeps; to change it to {r.name!r}, convert before "
+                               f"(fp8_all_gather), which it keeps; to change it to {r!r}, convert before "
                                "fp8_all_gather")
         dims.append(_parallel_dims(fqn, module))
     if fp8_all_gather and found:

@@ -45,10 +45,8 @@ Groups = Tuple[Tensor, Optional[Tensor]]
 def check_fields(recipe, bools: Sequence[str] = (), choices: Optional[Dict[str, Sequence[Any]]] = None) -> None:
     """A built-in recipe's fields at construction: ``bools`` are bools, ``choices`` in
     their lists, and the alignment a power-of-two multiple of the class's own (the group
-    size its kernels need). Not while tracing: dynamo rebuilds a recipe it has made
-    symbolic (an alignment seen with several values), and the values were checked."""
-    if torch.compiler.is_compiling():
-        return
+    size its kernels need; not while tracing, where dynamo may rebuild a recipe with a
+    symbolic alignment, one already checked)."""
     cls = type(recipe).__name__
     for f in bools:
         if not isinstance(getattr(recipe, f), bool):
@@ -57,6 +55,8 @@ def check_fields(recipe, bools: Sequence[str] = (), choices: Optional[Dict[str, 
         if getattr(recipe, f) not in ok:
             raise ValueError(f"{cls}: expected {f} in {tuple(ok)}, got {getattr(recipe, f)!r}")
     want, a = next(f.default for f in dataclasses.fields(recipe) if f.name == "alignment"), recipe.alignment
+    if torch.compiler.is_compiling():
+        return
     if isinstance(a, bool) or not isinstance(a, int) or a < want or a % want or a & (a - 1):
         raise ValueError(f"{cls}: expected alignment a power of two multiple of {want} (what its kernels need), "
                          f"got {a!r}")
@@ -300,8 +300,7 @@ def row_groups(offs: Tensor, m: int) -> Tuple[Tensor, Tensor]:
 # Emulated GEMMs: dequantized fp8 operands, fp32 accumulation. CUDA: torch._grouped_mm in bf16, exact for fp8 x pow2
 # scale (non-pow2 scales get bf16-rounded operands: not bit-exact). CPU: a bf16 grouped GEMM is not everywhere (its
 # fake rejects fp32), so every expert runs densely in fp32 and each row keeps its group's: E times the flops, traceable.
-# Autocast is off around them: it would round the fp32 operands to its dtype.
-@torch.autocast("cpu", enabled=False)
+@torch.autocast("cpu", enabled=False)  # (autocast would round the fp32 operands)
 @torch.autocast("cuda", enabled=False)
 def emulated_grouped_mm_2d3d(a: Tensor, b: Tensor, offs: Tensor) -> Tensor:
     """fp32 (M, K) x (E, K, N) grouped along M -> fp32 (M, N). Rows past offs[-1] are

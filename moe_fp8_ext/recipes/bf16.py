@@ -73,14 +73,14 @@ class Bf16(Recipe):
                              f"{A.dtype} (torch._grouped_mm needs 16-byte aligned rows), got K={k}, N={n}")
 
     def quantize(self, x, fp8_dtype, groups=None, *, rowwise=True, colwise=False):
-        col = None
+        col, x = None, _token_strided(x)
         if colwise is True:
-            col = _token_strided(x)
+            col = x
             offs, starts = groups
             if starts is not None:  # only if a subclass sets an alignment
                 rows = ops.padded_rows(x.shape[0], offs.shape[0], self.alignment)
                 col = _ops.pad_token_groups_at(col.contiguous(), offs, starts, rows)
-        return (_token_strided(x) if rowwise else None), col
+        return (x if rowwise else None), col
 
     def quantize_weights(self, b_ts, fp8_dtype, *, fwd=True, bwd=False):
         f = _gemm_ready(joined_fwd(b_ts)) if fwd else None
