@@ -294,15 +294,16 @@ def convert(model: torch.nn.Module, recipe: Union[str, Recipe] = "fp8_rowwise", 
     """Convert every torchtitan ``GroupedExperts`` in ``model`` (the model itself
     included) to run :func:`moe_fp8_ext.experts` with ``recipe``, in place; returns how
     many were converted. Converting again changes the recipe (of shared experts converted
-    before too), except where the weights all-gather in fp8 (RuntimeError). Works before or after torchtitan's ``parallelize`` and FSDP2.
-    ``reuse_weights``: a :class:`~moe_fp8_ext.WeightCache` per module (opt-in: see
+    before too), except where the weights all-gather in fp8 (RuntimeError). Works before
+    or after torchtitan's ``parallelize`` and FSDP2. ``reuse_weights``: a
+    :class:`~moe_fp8_ext.WeightCache` per module (opt-in: see
     :mod:`moe_fp8_ext.weight_cache` for the writes it cannot see). ``fp8_all_gather``
     (before FSDP2) and ``fp8_dispatch``: FP8 communication; ``shared_experts``: the MoE
     layers' shared experts too, counted (the module docstring). Raises ValueError for an
     unknown recipe or shapes the recipe cannot run, TypeError for a GroupedExperts or
-    FeedForward subclass with another forward (or ``_grouped_mm``) or a token dispatcher other than
-    torchtitan's all-to-all or local one, RuntimeError where a parallelized forward cannot be
-    rebuilt or the weights are already sharded for an fp8 all-gather."""
+    FeedForward subclass with another forward (or ``_grouped_mm``) or a token dispatcher
+    other than torchtitan's all-to-all or local one, RuntimeError where a parallelized
+    forward cannot be rebuilt or the weights are already sharded for an fp8 all-gather."""
     r = get_recipe(recipe, "convert")
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"convert: expected a torch.nn.Module, got {type(model).__name__}")
