@@ -135,10 +135,9 @@ def converted_class(base: type) -> type:
             base.__init__(self, config)
             if shared:  # (the built Linears: a converter listed after ours may have changed their configs)
                 _check_linears(self, base.__name__)
-            elif _overridden(type(self), GroupedExperts) is not None:  # (a converter after ours subclassed it)
-                raise TypeError(f"ExpertsConverter: {type(self).__name__} overrides "
-                                f"{_overridden(type(self), GroupedExperts)}, which moe_fp8_ext.experts would not run; "
-                                "list moe_fp8_ext's converter alone for the routed experts")
+            elif (name := _overridden(type(self), GroupedExperts)) is not None:  # (a converter after ours subclassed it)
+                raise TypeError(f"ExpertsConverter: {type(self).__name__} overrides {name}, which moe_fp8_ext.experts "
+                                "would not run; list moe_fp8_ext's converter alone for the routed experts")
             _configure(self, get_recipe(config.moe_fp8_recipe, "ExpertsConverter"), config.moe_fp8_reuse_weights)
             if config.moe_fp8_all_gather:
                 if shared:

@@ -17,23 +17,26 @@ from .base import (
 
 _ops = torch.ops.moe_fp8
 
+def _major(x: Tensor, dim: int) -> bool:
+    """Whether x's last two dims are laid out with ``dim`` (-1: row-major, -2: column-major)
+    contiguous and the other dim's stride a 16-byte multiple (torch._grouped_mm's rule)."""
+    other = -3 - dim
+    s = x.stride()
+    return s[dim] == 1 and s[other] >= max(1, x.shape[dim]) and s[other] % (16 // x.element_size()) == 0
+
+
 def _gemm_ready(x: Tensor) -> Tensor:
-    """A weight x itself when torch._grouped_mm takes its layout (row- or column-major in
-    the last two dims, the leading stride a multiple of 16 bytes), else a row-major copy.
-    Expanded views (a stride of 0, e.g. the gradient of ``out.sum()``) are what torch's
-    own _grouped_mm backward trips on."""
-    s, n, unit = x.stride(), x.shape, 16 // x.element_size()
-    row = s[-1] == 1 and s[-2] >= max(1, n[-1]) and s[-2] % unit == 0
-    col = s[-2] == 1 and s[-1] >= max(1, n[-2]) and s[-1] % unit == 0
-    return x if row or col else x.contiguous()
+    """A weight x itself when torch._grouped_mm takes its layout (row- or column-major),
+    else a row-major copy. Expanded views (a stride of 0, e.g. the gradient of
+    ``out.sum()``) are what torch's own _grouped_mm backward trips on."""
+    return x if _major(x, -1) or _major(x, -2) else x.contiguous()
 
 
 def _token_strided(x: Tensor) -> Tensor:
-    """x (M, N), an activation: row-major with a 16-byte aligned row stride, so that its
-    token groups run along the strided dim and need no alignment (torch._grouped_mm's
-    CUDA kernel asserts 16-byte group sizes along a contiguous one)."""
-    s, unit = x.stride(), 16 // x.element_size()
-    return x if s[-1] == 1 and s[-2] >= max(1, x.shape[-1]) and s[-2] % unit == 0 else x.contiguous()
+    """x (M, N), an activation, row-major: its token groups run along the strided dim and
+    need no alignment (torch._grouped_mm's CUDA kernel asserts 16-byte group sizes along
+    a contiguous one)."""
+    return x if _major(x, -1) else x.contiguous()
 
 
 @dataclasses.dataclass(frozen=True)
