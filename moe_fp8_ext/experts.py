@@ -49,6 +49,7 @@ from .grouped_mm import (
     resolve_fp8_dtype,
     unpack,
 )
+from .ops import check_counts_where_cheap
 from .recipes import FLOAT_DTYPES, SAME_READ, Recipe, get_recipe
 from .swiglu import swiglu, swiglu_backward
 from .weight_cache import WeightCache, _nbytes, cached as _cached, clear_weight_caches, weight_keys
@@ -438,13 +439,8 @@ def offsets_from_counts(counts: Tensor, num_tokens: int, op: str = "GroupedExper
         raise TypeError(f"{op}: expected num_tokens_per_expert of an integer dtype, got {counts.dtype}")
     if counts.dim() != 1:
         raise ValueError(f"{op}: expected num_tokens_per_expert 1-D (E,), got shape {tuple(counts.shape)}")
-    offs = torch.cumsum(counts, dim=0, dtype=torch.int64)
-    if (counts.device.type == "cpu" or _debug()) and not torch.compiler.is_compiling() and counts.numel():
-        low, total = int(counts.min()), int(offs[-1])  # host-sync-ok: a CPU tensor, or MOE_FP8_DEBUG only
-        if low < 0 or total > num_tokens:
-            raise ValueError(f"{op}: expected num_tokens_per_expert >= 0 summing to at most {num_tokens} (the rows "
-                             f"of x), got a minimum of {low} and a sum of {total}")
-    return offs.clamp(0, num_tokens).to(torch.int32)
+    check_counts_where_cheap(op, "num_tokens_per_expert", counts, num_tokens)
+    return torch.cumsum(counts, dim=0, dtype=torch.int64).clamp(0, num_tokens).to(torch.int32)
 
 
 class GroupedExperts(torch.nn.Module):

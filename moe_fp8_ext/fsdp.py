@@ -732,9 +732,10 @@ def check_module(module: torch.nn.Module, recipe: Recipe, names: Sequence[str], 
     for n, w in zip(names, ws):
         if w.dim() != 3:
             raise ValueError(f"fp8_all_gather: expected {where}.{n} to be 3-D (E, rows, cols), got {tuple(w.shape)}")
-    if isinstance(recipe, Fp8Blockwise) and ws[0].shape[1] % 128:
-        raise ValueError(f"fp8_all_gather: {where} has a hidden size of {ws[0].shape[1]}, expected a multiple of 128 "
-                         "(W1 and W3 joined at tile boundaries)")
+    hidden = (ws[0]._local_tensor if hasattr(ws[0], "_local_tensor") else ws[0]).shape[1]  # (a rank's, under TP)
+    if isinstance(recipe, Fp8Blockwise) and hidden % 128:
+        raise ValueError(f"fp8_all_gather: {where} has a hidden size of {hidden} on this rank, expected a multiple of "
+                         "128 (W1 and W3 joined at tile boundaries)")
     if _fsdp_params(module):
         raise RuntimeError(f"fp8_all_gather: {where} is already sharded by FSDP2; call it before fully_shard")
 

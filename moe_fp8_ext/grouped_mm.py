@@ -55,6 +55,7 @@ import torch
 from torch import Tensor
 
 from . import token_groups
+from .ops import content_checked
 from .recipes import FLOAT_DTYPES, SAME_READ, Recipe, get_recipe
 
 _ops = torch.ops.moe_fp8
@@ -216,7 +217,7 @@ def _check_offs_content(offs: Tensor, num_tokens: int, op: str = "grouped_mm", o
 def check_offs_where_cheap(offs: Tensor, num_tokens: int, op: str = "grouped_mm", operand: str = "A") -> None:
     """offs content: on the CPU always (no sync), on a GPU only with MOE_FP8_DEBUG=1.
     Not while tracing (the values are not known then); the ops check it at run time."""
-    if (offs.device.type == "cpu" or _debug()) and not torch.compiler.is_compiling():
+    if content_checked(offs):
         _check_offs_content(offs, num_tokens, op, operand)
 
 

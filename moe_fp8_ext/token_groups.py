@@ -21,6 +21,7 @@ from torch import Tensor
 
 from .ops import (
     check_alignment,
+    check_counts_where_cheap,
     check_index,
     check_int,
     check_pad_token_groups,
@@ -133,7 +134,9 @@ def permute_and_pad(
     check_index(op, "tokens_per_expert_group", tokens_per_expert_group)
     check_same_device(op, "x", x, tokens_per_expert_group=tokens_per_expert_group)
     check_int(op, "experts_per_rank", experts_per_rank, lo=1)
+    check_int(op, "num_ranks", num_ranks, lo=1)
     check_alignment(op, alignment)
+    check_counts_where_cheap(op, "tokens_per_expert_group", tokens_per_expert_group, x.shape[0])
     if max_len is None:
         max_len = padded_rows(x.shape[0], experts_per_rank, alignment)
     indices, _sizes, ends = _ops.permute_indices(tokens_per_expert_group, experts_per_rank, num_ranks, alignment, max_len)

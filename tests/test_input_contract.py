@@ -506,7 +506,7 @@ def _permute_and_pad_case():
         ]
     )
     return OpCase("permute_and_pad", M.permute_and_pad, build, reference, muts,
-                  also_named=("permute_indices", "gather_rows"))
+                  also_named=("permute_indices",))
 
 
 # ---- the quantization ops: the rowwise recipe and MXFP8 ---------------------------------

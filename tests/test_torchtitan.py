@@ -4,6 +4,7 @@ torchtitan is not installed (CI installs it, --no-deps, with the few packages it
 import chain needs: spmd_types, tyro, docstring_parser, triton)."""
 
 import copy
+from dataclasses import replace
 
 import pytest
 import torch
@@ -194,6 +195,10 @@ def test_convert_refuses_what_it_cannot_run():
     with pytest.raises(ValueError, match="cannot run recipe 'mxfp8'"):
         convert(odd, "mxfp8")
     assert type(odd) is tt_moe.GroupedExperts
+    cfg = ExpertsConverter.Config(recipe="mxfp8").build().convert(moe_config())  # (built later: checked then)
+    cfg.routed_experts.inner_experts = replace(cfg.routed_experts.inner_experts, dim=48, hidden_dim=40)
+    with pytest.raises(ValueError, match="ExpertsConverter: GroupedExperts cannot run recipe 'mxfp8'"):
+        cfg.routed_experts.inner_experts.build()
 
 
 def test_converted_model_pickles_and_copies():
@@ -405,6 +410,12 @@ def test_shared_experts_refusals():
     w1.weight = torch.nn.Parameter(w1.weight.detach().as_subclass(Sharded))
     with pytest.raises(RuntimeError, match="tensor parallelism"):
         moe.shared_experts(torch.randn(1, 8, 128, dtype=torch.bfloat16))
+    import types
+
+    moe = build_moe()  # (parallelized after conversion: under spmd_types the weights stay plain tensors)
+    convert(moe, "fp8_rowwise", shared_experts=True)
+    with pytest.raises(RuntimeError, match="does not run tensor parallelism"):
+        moe.shared_experts.parallelize(types.SimpleNamespace(tp_enabled=True))
 
     from moe_fp8_ext import fsdp
 

@@ -72,11 +72,9 @@ struct WithTiledMma<cutlass::gemm::collective::CollectiveMma<DP, TS, EA, SA, EB,
   using type = cutlass::gemm::collective::CollectiveMma<DP, TS, EA, SA, EB, SB, New, GA, LA, CA, TA, GB, LB, CB, TB>;
 };
 
-// kWgrad: scale granularity 1 on both sides (2d2d); else (1, 128) on A and (128, 128) on B.
-// The cooperative kernel: both consumer warp groups on one tile, split along M (the
-// store-warp epilogue hands over such tiles). kEpi: plain D, the W13 GEMM's SwiGLU epilogue or the W2 dgrad's dSwiGLU.
-// kAccumulate: fp32 D = acc + D, CUTLASS's own epilogue reading D as its source C (the wgrad added into an fp32
-// main gradient in place).
+// kWgrad: scale granularity 1 on both sides (2d2d), else (1, 128) on A and (128, 128) on B. Cooperative kernel (both
+// consumer warp groups on one tile, split along M). kEpi: plain D, the W13 SwiGLU or the W2 dgrad dSwiGLU epilogue, or
+// kAccumulate: fp32 D = acc + D by CUTLASS's epilogue reading D as its C (the wgrad into a main gradient in place).
 enum class Epi { kPlain, kSwiglu, kDswiglu, kAccumulate };
 template <class TileShape_, class ClusterShape_, bool kWgrad, class EpilogueTile, Epi kEpi = Epi::kPlain>
 struct BlockwiseGemm {

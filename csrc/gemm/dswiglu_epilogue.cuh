@@ -150,10 +150,9 @@ struct DswigluEpilogue : StoreWarpEpilogue<Base> {
         make_identity_tensor(make_shape(Int<kTileM>{}, Int<kTileN>{})));
     const int m_t = get<0>(coords(0)), n_t = get<1>(coords(0));
     const int lane = thread_idx % cutlass::NumThreadsPerWarp, warp = thread_idx / cutlass::NumThreadsPerWarp;
-    // Shared addresses of the thread's first value. The D stages hold grad_h (bf16, 256-byte lines, 16-byte chunks
-    // XOR-swizzled by the row), then the staged fp8 tiles: row r's byte c at r * 128 + (c ^ (r % 8) * 16), column c's
-    // byte r at 16K + c * 128 + (r ^ (c % 8) * 16). For rows m_t + 8j and columns n_t + 8k + i each is a base, a
-    // constant and an XOR with k's bits. Opaque, so that ptxas forms them once.
+    // D stages: grad_h (bf16, 16-byte chunks XOR-swizzled by row), then fp8 tiles: row r's byte c at
+    // r*128 + (c ^ (r%8)*16), column c's byte r at 16K + c*128 + (r ^ (c%8)*16). Each thread address is a base, a
+    // constant and an XOR with k's bits; the base is opaque, so that ptxas forms it once.
     const uint32_t staged = cast_smem_ptr_to_uint(Parent::smem_d(shared.parent));
     const uint32_t key = (m_t % 8) * 16;
     uint32_t at = cast_smem_ptr_to_uint(shared.area) + m_t * kH13Line + 2 * n_t;

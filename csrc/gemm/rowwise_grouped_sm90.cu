@@ -253,11 +253,9 @@ void check_group_starts(const at::Tensor& offs, int64_t rows, const char* op) {
   }
 }
 
-// Wgrad: out (E, N, K) bf16, out[g] = (a[:, tokens of g] * scale_a[g]) @ (b[tokens of g, :] * scale_b[g]); a (N, M)
-// row-major, scale_a (E, N), b (M, K) column-major, scale_b (E, K); non-empty groups start at multiples of 16 tokens
-// (16-byte aligned for TMA; else empty, an error with MOE_FP8_DEBUG=1).
-// With `add`, the product is added to out (E, N, K) fp32 in place instead (an empty group adds nothing; config -1, the
-// cooperative 128x256 tile with a 2x1 cluster, only).
+// Wgrad: out[g] (E, N, K) = (a[:, tokens of g] * scale_a[g]) @ (b[tokens of g, :] * scale_b[g]); a (N, M) row-major,
+// b (M, K) column-major; non-empty groups start at multiples of 16 tokens (TMA; else empty, MOE_FP8_DEBUG=1 raises).
+// `add`: the product is added to out (fp32) in place (config -1 only: the cooperative 128x256 tile, 2x1 cluster).
 at::Tensor run_2d2d(const char* op, const at::Tensor* add, const at::Tensor& a, const at::Tensor& scale_a,
                     const at::Tensor& b, const at::Tensor& scale_b, const at::Tensor& offs, at::ScalarType out_dtype,
                     int64_t config) {

@@ -90,9 +90,8 @@ struct AddRn {
   }
 };
 
-// One kernel type a configuration, for both ops: CUTLASS's pointer-array grouped "TN" GEMM, e4m3 with fast accumulation
-// (fp32, no promotion, as torch._scaled_grouped_mm), epilogue D = bf16((acc * scale_a[m]) * scale_b[n]) with per-group
-// scale pointers, in PyTorch's product order.
+// One kernel type a configuration: CUTLASS's pointer-array grouped "TN" e4m3 GEMM, fast accumulation (as
+// torch._scaled_grouped_mm), D = bf16((acc * scale_a[m]) * scale_b[n]) with per-group scale pointers, torch's order.
 // kAdd: D = C + (acc * scale_a[m]) * scale_b[n] in fp32, C the same memory as D (the wgrad into a main gradient).
 template <class TileShape_, class ClusterShape_, bool kPingpong,
           class EpilogueTile = cutlass::epilogue::collective::EpilogueTileAuto, bool kAdd = false>

@@ -98,11 +98,9 @@ MOE_FP8_HD typename RowsOut<O>::T dequantize_value(uint32_t code, float scale) {
   return RowsOut<O>::encode(f_mul(decode_fp8<F>(code), scale));
 }
 
-// sum_rows: y[t, :] = the rows x[indices[j], :] for j in [offs[t-1], offs[t]) (offs[-1] = 0), added in order of j
-// to +0, each partial sum rounded to x's type (as torch's CUDA index_put adds a repeated index's rows of > 64
-// elements). An index outside [0, x_rows) adds nothing; offs are clamped.
-// combine_rows (scale set): the same sum of the rows x[i] * scale[i], each product fp32 rounded to x's type
-// (torchtitan's combine: an fp32 multiply, a cast, and CUDA's deterministic scatter_add, which is index_put).
+// sum_rows: y[t] = the rows x[indices[j]], j in [offs[t-1], offs[t]), added in j's order to +0, each partial rounded
+// to x's type (torch's CUDA index_put, rows of > 64 elements); indices outside [0, x_rows) add nothing, offs clamp.
+// combine_rows (scale set): the same over x[i] * scale[i], each fp32 product rounded first (torchtitan's combine).
 struct SumRows {
   const void* x = nullptr;  // (x_rows, cols), rows x_stride elements apart
   const float* scale = nullptr;  // (x_rows,): combine_rows

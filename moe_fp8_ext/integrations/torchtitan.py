@@ -138,7 +138,10 @@ def converted_class(base: type) -> type:
             elif (name := _overridden(type(self), GroupedExperts)) is not None:  # (a converter after ours subclassed it)
                 raise TypeError(f"ExpertsConverter: {type(self).__name__} overrides {name}, which moe_fp8_ext.experts "
                                 "would not run; list moe_fp8_ext's converter alone for the routed experts")
-            _configure(self, get_recipe(config.moe_fp8_recipe, "ExpertsConverter"), config.moe_fp8_reuse_weights)
+            recipe = get_recipe(config.moe_fp8_recipe, "ExpertsConverter")
+            ws = [self.w1.weight, self.w3.weight, self.w2.weight] if shared else [getattr(self, n) for n in _NAMES]
+            _check_recipe_runs(base.__name__, recipe, [w.unsqueeze(0) for w in ws] if shared else ws, "ExpertsConverter")
+            _configure(self, recipe, config.moe_fp8_reuse_weights)
             if config.moe_fp8_all_gather:
                 if shared:
                     raise ValueError("ExpertsConverter: the fp8 all-gather is for the routed experts' weights; "
@@ -148,10 +151,16 @@ def converted_class(base: type) -> type:
         def __reduce_ex__(self, protocol):
             return _new_converted, (base,), self.__getstate__()
 
+        def parallelize(self, parallel_dims):  # (shared experts: spmd_types TP leaves no trace on the weights)
+            if parallel_dims.tp_enabled:
+                raise RuntimeError(f"{base.__name__} converted with shared_experts: the FP8 forward does not run "
+                                   "tensor parallelism; convert with shared_experts=False")
+            return base.parallelize(self, parallel_dims)
+
         name = f"Fp8{base.__name__}"
         _CLASSES[base] = type(name, (base,), {
             "Config": Config, "__init__": __init__, "forward": _shared_forward if shared else _fp8_forward,
-            "__reduce_ex__": __reduce_ex__,
+            "__reduce_ex__": __reduce_ex__, **({"parallelize": parallelize} if shared else {}),
             "_moe_fp8_base": base, "__module__": __name__, "__qualname__": name})
     return _CLASSES[base]
 
@@ -176,7 +185,7 @@ def _check_convertible(fqn: str, module, recipe: Recipe) -> None:
     _check_recipe_runs(fqn or "the model", recipe, [getattr(module, n) for n in _NAMES])
 
 
-def _check_recipe_runs(where: str, recipe: Recipe, ws) -> None:
+def _check_recipe_runs(where: str, recipe: Recipe, ws, op: str = "convert") -> None:
     """That ``recipe`` runs on the 3-D weights ``ws`` (w1, w3, w2; shapes and dtypes, on meta tensors)."""
     x = torch.empty((0, ws[0].shape[-1]), dtype=torch.bfloat16, device="meta")
     meta = [torch.empty(w.shape, dtype=torch.bfloat16 if recipe.precision == "bf16" else w.dtype, device="meta")
@@ -185,7 +194,7 @@ def _check_recipe_runs(where: str, recipe: Recipe, ws) -> None:
     try:
         _check(x, *meta, offs, recipe, recipe.backend(ws[0].device), None)
     except (ValueError, TypeError) as e:
-        raise ValueError(f"convert: {where} cannot run recipe {recipe.name!r}: {e}") from None
+        raise ValueError(f"{op}: {where} cannot run recipe {recipe.name!r}: {e}") from None
 
 
 def _check_linear(where: str, cls: type, bias: bool) -> None:

@@ -25,6 +25,7 @@ from ._checks import (  # noqa: F401
     check_alignment,
     check_as_bf16,
     check_block_jagged,
+    check_counts_where_cheap,
     check_fp8_dtype,
     check_index,
     check_int,
@@ -34,6 +35,7 @@ from ._checks import (  # noqa: F401
     check_same_device,
     check_tensor,
     checked_padded_rows,
+    content_checked,
     padded_rows,
 )
 from .rowwise import (  # noqa: F401

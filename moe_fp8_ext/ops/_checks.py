@@ -6,6 +6,7 @@ tensors) refuses what the real kernel refuses. Content checks of index tensors s
 the kernels (a fake cannot read data).
 """
 
+import os
 from typing import Optional
 
 import torch
@@ -64,6 +65,22 @@ def check_same_device(op: str, ref_name: str, ref: Tensor, **others: Optional[Te
     for name, t in others.items():
         if t is not None and t.device != ref.device:
             raise RuntimeError(f"{op}: expected {name} on {ref.device} (the device of {ref_name}), got {t.device}")
+
+
+def content_checked(t: Tensor) -> bool:
+    """Whether a check may read ``t``'s values: on the CPU always, on a GPU only with
+    ``MOE_FP8_DEBUG=1`` (it syncs); never while tracing (the values are not known)."""
+    return (t.device.type == "cpu" or os.environ.get("MOE_FP8_DEBUG") == "1") and not torch.compiler.is_compiling()
+
+
+def check_counts_where_cheap(op: str, name: str, counts: Tensor, num_tokens: int) -> None:
+    """Token counts >= 0 summing to at most ``num_tokens`` (the rows of x), where
+    :func:`content_checked`; on a GPU otherwise the ops clamp (DESIGN §3)."""
+    if counts.numel() and content_checked(counts):
+        low, total = int(counts.min()), int(counts.sum(dtype=torch.int64))  # host-sync-ok: CPU or MOE_FP8_DEBUG only
+        if low < 0 or total > num_tokens:
+            raise ValueError(f"{op}: expected {name} >= 0 summing to at most {num_tokens} (the rows of x), got a "
+                             f"minimum of {low} and a sum of {total}")
 
 
 def check_int(op: str, name: str, v, lo: int = 0, hi: int = INT64_MAX) -> None:
