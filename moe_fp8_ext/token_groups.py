@@ -123,7 +123,8 @@ def permute_and_pad(
     ``alignment``, ready for :func:`moe_fp8_ext.grouped_mm`.
 
     ``tokens_per_expert_group`` int32 (num_ranks·experts_per_rank,), rank-major, must
-    sum to at most ``x.shape[0]``. Returns ``(x_permuted, padded_ends, indices)``:
+    sum to at most ``x.shape[0]`` (checked on the CPU and with ``MOE_FP8_DEBUG=1``; on a
+    GPU otherwise, slots past x's rows are zero rows). Returns ``(x_permuted, padded_ends, indices)``:
     x_permuted has ``max_len`` rows (default: the static bound ``M +
     experts_per_rank·alignment``, rounded up to ``alignment``), padding rows zero;
     ``padded_ends`` is the grouped GEMM's ``offs``; ``indices`` feed :func:`unpermute`.
