@@ -52,7 +52,14 @@ from .grouped_mm import (
 from .ops import check_counts_where_cheap
 from .recipes import FLOAT_DTYPES, SAME_READ, Recipe, get_recipe
 from .swiglu import swiglu, swiglu_backward
-from .weight_cache import WeightCache, _nbytes, cached as _cached, clear_weight_caches, weight_keys
+from .weight_cache import (
+    WeightCache,
+    _nbytes,
+    cached as _cached,
+    clear_weight_caches,
+    share_versions_in_state_dict,
+    weight_keys,
+)
 
 _ops = torch.ops.moe_fp8
 
@@ -380,8 +387,11 @@ def _experts(x, w1, w3, w2, offs, *, recipe, fp8_dtype, weight_cache, weight_key
     offs = device_offs(offs, x.shape[0])
     if not pad_groups and r.alignment > 1 and _debug() and not torch.compiler.is_compiling():
         _check_debug_alignment(offs, r, "experts")
-    if torch.compiler.is_compiling() or _fsdp.gathered_weights(r, f8, (w1, w3, w2)):
+    if torch.compiler.is_compiling():
+        weight_cache = None
+    elif _fsdp.gathered_weights(r, f8, (w1, w3, w2)):
         weight_cache = None  # (gathered fp8 weights: FSDP2 keeps them while unsharded)
+        _fsdp.note_forward_read((w1, w3, w2))
     if pad_groups and r.alignment > 1 and r.pads_token_groups(backend) and offs.shape[0] > 0:
         if isinstance(x, _dispatch.Fp8Rows):
             raise NotImplementedError(f"experts: rows dispatched in fp8 for recipe {r.name!r} on {backend!r}, which "
@@ -471,6 +481,8 @@ class GroupedExperts(torch.nn.Module):
         self.w2 = torch.nn.Parameter(torch.empty(num_experts, dim, hidden_dim, **kw))
         self.w3 = torch.nn.Parameter(torch.empty(num_experts, hidden_dim, dim, **kw))
         self.weight_cache = WeightCache() if reuse_weights else None
+        if reuse_weights:
+            share_versions_in_state_dict(self)
         self.init_weights()
 
     def init_weights(self, init_std: float = 0.02) -> None:
@@ -483,9 +495,10 @@ class GroupedExperts(torch.nn.Module):
     def forward(self, x: Tensor, num_tokens_per_expert: Tensor) -> Tensor:
         offs = offsets_from_counts(num_tokens_per_expert, x.shape[0])
         _fsdp.check_wrapped(self, (self.w1, self.w3, self.w2))
-        keys = weight_keys(self, ("w1", "w3", "w2")) if self.weight_cache is not None else None
+        cache = None if torch.compiler.is_compiling() else self.weight_cache  # (compiled: experts uses none)
+        keys = weight_keys(self, ("w1", "w3", "w2")) if cache is not None else None
         main = self.main_grads() if self.fuse_grad_accumulation else None
-        return experts(x, self.w1, self.w3, self.w2, offs, recipe=self.recipe, weight_cache=self.weight_cache,
+        return experts(x, self.w1, self.w3, self.w2, offs, recipe=self.recipe, weight_cache=cache,
                        weight_keys=keys, main_grads=main)
 
     def main_grads(self) -> Tuple[Tensor, Tensor, Tensor]:

@@ -14,7 +14,8 @@ quantized from the shard. W1's gather carries [W1; W3] as the layer reads it (th
 forward's interleaved for the SwiGLU GEMM where it runs; fp8_rowwise's backward one with
 column scales over both weights), W3's 16 bytes: the experts layer takes the operands
 as they are, with no copy. A weight gathered once for both passes
-(``reshard_after_forward=False``, the root module, activation-checkpoint recompute,
+(``reshard_after_forward=False``, the root module, the backward of an activation-
+checkpointed forward, whose gather carries the forward's operands for the recompute,
 micro-batches without resharding) gets the other operand by a transposed copy
 (fp8_blockwise: a tile and its transpose share the scale) or by quantizing its
 dequantized values again (fp8_rowwise: a second rounding, close to the first but not
@@ -26,7 +27,8 @@ no cast written).
 Through FSDP2's extension points only: the parameter's data is a tensor subclass with
 ``fsdp_pre_all_gather`` / ``fsdp_post_all_gather`` (torchao's Float8 weights do the
 same). The optimizer sees the high-precision shards, and ``state_dict`` entries and
-checkpoints are plain high-precision tensors (sharing the shards' storage); every
+checkpoints are plain high-precision tensors (sharing the shards' storage; a load that
+assigns them, ``load_state_dict(assign=True)``, wraps them as the weights it replaces); every
 all-gather quantizes the shard as it is then, so a step or a load is never missed, and
 gathered weights live exactly as long as FSDP2 keeps a parameter unsharded
 (``reshard_after_forward=False``, or ``set_reshard_after_backward(False)`` across
@@ -57,6 +59,7 @@ import torch.utils._pytree as pytree
 from torch import Tensor
 
 from . import reference
+from .grouped_mm import saved_tensor_hooks_on
 from .recipes import Fp8Blockwise, Fp8Rowwise, Recipe, _expand_tiles
 from .recipes.blockwise import W13Interleaved
 from .weight_cache import _fsdp_params, _key
@@ -139,9 +142,9 @@ class ShardedWeight(Tensor):
             return (cast(self._tensor),), None
         joined = dim == 0 and self._joint is not None
         held = _Ahead.of(module).held("w13" if joined else self._joint[1] if self._joint is not None else 2)
-        # A gather for the backward carries the transposed operands, unless a compiled graph read the
-        # forward's: its backward reads them again, from the storage FSDP2 refills now.
-        transposed = torch._C._current_graph_task_id() != -1 and not held.compiled
+        # A gather for the backward carries the transposed operands, unless the forward's are read
+        # again: by a compiled graph's backward (from the storage FSDP2 refills now) or a recompute.
+        transposed = torch._C._current_graph_task_id() != -1 and not (held.compiled or held.recompute)
         rowwise = isinstance(self._recipe, Fp8Rowwise)
         if joined:
             return self._pre_gather_joint(module, held, transposed, tuple(outer_size), dtype)
@@ -309,9 +312,10 @@ class _Held:
     ``joint``: fp8_rowwise's backward column scales were made over both joined weights.
     Of W1 and W3 both (:meth:`ShardedWeight._pre_gather_joint`): [W1; W3], its rows
     ``interleaved`` by 128 or not. ``compiled``: a compiled graph read them since the
-    gather (:meth:`GatheredWeight.__tensor_flatten__`)."""
+    gather (:meth:`GatheredWeight.__tensor_flatten__`); ``recompute``: a forward that
+    activation checkpointing may run again in the backward did (:func:`note_forward_read`)."""
 
-    __slots__ = ("q", "s", "transposed", "joint", "interleaved", "compiled")
+    __slots__ = ("q", "s", "transposed", "joint", "interleaved", "compiled", "recompute")
 
     def __init__(self, q: Optional[Tensor], s: Optional[Tensor], transposed: bool, joint: bool = False,
                  interleaved: bool = False):
@@ -319,7 +323,7 @@ class _Held:
 
     def fill(self, q, s, transposed: bool, joint: bool = False, interleaved: bool = False) -> None:
         self.q, self.s, self.transposed, self.joint, self.interleaved = q, s, transposed, joint, interleaved
-        self.compiled = False
+        self.compiled = self.recompute = False
 
 
 def _part(h: _Held, p: int) -> Tuple[Tensor, Tensor]:
@@ -673,6 +677,16 @@ def gathered_weights(recipe: Recipe, fp8_dtype: torch.dtype, ws: Sequence[Tensor
     return True
 
 
+def note_forward_read(ws: Sequence[GatheredWeight]) -> None:
+    """An eager forward reads the gathered weights ``ws``. Where activation checkpointing
+    may run it again in the backward (saved-tensor hooks on; grad off, as the reentrant
+    form runs it), the backward's gather carries the forward's operands again, so the
+    recompute runs the forward's ops on its bits (selective checkpointing replays them)."""
+    if not torch.is_grad_enabled() or saved_tensor_hooks_on():
+        for w in ws:
+            w._held.recompute = True
+
+
 def _plain_state_dict(module, state_dict, prefix, local_metadata) -> None:
     """The weights' state_dict entries as the high-precision tensors they hold (sharing
     their storage, so a checkpoint load into them lands in the weights)."""
@@ -689,6 +703,28 @@ def _plain_state_dict(module, state_dict, prefix, local_metadata) -> None:
 
             state_dict[key] = DTensor.from_local(local._tensor, v.device_mesh, v.placements, run_check=False,
                                                  shape=v.shape, stride=v.stride())
+
+
+def _wrap_assigned(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs,
+                   *, names) -> None:
+    """``load_state_dict(..., assign=True)`` (``set_model_state_dict`` into a meta-device
+    model) makes the loaded tensors the weights: wrapped as the weights they replace."""
+    if not local_metadata.get("assign_to_params_buffers", False):
+        return
+    for n in names:
+        v, w = state_dict.get(prefix + n), getattr(module, n)
+        w = w._local_tensor if hasattr(w, "_local_tensor") else w
+        if not isinstance(w, ShardedWeight) or not isinstance(v, Tensor):
+            continue
+        if hasattr(v, "_local_tensor"):  # a DTensor: its shard
+            if not isinstance(v._local_tensor, ShardedWeight):
+                from torch.distributed.tensor import DTensor
+
+                state_dict[prefix + n] = DTensor.from_local(ShardedWeight(v._local_tensor, w._recipe, w._joint),
+                                                            v.device_mesh, v.placements, run_check=False,
+                                                            shape=v.shape, stride=v.stride())
+        elif not isinstance(v, ShardedWeight):
+            state_dict[prefix + n] = ShardedWeight(v, w._recipe, w._joint)
 
 
 def check_wrapped(module: torch.nn.Module, ws: Sequence[Tensor]) -> None:
@@ -763,6 +799,7 @@ def fp8_all_gather(model: torch.nn.Module) -> int:
         m.moe_fp8_all_gather = True
         if not getattr(m, "_moe_fp8_state_dict_hook", False):
             m.register_state_dict_post_hook(_plain_state_dict)
+            m.register_load_state_dict_pre_hook(functools.partial(_wrap_assigned, names=tuple(names)))
             m._moe_fp8_state_dict_hook = True
         joints = {names[0]: (names[1], 0), names[1]: (names[0], 1)}  # (w1 and w3)
         for n in names:

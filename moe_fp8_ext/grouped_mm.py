@@ -88,12 +88,16 @@ def _may_free_early() -> bool:
     experts layer's h13, a weight's backward operand made in the forward. Not under
     torch.compile, and not while saved-tensor hooks are active (activation
     checkpointing, offloading: they must see every saved tensor)."""
-    if torch.compiler.is_compiling():
-        return False
+    return not torch.compiler.is_compiling() and not saved_tensor_hooks_on()
+
+
+def saved_tensor_hooks_on() -> bool:
+    """Whether saved-tensor hooks are active (activation checkpointing, offloading); True
+    on a torch that cannot tell."""
     try:
-        return torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+        return torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
     except (AttributeError, TypeError, RuntimeError):  # a torch without the query
-        return False
+        return True
 
 
 def pack(named: dict):

@@ -8,7 +8,8 @@ optimizer writes): their identity, version counters, storage, offset, shape, str
 and dtype, plus the recipe and fp8 dtype.
 
 - Seen: every write autograd sees (optimizer steps, ``copy_``, ``load_state_dict``,
-  checkpoint loads into FSDP2's sharded parameters), ``torch.utils.swap_tensors`` and
+  checkpoint loads into FSDP2's sharded parameters or, in place, into the entries of
+  the layer's ``state_dict``: :func:`share_versions_in_state_dict`), ``torch.utils.swap_tensors`` and
   ``w.data = ...`` (a new storage, never mistaken for the old one: the entry holds a
   weak reference to the old storage, so its address is not reused). Every
   ``torch.optim`` step empties every cache.
@@ -30,7 +31,7 @@ from torch import Tensor
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-__all__ = ["WeightCache", "clear_weight_caches", "weight_keys"]
+__all__ = ["WeightCache", "clear_weight_caches", "share_versions_in_state_dict", "weight_keys"]
 
 _CACHES: "weakref.WeakSet[WeightCache]" = weakref.WeakSet()
 _HOOK = None
@@ -150,6 +151,27 @@ def _fsdp_params(module: torch.nn.Module) -> Dict[str, "weakref.ref"]:
                     found[info.param_name] = weakref.ref(fp)
     _FSDP_PARAMS[module] = (found, len(_module_state_mapping))
     return found
+
+
+def share_versions_in_state_dict(module: torch.nn.Module) -> None:
+    """Make ``module``'s ``state_dict`` entries of DTensor parameters share the version
+    counters of the parameters' shards (once a module): an in-place checkpoint load
+    into them (``dcp.load``) is then a write a cache sees."""
+    if not getattr(module, "_moe_fp8_shares_versions", False):
+        module.register_state_dict_post_hook(_alias_shards)
+        module._moe_fp8_shares_versions = True
+
+
+def _alias_shards(module, state_dict, prefix, local_metadata) -> None:
+    # DTensor's detach runs below autograd: its shard gets a version counter of its own.
+    # Rebuilt around a detach of the parameter's shard made here, the entry shares it.
+    from torch.distributed.tensor import DTensor
+
+    for name, p in module.named_parameters():
+        v = state_dict.get(prefix + name)
+        if isinstance(v, DTensor) and v is not p and type(p._local_tensor) is Tensor:
+            state_dict[prefix + name] = DTensor.from_local(p._local_tensor.detach(), v.device_mesh, v.placements,
+                                                           run_check=False, shape=v.shape, stride=v.stride())
 
 
 def weight_keys(module: torch.nn.Module, names: Sequence[str]) -> Tuple[Tensor, ...]:

@@ -9,10 +9,12 @@ Checks, exit status 1 on a failure:
   the transposed operands;
 - outputs and every gradient (x, w1, w3, w2) equal the bf16-gather layer's bit for bit,
   step after step of SGD (no stale weight), with reshard_after_forward True and False,
-  with activation checkpointing, and over two micro-batches with resharding after
+  with activation checkpointing (plain, reentrant, selective: the recompute reads the
+  forward's operands), and over two micro-batches with resharding after
   backward off;
 - the state_dict holds the high-precision shards as plain tensors (torch.save with
-  weights_only loads, a distributed checkpoint round trip), and a load_state_dict is seen;
+  weights_only loads, a distributed checkpoint round trip), and a load_state_dict is seen,
+  also one that assigns (set_model_state_dict into a meta-device layer);
 - weights sharded on their rows (Shard(1)): the same operands and training bits;
 - under torch.compile (fullgraph too) the same, the backward's gathers carrying the
   forward's operands;
@@ -67,9 +69,16 @@ def main():
             self.experts, self.ac = experts, ac
 
         def forward(self, x, counts):
-            if self.ac:  # activation checkpointing: the backward recomputes the experts' forward
-                return torch.utils.checkpoint.checkpoint(self.experts, x, counts, use_reentrant=False)
-            return self.experts(x, counts)
+            if not self.ac:
+                return self.experts(x, counts)
+            # activation checkpointing ("reentrant", "selective" or plain): the backward recomputes the forward
+            from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+            kw = dict(use_reentrant=self.ac == "reentrant")
+            if self.ac == "selective":  # (torchtitan's default form: it replays the forward's ops)
+                kw["context_fn"] = lambda: create_selective_checkpoint_contexts(
+                    lambda ctx, op, *a, **k: CheckpointPolicy.PREFER_RECOMPUTE)
+            return checkpoint(self.experts, x, counts, **kw)
 
     def layer(fp8, ac=False, dims=(DIM, HIDDEN, E), **kw):
         torch.manual_seed(0)
@@ -122,6 +131,20 @@ def main():
     fresh.load_state_dict(sd)
     check(all(torch.equal(p_.full_tensor(), full[n]) for n, p_ in fresh.named_parameters()),
           "dcp.save / dcp.load into an fp8-gathered layer")
+    # A meta-device layer loaded by set_model_state_dict (assign=True): the loaded weights keep the fp8 all-gather.
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    with torch.device("meta"):
+        meta = moe_fp8_ext.GroupedExperts(DIM, HIDDEN, E, recipe=args.recipe, dtype=torch.float32)
+    fsdp.fp8_all_gather(meta)
+    fully_shard(meta, mesh=mesh, mp_policy=policy)
+    set_model_state_dict(meta, dict(full) if rank == 0 else {},  # (it replaces the values it is given)
+                         options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    x0 = torch.randn(7 * E, DIM, device=device).bfloat16()
+    c0 = torch.tensor([3, 11] * (E // 2), device=device)
+    check(all(isinstance(p_._local_tensor, fsdp.ShardedWeight) and torch.equal(p_.full_tensor(), full[n])
+              for n, p_ in meta.named_parameters()) and torch.equal(meta(x0, c0), fresh(x0, c0)),
+          "set_model_state_dict into a meta-device fp8-gathered layer")
 
     g = torch.Generator(device=device).manual_seed(100 + rank)
 
@@ -173,10 +196,13 @@ def main():
           name="reshard_after_forward=False", exact=exact)
     check(len(gathers) == 2 * 3, f"gathers: [W1; W3] and W2 once a step; got {len(gathers)}")
     gathers.clear()
-    # (the recompute reads the weights the backward's gather brought, transposed: a copy)
-    train([layer(False, ac=True), layer(True, ac=True)], name="activation checkpointing", exact=exact)
-    check(len(gathers) == 2 * 2 * 3, f"gathers with activation checkpointing: {len(gathers)}")
-    gathers.clear()
+    # (the backward's gather carries the forward's operands again, which the recompute reads as the
+    # forward did; the backward transposes them or, fp8_rowwise, quantizes them again)
+    for ac in ("plain", "reentrant", "selective"):
+        train([layer(False, ac=ac), layer(True, ac=ac)], name=f"activation checkpointing ({ac})", exact=exact)
+        check(len(gathers) == 2 * 2 * 3 and not any(t for t, _ in gathers),
+              f"gathers with activation checkpointing ({ac}), none transposed: {gathers}")
+        gathers.clear()
     train([layer(False), layer(True)], micro=2, name="micro-batches", exact=exact)
     # (the first micro-batch's forward and backward; the second's backward after its
     # forward resharded)

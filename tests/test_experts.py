@@ -812,9 +812,11 @@ def test_weight_reuse_on_checkpoint_recompute(reentrant):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
-def test_compiled_module_bypasses_the_cache(device, backend):
+@pytest.mark.parametrize("checkpointed", [False, True])
+def test_compiled_module_bypasses_the_cache(device, backend, checkpointed):
     """torch.compile(fullgraph=True) of the module itself (what a user compiling a
-    model does): it never touches its weight cache (the version counter is not
+    model does), also inside activation checkpointing (a higher-order op that refuses
+    side effects): it never touches its weight cache (the version counter is not
     traceable), stays empty, and gives eager's outputs and gradients over two steps
     (same quantized math; compiled code
     may round the SwiGLU differently by an ulp, so compared by SQNR as in
@@ -825,7 +827,8 @@ def test_compiled_module_bypasses_the_cache(device, backend):
     for compiled in (False, True):
         layer = layer_with(w1, w3, w2)
         torch._dynamo.reset()
-        f = torch.compile(layer, fullgraph=True, backend=backend) if compiled else layer
+        step = (lambda x, c: torch.utils.checkpoint.checkpoint(layer, x, c, use_reentrant=False)) if checkpointed else layer
+        f = torch.compile(step, fullgraph=True, backend=backend) if compiled else step
         for _ in range(2):
             for p in layer.parameters():
                 p.grad = None
@@ -847,8 +850,9 @@ def test_fsdp2_reuses_by_the_sharded_parameters(tmp_path, on_parent):
     """FSDP2 (fully_shard on the layer or on a parent; one CPU rank over gloo): the
     all-gather rewrites the unsharded weights without a version bump, so reuse is keyed
     on the sharded parameters the optimizer writes. Micro-batches hit; an optimizer
-    step, load_state_dict and an in-place write into the sharded parameter each make
-    the next call requantize, and outputs always equal the unsharded layer's."""
+    step, load_state_dict and an in-place write into the sharded parameter or into its
+    state_dict entry (an in-place dcp.load) each make the next call requantize, and
+    outputs always equal the unsharded layer's."""
     dist = pytest.importorskip("torch.distributed")
     if not dist.is_available() or not dist.is_gloo_available():
         pytest.skip("torch.distributed with gloo is not available")
@@ -902,6 +906,12 @@ def test_fsdp2_reuses_by_the_sharded_parameters(tmp_path, on_parent):
             ref.w2.mul_(-1)
             layer.w2.mul_(-1)  # (outside forward: the sharded parameter)
         step(1)
+        with torch.no_grad():  # (into the state_dict's entries, as an in-place dcp.load writes)
+            ref.w1.mul_(2)
+            layer.state_dict()["w1"].to_local().mul_(2)
+        misses = cache.misses
+        step(1)
+        assert cache.misses > misses
     finally:
         dist.destroy_process_group()
 

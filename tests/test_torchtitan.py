@@ -310,6 +310,15 @@ def test_shared_experts_reuse_weights_and_compile():
     plain = build_moe()
     convert(plain, "fp8_rowwise", shared_experts=True)
     assert torch.equal(torch.compile(plain.shared_experts, fullgraph=True)(x), plain.shared_experts(x))
+    # compiled inside activation checkpointing (which refuses side effects): the cache is not touched
+    experts = moe.routed_experts.inner_experts
+    cache = experts.moe_fp8_weight_cache
+    seen = (cache.hits, cache.misses)
+    xe, counts = torch.randn(40, 128, dtype=torch.bfloat16), torch.tensor([5, 0, 9, 3, 7, 1, 10, 5])
+    checkpointed = torch.compile(lambda x, c: torch.utils.checkpoint.checkpoint(experts, x, c, use_reentrant=False),
+                                 fullgraph=True, backend="aot_eager")
+    out = checkpointed(xe, counts)
+    assert (cache.hits, cache.misses) == seen and torch.equal(out, experts(xe, counts))
 
 
 @pytest.mark.parametrize("device", DEVICES)

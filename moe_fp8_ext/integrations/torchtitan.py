@@ -48,7 +48,7 @@ from .. import fsdp as _fsdp
 from ..dispatch import _check_recipe, combine, fp8_dispatch
 from ..experts import _check, experts, offsets_from_counts
 from ..recipes import Recipe, get_recipe
-from ..weight_cache import WeightCache, weight_keys
+from ..weight_cache import WeightCache, share_versions_in_state_dict, weight_keys
 
 __all__ = ["ExpertsConverter", "Fp8AllToAllTokenDispatcher", "build_moe", "convert", "unconvert"]
 
@@ -82,6 +82,7 @@ def _run_experts(self, x: Tensor, ws, offs: Tensor, key_sources) -> Tensor:
     """moe_fp8_ext.experts with the module's recipe and cache on x and ws (w1, w3, w2);
     ``key_sources``: (module, parameter names) pairs whose versions key the cache."""
     recipe, cache = self.moe_fp8_recipe, self.moe_fp8_weight_cache
+    cache = None if torch.compiler.is_compiling() else cache  # (compiled: experts uses none)
     if recipe.precision == "bf16":  # torchtitan's casts; the fp8 recipes quantize fp32 weights directly
         x, *ws = (t.bfloat16() for t in (x, *ws))
     keys = sum((weight_keys(m, names) for m, names in key_sources), ()) if cache is not None else None
@@ -106,6 +107,8 @@ def _shared_forward(self, x: Tensor) -> Tensor:
 def _configure(module, recipe: Recipe, reuse_weights: bool) -> None:
     module.moe_fp8_recipe = recipe
     module.moe_fp8_weight_cache = WeightCache() if reuse_weights else None
+    if reuse_weights:
+        share_versions_in_state_dict(module)
 
 
 _CLASSES = {}
