@@ -144,7 +144,8 @@ class ShardedWeight(Tensor):
         held = _Ahead.of(module).held("w13" if joined else self._joint[1] if self._joint is not None else 2)
         # A gather for the backward carries the transposed operands, unless the forward's are read
         # again: by a compiled graph's backward (from the storage FSDP2 refills now) or a recompute.
-        transposed = torch._C._current_graph_task_id() != -1 and not (held.compiled or held.recompute)
+        in_backward = torch._C._current_graph_task_id() != -1
+        transposed = in_backward and not (held.compiled or held.recompute)
         rowwise = isinstance(self._recipe, Fp8Rowwise)
         if joined:
             return self._pre_gather_joint(module, held, transposed, tuple(outer_size), dtype)
@@ -157,9 +158,10 @@ class ShardedWeight(Tensor):
                 joint = (other._tensor, self._joint[1])  # (CPU offload: on the CPU; cast where read)
                 shards = [self._tensor, other._tensor][::1 if self._joint[1] == 0 else -1]
             ahead = (_Ahead.of(module), shards)
-            if not transposed:  # (rows sharded: start the backward's column amaxes, if it gathers)
+            if not transposed:  # (rows sharded: a forward starts the backward's column amaxes, if it gathers)
                 w = w if _as_bf16(w, dtype) else cast(w)  # (fp32: its amaxes round as its values do)
-                ahead[0].start_amax(shards, self._tensor, w, group)
+                if not in_backward:
+                    ahead[0].start_amax(shards, self._tensor, w, group)
                 ahead, joint = None, None
         # Rows sharded: fp8_blockwise gathers its forward tiles for both passes (a tile and its
         # transpose share the scale); fp8_rowwise's column scales span the ranks (amaxes reduced).
@@ -680,10 +682,11 @@ def gathered_weights(recipe: Recipe, fp8_dtype: torch.dtype, ws: Sequence[Tensor
 def note_forward_read(ws: Sequence[GatheredWeight]) -> None:
     """An eager forward reads the gathered weights ``ws``. Where activation checkpointing
     may run it again in the backward (saved-tensor hooks on; grad off, as the reentrant
-    form runs it), the backward's gather carries the forward's operands again, so the
-    recompute runs the forward's ops on its bits (selective checkpointing replays them)."""
-    if not torch.is_grad_enabled() or saved_tensor_hooks_on():
-        for w in ws:
+    form runs it; a recompute itself), the backward's gather carries the forward's
+    operands again, so the recompute runs the forward's ops on its bits (selective
+    checkpointing replays them)."""
+    if not torch.is_grad_enabled() or saved_tensor_hooks_on() or torch._C._current_graph_task_id() != -1:
+        for w in ws:  # (inside a backward: a recompute, whose module may run forward again first)
             w._held.recompute = True
 
 
@@ -706,25 +709,25 @@ def _plain_state_dict(module, state_dict, prefix, local_metadata) -> None:
 
 
 def _wrap_assigned(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs,
-                   *, names) -> None:
+                   *, wraps) -> None:
     """``load_state_dict(..., assign=True)`` (``set_model_state_dict`` into a meta-device
-    model) makes the loaded tensors the weights: wrapped as the weights they replace."""
+    model) makes the loaded tensors the weights: wrapped as ``fp8_all_gather`` wrapped
+    them (``wraps``: name -> (recipe, joint))."""
     if not local_metadata.get("assign_to_params_buffers", False):
         return
-    for n in names:
-        v, w = state_dict.get(prefix + n), getattr(module, n)
-        w = w._local_tensor if hasattr(w, "_local_tensor") else w
-        if not isinstance(w, ShardedWeight) or not isinstance(v, Tensor):
+    for n, (recipe, joint) in wraps.items():
+        v = state_dict.get(prefix + n)
+        if not isinstance(v, Tensor):
             continue
         if hasattr(v, "_local_tensor"):  # a DTensor: its shard
             if not isinstance(v._local_tensor, ShardedWeight):
                 from torch.distributed.tensor import DTensor
 
-                state_dict[prefix + n] = DTensor.from_local(ShardedWeight(v._local_tensor, w._recipe, w._joint),
+                state_dict[prefix + n] = DTensor.from_local(ShardedWeight(v._local_tensor, recipe, joint),
                                                             v.device_mesh, v.placements, run_check=False,
                                                             shape=v.shape, stride=v.stride())
         elif not isinstance(v, ShardedWeight):
-            state_dict[prefix + n] = ShardedWeight(v, w._recipe, w._joint)
+            state_dict[prefix + n] = ShardedWeight(v, recipe, joint)
 
 
 def check_wrapped(module: torch.nn.Module, ws: Sequence[Tensor]) -> None:
@@ -768,10 +771,13 @@ def check_module(module: torch.nn.Module, recipe: Recipe, names: Sequence[str], 
     for n, w in zip(names, ws):
         if w.dim() != 3:
             raise ValueError(f"fp8_all_gather: expected {where}.{n} to be 3-D (E, rows, cols), got {tuple(w.shape)}")
-    hidden = (ws[0]._local_tensor if hasattr(ws[0], "_local_tensor") else ws[0]).shape[1]  # (a rank's, under TP)
-    if isinstance(recipe, Fp8Blockwise) and hidden % 128:
-        raise ValueError(f"fp8_all_gather: {where} has a hidden size of {hidden} on this rank, expected a multiple of "
-                         "128 (W1 and W3 joined at tile boundaries)")
+    # Under tensor parallelism (Shard(1) over n ranks) each rank's part: decided alike on every rank
+    n = 1
+    for p, size in zip(getattr(ws[0], "placements", ()), getattr(getattr(ws[0], "device_mesh", None), "shape", ())):
+        n *= size if getattr(p, "dim", None) == 1 else 1
+    if isinstance(recipe, Fp8Blockwise) and ws[0].shape[1] % (128 * n):
+        raise ValueError(f"fp8_all_gather: {where} has a hidden size of {ws[0].shape[1]} over {n} tensor-parallel "
+                         "rank(s), expected each rank's part a multiple of 128 (W1 and W3 joined at tile boundaries)")
     if _fsdp_params(module):
         raise RuntimeError(f"fp8_all_gather: {where} is already sharded by FSDP2; call it before fully_shard")
 
@@ -797,11 +803,12 @@ def fp8_all_gather(model: torch.nn.Module) -> int:
         found.append((m, names, recipe))
     for m, names, recipe in found:
         m.moe_fp8_all_gather = True
+        joints = {names[0]: (names[1], 0), names[1]: (names[0], 1)}  # (w1 and w3)
         if not getattr(m, "_moe_fp8_state_dict_hook", False):
             m.register_state_dict_post_hook(_plain_state_dict)
-            m.register_load_state_dict_pre_hook(functools.partial(_wrap_assigned, names=tuple(names)))
+            wraps = {n: (recipe, joints.get(n)) for n in names}
+            m.register_load_state_dict_pre_hook(functools.partial(_wrap_assigned, wraps=wraps))
             m._moe_fp8_state_dict_hook = True
-        joints = {names[0]: (names[1], 0), names[1]: (names[0], 1)}  # (w1 and w3)
         for n in names:
             w, joint = getattr(m, n), joints.get(n)
             if hasattr(w, "_local_tensor"):  # a DTensor (expert parallelism): wrap its local shard

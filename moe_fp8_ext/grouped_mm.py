@@ -93,7 +93,7 @@ def _may_free_early() -> bool:
 
 def saved_tensor_hooks_on() -> bool:
     """Whether saved-tensor hooks are active (activation checkpointing, offloading); True
-    on a torch that cannot tell."""
+    on a torch that cannot tell (every torch the package supports can)."""
     try:
         return torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
     except (AttributeError, TypeError, RuntimeError):  # a torch without the query

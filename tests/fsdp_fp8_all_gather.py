@@ -19,7 +19,8 @@ Checks, exit status 1 on a failure:
 - under torch.compile (fullgraph too) the same, the backward's gathers carrying the
   forward's operands;
 - the set-up errors: after fully_shard, experts not divisible by the ranks, w1 and w3
-  sharded on different dims, and fp8_blockwise rows sharded off its 128-row tiles.
+  sharded on different dims, and fp8_blockwise rows sharded off its 128-row tiles (by
+  FSDP2, or by tensor parallelism).
 fp8_blockwise bit for bit everywhere; fp8_rowwise where a gather serves one pass.
 """
 
@@ -203,6 +204,17 @@ def main():
         check(len(gathers) == 2 * 2 * 3 and not any(t for t, _ in gathers),
               f"gathers with activation checkpointing ({ac}), none transposed: {gathers}")
         gathers.clear()
+    # Reentrant AC, two forwards before their backwards: each backward's gather still carries the
+    # forward's operands (the first recompute marks them again for the second).
+    blk = layer(True, ac="reentrant")
+    counts2 = torch.full((E,), 48 // E, device=device)
+    outs = [blk(torch.randn(50, DIM, device=device, generator=g).bfloat16().requires_grad_(), counts2)
+            for _ in range(2)]
+    for o in reversed(outs):
+        o.float().sum().backward()
+    check(len(gathers) == 2 * 4 and not any(t for t, _ in gathers),
+          f"reentrant AC, two forwards first: gathers, none transposed: {gathers}")
+    gathers.clear()
     train([layer(False), layer(True)], micro=2, name="micro-batches", exact=exact)
     # (the first micro-batch's forward and backward; the second's backward after its
     # forward resharded)
@@ -246,9 +258,11 @@ def main():
     backward = 3 * 3 if args.recipe == "fp8_rowwise" else 0
     check(len(gathers) == 3 * 2 * 3 and sum(t for t, _ in gathers) == backward and not any(w for _, w in gathers),
           f"rows sharded: gathers {gathers}")
-    train([layer(False, ac=True, reshard_after_forward=False, **by_rows),
-           layer(True, ac=True, reshard_after_forward=False, **by_rows)], steps=2, micro=2,
+    train([layer(False, ac="plain", reshard_after_forward=False, **by_rows),
+           layer(True, ac="plain", reshard_after_forward=False, **by_rows)], steps=2, micro=2,
           name="rows sharded, one gather a step, activation checkpointing", exact=exact)
+    train([layer(False, ac="selective", **by_rows), layer(True, ac="selective", **by_rows)], steps=2,
+          name="rows sharded, activation checkpointing (selective)", exact=exact)
 
     # The column amaxes reduced over the ranks: the largest |value| anywhere, NaN where any
     # rank has one (over an Inf elsewhere), in the weights' dtype.
@@ -327,6 +341,19 @@ def main():
             check(False, "fp8_blockwise rows sharded off 128-row tiles raises")
         except ValueError as e:
             check("multiple of 128 for fp8_blockwise" in str(e), "rows sharded off 128-row tiles: message")
+
+    if world > 1 and args.recipe == "fp8_blockwise":  # (tensor parallelism: each rank's part of the hidden size)
+        from torch.distributed.tensor import distribute_tensor
+
+        # (parts of 128 rows but the last: every rank must raise, or the others hang at the first gather)
+        tp = moe_fp8_ext.GroupedExperts(DIM, 128 * world - 2, E, recipe=args.recipe, device=device)
+        for n, d in (("w1", 1), ("w3", 1), ("w2", 2)):
+            setattr(tp, n, torch.nn.Parameter(distribute_tensor(getattr(tp, n).detach(), mesh, [Shard(d)])))
+        try:
+            fsdp.fp8_all_gather(tp)
+            check(False, "fp8_blockwise with tensor-parallel parts off 128-row tiles raises")
+        except ValueError as e:
+            check(f"over {world} tensor-parallel rank(s)" in str(e), f"tensor-parallel parts: message {e}")
 
     flag = torch.tensor([len(failures)], device=device)
     dist.all_reduce(flag)

@@ -285,23 +285,6 @@ def test_fp8_all_gather_set_up_errors():
     assert torch.equal(layer(x, counts), ref(x, counts))
 
 
-def test_fp8_all_gather_checks_a_ranks_hidden_size(one_rank):
-    """Under tensor parallelism a rank holds a slice of the hidden size: fp8_blockwise
-    needs that slice in 128-row tiles. DTensors of a 4-way Shard(1) stand in (global 256,
-    local 64)."""
-    from torch.distributed.tensor import DTensor, Shard, init_device_mesh
-
-    mesh = init_device_mesh("cpu", (1,))
-    layer = moe_fp8_ext.GroupedExperts(64, 256, 2, recipe="fp8_blockwise")
-    for n, dim in (("w1", 1), ("w3", 1), ("w2", 2)):
-        w = getattr(layer, n).detach()
-        local = w.narrow(dim, 0, 64).contiguous()
-        setattr(layer, n, torch.nn.Parameter(DTensor.from_local(local, mesh, [Shard(dim)], run_check=False,
-                                                                shape=w.shape, stride=w.stride())))
-    with pytest.raises(ValueError, match="hidden size of 64 on this rank"):
-        fp8_all_gather(layer)
-
-
 def test_shard_dims_the_fp8_all_gather_takes():
     """Whole experts a rank (dim 0) or rows a rank (Shard(1)); any other sharding, and
     fp8_blockwise rows off its 128-row tiles, raise (the same on every rank)."""
