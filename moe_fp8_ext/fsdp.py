@@ -62,7 +62,7 @@ from . import reference
 from .grouped_mm import saved_tensor_hooks_on
 from .recipes import Fp8Blockwise, Fp8Rowwise, Recipe, _expand_tiles
 from .recipes.blockwise import W13Interleaved
-from .weight_cache import _fsdp_params, _key
+from .weight_cache import _fsdp_params, _key, _local, _rewrap
 
 __all__ = ["GatheredWeight", "ShardedWeight", "fp8_all_gather", "gathered_weights"]
 
@@ -696,16 +696,18 @@ def _plain_state_dict(module, state_dict, prefix, local_metadata) -> None:
     for key, v in list(state_dict.items()):
         if not key.startswith(prefix) or isinstance(v, torch.nn.Parameter):  # (keep_vars: the parameters)
             continue
-        local = v._local_tensor if hasattr(v, "_local_tensor") else v
-        if not isinstance(local, ShardedWeight):
-            continue
-        if local is v:
-            state_dict[key] = v._tensor
-        else:
-            from torch.distributed.tensor import DTensor
+        local = _local(v)
+        if isinstance(local, ShardedWeight):
+            state_dict[key] = local._tensor if local is v else _rewrap(v, local._tensor)
 
-            state_dict[key] = DTensor.from_local(local._tensor, v.device_mesh, v.placements, run_check=False,
-                                                 shape=v.shape, stride=v.stride())
+
+def _as_sharded(t: Tensor, recipe: Recipe, joint) -> Optional[Tensor]:
+    """``t`` (a tensor, or a DTensor: its shard) as a ShardedWeight; None where it is one."""
+    local = _local(t)
+    if isinstance(local, ShardedWeight):
+        return None
+    w = ShardedWeight(local.detach(), recipe, joint)
+    return w if local is t else _rewrap(t, w)
 
 
 def _wrap_assigned(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs,
@@ -717,17 +719,9 @@ def _wrap_assigned(module, state_dict, prefix, local_metadata, strict, missing_k
         return
     for n, (recipe, joint) in wraps.items():
         v = state_dict.get(prefix + n)
-        if not isinstance(v, Tensor):
-            continue
-        if hasattr(v, "_local_tensor"):  # a DTensor: its shard
-            if not isinstance(v._local_tensor, ShardedWeight):
-                from torch.distributed.tensor import DTensor
-
-                state_dict[prefix + n] = DTensor.from_local(ShardedWeight(v._local_tensor, recipe, joint),
-                                                            v.device_mesh, v.placements, run_check=False,
-                                                            shape=v.shape, stride=v.stride())
-        elif not isinstance(v, ShardedWeight):
-            state_dict[prefix + n] = ShardedWeight(v, recipe, joint)
+        w = _as_sharded(v, recipe, joint) if isinstance(v, Tensor) else None
+        if w is not None:
+            state_dict[prefix + n] = w
 
 
 def check_wrapped(module: torch.nn.Module, ws: Sequence[Tensor]) -> None:
@@ -809,16 +803,9 @@ def fp8_all_gather(model: torch.nn.Module) -> int:
             wraps = {n: (recipe, joints.get(n)) for n in names}
             m.register_load_state_dict_pre_hook(functools.partial(_wrap_assigned, wraps=wraps))
             m._moe_fp8_state_dict_hook = True
-        for n in names:
-            w, joint = getattr(m, n), joints.get(n)
-            if hasattr(w, "_local_tensor"):  # a DTensor (expert parallelism): wrap its local shard
-                if not isinstance(w._local_tensor, ShardedWeight):
-                    from torch.distributed.tensor import DTensor
-
-                    data = DTensor.from_local(ShardedWeight(w._local_tensor.detach(), recipe, joint), w.device_mesh,
-                                              w.placements, run_check=False, shape=w.shape, stride=w.stride())
-                    setattr(m, n, torch.nn.Parameter(data, requires_grad=w.requires_grad))
-            elif not isinstance(w, ShardedWeight):
-                setattr(m, n, torch.nn.Parameter(ShardedWeight(w.detach(), recipe, joint),
-                                                 requires_grad=w.requires_grad))
+        for n in names:  # (a DTensor, expert parallelism: its local shard wrapped)
+            w = getattr(m, n)
+            data = _as_sharded(w, recipe, joints.get(n))
+            if data is not None:
+                setattr(m, n, torch.nn.Parameter(data, requires_grad=w.requires_grad))
     return len(found)

@@ -48,14 +48,13 @@ group size must be a multiple of the alignment; set ``MOE_FP8_DEBUG=1`` to check
 under ``torch.compile(fullgraph=True)``.
 """
 
-import os
 from typing import Optional, Union
 
 import torch
 from torch import Tensor
 
 from . import token_groups
-from .ops import content_checked
+from .ops import content_checked, debug_checks as _debug
 from .recipes import FLOAT_DTYPES, SAME_READ, Recipe, get_recipe
 
 _ops = torch.ops.moe_fp8
@@ -68,10 +67,6 @@ def grouped_mm_backend(device: torch.device, recipe: Union[str, Recipe] = "fp8_r
     ``"blockwise_gemm"`` (ours, sm90), mxfp8 ``"mxfp8_gemm"`` (PyTorch's, sm100); bf16
     ``"grouped_mm"``."""
     return get_recipe(recipe, "grouped_mm_backend").backend(torch.device(device))
-
-
-def _debug() -> bool:
-    return os.environ.get("MOE_FP8_DEBUG") == "1"
 
 
 def _gemm_out_dtype(recipe: Recipe, backend: str, want: torch.dtype, in_dtype: torch.dtype) -> torch.dtype:

@@ -31,12 +31,17 @@ def positive_nan(v: Tensor) -> Tensor:
     return torch.where(torch.isnan(v), torch.full_like(bits, F32_NAN_BITS), bits).view(torch.float32)
 
 
+def _plus_nan(y: Tensor) -> Tensor:
+    """y with every NaN the type's +NaN (torch's nan constant: 0x7FC0 in bf16)."""
+    return torch.where(torch.isnan(y), torch.full_like(y, float("nan")), y)
+
+
 def round_to(v: Tensor, dtype: torch.dtype) -> Tensor:
     """v (fp32) rounded to bf16, fp16 or fp32 as the ops write it (§3): a bf16 NaN is
     0x7FC0 (c10's cast) whatever its sign and payload; fp16 and fp32 keep the NaN the
     arithmetic made."""
     out = v.to(dtype)
-    return torch.where(torch.isnan(out), torch.full_like(out, float("nan")), out) if dtype == torch.bfloat16 else out
+    return _plus_nan(out) if dtype == torch.bfloat16 else out
 
 
 def amax(x: Tensor, dim: int) -> Tensor:
@@ -220,8 +225,7 @@ def combine_rows_backward(grad: Tensor, x: Tensor, scores: Tensor, token: Tensor
 
 def dequantize_rows(q: Tensor, scale: Tensor, block: int, out_dtype: torch.dtype) -> Tensor:
     s = scale.repeat_interleave(block, dim=1)[:, :q.shape[1]]
-    y = (q.float() * s).to(out_dtype)  # (every NaN the type's +NaN, §8)
-    return torch.where(torch.isnan(y), torch.full_like(y, float("nan")), y)
+    return _plus_nan((q.float() * s).to(out_dtype))  # (§8)
 
 
 # ---- MXFP8 (DESIGN §7): E8M0 scales over blocks of 32, the blocked scale layout ----------

@@ -165,13 +165,17 @@ def share_versions_in_state_dict(module: torch.nn.Module) -> None:
 def _alias_shards(module, state_dict, prefix, local_metadata) -> None:
     # DTensor's detach runs below autograd: its shard gets a version counter of its own.
     # Rebuilt around a detach of the parameter's shard made here, the entry shares it.
-    from torch.distributed.tensor import DTensor
-
     for name, p in module.named_parameters():
         v = state_dict.get(prefix + name)
-        if isinstance(v, DTensor) and v is not p and type(p._local_tensor) is Tensor:
-            state_dict[prefix + name] = DTensor.from_local(p._local_tensor.detach(), v.device_mesh, v.placements,
-                                                           run_check=False, shape=v.shape, stride=v.stride())
+        if v is not None and v is not p and _local(v) is not v and type(p._local_tensor) is Tensor:
+            state_dict[prefix + name] = _rewrap(v, p._local_tensor.detach())
+
+
+def _rewrap(d: Tensor, local: Tensor) -> Tensor:
+    """A DTensor like ``d`` (mesh, placements, shape, strides) around the shard ``local``."""
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(local, d.device_mesh, d.placements, run_check=False, shape=d.shape, stride=d.stride())
 
 
 def weight_keys(module: torch.nn.Module, names: Sequence[str]) -> Tuple[Tensor, ...]:

@@ -142,8 +142,7 @@ def converted_class(base: type) -> type:
                 raise TypeError(f"ExpertsConverter: {type(self).__name__} overrides {name}, which moe_fp8_ext.experts "
                                 "would not run; list moe_fp8_ext's converter alone for the routed experts")
             recipe = get_recipe(config.moe_fp8_recipe, "ExpertsConverter")
-            ws = [self.w1.weight, self.w3.weight, self.w2.weight] if shared else [getattr(self, n) for n in _NAMES]
-            _check_recipe_runs(base.__name__, recipe, [w.unsqueeze(0) for w in ws] if shared else ws, "ExpertsConverter")
+            _check_recipe_runs(base.__name__, recipe, self, "ExpertsConverter")
             _configure(self, recipe, config.moe_fp8_reuse_weights)
             if config.moe_fp8_all_gather:
                 if shared:
@@ -185,11 +184,14 @@ def _check_convertible(fqn: str, module, recipe: Recipe) -> None:
     if name is not None:
         raise TypeError(f"convert: expected {fqn or 'the model'} to be a GroupedExperts with torchtitan's SwiGLU forward, "
                         f"got {type(module).__name__}, which overrides {name} (moe_fp8_ext.experts would not compute it)")
-    _check_recipe_runs(fqn or "the model", recipe, [getattr(module, n) for n in _NAMES])
+    _check_recipe_runs(fqn or "the model", recipe, module)
 
 
-def _check_recipe_runs(where: str, recipe: Recipe, ws, op: str = "convert") -> None:
-    """That ``recipe`` runs on the 3-D weights ``ws`` (w1, w3, w2; shapes and dtypes, on meta tensors)."""
+def _check_recipe_runs(where: str, recipe: Recipe, module, op: str = "convert") -> None:
+    """That ``recipe`` runs on the weights of ``module`` (experts, or a FeedForward as one
+    expert) as the layer reads them (shapes and dtypes, on meta tensors)."""
+    ws = ([getattr(module, n).weight.unsqueeze(0) for n in _FFN_NAMES] if isinstance(module, FeedForward)
+          else [getattr(module, n) for n in _NAMES])
     x = torch.empty((0, ws[0].shape[-1]), dtype=torch.bfloat16, device="meta")
     meta = [torch.empty(w.shape, dtype=torch.bfloat16 if recipe.precision == "bf16" else w.dtype, device="meta")
             for w in ws]
@@ -244,7 +246,7 @@ def _check_shared_convertible(fqn: str, module, recipe: Recipe) -> None:
         if dims is not None and dims.tp_enabled:
             raise RuntimeError(f"convert: {where} is tensor-parallel; shared_experts does not run tensor "
                                "parallelism: convert with shared_experts=False")
-    _check_recipe_runs(fqn, recipe, [getattr(module, n).weight.unsqueeze(0) for n in _FFN_NAMES])
+    _check_recipe_runs(fqn, recipe, module)
 
 
 def _join(fqn: str, name: str) -> str:

@@ -36,6 +36,7 @@ from ._checks import (  # noqa: F401
     check_tensor,
     checked_padded_rows,
     content_checked,
+    debug_checks,
     padded_rows,
 )
 from .rowwise import (  # noqa: F401

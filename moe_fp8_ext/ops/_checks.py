@@ -67,10 +67,15 @@ def check_same_device(op: str, ref_name: str, ref: Tensor, **others: Optional[Te
             raise RuntimeError(f"{op}: expected {name} on {ref.device} (the device of {ref_name}), got {t.device}")
 
 
+def debug_checks() -> bool:
+    """``MOE_FP8_DEBUG=1``: checks that sync with the GPU run."""
+    return os.environ.get("MOE_FP8_DEBUG") == "1"
+
+
 def content_checked(t: Tensor) -> bool:
     """Whether a check may read ``t``'s values: on the CPU always, on a GPU only with
     ``MOE_FP8_DEBUG=1`` (it syncs); never while tracing (the values are not known)."""
-    return (t.device.type == "cpu" or os.environ.get("MOE_FP8_DEBUG") == "1") and not torch.compiler.is_compiling()
+    return (t.device.type == "cpu" or debug_checks()) and not torch.compiler.is_compiling()
 
 
 def check_counts_where_cheap(op: str, name: str, counts: Tensor, num_tokens: int) -> None:
