@@ -3,7 +3,9 @@
 // the code lives (TORCH_LIBRARY_IMPL in each family's CPU file and .cu file).
 #define Py_LIMITED_API 0x030A0000  // CPython's stable ABI as of 3.10 (pyproject.toml)
 #include <Python.h>
+#include <ATen/core/LegacyTypeDispatch.h>
 #include <torch/csrc/autograd/autograd_not_implemented_fallback.h>
+#include <torch/csrc/autograd/variable.h>
 #include <torch/library.h>
 #include <torch/version.h>
 
@@ -12,6 +14,7 @@
 #include <exception>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "core/tuning.h"
 #include "quant/engine.h"
@@ -174,6 +177,33 @@ TORCH_LIBRARY_IMPL(moe_fp8, Autograd, m) {
     "swiglu_backward_with_h_quantize_rowwise", "swiglu_quantize_rowwise", "to_blocked_scales",
     "to_blocked_scales_k_groups", "to_blocked_scales_m_groups", "unpad_token_groups"};
   for (const char* name : kFunctionalOps) m.impl(name, torch::autograd::autogradNotImplementedFallback());
+}
+
+namespace {
+
+// The ops that write an input bump its version counter, as torch's in-place ops do, so
+// that autograd sees the write (a saved tensor written after it was saved raises).
+void bump_written_inputs(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack) {
+  const auto& args = op.schema().arguments();
+  const size_t first = stack->size() - args.size();
+  std::vector<at::Tensor> written;
+  for (size_t i = 0; i < args.size(); ++i) {
+    const auto* alias = args[i].alias_info();
+    if (alias != nullptr && alias->isWrite()) written.push_back((*stack)[first + i].toTensor());
+  }
+  {
+    at::AutoDispatchBelowADInplaceOrView below;
+    op.redispatchBoxed(keys & c10::after_ADInplaceOrView_keyset, stack);
+  }
+  for (const auto& t : written) torch::autograd::impl::bump_version(t);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(moe_fp8, ADInplaceOrView, m) {
+  static const char* const kInPlaceOps[] = {"blockwise_grouped_mm_2d2d_add_", "rowwise_grouped_mm_2d2d_add_",
+                                            "zero_rows_past_groups_"};
+  for (const char* name : kInPlaceOps) m.impl(name, torch::CppFunction::makeFromBoxedFunction<&bump_written_inputs>());
 }
 
 #if defined(MOE_FP8_WITH_CUDA)

@@ -563,7 +563,9 @@ def test_2d2d_add_is_the_product_before_rounding(m, n, k, sizes):
     out0 = torch.randn(e, n, k, device="cuda", generator=torch.Generator("cuda").manual_seed(m))
     for c in range(bg.CONFIGS_2D2D_ADD):
         out = out0.clone()
+        version = out._version
         bg.blockwise_grouped_mm_2d2d_add_(out, a, sa, b, sb, offs, config=c)
+        assert out._version > version  # the write is seen by autograd
         assert torch.equal(out, out0 + acc), f"config {c}: {int((out != out0 + acc).sum())} outputs differ"
     for g, (s, t) in enumerate(ranges(offs, m)):
         if t == s:

@@ -65,6 +65,27 @@ def test_every_functional_op_refuses_a_backward():
         assert not moe_fp8_ext.swiglu(h13).requires_grad
 
 
+def test_every_op_that_writes_an_input_bumps_its_version():
+    """An op that writes an input bumps its version counter (csrc/bindings.cpp's
+    ADInplaceOrView kernel), as torch's in-place ops do: a tensor that autograd saved and
+    the op then wrote makes the backward raise instead of reading the new values."""
+    ops = [op for op in registered_ops() if _writes_an_input(op)]
+    assert "zero_rows_past_groups_" in ops, ops
+    missing = [op for op in ops if not torch._C._dispatch_has_kernel_for_dispatch_key(f"moe_fp8::{op}", "ADInplaceOrView")]
+    assert not missing, f"ops that write an input without an ADInplaceOrView kernel (csrc/bindings.cpp): {missing}"
+    w = torch.randn(6, 4, requires_grad=True)
+    x = torch.randn(6, 4)
+    y = w * x  # saves x
+    offs = torch.tensor([2, 5], dtype=torch.int32)
+    before = x._version
+    torch.ops.moe_fp8.zero_rows_past_groups_(x, offs)
+    assert x._version > before and torch.equal(x[5], torch.zeros(4))
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
+    with torch.inference_mode():
+        torch.ops.moe_fp8.zero_rows_past_groups_(torch.randn(6, 4), offs)
+
+
 def test_module_is_stable_abi_and_reports_its_build():
     # `_C.abi3.so`: CPython's stable ABI (csrc/bindings.cpp), one module for every Python
     # from 3.10 on, so a module built elsewhere for the same torch loads here

@@ -393,6 +393,7 @@ def test_2d2d_add_is_the_product_before_rounding(m, n, k, sizes):
     out0 = torch.randn(e, n, k, device="cuda", generator=g)
     out = out0.clone()
     rg.rowwise_grouped_mm_2d2d_add_(out, a, sa, b, sb, offs)
+    assert out._version > 0  # the write is seen by autograd
     want = out0 + acc
     assert torch.equal(out, want), (f"{int((out != want).sum())} outputs differ, by up to "
                                     f"{((out - want).abs() / want.abs().clamp_min(1e-30)).max().item():.2e} relative")
