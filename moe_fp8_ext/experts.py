@@ -32,7 +32,7 @@ from typing import Optional, Tuple, Union
 
 import torch
 from torch import Tensor
-from torch.fx.experimental.symbolic_shapes import guard_or_false
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch.torch_version import TorchVersion
 
 from . import dispatch as _dispatch, fsdp as _fsdp, token_groups
@@ -238,7 +238,7 @@ class _Experts(torch.autograd.Function):
             dtype = _gemm_out_dtype(recipe, backend, ctx.dtypes[3], grad_out.dtype)
             if ctx.main_grads is not None:
                 recipe.mm_2d2d_add_(ctx.main_grads[2], g_col, h_col, wgrad_offs, dtype, backend)
-            elif (need_x or need_w13) and guard_or_false(  # (rows unknown while compiling: run it now)
+            elif (need_x or need_w13) and statically_known_true(  # (unknown while compiling: run it now)
                     _nbytes((g_col, h_col)) < ctx.shapes[3].numel() * ctx.dtypes[3].itemsize):
                 w2_last = [g_col, h_col, dtype]
             else:

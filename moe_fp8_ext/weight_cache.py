@@ -17,6 +17,8 @@ and dtype, plus the recipe and fp8 dtype.
   ``w.untyped_storage()``, ``w.numpy()``, or under
   ``torch.autograd._unsafe_preserve_version_counter``) outside an optimizer step. Call
   :func:`clear_weight_caches` after them. This is why reuse is opt-in.
+- Never cached: inference tensors (made under ``torch.inference_mode()``), which have
+  no version counter.
 
 Memory: one fp8 copy of each weight in each orientation (``WeightCache.nbytes()``),
 about the bf16 weights' size, until the next optimizer step; under FSDP2 that is the
@@ -59,6 +61,12 @@ def _key(t: Tensor) -> Tuple[tuple, StorageWeakRef]:
              local.stride(), local.dtype, local.device), StorageWeakRef(storage))
 
 
+def _untracked(keys: Sequence[Tensor]) -> bool:
+    """Whether a key has no version counter (an inference tensor, made under
+    ``torch.inference_mode()``): such weights are never cached."""
+    return any(k.is_inference() or _local(k).is_inference() for k in keys)
+
+
 class WeightCache:
     """Quantized expert weights, reused while the weights are unchanged (the module
     docstring has the exact rule). One per layer; ``hits`` and ``misses`` count lookups."""
@@ -85,6 +93,8 @@ class WeightCache:
     def get(self, name: str, keys: Sequence[Tensor], tag: tuple, make):
         """The operand ``name`` if none of ``keys`` changed since it was made (and the
         recipe and fp8 dtype ``tag`` are the same), else ``make()``, kept for next time."""
+        if _untracked(keys):
+            return make()
         key = tuple(_key(k)[0] for k in keys) + tag
         hit = self._entries.get(name)
         if hit is not None and hit[0] == key:
@@ -105,6 +115,8 @@ class WeightCache:
     def put(self, name: str, keys: Sequence[Tensor], tag: tuple, operand) -> None:
         """Keep ``operand`` as ``name`` (made together with another entry: the backward
         operand of a weight read once for both), not counted as a lookup."""
+        if _untracked(keys):
+            return
         made = [_key(k) for k in keys]
         self._entries[name] = (tuple(m[0] for m in made) + tag, tuple(m[1] for m in made), operand)
 

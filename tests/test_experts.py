@@ -845,6 +845,49 @@ def test_compiled_module_bypasses_the_cache(device, backend, checkpointed):
     assert got[0] > 35 and min(got[1:]) > 30, got
 
 
+@pytest.mark.parametrize("recipe", ["fp8_rowwise", "fp8_blockwise"])
+def test_compiled_experts_compile_twice_across_token_counts(recipe):
+    """torch.compile (dynamic=None) over steps whose token count changes: the static
+    graph, then one dynamic graph for every count. The backward's choice to run W2's
+    weight GEMM last reads the row count; decided on a symbolic count it guarded on it,
+    and counts past about w2's bytes / (dim + hidden) rows compiled a third graph."""
+    from torch._dynamo.utils import counters
+
+    e, dim, hidden = 8, 256, 256
+    g = torch.Generator().manual_seed(5)
+    w1, w3, w2 = [(torch.randn(s, generator=g) * 0.05).bfloat16().requires_grad_()
+                  for s in ((e, hidden, dim), (e, hidden, dim), (e, dim, hidden))]
+
+    def step(x, counts):
+        return experts(x, w1, w3, w2, torch.cumsum(counts, 0, dtype=torch.int32), recipe=recipe)
+
+    torch._dynamo.reset()
+    counters.clear()
+    f = torch.compile(step, backend="aot_eager", fullgraph=True)
+    for t in (384, 256, 1800, 2100, 512):  # (the threshold: 1872 rows)
+        counts = torch.bincount(torch.randint(0, e - 2, (t,), generator=g), minlength=e)
+        f(torch.randn(t, dim, dtype=torch.bfloat16, generator=g).requires_grad_(), counts).float().sum().backward()
+    graphs = counters["stats"]["unique_graphs"]
+    torch._dynamo.reset()
+    assert graphs == 2, graphs
+
+
+def test_reuse_skips_inference_tensor_weights():
+    """Weights made under torch.inference_mode() (a model built or loaded there) have no
+    version counter: the cache leaves them alone instead of raising, and the output is
+    the uncached layer's."""
+    with torch.inference_mode():
+        cached, plain = (GroupedExperts(64, 128, 2, reuse_weights=r, dtype=torch.bfloat16) for r in (True, False))
+        plain.load_state_dict(cached.state_dict())
+        x, counts = torch.randn(12, 64, dtype=torch.bfloat16), torch.tensor([5, 7])
+    assert cached.w1.is_inference()
+    with torch.no_grad():
+        assert torch.equal(cached(x, counts), plain(x, counts))
+    with torch.inference_mode():
+        assert torch.equal(cached(x, counts), plain(x, counts))
+    assert cached.weight_cache.hits == cached.weight_cache.misses == len(cached.weight_cache._entries) == 0
+
+
 @pytest.mark.parametrize("on_parent", [False, True])
 def test_fsdp2_reuses_by_the_sharded_parameters(tmp_path, on_parent):
     """FSDP2 (fully_shard on the layer or on a parent; one CPU rank over gloo): the

@@ -368,10 +368,25 @@ def test_fp8_dispatch_converts_the_dispatchers_of_converted_experts():
     cfg = tt.ExpertsConverter.Config(recipe="fp8_rowwise", fp8_dispatch=True).build().convert(_moe_config())
     cfg = tt.ExpertsConverter.Config(recipe="fp8_blockwise", fp8_dispatch=True).build().convert(cfg)
     assert cfg.routed_experts.token_dispatcher.recipe == "fp8_blockwise"
+    # Converted again without fp8_dispatch: torchtitan's dispatcher, its fields kept.
+    again = tt.ExpertsConverter.Config(recipe="mxfp8").build().convert(cfg)
+    assert type(again.routed_experts.token_dispatcher) is AllToAllTokenDispatcher.Config
+    assert again.routed_experts.token_dispatcher.top_k == 2
     # A built model converted again, then unconverted: torchtitan's all-to-all dispatcher.
     moe = tt.build_moe(64, 128, 4, converter=tt.ExpertsConverter.Config(recipe="fp8_rowwise", fp8_dispatch=True))
     assert tt.convert(moe, "fp8_blockwise", fp8_dispatch=True) == 1
     assert tt.unconvert(moe) == 1 and type(moe.routed_experts.token_dispatcher) is AllToAllTokenDispatcher
+    # Converted again to another recipe without fp8_dispatch: torchtitan's dispatcher
+    # (it kept the old recipe, and every forward raised); the layer still runs.
+    from torchtitan.models.common.token_dispatcher import LocalTokenDispatcher
+
+    for all_to_all, base in ((True, AllToAllTokenDispatcher), (False, LocalTokenDispatcher)):
+        moe = tt.build_moe(128, 128, 4, all_to_all=all_to_all)
+        assert tt.convert(moe, "fp8_blockwise", fp8_dispatch=True) == 1
+        for recipe in ("fp8_rowwise", "bf16", "mxfp8"):
+            assert tt.convert(moe, recipe) == 1
+            assert type(moe.routed_experts.token_dispatcher) is base, recipe
+            moe(torch.randn(2, 8, 128, dtype=torch.bfloat16))
 
 
 def _moe_config():

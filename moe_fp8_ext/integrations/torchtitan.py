@@ -28,7 +28,7 @@ all-gather the expert weights as fp8 (:mod:`moe_fp8_ext.fsdp`; convert before
 without expert parallelism, gathers) the routed rows as fp8 (:mod:`moe_fp8_ext.dispatch`).
 """
 
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, fields
 from typing import List, Optional, Union
 
 import torch
@@ -307,7 +307,8 @@ def convert(model: torch.nn.Module, recipe: Union[str, Recipe] = "fp8_rowwise", 
     """Convert every torchtitan ``GroupedExperts`` in ``model`` (the model itself
     included) to run :func:`moe_fp8_ext.experts` with ``recipe``, in place; returns how
     many were converted. Converting again changes the recipe (of shared experts converted
-    before too), except where the weights all-gather in fp8 (RuntimeError). Works before
+    before too), except where the weights all-gather in fp8 (RuntimeError), and the
+    dispatch (without ``fp8_dispatch``, torchtitan's dispatcher again). Works before
     or after torchtitan's ``parallelize`` and FSDP2. ``reuse_weights``: a
     :class:`~moe_fp8_ext.WeightCache` per module (opt-in: see
     :mod:`moe_fp8_ext.weight_cache` for the writes it cannot see). ``fp8_all_gather``
@@ -323,6 +324,8 @@ def convert(model: torch.nn.Module, recipe: Union[str, Recipe] = "fp8_rowwise", 
     found = [(fqn, m) for fqn, m in model.named_modules() if isinstance(m, GroupedExperts)]
     shared = _shared(model, converted_only=not shared_experts)
     dispatchers = _dispatchers(model, r) if fp8_dispatch else []
+    ours = [] if fp8_dispatch else [m.token_dispatcher for m in model.modules()
+                                    if type(getattr(m, "token_dispatcher", None)) is Fp8AllToAllTokenDispatcher]
     dims = []
     checks = [(fqn, m, _check_convertible) for fqn, m in found] + [
         (fqn, m, _check_shared_convertible) for fqn, m in shared]
@@ -349,7 +352,14 @@ def convert(model: torch.nn.Module, recipe: Union[str, Recipe] = "fp8_rowwise", 
         if type(d) is not Fp8AllToAllTokenDispatcher:  # (torchtitan's class, which unconvert restores)
             d.moe_fp8_base = type(d)
         d.__class__, d.recipe, d.ep_mesh = Fp8AllToAllTokenDispatcher, r, getattr(d, "ep_mesh", None)
+    for d in ours:
+        _restore_dispatcher(d)
     return len(found) + (len(shared) if shared_experts else 0)
+
+
+def _restore_dispatcher(d) -> None:
+    """Our fp8 dispatcher ``d`` as torchtitan's again (the class it was converted from)."""
+    d.__class__ = d.__dict__.pop("moe_fp8_base", AllToAllTokenDispatcher)
 
 
 def _dispatchers(model: torch.nn.Module, recipe: Recipe):
@@ -384,7 +394,7 @@ def unconvert(model: torch.nn.Module) -> int:
     for m in model.modules():
         d = getattr(m, "token_dispatcher", None)
         if type(d) is Fp8AllToAllTokenDispatcher:
-            d.__class__ = d.__dict__.pop("moe_fp8_base", AllToAllTokenDispatcher)
+            _restore_dispatcher(d)
     return len(found)
 
 
@@ -440,21 +450,21 @@ class ExpertsConverter(QuantizationConverter):
                 config, where, FeedForward, moe_fp8_recipe=cfg.recipe, moe_fp8_reuse_weights=cfg.reuse_weights)))
         for parent, attr, new in changes:
             model_config = _replace(model_config, parent, attr, new)
-        if cfg.fp8_dispatch:  # (the dispatcher of every MoE layer whose experts were converted)
-            for fqn, routed, _, _ in model_config.traverse(RoutedExperts.Config):
-                config = routed.token_dispatcher
-                converted = hasattr(getattr(type(routed.inner_experts), "_owner", None), "_moe_fp8_base")
-                if not converted:
-                    continue
-                if type(config) is Fp8AllToAllTokenDispatcher.Config:  # (converted again: the new recipe)
-                    routed.token_dispatcher = replace(config, recipe=cfg.recipe)
-                    continue
-                if type(config) not in (AllToAllTokenDispatcher.Config, LocalTokenDispatcher.Config):
-                    raise TypeError(f"ExpertsConverter: expected {fqn}.token_dispatcher to be torchtitan's "
-                                    f"AllToAllTokenDispatcher or LocalTokenDispatcher for fp8_dispatch, got "
-                                    f"{type(config).__qualname__}")
-                values = {f.name: getattr(config, f.name) for f in fields(config)}
-                routed.token_dispatcher = Fp8AllToAllTokenDispatcher.Config(**values, recipe=cfg.recipe)
+        for fqn, routed, _, _ in model_config.traverse(RoutedExperts.Config):
+            config = routed.token_dispatcher  # (of every MoE layer whose experts were converted)
+            if not hasattr(getattr(type(routed.inner_experts), "_owner", None), "_moe_fp8_base"):
+                continue
+            ours = type(config) is Fp8AllToAllTokenDispatcher.Config
+            values = {f.name: getattr(config, f.name) for f in fields(config) if f.name != "recipe"}
+            if not cfg.fp8_dispatch:
+                if ours:  # (converted again without it: torchtitan's dispatcher)
+                    routed.token_dispatcher = AllToAllTokenDispatcher.Config(**values)
+                continue
+            if not ours and type(config) not in (AllToAllTokenDispatcher.Config, LocalTokenDispatcher.Config):
+                raise TypeError(f"ExpertsConverter: expected {fqn}.token_dispatcher to be torchtitan's "
+                                f"AllToAllTokenDispatcher or LocalTokenDispatcher for fp8_dispatch, got "
+                                f"{type(config).__qualname__}")
+            routed.token_dispatcher = Fp8AllToAllTokenDispatcher.Config(**values, recipe=cfg.recipe)
         return model_config
 
 
