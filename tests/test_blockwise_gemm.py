@@ -100,7 +100,6 @@ def dequant_2d3d(a, sa, b, sb):
 
 def dequant_2d2d(a, sa, b, sb):
     n, m = a.shape
-    k = b.shape[1]
     return a.float() * expand(sa.float(), [1], [m]), b.float() * expand(sb.float(), [0], [m])
 
 

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 import moe_fp8_ext
 from moe_fp8_ext import reference as ref
-from conftest import DEVICES, HAS_CUDA, assert_fp8_equal, assert_scale_equal, poison, randn, requires_cuda
+from conftest import DEVICES, assert_fp8_equal, assert_scale_equal, poison, randn, requires_cuda
 
 F8S = [torch.float8_e4m3fn, torch.float8_e4m3fnuz, torch.float8_e5m2]
 IN_DTYPES = [torch.bfloat16, torch.float16, torch.float32]
