@@ -324,8 +324,7 @@ def convert(model: torch.nn.Module, recipe: Union[str, Recipe] = "fp8_rowwise", 
     found = [(fqn, m) for fqn, m in model.named_modules() if isinstance(m, GroupedExperts)]
     shared = _shared(model, converted_only=not shared_experts)
     dispatchers = _dispatchers(model, r) if fp8_dispatch else []
-    ours = [] if fp8_dispatch else [m.token_dispatcher for m in model.modules()
-                                    if type(getattr(m, "token_dispatcher", None)) is Fp8AllToAllTokenDispatcher]
+    ours = [] if fp8_dispatch else _our_dispatchers(model)
     dims = []
     checks = [(fqn, m, _check_convertible) for fqn, m in found] + [
         (fqn, m, _check_shared_convertible) for fqn, m in shared]
@@ -355,6 +354,12 @@ def convert(model: torch.nn.Module, recipe: Union[str, Recipe] = "fp8_rowwise", 
     for d in ours:
         _restore_dispatcher(d)
     return len(found) + (len(shared) if shared_experts else 0)
+
+
+def _our_dispatchers(model: torch.nn.Module) -> list:
+    """The token dispatchers of ``model`` that are our fp8 one."""
+    return [m.token_dispatcher for m in model.modules()
+            if type(getattr(m, "token_dispatcher", None)) is Fp8AllToAllTokenDispatcher]
 
 
 def _restore_dispatcher(d) -> None:
@@ -391,10 +396,8 @@ def unconvert(model: torch.nn.Module) -> int:
     for (fqn, module), parallel_dims in zip(found, dims):
         _swap_class(module, type(module)._moe_fp8_base, parallel_dims)
         del module.moe_fp8_recipe, module.moe_fp8_weight_cache
-    for m in model.modules():
-        d = getattr(m, "token_dispatcher", None)
-        if type(d) is Fp8AllToAllTokenDispatcher:
-            _restore_dispatcher(d)
+    for d in _our_dispatchers(model):
+        _restore_dispatcher(d)
     return len(found)
 
 
