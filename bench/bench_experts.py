@@ -6,13 +6,14 @@ A step is the forward and ``out.backward(grad)`` (a loss's backward) into the
 parameters' ``.grad``, as after an optimizer step (the weights' version counters move):
 "fresh" sets every ``.grad`` to None first (one micro-batch a step), "accum" is the time
 per micro-batch of four that add into ``.grad`` in place. "+reuse" rows convert with
-``reuse_weights=True`` (each weight quantized once a step); in the MoE table, "+shared"
-rows convert the layer's shared experts too (``shared_experts=True``), and "+dispatch"
-rows swap its token dispatcher for the fp8 one (``fp8_dispatch=True``: each token
-quantized once and its fp8 rows gathered; x's gradient rows summed in one pass, the bits
-of torchtitan's index_put backward; the combine in one pass each way, the bits of
-torchtitan's on CUDA). "bf16+combine" is torchtitan's bf16 layer with only that combine
-(moe_fp8_ext.dispatch.combine): the part of "+dispatch"'s gain that is not FP8's.
+``reuse_weights=True`` (each weight quantized once a step). In the MoE table, converting
+also swaps the layer's token dispatcher for ``OnePassTokenDispatcher`` (x's gradient rows
+summed in one pass, the bits of torchtitan's index_put backward; the combine in one pass
+each way, the bits of torchtitan's on CUDA); "bf16+dispatcher" is torchtitan's bf16
+layer with only that dispatcher: the part of the gain that is not FP8's. "+shared" rows
+convert the layer's shared experts too (``shared_experts=True``), and "+dispatch" rows
+dispatch in fp8 (``fp8_dispatch=True``: each token quantized once and its fp8 rows
+gathered).
 Token groups are a
 router's: unaligned sizes drawn around tokens/experts (the MoE table routes real tokens
 through torchtitan's router). Peak is the most memory one fresh step allocates above
@@ -38,7 +39,6 @@ import copy
 import dataclasses
 import os
 import sys
-import types
 
 import torch
 
@@ -301,11 +301,12 @@ def moe_layer(tokens, dim, hidden, experts, top_k, converter=None, seed=0):
     return build_moe(dim, hidden, experts, top_k, device=DEVICE, seed=seed, all_to_all=True, converter=converter)
 
 
-COMPILED_MOE = ("bf16", "bf16+combine", "fp8_blockwise+dispatch", "fp8_rowwise+dispatch")
+COMPILED_MOE = ("bf16", "bf16+dispatcher", "fp8_rowwise", "fp8_blockwise", "fp8_rowwise+dispatch",
+                "fp8_blockwise+dispatch")
 
 
 def bench_moe(shapes, modes, peer):
-    from moe_fp8_ext.integrations.torchtitan import ExpertsConverter, Fp8AllToAllTokenDispatcher
+    from moe_fp8_ext.integrations.torchtitan import ExpertsConverter, OnePassTokenDispatcher
 
     rows, records = [], []
     for t, d, h, e, k in shapes:
@@ -313,10 +314,9 @@ def bench_moe(shapes, modes, peer):
         x = torch.randn(1, t, d, device=DEVICE, dtype=torch.bfloat16, generator=g).requires_grad_()
         grad = torch.randn(1, t, d, device=DEVICE, dtype=torch.bfloat16, generator=g)
         variants = {"bf16": (moe_layer(t, d, h, e, k), (x,), grad)}
-        bf16_combine = moe_layer(t, d, h, e, k)
-        disp = bf16_combine.routed_experts.token_dispatcher
-        disp.combine = types.MethodType(Fp8AllToAllTokenDispatcher.combine, disp)
-        variants["bf16+combine"] = (bf16_combine, (x,), grad)
+        bf16_ours = moe_layer(t, d, h, e, k)
+        bf16_ours.routed_experts.token_dispatcher.__class__ = OnePassTokenDispatcher  # (an all-to-all one)
+        variants["bf16+dispatcher"] = (bf16_ours, (x,), grad)
         for r in RECIPES:  # (+shared: shared_experts=True; +dispatch: fp8_dispatch=True)
             variants[r] = (moe_layer(t, d, h, e, k, ExpertsConverter.Config(recipe=r)), (x,), grad)
             variants[r + "+shared"] = (moe_layer(t, d, h, e, k, ExpertsConverter.Config(recipe=r, shared_experts=True)),
@@ -368,7 +368,8 @@ class MoEStack(torch.nn.Module):
 def bench_stack(shapes, layers):
     """``layers`` MoE layers in a row (copies of one layer, weights drawn again on the device):
     bf16, each recipe, and each with ``hold_weight_operands=True`` (the weights' backward
-    operands saved from the forward, not quantized again). Fresh steps and their peak."""
+    operands saved from the forward, not quantized again), all with torchtitan's token
+    dispatcher (the experts' share alone). Fresh steps and their peak."""
     from moe_fp8_ext.integrations.torchtitan import convert
     from moe_fp8_ext.recipes import get_recipe
 
@@ -388,7 +389,7 @@ def bench_stack(shapes, layers):
             hold = dataclasses.replace(get_recipe(r), hold_weight_operands=True)
             for name, recipe in ((r, r), (r + "+hold", hold)):
                 variants[name] = copy.deepcopy(bf16)
-                convert(variants[name], recipe)
+                convert(variants[name], recipe, torchtitan_dispatcher=True)
         with torch.no_grad():
             want = bf16(x)
             checks = {n: f"{sqnr(want, m(x)):.1f} dB" for n, m in variants.items() if n != "bf16"}

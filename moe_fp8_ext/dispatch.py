@@ -21,7 +21,8 @@ fp8, as DeepSeek-V3 requantizes its cached 1x128 activations). The forward outpu
 the input gradient are the bits of the bf16 dispatch; W1's and W3's gradients are
 within a second fp8 rounding of them.
 
-The combine (:func:`combine`, bf16) weights each returned row by its routing score
+Without fp8, :func:`gather` makes the same rows in bf16, with x's gradient summed in
+one pass as above. The combine (:func:`combine`, bf16) weights each returned row by its routing score
 and sums each token's rows in one pass (``combine_rows``), with the bits of
 torchtitan's combine on CUDA, without its copies and sort of the rows; its backward is
 one pass too (``combine_rows_backward``).
@@ -44,7 +45,7 @@ from torch import Tensor
 from .ops._checks import _require
 from .recipes import Fp8Blockwise, Fp8Rowwise, Recipe, get_recipe
 
-__all__ = ["Fp8Rows", "combine", "fp8_dispatch", "fp8_rows_operand"]
+__all__ = ["Fp8Rows", "combine", "fp8_dispatch", "fp8_rows_operand", "gather"]
 
 _ops = torch.ops.moe_fp8
 
@@ -190,6 +191,30 @@ def _gather_backward(grad: Tensor, token_idx: Tensor, num_tokens: int) -> Tensor
     return _ops.sum_rows(grad, *_token_rows(token_idx, num_tokens))
 
 
+class _Gather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, token_idx):
+        ctx.num_tokens = x.shape[0]
+        ctx.save_for_backward(token_idx)
+        return x[token_idx.long()]
+
+    @staticmethod
+    def backward(ctx, grad):
+        (token_idx,) = ctx.saved_tensors
+        return _gather_backward(grad.contiguous(), token_idx, ctx.num_tokens), None
+
+
+def gather(x: Tensor, token_idx: Tensor) -> Tensor:
+    """The rows ``x[token_idx]`` (x (T, D), ``token_idx`` (N,) int32 or int64 in [0, T)),
+    differentiable in x: its gradient sums each token's rows in ascending order in one
+    pass (``sum_rows``), the sums of autograd's ``index_put`` without its sort of the rows."""
+    if not isinstance(x, Tensor) or x.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"gather: expected x a 2-D bf16, fp16 or fp32 tensor, got {getattr(x, 'shape', x)}")
+    if not isinstance(token_idx, Tensor) or token_idx.dim() != 1 or token_idx.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"gather: expected token_idx 1-D int32 or int64, got {getattr(token_idx, 'dtype', token_idx)}")
+    return _Gather.apply(x, token_idx.to(torch.int32))
+
+
 class _Combine(torch.autograd.Function):
     @staticmethod
     def forward(ctx, y, scores, token_idx, num_tokens):
@@ -211,9 +236,14 @@ def combine(y: Tensor, scores: Tensor, token_idx: Tensor, num_tokens: int) -> Te
     backward. Differentiable in y and scores (any float dtype; the product is fp32)."""
     if not isinstance(y, Tensor) or y.dim() != 2 or y.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise ValueError(f"combine: expected y a 2-D bf16, fp16 or fp32 tensor, got {getattr(y, 'shape', y)}")
-    if scores.shape != y.shape[:1] or token_idx.shape != y.shape[:1] or not scores.is_floating_point():
-        raise ValueError(f"combine: expected scores (float) and token_idx of shape ({y.shape[0]},), got "
-                         f"{scores.dtype} {tuple(scores.shape)} and {tuple(token_idx.shape)}")
+    def shapes():
+        return (f"combine: expected scores (float) and token_idx of shape ({y.shape[0]},), got {scores.dtype} "
+                f"{tuple(scores.shape)} and {tuple(token_idx.shape)}")
+
+    if scores.dim() != 1 or token_idx.dim() != 1 or not scores.is_floating_point():
+        raise ValueError(shapes())
+    for n in (scores.shape[0], token_idx.shape[0]):  # (y's rows may come from an all-to-all: unbacked)
+        _require(n == y.shape[0], shapes, ValueError)
     if token_idx.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"combine: expected token_idx int32 or int64, got {token_idx.dtype}")
     return _Combine.apply(y, scores.float(), token_idx.to(torch.int32), num_tokens)

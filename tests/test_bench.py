@@ -23,11 +23,11 @@ def test_bench_experts_smoke(tmp_path, table):
     want = {"bf16", "fp8_rowwise", "fp8_blockwise"} | ({"fp8_blockwise (composed SwiGLU)"} if "--swiglu-ab" in table
                                                        else {"fp8_rowwise+shared", "fp8_blockwise+shared",
                                                              "fp8_rowwise+dispatch", "fp8_blockwise+dispatch",
-                                                             "bf16+combine"})
+                                                             "bf16+dispatcher"})
     assert want <= {r["variant"] for r in rows}
     assert all(r["fresh_ms"] > 0 and r["accum_ms"] > 0 for r in rows)
     if "--compile" in table:  # (the MoE layer's fp8 dispatch compiles fullgraph)
-        assert {"bf16", "fp8_blockwise+dispatch", "fp8_rowwise+dispatch"} <= {
+        assert {"bf16", "fp8_blockwise", "fp8_blockwise+dispatch", "fp8_rowwise+dispatch"} <= {
             r["variant"] for r in rows if r["mode"] == "compiled"}
 
 

@@ -6,7 +6,6 @@ tests/test_expert_parallel.py and tests/test_torchtitan_parallel.py."""
 
 import os
 import tempfile
-import types
 
 import pytest
 import torch
@@ -349,42 +348,54 @@ def test_wrapped_layer_pickles_and_its_state_dict_is_plain(tmp_path):
     assert all(p.grad is not None for p in back.parameters()) and x.grad is not None
 
 
-def test_fp8_dispatch_converts_the_dispatchers_of_converted_experts():
+def test_converters_swap_the_dispatchers_of_converted_experts():
     tt = pytest.importorskip("moe_fp8_ext.integrations.torchtitan")
-    from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher
+    from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher, LocalTokenDispatcher
 
     def dispatcher(**kw):
         moe = tt.build_moe(64, 128, 4, all_to_all=kw.pop("all_to_all", True),
-                           converter=tt.ExpertsConverter.Config(fp8_dispatch=True, **kw))
+                           converter=tt.ExpertsConverter.Config(**kw))
         return moe.routed_experts.token_dispatcher
 
-    d = dispatcher(recipe="fp8_rowwise")
+    d = dispatcher(recipe="fp8_rowwise", fp8_dispatch=True)
     assert type(d) is tt.Fp8AllToAllTokenDispatcher and d.recipe.name == "fp8_rowwise"
     assert type(dispatcher(recipe="fp8_blockwise", filter_fqns=["inner_experts"])) is AllToAllTokenDispatcher
-    assert type(dispatcher(recipe="fp8_blockwise", all_to_all=False)) is tt.Fp8AllToAllTokenDispatcher  # (local)
+    for all_to_all in (True, False):  # (local: ours is local without an EP mesh)
+        assert type(dispatcher(recipe="fp8_blockwise", all_to_all=all_to_all, fp8_dispatch=True)) is \
+            tt.Fp8AllToAllTokenDispatcher
+        assert type(dispatcher(recipe="mxfp8", all_to_all=all_to_all)) is tt.OnePassTokenDispatcher
+        kept = dispatcher(recipe="fp8_rowwise", all_to_all=all_to_all, torchtitan_dispatcher=True)
+        assert type(kept) is (AllToAllTokenDispatcher if all_to_all else LocalTokenDispatcher)
     with pytest.raises(ValueError, match="fp8_blockwise or fp8_rowwise"):
         tt.ExpertsConverter.Config(recipe="mxfp8", fp8_dispatch=True).build()
-    # Converted again: the dispatcher follows the experts' recipe.
+    with pytest.raises(ValueError, match="torchtitan_dispatcher=False"):
+        tt.ExpertsConverter.Config(recipe="fp8_rowwise", fp8_dispatch=True, torchtitan_dispatcher=True).build()
+    # Converted again: the dispatcher follows the experts' recipe and the options.
     cfg = tt.ExpertsConverter.Config(recipe="fp8_rowwise", fp8_dispatch=True).build().convert(_moe_config())
     cfg = tt.ExpertsConverter.Config(recipe="fp8_blockwise", fp8_dispatch=True).build().convert(cfg)
     assert cfg.routed_experts.token_dispatcher.recipe == "fp8_blockwise"
-    # Converted again without fp8_dispatch: torchtitan's dispatcher, its fields kept.
     again = tt.ExpertsConverter.Config(recipe="mxfp8").build().convert(cfg)
+    assert type(again.routed_experts.token_dispatcher) is tt.OnePassTokenDispatcher.Config
+    again = tt.ExpertsConverter.Config(recipe="mxfp8", torchtitan_dispatcher=True).build().convert(again)
     assert type(again.routed_experts.token_dispatcher) is AllToAllTokenDispatcher.Config
-    assert again.routed_experts.token_dispatcher.top_k == 2
+    assert again.routed_experts.token_dispatcher.top_k == 2  # (its fields kept)
     # A built model converted again, then unconverted: torchtitan's all-to-all dispatcher.
     moe = tt.build_moe(64, 128, 4, converter=tt.ExpertsConverter.Config(recipe="fp8_rowwise", fp8_dispatch=True))
     assert tt.convert(moe, "fp8_blockwise", fp8_dispatch=True) == 1
     assert tt.unconvert(moe) == 1 and type(moe.routed_experts.token_dispatcher) is AllToAllTokenDispatcher
-    # Converted again to another recipe without fp8_dispatch: torchtitan's dispatcher
-    # (it kept the old recipe, and every forward raised); the layer still runs.
-    from torchtitan.models.common.token_dispatcher import LocalTokenDispatcher
-
+    with pytest.raises(ValueError, match="torchtitan_dispatcher=False"):
+        tt.convert(moe, "fp8_rowwise", fp8_dispatch=True, torchtitan_dispatcher=True)
+    # Converted again to another recipe without fp8_dispatch: ours in bf16 (the fp8 one kept
+    # the old recipe, and every forward raised), then torchtitan's; the layer still runs.
     for all_to_all, base in ((True, AllToAllTokenDispatcher), (False, LocalTokenDispatcher)):
         moe = tt.build_moe(128, 128, 4, all_to_all=all_to_all)
         assert tt.convert(moe, "fp8_blockwise", fp8_dispatch=True) == 1
         for recipe in ("fp8_rowwise", "bf16", "mxfp8"):
             assert tt.convert(moe, recipe) == 1
+            d = moe.routed_experts.token_dispatcher
+            assert type(d) is tt.OnePassTokenDispatcher and "recipe" not in d.__dict__, recipe
+            moe(torch.randn(2, 8, 128, dtype=torch.bfloat16))
+            assert tt.convert(moe, recipe, torchtitan_dispatcher=True) == 1
             assert type(moe.routed_experts.token_dispatcher) is base, recipe
             moe(torch.randn(2, 8, 128, dtype=torch.bfloat16))
 
@@ -514,8 +525,8 @@ def test_fp8_gathered_experts_keep_their_recipe(one_rank, recipe):
 def test_local_fp8_dispatch_in_torchtitan_moe(device, recipe, how):
     """torchtitan's MoE without expert parallelism, its all-to-all or local dispatcher
     swapped for ours (converter config, or convert() of a built model): the output and
-    the gradients of x, the router and W2 have the bits of the bf16 dispatch (with our
-    combine, whose score gradient sums in another order than autograd's); W1's and W3's
+    the gradients of x, the router and W2 have the bits of our bf16 dispatch (the
+    converters' default, OnePassTokenDispatcher); W1's and W3's
     are within the second fp8 rounding of x (relative L2 below 2%). unconvert()
     restores the dispatcher's class."""
     tt = pytest.importorskip("moe_fp8_ext.integrations.torchtitan")
@@ -529,9 +540,7 @@ def test_local_fp8_dispatch_in_torchtitan_moe(device, recipe, how):
             moe = tt.build_moe(256, 128, 4, 3, device=device, all_to_all=all_to_all)
             assert tt.convert(moe, recipe, fp8_dispatch=fp8) == 1
         d = moe.routed_experts.token_dispatcher
-        assert (type(d) is tt.Fp8AllToAllTokenDispatcher) == fp8
-        if not fp8:
-            d.combine = types.MethodType(tt.Fp8AllToAllTokenDispatcher.combine, d)
+        assert type(d) is (tt.Fp8AllToAllTokenDispatcher if fp8 else tt.OnePassTokenDispatcher)
         x = randn((2, 37, 256), torch.bfloat16, device, seed=3).requires_grad_()
         out = moe(x)
         out.backward(randn(out.shape, torch.bfloat16, device, seed=4))
@@ -551,9 +560,11 @@ def test_local_fp8_dispatch_in_torchtitan_moe(device, recipe, how):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("recipe", ["fp8_blockwise", "fp8_rowwise"])
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("fp8", [True, False])
 @torch._dynamo.config.patch(capture_scalar_outputs=True)
-def test_torchtitan_moe_with_fp8_dispatch_compiles_fullgraph(device, recipe, backend):
-    """torchtitan's MoE converted with fp8_dispatch=True, compiled as torchtitan compiles
+def test_torchtitan_moe_with_fp8_dispatch_compiles_fullgraph(device, recipe, backend, fp8):
+    """torchtitan's MoE converted with fp8_dispatch=True (or without: our bf16 one-pass
+    dispatcher), compiled as torchtitan compiles
     its blocks (fullgraph, scalar outputs captured): aot_eager gives the eager bits
     (output and every gradient); inductor compiles the router too, whose fp32 rounding
     may differ by ulps: within 1% (relative L2) there."""
@@ -563,7 +574,7 @@ def test_torchtitan_moe_with_fp8_dispatch_compiles_fullgraph(device, recipe, bac
     results = []
     for compiled in (False, True):
         moe = tt.build_moe(256, 128, 4, 3, device=device,
-                           converter=tt.ExpertsConverter.Config(recipe=recipe, fp8_dispatch=True))
+                           converter=tt.ExpertsConverter.Config(recipe=recipe, fp8_dispatch=fp8))
         f = torch.compile(moe, backend=backend, fullgraph=True) if compiled else moe
         x = randn((2, 37, 256), torch.bfloat16, device, seed=3).requires_grad_()
         out = f(x)
@@ -621,6 +632,71 @@ def test_combine_is_torchtitans(device, dtype):
         dispatch.combine(y, scores[1:], token_idx, tokens)
     with pytest.raises(ValueError, match="combine: expected token_idx int32 or int64"):
         dispatch.combine(y, scores, token_idx.to(torch.int16), tokens)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gather_is_indexing_with_a_one_pass_backward(device, dtype):
+    """dispatch.gather: the rows x[token_idx] (int32 or int64, any order, repeats, tokens
+    with no row), and x's gradient with the bits of autograd's backward of the indexing
+    (fp32 on the CPU, on one thread: torch's CPU index_put adds with atomics; any dtype
+    on CUDA, for rows of more than 64 elements)."""
+    tokens, k, width = 41, 3, 136
+    token_idx = torch.randint(0, tokens - 2, (tokens * k,), generator=torch.Generator().manual_seed(2)).to(device)
+    x = randn((tokens, width), dtype, device, seed=1)
+    g = randn((tokens * k, width), dtype, device, seed=3)
+    want_x = x.clone().requires_grad_()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        torch.autograd.backward(want_x[token_idx], g)
+    finally:
+        torch.set_num_threads(threads)
+    for idx in (token_idx, token_idx.to(torch.int32)):
+        xr = x.clone().requires_grad_()
+        rows = dispatch.gather(xr, idx)
+        assert same(rows, x[token_idx])
+        rows.backward(g)
+        if dtype == torch.float32 or device != "cpu":
+            assert same(xr.grad, want_x.grad)
+        assert not xr.grad[tokens - 2:].any()  # (tokens with no row)
+    with pytest.raises(ValueError, match="gather: expected x a 2-D"):
+        dispatch.gather(x[0], token_idx)
+    with pytest.raises(ValueError, match="gather: expected token_idx 1-D int32 or int64"):
+        dispatch.gather(x, token_idx.float())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("all_to_all", [True, False])
+def test_one_pass_dispatcher_is_torchtitans(device, all_to_all):
+    """torchtitan's bf16 MoE with only its dispatcher swapped for OnePassTokenDispatcher
+    (what convert does besides the experts): the output and the experts' weight
+    gradients bit for bit (fp32 on the CPU, whose scatter_add adds bf16 otherwise; bf16
+    on CUDA); x's and the router's gradients through the scores' gradient, which sums
+    its fp32 dots in another order: within 1e-5 of fp32, 1e-2 of bf16 (relative L2)."""
+    tt = pytest.importorskip("moe_fp8_ext.integrations.torchtitan")
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    results = []
+    for ours in (False, True):
+        moe = tt.build_moe(256, 128, 4, 3, device=device, dtype=dtype, all_to_all=all_to_all)
+        if ours:
+            moe.routed_experts.token_dispatcher.__class__ = tt.OnePassTokenDispatcher
+            moe.routed_experts.token_dispatcher.ep_mesh = None
+        x = randn((2, 37, 256), dtype, device, seed=3).requires_grad_()
+        out = moe(x)
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            out.backward(randn(out.shape, dtype, device, seed=4))
+        finally:
+            torch.set_num_threads(threads)
+        results.append({"out": out, "x": x.grad, **{n: p.grad for n, p in moe.named_parameters()}})
+    want, got = results
+    for name in want:
+        if name == "out" or "routed_experts" in name or "shared_experts" in name:
+            assert same(got[name], want[name]), name
+        else:
+            assert rel(got[name], want[name]) < (1e-5 if dtype == torch.float32 else 1e-2), name
 
 
 def test_dispatch_permutes_rows_and_pads_with_zeros(one_rank):

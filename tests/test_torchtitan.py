@@ -125,16 +125,14 @@ def moe_config(e=8, dim=128, hidden=64, top_k=2):
 def test_config_converter_builds_fp8_experts(recipe):
     """ExpertsConverter in torchtitan's converters=[...] path: the GroupedExperts config
     becomes ours, the built module runs moe_fp8_ext.experts with the recipe (the same
-    output as converting the built bf16 module) and keeps torchtitan's parameters and
-    token dispatcher."""
-    from torchtitan.models.common.token_dispatcher import LocalTokenDispatcher
-
-    from moe_fp8_ext.integrations.torchtitan import ExpertsConverter
+    output as converting the built bf16 module) and keeps torchtitan's parameters; the
+    token dispatcher becomes our one-pass one (no padding swap)."""
+    from moe_fp8_ext.integrations.torchtitan import ExpertsConverter, OnePassTokenDispatcher
 
     cfg = ExpertsConverter.Config(recipe=recipe).build().convert(moe_config())
     inner_cfg = cfg.routed_experts.inner_experts
     assert isinstance(inner_cfg, tt_moe.GroupedExperts.Config) and inner_cfg.moe_fp8_recipe == recipe
-    assert type(cfg.routed_experts.token_dispatcher) is LocalTokenDispatcher.Config  # (no padding swap)
+    assert type(cfg.routed_experts.token_dispatcher) is OnePassTokenDispatcher.Config
     torch.manual_seed(0)
     built = cfg.build()
     torch.manual_seed(0)

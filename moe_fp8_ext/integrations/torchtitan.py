@@ -13,8 +13,11 @@ or convert a built model, before or after torchtitan parallelized it::
 Every ``GroupedExperts`` becomes a subclass whose ``forward`` runs
 :func:`moe_fp8_ext.experts` (W1 and W3 as one GEMM, fused SwiGLU, W2). Parameters,
 state_dict keys, initialization, optimizer state and sharding stay as they are, and
-token groups of any size work, so the token dispatcher is not swapped for a padding
-one. A module this cannot convert is an error, never a module left in bf16.
+token groups of any size work, so no padding is added. A module this cannot convert is
+an error, never a module left in bf16. The MoE layer's token dispatcher, torchtitan's
+all-to-all or local one, becomes :class:`OnePassTokenDispatcher`: the same rows, with
+its gather's backward and its combine in one pass each (torchtitan's bits on CUDA; a
+gain that is not FP8's). ``torchtitan_dispatcher=True`` keeps torchtitan's.
 
 ``shared_experts=True`` converts each MoE layer's shared experts (torchtitan's SwiGLU
 ``FeedForward``) too: they run as one expert that every token goes to, with the same
@@ -22,8 +25,7 @@ recipe. They are not tensor-parallel here, and FSDP2 gathers them in bf16.
 
 FP8 communication (fp8_blockwise and fp8_rowwise): ``fp8_all_gather`` makes FSDP2
 all-gather the expert weights as fp8 (:mod:`moe_fp8_ext.fsdp`; convert before
-``fully_shard``), ``fp8_dispatch`` swaps the ``AllToAllTokenDispatcher`` (or
-``LocalTokenDispatcher``) of each MoE layer whose experts it converts for
+``fully_shard``), ``fp8_dispatch`` makes the dispatcher
 :class:`Fp8AllToAllTokenDispatcher`, which quantizes each token once and sends (or,
 without expert parallelism, gathers) the routed rows as fp8 (:mod:`moe_fp8_ext.dispatch`).
 """
@@ -45,12 +47,12 @@ from torchtitan.models.common.token_dispatcher import (
 )
 
 from .. import fsdp as _fsdp
-from ..dispatch import _check_recipe, combine, fp8_dispatch
+from ..dispatch import _check_recipe, combine, fp8_dispatch, gather
 from ..experts import _check, experts, offsets_from_counts
 from ..recipes import Recipe, get_recipe
 from ..weight_cache import WeightCache, share_versions_in_state_dict, weight_keys
 
-__all__ = ["ExpertsConverter", "Fp8AllToAllTokenDispatcher", "build_moe", "convert", "unconvert"]
+__all__ = ["ExpertsConverter", "Fp8AllToAllTokenDispatcher", "OnePassTokenDispatcher", "build_moe", "convert", "unconvert"]
 
 _NAMES = ("w1_EFD", "w3_EFD", "w2_EDF")
 _FFN_NAMES = ("w1", "w3", "w2")  # (FeedForward's Linear modules: weight (out, in), no bias)
@@ -303,12 +305,16 @@ def _redistributing(self, parallel_dims):
 
 
 def convert(model: torch.nn.Module, recipe: Union[str, Recipe] = "fp8_rowwise", *, reuse_weights: bool = False,
-            fp8_all_gather: bool = False, fp8_dispatch: bool = False, shared_experts: bool = False) -> int:
+            fp8_all_gather: bool = False, fp8_dispatch: bool = False, shared_experts: bool = False,
+            torchtitan_dispatcher: bool = False) -> int:
     """Convert every torchtitan ``GroupedExperts`` in ``model`` (the model itself
     included) to run :func:`moe_fp8_ext.experts` with ``recipe``, in place; returns how
-    many were converted. Converting again changes the recipe (of shared experts converted
-    before too), except where the weights all-gather in fp8 (RuntimeError), and the
-    dispatch (without ``fp8_dispatch``, torchtitan's dispatcher again). Works before
+    many were converted. The token dispatcher of each MoE layer whose experts it converts,
+    torchtitan's all-to-all or local one, becomes :class:`OnePassTokenDispatcher` (the same
+    rows; its gather's backward and combine in one pass), or with ``torchtitan_dispatcher``
+    stays (or is again) torchtitan's; other dispatchers are kept. Converting again changes
+    the recipe (of shared experts converted before too), except where the weights
+    all-gather in fp8 (RuntimeError), and the dispatcher. Works before
     or after torchtitan's ``parallelize`` and FSDP2. ``reuse_weights``: a
     :class:`~moe_fp8_ext.WeightCache` per module (opt-in: see
     :mod:`moe_fp8_ext.weight_cache` for the writes it cannot see). ``fp8_all_gather``
@@ -323,8 +329,11 @@ def convert(model: torch.nn.Module, recipe: Union[str, Recipe] = "fp8_rowwise", 
         raise TypeError(f"convert: expected a torch.nn.Module, got {type(model).__name__}")
     found = [(fqn, m) for fqn, m in model.named_modules() if isinstance(m, GroupedExperts)]
     shared = _shared(model, converted_only=not shared_experts)
-    dispatchers = _dispatchers(model, r) if fp8_dispatch else []
-    ours = [] if fp8_dispatch else _our_dispatchers(model)
+    if fp8_dispatch and torchtitan_dispatcher:
+        raise ValueError("convert: fp8_dispatch sends the tokens through our dispatcher; expected "
+                         "torchtitan_dispatcher=False with it")
+    dispatchers = [] if torchtitan_dispatcher else _dispatchers(model, r, fp8_dispatch)
+    ours = _our_dispatchers(model) if torchtitan_dispatcher else []
     dims = []
     checks = [(fqn, m, _check_convertible) for fqn, m in found] + [
         (fqn, m, _check_shared_convertible) for fqn, m in shared]
@@ -348,39 +357,47 @@ def convert(model: torch.nn.Module, recipe: Union[str, Recipe] = "fp8_rowwise", 
     if fp8_all_gather:
         _fsdp.fp8_all_gather(model)
     for d in dispatchers:  # (a local one has no mesh: ours is local without one)
-        if type(d) is not Fp8AllToAllTokenDispatcher:  # (torchtitan's class, which unconvert restores)
+        if not isinstance(d, OnePassTokenDispatcher):  # (torchtitan's class, which unconvert restores)
             d.moe_fp8_base = type(d)
-        d.__class__, d.recipe, d.ep_mesh = Fp8AllToAllTokenDispatcher, r, getattr(d, "ep_mesh", None)
+        d.__class__, d.ep_mesh = Fp8AllToAllTokenDispatcher if fp8_dispatch else OnePassTokenDispatcher, getattr(
+            d, "ep_mesh", None)
+        if fp8_dispatch:
+            d.recipe = r
+        else:
+            d.__dict__.pop("recipe", None)
     for d in ours:
         _restore_dispatcher(d)
     return len(found) + (len(shared) if shared_experts else 0)
 
 
 def _our_dispatchers(model: torch.nn.Module) -> list:
-    """The token dispatchers of ``model`` that are our fp8 one."""
+    """The token dispatchers of ``model`` that are ours."""
     return [m.token_dispatcher for m in model.modules()
-            if type(getattr(m, "token_dispatcher", None)) is Fp8AllToAllTokenDispatcher]
+            if isinstance(getattr(m, "token_dispatcher", None), OnePassTokenDispatcher)]
 
 
 def _restore_dispatcher(d) -> None:
-    """Our fp8 dispatcher ``d`` as torchtitan's again (the class it was converted from)."""
+    """Our dispatcher ``d`` as torchtitan's again (the class it was converted from)."""
     d.__class__ = d.__dict__.pop("moe_fp8_base", AllToAllTokenDispatcher)
+    d.__dict__.pop("recipe", None)
 
 
-def _dispatchers(model: torch.nn.Module, recipe: Recipe):
-    """The token dispatchers of ``model``'s MoE layers whose experts are converted,
-    each torchtitan's all-to-all or local one (or already ours), for an fp8 dispatch
-    with ``recipe``."""
-    _check_recipe(recipe, "convert")
+def _dispatchers(model: torch.nn.Module, recipe: Recipe, fp8: bool):
+    """The token dispatchers of ``model``'s MoE layers whose experts are converted that
+    become ours: torchtitan's all-to-all or local one (or already ours); any other is
+    kept, or with ``fp8`` (an fp8 dispatch with ``recipe``) an error."""
+    if fp8:
+        _check_recipe(recipe, "convert")
     found = []
     for fqn, m in model.named_modules():
         d = getattr(m, "token_dispatcher", None)
         if d is None or not isinstance(getattr(m, "inner_experts", None), GroupedExperts):
             continue
-        if type(d) not in (AllToAllTokenDispatcher, LocalTokenDispatcher, Fp8AllToAllTokenDispatcher):
+        if type(d) in _SWAPPED:
+            found.append(d)
+        elif fp8:
             raise TypeError(f"convert: expected {fqn}.token_dispatcher to be torchtitan's AllToAllTokenDispatcher or "
                             f"LocalTokenDispatcher for fp8_dispatch, got {type(d).__name__}")
-        found.append(d)
     return found
 
 
@@ -418,6 +435,9 @@ class ExpertsConverter(QuantizationConverter):
         fp8_dispatch: bool = False
         """The routed tokens are quantized once and dispatched in fp8, sent under expert
         parallelism and gathered locally without it (Fp8AllToAllTokenDispatcher)."""
+        torchtitan_dispatcher: bool = False
+        """Keep torchtitan's token dispatcher; by default it becomes OnePassTokenDispatcher
+        (the same rows; its gather's backward and combine in one pass each)."""
         shared_experts: bool = False
         """The MoE layers' shared experts (FeedForward) run moe_fp8_ext.experts too."""
         filter_fqns: List[str] = field(default_factory=list)
@@ -428,6 +448,9 @@ class ExpertsConverter(QuantizationConverter):
         recipe = get_recipe(config.recipe, "ExpertsConverter")  # (an unknown name fails here, not at build)
         if config.fp8_dispatch:
             _check_recipe(recipe, "ExpertsConverter")
+            if config.torchtitan_dispatcher:
+                raise ValueError("ExpertsConverter: fp8_dispatch sends the tokens through our dispatcher; expected "
+                                 "torchtitan_dispatcher=False with it")
         if config.fp8_all_gather:
             _fsdp.check_recipe(recipe, "ExpertsConverter")
             if config.reuse_weights:
@@ -457,17 +480,20 @@ class ExpertsConverter(QuantizationConverter):
             config = routed.token_dispatcher  # (of every MoE layer whose experts were converted)
             if not hasattr(getattr(type(routed.inner_experts), "_owner", None), "_moe_fp8_base"):
                 continue
-            ours = type(config) is Fp8AllToAllTokenDispatcher.Config
+            ours = isinstance(config, OnePassTokenDispatcher.Config)
             values = {f.name: getattr(config, f.name) for f in fields(config) if f.name != "recipe"}
-            if not cfg.fp8_dispatch:
-                if ours:  # (converted again without it: torchtitan's dispatcher)
+            if cfg.torchtitan_dispatcher:
+                if ours:  # (converted again with it: torchtitan's dispatcher)
                     routed.token_dispatcher = AllToAllTokenDispatcher.Config(**values)
                 continue
-            if not ours and type(config) not in (AllToAllTokenDispatcher.Config, LocalTokenDispatcher.Config):
-                raise TypeError(f"ExpertsConverter: expected {fqn}.token_dispatcher to be torchtitan's "
-                                f"AllToAllTokenDispatcher or LocalTokenDispatcher for fp8_dispatch, got "
-                                f"{type(config).__qualname__}")
-            routed.token_dispatcher = Fp8AllToAllTokenDispatcher.Config(**values, recipe=cfg.recipe)
+            if type(config) not in (c.Config for c in _SWAPPED):
+                if cfg.fp8_dispatch:
+                    raise TypeError(f"ExpertsConverter: expected {fqn}.token_dispatcher to be torchtitan's "
+                                    f"AllToAllTokenDispatcher or LocalTokenDispatcher for fp8_dispatch, got "
+                                    f"{type(config).__qualname__}")
+                continue
+            routed.token_dispatcher = (Fp8AllToAllTokenDispatcher.Config(**values, recipe=cfg.recipe) if cfg.fp8_dispatch
+                                       else OnePassTokenDispatcher.Config(**values))
         return model_config
 
 
@@ -495,17 +521,46 @@ def _replace(root, parent, attr, new):
     return root
 
 
-class Fp8AllToAllTokenDispatcher(AllToAllTokenDispatcher):
-    """torchtitan's all-to-all token dispatcher, sending the routed tokens as the first
-    expert GEMM's fp8 operand (:func:`moe_fp8_ext.dispatch.fp8_dispatch`: each token
-    quantized once, fp8 data + scales); the experts read them as they arrive. Without
-    expert parallelism the fp8 rows are gathered locally. x's gradient sums each token's
-    rows in one pass, with the bits of torchtitan's gather backward. The combine stays
-    bf16 and is :func:`moe_fp8_ext.dispatch.combine`: torchtitan's bits on CUDA, one
-    pass each way instead of its copies and sort of the rows."""
+def _routed_order(topk_scores_TK: Tensor, topk_expert_ids_TK: Tensor, top_k: int):
+    """torchtitan's order of the routed rows (by expert, each expert's in token order):
+    the token of each row and its score."""
+    order = torch.argsort(topk_expert_ids_TK.view(-1), stable=True)
+    return order // top_k, topk_scores_TK.view(-1)[order]
+
+
+class OnePassTokenDispatcher(AllToAllTokenDispatcher):
+    """torchtitan's all-to-all token dispatcher (local without expert parallelism, as its
+    ``LocalTokenDispatcher``): the same rows in the same order, with x's gradient summed
+    in one pass (:func:`moe_fp8_ext.dispatch.gather`) and the combine in one pass each
+    way (:func:`moe_fp8_ext.dispatch.combine`: torchtitan's bits on CUDA, without its
+    fp32 copy of the routed rows and its sort of them). ``convert`` swaps it in."""
 
     @dataclass(kw_only=True, slots=True)
     class Config(AllToAllTokenDispatcher.Config):
+        pass
+
+    def _local_reorder(self, x_TD, topk_scores_TK, topk_expert_ids_TK):
+        token_idx, scores = _routed_order(topk_scores_TK, topk_expert_ids_TK, self.top_k)
+        return gather(x_TD, token_idx), token_idx, scores
+
+    def combine(self, routed_output_RD, metadata, x_TD):
+        routed = routed_output_RD
+        if self.ep_mesh is not None:  # (torchtitan's unpermute and all-to-all back)
+            routed = self._unpermute(routed, metadata.input_shape, metadata.permuted_indices)
+            routed = self._combine_token_exchange(routed, self.ep_mesh.get_group(), metadata.input_splits,
+                                                  metadata.output_splits)
+        return combine(routed, metadata.topk_scores_experts_sorted_N, metadata.token_indices_experts_sorted_N,
+                       x_TD.shape[0])
+
+
+class Fp8AllToAllTokenDispatcher(OnePassTokenDispatcher):
+    """:class:`OnePassTokenDispatcher` sending the routed tokens as the first expert
+    GEMM's fp8 operand (:func:`moe_fp8_ext.dispatch.fp8_dispatch`: each token quantized
+    once, fp8 data + scales); the experts read them as they arrive. Without expert
+    parallelism the fp8 rows are gathered locally. The combine stays bf16."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(OnePassTokenDispatcher.Config):
         recipe: Union[str, Recipe] = "fp8_blockwise"
 
     def __init__(self, config: Config):
@@ -514,10 +569,7 @@ class Fp8AllToAllTokenDispatcher(AllToAllTokenDispatcher):
         _check_recipe(self.recipe, "Fp8AllToAllTokenDispatcher")
 
     def dispatch(self, x_TD, topk_scores_TK, topk_expert_ids_TK, num_local_tokens_per_expert_E):
-        # torchtitan's order of the routed rows: by expert, each expert's in token order
-        order = torch.argsort(topk_expert_ids_TK.view(-1), stable=True)
-        scores = topk_scores_TK.view(-1)[order]
-        token_idx = order // self.top_k
+        token_idx, scores = _routed_order(topk_scores_TK, topk_expert_ids_TK, self.top_k)
         if self.ep_mesh is None:  # (the rows are gathered here, nothing is sent)
             rows = fp8_dispatch(x_TD, token_idx.to(torch.int32), self.recipe)
             metadata = LocalDispatchMetadata(token_indices_experts_sorted_N=token_idx,
@@ -542,14 +594,9 @@ class Fp8AllToAllTokenDispatcher(AllToAllTokenDispatcher):
             output_splits=out_splits)
         return rows, counts_e, metadata
 
-    def combine(self, routed_output_RD, metadata, x_TD):
-        routed = routed_output_RD
-        if self.ep_mesh is not None:  # (torchtitan's unpermute and all-to-all back)
-            routed = self._unpermute(routed, metadata.input_shape, metadata.permuted_indices)
-            routed = self._combine_token_exchange(routed, self.ep_mesh.get_group(), metadata.input_splits,
-                                                  metadata.output_splits)
-        return combine(routed, metadata.topk_scores_experts_sorted_N, metadata.token_indices_experts_sorted_N,
-                       x_TD.shape[0])
+
+# (the dispatchers convert makes ours)
+_SWAPPED = (AllToAllTokenDispatcher, LocalTokenDispatcher, OnePassTokenDispatcher, Fp8AllToAllTokenDispatcher)
 
 
 def build_moe(dim: int, hidden: int, experts: int, top_k: int = 2, *, device="cpu", dtype=torch.bfloat16,
