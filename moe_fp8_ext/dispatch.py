@@ -209,7 +209,8 @@ def gather(x: Tensor, token_idx: Tensor) -> Tensor:
     differentiable in x: its gradient sums each token's rows in ascending order in one
     pass (``sum_rows``), the sums of autograd's ``index_put`` without its sort of the rows."""
     if not isinstance(x, Tensor) or x.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        raise ValueError(f"gather: expected x a 2-D bf16, fp16 or fp32 tensor, got {getattr(x, 'shape', x)}")
+        got = f"a {x.dim()}-D {x.dtype} tensor" if isinstance(x, Tensor) else type(x).__name__
+        raise ValueError(f"gather: expected x a 2-D bf16, fp16 or fp32 tensor, got {got}")
     if not isinstance(token_idx, Tensor) or token_idx.dim() != 1 or token_idx.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"gather: expected token_idx 1-D int32 or int64, got {getattr(token_idx, 'dtype', token_idx)}")
     return _Gather.apply(x, token_idx.to(torch.int32))

@@ -660,8 +660,10 @@ def test_gather_is_indexing_with_a_one_pass_backward(device, dtype):
         if dtype == torch.float32 or device != "cpu":
             assert same(xr.grad, want_x.grad)
         assert not xr.grad[tokens - 2:].any()  # (tokens with no row)
-    with pytest.raises(ValueError, match="gather: expected x a 2-D"):
+    with pytest.raises(ValueError, match="gather: expected x a 2-D .* got a 1-D"):
         dispatch.gather(x[0], token_idx)
+    with pytest.raises(ValueError, match="gather: expected x a 2-D .* got a 2-D torch.float64 tensor"):
+        dispatch.gather(x.double(), token_idx)
     with pytest.raises(ValueError, match="gather: expected token_idx 1-D int32 or int64"):
         dispatch.gather(x, token_idx.float())
 
