@@ -22,8 +22,8 @@ the input gradient are the bits of the bf16 dispatch; W1's and W3's gradients ar
 within a second fp8 rounding of them.
 
 Without fp8, :func:`gather` makes the same rows in bf16, with x's gradient summed in
-one pass as above. The combine (:func:`combine`, bf16) weights each returned row by its routing score
-and sums each token's rows in one pass (``combine_rows``), with the bits of
+one pass as above. The combine (:func:`combine`, bf16) weights each returned row by its
+routing score and sums each token's rows in one pass (``combine_rows``), with the bits of
 torchtitan's combine on CUDA, without its copies and sort of the rows; its backward is
 one pass too (``combine_rows_backward``).
 

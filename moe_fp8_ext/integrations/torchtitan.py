@@ -52,7 +52,8 @@ from ..experts import _check, experts, offsets_from_counts
 from ..recipes import Recipe, get_recipe
 from ..weight_cache import WeightCache, share_versions_in_state_dict, weight_keys
 
-__all__ = ["ExpertsConverter", "Fp8AllToAllTokenDispatcher", "OnePassTokenDispatcher", "build_moe", "convert", "unconvert"]
+__all__ = ["ExpertsConverter", "Fp8AllToAllTokenDispatcher", "OnePassTokenDispatcher", "build_moe", "convert",
+           "unconvert"]
 
 _NAMES = ("w1_EFD", "w3_EFD", "w2_EDF")
 _FFN_NAMES = ("w1", "w3", "w2")  # (FeedForward's Linear modules: weight (out, in), no bias)
@@ -492,8 +493,8 @@ class ExpertsConverter(QuantizationConverter):
                                     f"AllToAllTokenDispatcher or LocalTokenDispatcher for fp8_dispatch, got "
                                     f"{type(config).__qualname__}")
                 continue
-            routed.token_dispatcher = (Fp8AllToAllTokenDispatcher.Config(**values, recipe=cfg.recipe) if cfg.fp8_dispatch
-                                       else OnePassTokenDispatcher.Config(**values))
+            routed.token_dispatcher = (Fp8AllToAllTokenDispatcher.Config(**values, recipe=cfg.recipe)
+                                       if cfg.fp8_dispatch else OnePassTokenDispatcher.Config(**values))
         return model_config
 
 
