@@ -7,7 +7,8 @@ the bytes at 64-1024 GPUs.
         --hidden 256 --experts 8 --steps 2 --warmup 1          # a smoke run (gloo)
 
 One MoE layer per rank (a softmax top-k router, the SwiGLU experts of
-``moe_fp8_ext.GroupedExperts``, the weighted combine), x (tokens, dim) bf16 with a
+``moe_fp8_ext.GroupedExperts``, the rows gathered and combined by ``moe_fp8_ext.dispatch``
+as in a converted torchtitan MoE layer), x (tokens, dim) bf16 with a
 gradient, ``loss.backward()`` and an SGD step, in two layouts:
 
 - ``ep``: the experts split over all ranks; tokens go to their experts and back by
@@ -107,11 +108,6 @@ def route(x, gate, topk):
     return weights, order, counts
 
 
-def combine(y_sorted, order, weights, tokens, topk):
-    y = torch.empty_like(y_sorted).index_copy(0, order, y_sorted)
-    return (y.view(tokens, topk, -1).float() * weights.unsqueeze(-1)).sum(1).to(y_sorted.dtype)
-
-
 class Layer(torch.nn.Module):
     def __init__(self, args, recipe, fp8_comm, layout, device, world):
         super().__init__()
@@ -124,16 +120,16 @@ class Layer(torch.nn.Module):
                                                   device=device)  # (fp32 master weights, bf16 param_dtype)
 
     def forward(self, x, counter):
-        from moe_fp8_ext.dispatch import fp8_dispatch
+        from moe_fp8_ext.dispatch import combine, fp8_dispatch, gather
         from moe_fp8_ext.ops.token_groups import padded_rows, permute_indices
         from moe_fp8_ext import permute_and_pad, unpermute
         import torch.distributed.nn.functional as dist_fn
 
         a, k = self.args, self.args.topk
         weights, order, counts = route(x, self.gate, k)
+        token, scores = (order // k).to(torch.int32), weights.flatten()[order]  # (each routed row's)
         if self.layout != "ep":
-            y = self.experts(x[order // k], counts)
-            return combine(y, order, weights, x.shape[0], k)
+            return combine(self.experts(gather(x, token), counts), scores, token, x.shape[0])
         world, epr = self.world, a.experts // self.world
         recv_counts = torch.empty_like(counts)
         counter.label = "counts"
@@ -144,9 +140,9 @@ class Layer(torch.nn.Module):
         counter.label = "dispatch"
         if self.fp8_comm:
             idx, _, ends = permute_indices(recv_counts, epr, world, 16, padded_rows(received, epr, 16))
-            xp = fp8_dispatch(x, (order // k).to(torch.int32), self.experts.recipe, None, send, recv, perm=idx)
+            xp = fp8_dispatch(x, token, self.experts.recipe, None, send, recv, perm=idx)
         else:
-            rows = x[order // k]
+            rows = gather(x, token)
             got = dist_fn.all_to_all_single(rows.new_empty((received, a.dim)), rows, recv, send)
             xp, ends, idx = permute_and_pad(got, recv_counts, epr, world, 16)
         counts_p = torch.diff(ends, prepend=ends.new_zeros(1))
@@ -155,7 +151,7 @@ class Layer(torch.nn.Module):
         y_rows = dist_fn.all_to_all_single(x.new_empty((order.shape[0], a.dim)), unpermute(yp, idx, received),
                                            send, recv)
         counter.label = None
-        return combine(y_rows, order, weights, x.shape[0], k)
+        return combine(y_rows, scores, token, x.shape[0])
 
 
 def build(args, variant, layout, device, world):

@@ -10,7 +10,8 @@ Per step: route every token to its top-k experts, send each (token, expert) row 
 the rank that owns the expert (torch.distributed all-to-all), reorder the rows that
 arrive rank-major into padded expert-major groups (``permute_and_pad``), run the
 experts' SwiGLU FFN (``moe_fp8_ext.experts``), undo the reordering (``unpermute``),
-send the rows back and combine them with the routing weights. With ``--fp8-dispatch``
+send the rows back and combine them with the routing weights (``moe_fp8_ext.dispatch``'s
+``gather`` and ``combine``: one pass each way, no sort). With ``--fp8-dispatch``
 the rows travel as the first GEMM's fp8 operand (``moe_fp8_ext.dispatch``: each token
 quantized once, about half the bytes); the combine stays bf16.
 
@@ -32,7 +33,7 @@ import torch.distributed as dist
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 
 import moe_fp8_ext
-from moe_fp8_ext.dispatch import fp8_dispatch
+from moe_fp8_ext.dispatch import combine, fp8_dispatch, gather
 from moe_fp8_ext.ops.token_groups import padded_rows, permute_indices
 
 ALIGN = 16
@@ -55,30 +56,25 @@ def make_layer(args, device, dtype):
 
 
 def route(x, gate, topk):
-    """Top-k experts and their weights for every token; the (token, expert) pairs in
-    token-major order, stably sorted by expert."""
+    """The (token, expert) pairs stably sorted by expert: each pair's token (int32) and
+    routing weight, and the tokens each expert gets."""
     scores = torch.softmax(x.float() @ gate.t(), dim=-1)
     weights, experts = torch.topk(scores, topk, dim=-1)
     flat = experts.flatten()
     order = torch.sort(flat, stable=True).indices
     counts = torch.zeros(gate.shape[0], dtype=torch.int32, device=x.device)
     counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
-    return weights, order, counts
+    return (order // topk).to(torch.int32), weights.flatten()[order], counts
 
 
 def swiglu(x, offs, w1, w3, w2, recipe):
     return moe_fp8_ext.experts(x, w1, w3, w2, offs, recipe=recipe)
 
 
-def combine(y_sorted, order, weights, tokens, topk):
-    y = torch.empty_like(y_sorted).index_copy(0, order, y_sorted)  # back to token-major pairs
-    return (y.view(tokens, topk, -1).float() * weights.unsqueeze(-1)).sum(1).to(y_sorted.dtype)
-
-
 def moe_expert_parallel(x, layer, local, args):
     """The EP forward on this rank: x (T, D) its tokens, local its experts' weights."""
     world, epr, topk = args.world, args.experts_per_rank, args.topk
-    weights, order, counts = route(x, layer["gate"], topk)
+    token, scores, counts = route(x, layer["gate"], topk)
     # counts is destination-rank-major (expert e lives on rank e // epr): exchange it.
     recv_counts = torch.empty_like(counts)
     dist.all_to_all_single(recv_counts, counts)
@@ -88,25 +84,23 @@ def moe_expert_parallel(x, layer, local, args):
     # Rows arrive rank-major: (rank 0: e0, e1, ...), (rank 1: e0, e1, ...).
     if args.fp8_dispatch:  # each token quantized once; its rows sent as fp8 + scales
         idx, _, ends = permute_indices(recv_counts, epr, world, ALIGN, padded_rows(received, epr, ALIGN))
-        token_of_row = (order // topk).to(torch.int32)
-        xp = fp8_dispatch(x, token_of_row, moe_fp8_ext.get_recipe(args.recipe), None, send_splits, recv_splits,
-                          perm=idx)
+        xp = fp8_dispatch(x, token, moe_fp8_ext.get_recipe(args.recipe), None, send_splits, recv_splits, perm=idx)
     else:
-        rows = x.repeat_interleave(topk, dim=0)[order]  # (T·k, D), sorted by global expert
+        rows = gather(x, token)  # (T·k, D), sorted by global expert
         recv = all_to_all_single_autograd(rows, recv_splits, send_splits, dist.group.WORLD)
         xp, ends, idx = moe_fp8_ext.permute_and_pad(recv, recv_counts, epr, world, ALIGN)
     yp = swiglu(xp, ends, local["w1"], local["w3"], local["w2"], args.recipe)
     y_recv = moe_fp8_ext.unpermute(yp, idx, received)
     y_rows = all_to_all_single_autograd(y_recv, send_splits, recv_splits, dist.group.WORLD)
-    return combine(y_rows, order, weights, x.shape[0], topk)
+    return combine(y_rows, scores, token, x.shape[0])
 
 
 def moe_single_process(x, layer, args):
     """The same layer in one process: all experts, all tokens. With --fp8-dispatch the
     experts read the dispatched values: the rows quantized as the first GEMM's operand
     and dequantized (the gradient passes straight through to x)."""
-    weights, order, counts = route(x, layer["gate"], args.topk)
-    rows = x.repeat_interleave(args.topk, dim=0)[order]
+    token, scores, counts = route(x, layer["gate"], args.topk)
+    rows = gather(x, token)
     if args.fp8_dispatch:
         recipe = moe_fp8_ext.get_recipe(args.recipe)
         q, s = recipe.quantize(rows.detach(), recipe.default_fp8_dtype(x.device))[0]
@@ -114,7 +108,7 @@ def moe_single_process(x, layer, args):
         rows = rows + ((q.float() * s).to(rows.dtype) - rows).detach()
     offs = torch.cumsum(counts, 0, dtype=torch.int32)
     y = swiglu(rows, offs, layer["w1"], layer["w3"], layer["w2"], args.recipe)
-    return combine(y, order, weights, x.shape[0], args.topk)
+    return combine(y, scores, token, x.shape[0])
 
 
 def rel_err(got, want):
