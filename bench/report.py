@@ -108,7 +108,8 @@ def distributed_table(runs):
     fp8 communication's bytes, its step against bf16 and against the same recipe
     communicating in bf16, and the loss curve against bf16, next to bf16's own curve against fp32 (the
     same measure: the floor of a loss gap on that task)."""
-    docs = [d for n, d in runs.items() if n.startswith("bench_distributed") and not n.endswith("_profile")]
+    docs = [d for n, d in runs.items() if n.startswith("bench_distributed") and not n.endswith("_profile")
+            and d["data"]["steps"][0]["world"] > 1]  # (one rank communicates nothing: no target row)
     if not docs:
         return ["(not run)"]
     lines = ["| recipe | layout | bytes vs bf16 comm (<= 0.55) | step vs bf16 (>= 1.25) | step vs fp8 with bf16 comm "

@@ -75,6 +75,21 @@ def test_profile_summary():
     assert bf16["vs_bf16"] == bf16["fusion_bound_vs_bf16"] == 1.0
 
 
+def test_distributed_targets_skip_one_rank_runs():
+    """issue 68's target rows come from runs over several ranks: one rank communicates nothing."""
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import report
+
+    def run(world):
+        step = dict(layout="ep", world=world, step_ms=1.0, vs_bf16=1.0, vs_fp8=1.0, comm_bytes_vs_bf16_comm=0.5)
+        return dict(commit="abc", device="GPU", data=dict(shape=dict(recipe="fp8_blockwise"), steps=[
+            dict(step, variant="bf16"), dict(step, variant="fp8"), dict(step, variant="fp8_comm")]))
+
+    assert report.distributed_table({"bench_distributed_blockwise_x1": run(1)}) == ["(not run)"]
+    rows = report.distributed_table({"bench_distributed_blockwise_x1": run(1), "bench_distributed_blockwise_x2": run(2)})
+    assert len(rows) == 3 and "2× GPU" in rows[2] and "1×" not in "".join(rows)
+
+
 def test_results_md_is_generated():
     out = subprocess.run([sys.executable, "bench/report.py", "--check"], cwd=ROOT, capture_output=True, text=True)
     assert out.returncode == 0, out.stdout + out.stderr
