@@ -400,6 +400,27 @@ def test_converters_swap_the_dispatchers_of_converted_experts():
             moe(torch.randn(2, 8, 128, dtype=torch.bfloat16))
 
 
+def test_fp8_dispatch_refused_up_front_where_the_recipe_pads_groups(monkeypatch):
+    """fp8 rows reach the experts unpadded: where the recipe pads token groups on the GPU
+    (fp8_rowwise on ROCm, made to look so here) every converter refuses at once."""
+    tt = pytest.importorskip("moe_fp8_ext.integrations.torchtitan")
+    moe = tt.build_moe(64, 128, 4)
+    with monkeypatch.context() as m:
+        m.setattr(torch.cuda, "is_available", lambda: True)
+        m.setattr(torch.version, "hip", "6.4")
+        m.setattr(recipes.Fp8Rowwise, "backend", lambda self, device: "fp8_gemm")
+        for make in (lambda: tt.convert(moe, recipe="fp8_rowwise", fp8_dispatch=True),
+                     lambda: tt.ExpertsConverter.Config(recipe="fp8_rowwise", fp8_dispatch=True).build(),
+                     lambda: tt.Fp8AllToAllTokenDispatcher(tt.Fp8AllToAllTokenDispatcher.Config(
+                         num_experts=4, top_k=2, recipe="fp8_rowwise"))):
+            with pytest.raises(NotImplementedError, match="pads token groups on this GPU"):
+                make()
+        assert not hasattr(moe.routed_experts.inner_experts, "moe_fp8_recipe")  # (nothing converted)
+    assert tt.convert(moe, recipe="fp8_rowwise", fp8_dispatch=True) == 1  # (not padding here)
+    assert moe.routed_experts.inner_experts.moe_fp8_recipe.name == "fp8_rowwise"
+    assert type(moe.routed_experts.token_dispatcher) is tt.Fp8AllToAllTokenDispatcher
+
+
 def _moe_config():
     import torchtitan.models.common.moe as tt_moe
     from torchtitan.models.common.linear import Linear

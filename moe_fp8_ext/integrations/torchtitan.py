@@ -383,12 +383,22 @@ def _restore_dispatcher(d) -> None:
     d.__dict__.pop("recipe", None)
 
 
+def _check_fp8_dispatch(recipe: Recipe, where: str) -> None:
+    """fp8_dispatch's recipe: fp8 and, on this machine's GPU, taking token groups unpadded
+    (the dispatched rows cannot be padded after the fact)."""
+    _check_recipe(recipe, where)
+    backend = recipe.backend(torch.device("cuda")) if torch.cuda.is_available() else None
+    if backend and recipe.alignment > 1 and recipe.pads_token_groups(backend):
+        raise NotImplementedError(f"{where}: recipe {recipe.name!r} pads token groups on this GPU ({backend}), and "
+                                  "fp8_dispatch sends them unpadded: convert without fp8_dispatch")
+
+
 def _dispatchers(model: torch.nn.Module, recipe: Recipe, fp8: bool):
     """The token dispatchers of ``model``'s MoE layers whose experts are converted that
     become ours: torchtitan's all-to-all or local one (or already ours); any other is
     kept, or with ``fp8`` (an fp8 dispatch with ``recipe``) an error."""
     if fp8:
-        _check_recipe(recipe, "convert")
+        _check_fp8_dispatch(recipe, "convert")
     found = []
     for fqn, m in model.named_modules():
         d = getattr(m, "token_dispatcher", None)
@@ -448,7 +458,7 @@ class ExpertsConverter(QuantizationConverter):
         self.config = config
         recipe = get_recipe(config.recipe, "ExpertsConverter")  # (an unknown name fails here, not at build)
         if config.fp8_dispatch:
-            _check_recipe(recipe, "ExpertsConverter")
+            _check_fp8_dispatch(recipe, "ExpertsConverter")
             if config.torchtitan_dispatcher:
                 raise ValueError("ExpertsConverter: fp8_dispatch sends the tokens through our dispatcher; expected "
                                  "torchtitan_dispatcher=False with it")
@@ -567,7 +577,7 @@ class Fp8AllToAllTokenDispatcher(OnePassTokenDispatcher):
     def __init__(self, config: Config):
         super().__init__(config)
         self.recipe = get_recipe(config.recipe, "Fp8AllToAllTokenDispatcher")
-        _check_recipe(self.recipe, "Fp8AllToAllTokenDispatcher")
+        _check_fp8_dispatch(self.recipe, "Fp8AllToAllTokenDispatcher")
 
     def dispatch(self, x_TD, topk_scores_TK, topk_expert_ids_TK, num_local_tokens_per_expert_E):
         token_idx, scores = _routed_order(topk_scores_TK, topk_expert_ids_TK, self.top_k)
