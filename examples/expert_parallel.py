@@ -11,7 +11,7 @@ the rank that owns the expert (torch.distributed all-to-all), reorder the rows t
 arrive rank-major into padded expert-major groups (``permute_and_pad``), run the
 experts' SwiGLU FFN (``moe_fp8_ext.experts``), undo the reordering (``unpermute``),
 send the rows back and combine them with the routing weights (``moe_fp8_ext.dispatch``'s
-``gather`` and ``combine``: one pass each way, no sort). With ``--fp8-dispatch``
+``gather`` and ``combine``: one pass over the rows each way). With ``--fp8-dispatch``
 the rows travel as the first GEMM's fp8 operand (``moe_fp8_ext.dispatch``: each token
 quantized once, about half the bytes); the combine stays bf16.
 
